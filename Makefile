@@ -1,0 +1,38 @@
+# diffpipe: `make demo` runs the whole workflow on the embedded tiny model and
+# demo dataset; `make test` runs the test suite. Both create .venv on first use.
+#
+# Override the torch build for your CUDA version, e.g.
+#   make demo TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.diffpipe-installed
+
+.PHONY: venv demo test lint schema clean-demo
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml constraints.txt Makefile
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet $(TORCH_SPEC)
+	# Pin exactly the torch that is now installed, so nothing pulls another build.
+	$(BIN)/python -m pip freeze | grep -i '^torch==' > $(VENV)/torch-constraint.txt
+	$(BIN)/python -m pip install --quiet -c constraints.txt -c $(VENV)/torch-constraint.txt -e ".[dev]"
+	touch $(STAMP)
+
+demo: venv
+	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/diffpipe run --config config/demo.yaml
+
+test: venv
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+
+lint: venv
+	$(BIN)/ruff check diffpipe tests benchmarks
+
+schema: venv
+	$(BIN)/diffpipe schema > workflow/schemas/config.schema.json
+
+clean-demo:
+	rm -rf runs/demo .snakemake
