@@ -1,0 +1,3 @@
+from diffpipe.cli import main
+
+main()

@@ -1,0 +1,145 @@
+"""Output locations shared by the Snakemake rules, the CLI and the tests.
+
+Every path of a run lives under ``output_dir``. Templates keep Snakemake
+wildcards (``{shard}``) so rules and code use the same strings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+SNAKEFILE = REPO_ROOT / "Snakefile"
+SCHEMA_FILE = REPO_ROOT / "workflow" / "schemas" / "config.schema.json"
+
+# Relative templates (joined onto output_dir).
+MANIFEST = "validate/manifest.parquet"
+REPORT_JSON = "validate/report.json"
+REPORT_HTML = "validate/report.html"
+PLAN_DIR = "plan"
+PLAN_SUMMARY = "plan/plan.json"
+LATENT_SPEC = "plan/latents/{shard}.json"
+TEXT_SPEC = "plan/text/{shard}.json"
+LATENT_SHARD = "cache/latents/{shard}.zarr"
+TEXT_SHARD = "cache/text/{shard}.arrow"
+TEXT_EMPTY = "cache/text/empty.arrow"
+TRAIN_DIR = "train"
+ADAPTER_DIR = "train/adapter"
+ADAPTER_FILE = "train/adapter/adapter_model.safetensors"
+METRICS = "train/metrics.jsonl"
+TENSORBOARD = "train/tensorboard"
+CHECKPOINTS = "train/checkpoints"
+EPOCH_LORAS = "train/loras"
+EXPORT_DIR = "export"
+EXPORT_DIFFUSERS = "export/pytorch_lora_weights.safetensors"
+SAMPLES_DIR = "samples"
+SAMPLE_GRID = "samples/grid.png"
+LOGS = "logs"
+BENCHMARKS = "benchmarks"
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Concrete paths of one run, rooted at ``root`` (the config's output_dir)."""
+
+    root: Path
+
+    def __init__(self, root: str | Path):
+        object.__setattr__(self, "root", Path(root))
+
+    def _p(self, rel: str, **kw: str) -> Path:
+        return self.root / rel.format(**kw)
+
+    @property
+    def manifest(self) -> Path:
+        return self._p(MANIFEST)
+
+    @property
+    def report_json(self) -> Path:
+        return self._p(REPORT_JSON)
+
+    @property
+    def report_html(self) -> Path:
+        return self._p(REPORT_HTML)
+
+    @property
+    def plan_dir(self) -> Path:
+        return self._p(PLAN_DIR)
+
+    @property
+    def plan_summary(self) -> Path:
+        return self._p(PLAN_SUMMARY)
+
+    def latent_spec(self, shard: str) -> Path:
+        return self._p(LATENT_SPEC, shard=shard)
+
+    def text_spec(self, shard: str) -> Path:
+        return self._p(TEXT_SPEC, shard=shard)
+
+    def latent_shard(self, shard: str) -> Path:
+        return self._p(LATENT_SHARD, shard=shard)
+
+    def text_shard(self, shard: str) -> Path:
+        return self._p(TEXT_SHARD, shard=shard)
+
+    @property
+    def text_empty(self) -> Path:
+        return self._p(TEXT_EMPTY)
+
+    @property
+    def train_dir(self) -> Path:
+        return self._p(TRAIN_DIR)
+
+    @property
+    def adapter_dir(self) -> Path:
+        return self._p(ADAPTER_DIR)
+
+    @property
+    def adapter_file(self) -> Path:
+        return self._p(ADAPTER_FILE)
+
+    @property
+    def metrics(self) -> Path:
+        return self._p(METRICS)
+
+    @property
+    def tensorboard(self) -> Path:
+        return self._p(TENSORBOARD)
+
+    @property
+    def checkpoints(self) -> Path:
+        return self._p(CHECKPOINTS)
+
+    @property
+    def epoch_loras(self) -> Path:
+        return self._p(EPOCH_LORAS)
+
+    @property
+    def export_dir(self) -> Path:
+        return self._p(EXPORT_DIR)
+
+    @property
+    def export_diffusers(self) -> Path:
+        return self._p(EXPORT_DIFFUSERS)
+
+    @property
+    def samples_dir(self) -> Path:
+        return self._p(SAMPLES_DIR)
+
+    @property
+    def sample_grid(self) -> Path:
+        return self._p(SAMPLE_GRID)
+
+    @property
+    def benchmarks(self) -> Path:
+        return self._p(BENCHMARKS)
+
+    def shard_names(self, kind: str = "latents") -> list[str]:
+        """Shard names the plan wrote (sorted), read from its spec files."""
+        folder = self.plan_dir / kind
+        return sorted(p.stem for p in folder.glob("*.json"))
+
+
+def shard_name(index: int) -> str:
+    return f"s{index:04d}"
