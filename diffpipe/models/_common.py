@@ -1,0 +1,217 @@
+"""Helpers the model families share: seeded tiny builds, identities, tensor layout.
+
+Identities are content hashes that go into cache keys. A component's identity
+is ``digest`` of its class, its config (private and version keys dropped) and a
+fingerprint of its weights. The fingerprint is defined on tensors, not on file
+bytes: the sorted set of per-tensor hashes (dtype, shape, raw bytes). So the
+tiny flavor's in-memory weights and the same weights saved as safetensors
+hash alike, and tied weights (stored once on disk, twice in a state dict)
+count once. For a local folder the per-tensor hashes of each weight file are
+memoised in ``<cache>/weight-fingerprints.json`` keyed by path, size and
+mtime_ns, so a 10 GB folder is read once.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerBase
+
+from diffpipe.models.tokenizers import cache_root
+from diffpipe.utils import digest, sha256_file, stable_json, write_text_atomic
+
+# Keys that change with the library version or the save location, not the model.
+_VOLATILE_CONFIG_KEYS = {"transformers_version", "architectures", "dtype", "torch_dtype"}
+_WEIGHT_FILE = re.compile(r"^(diffusion_pytorch_model|model)(-\d+-of-\d+)?\.(safetensors|bin)$")
+
+
+# -- tiny builds -------------------------------------------------------------
+def component_seed(seed: int, component: str) -> int:
+    """A per-component seed, so components never share a random stream."""
+    return int(digest([seed, component])[:15], 16)
+
+
+@contextmanager
+def seeded(seed: int, component: str) -> Iterator[None]:
+    """Run a block under a fixed CPU seed without disturbing the caller's RNG."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(component_seed(seed, component))
+        yield
+
+
+TINY_CLIP = {
+    "hidden_size": 32,
+    "intermediate_size": 37,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 5,
+    "projection_dim": 32,
+}
+
+
+def tiny_clip_text_encoder(
+    tokenizer: PreTrainedTokenizerBase, seed: int, component: str
+) -> CLIPTextModel:
+    """The tiny CLIP text encoder; vocabulary, length and special ids match ``tokenizer``."""
+    config = CLIPTextConfig(
+        **TINY_CLIP,
+        vocab_size=len(tokenizer),
+        max_position_embeddings=tokenizer.model_max_length,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with seeded(seed, component):
+        return CLIPTextModel(config).eval()
+
+
+# -- identities --------------------------------------------------------------
+def clean_config(config: Mapping[str, Any]) -> dict[str, Any]:
+    """A config without private (``_*``) and version keys, JSON-normalised."""
+    kept = {
+        k: v for k, v in config.items() if not k.startswith("_") and k not in _VOLATILE_CONFIG_KEYS
+    }
+    return json.loads(stable_json(kept))
+
+
+def _tensor_hash(t: torch.Tensor) -> str:
+    h = hashlib.sha256(f"{t.dtype}|{tuple(t.shape)}|".encode())
+    h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+
+def _combine(tensor_hashes: Iterable[str]) -> str:
+    return digest(sorted(set(tensor_hashes)))
+
+
+def module_fingerprint(module: torch.nn.Module) -> str:
+    """Fingerprint of a module's state-dict tensors (see module docstring)."""
+    return _combine(_tensor_hash(t) for t in module.state_dict().values())
+
+
+def weight_files(folder: str | Path) -> list[Path]:
+    """The weight files ``from_pretrained`` reads in a component folder.
+
+    Safetensors when present (as the loaders prefer), else ``.bin``; variant
+    files such as ``*.fp16.safetensors`` are not what a plain load reads.
+    """
+    files = sorted(p for p in Path(folder).iterdir() if _WEIGHT_FILE.match(p.name))
+    safe = [p for p in files if p.suffix == ".safetensors"]
+    chosen = safe or files
+    if not chosen:
+        raise FileNotFoundError(
+            f"no weight file (diffusion_pytorch_model*.safetensors or model*.safetensors) in {folder}"
+        )
+    return chosen
+
+
+def _file_tensor_hashes(path: Path) -> list[str]:
+    if path.suffix != ".safetensors":
+        # Pickled checkpoints are not read tensor by tensor: hash the bytes.
+        return [sha256_file(path)]
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return sorted({_tensor_hash(f.get_tensor(name)) for name in f.keys()})
+
+
+def _memo_path() -> Path:
+    return cache_root() / "weight-fingerprints.json"
+
+
+def _read_memo() -> dict[str, list[str]]:
+    try:
+        return json.loads(_memo_path().read_text())
+    except (FileNotFoundError, json.JSONDecodeError):
+        return {}
+
+
+def folder_fingerprint(folder: str | Path) -> str:
+    """Fingerprint of a component folder's weight files, memoised on disk."""
+    memo = _read_memo()
+    hashes: list[str] = []
+    changed = False
+    for path in weight_files(folder):
+        stat = path.stat()
+        key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
+        if key not in memo:
+            memo[key] = _file_tensor_hashes(path)
+            changed = True
+        hashes += memo[key]
+    if changed:
+        # Re-read so entries written by a concurrent process are kept.
+        write_text_atomic(_memo_path(), stable_json({**_read_memo(), **memo}))
+    return _combine(hashes)
+
+
+# Process-wide memo of tiny-flavor identities: building a component to hash it
+# is cheap but not free, and every cache job asks.
+_TINY_IDENTITIES: dict[tuple, str] = {}
+
+
+def memo_identity(key: tuple, build: Callable[[], str]) -> str:
+    """``build()`` once per process per ``key`` (tiny flavors only: they cannot change)."""
+    if key not in _TINY_IDENTITIES:
+        _TINY_IDENTITIES[key] = build()
+    return _TINY_IDENTITIES[key]
+
+
+def identity(kind: str, config: Mapping[str, Any], weights: str) -> dict[str, Any]:
+    """One component's identity record (class, cleaned config, weight fingerprint)."""
+    return {"class": kind, "config": clean_config(config), "weights": weights}
+
+
+def module_identity(module: torch.nn.Module) -> dict[str, Any]:
+    """Identity record of an in-memory diffusers or transformers model."""
+    config = module.config
+    config = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    return identity(type(module).__name__, config, module_fingerprint(module))
+
+
+def diffusers_folder_identity(cls: type, path: str, subfolder: str) -> dict[str, Any]:
+    """Identity of a diffusers model folder, without loading the model."""
+    config = cls.load_config(path, subfolder=subfolder)
+    return identity(cls.__name__, config, folder_fingerprint(Path(path) / subfolder))
+
+
+def transformers_folder_identity(model_cls: type, config_cls: type, path: str, subfolder: str):
+    """Identity of a transformers model folder, without loading the weights."""
+    config = config_cls.from_pretrained(path, subfolder=subfolder).to_dict()
+    return identity(model_cls.__name__, config, folder_fingerprint(Path(path) / subfolder))
+
+
+# -- tensors -----------------------------------------------------------------
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The module inside a DeepSpeed engine (or DDP); the model itself otherwise."""
+    return getattr(model, "module", model)
+
+
+def param_dtype(model: torch.nn.Module) -> torch.dtype:
+    return next(model.parameters()).dtype
+
+
+def frames_to_batch(pixels: torch.Tensor) -> torch.Tensor:
+    """``[B,C,F,H,W]`` -> ``[B*F,C,H,W]`` for image VAEs (frame-major per sample)."""
+    b, c, f, h, w = pixels.shape
+    return pixels.permute(0, 2, 1, 3, 4).reshape(b * f, c, h, w)
+
+
+def batch_to_frames(x: torch.Tensor, frames: int) -> torch.Tensor:
+    """Inverse of ``frames_to_batch``: ``[B*F,C,h,w]`` -> ``[B,C,F,h,w]``."""
+    bf, c, h, w = x.shape
+    return x.reshape(bf // frames, frames, c, h, w).permute(0, 2, 1, 3, 4)
+
+
+def single_frame(latents: torch.Tensor, family: str) -> torch.Tensor:
+    """``[B,C,1,h,w]`` -> ``[B,C,h,w]``; image families train on single frames."""
+    if latents.ndim != 5 or latents.shape[2] != 1:
+        raise ValueError(
+            f"family {family!r} trains on images: latents must be [B,C,1,h,w], got {tuple(latents.shape)}"
+        )
+    return latents[:, :, 0]

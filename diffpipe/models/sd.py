@@ -1,0 +1,287 @@
+"""Family ``sd``: SD-style UNet, DDPM noise schedule, one CLIP text encoder.
+
+Components and names follow ``StableDiffusionPipeline``: ``vae``
+(AutoencoderKL), ``text_encoder`` (CLIPTextModel) + ``tokenizer``, ``unet``
+(UNet2DConditionModel), ``scheduler``. Training draws integer DDPM steps
+uniformly and predicts epsilon or v; sampling uses DDIM on the same betas.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    DDIMScheduler,
+    DDPMScheduler,
+    StableDiffusionPipeline,
+    UNet2DConditionModel,
+)
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+from diffpipe.models import _common as common
+from diffpipe.models.base import Family, register
+from diffpipe.models.tokenizers import clip_tokenizer, tokenizer_fingerprint
+from diffpipe.training import objectives as obj
+from diffpipe.utils import digest
+
+# -- tiny flavor configs (FIELD_NOTES) ---------------------------------------
+TINY_UNET = {
+    "block_out_channels": (32, 64),
+    "layers_per_block": 2,
+    "sample_size": 32,
+    "in_channels": 4,
+    "out_channels": 4,
+    "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
+    "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
+    "cross_attention_dim": 32,
+}
+TINY_VAE = {
+    "block_out_channels": (32, 64),
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ("DownEncoderBlock2D", "DownEncoderBlock2D"),
+    "up_block_types": ("UpDecoderBlock2D", "UpDecoderBlock2D"),
+    "latent_channels": 4,
+    "sample_size": 64,
+}
+# The Stable Diffusion 1.x training schedule.
+TINY_SCHEDULER = {
+    "num_train_timesteps": 1000,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "prediction_type": "epsilon",
+    "clip_sample": False,
+    "set_alpha_to_one": False,
+    "steps_offset": 1,
+}
+
+
+@dataclass
+class SDTextEncoders:
+    """What ``encode_text`` needs: the CLIP tokenizer and text encoder."""
+
+    tokenizer: CLIPTokenizer
+    text_encoder: CLIPTextModel
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> SDTextEncoders:
+        self.text_encoder.to(device=device, dtype=dtype)
+        return self
+
+
+@register
+class SDFamily(Family):
+    name = "sd"
+    denoiser_name = "unet"
+    # Attention projections are the usual SD LoRA targets. On the tiny UNet
+    # they are a small share of the network (one cross-attention block each
+    # way), so alone they barely move the loss; the ResNet convolutions and
+    # the time-embedding projections (LoCon-style, supported by PEFT and by
+    # diffusers' LoRA loader) let it learn noticeably within a few steps.
+    default_lora_targets: ClassVar[list[str]] = [
+        "to_k",
+        "to_q",
+        "to_v",
+        "to_out.0",
+        "proj_in",
+        "proj_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "conv1",
+        "conv2",
+        "time_emb_proj",
+    ]
+
+    # -- configs (read once per instance: local ones live on disk) -------------
+    @cached_property
+    def _vae_config(self) -> dict[str, Any]:
+        if self.cfg.flavor == "tiny":
+            return dict(TINY_VAE)
+        return dict(AutoencoderKL.load_config(self.cfg.path, subfolder="vae"))
+
+    @cached_property
+    def _unet_config(self) -> dict[str, Any]:
+        if self.cfg.flavor == "tiny":
+            return dict(TINY_UNET)
+        return dict(UNet2DConditionModel.load_config(self.cfg.path, subfolder="unet"))
+
+    @cached_property
+    def _scheduler_config(self) -> dict[str, Any]:
+        if self.cfg.flavor == "tiny":
+            config = dict(TINY_SCHEDULER)
+        else:
+            # Any scheduler's config (PNDM in SD 1.5 folders) carries the betas.
+            config = dict(DDIMScheduler.load_config(self.cfg.path, subfolder="scheduler"))
+        if self.cfg.prediction_type:
+            config["prediction_type"] = self.cfg.prediction_type
+        return config
+
+    @cached_property
+    def prediction_type(self) -> str:
+        """``epsilon`` or ``v_prediction``: the config's choice, else the scheduler's."""
+        return self._scheduler_config.get("prediction_type", "epsilon")
+
+    @property
+    def pixel_multiple(self) -> int:
+        # VAE downsampling x UNet downsampling, so every UNet level has whole pixels.
+        vae_factor = 2 ** (len(self._vae_config["block_out_channels"]) - 1)
+        unet_factor = 2 ** (len(self._unet_config["block_out_channels"]) - 1)
+        return vae_factor * unet_factor
+
+    # -- components ------------------------------------------------------------
+    def load_vae(self) -> AutoencoderKL:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, "sd.vae"):
+                return AutoencoderKL(**TINY_VAE).eval()
+        return AutoencoderKL.from_pretrained(self.cfg.path, subfolder="vae").eval()
+
+    def load_text_encoders(self) -> SDTextEncoders:
+        if self.cfg.flavor == "tiny":
+            tokenizer = clip_tokenizer()
+            encoder = common.tiny_clip_text_encoder(tokenizer, self.cfg.seed, "sd.text_encoder")
+            return SDTextEncoders(tokenizer, encoder)
+        tokenizer = CLIPTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
+        encoder = CLIPTextModel.from_pretrained(self.cfg.path, subfolder="text_encoder").eval()
+        return SDTextEncoders(tokenizer, encoder)
+
+    def load_denoiser(self) -> UNet2DConditionModel:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, "sd.unet"):
+                return UNet2DConditionModel(**TINY_UNET).eval()
+        return UNet2DConditionModel.from_pretrained(self.cfg.path, subfolder="unet").eval()
+
+    def noise_scheduler(self) -> DDPMScheduler:
+        """The training schedule (its ``alphas_cumprod`` noise the latents)."""
+        return DDPMScheduler.from_config(self._scheduler_config)
+
+    def inference_scheduler(self) -> DDIMScheduler:
+        """DDIM on the training betas, with the training prediction type."""
+        return DDIMScheduler.from_config(self._scheduler_config)
+
+    def load_pipeline(self) -> StableDiffusionPipeline:
+        encoders = self.load_text_encoders()
+        return StableDiffusionPipeline(
+            vae=self.load_vae(),
+            text_encoder=encoders.text_encoder,
+            tokenizer=encoders.tokenizer,
+            unet=self.load_denoiser(),
+            scheduler=self.inference_scheduler(),
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
+
+    @property
+    def pipeline_class(self) -> type:
+        return StableDiffusionPipeline
+
+    # -- identities ------------------------------------------------------------
+    def vae_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity(
+                (self.name, self.cfg.seed, "vae"),
+                lambda: digest(common.module_identity(self.load_vae())),
+            )
+        return digest(common.diffusers_folder_identity(AutoencoderKL, self.cfg.path, "vae"))
+
+    def text_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity(
+                (self.name, self.cfg.seed, "text"),
+                lambda: self._text_identity(self.load_text_encoders()),
+            )
+        tokenizer = CLIPTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
+        encoder = common.transformers_folder_identity(
+            CLIPTextModel, CLIPTextConfig, self.cfg.path, "text_encoder"
+        )
+        return digest({"tokenizer": tokenizer_fingerprint(tokenizer), "text_encoder": encoder})
+
+    @staticmethod
+    def _text_identity(encoders: SDTextEncoders) -> str:
+        return digest(
+            {
+                "tokenizer": tokenizer_fingerprint(encoders.tokenizer),
+                "text_encoder": common.module_identity(encoders.text_encoder),
+            }
+        )
+
+    # -- encoding --------------------------------------------------------------
+    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        frames = pixels.shape[2]
+        param = next(vae.parameters())
+        with torch.no_grad():
+            x = common.frames_to_batch(pixels).to(device=param.device, dtype=param.dtype)
+            latents = vae.encode(x).latent_dist.mode()
+        # StableDiffusionPipeline decodes ``latents / scaling_factor``.
+        latents = latents.float() * vae.config.scaling_factor
+        return common.batch_to_frames(latents, frames)
+
+    def encode_text(self, encoders: SDTextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
+        tok, encoder = encoders.tokenizer, encoders.text_encoder
+        # Exactly StableDiffusionPipeline.encode_prompt (no clip_skip).
+        ids = tok(
+            captions,
+            padding="max_length",
+            max_length=tok.model_max_length,
+            truncation=True,
+            return_tensors="pt",
+        )
+        device = next(encoder.parameters()).device
+        mask = None
+        if getattr(encoder.config, "use_attention_mask", False):
+            mask = ids.attention_mask.to(device)
+        with torch.no_grad():
+            embeds = encoder(ids.input_ids.to(device), attention_mask=mask)[0]
+        return {"prompt_embeds": embeds.float()}
+
+    def token_limits(self, encoders: SDTextEncoders) -> dict[str, int]:
+        return {"clip": encoders.tokenizer.model_max_length}
+
+    def count_tokens(self, encoders: SDTextEncoders, captions: list[str]) -> dict[str, list[int]]:
+        ids = encoders.tokenizer(list(captions)).input_ids
+        return {"clip": [len(x) for x in ids]}
+
+    # -- training ----------------------------------------------------------------
+    def loss(
+        self,
+        denoiser: torch.nn.Module,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        x0 = common.single_frame(latents, self.name).float()
+        device, b = x0.device, x0.shape[0]
+        # Draw order is fixed (t, then noise) so a seeded generator replays a run.
+        if t is None:
+            t = obj.sample_uniform(b, generator, device=generator.device)
+        if noise is None:
+            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
+        elif noise.ndim == 5:  # given like the latents, [B,C,1,h,w]
+            noise = common.single_frame(noise, self.name)
+        t, noise = t.to(device), noise.to(device).float()
+
+        schedule = self._alphas_cumprod
+        steps = obj.ddpm_timesteps(t, len(schedule))
+        noisy = obj.ddpm_add_noise(x0, noise, schedule, steps)
+        target = obj.ddpm_target(x0, noise, schedule, steps, self.prediction_type)
+
+        dtype = common.param_dtype(denoiser)
+        pred = denoiser(
+            noisy.to(dtype),
+            steps,
+            encoder_hidden_states=text["prompt_embeds"].to(device=device, dtype=dtype),
+            return_dict=False,
+        )[0]
+        return obj.per_sample_mse(pred, target)
+
+    @cached_property
+    def _alphas_cumprod(self) -> torch.Tensor:
+        # Built once: loss() runs every step.
+        return self.noise_scheduler().alphas_cumprod.clone()
