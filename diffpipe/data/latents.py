@@ -1,0 +1,211 @@
+"""Latent cache shards: one Zarr v3 group per shard, one array per bucket.
+
+Layout of ``<shard>.zarr``::
+
+    zarr.json                 group attrs: format, version, dtype, identity,
+                              checksum (sha256 over every array's bytes)
+    1x64x64/                  array [N, C, F, h, w] for pixel bucket F x H x W
+        attrs: bucket, ids, keys, dtype
+
+bfloat16 is stored as its raw uint16 bits (Zarr has no bf16 dtype) with
+``{"dtype": "bfloat16"}`` in the attrs, so the round trip is bit-exact.
+Chunks hold a block of whole rows, so a batch or a whole bucket is a few reads.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import zarr
+
+from diffpipe.utils import atomic_path, stable_json
+
+FORMAT = "diffpipe-latents"
+VERSION = 1
+DTYPES = ("float32", "bfloat16")
+#: Target bytes per chunk; a chunk holds whole rows.
+CHUNK_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class LatentEntry:
+    """One encoded item: its id, cache key, pixel bucket ``(F, H, W)`` and latents ``[C, F, h, w]``."""
+
+    id: str
+    key: str
+    bucket: tuple[int, int, int]
+    latents: torch.Tensor
+
+
+def bucket_name(bucket: tuple[int, int, int] | list[int]) -> str:
+    """Array name of a pixel bucket: ``"FxHxW"``."""
+    return "x".join(str(int(v)) for v in bucket)
+
+
+def to_storage(t: torch.Tensor, dtype: str) -> np.ndarray:
+    """Tensor -> numpy array in the storage dtype (bf16 as uint16 bits)."""
+    if dtype == "bfloat16":
+        return (
+            t.detach()
+            .cpu()
+            .to(torch.bfloat16)
+            .contiguous()
+            .view(torch.int16)
+            .numpy()
+            .view(np.uint16)
+        )
+    if dtype == "float32":
+        return t.detach().cpu().to(torch.float32).contiguous().numpy()
+    raise ValueError(f"unsupported cache dtype {dtype!r}; use one of {DTYPES}")
+
+
+def from_storage(arr: np.ndarray, dtype: str) -> np.ndarray:
+    """Stored array -> float32 numpy (bf16 bits widened exactly)."""
+    if dtype == "bfloat16":
+        return (arr.astype(np.uint32) << 16).view(np.float32)
+    return np.asarray(arr, dtype=np.float32)
+
+
+def storage_to_tensor(arr: np.ndarray, dtype: str) -> torch.Tensor:
+    """Stored array -> tensor in its compute dtype (bf16 stays bf16: half the memory)."""
+    if not arr.flags.writeable:  # memory-mapped or zarr-owned buffers: torch needs its own
+        arr = arr.copy()
+    if dtype == "bfloat16":
+        return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+
+
+def _checksum(arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> str:
+    h = hashlib.sha256()
+    for name in sorted(arrays):
+        a = np.ascontiguousarray(arrays[name])
+        h.update(stable_json([name, list(a.shape), a.dtype.str, meta[name]]).encode())
+        h.update(memoryview(a).cast("B"))
+    return h.hexdigest()
+
+
+def write_latent_shard(
+    out_path: str | Path,
+    entries: Iterable[LatentEntry],
+    *,
+    dtype: str = "float32",
+    attrs: dict[str, Any] | None = None,
+) -> dict[str, int]:
+    """Write a shard atomically; returns the item count per array.
+
+    ``attrs`` (e.g. the VAE identity) are stored in the group attributes.
+    Items inside an array are sorted by id, so equal inputs give equal files.
+    """
+    groups: dict[str, list[LatentEntry]] = {}
+    for e in entries:
+        groups.setdefault(bucket_name(e.bucket), []).append(e)
+    arrays: dict[str, np.ndarray] = {}
+    meta: dict[str, dict[str, Any]] = {}
+    for name, items in sorted(groups.items()):
+        items.sort(key=lambda e: e.id)
+        shapes = {tuple(e.latents.shape) for e in items}
+        if len(shapes) != 1:
+            raise ValueError(
+                f"latent shard {out_path}: bucket {name} mixes shapes {sorted(shapes)}"
+            )
+        arrays[name] = to_storage(torch.stack([e.latents for e in items]), dtype)
+        meta[name] = {
+            "bucket": list(items[0].bucket),
+            "ids": [e.id for e in items],
+            "keys": [e.key for e in items],
+            "dtype": dtype,
+        }
+    group_attrs = {
+        **(attrs or {}),
+        "format": FORMAT,
+        "version": VERSION,
+        "dtype": dtype,
+        "checksum": _checksum(arrays, meta),
+    }
+    with atomic_path(out_path, is_dir=True) as tmp:
+        group = zarr.open_group(str(tmp), mode="w", zarr_format=3)
+        for name, data in arrays.items():
+            row_bytes = max(1, data[0].nbytes)
+            rows = max(1, min(len(data), CHUNK_BYTES // row_bytes))
+            arr = group.create_array(
+                name,
+                shape=data.shape,
+                chunks=(rows, *data.shape[1:]),
+                dtype=data.dtype,
+                # Latents are near-incompressible noise; compression only costs time.
+                compressors=None,
+                attributes=meta[name],
+            )
+            arr[...] = data
+        # The checksum goes in last, so a reader never sees it without the data.
+        group.attrs.update(group_attrs)
+    return {name: len(a) for name, a in arrays.items()}
+
+
+class LatentShard:
+    """Read side of a latent shard; ``load()`` reads each array in one call."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        if not (self.path / "zarr.json").is_file():
+            raise ValueError(f"latent shard {self.path} is missing; run the cache step for it")
+        try:
+            with warnings.catch_warnings():
+                # Snakemake drops a `.snakemake_timestamp` file into directory outputs.
+                warnings.filterwarnings("ignore", message=".*snakemake_timestamp.*")
+                self.group = zarr.open_group(str(self.path), mode="r")
+            self.attrs: dict[str, Any] = dict(self.group.attrs)
+        except Exception as err:  # zarr raises many types for a damaged store
+            raise ValueError(f"latent shard {self.path} cannot be opened: {err}") from err
+        if self.attrs.get("format") != FORMAT:
+            raise ValueError(
+                f"latent shard {self.path} is not a diffpipe latent shard (no format attr)"
+            )
+        self.dtype: str = self.attrs["dtype"]
+        self.meta: dict[str, dict[str, Any]] = {
+            name: dict(self.group[name].attrs) for name in sorted(self.group.array_keys())
+        }
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.meta)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.group[name].shape)
+
+    def read_raw(self, name: str) -> np.ndarray:
+        """The stored array (uint16 bits for bf16)."""
+        try:
+            return self.group[name][...]
+        except Exception as err:
+            raise ValueError(
+                f"latent shard {self.path}: array {name} cannot be read: {err}"
+            ) from err
+
+    def read(self, name: str) -> np.ndarray:
+        """Array ``name`` as float32 ``[N, C, F, h, w]``."""
+        return from_storage(self.read_raw(name), self.dtype)
+
+    def load(self) -> dict[str, np.ndarray]:
+        """Every array in storage form, checked against the shard checksum."""
+        arrays = {name: self.read_raw(name) for name in self.names}
+        self._check(arrays)
+        return arrays
+
+    def verify(self) -> bool:
+        """Recompute the checksum; raises ValueError naming the shard on mismatch."""
+        self.load()
+        return True
+
+    def _check(self, arrays: dict[str, np.ndarray]) -> None:
+        if _checksum(arrays, self.meta) != self.attrs.get("checksum"):
+            raise ValueError(
+                f"latent shard {self.path} is corrupt (checksum mismatch); delete it and rerun its cache job"
+            )
