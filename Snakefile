@@ -1,0 +1,32 @@
+# diffpipe workflow. Run it through the CLI:
+#   diffpipe run --config config/demo.yaml
+# or with Snakemake directly (from the repository root):
+#   snakemake --configfile config/demo.yaml --profile profiles/default
+from snakemake.utils import validate as validate_config
+
+from diffpipe import paths
+from diffpipe import workflow as dw
+
+if not config:
+
+    configfile: "config/demo.yaml"
+
+
+validate_config(config, str(paths.SCHEMA_FILE))
+CFG = dw.load(config)
+RESOLVED = dw.write_resolved_config(CFG)
+
+
+include: "workflow/rules/common.smk"
+include: "workflow/rules/validate.smk"
+include: "workflow/rules/plan.smk"
+include: "workflow/rules/cache.smk"
+include: "workflow/rules/train.smk"
+include: "workflow/rules/export.smk"
+include: "workflow/rules/sample.smk"
+
+
+rule all:
+    input:
+        dw.final_targets(CFG),
+    default_target: True

@@ -1,0 +1,126 @@
+"""``diffpipe run``: drive the Snakemake workflow and summarise what happened."""
+
+from __future__ import annotations
+
+import csv
+import os
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+from diffpipe.config import load_config
+from diffpipe.paths import REPO_ROOT, SNAKEFILE, RunPaths
+
+DEFAULT_PROFILE = REPO_ROOT / "profiles" / "default"
+
+
+STAGES = ("validate", "plan", "cache_latents", "cache_text", "train", "export", "sample")
+
+
+@dataclass
+class RunSummary:
+    returncode: int
+    jobs: list[str]  # jobs that ran in this invocation, e.g. "cache_text/s0001"
+    stage_seconds: dict[str, float]
+    wall_seconds: float
+
+    @property
+    def jobs_ran(self) -> int:
+        return len(self.jobs)
+
+
+def snakemake_command(
+    config: Path,
+    *,
+    profile: Path | None,
+    cores: int | None,
+    dry_run: bool,
+    targets: list[str],
+    extra: list[str],
+    workdir: Path,
+) -> list[str]:
+    cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--directory", str(workdir),
+           "--configfile", str(config)]
+    if profile is not None:
+        cmd += ["--profile", str(profile)]
+    if cores is not None:
+        cmd += ["--cores", str(cores)]
+    elif profile is None:
+        cmd += ["--cores", "all"]
+    if dry_run:
+        cmd.append("--dry-run")
+    return cmd + list(extra) + list(targets)
+
+
+def run_workflow(
+    config: str | Path,
+    *,
+    profile: str | Path | None = DEFAULT_PROFILE,
+    cores: int | None = None,
+    dry_run: bool = False,
+    targets: list[str] = (),
+    extra: list[str] = (),
+    workdir: str | Path = ".",
+    console: Console | None = None,
+) -> RunSummary:
+    """Run Snakemake on ``config``; report jobs run, stage times and where outputs are."""
+    console = console or Console(stderr=True)
+    config = Path(config).resolve()
+    workdir = Path(workdir).resolve()
+    cfg = load_config(config)  # fail fast with our own error before Snakemake starts
+    run_paths = RunPaths(workdir / cfg.output_dir)
+    cmd = snakemake_command(config, profile=Path(profile) if profile else None, cores=cores, dry_run=dry_run,
+                            targets=list(targets), extra=list(extra), workdir=workdir)
+    # Rules call `diffpipe ...`: make sure it is this installation's.
+    env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    start = time.time()
+    rc = subprocess.call(cmd, env=env, cwd=workdir)
+    wall = time.time() - start
+    jobs, seconds = _benchmarks(run_paths.benchmarks, since=start)
+    summary = RunSummary(rc, jobs, seconds, wall)
+    if not dry_run:
+        _print_summary(console, summary, run_paths)
+    return summary
+
+
+def _benchmarks(folder: Path, since: float) -> tuple[list[str], dict[str, float]]:
+    """(jobs that ran since ``since``, seconds per stage) from Snakemake's benchmark files."""
+    jobs, seconds = [], {}
+    for f in sorted(folder.rglob("*.tsv")) if folder.exists() else []:
+        job = str(f.relative_to(folder)).removesuffix(".tsv")
+        stage = job.split("/")[0]
+        with open(f) as fh:
+            rows = list(csv.DictReader(fh, delimiter="\t"))
+        if rows:
+            seconds[stage] = seconds.get(stage, 0.0) + float(rows[-1]["s"])
+        if f.stat().st_mtime >= since:
+            jobs.append(job)
+    order = {s: i for i, s in enumerate(STAGES)}
+    seconds = dict(sorted(seconds.items(), key=lambda kv: order.get(kv[0], len(order))))
+    return sorted(jobs, key=lambda j: (order.get(j.split("/")[0], len(order)), j)), seconds
+
+
+def _print_summary(console: Console, s: RunSummary, p: RunPaths) -> None:
+    if s.returncode != 0:
+        console.print(f"[bold red]workflow failed[/] (Snakemake exit {s.returncode}); see the logs in {p.root / 'logs'}")
+        return
+    if s.jobs_ran == 0:
+        console.print("[bold green]Nothing to do:[/] 0 Snakemake jobs ran; every output is up to date.")
+    else:
+        console.print(f"[bold green]Done:[/] {s.jobs_ran} Snakemake jobs ran in {s.wall_seconds:.1f} s.")
+    table = Table(title="time per stage (last run of each job, summed over shards)")
+    table.add_column("stage")
+    table.add_column("seconds", justify="right")
+    for stage, sec in s.stage_seconds.items():
+        table.add_row(stage, f"{sec:.1f}")
+    console.print(table)
+    console.print(f"LoRA (diffusers):   {p.export_diffusers}")
+    console.print(f"sample images:      {p.samples_dir}  (grid: {p.sample_grid})")
+    console.print(f"TensorBoard logs:   {p.tensorboard}  (tensorboard --logdir {p.tensorboard})")
+    console.print(f"metrics, loss plot: {p.metrics}, {p.train_dir / 'loss.png'}")
+    console.print(f"validation report:  {p.report_html}")

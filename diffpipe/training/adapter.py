@@ -1,0 +1,101 @@
+"""LoRA adapters through PEFT: add to a denoiser, save and load in PEFT's format.
+
+A trained adapter is a folder in PEFT's own layout (``adapter_model.safetensors``
+with ``base_model.model.`` keys, plus ``adapter_config.json``), so it is already
+a valid PEFT artifact; exporters read it from there.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import peft
+import torch
+from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
+from safetensors.torch import load_file, save_file
+
+from diffpipe.config import LoraConfig
+from diffpipe.utils import atomic_path, stable_json
+
+PEFT_PREFIX = "base_model.model."
+WEIGHTS_NAME = "adapter_model.safetensors"
+CONFIG_NAME = "adapter_config.json"
+
+
+def peft_config(lcfg: LoraConfig, targets: list[str]) -> peft.LoraConfig:
+    """PEFT LoraConfig from ours. Alpha is independent of rank (scale = alpha / rank)."""
+    return peft.LoraConfig(
+        r=lcfg.rank,
+        lora_alpha=lcfg.alpha,
+        lora_dropout=lcfg.dropout,
+        target_modules=targets,
+        init_lora_weights="gaussian",
+    )
+
+
+def add_lora(denoiser: torch.nn.Module, config: peft.LoraConfig) -> list[torch.nn.Parameter]:
+    """Freeze the denoiser, inject the LoRA layers, return the trainable parameters."""
+    denoiser.requires_grad_(False)
+    denoiser.add_adapter(config)
+    params = [p for p in denoiser.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError(f"train.lora.targets {sorted(config.target_modules)} matched no module of the denoiser")
+    # Train the adapter in float32 even when frozen weights are lower precision.
+    for p in params:
+        p.data = p.data.float()
+    return params
+
+
+def lora_state_dict(denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapter's tensors (keys relative to the denoiser), float32 copies."""
+    sd = get_peft_model_state_dict(denoiser)
+    return {k: v.detach().to(torch.float32).contiguous().clone() for k, v in sd.items()}
+
+
+def config_dict(config: peft.LoraConfig) -> dict[str, Any]:
+    """JSON-safe ``LoraConfig.to_dict()`` (sets become sorted lists)."""
+    out = {}
+    for k, v in config.to_dict().items():
+        out[k] = sorted(v) if isinstance(v, set) else v
+    return out
+
+
+def save_adapter(
+    directory: str | Path,
+    state_dict: dict[str, torch.Tensor],
+    config: peft.LoraConfig,
+    metadata: dict[str, Any] | None = None,
+) -> Path:
+    """Write a PEFT adapter folder atomically; ``metadata`` goes into the safetensors header."""
+    directory = Path(directory)
+    header = {"format": "pt", "diffpipe": stable_json(metadata or {})}
+    with atomic_path(directory, is_dir=True) as tmp:
+        save_file({PEFT_PREFIX + k: v for k, v in state_dict.items()}, str(tmp / WEIGHTS_NAME), metadata=header)
+        (tmp / CONFIG_NAME).write_text(json.dumps(config_dict(config), indent=2, sort_keys=True))
+    return directory
+
+
+def load_adapter(directory: str | Path) -> tuple[dict[str, torch.Tensor], peft.LoraConfig]:
+    """Read an adapter folder written by ``save_adapter`` (or by PEFT)."""
+    directory = Path(directory)
+    weights, cfg_file = directory / WEIGHTS_NAME, directory / CONFIG_NAME
+    for f in (weights, cfg_file):
+        if not f.exists():
+            raise FileNotFoundError(f"adapter file missing: {f}")
+    raw = load_file(str(weights))
+    sd = {k.removeprefix(PEFT_PREFIX): v for k, v in raw.items()}
+    cfg = peft.LoraConfig(**{k: v for k, v in json.loads(cfg_file.read_text()).items() if k != "peft_type"})
+    return sd, cfg
+
+
+def apply_adapter(denoiser: torch.nn.Module, directory: str | Path) -> torch.nn.Module:
+    """Load a saved adapter into a fresh denoiser (for eval, export checks, resume)."""
+    sd, cfg = load_adapter(directory)
+    denoiser.add_adapter(cfg)
+    result = set_peft_model_state_dict(denoiser, sd)
+    unexpected = getattr(result, "unexpected_keys", None) or []
+    if unexpected:
+        raise ValueError(f"adapter {directory}: {len(unexpected)} keys match no module, e.g. {unexpected[:3]}")
+    return denoiser

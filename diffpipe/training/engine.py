@@ -1,0 +1,131 @@
+"""DeepSpeed in one place: process setup, config generation, engine, launcher.
+
+The rest of the code sees ``setup_distributed``, ``build_engine`` and
+``launch_local``. On a machine without CUDA the same code runs on CPU with
+the gloo backend (bf16 and fp32 work there; fp16 needs a GPU).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from diffpipe.config import TrainConfig
+
+_DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    world_size: int
+    local_rank: int
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def setup_distributed() -> DistInfo:
+    """Initialise torch.distributed through DeepSpeed (idempotent).
+
+    A single process gets the rendezvous variables filled in, so ``diffpipe
+    train`` needs no launcher; launched processes keep the ones they were given.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(
+            MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+        )
+    import deepspeed
+
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if not torch.distributed.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend)
+    info = DistInfo(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(info.local_rank)
+    return info
+
+
+def device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    return torch.device("cpu")
+
+
+def deepspeed_config(tc: TrainConfig, world_size: int) -> dict[str, Any]:
+    """DeepSpeed's JSON config, generated from ours (users never write it)."""
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": tc.batch_size,
+        "gradient_accumulation_steps": tc.grad_accum,
+        "train_batch_size": tc.batch_size * tc.grad_accum * world_size,
+        "bf16": {"enabled": tc.precision == "bf16"},
+        "zero_optimization": {"stage": tc.zero_stage},
+        "steps_per_print": 2**31 - 1,  # we log ourselves
+        "wall_clock_breakdown": False,
+    }
+    if tc.grad_clip > 0:
+        cfg["gradient_clipping"] = tc.grad_clip
+    return cfg
+
+
+def build_engine(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    tc: TrainConfig,
+    world_size: int,
+) -> Any:
+    """Wrap model + torch optimizer (+ LR scheduler) in a DeepSpeed engine.
+
+    A torch optimizer is handed over rather than DeepSpeed's fused ones, which
+    compile for minutes on first use and do not exist on CPU.
+    """
+    import deepspeed
+
+    engine, _, _, _ = deepspeed.initialize(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        config=deepspeed_config(tc, world_size),
+    )
+    return engine
+
+
+def launch_local(processes: int, argv: list[str]) -> int:
+    """Run ``python -m diffpipe <argv>`` as ``processes`` ranks on this machine.
+
+    Each child gets the rendezvous variables; the first failing rank's exit
+    code is returned and the others are stopped.
+    """
+    port = str(free_port())
+    procs = []
+    for rank in range(processes):
+        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=port, RANK=str(rank),
+                   WORLD_SIZE=str(processes), LOCAL_RANK=str(rank))
+        procs.append(subprocess.Popen([sys.executable, "-m", "diffpipe", *argv], env=env))
+    code = 0
+    for p in procs:
+        rc = p.wait()
+        if rc and not code:
+            code = rc
+            for other in procs:
+                if other.poll() is None:
+                    other.terminate()
+    return code
+
+
+def in_launched_rank() -> bool:
+    return all(k in os.environ for k in _DIST_ENV)

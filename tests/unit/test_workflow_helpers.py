@@ -1,0 +1,49 @@
+import os
+
+import pytest
+
+from diffpipe import workflow as dw
+from diffpipe.config import parse_config
+from diffpipe.training.engine import deepspeed_config
+
+
+def _cfg(tmp_path, **over):
+    data = {"output_dir": str(tmp_path / "out"), "datasets": [{"name": "d", "path": str(tmp_path)}], **over}
+    return parse_config(data)
+
+
+def test_stage_digest_tracks_only_the_stage_sections(tmp_path):
+    a = _cfg(tmp_path)
+    b = _cfg(tmp_path, sample={"prompts": ["something else"]})
+    assert dw.stage_digest(a, "sample") != dw.stage_digest(b, "sample")
+    for stage in ("validate", "plan", "cache", "train", "export"):
+        assert dw.stage_digest(a, stage) == dw.stage_digest(b, stage), stage
+    c = _cfg(tmp_path, train={"lr": 0.5})
+    assert dw.stage_digest(a, "train") != dw.stage_digest(c, "train")
+    assert dw.stage_digest(a, "cache") == dw.stage_digest(c, "cache")
+
+
+def test_resolved_config_rewritten_only_on_change(tmp_path):
+    cfg = _cfg(tmp_path)
+    path = dw.write_resolved_config(cfg)
+    os.utime(path, (1, 1))
+    dw.write_resolved_config(cfg)
+    assert os.stat(path).st_mtime == 1
+    dw.write_resolved_config(_cfg(tmp_path, train={"lr": 0.5}))
+    assert os.stat(path).st_mtime > 1
+
+
+def test_missing_dataset_folder_is_named(tmp_path):
+    cfg = parse_config({"datasets": [{"name": "d", "path": str(tmp_path / "nope")}]})
+    with pytest.raises(FileNotFoundError, match=r"datasets\[d\]\.path"):
+        dw.dataset_inputs(cfg)
+
+
+def test_deepspeed_config_from_ours(tmp_path):
+    tc = _cfg(tmp_path, train={"batch_size": 3, "grad_accum": 2, "precision": "bf16", "zero_stage": 2,
+                               "grad_clip": 0}).train
+    ds = deepspeed_config(tc, world_size=4)
+    assert ds["train_batch_size"] == 3 * 2 * 4
+    assert ds["bf16"] == {"enabled": True}
+    assert ds["zero_optimization"]["stage"] == 2
+    assert "gradient_clipping" not in ds

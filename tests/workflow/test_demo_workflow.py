@@ -1,0 +1,117 @@
+"""The whole Snakemake workflow on the demo config, in a temporary folder.
+
+Tests run in file order on one shared run: first run, LoRA checks, the
+learning check, a second run that does nothing, then a caption edit.
+"""
+
+from __future__ import annotations
+
+import shutil
+import time
+
+import pytest
+import torch
+import yaml
+from rich.console import Console
+
+from diffpipe.config import load_config
+from diffpipe.models import get_family
+from diffpipe.paths import REPO_ROOT, RunPaths
+from diffpipe.runner import run_workflow
+from diffpipe.training.adapter import apply_adapter
+from diffpipe.training.metrics import read_metrics
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    root = tmp_path_factory.mktemp("demo")
+    shutil.copytree(REPO_ROOT / "config" / "demo_data", root / "data")
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "demo.yaml").read_text())
+    cfg["output_dir"] = "run"
+    cfg["datasets"][0]["path"] = str(root / "data")
+    (root / "config.yaml").write_text(yaml.safe_dump(cfg))
+
+    def run():
+        # Two cache jobs at once: this machine has 2 cores and no GPU.
+        return run_workflow(root / "config.yaml", cores=2, extra=["--resources", "gpus=2"], workdir=root,
+                            console=Console(stderr=True))
+
+    first = run()
+    assert first.returncode == 0, "first workflow run failed (see the captured output)"
+    return {"root": root, "run": run, "first": first, "paths": RunPaths(root / "run"),
+            "cfg": load_config(root / "config.yaml")}
+
+
+def test_first_run_produces_every_output(demo):
+    p: RunPaths = demo["paths"]
+    first = demo["first"]
+    n_shards = demo["cfg"].cache.shards
+    assert {"validate", "plan", "train", "export", "sample"} <= {j.split("/")[0] for j in first.jobs}
+    assert sum(j.startswith("cache_latents/") for j in first.jobs) == n_shards
+    assert sum(j.startswith("cache_text/") for j in first.jobs) == n_shards
+    for f in [p.manifest, p.report_json, p.report_html, p.plan_summary, p.adapter_file, p.metrics,
+              p.export_diffusers, p.sample_grid, p.train_dir / "loss.png"]:
+        assert f.exists() and f.stat().st_size > 0, f
+    assert list(p.tensorboard.glob("events.out.tfevents.*"))
+    assert list(p.epoch_loras.glob("epoch-*/adapter_model.safetensors"))
+    assert list(p.checkpoints.glob("step-*"))
+    for shard in p.shard_names("latents"):
+        assert p.latent_shard(shard).is_dir()
+        assert p.text_shard(shard).is_file()
+    rows = read_metrics(p.metrics)
+    assert {"step", "loss", "lr", "samples_per_s"} <= set(rows[0])
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+
+
+def _unet_inputs(unet, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    cfg = unet.config
+    x = torch.randn(2, cfg.in_channels, cfg.sample_size, cfg.sample_size, generator=g)
+    ctx = torch.randn(2, 77, cfg.cross_attention_dim, generator=g)
+    return x, torch.tensor([10, 500]), ctx
+
+
+def test_exported_lora_loads_in_stock_pipeline_and_matches_training(demo):
+    p: RunPaths = demo["paths"]
+    family = get_family(demo["cfg"].model)
+    pipe = family.load_pipeline()
+    x, t, ctx = _unet_inputs(pipe.unet)
+    with torch.no_grad():
+        base = pipe.unet(x, t, encoder_hidden_states=ctx).sample
+        pipe.load_lora_weights(str(p.export_diffusers))
+        loaded = pipe.unet(x, t, encoder_hidden_states=ctx).sample
+        trained = apply_adapter(family.load_denoiser(), p.adapter_dir)
+        expected = trained(x, t, encoder_hidden_states=ctx).sample
+    assert (loaded - base).abs().max() > 1e-4, "the LoRA does not change the output"
+    torch.testing.assert_close(loaded, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_training_loss_falls(demo):
+    losses = [r["loss"] for r in read_metrics(demo["paths"].metrics)]
+    k = max(5, len(losses) // 5)
+    first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
+    assert last < 0.85 * first, f"loss did not fall enough: first {first:.4f}, last {last:.4f}"
+
+
+def test_second_run_executes_zero_jobs(demo):
+    second = demo["run"]()
+    assert second.returncode == 0
+    assert second.jobs == []
+
+
+def test_caption_edit_reruns_only_its_text_shard_and_downstream(demo):
+    root, p = demo["root"], demo["paths"]
+    caption = sorted((root / "data").glob("*.txt"))[3]
+    time.sleep(1.1)  # coarse file-system clocks
+    caption.write_text(caption.read_text().strip() + ", sharp edges\n")
+    third = demo["run"]()
+    assert third.returncode == 0
+    text_jobs = [j for j in third.jobs if j.startswith("cache_text/")]
+    assert len(text_jobs) == 1, third.jobs
+    assert not [j for j in third.jobs if j.startswith("cache_latents/")], third.jobs
+    assert {"validate", "plan", "train", "export", "sample"} <= {j.split("/")[0] for j in third.jobs}
+    # The rerun shard holds the new caption's key.
+    spec = yaml.safe_load(p.text_spec(text_jobs[0].split("/")[1]).read_text())
+    assert any(item["caption"].endswith("sharp edges") for item in spec["items"])

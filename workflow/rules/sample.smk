@@ -1,0 +1,14 @@
+rule sample:
+    input:
+        out(paths.EXPORT_DIFFUSERS),
+    output:
+        directory(out(paths.SAMPLES_DIR)),
+    params:
+        config=RESOLVED,
+        digest=dw.stage_digest(CFG, "sample"),
+    log:
+        out("logs/sample.log"),
+    benchmark:
+        out("benchmarks/sample.tsv")
+    shell:
+        "diffpipe sample --config {params.config} > {log} 2>&1"
