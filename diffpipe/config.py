@@ -51,19 +51,125 @@ class DatasetConfig(_Section):
     resolution: int = Field(64, description="Training resolution in pixels (bucket area = resolution²).", gt=0)
     repeats: int = Field(1, description="How many times each item appears per epoch.", ge=1)
     caption_prefix: str = Field("", description="Text put before every caption (e.g. a trigger word).")
+    weight: float = Field(1.0, description="Relative sampling weight of this dataset's items.", gt=0)
+    metadata: str | None = Field(
+        None,
+        description="Metadata file with a file and a caption column (.csv, .json, .jsonl, .parquet), relative "
+        "to `path`; null: read every `metadata.jsonl|csv|json|parquet` in the dataset's folders (the Hugging "
+        "Face `imagefolder` layout). File paths in it are relative to its folder.",
+    )
+    file_column: str | None = Field(
+        None, description="Metadata column holding file paths (relative to `path`); null: auto-detect "
+        "(`file_name`, `file`, `filename`, `path`, `image`, `video`, ...)."
+    )
+    caption_column: str | None = Field(
+        None, description="Metadata column holding the caption (text or list of alternatives); null: "
+        "auto-detect (`caption`, `captions`, `text`, `prompt`, `tags`, ...)."
+    )
+    caption_lines: Literal["alternatives", "join"] = Field(
+        "alternatives",
+        description="Caption files with several lines: `alternatives` keeps each non-empty line as an "
+        "alternative caption; `join` joins them with spaces into one.",
+    )
+    caption_style: Literal["text", "tags"] = Field(
+        "text",
+        description="`tags`: captions are comma-separated tags, normalised (trimmed, empty and repeated tags "
+        "dropped, joined with `, `).",
+    )
+    eval_files: list[str] = Field(
+        [], description="Media files (relative to `path`) held out for evaluation instead of training."
+    )
+    eval_fraction: float = Field(
+        0.0, description="Fraction of the items held out for evaluation, drawn by a hash of `eval_seed` and "
+        "the file path (stable when files are added).", ge=0, lt=1,
+    )
+    eval_seed: int = Field(0, description="Seed of the `eval_fraction` draw.")
+    resolutions: list[int] | None = Field(
+        None,
+        description="Several training resolutions (each item is cached once per resolution); null = [`resolution`].",
+    )
+    aspect_ratios: list[float] | None = Field(
+        None, description="Explicit bucket aspect ratios (width / height); overrides `ar_buckets`."
+    )
+    ar_buckets: int | None = Field(
+        None,
+        description="Number of log-spaced aspect ratios between `min_ar` and `max_ar`; null (and no "
+        "`aspect_ratios`) = the classic nine from 1:2 to 2:1.",
+        ge=1,
+    )
+    min_ar: float = Field(0.5, description="Smallest bucket aspect ratio (width / height) for `ar_buckets`.", gt=0)
+    max_ar: float = Field(2.0, description="Largest bucket aspect ratio (width / height) for `ar_buckets`.", gt=0)
+    crop: Literal["center", "random"] = Field(
+        "center", description="Crop to the bucket: `center`, or `random` (a fixed random offset per item, cached)."
+    )
+    flip: bool = Field(False, description="Also train on a horizontally flipped copy of every item (cached once).")
+    frame_buckets: list[int] | None = Field(
+        None,
+        description="Video: frame counts clips are cut to (each snapped to the model's frame rule, e.g. 4k+1); "
+        "null = the longest valid count a clip holds.",
+    )
+
+    @model_validator(mode="after")
+    def _check_buckets(self) -> DatasetConfig:
+        if self.min_ar > self.max_ar:
+            raise ValueError(f"min_ar ({self.min_ar}) must not exceed max_ar ({self.max_ar})")
+        if any(r <= 0 for r in self.resolutions or []) or any(r <= 0 for r in self.aspect_ratios or []):
+            raise ValueError("resolutions and aspect_ratios must be positive")
+        if any(f < 1 for f in self.frame_buckets or []):
+            raise ValueError("frame_buckets must be at least 1")
+        return self
+
+    def training_resolutions(self) -> list[int]:
+        """The resolutions items are cached at (sorted, unique)."""
+        return sorted(set(self.resolutions or [self.resolution]))
 
 
 class ValidationConfig(_Section):
     image_exts: list[str] = Field(
-        [".png", ".jpg", ".jpeg", ".webp", ".bmp"], description="File extensions treated as images."
+        [".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff"], description="File extensions treated as images."
     )
     min_size: int = Field(16, description="Smallest accepted image side in pixels.", ge=1)
+    video_exts: list[str] = Field(
+        [".mp4", ".webm", ".mov", ".mkv", ".gif"],
+        description="File extensions treated as videos (decoded with PyAV; frames and fps measured by decoding).",
+    )
+    min_frames: int = Field(1, description="Fewest decoded frames a video must have.", ge=1)
+    aspect_range: tuple[float, float] = Field(
+        (0.25, 4.0), description="Accepted width / height ratios, [smallest, largest]."
+    )
+    max_pixels: int = Field(
+        178_956_970,
+        description="Images with more pixels are flagged `decompression_bomb` and never decoded (Pillow's own "
+        "limit by default).",
+        ge=1,
+    )
+    actions: dict[str, Literal["error", "skip", "warn"]] = Field(
+        {}, description="Per reason code, override the default action (`error`, `skip` or `warn`); see the "
+        "README's reason table."
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> ValidationConfig:
+        # Imported here: diffpipe.data.policy is light, but config must import first.
+        from diffpipe.data.policy import resolve_actions
+
+        lo, hi = self.aspect_range
+        if not 0 < lo <= hi:
+            raise ValueError(f"validation.aspect_range must be [smallest, largest] > 0, got {[lo, hi]}")
+        resolve_actions(self.actions)
+        return self
 
 
 class CacheConfig(_Section):
     shards: int = Field(2, description="Number of cache shards (one Snakemake job each).", ge=1)
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Storage dtype of cached tensors.")
     batch_size: int = Field(8, description="Encoder batch size in cache jobs.", ge=1)
+    dir: str | None = Field(
+        None,
+        description="Content-addressed store that cache jobs reuse entries from; share it across runs and "
+        "datasets. null = `<output_dir>/cache/store`.",
+    )
+    workers: int = Field(2, description="Decoding worker processes per latent cache job (0: decode inline).", ge=0)
 
 
 class LoraConfig(_Section):
@@ -73,6 +179,67 @@ class LoraConfig(_Section):
     targets: list[str] | None = Field(
         None, description="Module names to adapt (PEFT target_modules); null = the family's defaults."
     )
+    blocks: list[str] | None = Field(
+        None,
+        description="Only adapt targets inside modules whose path matches one of these regular expressions "
+        "(e.g. `up_blocks\\.1`, `transformer_blocks\\.[0-3]\\.`); null = every block.",
+    )
+    init: Literal["gaussian", "kaiming"] = Field(
+        "gaussian", description="Initialisation of the LoRA down matrix (the up matrix starts at zero)."
+    )
+    init_from: str | None = Field(
+        None,
+        description="Continue from an existing LoRA: a PEFT adapter folder, or a diffusers "
+        "`pytorch_lora_weights.safetensors`; its rank must equal `rank`.",
+    )
+
+
+class EvalConfig(_Section):
+    every_steps: int = Field(
+        0, description="Eval loss every N optimizer steps (0: only before and after training).", ge=0
+    )
+    quantiles: list[float] = Field(
+        [0.1, 0.3, 0.5, 0.7, 0.9],
+        description="Timestep quantiles the eval loss is measured at (empty: no eval).",
+    )
+    max_items: int = Field(16, description="Eval items (the `eval` split, else a fixed subset of training items).", ge=1)
+    seed: int = Field(0, description="Seed of the fixed eval noise.")
+
+    @model_validator(mode="after")
+    def _check_quantiles(self) -> EvalConfig:
+        if any(not 0 < q < 1 for q in self.quantiles):
+            raise ValueError(f"train.eval.quantiles must lie strictly between 0 and 1, got {self.quantiles}")
+        return self
+
+
+class ObjectiveConfig(_Section):
+    loss: Literal["mse", "huber"] = Field(
+        "mse", description="`mse`, or `huber`: pseudo-Huber, robust to outlier items (Khrapov et al. 2024)."
+    )
+    huber_c: float = Field(0.1, description="Pseudo-Huber constant: quadratic below it, linear above.", gt=0)
+    timestep_sampling: Literal["uniform", "logit_normal"] | None = Field(
+        None, description="How training timesteps are drawn; null = the family's own (sd: uniform, flux: logit-normal)."
+    )
+    logit_mean: float = Field(0.0, description="Logit-normal sampling: mean.")
+    logit_std: float = Field(1.0, description="Logit-normal sampling: standard deviation.", gt=0)
+    shift: float | None = Field(
+        None, description="Flow families: fixed timestep shift; null = the model's (resolution-dependent) shift.", gt=0
+    )
+    min_timestep: float = Field(0.0, description="Lowest training timestep, as a fraction of the schedule.", ge=0, le=1)
+    max_timestep: float = Field(1.0, description="Highest training timestep, as a fraction of the schedule.", ge=0, le=1)
+    min_snr_gamma: float | None = Field(
+        None, description="UNet families: Min-SNR-gamma loss weighting (Hang et al. 2023; 5 is usual); null = off.", gt=0
+    )
+    offset_noise: float = Field(
+        0.0, description="UNet families: offset noise strength (a per-channel constant added to the noise; 0.05-0.1).",
+        ge=0,
+    )
+
+    @model_validator(mode="after")
+    def _check_range(self) -> ObjectiveConfig:
+        if self.min_timestep >= self.max_timestep:
+            raise ValueError(f"min_timestep ({self.min_timestep}) must be below max_timestep ({self.max_timestep})")
+        return self
 
 
 class TrainConfig(_Section):
@@ -83,18 +250,101 @@ class TrainConfig(_Section):
     lr: float = Field(1e-3, description="Peak learning rate.", gt=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup.")
     warmup_steps: int = Field(0, description="Linear warmup steps.", ge=0)
-    weight_decay: float = Field(0.0, description="AdamW weight decay.", ge=0)
+    weight_decay: float = Field(0.0, description="Weight decay (decoupled for the AdamW variants).", ge=0)
+    optimizer: str = Field(
+        "adamw",
+        description="`adamw`, `adamw_kahan` / `adamw_stochastic` (bf16 weights: Kahan summation or stochastic "
+        "rounding), `adafactor`, or any `torch.optim` class name (e.g. `SGD`, `RAdam`).",
+    )
+    optimizer_args: dict[str, Any] = Field(
+        {}, description="Extra keyword arguments for the optimizer (e.g. `{betas: [0.9, 0.99]}`)."
+    )
     grad_clip: float = Field(1.0, description="Gradient norm clip (0 disables).", ge=0)
-    precision: Literal["fp32", "bf16"] = Field("fp32", description="Training precision.")
+    caption_dropout: float = Field(
+        0.0,
+        description="Probability of training an item on the empty caption (the cached empty-caption "
+        "embedding), which keeps classifier-free guidance working.",
+        ge=0,
+        lt=1,
+    )
+    precision: Literal["fp32", "bf16", "fp16"] = Field(
+        "fp32", description="Training precision: fp32, bf16 (CPU and GPU), fp16 (GPU only, dynamic loss scaling)."
+    )
+    activation_checkpointing: bool = Field(
+        False, description="Recompute block activations in the backward pass: less memory, about 30% more compute."
+    )
     zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
+    pipeline_stages: int = Field(
+        1,
+        description="Pipeline parallel: split the denoiser's layers over this many processes (the process count "
+        "must be a multiple: data parallel across the rest). ZeRO 0 or 1, LoRA only.",
+        ge=1,
+    )
+    pipeline_split: list[int] | None = Field(
+        None,
+        description="Manual pipeline split: the first layer index of each stage after the first; null = balance "
+        "the parameter count, frozen weights included.",
+    )
+    offload_optimizer: bool = Field(False, description="ZeRO 1-3: keep optimizer states in CPU memory.")
+    offload_params: bool = Field(False, description="ZeRO 3: keep parameters in CPU memory.")
     seed: int = Field(42, description="Seed for noise, timesteps and data order.")
     save_every_epochs: int = Field(1, description="Save a LoRA every N epochs (0: only at the end).", ge=0)
     checkpoint_every_steps: int = Field(0, description="Full checkpoint every N steps (0: only at the end).", ge=0)
+    checkpoint_every_minutes: float = Field(
+        0, description="Also a full checkpoint every N minutes of training (0: off).", ge=0
+    )
+    keep_checkpoints: int = Field(3, description="Keep only the newest K full checkpoints (0: keep all).", ge=0)
+    mode: Literal["lora", "full"] = Field(
+        "lora",
+        description="`lora`: train a LoRA on the frozen denoiser; `full`: fine-tune every denoiser weight "
+        "(written to `train/denoiser/` as a diffusers model; no LoRA, no per-epoch saves).",
+    )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA settings.")
+    objective: ObjectiveConfig = Field(
+        default_factory=ObjectiveConfig, description="Timestep sampling, loss and loss weighting."
+    )
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Eval loss at fixed timesteps and noise.")
+    sample_every_steps: int = Field(
+        0, description="Render the `sample` prompts from the in-training weights every N steps (0: off).", ge=0
+    )
+    sample_every_epochs: int = Field(
+        0, description="Render the `sample` prompts every N epochs (0: off); PNGs under `train/samples/`.", ge=0
+    )
+
+    @model_validator(mode="after")
+    def _check_pipeline(self) -> TrainConfig:
+        if self.pipeline_stages > 1:
+            if self.zero_stage > 1:
+                raise ValueError("train.pipeline_stages > 1 works with train.zero_stage 0 or 1")
+            if self.mode != "lora" or self.sample_every_steps or self.sample_every_epochs:
+                raise ValueError("train.pipeline_stages > 1 needs train.mode lora and no sampling during training")
+        return self
+
+    @model_validator(mode="after")
+    def _check_sampling(self) -> TrainConfig:
+        if (self.sample_every_steps or self.sample_every_epochs) and self.zero_stage == 3:
+            raise ValueError("sampling during training (train.sample_every_*) needs train.zero_stage below 3")
+        return self
+
+    @model_validator(mode="after")
+    def _check_offload(self) -> TrainConfig:
+        if self.offload_optimizer and self.zero_stage == 0:
+            raise ValueError("train.offload_optimizer needs train.zero_stage 1, 2 or 3")
+        if self.offload_params and self.zero_stage != 3:
+            raise ValueError("train.offload_params needs train.zero_stage 3")
+        return self
+
+
+ExportFormat = Literal["diffusers", "peft", "comfyui", "kohya", "merged"]
 
 
 class ExportConfig(_Section):
-    formats: list[Literal["diffusers"]] = Field(["diffusers"], description="Export formats to write.")
+    formats: list[ExportFormat] = Field(
+        ["diffusers"],
+        description="Export formats to write: `diffusers`, `peft`, `comfyui`, `kohya`, `merged` (the workflow "
+        "always adds `diffusers`: samples read it).",
+        min_length=1,
+    )
 
 
 class SampleConfig(_Section):

@@ -21,9 +21,12 @@ PLAN_DIR = "plan"
 PLAN_SUMMARY = "plan/plan.json"
 LATENT_SPEC = "plan/latents/{shard}.json"
 TEXT_SPEC = "plan/text/{shard}.json"
+EMPTY_SPEC = "plan/empty.json"
 LATENT_SHARD = "cache/latents/{shard}.zarr"
 TEXT_SHARD = "cache/text/{shard}.arrow"
 TEXT_EMPTY = "cache/text/empty.arrow"
+CACHE_STORE = "cache/store"
+PLAN_STATE = "cache/plan-state.json"
 TRAIN_DIR = "train"
 ADAPTER_DIR = "train/adapter"
 ADAPTER_FILE = "train/adapter/adapter_model.safetensors"
@@ -32,7 +35,21 @@ TENSORBOARD = "train/tensorboard"
 CHECKPOINTS = "train/checkpoints"
 EPOCH_LORAS = "train/loras"
 EXPORT_DIR = "export"
+# Export formats and their names inside the export folder (``diffpipe export --out``).
+FORMATS = ("diffusers", "peft", "comfyui", "kohya", "merged")
+EXPORT_NAMES = {
+    "diffusers": "pytorch_lora_weights.safetensors",
+    "peft": "peft",  # folder: adapter_model.safetensors + adapter_config.json
+    "comfyui": "comfyui_lora.safetensors",
+    "kohya": "kohya_lora.safetensors",
+    "merged": "merged",  # folder: a diffusers pipeline
+}
+EXPORT_CARD = "README.md"
 EXPORT_DIFFUSERS = "export/pytorch_lora_weights.safetensors"
+EXPORT_PEFT = "export/peft/adapter_model.safetensors"
+EXPORT_COMFYUI = "export/comfyui_lora.safetensors"
+EXPORT_KOHYA = "export/kohya_lora.safetensors"
+EXPORT_MERGED = "export/merged/model_index.json"  # the folder is a diffusers pipeline
 SAMPLES_DIR = "samples"
 SAMPLE_GRID = "samples/grid.png"
 LOGS = "logs"
@@ -76,6 +93,18 @@ class RunPaths:
 
     def text_spec(self, shard: str) -> Path:
         return self._p(TEXT_SPEC, shard=shard)
+
+    @property
+    def plan_state(self) -> Path:
+        return self._p(PLAN_STATE)
+
+    @property
+    def empty_spec(self) -> Path:
+        return self._p(EMPTY_SPEC)
+
+    def cache_store(self, cache_dir: str | None = None) -> Path:
+        """The content-addressed store: ``cache.dir`` when set, else under output_dir."""
+        return Path(cache_dir) if cache_dir else self._p(CACHE_STORE)
 
     def latent_shard(self, shard: str) -> Path:
         return self._p(LATENT_SHARD, shard=shard)
@@ -122,6 +151,10 @@ class RunPaths:
     @property
     def export_diffusers(self) -> Path:
         return self._p(EXPORT_DIFFUSERS)
+
+    def export_file(self, fmt: str) -> Path:
+        """Where ``fmt`` is written (a folder for ``peft`` and ``merged``)."""
+        return self.export_dir / EXPORT_NAMES[fmt]
 
     @property
     def samples_dir(self) -> Path:

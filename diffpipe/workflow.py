@@ -21,7 +21,7 @@ RESOLVED_CONFIG = "resolved-config.yaml"
 # The config sections each stage reads. A stage's params carry the digest of
 # exactly these, so editing e.g. sample prompts reruns only the sample rule.
 STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "validate": ("datasets", "validation"),
+    "validate": ("datasets", "validation", "model"),
     "plan": ("datasets", "validation", "cache", "model"),
     "cache": ("model", "cache"),
     "train": ("model", "train"),
@@ -70,9 +70,36 @@ def out(cfg: Config, rel: str) -> str:
     return os.path.join(cfg.output_dir, rel)
 
 
+# What the export rule declares per format (a file inside a folder format).
+EXPORT_OUTPUTS = {
+    "diffusers": paths.EXPORT_DIFFUSERS,
+    "peft": paths.EXPORT_PEFT,
+    "comfyui": paths.EXPORT_COMFYUI,
+    "kohya": paths.EXPORT_KOHYA,
+    "merged": paths.EXPORT_MERGED,
+}
+
+
+def export_formats(cfg: Config) -> list[str]:
+    """The configured formats, plus ``diffusers`` (the sample rule reads it), in config order."""
+    return list(dict.fromkeys(["diffusers", *cfg.export.formats]))
+
+
+def export_outputs(cfg: Config) -> dict[str, str]:
+    """Output name -> path of the export rule: one per format, and the model card."""
+    outputs = {fmt: out(cfg, EXPORT_OUTPUTS[fmt]) for fmt in export_formats(cfg)}
+    outputs["card"] = out(cfg, f"{paths.EXPORT_DIR}/{paths.EXPORT_CARD}")
+    return outputs
+
+
+def export_format_args(cfg: Config) -> str:
+    """``--format X`` for each exported format (the rule's shell command)."""
+    return " ".join(f"--format {fmt}" for fmt in export_formats(cfg))
+
+
 def final_targets(cfg: Config) -> list[str]:
     return [
         out(cfg, paths.REPORT_HTML),
-        out(cfg, paths.EXPORT_DIFFUSERS),
+        *export_outputs(cfg).values(),
         out(cfg, paths.SAMPLES_DIR),
     ]

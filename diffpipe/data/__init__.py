@@ -13,6 +13,11 @@ _EXPORTS = {
     "bucket_sizes": "buckets",
     "choose_bucket": "buckets",
     "load_image": "buckets",
+    "log_spaced_ratios": "buckets",
+    "frame_bucket": "frames",
+    "resample_indices": "frames",
+    "snap_frames": "frames",
+    "Store": "store",
     "to_rgb": "buckets",
     "cache_empty_text": "cache",
     "cache_latents": "cache",
@@ -41,6 +46,7 @@ __all__ = [
     "LatentEntry",
     "LatentShard",
     "PlanResult",
+    "Store",
     "REASONS",
     "TextShard",
     "ValidationResult",
@@ -50,11 +56,15 @@ __all__ = [
     "cache_text",
     "choose_bucket",
     "dataset_files",
+    "frame_bucket",
     "load_image",
+    "log_spaced_ratios",
     "make_plan",
     "print_summary",
     "read_spec",
+    "resample_indices",
     "run_validation",
+    "snap_frames",
     "to_rgb",
     "write_demo_dataset",
     "write_latent_shard",
@@ -62,13 +72,21 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from diffpipe.data.buckets import bucket_sizes, choose_bucket, load_image, to_rgb
+    from diffpipe.data.buckets import (
+        bucket_sizes,
+        choose_bucket,
+        load_image,
+        log_spaced_ratios,
+        to_rgb,
+    )
     from diffpipe.data.cache import cache_empty_text, cache_latents, cache_text
     from diffpipe.data.demo import write_demo_dataset
     from diffpipe.data.discover import dataset_files
+    from diffpipe.data.frames import frame_bucket, resample_indices, snap_frames
     from diffpipe.data.latents import LatentEntry, LatentShard, write_latent_shard
     from diffpipe.data.plan import PlanResult, make_plan, read_spec
     from diffpipe.data.reader import CachedDataset
+    from diffpipe.data.store import Store
     from diffpipe.data.text import TextShard, write_text_shard
     from diffpipe.data.validate import (
         REASONS,

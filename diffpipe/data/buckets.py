@@ -3,11 +3,14 @@
 A bucket is a ``(H, W)`` pixel size whose area is close to ``resolution²``
 and whose sides are multiples of the family's ``pixel_multiple``. Images go
 to the bucket with the nearest aspect ratio, are resized to cover it and
-center-cropped, so nothing is padded and little is cut.
+cropped (center, or at a fixed per-item offset), so nothing is padded and
+little is cut. The ratios are the classic nine (1:2 .. 2:1), ``count``
+log-spaced ones between ``min_ar`` and ``max_ar``, or an explicit list.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 from functools import lru_cache
 from pathlib import Path
@@ -16,6 +19,9 @@ from typing import BinaryIO
 import numpy as np
 import torch
 from PIL import Image, ImageOps
+
+# One RGB conversion for validation and caching; it lives with the media probes.
+from diffpipe.data.media import to_rgb
 
 #: Width:height ratios of the buckets, from portrait 1:2 to landscape 2:1.
 ASPECT_RATIOS: tuple[tuple[int, int], ...] = (
@@ -30,20 +36,42 @@ ASPECT_RATIOS: tuple[tuple[int, int], ...] = (
     (2, 1),
 )
 
-_INT_MODES = {"I", "I;16", "I;16L", "I;16B", "I;16N"}
-
 
 def _round_to(x: float, m: int) -> int:
     return max(m, int(round(x / m)) * m)
 
 
+def log_spaced_ratios(min_ar: float, max_ar: float, count: int) -> tuple[float, ...]:
+    """``count`` aspect ratios (width / height) evenly spaced in log space, ends included."""
+    if count < 1 or min_ar <= 0 or max_ar < min_ar:
+        raise ValueError(
+            f"need 0 < min_ar <= max_ar and count >= 1, got {min_ar}, {max_ar}, {count}"
+        )
+    if count == 1:
+        return (math.sqrt(min_ar * max_ar),)
+    lo, hi = math.log(min_ar), math.log(max_ar)
+    return tuple(math.exp(lo + (hi - lo) * i / (count - 1)) for i in range(count))
+
+
+def dataset_ratios(ds) -> tuple[float, ...] | None:
+    """A DatasetConfig's bucket ratios: its explicit list, its log-spaced count, or None (classic)."""
+    if ds.aspect_ratios:
+        return tuple(sorted(ds.aspect_ratios))
+    if ds.ar_buckets:
+        return log_spaced_ratios(ds.min_ar, ds.max_ar, ds.ar_buckets)
+    return None
+
+
 @lru_cache(maxsize=64)
-def bucket_sizes(resolution: int, pixel_multiple: int) -> tuple[tuple[int, int], ...]:
-    """The ``(H, W)`` buckets for a resolution, ordered from tallest to widest."""
+def bucket_sizes(
+    resolution: int, pixel_multiple: int, ratios: tuple[float, ...] | None = None
+) -> tuple[tuple[int, int], ...]:
+    """The area-preserving ``(H, W)`` buckets for a resolution, from tallest to widest."""
     area = resolution * resolution
+    if ratios is None:
+        ratios = tuple(w / h for w, h in ASPECT_RATIOS)
     sizes: list[tuple[int, int]] = []
-    for w_ratio, h_ratio in ASPECT_RATIOS:
-        r = w_ratio / h_ratio
+    for r in sorted(ratios):
         h = _round_to(math.sqrt(area / r), pixel_multiple)
         w = _round_to(math.sqrt(area * r), pixel_multiple)
         if (h, w) not in sizes:  # tiny resolutions collapse neighbouring ratios
@@ -51,58 +79,77 @@ def bucket_sizes(resolution: int, pixel_multiple: int) -> tuple[tuple[int, int],
     return tuple(sizes)
 
 
-def choose_bucket(width: int, height: int, resolution: int, pixel_multiple: int) -> tuple[int, int]:
+def choose_bucket(
+    width: int,
+    height: int,
+    resolution: int,
+    pixel_multiple: int,
+    ratios: tuple[float, ...] | None = None,
+) -> tuple[int, int]:
     """The ``(H, W)`` bucket whose aspect ratio is nearest (in log space) to the image's."""
     if width <= 0 or height <= 0:
         raise ValueError(f"image size must be positive, got {width}x{height}")
     target = math.log(width / height)
     return min(
-        bucket_sizes(resolution, pixel_multiple),
+        bucket_sizes(resolution, pixel_multiple, ratios),
         key=lambda hw: abs(math.log(hw[1] / hw[0]) - target),
     )
 
 
-def to_rgb(img: Image.Image) -> Image.Image:
-    """Convert any Pillow mode to 8-bit RGB the same way everywhere.
+def crop_offset(seed: str) -> tuple[float, float]:
+    """A fixed pseudo-random crop position ``(fy, fx)`` in [0, 1]² derived from ``seed``.
 
-    Transparency is composited over white (a palette image with a transparent
-    index, LA, RGBA and PA alike); 16/32-bit integer images are scaled to
-    8 bits instead of clipped, which Pillow's plain ``convert`` would do.
+    Random crops are cached, so the offset must be a pure function of what the
+    cache key holds (the item's content hash and bucket).
     """
-    if img.mode in _INT_MODES:
-        # Integer images come from 16-bit files (PNG, TIFF): map 0..65535 to 0..255.
-        arr = np.asarray(img, dtype=np.float64)
-        img = Image.fromarray(np.clip(arr / 257.0, 0, 255).round().astype(np.uint8), "L")
-    elif img.mode == "F":
-        arr = np.asarray(img, dtype=np.float64)
-        img = Image.fromarray(np.clip(arr, 0, 255).round().astype(np.uint8), "L")
-    has_alpha = img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info
-    if has_alpha:
-        rgba = img.convert("RGBA")
-        white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
-        return Image.alpha_composite(white, rgba).convert("RGB")
-    return img if img.mode == "RGB" else img.convert("RGB")
+    h = hashlib.sha256(seed.encode()).digest()
+    return (int.from_bytes(h[:4], "big") / 0xFFFFFFFF, int.from_bytes(h[4:8], "big") / 0xFFFFFFFF)
 
 
-def cover_crop(img: Image.Image, size: tuple[int, int]) -> Image.Image:
-    """Resize to cover ``(H, W)`` preserving aspect, then center crop (one resample)."""
+def cover_crop(
+    img: Image.Image, size: tuple[int, int], crop: tuple[float, float] = (0.5, 0.5)
+) -> Image.Image:
+    """Resize to cover ``(H, W)`` preserving aspect, then crop (one resample).
+
+    ``crop = (fy, fx)`` places the window within the spare height and width:
+    0 = top/left, 0.5 = center, 1 = bottom/right.
+    """
     out_h, out_w = size
     w, h = img.size
     scale = max(out_w / w, out_h / h)
     # The source window that maps onto the output; resampling only it avoids
     # an intermediate full-size resized image.
     src_w, src_h = out_w / scale, out_h / scale
-    left, top = (w - src_w) / 2, (h - src_h) / 2
+    left, top = (w - src_w) * crop[1], (h - src_h) * crop[0]
     box = (left, top, left + src_w, top + src_h)
     return img.resize((out_w, out_h), Image.Resampling.LANCZOS, box=box, reducing_gap=3.0)
 
 
-def load_image(src: str | Path | BinaryIO, size: tuple[int, int]) -> torch.Tensor:
-    """Decode an image into float32 ``[3, 1, H, W]`` in [-1, 1] for bucket ``(H, W)``."""
+def load_image_array(
+    src: str | Path | BinaryIO,
+    size: tuple[int, int],
+    *,
+    crop: tuple[float, float] = (0.5, 0.5),
+    flip: bool = False,
+) -> np.ndarray:
+    """:func:`load_image` as numpy (no torch: safe in forked decoding workers)."""
     with Image.open(src) as img:
         img.load()
         ImageOps.exif_transpose(img, in_place=True)
-        rgb = cover_crop(to_rgb(img), size)
+        rgb = cover_crop(to_rgb(img), size, crop)
+    if flip:
+        rgb = rgb.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
     arr = np.asarray(rgb, dtype=np.float32)  # [H, W, 3]
-    t = torch.from_numpy(arr).permute(2, 0, 1).unsqueeze(1)
-    return t.div_(127.5).sub_(1.0).contiguous()
+    arr = arr.transpose(2, 0, 1)[:, None] / np.float32(127.5) - np.float32(1.0)
+    return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def load_image(
+    src: str | Path | BinaryIO,
+    size: tuple[int, int],
+    *,
+    crop: tuple[float, float] = (0.5, 0.5),
+    flip: bool = False,
+) -> torch.Tensor:
+    """Decode an image into float32 ``[3, 1, H, W]`` in [-1, 1] for bucket ``(H, W)``."""
+    return torch.from_numpy(load_image_array(src, size, crop=crop, flip=flip))

@@ -1,10 +1,15 @@
-"""The cache jobs: encode one shard's images or captions and write the shard.
+"""The cache jobs: build one shard's latents or text embeddings, encoding only what is new.
 
-One Snakemake job per shard and kind. Each job loads its encoder once,
-encodes in batches of ``cache.batch_size`` (latents grouped by bucket so a
-batch has one shape), writes the shard atomically and a
-``<shard>.summary.json`` beside it. Image decoding runs in a thread pool a
-few batches ahead, so it overlaps encoding.
+One Snakemake job per shard and kind. A job reads its spec, looks the keys
+up in the content-addressed store (:mod:`diffpipe.data.store`), copies the
+rows found there (bit-exact, after checking the store shard's checksum),
+loads its encoder once and encodes only the missing entries (latents grouped
+by bucket so a batch has one shape), then writes the complete shard into the
+store and links it into the run's output, and writes a
+``<shard>.summary.json`` beside it with ``encoded``, ``reused`` and
+``wall_s``. Decoding runs in worker processes a few batches ahead, so it
+overlaps encoding. ``regenerate`` ignores the store; ``trust`` skips
+re-hashing media files against the sha256 the validate step recorded.
 """
 
 from __future__ import annotations
@@ -13,29 +18,46 @@ import hashlib
 import io
 import itertools
 import json
-import os
+import multiprocessing
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from diffpipe.config import CacheConfig, ModelConfig
-from diffpipe.data.buckets import load_image
-from diffpipe.data.latents import LatentEntry, write_latent_shard
-from diffpipe.data.plan import read_spec, text_key
-from diffpipe.data.text import write_text_shard
+from diffpipe.data.buckets import load_image_array
+from diffpipe.data.latents import (
+    LatentEntry,
+    LatentShard,
+    bucket_name,
+    storage_to_tensor,
+    write_latent_shard,
+)
+from diffpipe.data.plan import EMPTY_ID, read_spec, text_key
+from diffpipe.data.store import (
+    Store,
+    StoreRow,
+    clean_stale_temp,
+    link_into_place,
+    shard_content_name,
+)
+from diffpipe.data.text import TextShard, write_text_shard
 from diffpipe.utils import write_text_atomic
 
 T = TypeVar("T")
 R = TypeVar("R")
-EMPTY_ID = "__empty__"
 #: Batches decoded ahead of the encoder.
 PREFETCH = 2
+#: Fewer entries to encode than this many batches: decode in threads (no process start-up).
+PROCESS_MIN_BATCHES = 4
+#: A store temp folder this old belongs to a killed writer (a live one renames it within seconds).
+STALE_TEMP_S = 3600
 
 
 def _device(device: str | None) -> torch.device:
@@ -49,14 +71,19 @@ def _progress() -> Progress:
 
 
 def _prefetched(
-    batches: Iterable[list[T]], fn: Callable[[T], R], workers: int
+    batches: Iterable[list[T]], fn: Callable[[T], R], pool: Executor
 ) -> Iterator[tuple[list[T], list[R]]]:
-    """Yield ``(batch, [fn(x) for x in batch])`` with later batches already running."""
-    with ThreadPoolExecutor(max_workers=workers) as pool:
-        it = iter(batches)
-        pending: deque = deque()
-        for batch in itertools.islice(it, PREFETCH + 1):
-            pending.append((batch, [pool.submit(fn, x) for x in batch]))
+    """Yield ``(batch, [fn(x) for x in batch])`` with later batches already running.
+
+    The first batches are submitted at once (not at the first ``next``), so
+    decoding starts while the caller is still loading its encoder.
+    """
+    it = iter(batches)
+    pending: deque = deque()
+    for batch in itertools.islice(it, PREFETCH + 1):
+        pending.append((batch, [pool.submit(fn, x) for x in batch]))
+
+    def drain() -> Iterator[tuple[list[T], list[R]]]:
         while pending:
             batch, futures = pending.popleft()
             nxt = next(it, None)
@@ -64,22 +91,47 @@ def _prefetched(
                 pending.append((nxt, [pool.submit(fn, x) for x in nxt]))
             yield batch, [f.result() for f in futures]
 
+    return drain()
 
-def _load_item(item: dict[str, Any]) -> torch.Tensor:
-    """Read, check against the planned sha256, decode to the item's bucket."""
+
+def _decode(job: tuple[dict[str, Any], bool]) -> np.ndarray:
+    """Read one item, check it against the planned sha256 (unless trusted), decode it."""
+    item, trust = job
     path = item["path"]
+    if item.get("frames"):
+        raise ValueError(
+            f"{path}: video decoding is not implemented yet (frames {len(item['frames'])})"
+        )
     try:
         data = Path(path).read_bytes()
     except OSError as err:
         raise ValueError(f"cannot read {path}: {err}; rerun the validate step") from err
-    if hashlib.sha256(data).hexdigest() != item["sha256"]:
+    if not trust and hashlib.sha256(data).hexdigest() != item["sha256"]:
         # Encoding it would store new pixels under the old content's key.
         raise ValueError(f"{path} changed since validation (sha256 differs); rerun the workflow")
     _, h, w = item["bucket"]
     try:
-        return load_image(io.BytesIO(data), (h, w))
+        return load_image_array(
+            io.BytesIO(data),
+            (h, w),
+            crop=tuple(item.get("crop", (0.5, 0.5))),
+            flip=item.get("flip", False),
+        )
     except Exception as err:
         raise ValueError(f"cannot decode {path}: {err}") from err
+
+
+def _pool(n_batches: int, workers: int) -> Executor:
+    """Worker processes for real work; threads when only a few batches need decoding.
+
+    Workers are forked before the encoder loads and decode with PIL and numpy
+    only (no torch), so forking is safe and costs no start-up imports.
+    """
+    if workers > 0 and n_batches >= PROCESS_MIN_BATCHES:
+        methods = multiprocessing.get_all_start_methods()
+        ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+        return ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
+    return ThreadPoolExecutor(max_workers=max(1, workers))
 
 
 def _check_spec(
@@ -96,10 +148,72 @@ def _check_spec(
         )
 
 
+def _store(store: str | Path | None, cache_cfg: CacheConfig, out_path: Path) -> Store:
+    # Default: cache.dir, else <output_dir>/cache/store (out_path is <output_dir>/cache/<kind>/<shard>).
+    if store is None:
+        store = cache_cfg.dir or out_path.parent.parent / "store"
+    return Store(store)
+
+
 def _write_summary(out_path: Path, summary: dict[str, Any]) -> None:
     write_text_atomic(
         Path(f"{out_path}.summary.json"), json.dumps(summary, indent=1, sort_keys=True) + "\n"
     )
+
+
+def _by_shard(found: dict[str, StoreRow]) -> dict[Path, list[tuple[str, StoreRow]]]:
+    groups: dict[Path, list[tuple[str, StoreRow]]] = {}
+    for key, row in sorted(found.items()):
+        groups.setdefault(row.shard, []).append((key, row))
+    return groups
+
+
+def _reuse_latents(store: Store, found: dict[str, StoreRow], dtype: str) -> dict[str, torch.Tensor]:
+    """Rows of the store, bit-exact; a store shard that fails its checksum is discarded."""
+    out: dict[str, torch.Tensor] = {}
+    for shard_path, rows in _by_shard(found).items():
+        try:
+            shard = LatentShard(shard_path)
+            if shard.dtype != dtype:
+                continue
+            arrays = shard.load()  # whole arrays: one read call per bucket; checksum checked
+        except ValueError:
+            store.discard("latents", shard_path.name.removesuffix(".zarr"))
+            continue
+        for key, row in rows:
+            # float32 like fresh encodes; bf16 -> fp32 -> bf16 is exact.
+            out[key] = storage_to_tensor(arrays[row.array][row.row], dtype).float()
+    return out
+
+
+def _reuse_text(
+    store: Store, found: dict[str, StoreRow], dtype: str
+) -> dict[str, dict[str, torch.Tensor]]:
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for shard_path, rows in _by_shard(found).items():
+        try:
+            shard = TextShard(shard_path)
+            if shard.dtype != dtype:
+                continue
+            arrays = shard.load()
+        except ValueError:
+            store.discard("text", shard_path.name.removesuffix(".arrow"))
+            continue
+        for key, row in rows:
+            out[key] = {name: storage_to_tensor(a[row.row], dtype) for name, a in arrays.items()}
+    return out
+
+
+def _index_rows(entries: list[LatentEntry]) -> list[tuple[str, str, int]]:
+    """``(key, array, row)`` of each entry, in the order :func:`write_latent_shard` stores them."""
+    groups: dict[str, list[LatentEntry]] = {}
+    for e in entries:
+        groups.setdefault(bucket_name(e.bucket), []).append(e)
+    return [
+        (e.key, arr, r)
+        for arr, g in groups.items()
+        for r, e in enumerate(sorted(g, key=lambda e: e.id))
+    ]
 
 
 def cache_latents(
@@ -108,60 +222,84 @@ def cache_latents(
     model_cfg: ModelConfig,
     cache_cfg: CacheConfig,
     *,
+    store: str | Path | None = None,
+    regenerate: bool = False,
+    trust: bool = False,
     device: str | None = None,
     workers: int | None = None,
 ) -> dict[str, Any]:
-    """Encode the images of one latent spec into a Zarr shard; returns the summary."""
+    """Build the Zarr shard of one latent spec, encoding only keys the store lacks; returns the summary."""
     from diffpipe.models import get_family  # heavy imports only when a job runs
 
     start = time.perf_counter()
     spec_path, out_path = Path(spec_path), Path(out_path)
     spec = read_spec(spec_path)
     items: list[dict[str, Any]] = spec["items"]
+    dtype = spec["dtype"]
     family = get_family(model_cfg)
     _check_spec(spec, spec_path, family.vae_identity(), cache_cfg)
+    st = _store(store, cache_cfg, out_path)
+
+    first: dict[str, dict[str, Any]] = {}
+    for item in items:  # equal keys, equal latents: encode each key once
+        first.setdefault(item["key"], item)
+    values = {} if regenerate else _reuse_latents(st, st.lookup("latents", first), dtype)
+    reused = len(values)
+    missing = [item for key, item in first.items() if key not in values]
 
     by_bucket: dict[tuple[int, ...], list[dict[str, Any]]] = {}
-    for item in items:
+    for item in missing:
         by_bucket.setdefault(tuple(item["bucket"]), []).append(item)
     bs = cache_cfg.batch_size
-    batches = [
-        group[i : i + bs]
-        for _, group in sorted(by_bucket.items())
-        for i in range(0, len(group), bs)
-    ]
-
-    entries: list[LatentEntry] = []
-    wait = 0.0
-    if items:  # an empty shard needs no VAE
+    batches = [g[i : i + bs] for _, g in sorted(by_bucket.items()) for i in range(0, len(g), bs)]
+    wait = encode_s = 0.0
+    if missing:  # a shard whose entries are all stored needs no VAE
         dev = _device(device)
-        vae = family.load_vae().to(dev)
-        n_workers = workers or min(4, os.cpu_count() or 1)
-        with _progress() as progress, torch.no_grad():
-            task = progress.add_task(f"latents {spec['shard']}", total=len(items))
-            t0 = time.perf_counter()
-            for batch, pixels in _prefetched(batches, _load_item, n_workers):
-                wait += time.perf_counter() - t0
-                latents = family.encode_pixels(vae, torch.stack(pixels).to(dev)).float().cpu()
-                for item, lat in zip(batch, latents, strict=True):
-                    entries.append(LatentEntry(item["id"], item["key"], tuple(item["bucket"]), lat))
-                progress.advance(task, len(batch))
+        n_workers = cache_cfg.workers if workers is None else workers
+        with _pool(len(batches), n_workers) as pool:
+            # Submitting first lets worker start-up and decoding overlap loading the VAE.
+            stream = _prefetched(([(x, trust) for x in b] for b in batches), _decode, pool)
+            vae = family.load_vae().to(dev)
+            with _progress() as progress, torch.no_grad():
+                task = progress.add_task(f"latents {spec['shard']}", total=len(missing))
                 t0 = time.perf_counter()
-    counts = write_latent_shard(
-        out_path,
-        entries,
-        dtype=spec["dtype"],
-        attrs={"identity": spec["identity"], "shard": spec["shard"]},
-    )
+                for jobs, pixels in stream:
+                    t1 = time.perf_counter()
+                    wait += t1 - t0
+                    x = torch.from_numpy(np.stack(pixels)).to(dev)
+                    latents = family.encode_pixels(vae, x).float().cpu()
+                    encode_s += time.perf_counter() - t1
+                    for (item, _), lat in zip(jobs, latents, strict=True):
+                        values[item["key"]] = lat
+                    progress.advance(task, len(jobs))
+                    t0 = time.perf_counter()
+
+    entries = [
+        LatentEntry(it["id"], it["key"], tuple(it["bucket"]), values[it["key"]]) for it in items
+    ]
+    attrs = {"identity": spec["identity"]}
+    name = shard_content_name("latents", dtype, [(it["id"], it["key"]) for it in items])
+    target = st.shard_path("latents", name)
+    rows = _index_rows(entries)
+    clean_stale_temp(target, older_than=STALE_TEMP_S)
+    if regenerate or missing or not st.has("latents", name):
+        write_latent_shard(target, entries, dtype=dtype, attrs=attrs)
+        st.add_index("latents", name, rows)
+    counts = {}
+    for _, arr, _ in rows:
+        counts[arr] = counts.get(arr, 0) + 1
+    link_into_place(target, out_path)
     summary = {
         "kind": "latents",
         "shard": spec["shard"],
         "items": len(items),
-        "encoded": len(entries),
-        "reused": 0,
+        "encoded": len(missing),
+        "reused": reused,
         "buckets": counts,
-        "dtype": spec["dtype"],
+        "dtype": dtype,
+        "store": str(target),
         "decode_wait_s": round(wait, 3),
+        "encode_s": round(encode_s, 3),
         "wall_s": round(time.perf_counter() - start, 3),
     }
     _write_summary(out_path, summary)
@@ -189,54 +327,96 @@ def _load_encoders(family, device: str | None):
     return encoders
 
 
+def _cache_text_spec(
+    spec: dict[str, Any],
+    out_path: Path,
+    family,
+    cache_cfg: CacheConfig,
+    st: Store,
+    *,
+    regenerate: bool,
+    device: str | None,
+) -> dict[str, Any]:
+    start = time.perf_counter()
+    items: list[dict[str, Any]] = spec["items"]
+    dtype = spec["dtype"]
+    unique: dict[str, str] = {}
+    for item in items:  # equal keys, equal embeddings: encode each caption once
+        unique.setdefault(item["key"], item["caption"])
+    values = {} if regenerate else _reuse_text(st, st.lookup("text", unique), dtype)
+    reused = len(values)
+    missing = [key for key in unique if key not in values]
+    if missing:
+        encoders = _load_encoders(family, device)
+        encoded = _encode_captions(
+            family,
+            encoders,
+            [unique[k] for k in missing],
+            cache_cfg.batch_size,
+            f"text {spec['shard']}",
+        )
+        for i, key in enumerate(missing):
+            values[key] = {name: t[i] for name, t in encoded.items()}
+    embeddings: dict[str, torch.Tensor] = {}
+    if items:
+        names = sorted(values[items[0]["key"]])
+        embeddings = {n: torch.stack([values[it["key"]][n].float() for it in items]) for n in names}
+    name = shard_content_name("text", dtype, [(it["id"], it["key"]) for it in items])
+    target = st.shard_path("text", name)
+    clean_stale_temp(target, older_than=STALE_TEMP_S)
+    if regenerate or missing or not st.has("text", name):
+        write_text_shard(
+            target,
+            [it["id"] for it in items],
+            [it["key"] for it in items],
+            embeddings,
+            dtype=dtype,
+            attrs={"identity": spec["identity"]},
+        )
+        st.add_index("text", name, [(it["key"], "", r) for r, it in enumerate(items)])
+    link_into_place(target, out_path)
+    summary = {
+        "kind": "text",
+        "shard": spec["shard"],
+        "items": len(items),
+        "encoded": len(missing),
+        "reused": reused,
+        "dtype": dtype,
+        "store": str(target),
+        "wall_s": round(time.perf_counter() - start, 3),
+    }
+    _write_summary(out_path, summary)
+    return summary
+
+
 def cache_text(
     spec_path: str | Path,
     out_path: str | Path,
     model_cfg: ModelConfig,
     cache_cfg: CacheConfig,
     *,
+    store: str | Path | None = None,
+    regenerate: bool = False,
     device: str | None = None,
 ) -> dict[str, Any]:
-    """Encode the captions of one text spec into an Arrow shard; returns the summary."""
+    """Build the Arrow shard of one text spec, encoding only captions the store lacks; returns the summary."""
     from diffpipe.models import get_family
 
     start = time.perf_counter()
     spec_path, out_path = Path(spec_path), Path(out_path)
     spec = read_spec(spec_path)
-    items: list[dict[str, Any]] = spec["items"]
     family = get_family(model_cfg)
     _check_spec(spec, spec_path, family.text_identity(), cache_cfg)
-
-    # Equal keys mean equal embeddings: encode each distinct caption once.
-    unique: dict[str, str] = {}
-    for item in items:
-        unique.setdefault(item["key"], item["caption"])
-    embeddings: dict[str, torch.Tensor] = {}
-    if items:
-        encoders = _load_encoders(family, device)
-        encoded = _encode_captions(
-            family, encoders, list(unique.values()), cache_cfg.batch_size, f"text {spec['shard']}"
-        )
-        row = {key: i for i, key in enumerate(unique)}
-        index = torch.tensor([row[item["key"]] for item in items], dtype=torch.long)
-        embeddings = {name: t[index] for name, t in encoded.items()}
-    write_text_shard(
+    summary = _cache_text_spec(
+        spec,
         out_path,
-        [item["id"] for item in items],
-        [item["key"] for item in items],
-        embeddings,
-        dtype=spec["dtype"],
-        attrs={"identity": spec["identity"], "shard": spec["shard"]},
+        family,
+        cache_cfg,
+        _store(store, cache_cfg, out_path),
+        regenerate=regenerate,
+        device=device,
     )
-    summary = {
-        "kind": "text",
-        "shard": spec["shard"],
-        "items": len(items),
-        "encoded": len(unique),
-        "reused": 0,
-        "dtype": spec["dtype"],
-        "wall_s": round(time.perf_counter() - start, 3),
-    }
+    summary["wall_s"] = round(time.perf_counter() - start, 3)
     _write_summary(out_path, summary)
     return summary
 
@@ -246,34 +426,42 @@ def cache_empty_text(
     model_cfg: ModelConfig,
     cache_cfg: CacheConfig,
     *,
+    spec_path: str | Path | None = None,
+    store: str | Path | None = None,
+    regenerate: bool = False,
     device: str | None = None,
 ) -> dict[str, Any]:
-    """Encode the empty caption once (for caption dropout) into a one-row text shard."""
+    """Encode the empty caption once (for caption dropout) into a one-row text shard.
+
+    ``spec_path`` is the plan's ``empty.json``; without it the spec is built here.
+    """
     from diffpipe.models import get_family
 
     start = time.perf_counter()
+    out_path = Path(out_path)
     family = get_family(model_cfg)
     identity = family.text_identity()
-    encoders = _load_encoders(family, device)
-    with torch.no_grad():
-        out = {name: t.float().cpu() for name, t in family.encode_text(encoders, [""]).items()}
-    key = text_key("", identity, cache_cfg.dtype)
-    write_text_shard(
+    if spec_path is not None:
+        spec = read_spec(spec_path)
+        _check_spec(spec, Path(spec_path), identity, cache_cfg)
+    else:
+        key = text_key("", identity, cache_cfg.dtype)
+        spec = {
+            "kind": "text",
+            "shard": "empty",
+            "identity": identity,
+            "dtype": cache_cfg.dtype,
+            "items": [{"id": EMPTY_ID, "caption": "", "key": key}],
+        }
+    summary = _cache_text_spec(
+        spec,
         out_path,
-        [EMPTY_ID],
-        [key],
-        out,
-        dtype=cache_cfg.dtype,
-        attrs={"identity": identity, "shard": "empty"},
+        family,
+        cache_cfg,
+        _store(store, cache_cfg, out_path),
+        regenerate=regenerate,
+        device=device,
     )
-    summary = {
-        "kind": "text",
-        "shard": "empty",
-        "items": 1,
-        "encoded": 1,
-        "reused": 0,
-        "dtype": cache_cfg.dtype,
-        "wall_s": round(time.perf_counter() - start, 3),
-    }
-    _write_summary(Path(out_path), summary)
+    summary["wall_s"] = round(time.perf_counter() - start, 3)
+    _write_summary(out_path, summary)
     return summary

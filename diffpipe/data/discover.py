@@ -1,82 +1,204 @@
-"""Find a dataset's media and caption files.
+"""Find a dataset's media, caption and metadata files, and the entries that are not files.
 
 Snakemake calls :func:`dataset_files` while building its DAG (the validate
-rule's inputs), so it walks with ``os.scandir`` (one syscall per folder, file
-types from the directory entry) and never raises: unreadable folders,
-broken links and hidden (dot) files are left out.
+rule's inputs), so the walk uses ``os.scandir`` (one syscall per folder, file
+types from the directory entry) and never raises. Hidden (dot) files are
+left out. What cannot be a usable file is returned as a problem instead of
+being dropped silently: broken symlinks, symlink loops, names that are not
+valid text, unreadable folders. Those never reach Snakemake's input list.
 """
 
 from __future__ import annotations
 
+import errno
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffpipe.config import DatasetConfig, ValidationConfig
+from diffpipe.data.metadata import DEFAULT_NAMES
 
 
 @dataclass(frozen=True)
+class Found:
+    """A walk problem: relative path (printable), reason code, sentence."""
+
+    rel: str
+    reason: str
+    note: str
+
+
+@dataclass
 class Listing:
-    """Media and caption files of one dataset, as paths relative to its root (POSIX)."""
+    """Files of one dataset, as POSIX paths relative to its root."""
 
     root: Path
-    media: list[str]
+    media: dict[str, str]  # relative path -> "image" | "video" (by extension)
     captions: list[str]
     root_ok: bool
+    metadata: list[str] = field(default_factory=list)
+    problems: list[Found] = field(default_factory=list)
+    #: (size, mtime_ns) of media and caption files, when listed ``with_stats``.
+    stats: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
-def _walk(root: str, exts: set[str], cap_ext: str) -> tuple[list[str], list[str]]:
-    media: list[str] = []
+def norm_ext(ext: str) -> str:
+    ext = ext.lower()
+    return ext if ext.startswith(".") else f".{ext}"
+
+
+def printable(name: str) -> str:
+    """A file name as text: undecodable bytes as ``\\xNN``, control characters escaped."""
+    raw = os.fsencode(name).decode("utf-8", "backslashreplace")
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in raw)
+
+
+_BAD_FILE = "the file name is not valid UTF-8 text or holds control characters; rename it"
+_BAD_DIR = "the folder name is not valid UTF-8 text or holds control characters; nothing in it is read; rename it"
+
+
+def _is_dir(entry: os.DirEntry) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:
+        return False
+
+
+def _bad_name(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:  # undecodable bytes come back as lone surrogates
+        return True
+    return not name.isprintable()
+
+
+def _walk(
+    root: str, kinds: dict[str, str], cap_ext: str, meta_names: set[str] | None, with_stats: bool
+) -> Listing:
+    media: dict[str, str] = {}
+    stats: dict[str, tuple[int, int]] = {}
     captions: list[str] = []
+    metadata: list[str] = []
+    problems: list[Found] = []
+    real_root = os.path.realpath(root)
     seen_dirs: set[tuple[int, int]] = set()
-    stack = [("", root)]
+    stack = [("", root, real_root)]
     while stack:
-        rel, folder = stack.pop()
+        rel, folder, real = stack.pop()
         try:
             st = os.stat(folder)
-            # Followed directory links could loop; visit each real folder once.
-            if (st.st_dev, st.st_ino) in seen_dirs:
+            if (st.st_dev, st.st_ino) in seen_dirs:  # two links to one folder: list it once
                 continue
             seen_dirs.add((st.st_dev, st.st_ino))
             entries = list(os.scandir(folder))
-        except OSError:
+        except OSError as err:
+            problems.append(
+                Found(
+                    rel.rstrip("/") or ".", "unreadable", f"cannot list the folder: {err.strerror}"
+                )
+            )
             continue
         for entry in entries:
             name = entry.name
             if name.startswith("."):  # hidden files, .DS_Store, editor swap files
                 continue
             sub = f"{rel}{name}"
+            ext = os.path.splitext(name)[1].lower()
+            if _bad_name(name):
+                problems.append(
+                    Found(
+                        printable(sub),
+                        "bad_filename",
+                        _BAD_DIR if _is_dir(entry) else _BAD_FILE,
+                    )
+                )
+                continue
             try:
-                if entry.is_dir():
-                    stack.append((sub + "/", entry.path))
+                if entry.is_symlink():
+                    try:
+                        os.stat(entry.path)
+                    except OSError as err:
+                        if err.errno == errno.ELOOP:
+                            problems.append(
+                                Found(sub, "symlink_loop", "the symbolic link points to itself")
+                            )
+                        else:
+                            dest = os.readlink(entry.path)
+                            problems.append(
+                                Found(
+                                    sub,
+                                    "broken_symlink",
+                                    f"the symbolic link points to {dest}, which does not exist",
+                                )
+                            )
+                        continue
+                    if os.path.isdir(entry.path):
+                        target_real = os.path.realpath(entry.path)
+                        if real == target_real or real.startswith(target_real.rstrip("/") + "/"):
+                            problems.append(
+                                Found(
+                                    sub,
+                                    "symlink_loop",
+                                    f"the symbolic link points to {target_real}, a folder above it",
+                                )
+                            )
+                            continue
+                        stack.append((sub + "/", entry.path, target_real))
+                        continue
+                elif entry.is_dir():
+                    stack.append((sub + "/", entry.path, os.path.join(real, name)))
                     continue
-                is_file = entry.is_file()
+                if not entry.is_file():
+                    continue
             except OSError:
                 continue
-            if not is_file:
-                continue
-            ext = os.path.splitext(name)[1].lower()
-            if ext in exts:
-                media.append(sub)
+            if ext in kinds:
+                media[sub] = kinds[ext]
             elif ext == cap_ext:
                 captions.append(sub)
-    return sorted(media), sorted(captions)
+            else:
+                if sub in meta_names if meta_names is not None else name in DEFAULT_NAMES:
+                    metadata.append(sub)
+                continue
+            if with_stats:  # the entry's stat: no path lookup from the root again
+                try:
+                    st = entry.stat()
+                    stats[sub] = (st.st_size, st.st_mtime_ns)
+                except OSError:
+                    pass
+    return Listing(
+        Path(root),
+        dict(sorted(media.items())),
+        sorted(captions),
+        True,
+        sorted(metadata),
+        problems,
+        stats,
+    )
 
 
-def list_dataset(ds: DatasetConfig, vcfg: ValidationConfig) -> Listing:
-    """Media and caption files of ``ds`` (recursive, sorted, hidden files skipped)."""
+def list_dataset(ds: DatasetConfig, vcfg: ValidationConfig, *, with_stats: bool = False) -> Listing:
+    """Media, caption and metadata files of ``ds`` (recursive, sorted, hidden files skipped)."""
     root = Path(ds.path).absolute()
-    exts = {e.lower() if e.startswith(".") else f".{e.lower()}" for e in vcfg.image_exts}
-    cap_ext = ds.caption_ext.lower()
-    if not cap_ext.startswith("."):
-        cap_ext = f".{cap_ext}"
+    kinds = {norm_ext(e): "video" for e in vcfg.video_exts}
+    kinds.update({norm_ext(e): "image" for e in vcfg.image_exts})
+    # A configured metadata file by its path; else the default names in any folder
+    # (imagefolder puts one in each split folder).
+    meta_names = {ds.metadata.removeprefix("./")} if ds.metadata else None
     if not root.is_dir():
-        return Listing(root, [], [], False)
-    media, captions = _walk(str(root), exts, cap_ext)
-    return Listing(root, media, captions, True)
+        return Listing(root, {}, [], False)
+    return _walk(str(root), kinds, norm_ext(ds.caption_ext), meta_names, with_stats)
 
 
 def dataset_files(ds: DatasetConfig, vcfg: ValidationConfig) -> list[Path]:
-    """Every media and caption file of a dataset (absolute, recursive, sorted)."""
+    """Every media, caption and metadata file of a dataset (absolute, sorted).
+
+    Broken links, loops, badly named and unreadable files are left out
+    (Snakemake would fail on them); validation reports them.
+    """
     listing = list_dataset(ds, vcfg)
-    return sorted(listing.root / rel for rel in listing.media + listing.captions)
+    root = str(listing.root)
+    paths = [
+        os.path.join(root, rel) for rel in (*listing.media, *listing.captions, *listing.metadata)
+    ]
+    return sorted(Path(p) for p in paths if os.access(p, os.R_OK))

@@ -139,6 +139,8 @@ def write_latent_shard(
                 shape=data.shape,
                 chunks=(rows, *data.shape[1:]),
                 dtype=data.dtype,
+                # Flat chunk names (c.0.0.0.0.0): one file per chunk, no folder tree to create and delete.
+                chunk_key_encoding={"name": "default", "separator": "."},
                 # Latents are near-incompressible noise; compression only costs time.
                 compressors=None,
                 attributes=meta[name],
@@ -169,9 +171,11 @@ class LatentShard:
                 f"latent shard {self.path} is not a diffpipe latent shard (no format attr)"
             )
         self.dtype: str = self.attrs["dtype"]
-        self.meta: dict[str, dict[str, Any]] = {
-            name: dict(self.group[name].attrs) for name in sorted(self.group.array_keys())
-        }
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*snakemake_timestamp.*")
+            self.meta: dict[str, dict[str, Any]] = {
+                name: dict(self.group[name].attrs) for name in sorted(self.group.array_keys())
+            }
 
     @property
     def names(self) -> list[str]:

@@ -1,16 +1,27 @@
-"""The shard plan: which item goes to which cache shard, under which key.
+"""The shard plan: which entry goes to which cache shard, under which key.
 
-Each kept manifest row gets a bucket, a final caption, a latent key and a
-text key. Keys hash exactly what determines the cached value:
+Each kept manifest row becomes one text entry (its final caption) and one
+latent entry per training resolution (and per flip, when ``flip`` is on).
+Keys hash exactly what determines the cached value:
 
-- latent key = digest(file sha256, bucket, VAE identity, cache dtype);
-- text key = digest(final caption, text-encoder identity, cache dtype).
+- latent key = digest(file sha256, transform (bucket ``[F, H, W]``, crop
+  position, flip, frame indices), VAE identity (config + weight
+  fingerprint), storage dtype);
+- text key = digest(final caption, tokenizer + text-encoder identity, dtype).
 
-Items go to shard ``int(id) mod shards``, so adding, removing or editing one
-item touches only its own shard. Latent and text specs are separate files
-(one per shard each), written only when their content changes: a caption
-edit rewrites one text spec and no latent spec, so Snakemake re-encodes one
-text shard and no latents.
+So a caption edit changes one text key and no latent key, a VAE change
+changes latent keys only, a new resolution adds keys without touching the
+others, and two configs sharing a VAE share latent keys (and store entries).
+
+Items keep the shard the previous plan gave them (``cache/plan-state.json``,
+outside the checkpoint's folder, which Snakemake empties before a rerun);
+items new to a plan all go to the smallest shard, and a first plan uses
+``int(id) mod shards``. So adding files rebuilds one shard, and removing or
+editing one item touches only its own shard. Latent and text specs are separate files
+(one per shard each), written only when their content changes. ``plan.json``
+reports the buckets, and those smaller than a global batch (the reader
+fills them by repetition, never drops them). ``empty.json`` is the spec of
+the empty caption (caption dropout), cached once.
 """
 
 from __future__ import annotations
@@ -24,12 +35,14 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from diffpipe.config import CacheConfig, DatasetConfig
-from diffpipe.data.buckets import choose_bucket
+from diffpipe.data.buckets import choose_bucket, crop_offset, dataset_ratios
+from diffpipe.data.frames import frame_bucket, resample_indices
 from diffpipe.data.latents import bucket_name
 from diffpipe.paths import RunPaths, shard_name
 from diffpipe.utils import digest, stable_json, write_if_changed
 
-SPEC_VERSION = 1
+SPEC_VERSION = 2
+EMPTY_ID = "__empty__"
 
 
 @dataclass
@@ -41,11 +54,37 @@ class PlanResult:
     buckets: dict[str, int]
     written: list[Path] = field(default_factory=list)
     removed: list[Path] = field(default_factory=list)
+    entries: int = 0
+    underfilled: dict[str, int] = field(default_factory=dict)
+    too_short: list[str] = field(default_factory=list)
 
 
 def shard_index(item_id: str, shards: int) -> int:
     """Stable shard of an item: its hex id read as an integer, mod ``shards``."""
     return int(item_id, 16) % shards
+
+
+def assign_shards(
+    ids: list[str], shards: int, previous: dict[str, int] | None = None
+) -> dict[str, int]:
+    """Shard of every item: sticky across plans, new items together.
+
+    Without a previous assignment (or with another shard count) items go to
+    :func:`shard_index`. Otherwise items keep their previous shard, and the
+    items new to this plan all go to the shard holding the fewest items (lowest
+    index on ties): adding 10 files rebuilds one shard, not up to 10.
+    """
+    if not previous or any(not 0 <= v < shards for v in previous.values()):
+        return {i: shard_index(i, shards) for i in ids}
+    out = {i: previous[i] for i in ids if i in previous}
+    new = [i for i in ids if i not in previous]
+    if new:
+        sizes = [0] * shards
+        for v in out.values():
+            sizes[v] += 1
+        target = min(range(shards), key=lambda k: (sizes[k], k))
+        out.update({i: target for i in new})
+    return out
 
 
 def final_caption(prefix: str, caption: str) -> str:
@@ -54,8 +93,27 @@ def final_caption(prefix: str, caption: str) -> str:
     return f"{prefix} {caption}" if prefix else caption
 
 
-def latent_key(sha256: str, bucket: list[int], identity: str, dtype: str) -> str:
-    return digest(["latent", sha256, list(bucket), identity, dtype])
+def transform(
+    bucket: list[int],
+    *,
+    crop: tuple[float, float] = (0.5, 0.5),
+    flip: bool = False,
+    frames: list[int] | None = None,
+) -> dict[str, Any]:
+    """Everything that turns a file into the pixels the VAE sees (part of the latent key)."""
+    return {
+        "bucket": list(bucket),
+        "crop": [round(crop[0], 6), round(crop[1], 6)],
+        "flip": bool(flip),
+        "frames": frames,
+    }
+
+
+def latent_key(sha256: str, tf: dict[str, Any] | list[int], identity: str, dtype: str) -> str:
+    """Key of a latent entry (``tf`` a :func:`transform`; a bare bucket means center, no flip)."""
+    if not isinstance(tf, dict):
+        tf = transform(list(tf))
+    return digest(["latent", sha256, tf, identity, dtype])
 
 
 def text_key(caption: str, identity: str, dtype: str) -> str:
@@ -64,6 +122,59 @@ def text_key(caption: str, identity: str, dtype: str) -> str:
 
 def _spec_json(obj: dict[str, Any]) -> str:
     return stable_json(obj) + "\n"
+
+
+def _entries(
+    row: dict[str, Any],
+    ds: DatasetConfig,
+    *,
+    identity: str,
+    dtype: str,
+    pixel_multiple: int,
+    fps: float,
+    frame_rule: tuple[int, int],
+) -> list[dict[str, Any]]:
+    """The latent entries of one manifest row: one per resolution and flip."""
+    ratios = dataset_ratios(ds)
+    n_src = int(row.get("frames") or 1)
+    frames: list[int] | None = None
+    n = 1
+    if n_src > 1:
+        src_fps = float(row.get("fps") or fps)
+        step, offset = frame_rule
+        n = frame_bucket(n_src, src_fps, fps, ds.frame_buckets, step=step, offset=offset)
+        if n == 0:
+            return []
+        frames = resample_indices(n_src, src_fps, fps, n)
+    out = []
+    for res in ds.training_resolutions():
+        h, w = choose_bucket(row["width"], row["height"], res, pixel_multiple, ratios)
+        bucket = [n, h, w]
+        crop = (0.5, 0.5)
+        if ds.crop == "random":
+            crop = crop_offset(f"{row['sha256']}:{bucket_name(bucket)}")
+        for flip in (False, True) if ds.flip else (False,):
+            tf = transform(bucket, crop=crop, flip=flip, frames=frames)
+            suffix = ("" if len(ds.training_resolutions()) == 1 else f"@{res}") + (
+                ":flip" if flip else ""
+            )
+            out.append(
+                {
+                    "id": row["id"] + suffix,
+                    "item": row["id"],
+                    "path": row["path"],
+                    "sha256": row["sha256"],
+                    "bucket": bucket,
+                    "crop": tf["crop"],
+                    "flip": flip,
+                    "frames": frames,
+                    "key": latent_key(row["sha256"], tf, identity, dtype),
+                    "repeats": ds.repeats,
+                    "dataset": ds.name,
+                    "split": row.get("split") or "train",
+                }
+            )
+    return out
 
 
 def make_plan(
@@ -75,8 +186,15 @@ def make_plan(
     text_identity: str,
     pixel_multiple: int,
     paths: RunPaths,
+    global_batch: int = 1,
+    fps: float = 24.0,
+    frame_rule: tuple[int, int] = (4, 1),
 ) -> PlanResult:
-    """Write one latent spec and one text spec per shard, plus the plan summary.
+    """Write one latent spec and one text spec per shard, the empty-caption spec and the summary.
+
+    ``global_batch`` (micro-batch x accumulation x processes) only feeds the
+    report of buckets smaller than a batch. ``fps`` and ``frame_rule``
+    (``step, offset``: counts ``step*k + offset``) are the model's, for video.
 
     Raises:
         ValueError: the manifest is missing or names a dataset the config lacks.
@@ -85,12 +203,18 @@ def make_plan(
     if not manifest_path.is_file():
         raise ValueError(f"manifest {manifest_path} not found; run the validate step first")
     by_name = {d.name: d for d in datasets}
+    schema_names = set(pq.read_schema(manifest_path).names)
     cols = ["id", "dataset", "path", "sha256", "width", "height", "frames", "caption", "status"]
-    rows = pq.read_table(manifest_path, columns=cols).to_pylist()
+    cols += [c for c in ("fps", "split") if c in schema_names]  # columns newer manifests add
+    rows = pq.ParquetFile(manifest_path).read(columns=cols).to_pylist()
     names = [shard_name(i) for i in range(cache_cfg.shards)]
     latents: list[list[dict[str, Any]]] = [[] for _ in names]
     texts: list[list[dict[str, Any]]] = [[] for _ in names]
     buckets: Counter[str] = Counter()
+    samples: Counter[str] = Counter()  # entries x repeats: what one epoch draws per bucket
+    too_short: list[str] = []
+    n_items = 0
+    kept: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = []
     for row in sorted(rows, key=lambda r: r["id"]):
         if row["status"] == "skipped":
             continue
@@ -100,32 +224,43 @@ def make_plan(
                 f"manifest {manifest_path} lists dataset {row['dataset']!r}, which is not in the "
                 "config; rerun the validate step"
             )
-        h, w = choose_bucket(row["width"], row["height"], ds.resolution, pixel_multiple)
-        bucket = [row["frames"] or 1, h, w]
+        entries = _entries(
+            row,
+            ds,
+            identity=latent_identity,
+            dtype=cache_cfg.dtype,
+            pixel_multiple=pixel_multiple,
+            fps=fps,
+            frame_rule=frame_rule,
+        )
+        if not entries:
+            too_short.append(row["path"])
+            continue
+        n_items += 1
         caption = final_caption(ds.caption_prefix, row["caption"])
-        s = shard_index(row["id"], cache_cfg.shards)
-        latents[s].append(
-            {
-                "id": row["id"],
-                "path": row["path"],
-                "sha256": row["sha256"],
-                "bucket": bucket,
-                "key": latent_key(row["sha256"], bucket, latent_identity, cache_cfg.dtype),
-                "repeats": ds.repeats,
-                "dataset": ds.name,
-            }
-        )
-        texts[s].append(
-            {
-                "id": row["id"],
-                "caption": caption,
-                "key": text_key(caption, text_identity, cache_cfg.dtype),
-            }
-        )
-        buckets[bucket_name(bucket)] += 1
+        text = {
+            "id": row["id"],
+            "caption": caption,
+            "key": text_key(caption, text_identity, cache_cfg.dtype),
+        }
+        kept.append((row["id"], entries, text))
+        for e in entries:
+            buckets[bucket_name(e["bucket"])] += 1
+            samples[bucket_name(e["bucket"])] += e["repeats"]
 
+    state = _read_state(paths.plan_state, cache_cfg.shards)
+    assignment = assign_shards([k[0] for k in kept], cache_cfg.shards, state)
+    for item_id, entries, text in kept:
+        latents[assignment[item_id]].extend(entries)
+        texts[assignment[item_id]].append(text)
+    underfilled = {b: n for b, n in sorted(samples.items()) if n < global_batch}
     result = PlanResult(
-        items=sum(map(len, latents)), shards=names, buckets=dict(sorted(buckets.items()))
+        items=n_items,
+        shards=names,
+        buckets=dict(sorted(buckets.items())),
+        entries=sum(map(len, latents)),
+        underfilled=underfilled,
+        too_short=too_short,
     )
     common = {"version": SPEC_VERSION, "dtype": cache_cfg.dtype}
     for i, name in enumerate(names):
@@ -146,6 +281,17 @@ def make_plan(
         for path, spec in ((paths.latent_spec(name), lspec), (paths.text_spec(name), tspec)):
             if write_if_changed(path, _spec_json(spec)):
                 result.written.append(path)
+    empty = {
+        **common,
+        "kind": "text",
+        "shard": "empty",
+        "identity": text_identity,
+        "items": [
+            {"id": EMPTY_ID, "caption": "", "key": text_key("", text_identity, cache_cfg.dtype)}
+        ],
+    }
+    if write_if_changed(paths.empty_spec, _spec_json(empty)):
+        result.written.append(paths.empty_spec)
     for kind in ("latents", "text"):
         for old in sorted((paths.plan_dir / kind).glob("*.json")):
             if old.stem not in names:
@@ -153,10 +299,16 @@ def make_plan(
                 result.removed.append(old)
     summary = {
         "items": result.items,
+        "entries": result.entries,
         "buckets": result.buckets,
+        "global_batch": global_batch,
+        # Filled by repeating their own items when training, never dropped.
+        "underfilled_buckets": underfilled,
+        "too_short": too_short,
         "shards": {
             name: {
-                "items": len(latents[i]),
+                "items": len(texts[i]),
+                "entries": len(latents[i]),
                 "buckets": dict(
                     sorted(Counter(bucket_name(x["bucket"]) for x in latents[i]).items())
                 ),
@@ -167,7 +319,22 @@ def make_plan(
     }
     if write_if_changed(paths.plan_summary, _spec_json(summary)):
         result.written.append(paths.plan_summary)
+    # Outside the plan folder: Snakemake deletes a checkpoint's output before rerunning it.
+    write_if_changed(
+        paths.plan_state, _spec_json({"shards": cache_cfg.shards, "assignment": assignment})
+    )
     return result
+
+
+def _read_state(path: Path, shards: int) -> dict[str, int] | None:
+    """The previous plan's item -> shard map (None when absent, damaged or for another shard count)."""
+    try:
+        state = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict) or state.get("shards") != shards:
+        return None
+    return state.get("assignment") or None
 
 
 def read_spec(path: str | Path) -> dict[str, Any]:

@@ -62,8 +62,12 @@ class CachedDataset:
         return len(self.items)
 
     @classmethod
-    def from_run(cls, paths: RunPaths) -> CachedDataset:
-        """Open and verify every shard the plan names; raises ValueError naming what is wrong."""
+    def from_run(cls, paths: RunPaths, split: str | None = "train") -> CachedDataset:
+        """Open and verify every shard the plan names; raises ValueError naming what is wrong.
+
+        ``split`` keeps the entries of that split (``"train"``, ``"eval"``); None keeps all.
+        Every planned entry is verified either way.
+        """
         shards = paths.shard_names("latents")
         if not shards:
             raise ValueError(f"no latent specs under {paths.plan_dir}; run the plan step first")
@@ -112,12 +116,13 @@ class CachedDataset:
                         f"latent shard {lshard.path} has no entry for {item['path']} (key {item['key']}, "
                         f"bucket {name}); rerun its cache job"
                     )
-                titem = text_by_id.get(item["id"])
+                source = item.get("item", item["id"])  # several latent entries share one caption
+                titem = text_by_id.get(source)
                 if titem is None:
                     raise ValueError(
                         f"text spec {paths.text_spec(s)} lacks {item['path']}; rerun the plan step"
                     )
-                tfound = text_index.get(item["id"])
+                tfound = text_index.get(source)
                 if tfound is None or tfound[1] != titem["key"]:
                     raise ValueError(
                         f"text shard {tshard.path} has no entry for {item['path']} (key {titem['key']}); "
@@ -126,6 +131,8 @@ class CachedDataset:
                 geometry.setdefault(
                     name, _check_geometry(lshard, name, arrays[name].shape, item["bucket"])
                 )
+                if split is not None and item.get("split", "train") != split:
+                    continue
                 records.append(
                     (
                         item["id"],
@@ -153,6 +160,13 @@ class CachedDataset:
         empty = None
         if paths.text_empty.is_file():
             eshard = TextShard(paths.text_empty)
+            if paths.empty_spec.is_file():
+                want = read_spec(paths.empty_spec)["items"][0]["key"]
+                if eshard.keys != [want]:
+                    raise ValueError(
+                        f"text shard {eshard.path} holds another empty-caption key than the plan's ({want}); "
+                        "rerun `diffpipe cache empty`"
+                    )
             empty = {name: t.float() for name, t in eshard.tensors().items()}
             if text_shapes is not None and eshard.shapes != text_shapes:
                 raise ValueError(

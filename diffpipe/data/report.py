@@ -11,17 +11,15 @@ import re
 from pathlib import Path
 from typing import Any
 
-from PIL import Image, ImageOps
-
-from diffpipe.data.buckets import to_rgb
-from diffpipe.data.validate import REASONS, Issue, ValidationResult
+from diffpipe.data.media import thumbnail
+from diffpipe.data.validate import Issue, ValidationResult
 from diffpipe.utils import digest, write_text_atomic
 
 #: Bump when the page layout changes, so existing pages are rebuilt.
-HTML_VERSION = 1
+HTML_VERSION = 2
 THUMB = 128
 #: Thumbnails per reason; the rest are listed without one (keeps the page small).
-MAX_THUMBS = 60
+MAX_THUMBS = 500
 _KEY_RE = re.compile(r'<meta name="diffpipe-report-key" content="([0-9a-f]+)">')
 
 
@@ -59,19 +57,13 @@ def report_data(result: ValidationResult) -> dict[str, Any]:
     }
 
 
-def _thumbnail(path: str) -> str | None:
-    """Base64 JPEG thumbnail, or None when the file cannot be decoded."""
-    try:
-        with Image.open(path) as img:
-            img.draft("RGB", (THUMB, THUMB))
-            img.load()
-            ImageOps.exif_transpose(img, in_place=True)
-            rgb = to_rgb(img)
-        rgb.thumbnail((THUMB, THUMB))
-        buf = io.BytesIO()
-        rgb.save(buf, format="JPEG", quality=80)
-    except Exception:
+def _thumbnail(path: str, kind: str | None) -> str | None:
+    """Base64 JPEG thumbnail (a video's first frame), or None when it cannot be decoded."""
+    img = thumbnail(path, kind, THUMB)
+    if img is None:
         return None
+    buf = io.BytesIO()
+    img.save(buf, format="JPEG", quality=80)
     return base64.b64encode(buf.getvalue()).decode()
 
 
@@ -89,14 +81,12 @@ table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 10px;text
 def _card(issue: Issue, with_thumb: bool) -> str:
     name = html.escape(Path(issue.path).name)
     msg = html.escape(issue.message)
-    label = {
-        "orphan_caption": "caption file",
-        "missing_dataset": "folder",
-        "no_media": "folder",
-    }.get(issue.reason)
+    label = (
+        None if issue.kind else "no media"
+    )  # flags on rows have a kind; others name a file or folder
     thumb = None
     if label is None:
-        thumb = _thumbnail(issue.path) if with_thumb else None
+        thumb = _thumbnail(issue.path, issue.kind) if with_thumb else None
         label = "cannot decode" if with_thumb else "not shown"
     if thumb:
         pic = f'<img src="data:image/jpeg;base64,{thumb}" alt="{name}">'
@@ -116,17 +106,18 @@ def render_html(result: ValidationResult, key: str) -> str:
     ]
     parts += [f"<tr><td>{k}</td><td>{v}</td></tr>" for k, v in data["summary"].items()]
     parts.append(
-        "</table><h2>Datasets</h2><table><tr><th>dataset</th><th>items</th><th>kept</th><th>skipped</th></tr>"
+        "</table><h2>Datasets</h2><table><tr><th>dataset</th><th>items</th><th>kept</th><th>skipped</th>"
+        "<th>eval</th></tr>"
     )
     for name, c in data["datasets"].items():
         parts.append(
-            f"<tr><td>{html.escape(name)}</td><td>{c['items']}</td><td>{c['kept']}</td><td>{c['skipped']}</td></tr>"
+            f"<tr><td>{html.escape(name)}</td><td>{c['items']}</td><td>{c['kept']}</td><td>{c['skipped']}</td><td>{c['eval']}</td></tr>"
         )
     parts.append("</table>")
     if not result.issues:
         parts.append("<p>No problems found.</p>")
     for reason, count in data["counts"].items():
-        action = REASONS[reason]
+        action = result.actions[reason]
         parts.append(
             f'<h2 id="{reason}">{reason} <span class="{action}">({action}, {count})</span></h2><div class="grid">'
         )

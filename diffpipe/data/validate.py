@@ -1,69 +1,91 @@
-"""Dataset validation: fingerprint every file, flag problems, write the manifest.
+"""Dataset validation: fingerprint every file, flag every problem, write the manifest.
 
-Each media file becomes one manifest row with its content hash, size, caption
-and status. Problems carry a stable reason code and an action: ``skip``
-(left out of training and reported), ``warn`` (reported only) or ``error``
-(the run stops). Nothing in a dataset is ever modified.
+Each media file becomes one manifest row with its content hash, size,
+geometry, captions, token counts, split and status. Problems carry a stable
+reason code (:mod:`diffpipe.data.policy`) whose action decides the row's
+status: ``skip`` leaves it out of training, ``warn`` keeps it, ``error``
+stops the run. Nothing in a dataset is ever modified.
 
-Incremental: a file whose size and mtime_ns match the previous manifest
-reuses its hash and probe results without reading its content. Caption files
-are small and are the most edited, so they are read on every run.
+Incremental: a media file whose size and mtime_ns match the previous
+manifest reuses its hash and probe results without reading its content; so
+does a caption file, and token counts are reused while the captions and the
+model config are unchanged. New or changed files are probed by a pool of
+worker processes (:mod:`diffpipe.data.pool`, :func:`diffpipe.data.media.probe`);
+the checks over probed rows live in :mod:`diffpipe.data.checks`.
 """
 
 from __future__ import annotations
 
-import hashlib
-import io
+import json
 import os
+import shutil
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-from PIL import Image
 from rich.console import Console
 from rich.table import Table
 
 from diffpipe.config import DatasetConfig, ValidationConfig
-from diffpipe.data.discover import Listing, list_dataset
+from diffpipe.data import captions as cap
+from diffpipe.data.checks import (  # noqa: F401  (FamilyTokenCounter: used through this module)
+    FamilyTokenCounter,
+    TokenCounter,
+    add_reason,
+    assign_split,
+    check_geometry,
+    check_tokens,
+    flag_duplicates,
+)
+from diffpipe.data.discover import Listing, list_dataset, printable
+from diffpipe.data.metadata import MetadataTable, read_metadata
+from diffpipe.data.policy import REASONS, Action, resolve_actions, status_of
+from diffpipe.data.pool import probe_files
 from diffpipe.utils import atomic_path, digest
 
-Action = Literal["skip", "warn", "error"]
-
-#: Reason code -> action. Codes are stable: reports and tests match on them.
-REASONS: dict[str, Action] = {
-    "missing_caption": "skip",
-    "empty_caption": "skip",
-    "caption_not_utf8": "skip",
-    "corrupt_media": "skip",
-    "zero_byte": "skip",
-    "too_small": "skip",
-    "unreadable": "skip",
-    "orphan_caption": "warn",
-    "missing_dataset": "error",
-    "no_media": "error",
+#: Bump when probing changes, so a new version re-probes every file.
+PROBE_VERSION = 3
+#: Reasons found by reading media content, reused while size and mtime are unchanged.
+_PROBE_REASONS = {
+    "zero_byte",
+    "corrupt_media",
+    "extension_mismatch",
+    "decompression_bomb",
+    "no_frames",
 }
-#: Reasons found by reading media content, reused when size and mtime are unchanged.
-_PROBE_REASONS = {"corrupt_media", "zero_byte"}
+#: Reasons found by reading a caption file, reused likewise.
+_CAPTION_REASONS = {"empty_caption", "caption_not_utf8"}
 
+_TOKENS = pa.list_(
+    pa.struct([("encoder", pa.string()), ("tokens", pa.int32()), ("limit", pa.int32())])
+)
 MANIFEST_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
         ("dataset", pa.string()),
         ("path", pa.string()),
         ("relpath", pa.string()),
+        ("kind", pa.string()),  # image | video
         ("sha256", pa.string()),
         ("size", pa.int64()),
         ("mtime_ns", pa.int64()),
         ("width", pa.int32()),
         ("height", pa.int32()),
         ("frames", pa.int32()),
-        ("caption", pa.string()),
+        ("fps", pa.float64()),  # measured from decoded frame times; null for images
+        ("caption", pa.string()),  # the first alternative (what a single-caption reader uses)
+        ("captions", pa.list_(pa.string())),  # every alternative
         ("caption_sha256", pa.string()),
-        ("status", pa.string()),
+        ("caption_file", pa.string()),  # relative path of the caption file, null when from metadata
+        ("caption_size", pa.int64()),
+        ("caption_mtime_ns", pa.int64()),
+        ("tokens", _TOKENS),  # per encoder: most tokens over the alternatives, and the limit
+        ("tokens_key", pa.string()),
+        ("split", pa.string()),  # train | eval
+        ("status", pa.string()),  # ok | warning | skipped | error
         ("reasons", pa.list_(pa.string())),
         ("notes", pa.list_(pa.string())),  # one human sentence per reason
     ]
@@ -72,17 +94,15 @@ MANIFEST_SCHEMA = pa.schema(
 
 @dataclass(frozen=True)
 class Issue:
-    """One flagged file (or dataset): where, which reason, and a sentence for humans."""
+    """One flagged file (or dataset): where, which reason, its action and a sentence for humans."""
 
     dataset: str
     path: str
     reason: str
     message: str
+    action: Action
     sha256: str | None = None
-
-    @property
-    def action(self) -> Action:
-        return REASONS[self.reason]
+    kind: str | None = None
 
 
 @dataclass
@@ -97,12 +117,19 @@ class ValidationResult:
     manifest_changed: bool = False
     hashed: int = 0  # media files whose content was read this run
     reused: int = 0  # media files whose hash came from the previous manifest
+    captions_read: int = 0  # caption files read this run
     issues: list[Issue] = field(default_factory=list)
     datasets: dict[str, dict[str, int]] = field(default_factory=dict)
+    actions: dict[str, Action] = field(default_factory=dict)
 
     @property
     def counts(self) -> dict[str, int]:
         return dict(sorted(Counter(i.reason for i in self.issues).items()))
+
+
+def kept_copy(path: Path) -> Path:
+    """Where a run with errors keeps a copy of ``path`` (``report.html`` -> ``report.failed.html``)."""
+    return path.with_name(f"{path.stem}.failed{path.suffix}")
 
 
 def item_id(dataset: str, relpath: str) -> str:
@@ -110,173 +137,49 @@ def item_id(dataset: str, relpath: str) -> str:
     return digest([dataset, relpath])[:16]
 
 
-@dataclass
-class _Probe:
-    sha256: str | None
-    width: int | None
-    height: int | None
-    reason: str | None = None
-    note: str | None = None
+# -- previous manifest ---------------------------------------------------------
+def _read_parquet(path: Path) -> pa.Table:
+    # ParquetFile, not read_table: read_table imports pyarrow.dataset (over 0.5 s of a rerun).
+    with pq.ParquetFile(path) as f:
+        return f.read()
 
 
-def _probe(path: str) -> _Probe:
-    """Hash the file and fully decode it (truncation only shows on a full load)."""
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except OSError as err:
-        return _Probe(
-            None, None, None, "unreadable", f"cannot read the file: {err.strerror or err}"
-        )
-    sha = hashlib.sha256(data).hexdigest()
-    if not data:
-        return _Probe(sha, None, None, "zero_byte", "the file is empty (0 bytes)")
-    try:
-        with Image.open(io.BytesIO(data)) as img:
-            w, h = img.size
-            if img.format == "JPEG":
-                # DCT-domain downscale still walks the whole stream (truncation is
-                # caught) at a fraction of the decode cost.
-                img.draft("RGB", (max(1, w // 8), max(1, h // 8)))
-            img.load()
-            orientation = img.getexif().get(0x0112, 1)
-    except Exception as err:  # PIL raises OSError, SyntaxError, ValueError, bomb errors...
-        return _Probe(sha, None, None, "corrupt_media", f"cannot decode the image: {err}")
-    if orientation in (5, 6, 7, 8):  # what ImageOps.exif_transpose does to the size
-        w, h = h, w
-    return _Probe(sha, w, h)
-
-
-def _read_caption(path: Path) -> tuple[str, str | None, str | None]:
-    """Caption text, or ('', reason, note)."""
-    try:
-        data = path.read_bytes()
-    except OSError as err:
-        return "", "unreadable", f"cannot read caption file {path.name}: {err.strerror or err}"
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        return (
-            "",
-            "caption_not_utf8",
-            (
-                f"caption file {path.name} is not valid UTF-8 (byte offset {err.start}); "
-                "re-save it as UTF-8"
-            ),
-        )
-    text = text.removeprefix("\ufeff").strip()  # editors add a BOM and trailing newline
-    if not text:
-        return "", "empty_caption", f"caption file {path.name} is empty or only whitespace"
-    return text, None, None
-
-
-def _load_previous(path: Path | None) -> dict[str, dict[str, Any]]:
+def _load_previous(path: Path | None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
     if path is None or not path.is_file():
-        return {}
+        return {}, {}
     try:
-        rows = pq.read_table(path).to_pylist()
+        table = _read_parquet(path)
+        if table.schema.remove_metadata() != MANIFEST_SCHEMA:
+            return {}, {}  # an older layout only costs the reuse
+        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+        cols = table.to_pydict()  # columnar conversion is several times faster than to_pylist
+        names = list(cols)
+        return {
+            vals[0]: dict(zip(names, vals, strict=True))
+            for vals in zip(*cols.values(), strict=True)
+        }, meta
     except Exception:  # a damaged previous manifest only costs the reuse
-        return {}
-    return {r["id"]: r for r in rows if r.get("sha256")}
+        return {}, {}
 
 
-def _scan_dataset(
-    ds: DatasetConfig,
-    listing: Listing,
-    vcfg: ValidationConfig,
-    previous: dict[str, dict[str, Any]],
-    rehash: bool,
-    pool: ThreadPoolExecutor,
-    result: ValidationResult,
-) -> list[dict[str, Any]]:
-    cap_ext = (
-        ds.caption_ext.lower() if ds.caption_ext.startswith(".") else f".{ds.caption_ext.lower()}"
+def _same_rows(rows: list[dict[str, Any]], previous: dict[str, dict[str, Any]]) -> bool:
+    """Whether ``rows`` (sorted by id) hold exactly the previous manifest's values."""
+    if len(rows) != len(previous):
+        return False
+    names = MANIFEST_SCHEMA.names
+    return all(
+        (prev := previous.get(row["id"])) is not None and all(row.get(n) == prev[n] for n in names)
+        for row in rows
     )
-    captions = {os.path.splitext(c)[0]: c for c in listing.captions}
-    media_stems = {os.path.splitext(m)[0] for m in listing.media}
-    rows: list[dict[str, Any]] = []
-    to_probe: list[int] = []
-    for rel in listing.media:
-        path = listing.root / rel
-        rid = item_id(ds.name, rel)
-        try:
-            st = path.stat()
-            size, mtime = st.st_size, st.st_mtime_ns
-        except OSError:
-            size, mtime = 0, 0
-        row = {
-            "id": rid,
-            "dataset": ds.name,
-            "path": str(path),
-            "relpath": rel,
-            "size": size,
-            "mtime_ns": mtime,
-            "frames": 1,
-            "reasons": [],
-            "notes": [],
-        }
-        prev = previous.get(rid)
-        if prev and not rehash and prev["size"] == size and prev["mtime_ns"] == mtime:
-            row.update(sha256=prev["sha256"], width=prev["width"], height=prev["height"])
-            for reason, note in zip(prev["reasons"], prev["notes"], strict=True):
-                if reason in _PROBE_REASONS:
-                    row["reasons"].append(reason)
-                    row["notes"].append(note)
-            result.reused += 1
-        else:
-            to_probe.append(len(rows))
-        rows.append(row)
-
-    probes = pool.map(lambda i: _probe(rows[i]["path"]), to_probe)
-    for i, probe in zip(to_probe, probes, strict=True):
-        row = rows[i]
-        row.update(sha256=probe.sha256, width=probe.width, height=probe.height)
-        if probe.reason:
-            row["reasons"].append(probe.reason)
-            row["notes"].append(probe.note)
-        result.hashed += 1
-
-    for row in rows:
-        stem = os.path.splitext(row["relpath"])[0]
-        if stem in captions:
-            caption, reason, note = _read_caption(listing.root / captions[stem])
-        else:
-            caption, reason = "", "missing_caption"
-            note = f"no caption file {Path(stem).name}{cap_ext} next to it"
-        if reason:
-            row["reasons"].append(reason)
-            row["notes"].append(note)
-        w, h = row["width"], row["height"]
-        if w is not None and h is not None and min(w, h) < vcfg.min_size:
-            row["reasons"].append("too_small")
-            row["notes"].append(
-                f"image is {w}x{h}, smaller than validation.min_size={vcfg.min_size}"
-            )
-        row["caption"] = caption
-        row["caption_sha256"] = hashlib.sha256(caption.encode()).hexdigest() if caption else None
-        actions = {REASONS[r] for r in row["reasons"]}
-        row["status"] = "skipped" if "skip" in actions else "warning" if actions else "ok"
-        for reason, note in zip(row["reasons"], row["notes"], strict=True):
-            result.issues.append(Issue(ds.name, row["path"], reason, note, row["sha256"]))
-
-    for stem, rel in captions.items():
-        if stem not in media_stems:
-            result.issues.append(
-                Issue(
-                    ds.name,
-                    str(listing.root / rel),
-                    "orphan_caption",
-                    f"caption file {Path(rel).name} has no image with the same name",
-                )
-            )
-    return rows
 
 
 def _write_manifest(path: Path, table: pa.Table) -> bool:
     """Write the manifest unless it holds the same rows; unchanged -> only touch it."""
     if path.is_file():
         try:
-            same = pq.read_table(path).equals(table)
+            old = _read_parquet(path)
+            # Parquet renames list items ("element"), so compare the keys apart from the columns.
+            same = old.equals(table) and old.schema.metadata == table.schema.metadata
         except Exception:
             same = False
         if same:
@@ -287,6 +190,160 @@ def _write_manifest(path: Path, table: pa.Table) -> bool:
     return True
 
 
+# -- per-dataset collection ----------------------------------------------------
+def _stat(path: str) -> tuple[int, int]:
+    try:
+        st = os.stat(path)
+        return st.st_size, st.st_mtime_ns
+    except OSError:
+        return 0, 0
+
+
+def _collect(
+    ds: DatasetConfig,
+    listing: Listing,
+    meta: MetadataTable,
+    previous: dict[str, dict[str, Any]],
+    reuse_probe: bool,
+    issue: Any,
+) -> tuple[list[dict[str, Any]], list[tuple[int, str, str]]]:
+    """Manifest rows of one dataset with reused probe results, and what must be probed."""
+    media = dict(listing.media)
+    for rel in meta.captions:
+        if rel in media:
+            continue
+        if (listing.root / rel).is_file():
+            media[rel] = "image"  # listed by metadata with an unusual extension: sniffing decides
+        else:
+            issue(
+                str(listing.root / rel),
+                "missing_file",
+                f"{meta.where[rel]}: {rel!r} does not exist in {listing.root}",
+            )
+    rows: list[dict[str, Any]] = []
+    jobs: list[tuple[int, str, str]] = []
+    root = str(listing.root)
+    known = {r["relpath"]: r["id"] for r in previous.values() if r["dataset"] == ds.name}
+    for rel, kind in sorted(media.items()):
+        path = os.path.join(root, rel)
+        size, mtime = listing.stats.get(rel) or _stat(path)
+        rid = known.get(rel) or item_id(ds.name, rel)  # the digest costs more than the lookup
+        row: dict[str, Any] = {
+            "id": rid,
+            "dataset": ds.name,
+            "path": path,
+            "relpath": rel,
+            "kind": kind,
+            "size": size,
+            "mtime_ns": mtime,
+            "sha256": None,
+            "width": None,
+            "height": None,
+            "frames": None,
+            "fps": None,
+            "reasons": [],
+            "notes": [],
+        }
+        prev = previous.get(rid)
+        if (
+            reuse_probe
+            and prev
+            and prev["sha256"]
+            and prev["size"] == size
+            and prev["mtime_ns"] == mtime
+        ):
+            for k in ("sha256", "kind", "width", "height", "frames", "fps"):
+                row[k] = prev[k]
+            for reason, note in zip(prev["reasons"], prev["notes"], strict=True):
+                if reason in _PROBE_REASONS:
+                    add_reason(row, reason, note)
+            row["_reused"] = True
+        else:
+            jobs.append((len(rows), path, kind))
+        rows.append(row)
+    return rows, jobs
+
+
+def _captions(
+    ds: DatasetConfig,
+    listing: Listing,
+    meta: MetadataTable,
+    rows: list[dict[str, Any]],
+    previous: dict[str, dict[str, Any]],
+    caption_key_same: bool,
+    result: ValidationResult,
+    issue: Any,
+) -> None:
+    """Attach captions (metadata first, then same-stem files) and report orphan caption files."""
+    files = {os.path.splitext(c)[0]: c for c in listing.captions}
+    used: set[str] = set()
+    root = str(listing.root)
+    for row in rows:
+        rel = row["relpath"]
+        stem = os.path.splitext(rel)[0]
+        row.update(caption_file=None, caption_size=None, caption_mtime_ns=None)
+        if rel in meta.captions:
+            c = cap.from_metadata(
+                meta.captions[rel],
+                where=meta.where[rel],
+                lines=ds.caption_lines,
+                style=ds.caption_style,
+            )
+            texts, reason, note = list(c.texts), c.reason, c.note
+            used.add(stem)
+        elif stem in files:
+            crel = files[stem]
+            used.add(stem)
+            size, mtime = listing.stats.get(crel) or _stat(os.path.join(root, crel))
+            row.update(caption_file=crel, caption_size=size, caption_mtime_ns=mtime)
+            prev = previous.get(row["id"])
+            if (
+                caption_key_same
+                and prev
+                and prev["caption_file"] == crel
+                and prev["caption_size"] == size
+                and prev["caption_mtime_ns"] == mtime
+                and "unreadable" not in prev["reasons"]
+            ):
+                texts = list(prev["captions"] or [])
+                both = zip(prev["reasons"], prev["notes"], strict=True)
+                reason, note = next(
+                    ((r, n) for r, n in both if r in _CAPTION_REASONS), (None, None)
+                )
+            else:
+                result.captions_read += 1
+                try:
+                    data = (listing.root / crel).read_bytes()
+                except OSError as err:
+                    texts, reason = [], "unreadable"
+                    note = f"cannot read caption file {crel}: {err.strerror or err}"
+                else:
+                    c = cap.decode_caption(
+                        data,
+                        name=f"caption file {crel}",
+                        lines=ds.caption_lines,
+                        style=ds.caption_style,
+                    )
+                    texts, reason, note = list(c.texts), c.reason, c.note
+        else:
+            texts, reason = [], "missing_caption"
+            where = f" and no row in {', '.join(meta.files)}" if meta.files else ""
+            note = f"no caption file {Path(stem).name}{ds.caption_ext} next to it{where}"
+        if reason:
+            add_reason(row, reason, note)
+        row["captions"] = texts
+        row["caption"] = texts[0] if texts else ""
+        row["caption_sha256"] = cap.caption_hash(texts)
+    for stem, crel in files.items():
+        if stem not in used:
+            issue(
+                str(listing.root / crel),
+                "orphan_caption",
+                f"caption file {crel} has no media file with the same name",
+            )
+
+
+# -- entry point -----------------------------------------------------------------
 def run_validation(
     datasets: list[DatasetConfig],
     vcfg: ValidationConfig,
@@ -296,86 +353,200 @@ def run_validation(
     report_html: str | Path,
     previous: str | Path | Literal["auto"] | None = "auto",
     rehash: bool = False,
+    tokens: TokenCounter | None = None,
+    workers: int | None = None,
+    console: Console | None = None,
 ) -> ValidationResult:
     """Scan datasets, write the manifest and both reports, return the counts.
 
     Args:
         datasets: datasets to scan (names must be unique).
-        vcfg: which extensions are media and the minimum image side.
+        vcfg: media extensions, limits and per-reason actions.
         manifest_path: Parquet manifest (one row per media file, sorted by id).
         report_json: machine-readable report (counts per reason, flagged files).
-        report_html: self-contained page with thumbnails of flagged images.
-        previous: manifest whose hashes are reused for unchanged files;
+        report_html: self-contained page with thumbnails of flagged files, by reason.
+        previous: manifest whose results are reused for unchanged files;
             ``"auto"`` uses ``manifest_path`` if it exists, None disables reuse.
         rehash: read every file even when its size and mtime are unchanged.
+        tokens: counts caption tokens per text encoder (None: no length check).
+        workers: probe processes (default: every core).
+        console: where the progress bar goes (shown only on a terminal).
     """
     from diffpipe.data.report import write_reports  # imported here: report imports this module
 
     manifest_path = Path(manifest_path)
     prev_path = manifest_path if previous == "auto" else (Path(previous) if previous else None)
-    prev_rows = _load_previous(prev_path)
-    result = ValidationResult()
-    rows: list[dict[str, Any]] = []
-    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
-        for ds in datasets:
-            listing = list_dataset(ds, vcfg)
-            if not listing.root_ok:
-                result.issues.append(
-                    Issue(
-                        ds.name,
-                        str(listing.root),
-                        "missing_dataset",
-                        f"dataset folder {listing.root} does not exist or is not a folder",
-                    )
-                )
-                continue
-            if not listing.media:
-                exts = ", ".join(vcfg.image_exts)
-                result.issues.append(
-                    Issue(
-                        ds.name,
-                        str(listing.root),
-                        "no_media",
-                        f"dataset folder {listing.root} holds no media files ({exts})",
-                    )
-                )
-            ds_rows = _scan_dataset(ds, listing, vcfg, prev_rows, rehash, pool, result)
-            kept = sum(r["status"] != "skipped" for r in ds_rows)
-            result.datasets[ds.name] = {
-                "items": len(ds_rows),
-                "kept": kept,
-                "skipped": len(ds_rows) - kept,
-            }
-            rows.extend(ds_rows)
+    keep = kept_copy(manifest_path)
+    if previous == "auto" and not manifest_path.is_file() and keep.is_file():
+        prev_path = keep  # Snakemake removed the outputs of a failed run; its results still count
+    prev_rows, prev_meta = _load_previous(prev_path)
+    actions = resolve_actions(vcfg.actions)
+    probe_key = digest([PROBE_VERSION, vcfg.max_pixels])[:16]
+    caption_keys = {ds.name: digest([ds.caption_lines, ds.caption_style])[:16] for ds in datasets}
+    prev_caption_keys = json.loads(prev_meta.get("caption_keys", "{}"))
+    reuse_probe = not rehash and prev_meta.get("probe_key") == probe_key
+    result = ValidationResult(actions=actions)
+    extra: list[tuple[str, str, str, str]] = []  # (dataset, path, reason, note) not tied to a row
 
-    rows.sort(key=lambda r: r["id"])
-    result.items = len(rows)
-    result.kept = sum(r["status"] != "skipped" for r in rows)
+    per_ds: list[tuple[DatasetConfig, Listing, MetadataTable, list[dict[str, Any]]]] = []
+    jobs: list[tuple[list[dict[str, Any]], int, str, str]] = []
+    for ds in datasets:
+
+        def issue(path: str, reason: str, note: str, _ds: str = ds.name) -> None:
+            extra.append((_ds, path, reason, note))
+
+        listing = list_dataset(ds, vcfg, with_stats=True)
+        if not listing.root_ok:
+            issue(
+                str(listing.root),
+                "missing_dataset",
+                f"dataset folder {listing.root} does not exist or is not a folder",
+            )
+            continue
+        for found in listing.problems:
+            issue(str(listing.root / found.rel), found.reason, found.note)
+        meta_files = [ds.metadata] if ds.metadata else listing.metadata
+        meta = read_metadata(listing.root, meta_files, ds.file_column, ds.caption_column)
+        for prob in meta.problems:
+            path = prob.where if os.path.isabs(prob.where) else str(listing.root / prob.where)
+            issue(path, prob.reason, prob.note)
+        rows, ds_jobs = _collect(ds, listing, meta, prev_rows, reuse_probe, issue)
+        if not rows:
+            exts = ", ".join([*vcfg.image_exts, *vcfg.video_exts])
+            issue(
+                str(listing.root),
+                "no_media",
+                f"dataset folder {listing.root} holds no media files ({exts})",
+            )
+        jobs += [(rows, i, p, k) for i, p, k in ds_jobs]
+        per_ds.append((ds, listing, meta, rows))
+
+    # New files likely bring new captions: load the tokenizers while they are probed.
+    prefetch = getattr(tokens, "prefetch", None) if jobs else None
+    probes = probe_files(
+        [(p, k) for _, _, p, k in jobs], vcfg.max_pixels, workers, console, prefetch
+    )
+    for (rows, i, _, _), probe in zip(jobs, probes, strict=True):
+        row = rows[i]
+        for k in ("sha256", "width", "height", "frames", "fps"):
+            row[k] = probe[k]
+        row["kind"] = probe["kind"] or row["kind"]
+        for reason, note in probe["problems"]:
+            add_reason(row, reason, note)
+    result.hashed = len(jobs)
+
+    all_rows: list[dict[str, Any]] = []
+    for ds, listing, meta, rows in per_ds:
+        same_key = not rehash and prev_caption_keys.get(ds.name) == caption_keys[ds.name]
+        _captions(
+            ds,
+            listing,
+            meta,
+            rows,
+            prev_rows,
+            same_key,
+            result,
+            lambda p, r, n, d=ds.name: extra.append((d, p, r, n)),
+        )
+        for row in rows:
+            check_geometry(ds, vcfg, row)
+        assign_split(ds, rows, lambda p, r, n, d=ds.name: extra.append((d, p, r, n)), listing.root)
+        all_rows += rows
+    check_tokens(all_rows, {ds.name: ds.caption_prefix for ds in datasets}, tokens, prev_rows)
+    flag_duplicates(all_rows)
+
+    for row in all_rows:
+        result.reused += row.pop("_reused", False)
+        row["status"] = status_of(row["reasons"], actions)
+        for reason, note in zip(row["reasons"], row["notes"], strict=True):
+            result.issues.append(
+                Issue(
+                    row["dataset"],
+                    row["path"],
+                    reason,
+                    note,
+                    actions[reason],
+                    row["sha256"],
+                    row["kind"],
+                )
+            )
+    for ds_name, path, reason, note in extra:
+        result.issues.append(Issue(ds_name, printable(path), reason, note, actions[reason]))
+    for ds in datasets:
+        rows = [r for r in all_rows if r["dataset"] == ds.name]
+        kept = sum(r["status"] in ("ok", "warning") for r in rows)
+        result.datasets[ds.name] = {
+            "items": len(rows),
+            "kept": kept,
+            "skipped": len(rows) - kept,
+            "eval": sum(r["split"] == "eval" for r in rows),
+        }
+
+    all_rows.sort(key=lambda r: r["id"])
+    result.items = len(all_rows)
+    result.kept = sum(r["status"] in ("ok", "warning") for r in all_rows)
     result.skipped = result.items - result.kept
     result.errors = sum(i.action == "error" for i in result.issues)
     result.warnings = sum(i.action == "warn" for i in result.issues)
     result.issues.sort(key=lambda i: (i.dataset, i.path, i.reason))
-    table = pa.Table.from_pylist(rows, schema=MANIFEST_SCHEMA)
-    result.manifest_changed = _write_manifest(manifest_path, table)
+    meta = {"probe_key": probe_key, "caption_keys": json.dumps(caption_keys, sort_keys=True)}
+    if prev_path == manifest_path and prev_meta == meta and _same_rows(all_rows, prev_rows):
+        # Compared as Python values: building the Arrow table from rows imports pandas
+        # (pyarrow checks for pandas types), a large share of a no-change rerun.
+        os.utime(manifest_path)  # newer than its inputs for Snakemake, same content
+        result.manifest_changed = False
+    else:
+        table = pa.Table.from_pylist(all_rows, schema=MANIFEST_SCHEMA.with_metadata(meta))
+        result.manifest_changed = _write_manifest(manifest_path, table)
     write_reports(result, report_json=Path(report_json), report_html=Path(report_html))
+    if result.errors:
+        # A failed Snakemake job loses its outputs: keep copies it does not know about,
+        # so the reports stay readable and the next run still skips unchanged files.
+        for src in (manifest_path, Path(report_json), Path(report_html)):
+            shutil.copyfile(src, kept_copy(src))
+    else:
+        for src in (manifest_path, Path(report_json), Path(report_html)):
+            kept_copy(src).unlink(missing_ok=True)
     return result
 
 
-def print_summary(result: ValidationResult, console: Console | None = None) -> None:
-    """Print the per-reason counts and totals as a rich table."""
+def print_summary(
+    result: ValidationResult,
+    console: Console | None = None,
+    *,
+    report: Path | None = None,
+    max_errors: int = 50,
+) -> None:
+    """Print each error, the report's path, then the counts per reason as a table (printed last)."""
     console = console or Console(stderr=True)
+    errors = [i for i in result.issues if i.action == "error"]
+    for issue in errors[:max_errors]:  # in the log too: a failed Snakemake job loses its outputs
+        console.print(f"[red]{issue.reason}[/red] {issue.path}: {issue.message}", highlight=False)
+    if len(errors) > max_errors:
+        console.print(f"... and {len(errors) - max_errors} more error(s)")
+    if report:
+        console.print(f"validate: report {report}")
     table = Table(title="Dataset validation")
     table.add_column("reason")
     table.add_column("action")
     table.add_column("files", justify="right")
     for reason, count in result.counts.items():
-        table.add_row(reason, REASONS[reason], str(count))
+        action = result.actions.get(reason) or REASONS[reason][0]
+        style = {"error": "red", "skip": "yellow"}.get(action, "")
+        table.add_row(reason, f"[{style}]{action}[/]" if style else action, str(count))
     table.add_section()
-    table.add_row("kept", "", str(result.kept))
-    table.add_row("skipped", "", str(result.skipped))
-    table.add_row("items", "", str(result.items))
+    for label, value in (
+        ("kept", result.kept),
+        ("skipped", result.skipped),
+        ("items", result.items),
+        ("errors", result.errors),
+        ("warnings", result.warnings),
+    ):
+        table.add_row(label, "", str(value))
     console.print(table)
     if result.errors:
         console.print(
-            f"[red]{result.errors} error(s): fix them before training (see the report).[/red]"
+            f"[red]{result.errors} error(s): fix them before training (each is listed in the report).[/red]"
         )
+    else:
+        console.print(f"validate: {result.kept} of {result.items} items kept")

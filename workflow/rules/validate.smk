@@ -1,3 +1,4 @@
+# Validation decodes new files in a pool of worker processes: one per thread.
 rule validate:
     input:
         dw.dataset_inputs(CFG),
@@ -10,9 +11,10 @@ rule validate:
     params:
         config=RESOLVED,
         digest=dw.stage_digest(CFG, "validate"),
+    threads: workflow.cores
     log:
         out("logs/validate.log"),
     benchmark:
         out("benchmarks/validate.tsv")
     shell:
-        "diffpipe validate --config {params.config} > {log} 2>&1"
+        "diffpipe validate --config {params.config} --workers {threads} > {log} 2>&1"

@@ -1,0 +1,214 @@
+"""Checks over probed manifest rows: geometry, caption tokens, duplicates, eval split.
+
+Each function adds reason codes (and a sentence) to row dicts; the policy
+(:mod:`diffpipe.data.policy`) decides later what a reason does to the row.
+Token counts come from a :class:`TokenCounter`, by default the model
+family's real tokenizers, loaded only when a caption needs counting.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+from pathlib import Path
+from typing import Any, Protocol
+
+from diffpipe.config import DatasetConfig, ModelConfig, ValidationConfig
+from diffpipe.data import captions as cap
+from diffpipe.data.metadata import relative_path
+from diffpipe.utils import digest
+
+
+class TokenCounter(Protocol):
+    """Counts caption tokens with a model's real tokenizers."""
+
+    key: str  # changes when the tokenizers may change
+
+    def limits(self) -> dict[str, int]: ...
+
+    def count(self, texts: list[str]) -> dict[str, list[int]]: ...
+
+
+class FamilyTokenCounter:
+    """A :class:`TokenCounter` from the model config; loads the tokenizers on first use only."""
+
+    def __init__(self, model: ModelConfig):
+        self.model = model
+        self.key = digest(["tokens", model.model_dump(mode="json")])[:16]
+        self._family: Any = None
+        self._tok: Any = None
+        self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+
+    def prefetch(self) -> None:
+        """Start loading the tokenizers in a thread (imports take seconds) while files are probed."""
+        if self._thread is None and self._tok is None:
+            self._thread = threading.Thread(target=self._load, daemon=True)
+            self._thread.start()
+
+    def _load(self) -> None:
+        with self._lock:
+            if self._tok is None:
+                from diffpipe.models import get_family
+
+                self._family = get_family(self.model)
+                self._tok = self._family.load_tokenizers()
+
+    def limits(self) -> dict[str, int]:
+        self._load()
+        return self._family.token_limits(self._tok)
+
+    def count(self, texts: list[str]) -> dict[str, list[int]]:
+        self._load()
+        return self._family.count_tokens(self._tok, texts)
+
+
+def add_reason(row: dict[str, Any], reason: str, note: str) -> None:
+    """Record a reason code and its sentence on a manifest row."""
+    row["reasons"].append(reason)
+    row["notes"].append(note)
+
+
+def _smallest_bucket(ds: DatasetConfig) -> tuple[float, float]:
+    """(width, height) of the narrowest and of the flattest bucket at the smallest resolution."""
+    res = min(getattr(ds, "resolutions", None) or [ds.resolution])
+    ratios = getattr(ds, "aspect_ratios", None)
+    if ratios:
+        lo, hi = min(ratios), max(ratios)
+    elif getattr(ds, "ar_buckets", None):
+        lo, hi = ds.min_ar, ds.max_ar
+    else:
+        lo, hi = 0.5, 2.0  # the classic buckets, 1:2 to 2:1
+    return res * math.sqrt(lo), res / math.sqrt(hi)
+
+
+def check_geometry(ds: DatasetConfig, vcfg: ValidationConfig, row: dict[str, Any]) -> None:
+    """Flag ``too_small``, ``bad_aspect`` and ``too_few_frames`` on a decoded row."""
+    w, h = row["width"], row["height"]
+    if (
+        not w
+        or not h
+        or "decompression_bomb" in row["reasons"]
+        or "corrupt_media" in row["reasons"]
+    ):
+        return
+    bw, bh = _smallest_bucket(ds)
+    if min(w, h) < vcfg.min_size:
+        add_reason(
+            row,
+            "too_small",
+            f"{row['kind']} is {w}x{h}, a side is below validation.min_size={vcfg.min_size}",
+        )
+    elif w < bw and h < bh:
+        add_reason(
+            row,
+            "too_small",
+            f"{row['kind']} is {w}x{h}, below the smallest bucket (narrowest {bw:.0f} px "
+            f"wide, flattest {bh:.0f} px high); it would be upscaled",
+        )
+    lo, hi = vcfg.aspect_range
+    if not lo <= w / h <= hi:
+        add_reason(
+            row,
+            "bad_aspect",
+            f"aspect ratio {w}/{h} = {w / h:.3g} is outside validation.aspect_range=[{lo}, {hi}]",
+        )
+    frames = row["frames"]
+    buckets = getattr(ds, "frame_buckets", None)
+    need, where = vcfg.min_frames, f"validation.min_frames={vcfg.min_frames}"
+    if buckets and min(buckets) > need:
+        need, where = (
+            min(buckets),
+            f"the smallest of datasets[{ds.name}].frame_buckets ({min(buckets)})",
+        )
+    if row["kind"] == "video" and frames and frames < need:
+        add_reason(
+            row, "too_few_frames", f"the video has {frames} decodable frame(s), fewer than {where}"
+        )
+
+
+def check_tokens(
+    rows: list[dict[str, Any]],
+    prefixes: dict[str, str],
+    counter: TokenCounter | None,
+    previous: dict[str, dict[str, Any]],
+) -> None:
+    """Token counts per encoder (most over the alternatives), reused while captions are unchanged."""
+    todo: list[dict[str, Any]] = []
+    for row in rows:
+        row["tokens"], row["tokens_key"] = [], None
+        if counter is None or not row["captions"]:
+            continue
+        key = hashlib.sha256(
+            "\0".join([counter.key, prefixes[row["dataset"]], *row["captions"]]).encode()
+        ).hexdigest()[:16]
+        row["tokens_key"] = key
+        prev = previous.get(row["id"])
+        if prev and prev["tokens_key"] == key:
+            row["tokens"] = prev["tokens"]
+        else:
+            todo.append(row)
+    if todo:
+        limits = counter.limits()
+        texts = sorted(
+            {cap.final_caption(prefixes[r["dataset"]], t) for r in todo for t in r["captions"]}
+        )
+        counts = counter.count(texts)
+        by_text = {enc: dict(zip(texts, n, strict=True)) for enc, n in counts.items()}
+        for row in todo:
+            finals = [cap.final_caption(prefixes[row["dataset"]], t) for t in row["captions"]]
+            row["tokens"] = [
+                {
+                    "encoder": enc,
+                    "tokens": max(by_text[enc][t] for t in finals),
+                    "limit": limits[enc],
+                }
+                for enc in sorted(by_text)
+            ]
+    for row in rows:
+        for t in row["tokens"]:
+            if t["tokens"] > t["limit"]:
+                n = len(row["captions"])
+                which = "the longest of its {n} captions" if n > 1 else "the caption"
+                add_reason(
+                    row,
+                    "caption_too_long",
+                    f"{which.format(n=n)} has {t['tokens']} tokens for "
+                    f"{t['encoder']}, over its limit of {t['limit']}; the rest would be cut off",
+                )
+
+
+def flag_duplicates(rows: list[dict[str, Any]]) -> None:
+    """Flag every copy after the first of a content hash, and of a caption on other media."""
+    first_media: dict[str, dict[str, Any]] = {}
+    first_caption: dict[str, dict[str, Any]] = {}
+    for row in sorted(rows, key=lambda r: (r["dataset"], r["relpath"])):
+        sha = row["sha256"]
+        if sha and row["size"]:
+            orig = first_media.setdefault(sha, row)
+            if orig is not row:
+                add_reason(row, "duplicate_media", f"same content (SHA-256) as {orig['path']}")
+                continue
+        if row["caption"]:
+            orig = first_caption.setdefault(row["caption"], row)
+            if orig is not row:
+                add_reason(row, "duplicate_caption", f"same caption as {orig['path']}")
+
+
+def assign_split(ds: DatasetConfig, rows: list[dict[str, Any]], issue: Any, root: Path) -> None:
+    """Set each row's ``split``: ``eval`` for `eval_files` and the `eval_fraction` draw, else ``train``."""
+    wanted = {relative_path(root, f) or f for f in ds.eval_files}
+    present = {r["relpath"] for r in rows}
+    for f in sorted(wanted - present):
+        issue(
+            str(root / f),
+            "missing_file",
+            f"datasets[{ds.name}].eval_files names {f!r}, which is not a media file of the dataset",
+        )
+    for row in rows:
+        rel = row["relpath"]
+        held = rel in wanted
+        if not held and ds.eval_fraction > 0:
+            held = int(digest([ds.eval_seed, rel])[:15], 16) / 16**15 < ds.eval_fraction
+        row["split"] = "eval" if held else "train"
