@@ -49,7 +49,7 @@ def _changed(before, after):
 @pytest.fixture
 def planned(tmp_path):
     data = tmp_path / "data"
-    write_demo_dataset(data, n=12, size=32)
+    write_demo_dataset(data, n=12, size=64)
     datasets = [DatasetConfig(name="demo", path=str(data), caption_prefix="sks", repeats=2)]
     paths = RunPaths(tmp_path / "run")
     cache_cfg = CacheConfig(shards=4)
@@ -64,7 +64,7 @@ def test_plan_is_stable_and_complete(planned):
     assert sorted(before) == sorted(
         [f"latents/{shard_name(i)}.json" for i in range(4)]
         + [f"text/{shard_name(i)}.json" for i in range(4)]
-        + ["plan.json"]
+        + ["plan.json", "empty.json"]
     )
     result = _plan(paths, datasets, cache_cfg)
     assert result.written == [] and _specs(paths) == before and result.items == 12
@@ -107,7 +107,7 @@ def test_model_change_rekeys_and_fewer_shards_remove_specs(planned):
     data, datasets, paths, cache_cfg = planned
     before = _specs(paths)
     _plan(paths, datasets, cache_cfg, text_identity="te-2")
-    assert all(c.startswith("text/") for c in _changed(before, _specs(paths)))
+    assert all(c.startswith("text/") or c == "empty.json" for c in _changed(before, _specs(paths)))
     result = _plan(paths, datasets, CacheConfig(shards=2))
     removed = sorted(p.relative_to(paths.plan_dir).as_posix() for p in result.removed)
     assert removed == [

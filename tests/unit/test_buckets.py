@@ -102,3 +102,33 @@ def test_demo_dataset_is_deterministic(tmp_path):
     img, expected = demo_item(0, size=32)
     assert caption == expected and caption.startswith("a ") and "background" in caption
     assert img.size == (32, 32)
+
+
+def test_log_spaced_ratios_and_explicit_buckets():
+    from diffpipe.data.buckets import log_spaced_ratios
+
+    r = log_spaced_ratios(0.5, 2.0, 5)
+    assert r[0] == pytest.approx(0.5) and r[-1] == pytest.approx(2.0) and r[2] == pytest.approx(1.0)
+    assert all(r[i + 1] / r[i] == pytest.approx(r[1] / r[0]) for i in range(4))
+    sizes = bucket_sizes(512, 16, r)
+    assert len(sizes) == 5 and all(h % 16 == 0 and w % 16 == 0 for h, w in sizes)
+    assert all(abs(h * w / 512**2 - 1) < 0.1 for h, w in sizes)
+    assert choose_bucket(1000, 1000, 512, 16, (1.0, 3.0)) == (512, 512)
+    assert choose_bucket(3000, 1000, 512, 16, (1.0, 3.0)) == bucket_sizes(512, 16, (1.0, 3.0))[-1]
+    with pytest.raises(ValueError):
+        log_spaced_ratios(2.0, 1.0, 3)
+
+
+def test_crop_offset_and_flip(tmp_path):
+    from diffpipe.data.buckets import crop_offset
+
+    fy, fx = crop_offset("abc")
+    assert crop_offset("abc") == (fy, fx) != crop_offset("abd") and 0 <= fy <= 1 and 0 <= fx <= 1
+    arr = np.zeros((32, 64, 3), np.uint8)
+    arr[:, :32] = 255  # white left half
+    Image.fromarray(arr).save(tmp_path / "a.png")
+    left = load_image(tmp_path / "a.png", (16, 16), crop=(0.5, 0.0))
+    right = load_image(tmp_path / "a.png", (16, 16), crop=(0.5, 1.0))
+    assert left.mean() > 0.9 and right.mean() < -0.9
+    flipped = load_image(tmp_path / "a.png", (16, 32), flip=True)
+    assert torch.equal(flipped, load_image(tmp_path / "a.png", (16, 32)).flip(-1))

@@ -1,5 +1,8 @@
-# One job per shard. A spec file changes only when its items' content changes,
-# so an edit re-encodes only the shards it touches.
+# One job per shard. A spec file changes only when its entries' keys change,
+# so an edit rebuilds only the shards it touches; a rebuilt shard copies the
+# entries the content-addressed store (cache.dir) already holds and encodes
+# only the missing ones. DIFFPIPE_REGENERATE=1 / DIFFPIPE_TRUST=1 in the
+# environment act as --regenerate / --trust (never params: they would rerun jobs).
 
 
 rule cache_latents:
@@ -11,7 +14,7 @@ rule cache_latents:
         config=RESOLVED,
         digest=dw.stage_digest(CFG, "cache"),
     resources:
-        gpus=1,
+        gpu=1,
     log:
         out("logs/cache_latents/{shard}.log"),
     benchmark:
@@ -29,10 +32,28 @@ rule cache_text:
         config=RESOLVED,
         digest=dw.stage_digest(CFG, "cache"),
     resources:
-        gpus=1,
+        gpu=1,
     log:
         out("logs/cache_text/{shard}.log"),
     benchmark:
         out("benchmarks/cache_text/{shard}.tsv")
     shell:
         "diffpipe cache text --config {params.config} --shard {wildcards.shard} > {log} 2>&1"
+
+
+rule cache_empty_text:
+    input:
+        plan_file(paths.EMPTY_SPEC),
+    output:
+        out(paths.TEXT_EMPTY),
+    params:
+        config=RESOLVED,
+        digest=dw.stage_digest(CFG, "cache"),
+    resources:
+        gpu=1,
+    log:
+        out("logs/cache_empty_text.log"),
+    benchmark:
+        out("benchmarks/cache_empty_text.tsv")
+    shell:
+        "diffpipe cache empty --config {params.config} > {log} 2>&1"

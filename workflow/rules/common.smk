@@ -19,3 +19,13 @@ def planned(template, kind):
         return [out(template).format(shard=s) for s in names]
 
     return inputs
+
+
+def plan_file(template):
+    """A file the plan checkpoint writes (known only after it ran)."""
+
+    def inputs(wildcards):
+        checkpoints.plan.get()
+        return out(template)
+
+    return inputs
