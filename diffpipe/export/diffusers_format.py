@@ -2,33 +2,47 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
+import peft
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
 from diffpipe.models.base import Family
-from diffpipe.training.adapter import config_dict, load_adapter
+from diffpipe.training.adapter import config_dict
+from diffpipe.utils import atomic_path
 
 DIFFUSERS_WEIGHTS = "pytorch_lora_weights.safetensors"
 
 
-def export_diffusers(adapter_dir: str | Path, out_file: str | Path, family: Family) -> Path:
+def export_diffusers(
+    state_dict: dict[str, torch.Tensor],
+    lora_cfg: peft.LoraConfig,
+    out_file: str | Path,
+    family: Family,
+    metadata: dict[str, str] | None = None,
+) -> Path:
     """Write the adapter as the family pipeline's ``save_lora_weights`` does.
 
     The stock saver adds the component prefix (``unet.`` / ``transformer.``) and
     stores the PEFT config (rank, alpha, targets) as ``lora_adapter_metadata`` in
     the header, so ``load_lora_weights`` restores the trained scale exactly.
+    ``metadata`` (our ``diffpipe.*`` keys) is added to that header.
     """
-    state_dict, lora_cfg = load_adapter(adapter_dir)
     out_file = Path(out_file)
-    out_file.parent.mkdir(parents=True, exist_ok=True)
     name = family.denoiser_name
-    with tempfile.TemporaryDirectory(dir=out_file.parent, prefix=".tmp-export-") as tmp:
+    with atomic_path(out_file) as tmp_file, tempfile.TemporaryDirectory(dir=tmp_file.parent) as tmp:
         family.pipeline_class.save_lora_weights(
             tmp,
             **{f"{name}_lora_layers": state_dict, f"{name}_lora_adapter_metadata": config_dict(lora_cfg)},
             weight_name=DIFFUSERS_WEIGHTS,
             safe_serialization=True,
         )
-        os.replace(Path(tmp) / DIFFUSERS_WEIGHTS, out_file)
+        written = Path(tmp) / DIFFUSERS_WEIGHTS
+        with safe_open(str(written), framework="pt") as f:
+            header = dict(f.metadata() or {})
+        save_file(load_file(str(written)), str(tmp_file), metadata={**header, **(metadata or {})})
+        tmp_file.chmod(0o644)  # files made inside mkdtemp's private folder are 0600
     return out_file

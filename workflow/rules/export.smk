@@ -1,14 +1,18 @@
+# One output per configured format (diffusers always: sample reads it), plus the model card.
+
+
 rule export:
     input:
         out(paths.ADAPTER_FILE),
     output:
-        out(paths.EXPORT_DIFFUSERS),
+        **dw.export_outputs(CFG),
     params:
         config=RESOLVED,
+        formats=dw.export_format_args(CFG),
         digest=dw.stage_digest(CFG, "export"),
     log:
         out("logs/export.log"),
     benchmark:
         out("benchmarks/export.tsv")
     shell:
-        "diffpipe export --config {params.config} > {log} 2>&1"
+        "diffpipe export --config {params.config} {params.formats} > {log} 2>&1"

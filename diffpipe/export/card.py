@@ -1,0 +1,53 @@
+"""The ``README.md`` model card written beside the exported files."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffpipe.export.metadata import ExportInfo
+from diffpipe.utils import write_text_atomic
+
+HOW_TO_LOAD = {
+    "diffusers": "`pipe.load_lora_weights(\"{path}\")`",
+    "peft": "`PeftModel.from_pretrained(denoiser, \"{path}\")` or `diffpipe import-lora {path}`",
+    "comfyui": "copy to `ComfyUI/models/loras/`, load with *LoraLoaderModelOnly*",
+    "kohya": "copy to A1111/Forge `models/Lora/`, prompt `<lora:{stem}:1>`",
+    "merged": "`{pipeline}.from_pretrained(\"{path}\")` (no LoRA support needed)",
+}
+
+
+def write_card(out_file: str | Path, info: ExportInfo, files: dict[str, Path], *, pipeline: str,
+               samples: list[Path] | None = None) -> Path:
+    """Write the model card: base model, trigger words, files and how to load them, settings."""
+    out_file = Path(out_file)
+    base = info.model_path or f"{info.family} ({info.flavor} flavor)"
+    lines = [
+        f"# LoRA for {base}",
+        "",
+        f"- family: `{info.family}`, flavor: `{info.flavor}`, base weights sha256: `{info.weights[:16]}...`",
+        f"- trigger words: {', '.join(f'`{w}`' for w in info.trigger_words) or '(none)'}",
+        f"- rank {info.rank}, alpha {info.alpha:g} (scale {info.scale:g}), "
+        f"trained steps: {info.training.get('step', '?')}, epochs: {info.training.get('epoch', '?')}",
+        f"- targets: {', '.join(f'`{t}`' for t in info.targets)}",
+        f"- dataset: {info.dataset.get('items', '?')} items",
+        "",
+        "## Files",
+        "",
+        "| format | file | how to load |",
+        "| --- | --- | --- |",
+    ]
+    for fmt, path in files.items():
+        rel = path.relative_to(out_file.parent) if path.is_relative_to(out_file.parent) else path
+        how = HOW_TO_LOAD[fmt].format(path=rel, stem=Path(rel).stem, pipeline=pipeline)
+        lines.append(f"| {fmt} | `{rel}` | {how} |")
+    if samples:
+        lines += ["", "## Samples", "", "Rendered by `diffpipe sample` (top row: base model, bottom row: this LoRA).", ""]
+        lines += [f"![sample]({p})" for p in samples]
+    cfg = info.config or {}
+    if cfg.get("sample"):
+        s = cfg["sample"]
+        lines += ["", "## Sample settings", "",
+                  f"prompts: {s.get('prompts')}, steps {s.get('steps')}, guidance {s.get('guidance_scale')}, "
+                  f"seed {s.get('seed')}, {s.get('width')}x{s.get('height')}"]
+    write_text_atomic(out_file, "\n".join(lines) + "\n")
+    return out_file

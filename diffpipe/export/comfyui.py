@@ -1,0 +1,26 @@
+"""ComfyUI format: original checkpoint names under ``diffusion_model.``, kohya tensor names.
+
+Keys per original layer ``x``: ``diffusion_model.x.lora_down.weight``,
+``.lora_up.weight`` and ``.alpha`` (ComfyUI scales by alpha / rank and uses
+1.0 when alpha is missing, so alpha is always written). ComfyUI maps
+``diffusion_model.<original path>`` for every model it supports; fused layers
+(Flux ``qkv``, ``linear1``) are built exactly by ``convert.to_original``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from diffpipe.export.convert import Lora, to_original
+from diffpipe.export.keymaps import KeyMap
+from diffpipe.export.original_io import write_original
+
+PREFIX = "diffusion_model."
+
+
+def export_comfyui(mods: dict[str, Lora], keymap: KeyMap, out_file: str | Path,
+                   metadata: dict[str, str] | None = None) -> Path:
+    """Write our per-module LoRAs as a ComfyUI LoRA file."""
+    loras, layout = to_original(mods, keymap)
+    named = {PREFIX + layer.original: lora for layer, lora in loras.items()}
+    return write_original(named, layout, out_file, metadata)

@@ -1,0 +1,126 @@
+"""``diffpipe import-lora``: read a LoRA in any exported format back into our adapter folder.
+
+Accepted: a PEFT folder; a diffusers file (``unet.`` / ``transformer.`` keys,
+alpha from ``lora_adapter_metadata`` or ``.alpha`` keys); a ComfyUI file
+(``diffusion_model.<original>``); a kohya file (``lora_unet_...``). Layer names
+are looked up in the family's key map; a name it does not know is an error
+that lists it, never a silently dropped layer.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from diffpipe.export.convert import Lora, adapter_from_loras, from_original, module_loras
+from diffpipe.export.keymaps import KeyMap, denoiser_skeleton, keymap_for_model
+from diffpipe.export.keymaps.base import kohya_name
+from diffpipe.export.original_io import read_original
+from diffpipe.models.base import Family
+from diffpipe.training.adapter import CONFIG_NAME, load_adapter, save_adapter
+
+COMFY_PREFIX = "diffusion_model."
+KOHYA_PREFIX = "lora_unet_"
+
+
+@dataclass
+class ImportResult:
+    format: str
+    modules: int
+    out_dir: Path
+
+    def __str__(self) -> str:
+        return f"{self.format} LoRA, {self.modules} modules -> {self.out_dir}"
+
+
+def detect_format(source: Path, family: Family) -> str:
+    """``peft``, ``diffusers``, ``comfyui`` or ``kohya``, from the folder layout or the key names."""
+    if source.is_dir():
+        if (source / CONFIG_NAME).exists():
+            return "peft"
+        raise ValueError(f"{source}: a folder must be a PEFT adapter (with {CONFIG_NAME})")
+    if not source.exists():
+        raise FileNotFoundError(f"LoRA file not found: {source}")
+    with safe_open(str(source), framework="pt") as f:
+        keys = list(f.keys())
+    if not keys:
+        raise ValueError(f"{source}: holds no tensors")
+    if all(k.startswith(f"{family.denoiser_name}.") for k in keys):
+        return "diffusers"
+    if all(k.startswith(COMFY_PREFIX) for k in keys):
+        return "comfyui"
+    if all(k.startswith(KOHYA_PREFIX) for k in keys):
+        return "kohya"
+    text = [k for k in keys if k.startswith(("lora_te", "text_encoder", "text_encoders."))]
+    if text:
+        raise ValueError(f"{source}: text-encoder LoRA keys are not supported (diffpipe trains the "
+                         f"{family.denoiser_name} only), e.g. {text[:2]}")
+    raise ValueError(f"{source}: key names match no known LoRA format for family {family.name!r} "
+                     f"(expected {family.denoiser_name}.*, diffusion_model.* or lora_unet_*), e.g. {keys[:3]}")
+
+
+def _diffusers_loras(source: Path, family: Family) -> dict[str, Lora]:
+    prefix = f"{family.denoiser_name}."
+    tensors = {k.removeprefix(prefix): v for k, v in load_file(str(source)).items()}
+    with safe_open(str(source), framework="pt") as f:
+        header = f.metadata() or {}
+    cfg = {}
+    if "lora_adapter_metadata" in header:
+        packed = json.loads(header["lora_adapter_metadata"])
+        cfg = {k.removeprefix(prefix): v for k, v in packed.items() if k.startswith(prefix)}
+    alphas = {k.removesuffix(".alpha"): float(v) for k, v in tensors.items() if k.endswith(".alpha")}
+    loras = {}
+    for key, down in tensors.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key.removesuffix(".lora_A.weight")
+        up = tensors.get(f"{module}.lora_B.weight")
+        if up is None:
+            raise ValueError(f"{source}: {module} has lora_A but no lora_B")
+        rank = down.shape[0]
+        alpha = alphas.get(module)
+        if alpha is None:
+            alpha = float(cfg.get("alpha_pattern", {}).get(module, cfg.get("lora_alpha", rank)))
+        loras[module] = Lora(down.float(), up.float(), alpha)
+    return loras
+
+
+def _original_loras(source: Path, keymap: KeyMap, fmt: str) -> dict[str, Lora]:
+    named, layout, _ = read_original(source)
+    # kohya SD files name layers either by our path (sd-scripts SD 1.x) or by the original path (SDXL).
+    index = ({COMFY_PREFIX + layer.original: layer for layer in keymap.layers} if fmt == "comfyui" else
+             {**{kohya_name(layer.original): layer for layer in keymap.layers}, **keymap.by_kohya})
+    unmapped = sorted(set(named) - set(index))
+    if unmapped:
+        raise ValueError(f"{source}: {len(unmapped)} layer(s) are not in the {keymap.family} key map "
+                         f"(wrong family or model?), e.g. {unmapped[:5]}")
+    return from_original({index[name]: lora for name, lora in named.items()}, layout)
+
+
+def import_lora(source: str | Path, out_dir: str | Path, family: Family, *, fmt: str | None = None) -> ImportResult:
+    """Convert ``source`` into a PEFT adapter folder at ``out_dir`` that training can continue from."""
+    source, out_dir = Path(source), Path(out_dir)
+    fmt = fmt or detect_format(source, family)
+    skeleton = denoiser_skeleton(family)
+    if fmt == "peft":
+        sd, cfg = load_adapter(source)
+        mods = module_loras(sd, cfg)
+    elif fmt == "diffusers":
+        mods = _diffusers_loras(source, family)
+    elif fmt in ("comfyui", "kohya"):
+        mods = _original_loras(source, keymap_for_model(family.name, skeleton), fmt)
+    else:
+        raise ValueError(f"unknown LoRA format {fmt!r}; choose from peft, diffusers, comfyui, kohya")
+    lora_able = {n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear | torch.nn.Conv2d)}
+    missing = sorted(set(mods) - lora_able)
+    if missing:
+        raise ValueError(f"{source}: {len(missing)} module(s) do not exist in the {family.name} denoiser, e.g. {missing[:3]}")
+    sd, cfg = adapter_from_loras(mods)
+    save_adapter(out_dir, sd, cfg, {"imported_from": str(source), "format": fmt, "family": family.name})
+    return ImportResult(fmt, len(mods), out_dir)
+

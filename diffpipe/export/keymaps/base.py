@@ -1,0 +1,94 @@
+"""The key-map vocabulary shared by every family.
+
+A family's table lists, for each LoRA-able layer of the original checkpoint,
+which rows of which of our modules (the diffusers module names we train on)
+it is made of, in output-row order. Most layers are one whole module; fused
+layers (Flux's ``qkv``, ``linear1``) are several, and a layer whose rows are
+reordered (Flux's final modulation: shift/scale vs scale/shift) is one module
+in two segments. Export and import both read only this table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows ``[start, start + size)`` of our module ``module``."""
+
+    module: str
+    start: int
+    size: int
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One layer of the original checkpoint and the segments it is built from."""
+
+    original: str  # path in the original checkpoint, without ``diffusion_model.``
+    kohya: str  # kohya / A1111 LoRA name (``lora_unet_...``)
+    segments: tuple[Segment, ...]
+    #: Write the scale into ``up`` (alpha = rank) because a reference loader ignores alpha here.
+    fold_scale: bool = False
+
+    @property
+    def modules(self) -> list[str]:
+        """Our modules in this layer, in order of first appearance."""
+        return list(dict.fromkeys(s.module for s in self.segments))
+
+    @property
+    def out_features(self) -> int:
+        return sum(s.size for s in self.segments)
+
+    @property
+    def is_plain(self) -> bool:
+        """One whole module, rows in order: tensors copy across unchanged."""
+        return len(self.segments) == 1 and self.segments[0].start == 0
+
+
+@dataclass
+class KeyMap:
+    """A family's table, indexed both ways."""
+
+    family: str
+    layers: list[Layer]
+    by_original: dict[str, Layer] = field(init=False)
+    by_kohya: dict[str, Layer] = field(init=False)
+    by_module: dict[str, Layer] = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.by_original = {layer.original: layer for layer in self.layers}
+        self.by_kohya = {layer.kohya: layer for layer in self.layers}
+        self.by_module = {}
+        for layer in self.layers:
+            for m in layer.modules:
+                if m in self.by_module:
+                    raise ValueError(f"{self.family} key map: module {m} appears in two layers")
+                self.by_module[m] = layer
+        for index, name in ((self.by_original, "original"), (self.by_kohya, "kohya")):
+            if len(index) != len(self.layers):
+                raise ValueError(f"{self.family} key map: duplicate {name} names")
+
+    def check_covers(self, denoiser: torch.nn.Module) -> None:
+        """Every LoRA-able module of ``denoiser`` is in the table with the right row counts."""
+        for name, mod in denoiser.named_modules():
+            if not isinstance(mod, torch.nn.Linear | torch.nn.Conv2d):
+                continue
+            if name not in self.by_module:
+                raise ValueError(f"{self.family} key map: module {name} is not mapped")
+            rows = sum(s.size for s in self.by_module[name].segments if s.module == name)
+            out = mod.out_features if isinstance(mod, torch.nn.Linear) else mod.out_channels
+            if rows != out:
+                raise ValueError(f"{self.family} key map: {name} has {out} rows, table covers {rows}")
+
+
+def plain(original: str, module: str, size: int, kohya: str) -> Layer:
+    return Layer(original, kohya, (Segment(module, 0, size),))
+
+
+def kohya_name(path: str) -> str:
+    """kohya's LoRA name for a module path: ``lora_unet_`` + the path with ``_`` for ``.``."""
+    return "lora_unet_" + path.replace(".", "_")

@@ -1,0 +1,117 @@
+"""Find the adapter, the run and the config behind ``diffpipe export RUN_OR_CHECKPOINT``.
+
+Accepted: a run folder (the config's ``output_dir``), an adapter folder
+(``train/adapter``, ``train/loras/epoch-NNNN``, any PEFT folder), or a
+DeepSpeed checkpoint (``train/checkpoints/step-NNNNNN``), whose LoRA tensors
+are written out as an adapter folder first.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from diffpipe.config import Config, ModelConfig, load_config
+from diffpipe.paths import RunPaths
+from diffpipe.training.adapter import WEIGHTS_NAME, peft_config, save_adapter
+
+RESOLVED = "resolved-config.yaml"
+
+
+@dataclass
+class Located:
+    adapter_dir: Path
+    run: RunPaths | None
+    config: Config | None
+    out_dir: Path
+
+
+def _run_root(path: Path) -> Path | None:
+    for folder in [path, *path.parents]:
+        if (folder / RESOLVED).exists() or (folder / "train" / "config.yaml").exists():
+            return folder
+    return None
+
+
+def _run_config(run: RunPaths) -> Config | None:
+    for f in (run.root / RESOLVED, run.train_dir / "config.yaml"):
+        if f.exists():
+            return load_config(f)
+    return None
+
+
+def model_config_from_adapter(adapter_dir: Path) -> ModelConfig:
+    """The base model recorded in an adapter's header (tiny flavors only: a local path needs --config)."""
+    with safe_open(str(adapter_dir / WEIGHTS_NAME), framework="pt") as f:
+        meta = json.loads((f.metadata() or {}).get("diffpipe", "{}"))
+    if meta.get("flavor") == "tiny" and meta.get("family"):
+        return ModelConfig(family=meta["family"], flavor="tiny")
+    raise ValueError(f"{adapter_dir}: cannot tell the base model; pass --config CONFIG.yaml")
+
+
+def _deepspeed_states(path: Path) -> Path | None:
+    files = sorted(path.glob("mp_rank_*_model_states.pt"))
+    return files[0] if files else None
+
+
+def adapter_from_deepspeed(checkpoint: Path, cfg: Config, out_dir: Path) -> Path:
+    """Write the LoRA tensors of a DeepSpeed checkpoint (frozen weights excluded) as an adapter folder."""
+    from diffpipe.models import get_family
+
+    states = _deepspeed_states(checkpoint)
+    saved = torch.load(states, map_location="cpu", weights_only=False)  # our own checkpoint
+    sd = {k.replace(".default.", "."): v.float() for k, v in saved["module"].items() if ".lora_" in k}
+    if not sd:
+        raise ValueError(f"{states}: holds no LoRA tensors")
+    step = saved.get("step")
+    family = get_family(cfg.model)
+    lcfg = peft_config(cfg.train.lora, family.lora_targets(cfg.train.lora.targets))
+    meta = {"family": cfg.model.family, "flavor": cfg.model.flavor, "checkpoint": str(checkpoint), "step": step}
+    return save_adapter(out_dir, sd, lcfg, meta)
+
+
+def locate(path: Path | None, config: Config | None) -> Located:
+    """Resolve what to export; errors name the path and what was expected there."""
+    if path is None:
+        if config is None:
+            raise ValueError("give a run folder, an adapter folder or --config")
+        run = RunPaths(config.output_dir)
+        return Located(run.adapter_dir, run, config, run.export_dir)
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"not found: {path}")
+    root = _run_root(path)
+    run = RunPaths(root) if root is not None else None
+    config = config or (_run_config(run) if run else None)
+    if (path / WEIGHTS_NAME).exists():
+        adapter = path
+    elif (path / "train" / "adapter" / WEIGHTS_NAME).exists():
+        adapter = RunPaths(path).adapter_dir
+    elif (path / "diffpipe.json").exists() or (path / "checkpoints").is_dir():
+        # A training checkpoint (or a run's checkpoints folder: the latest one):
+        # its header records family and flavor, so no --config is needed.
+        from diffpipe.training.checkpoint import adapter_from_checkpoint
+
+        base = run.export_dir if run else path.parent
+        adapter = adapter_from_checkpoint(path, base / f".adapter-{path.name}")
+    elif _deepspeed_states(path) is not None:
+        if config is None:
+            raise ValueError(f"{path}: a DeepSpeed checkpoint needs its run's config; pass --config")
+        base = run.export_dir if run else path.parent
+        adapter = adapter_from_deepspeed(path, config, base / f".adapter-{path.name}")
+    else:
+        raise FileNotFoundError(
+            f"{path}: neither a run folder (with train/adapter), an adapter folder (with {WEIGHTS_NAME}) "
+            "nor a DeepSpeed checkpoint (with mp_rank_00_model_states.pt)"
+        )
+    if run is not None and adapter.resolve() == run.adapter_dir.resolve():
+        out = run.export_dir
+    elif run is not None:
+        out = run.export_dir / path.name
+    else:
+        out = path.parent / f"{path.name}-export"
+    return Located(adapter, run, config, out)

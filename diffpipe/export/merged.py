@@ -1,0 +1,31 @@
+"""Merged format: the base pipeline with the LoRA fused into the denoiser, as a diffusers folder."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from diffpipe.models.base import Family
+from diffpipe.training.adapter import apply_adapter
+from diffpipe.utils import atomic_path
+
+INFO_NAME = "diffpipe_lora.json"
+
+
+def export_merged(adapter_dir: str | Path, out_dir: str | Path, family: Family,
+                  metadata: dict[str, str] | None = None) -> Path:
+    """Load the family pipeline, fuse the adapter at its trained scale, ``save_pretrained`` atomically.
+
+    The folder loads with ``<Pipeline>.from_pretrained`` and needs no LoRA
+    support; ``diffpipe_lora.json`` records which LoRA was fused in.
+    """
+    pipe = family.load_pipeline()
+    denoiser = getattr(pipe, family.denoiser_name)
+    apply_adapter(denoiser, adapter_dir)
+    denoiser.fuse_lora(lora_scale=1.0)  # W += alpha / rank * B @ A, in place
+    denoiser.unload_lora()  # drop the LoRA layers, keep the fused weights
+    out_dir = Path(out_dir)
+    with atomic_path(out_dir, is_dir=True) as tmp:
+        pipe.save_pretrained(tmp, safe_serialization=True)
+        (tmp / INFO_NAME).write_text(json.dumps(metadata or {}, indent=2, sort_keys=True))
+    return out_dir

@@ -1,0 +1,126 @@
+"""What every exported file carries: base model identity, LoRA settings, training and data summary.
+
+Everything lands in the safetensors header as strings (``diffpipe.*`` keys,
+JSON values), and in a ``README.md`` model card beside the files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import peft
+import torch
+import yaml
+from safetensors import safe_open
+
+from diffpipe.config import Config
+from diffpipe.models import _common as common
+from diffpipe.models.base import Family
+from diffpipe.paths import RunPaths
+from diffpipe.training.adapter import WEIGHTS_NAME
+from diffpipe.utils import stable_json
+
+
+@dataclass
+class ExportInfo:
+    """Facts about one trained adapter, gathered once and written into every format."""
+
+    family: str
+    flavor: str
+    model_path: str | None
+    weights: str  # fingerprint of the base denoiser's weights
+    rank: int
+    alpha: float
+    targets: list[str]
+    training: dict[str, Any] = field(default_factory=dict)  # step, epoch (from the adapter header)
+    dataset: dict[str, Any] = field(default_factory=dict)  # item counts, buckets
+    config: dict[str, Any] | None = None  # the resolved experiment config
+    trigger_words: list[str] = field(default_factory=list)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+    def header(self) -> dict[str, str]:
+        """``diffpipe.*`` safetensors metadata (strings only, as the format requires)."""
+        return {
+            "diffpipe.base_model": stable_json({"family": self.family, "flavor": self.flavor,
+                                                "path": self.model_path, "weights_sha256": self.weights}),
+            "diffpipe.lora": stable_json({"rank": self.rank, "alpha": self.alpha, "targets": self.targets}),
+            "diffpipe.training": stable_json(self.training),
+            "diffpipe.dataset": stable_json(self.dataset),
+            "diffpipe.config": stable_json(self.config or {}),
+        }
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over every tensor's name, dtype, shape and bytes, in name order."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def denoiser_fingerprint(family: Family) -> str:
+    if family.cfg.flavor == "tiny":
+        return common.module_fingerprint(family.load_denoiser())
+    return common.folder_fingerprint(Path(family.cfg.path) / family.denoiser_name)
+
+
+def _adapter_header(adapter_dir: Path) -> dict[str, Any]:
+    with safe_open(str(adapter_dir / WEIGHTS_NAME), framework="pt") as f:
+        meta = f.metadata() or {}
+    try:
+        return json.loads(meta.get("diffpipe", "{}"))
+    except json.JSONDecodeError:
+        return {}
+
+
+def _dataset_summary(run: RunPaths | None) -> dict[str, Any]:
+    if run is None:
+        return {}
+    summary: dict[str, Any] = {}
+    if run.manifest.exists():
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(run.manifest)
+        summary["items"] = table.num_rows
+        if "dataset" in table.column_names:
+            names = table.column("dataset").to_pylist()
+            summary["items_per_dataset"] = {n: names.count(n) for n in sorted(set(names))}
+    if run.plan_summary.exists():
+        plan = json.loads(run.plan_summary.read_text())
+        for key in ("buckets", "items", "shards"):
+            if key in plan:
+                summary[f"plan_{key}"] = plan[key]
+    return summary
+
+
+def gather_info(adapter_dir: str | Path, lora_cfg: peft.LoraConfig, family: Family, *,
+                config: Config | None = None, run: RunPaths | None = None) -> ExportInfo:
+    """Collect what the exports record about ``adapter_dir`` (run files are optional)."""
+    adapter_dir = Path(adapter_dir)
+    header = _adapter_header(adapter_dir)
+    resolved = config.model_dump(mode="json") if config is not None else None
+    if resolved is None and run is not None and (run.root / "resolved-config.yaml").exists():
+        resolved = yaml.safe_load((run.root / "resolved-config.yaml").read_text())
+    triggers = [d["caption_prefix"].strip() for d in (resolved or {}).get("datasets", []) if d.get("caption_prefix")]
+    return ExportInfo(
+        family=family.name,
+        flavor=family.cfg.flavor,
+        model_path=family.cfg.path,
+        weights=denoiser_fingerprint(family),
+        rank=int(lora_cfg.r),
+        alpha=float(lora_cfg.lora_alpha),
+        targets=[lora_cfg.target_modules] if isinstance(lora_cfg.target_modules, str) else sorted(lora_cfg.target_modules),
+        training={k: header[k] for k in ("step", "epoch") if k in header},
+        dataset=_dataset_summary(run),
+        config=resolved,
+        trigger_words=triggers,
+    )

@@ -1,0 +1,70 @@
+"""Read and write LoRA files keyed by layer name (ComfyUI and kohya share the tensor layout)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from diffpipe.export.convert import Layout, Lora
+from diffpipe.export.metadata import tensors_digest
+from diffpipe.utils import atomic_path, stable_json
+
+LAYOUT_KEY = "diffpipe.fused_layout"
+DIGEST_KEY = "diffpipe.tensors_sha256"
+# Tensor suffixes ComfyUI accepts for down / up, kohya's first.
+DOWN = (".lora_down.weight", ".lora_A.weight", ".lora.down.weight")
+UP = (".lora_up.weight", ".lora_B.weight", ".lora.up.weight")
+ALPHA = ".alpha"
+
+
+def write_original(loras: dict[str, Lora], layout: Layout, out_file: str | Path,
+                   metadata: dict[str, str] | None = None) -> Path:
+    """Write ``name.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha`` per layer name."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, lora in loras.items():
+        tensors[f"{name}.lora_down.weight"] = lora.down.float().contiguous()
+        tensors[f"{name}.lora_up.weight"] = lora.up.float().contiguous()
+        tensors[f"{name}{ALPHA}"] = torch.tensor(float(lora.alpha), dtype=torch.float32)
+    header = {"format": "pt", **(metadata or {}), DIGEST_KEY: tensors_digest(tensors)}
+    if layout:
+        header[LAYOUT_KEY] = stable_json(layout)
+    out_file = Path(out_file)
+    with atomic_path(out_file) as tmp:
+        save_file(tensors, str(tmp), metadata=header)
+        tmp.chmod(0o644)  # files made inside mkdtemp's private folder are 0600
+    return out_file
+
+
+def read_original(path: str | Path) -> tuple[dict[str, Lora], Layout | None, dict[str, str]]:
+    """Layer name -> ``Lora`` (alpha = rank when the file has none), the fused layout, the header."""
+    tensors = load_file(str(path))
+    with safe_open(str(path), framework="pt") as f:
+        header = dict(f.metadata() or {})
+    parts: dict[str, dict[str, torch.Tensor]] = {}
+    unknown = []
+    for key, t in tensors.items():
+        for kind, suffixes in (("down", DOWN), ("up", UP), ("alpha", (ALPHA,))):
+            suffix = next((s for s in suffixes if key.endswith(s)), None)
+            if suffix:
+                parts.setdefault(key.removesuffix(suffix), {})[kind] = t
+                break
+        else:
+            unknown.append(key)
+    if unknown:
+        raise ValueError(f"{path}: {len(unknown)} tensor(s) are not LoRA down/up/alpha (DoRA, LoKr, biases "
+                         f"are not supported), e.g. {unknown[:3]}")
+    loras = {}
+    for name, p in parts.items():
+        if "down" not in p or "up" not in p:
+            raise ValueError(f"{path}: layer {name} lacks its {'down' if 'down' not in p else 'up'} matrix")
+        rank = p["down"].shape[0]
+        alpha = float(p["alpha"]) if "alpha" in p else float(rank)
+        loras[name] = Lora(p["down"].float(), p["up"].float(), alpha)
+    layout = None
+    if LAYOUT_KEY in header:
+        layout = {k: [tuple(b) for b in v] for k, v in json.loads(header[LAYOUT_KEY]).items()}
+    return loras, layout, header
