@@ -10,3 +10,70 @@ os.environ["DIFFPIPE_CACHE"] = tempfile.mkdtemp(prefix="diffpipe-test-cache-")
 import torch  # noqa: E402
 
 torch.set_num_threads(1)
+
+
+# -- a cached tiny run shared by the training tests ------------------------------------
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+
+
+class TinyRun:
+    """A validated, planned and cached tiny-SD run (8 images, 32 px); ``clone`` copies it."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def config(self, out: Path, **train) -> dict:
+        train = {"epochs": 2, "batch_size": 2, "lora": {"rank": 4, "alpha": 4}, **train}
+        return {"output_dir": str(out), "datasets": [{"name": "d", "path": str(self.root / "data"), "resolution": 32}],
+                "cache": {"shards": 1}, "train": train}
+
+    def clone(self, dest: Path, **train) -> Path:
+        """A new run folder holding the caches; returns its config file."""
+        shutil.copytree(self.root / "run", dest / "run", ignore=shutil.ignore_patterns("train"))
+        cfg = dest / "config.yaml"
+        cfg.write_text(yaml.safe_dump(self.config(dest / "run", **train)))
+        return cfg
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m diffpipe ARGS`` in a fresh process (DeepSpeed owns process-global state)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run([sys.executable, "-m", "diffpipe", *args], env=full_env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="session")
+def tiny_run(tmp_path_factory) -> TinyRun:
+    from diffpipe.config import parse_config
+    from diffpipe.data.cache import cache_empty_text, cache_latents, cache_text
+    from diffpipe.data.demo import write_demo_dataset
+    from diffpipe.data.plan import make_plan
+    from diffpipe.data.validate import run_validation
+    from diffpipe.models import get_family
+    from diffpipe.paths import RunPaths
+
+    root = tmp_path_factory.mktemp("tiny-run")
+    run = TinyRun(root)
+    write_demo_dataset(root / "data", n=8, size=32)
+    cfg = parse_config(run.config(root / "run"))
+    paths, family = RunPaths(cfg.output_dir), get_family(cfg.model)
+    run_validation(cfg.datasets, cfg.validation, manifest_path=paths.manifest,
+                   report_json=paths.report_json, report_html=paths.report_html)
+    make_plan(paths.manifest, cfg.datasets, cfg.cache, latent_identity=family.vae_identity(),
+              text_identity=family.text_identity(), pixel_multiple=family.pixel_multiple, paths=paths)
+    for s in paths.shard_names():
+        cache_latents(paths.latent_spec(s), paths.latent_shard(s), cfg.model, cfg.cache)
+        cache_text(paths.text_spec(s), paths.text_shard(s), cfg.model, cfg.cache)
+    cache_empty_text(paths.text_empty, cfg.model, cfg.cache)
+    return run
+
+
+@pytest.fixture(scope="session")
+def cli():
+    return run_cli

@@ -8,6 +8,7 @@ a valid PEFT artifact; exporters read it from there.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -30,9 +31,46 @@ def peft_config(lcfg: LoraConfig, targets: list[str]) -> peft.LoraConfig:
         r=lcfg.rank,
         lora_alpha=lcfg.alpha,
         lora_dropout=lcfg.dropout,
-        target_modules=targets,
-        init_lora_weights="gaussian",
+        target_modules=target_pattern(targets, lcfg.blocks) if lcfg.blocks else targets,
+        init_lora_weights="gaussian" if lcfg.init == "gaussian" else True,
     )
+
+
+def target_pattern(targets: list[str], blocks: list[str]) -> str:
+    """One regex (PEFT full-matches it against module paths): a target name inside a matching block."""
+    names = "|".join(re.escape(t) for t in targets)
+    inside = "|".join(f"(?:{b})" for b in blocks)
+    return rf"^(?=.*(?:{inside})).*(?:^|\.)(?:{names})$"
+
+
+def load_lora_file(path: str | Path, denoiser_name: str) -> dict[str, torch.Tensor]:
+    """LoRA tensors keyed like ``lora_state_dict`` from a PEFT folder or a diffusers LoRA file."""
+    path = Path(path)
+    if path.is_dir():
+        return load_adapter(path)[0]
+    if not path.is_file():
+        raise FileNotFoundError(f"train.lora.init_from: no LoRA at {path}")
+    out = {}
+    for key, value in load_file(str(path)).items():
+        key = key.removeprefix(PEFT_PREFIX).removeprefix(f"{denoiser_name}.")
+        out[key.replace(".lora.down.", ".lora_A.").replace(".lora.up.", ".lora_B.")] = value
+    return out
+
+
+def init_from(denoiser: torch.nn.Module, path: str | Path, denoiser_name: str) -> None:
+    """Load an existing LoRA into the freshly added adapter; every adapter tensor must be covered."""
+    sd = load_lora_file(path, denoiser_name)
+    own = get_peft_model_state_dict(denoiser)
+    missing = sorted(set(own) - set(sd))
+    unknown = sorted(set(sd) - set(own))
+    if missing or unknown:
+        raise ValueError(f"train.lora.init_from {path}: {len(missing)} adapter tensors missing (e.g. "
+                         f"{missing[:2]}), {len(unknown)} unknown (e.g. {unknown[:2]}); same targets and blocks?")
+    bad = [k for k in own if own[k].shape != sd[k].shape]
+    if bad:
+        raise ValueError(f"train.lora.init_from {path}: shape {tuple(sd[bad[0]].shape)} for {bad[0]}, the "
+                         f"adapter has {tuple(own[bad[0]].shape)}; set train.lora.rank to the file's rank")
+    set_peft_model_state_dict(denoiser, {k: v.float() for k, v in sd.items()})
 
 
 def add_lora(denoiser: torch.nn.Module, config: peft.LoraConfig) -> list[torch.nn.Parameter]:

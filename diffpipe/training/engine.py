@@ -11,12 +11,18 @@ import os
 import socket
 import subprocess
 import sys
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from diffpipe.config import TrainConfig
+
+# torch deprecates the collectives DeepSpeed calls; one warning per call floods the logs.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
 
 _DIST_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
@@ -72,13 +78,28 @@ def deepspeed_config(tc: TrainConfig, world_size: int) -> dict[str, Any]:
         "gradient_accumulation_steps": tc.grad_accum,
         "train_batch_size": tc.batch_size * tc.grad_accum * world_size,
         "bf16": {"enabled": tc.precision == "bf16"},
-        "zero_optimization": {"stage": tc.zero_stage},
+        "fp16": {"enabled": tc.precision == "fp16", "initial_scale_power": 16},
+        "zero_optimization": _zero_config(tc),
+        # Any torch optimizer (Adafactor, SGD, our bf16 AdamW) may run under ZeRO.
+        "zero_allow_untested_optimizer": True,
         "steps_per_print": 2**31 - 1,  # we log ourselves
         "wall_clock_breakdown": False,
     }
+    if tc.offload_optimizer or tc.offload_params:
+        # Our torch optimizer steps on CPU-offloaded states too (no DeepSpeedCPUAdam build needed).
+        cfg["zero_force_ds_cpu_optimizer"] = False
     if tc.grad_clip > 0:
         cfg["gradient_clipping"] = tc.grad_clip
     return cfg
+
+
+def _zero_config(tc: TrainConfig) -> dict[str, Any]:
+    zero: dict[str, Any] = {"stage": tc.zero_stage}
+    if tc.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if tc.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    return zero
 
 
 def build_engine(
@@ -93,6 +114,8 @@ def build_engine(
     A torch optimizer is handed over rather than DeepSpeed's fused ones, which
     compile for minutes on first use and do not exist on CPU.
     """
+    if tc.precision == "fp16" and not torch.cuda.is_available():
+        raise ValueError("train.precision fp16 needs a CUDA GPU (CPU kernels lack fp16); use bf16 or fp32")
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(
@@ -102,6 +125,43 @@ def build_engine(
         config=deepspeed_config(tc, world_size),
     )
     return engine
+
+
+@contextmanager
+def gathered(params: list[torch.nn.Parameter], zero_stage: int) -> Iterator[None]:
+    """Make ZeRO-3-partitioned ``params`` whole inside the block (collective; no-op below stage 3)."""
+    if zero_stage < 3:
+        yield
+        return
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
+        yield
+
+
+def broadcast_flag(flag: bool, world_size: int) -> bool:
+    """Rank 0's decision, on every rank (so all ranks take a collective path together)."""
+    if world_size == 1:
+        return flag
+    t = torch.tensor([int(flag)])
+    torch.distributed.broadcast(t, src=0)
+    return bool(t.item())
+
+
+def all_gather_strings(value: str, world_size: int) -> list[str]:
+    if world_size == 1:
+        return [value]
+    out: list[str] = [""] * world_size
+    torch.distributed.all_gather_object(out, value)
+    return out
+
+
+def mean_over_ranks(value: torch.Tensor, world_size: int) -> float:
+    if world_size > 1:
+        value = value.clone()
+        torch.distributed.all_reduce(value)
+        value /= world_size
+    return float(value)
 
 
 def launch_local(processes: int, argv: list[str]) -> int:

@@ -1,22 +1,30 @@
-"""The training loop: setup, step, log, save. Reads only the caches."""
+"""The training loop: setup, (resume), step, log, checkpoint, save. Reads only the caches."""
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
+from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 import torch
 import yaml
 
-from diffpipe.config import Config
+from diffpipe.config import Config, ObjectiveConfig, TrainConfig
 from diffpipe.data.reader import CachedDataset
 from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
-from diffpipe.training import adapter, engine
-from diffpipe.training.metrics import MetricsWriter, plot_loss, read_metrics
+from diffpipe.training import checkpoint as ckpt
+from diffpipe.training import engine, pipeline
+from diffpipe.training.eval import Evaluator, eval_dataset
+from diffpipe.training.metrics import MetricsWriter, peak_memory_mb, plot_loss, read_metrics
+from diffpipe.training.optim import build_optimizer
+from diffpipe.training.sample import TrainingSampler
 from diffpipe.training.schedules import lr_lambda
-from diffpipe.utils import write_text_atomic
+from diffpipe.training.trainable import Trainable
+from diffpipe.utils import digest, stable_json, write_text_atomic
 
 
 @dataclass
@@ -27,106 +35,256 @@ class TrainResult:
     last_loss: float
     adapter_dir: Path
     seconds: float
+    resumed_from: int = 0
 
 
-def _steps_per_epoch(data: CachedDataset, cfg: Config, world: int) -> int:
-    tc = cfg.train
-    micro = len(data.epoch_batches(0, tc.batch_size, tc.seed)) // world
-    return max(1, micro // tc.grad_accum)
+class DataOrder:
+    """Which micro-batches each rank trains on at each optimizer step.
+
+    The order depends only on (seed, epoch, rank, world size), so a resumed
+    run picks up at exactly the batch an uninterrupted run would be at.
+    """
+
+    def __init__(self, data: CachedDataset, tc: TrainConfig, rank: int, world_size: int):
+        self.data, self.tc, self.rank, self.world = data, tc, rank, world_size
+        micro = len(data.epoch_batches(0, tc.batch_size, tc.seed)) // world_size
+        self.steps_per_epoch = max(1, micro // tc.grad_accum)
+        self.total = tc.max_steps or tc.epochs * self.steps_per_epoch
+        self.epochs = -(-self.total // self.steps_per_epoch)
+
+    @lru_cache(maxsize=2)  # noqa: B019  (one DataOrder per run)
+    def _mine(self, epoch: int) -> list[list[int]]:
+        batches = self.data.epoch_batches(epoch, self.tc.batch_size, self.tc.seed)
+        return batches[self.rank :: self.world]
+
+    def micro_batches(self, step: int) -> list[list[int]]:
+        """Micro-batches (item indices) of 0-based optimizer step ``step`` on this rank."""
+        epoch, i = divmod(step, self.steps_per_epoch)
+        mine, ga = self._mine(epoch), self.tc.grad_accum
+        # Fewer batches than ranks x accumulation: reuse this rank's batches cyclically.
+        return [mine[(i * ga + j) % len(mine)] for j in range(ga)]
 
 
-def train(cfg: Config, paths: RunPaths, *, log=print) -> TrainResult:
-    """Train a LoRA on the cached latents and text embeddings of ``paths``."""
+def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str | None = None,
+          log=print) -> TrainResult:
+    """Train a LoRA (or, with ``train.mode: full``, the whole denoiser) on the caches of ``paths``.
+
+    ``resume`` continues from the latest checkpoint (or ``checkpoint``, a
+    name under ``train/checkpoints`` or a path) with identical results.
+    """
     tc = cfg.train
     dist = engine.setup_distributed()
     torch.manual_seed(tc.seed)
     family = get_family(cfg.model)
     data = CachedDataset.from_run(paths)
-    steps_per_epoch = _steps_per_epoch(data, cfg, dist.world_size)
-    total = tc.max_steps or tc.epochs * steps_per_epoch
-    epochs = -(-total // steps_per_epoch)
+    if dist.world_size % tc.pipeline_stages:
+        raise ValueError(f"train.pipeline_stages {tc.pipeline_stages} does not divide the {dist.world_size} processes")
+    # Pipeline stages of one replica see the same data; replicas (data parallel) differ.
+    dp_world = dist.world_size // tc.pipeline_stages
+    dp_rank = dist.rank % dp_world  # DeepSpeed's pipe x data topology: data is the fastest axis
+    order = DataOrder(data, tc, dp_rank, dp_world)
+    if tc.caption_dropout and data.empty_text is None:
+        raise ValueError(f"train.caption_dropout needs the empty-caption cache {paths.text_empty}; "
+                         "run the workflow's empty-caption cache job (or set caption_dropout: 0)")
+
+    run_meta = {"config": cfg.model_dump(mode="json"), "world_size": dist.world_size,
+                "data_digest": _data_digest(data)}
+    resume_from = _check_resume(paths, run_meta, checkpoint) if resume or checkpoint else None  # refuse early
 
     denoiser = family.load_denoiser().to(engine.device())
-    lora_cfg = adapter.peft_config(tc.lora, family.lora_targets(tc.lora.targets))
-    params = adapter.add_lora(denoiser, lora_cfg)
-    denoiser.train()
-    optimizer = torch.optim.AdamW(params, lr=tc.lr, weight_decay=tc.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(total=total, warmup=tc.warmup_steps, kind=tc.lr_schedule)
-    )
-    model = engine.build_engine(denoiser, optimizer, scheduler, tc, dist.world_size)
-    if dist.is_main:
+    trained = Trainable(denoiser, family, cfg, is_main=dist.is_main, continue_lora=not (resume or checkpoint))
+    params = trained.params
+
+    def make_scheduler(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(total=order.total, warmup=tc.warmup_steps, kind=tc.lr_schedule))
+
+    if tc.pipeline_stages > 1:
+        layers = family.pipeline_layers(denoiser)
+        model, trained.stage_params = pipeline.build_pipeline_engine(
+            layers, pipeline.stage_bounds(layers, tc), pipeline.pipeline_loss_fn(tc.objective), tc,
+            dist.world_size, make_scheduler)
+    else:
+        optimizer = build_optimizer(params, tc)
+        model = engine.build_engine(denoiser, optimizer, make_scheduler(optimizer), tc, dist.world_size)
+    scheduler = model.lr_scheduler
+    # Noise and timesteps differ per replica but are reproducible per (seed, replica).
+    gen = torch.Generator(device=engine.device()).manual_seed(tc.seed * 1000 + dp_rank)
+
+    def save_checkpoint(step: int) -> Path:
+        epoch, in_epoch = divmod(step, order.steps_per_epoch)
+        # The LoRA goes in as an adapter folder too (for export); full weights live in DeepSpeed's files.
+        write_adapter = (lambda d: None) if trained.full else (lambda d: trained.save(d, step=step, epoch=epoch))
+        return ckpt.save_checkpoint(
+            model, paths.checkpoints, step=step, rank=dist.rank, keep_last=tc.keep_checkpoints,
+            meta={**run_meta, "epoch": epoch, "step_in_epoch": in_epoch},
+            rng=ckpt.rng_state(gen), write_adapter=write_adapter,
+        )
+
+    start = 0
+    if resume_from is not None:
+        start = _resume(model, gen, paths, resume_from, dist.rank)
+        log_fn = log if dist.is_main else (lambda *_: None)
+        log_fn(f"train: resumed from step {start} ({paths.checkpoints})")
+    elif dist.is_main:
         write_text_atomic(paths.train_dir / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-        n_train = sum(p.numel() for p in params)
-        log(f"train: {len(data)} items, {steps_per_epoch} steps/epoch, {total} steps, "
-            f"{n_train:,} trainable LoRA parameters, world size {dist.world_size}")
-
-    metrics = MetricsWriter(paths.metrics, paths.tensorboard, enabled=dist.is_main)
-    # Noise and timesteps differ per rank but are reproducible per (seed, rank).
-    gen = torch.Generator(device=engine.device()).manual_seed(tc.seed * 1000 + dist.rank)
-    meta = {"family": cfg.model.family, "flavor": cfg.model.flavor, "rank": tc.lora.rank, "alpha": tc.lora.alpha}
-    step, t_start, losses = 0, time.perf_counter(), []
-    for epoch in range(epochs):
-        batches = data.epoch_batches(epoch, tc.batch_size, tc.seed)
-        mine = batches[dist.rank :: dist.world_size][: steps_per_epoch * tc.grad_accum]
-        for i in range(0, len(mine), tc.grad_accum):
-            t0 = time.perf_counter()
-            micro_losses = []
-            for idx in mine[i : i + tc.grad_accum]:
-                batch = data.collate(idx)
-                latents = batch["latents"].to(model.device)
-                text = {k: v.to(model.device) for k, v in batch["text"].items()}
-                loss = family.loss(model, latents, text, gen).mean()
-                model.backward(loss)
-                model.step()
-                micro_losses.append(loss.detach())
-            step += 1
-            step_loss = _mean_over_ranks(torch.stack(micro_losses).mean(), dist.world_size)
-            losses.append(step_loss)
-            dt = time.perf_counter() - t0
-            grad_norm = model.get_global_grad_norm()
-            metrics.log(
-                step,
-                epoch=epoch,
-                loss=step_loss,
-                lr=scheduler.get_last_lr()[0],
-                grad_norm=float(grad_norm) if grad_norm is not None else None,
-                samples_per_s=tc.batch_size * tc.grad_accum * dist.world_size / dt,
-                step_time=dt,
-            )
-            if tc.checkpoint_every_steps and step % tc.checkpoint_every_steps == 0:
-                _checkpoint(model, paths, step, epoch)
-            if step >= total:
-                break
-        if dist.is_main and tc.save_every_epochs and (epoch + 1) % tc.save_every_epochs == 0:
-            adapter.save_adapter(paths.epoch_loras / f"epoch-{epoch + 1:04d}", adapter.lora_state_dict(denoiser),
-                                 lora_cfg, {**meta, "step": step, "epoch": epoch + 1})
-        if step >= total:
-            break
-
-    _checkpoint(model, paths, step, epochs)
-    metrics.close()
     if dist.is_main:
-        adapter.save_adapter(paths.adapter_dir, adapter.lora_state_dict(denoiser), lora_cfg,
-                             {**meta, "step": step, "epoch": epochs})
-        plot_loss(read_metrics(paths.metrics), paths.train_dir / "loss.png")
+        log(f"train: {len(data)} items, {order.steps_per_epoch} steps/epoch, {order.total} steps, "
+            f"{sum(p.numel() for p in params):,} trainable parameters ({trained.kind}), world size {dist.world_size}")
+
+    metrics = MetricsWriter(paths.metrics, paths.tensorboard, enabled=dist.is_main, append=start > 0,
+                            purge_step=start + 1 if start else None)
+    evaluate = Evaluator(family, eval_dataset(paths, data), tc.eval, batch_size=tc.batch_size, device=model.device)
+    if start == 0:  # the baseline later evals compare with (TensorBoard only: rows are steps)
+        metrics.log(0, jsonl=False, **evaluate(model))
+    trigger = _CheckpointTrigger(tc, paths, dist.world_size, dist.is_main)
+    sampler = TrainingSampler(family, cfg.sample, denoiser, paths.train_dir / "samples")
+    samples_per_step = tc.batch_size * tc.grad_accum * dist.world_size
+    last_saved, t_start, losses = start, time.perf_counter(), []
+    for step in range(start, order.total):
+        done, epoch = step + 1, step // order.steps_per_epoch
+        t0 = time.perf_counter()
+        if tc.pipeline_stages > 1:
+            loss, grad_norm = _pipeline_step(model, family, data, order.micro_batches(step), gen,
+                                             tc.caption_dropout, tc.objective)
+        else:
+            loss, grad_norm = _train_step(model, family, data, order.micro_batches(step), gen, params,
+                                          tc.caption_dropout, tc.objective)
+        step_loss = engine.mean_over_ranks(loss, dist.world_size)
+        dt = time.perf_counter() - t0
+        losses.append(step_loss)
+        due = done == order.total or (tc.eval.every_steps and done % tc.eval.every_steps == 0)
+        evals = evaluate(model) if due else {}
+        metrics.log(done, epoch=epoch, loss=step_loss, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
+                    samples_per_s=samples_per_step / dt, step_time=dt,
+                    peak_memory_mb=peak_memory_mb(model.device), elapsed_s=time.perf_counter() - t_start, **evals)
+        epoch_end = done % order.steps_per_epoch == 0
+        if epoch_end and not trained.full and tc.save_every_epochs and (epoch + 1) % tc.save_every_epochs == 0:
+            trained.save(paths.epoch_loras / f"epoch-{epoch + 1:04d}", step=done, epoch=epoch + 1)
+        if dist.is_main and _sample_due(tc, done, epoch_end, epoch):
+            metrics.image("samples", sampler(done)[1], done)
+        ckpt.fault_point("after-step", done)
+        if trigger.due(done):
+            save_checkpoint(done)
+            trigger.saved()
+            last_saved = done
+
+    if last_saved != order.total or not ckpt.list_checkpoints(paths.checkpoints):
+        save_checkpoint(order.total)
+    metrics.close()
+    trained.save(trained.output_dir(paths), step=order.total, epoch=order.epochs)
+    agree = trained.ranks_agree(dist.world_size)
     seconds = time.perf_counter() - t_start
     if dist.is_main:
-        log(f"train: {step} steps in {seconds:.1f} s; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-    return TrainResult(step, epochs, losses[0], losses[-1], paths.adapter_dir, seconds)
+        plot_loss(read_metrics(paths.metrics), paths.train_dir / "loss.png")
+        summary = {"steps": order.total, "resumed_from": start, "world_size": dist.world_size,
+                   "ranks_agree": agree, "seconds": seconds}
+        write_text_atomic(paths.train_dir / "summary.json", stable_json(summary))
+        if losses:
+            log(f"train: {len(losses)} steps in {seconds:.1f} s; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+    first, last = (losses[0], losses[-1]) if losses else (math.nan, math.nan)
+    return TrainResult(order.total, order.epochs, first, last, trained.output_dir(paths), seconds, start)
 
 
-def _mean_over_ranks(value: torch.Tensor, world: int) -> float:
-    if world > 1:
-        value = value.clone()
-        torch.distributed.all_reduce(value)
-        value /= world
-    return float(value)
+def _train_step(model, family, data: CachedDataset, micro_batches: list[list[int]], gen: torch.Generator,
+                params: list[torch.nn.Parameter], caption_dropout: float,
+                objective: ObjectiveConfig) -> tuple[torch.Tensor, float | None]:
+    """One optimizer step over ``grad_accum`` micro-batches; DeepSpeed steps at the boundary.
+
+    Returns the mean loss and the gradient norm before clipping.
+    """
+    micro_losses, norm = [], None
+    for idx in micro_batches:
+        batch = data.collate(idx)
+        latents = batch["latents"].to(model.device)
+        text = {k: v.to(model.device) for k, v in batch["text"].items()}
+        if caption_dropout:
+            text = _drop_captions(text, data.empty_text, caption_dropout, gen)
+        loss = family.loss(model, latents, text, gen, objective=objective).mean()
+        model.backward(loss)
+        if model.zero_optimization_stage() == 0 and model.is_gradient_accumulation_boundary():
+            # Without ZeRO, DeepSpeed reports no norm; grads are all-reduced by now.
+            norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        model.step()
+        micro_losses.append(loss.detach())
+    ds_norm = model.get_global_grad_norm()
+    return torch.stack(micro_losses).mean(), float(ds_norm) if ds_norm is not None else norm
 
 
-def _checkpoint(model, paths: RunPaths, step: int, epoch: int) -> None:
-    """Full DeepSpeed state (adapter, optimizer, scheduler) without the frozen base weights."""
-    model.save_checkpoint(
-        str(paths.checkpoints), tag=f"step-{step:06d}", client_state={"step": step, "epoch": epoch},
-        exclude_frozen_parameters=True,
-    )
+def _sample_due(tc: TrainConfig, done: int, epoch_end: bool, epoch: int) -> bool:
+    by_steps = tc.sample_every_steps and done % tc.sample_every_steps == 0
+    by_epochs = epoch_end and tc.sample_every_epochs and (epoch + 1) % tc.sample_every_epochs == 0
+    return bool(by_steps or by_epochs)
+
+
+def _pipeline_step(model, family, data: CachedDataset, micro_batches: list[list[int]], gen: torch.Generator,
+                   caption_dropout: float, objective: ObjectiveConfig) -> tuple[torch.Tensor, float | None]:
+    """One optimizer step through the pipeline. The first and last stage each read the micro-batches,
+    drawing the same noise from the same generator state; the target reaches the last stage as a label."""
+
+    def feed():
+        for idx in micro_batches:
+            batch = data.collate(idx)
+            text = {k: v.to(model.device) for k, v in batch["text"].items()}
+            if caption_dropout:
+                text = _drop_captions(text, data.empty_text, caption_dropout, gen)
+            yield family.pipeline_inputs(batch["latents"].to(model.device), text, gen, objective)
+
+    loss = model.train_batch(data_iter=feed())
+    norm = model.get_global_grad_norm()
+    return loss.detach().float(), float(norm) if norm is not None else None
+
+
+def _drop_captions(text: dict[str, torch.Tensor], empty: dict[str, torch.Tensor], p: float,
+                   gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """Swap each item's text for the cached empty caption with probability ``p``."""
+    drop = torch.rand(next(iter(text.values())).shape[0], generator=gen, device=gen.device) < p
+    out = {}
+    for name, t in text.items():
+        t = t.clone()
+        t[drop.to(t.device)] = empty[name][0].to(device=t.device, dtype=t.dtype)
+        out[name] = t
+    return out
+
+
+class _CheckpointTrigger:
+    """Every N steps, every N minutes, or when a ``train/save`` request file appears."""
+
+    def __init__(self, tc: TrainConfig, paths: RunPaths, world_size: int, is_main: bool):
+        self.tc, self.world, self.is_main = tc, world_size, is_main
+        self.request = paths.train_dir / ckpt.SAVE_REQUEST
+        self.last = time.monotonic()
+
+    def due(self, step: int) -> bool:
+        if self.tc.checkpoint_every_steps and step % self.tc.checkpoint_every_steps == 0:
+            return True
+        minutes = self.tc.checkpoint_every_minutes
+        # Time and files are seen by rank 0 only; every rank follows its decision.
+        flag = self.is_main and (self.request.exists() or (minutes > 0 and time.monotonic() - self.last >= 60 * minutes))
+        return engine.broadcast_flag(flag, self.world)
+
+    def saved(self) -> None:
+        self.last = time.monotonic()
+        if self.is_main:
+            self.request.unlink(missing_ok=True)
+
+
+def _check_resume(paths: RunPaths, run_meta: dict[str, Any], name: str | None) -> Path:
+    """The checkpoint to resume from, after checking it fits this config, process count and data."""
+    path = ckpt.resolve_checkpoint(paths.checkpoints, name)
+    ckpt.check_resumable(ckpt.read_meta(path), config=run_meta["config"], world_size=run_meta["world_size"],
+                         data_digest=run_meta["data_digest"], ckpt=path)
+    return path
+
+
+def _resume(model, gen: torch.Generator, paths: RunPaths, path: Path, rank: int) -> int:
+    """Load the checkpoint's weights, optimizer, scheduler and RNG states; returns its step."""
+    step = int(ckpt.read_meta(path)["step"])
+    ckpt.set_rng_state(gen, ckpt.load_checkpoint(model, path, rank=rank))
+    if rank == 0:
+        ckpt.truncate_metrics(paths.metrics, step)
+    return step
+
+
+def _data_digest(data: CachedDataset) -> str:
+    return digest([[it.id, it.path, it.bucket, it.repeats] for it in data.items])

@@ -3,16 +3,19 @@
 from __future__ import annotations
 
 import json
+import resource
 from pathlib import Path
 from typing import Any
 
+import torch
 from PIL import Image, ImageDraw
 
 
 class MetricsWriter:
     """Appends to ``metrics.jsonl`` and TensorBoard; a no-op on non-main ranks."""
 
-    def __init__(self, jsonl: Path, tensorboard_dir: Path, *, enabled: bool = True, append: bool = False):
+    def __init__(self, jsonl: Path, tensorboard_dir: Path, *, enabled: bool = True, append: bool = False,
+                 purge_step: int | None = None):
         self.enabled = enabled
         self._file = None
         self._tb = None
@@ -22,22 +25,39 @@ class MetricsWriter:
         self._file = open(jsonl, "a" if append else "w")
         from torch.utils.tensorboard import SummaryWriter
 
-        self._tb = SummaryWriter(str(tensorboard_dir))
+        # ``purge_step`` hides events a killed run logged past its resume point.
+        self._tb = SummaryWriter(str(tensorboard_dir), purge_step=purge_step)
 
-    def log(self, step: int, **scalars: Any) -> None:
+    def log(self, step: int, *, jsonl: bool = True, **scalars: Any) -> None:
+        """One row of ``metrics.jsonl`` per step (``jsonl=False``: TensorBoard only)."""
         if not self.enabled:
             return
-        row = {"step": step, **scalars}
-        self._file.write(json.dumps(row) + "\n")
-        self._file.flush()
+        if jsonl:
+            self._file.write(json.dumps({"step": step, **scalars}) + "\n")
+            self._file.flush()
         for name, value in scalars.items():
             if isinstance(value, int | float) and name != "epoch":
-                self._tb.add_scalar(f"train/{name}", value, step)
+                tag = name.replace("eval_", "eval/", 1) if name.startswith("eval_") else f"train/{name}"
+                self._tb.add_scalar(tag, value, step)
+
+    def image(self, tag: str, image: Image.Image, step: int) -> None:
+        """A PIL image into TensorBoard (e.g. the samples rendered during training)."""
+        if self.enabled:
+            import numpy as np
+
+            self._tb.add_image(tag, np.asarray(image.convert("RGB")), step, dataformats="HWC")
 
     def close(self) -> None:
         if self._file:
             self._file.close()
             self._tb.close()
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    """Peak memory of this process in MiB: CUDA allocator peak on GPU, max RSS on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
 
 
 def read_metrics(jsonl: Path) -> list[dict[str, Any]]:

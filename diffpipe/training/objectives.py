@@ -141,7 +141,49 @@ def min_snr_weights(
     )
 
 
+def limit_timesteps(t: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
+    """Map ``t`` in [0, 1) linearly onto [lo, hi): train only part of the schedule."""
+    return lo + (hi - lo) * t
+
+
+def add_offset_noise(
+    noise: torch.Tensor, strength: float, generator: torch.Generator
+) -> torch.Tensor:
+    """Noise plus a random constant per sample and channel (Guttenberg 2023, "Diffusion with
+    Offset Noise"): lets a UNet learn very dark or bright images."""
+    offset = torch.randn(
+        noise.shape[0], noise.shape[1], *([1] * (noise.ndim - 2)), generator=generator,
+        device=generator.device,
+    )
+    return noise + strength * offset.to(noise.device)
+
+
 # -- reduction -------------------------------------------------------------
+def per_sample_pseudo_huber(
+    pred: torch.Tensor, target: torch.Tensor, c: float, weights: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Pseudo-Huber loss ``sqrt(d^2 + c^2) - c`` per sample ``[B]`` (Charbonnier 1994; for diffusion
+    Khrapov et al. 2024, "Improving Diffusion Models's Data-Corruption Resistance")."""
+    d2 = (pred.float() - target.float()).pow(2)
+    err = ((d2 + c * c).sqrt() - c).reshape(pred.shape[0], -1).mean(dim=1)
+    return err if weights is None else err * weights.to(err.dtype)
+
+
+def per_sample_loss(
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    *,
+    kind: str = "mse",
+    huber_c: float = 0.1,
+) -> torch.Tensor:
+    """``mse`` or ``huber`` (pseudo-Huber) per sample, optionally weighted."""
+    if kind == "huber":
+        return per_sample_pseudo_huber(pred, target, huber_c, weights)
+    return per_sample_mse(pred, target, weights)
+
+
+
 def per_sample_mse(
     pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None
 ) -> torch.Tensor:

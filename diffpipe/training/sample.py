@@ -52,3 +52,49 @@ def _grid(base: list[Image.Image], tuned: list[Image.Image], prompts: list[str])
         draw.text((col * w + 2, h + label), "LoRA", fill="black")
         grid.paste(t, (col * w, h + 2 * label))
     return grid
+
+
+class TrainingSampler:
+    """Renders the sample prompts from the in-training weights (rank 0, ZeRO below 3).
+
+    The stock pipeline is built once with the training denoiser swapped in, so
+    what it renders is exactly the current weights, LoRA included. Global RNG
+    state is saved and restored around it, so sampling never changes training.
+    """
+
+    def __init__(self, family, cfg: SampleConfig, denoiser: torch.nn.Module, out_dir: Path):
+        self.family, self.cfg, self.denoiser, self.out_dir = family, cfg, denoiser, Path(out_dir)
+        self._pipe = None
+
+    def _pipeline(self):
+        if self._pipe is None:
+            pipe = self.family.load_pipeline()
+            setattr(pipe, self.family.denoiser_name, self.denoiser)
+            device = next(self.denoiser.parameters()).device
+            for name, component in pipe.components.items():
+                if isinstance(component, torch.nn.Module) and name != self.family.denoiser_name:
+                    component.to(device)
+            pipe.set_progress_bar_config(disable=True)
+            self._pipe = pipe
+        return self._pipe
+
+    def __call__(self, step: int) -> tuple[Path, Image.Image]:
+        """Render every prompt (fixed seed) and save one row as ``step-NNNNNN.png``."""
+        was_training = self.denoiser.training
+        rng = torch.get_rng_state()
+        self.denoiser.eval()
+        try:
+            with torch.no_grad():
+                images = _render(self._pipeline(), self.cfg.prompts, self.family.sample_kwargs(self.cfg),
+                                 self.cfg.seed)
+        finally:
+            self.denoiser.train(was_training)
+            torch.set_rng_state(rng)
+        w, h = images[0].size
+        row = Image.new("RGB", (w * len(images), h), "white")
+        for i, img in enumerate(images):
+            row.paste(img, (i * w, 0))
+        out = self.out_dir / f"step-{step:06d}.png"
+        with atomic_path(out) as tmp:
+            row.save(tmp, format="PNG")
+        return out, row

@@ -2,6 +2,7 @@ rule train:
     input:
         latents=planned(paths.LATENT_SHARD, "latents"),
         text=planned(paths.TEXT_SHARD, "text"),
+        empty=out(paths.TEXT_EMPTY),
     output:
         adapter=out(paths.ADAPTER_FILE),
         metrics=out(paths.METRICS),
@@ -9,10 +10,10 @@ rule train:
         config=RESOLVED,
         digest=dw.stage_digest(CFG, "train"),
     resources:
-        gpus=1,
+        gpu=1,
     log:
         out("logs/train.log"),
     benchmark:
         out("benchmarks/train.tsv")
     shell:
-        "diffpipe train --config {params.config} --processes {resources.gpus} > {log} 2>&1"
+        "diffpipe train --config {params.config} --processes {resources.gpu} > {log} 2>&1"
