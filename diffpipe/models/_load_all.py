@@ -1,3 +1,12 @@
 """Importing this module registers every built-in family (one line each)."""
 
-from diffpipe.models import flux, sd  # noqa: F401
+from diffpipe.models import (  # noqa: F401
+    chroma,
+    flux,
+    hidream,
+    lumina2,
+    qwenimage,
+    sd,
+    sd3,
+    sdxl,
+)

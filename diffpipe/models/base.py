@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from diffpipe.config import ModelConfig, SampleConfig
+from diffpipe.config import ModelConfig, ObjectiveConfig, SampleConfig
 
 
 class Family(ABC):
@@ -79,6 +79,14 @@ class Family(ABC):
     def encode_text(self, encoders: Any, captions: list[str]) -> dict[str, torch.Tensor]:
         """Captions -> embeddings dict (float32), named like the pipeline's arguments."""
 
+    def load_tokenizers(self) -> Any:
+        """What ``token_limits`` and ``count_tokens`` need, ideally the tokenizers alone.
+
+        Validation counts caption tokens with it. The default loads the whole
+        text-encoder bundle; families override it to skip the encoder weights.
+        """
+        return self.load_text_encoders()
+
     @abstractmethod
     def token_limits(self, encoders: Any) -> dict[str, int]:
         """Max tokens per text encoder, e.g. ``{"clip": 77}``."""
@@ -98,8 +106,12 @@ class Family(ABC):
         *,
         t: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
+        objective: ObjectiveConfig | None = None,
     ) -> torch.Tensor:
         """Per-sample training loss ``[B]`` (float32).
+
+        ``objective`` (``train.objective``) picks the timestep sampling, limits,
+        loss and weighting; None = the family's defaults with MSE.
 
         ``t`` (fractions in (0, 1), one per sample) and ``noise`` fix the
         timestep and noise, for evaluation at fixed quantiles; otherwise both
@@ -118,6 +130,25 @@ class Family(ABC):
 
     def lora_targets(self, configured: list[str] | None) -> list[str]:
         return list(configured) if configured else list(self.default_lora_targets)
+
+    # -- pipeline parallelism (train.pipeline_stages > 1) ---------------------------
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """The denoiser as layers passing tuples of tensors: embedding, one per block, output."""
+        raise ValueError(f"model family {self.name!r} has no pipeline layer list yet; set train.pipeline_stages: 1")
+
+    def pipeline_inputs(
+        self,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        objective: ObjectiveConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+        """``(first-layer inputs, (target, per-sample weights))``, drawing what ``loss`` draws."""
+        raise ValueError(
+            f"model family {self.name!r} cannot train pipeline parallel yet (no pipeline_inputs); "
+            "set train.pipeline_stages: 1"
+        )
 
 
 _REGISTRY: dict[str, type[Family]] = {}

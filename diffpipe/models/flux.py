@@ -34,7 +34,7 @@ from transformers import (
     T5TokenizerFast,
 )
 
-from diffpipe.config import SampleConfig
+from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.models import _common as common
 from diffpipe.models.base import Family, register
 from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer, tokenizer_fingerprint
@@ -201,6 +201,20 @@ class FluxFamily(Family):
                 return AutoencoderKL(**TINY_VAE).eval()
         return AutoencoderKL.from_pretrained(self.cfg.path, subfolder="vae").eval()
 
+    def load_tokenizers(self) -> FluxTextEncoders:
+        """Both tokenizers only (no encoder weights): enough to count tokens."""
+        msl = self.max_sequence_length
+        if self.cfg.flavor == "tiny":
+            return FluxTextEncoders(clip_tokenizer(), None, t5_tokenizer(TINY_T5_LENGTH), None, msl)
+        path = self.cfg.path
+        return FluxTextEncoders(
+            CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
+            None,
+            T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_2"),
+            None,
+            msl,
+        )
+
     def load_text_encoders(self) -> FluxTextEncoders:
         msl = self.max_sequence_length
         if self.cfg.flavor == "tiny":
@@ -344,19 +358,27 @@ class FluxFamily(Family):
         *,
         t: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
+        objective: ObjectiveConfig | None = None,
     ) -> torch.Tensor:
+        o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()
         device, (b, c, h, w) = x0.device, x0.shape
         # Draw order is fixed (t, then noise) so a seeded generator replays a run.
         if t is None:
-            t = obj.sample_logit_normal(b, generator, device=generator.device)
+            if o.timestep_sampling == "uniform":
+                t = obj.sample_uniform(b, generator, device=generator.device)
+            else:
+                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std,
+                                            device=generator.device)
+            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
         if noise is None:
             noise = torch.randn(x0.shape, generator=generator, device=generator.device)
         elif noise.ndim == 5:  # given like the latents, [B,C,1,h,w]
             noise = common.single_frame(noise, self.name)
         t, noise = t.to(device).float(), noise.to(device).float()
 
-        sigma = obj.shift_timesteps(t, self.timestep_shift((h // 2) * (w // 2)))
+        shift = o.shift or self.timestep_shift((h // 2) * (w // 2))
+        sigma = obj.shift_timesteps(t, shift)
         noisy = obj.flow_interpolate(x0, noise, sigma)
         target = FluxPipeline._pack_latents(obj.flow_target(x0, noise), b, c, h, w)
 
@@ -376,8 +398,64 @@ class FluxFamily(Family):
             img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
             return_dict=False,
         )[0]
-        return obj.per_sample_mse(pred, target)
+        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c)
 
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         return {**super().sample_kwargs(cfg), "max_sequence_length": self.max_sequence_length}
+
+    # -- pipeline parallelism ------------------------------------------------------
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """The transformer as layers: embedding, one per double and single block, output.
+
+        Input tuple ``(packed_noisy, sigma, guidance, pooled, prompt_embeds, txt_ids, img_ids)``;
+        output ``(packed prediction,)``.
+        """
+        from diffpipe.models.pipeline_layers import flux_layers
+
+        return flux_layers(common.unwrap(denoiser))
+
+    def pipeline_inputs(
+        self,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        objective: ObjectiveConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+        """``((packed_noisy, sigma, guidance, pooled, prompt_embeds, txt_ids, img_ids), (target, weights))``.
+
+        Draws exactly what ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval).
+        """
+        o = objective or ObjectiveConfig()
+        x0 = common.single_frame(latents, self.name).float()
+        device, (b, c, h, w) = x0.device, x0.shape
+        if t is None:
+            if o.timestep_sampling == "uniform":
+                t = obj.sample_uniform(b, generator, device=generator.device)
+            else:
+                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std,
+                                            device=generator.device)
+            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
+        if noise is None:
+            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
+        elif noise.ndim == 5:  # given like the latents (eval)
+            noise = common.single_frame(noise, self.name)
+        t, noise = t.to(device).float(), noise.to(device).float()
+        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift((h // 2) * (w // 2)))
+        noisy = obj.flow_interpolate(x0, noise, sigma)
+        target = FluxPipeline._pack_latents(obj.flow_target(x0, noise), b, c, h, w)
+        prompt_embeds = text["prompt_embeds"].to(device=device, dtype=dtype)
+        inputs = (
+            FluxPipeline._pack_latents(noisy, b, c, h, w).to(dtype),
+            sigma.to(dtype),
+            torch.full((b,), self.train_guidance, device=device, dtype=torch.float32),
+            text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+            prompt_embeds,
+            torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
+            FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
+        )
+        return inputs, (target, torch.ones(b, device=device))

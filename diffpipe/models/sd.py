@@ -22,6 +22,7 @@ from diffusers import (
 )
 from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
+from diffpipe.config import ObjectiveConfig
 from diffpipe.models import _common as common
 from diffpipe.models.base import Family, register
 from diffpipe.models.tokenizers import clip_tokenizer, tokenizer_fingerprint
@@ -139,6 +140,12 @@ class SDFamily(Family):
                 return AutoencoderKL(**TINY_VAE).eval()
         return AutoencoderKL.from_pretrained(self.cfg.path, subfolder="vae").eval()
 
+    def load_tokenizers(self) -> SDTextEncoders:
+        """The tokenizer only (no encoder weights): enough to count tokens."""
+        if self.cfg.flavor == "tiny":
+            return SDTextEncoders(clip_tokenizer(), None)
+        return SDTextEncoders(CLIPTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer"), None)
+
     def load_text_encoders(self) -> SDTextEncoders:
         if self.cfg.flavor == "tiny":
             tokenizer = clip_tokenizer()
@@ -255,14 +262,23 @@ class SDFamily(Family):
         *,
         t: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
+        objective: ObjectiveConfig | None = None,
     ) -> torch.Tensor:
+        o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()
         device, b = x0.device, x0.shape[0]
-        # Draw order is fixed (t, then noise) so a seeded generator replays a run.
+        # Draw order is fixed (t, then noise, then offset) so a seeded generator replays a run.
         if t is None:
-            t = obj.sample_uniform(b, generator, device=generator.device)
+            if o.timestep_sampling == "logit_normal":
+                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std,
+                                            device=generator.device)
+            else:
+                t = obj.sample_uniform(b, generator, device=generator.device)
+            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
         if noise is None:
             noise = torch.randn(x0.shape, generator=generator, device=generator.device)
+            if o.offset_noise:
+                noise = obj.add_offset_noise(noise, o.offset_noise, generator)
         elif noise.ndim == 5:  # given like the latents, [B,C,1,h,w]
             noise = common.single_frame(noise, self.name)
         t, noise = t.to(device), noise.to(device).float()
@@ -279,9 +295,66 @@ class SDFamily(Family):
             encoder_hidden_states=text["prompt_embeds"].to(device=device, dtype=dtype),
             return_dict=False,
         )[0]
-        return obj.per_sample_mse(pred, target)
+        weights = None
+        if o.min_snr_gamma:
+            weights = obj.min_snr_weights(schedule, steps, gamma=o.min_snr_gamma,
+                                          prediction_type=self.prediction_type)
+        return obj.per_sample_loss(pred, target, weights, kind=o.loss, huber_c=o.huber_c)
 
     @cached_property
     def _alphas_cumprod(self) -> torch.Tensor:
         # Built once: loss() runs every step.
         return self.noise_scheduler().alphas_cumprod.clone()
+
+    # -- pipeline parallelism ------------------------------------------------------
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """The UNet as layers: embedding, one per down block, mid block, one per up block, output.
+
+        Input tuple ``(noisy, timesteps, prompt_embeds)``; output ``(prediction,)``.
+        """
+        from diffpipe.models.pipeline_layers import unet_layers
+
+        return unet_layers(common.unwrap(denoiser))
+
+    def pipeline_inputs(
+        self,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        objective: ObjectiveConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+        """``((noisy, timesteps, prompt_embeds), (target, weights))`` for the pipeline layers.
+
+        Draws exactly what ``loss`` draws, in the same order, so a pipeline run
+        sees the same timesteps and noise as a data-parallel one; ``t`` and
+        ``noise`` fix them (eval).
+        """
+        o = objective or ObjectiveConfig()
+        x0 = common.single_frame(latents, self.name).float()
+        b = x0.shape[0]
+        if t is None:
+            if o.timestep_sampling == "logit_normal":
+                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std,
+                                            device=generator.device)
+            else:
+                t = obj.sample_uniform(b, generator, device=generator.device)
+            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
+        if noise is None:
+            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
+            if o.offset_noise:
+                noise = obj.add_offset_noise(noise, o.offset_noise, generator)
+        elif noise.ndim == 5:  # given like the latents (eval)
+            noise = common.single_frame(noise, self.name)
+        t, noise = t.to(x0.device), noise.to(x0.device).float()
+        schedule = self._alphas_cumprod
+        steps = obj.ddpm_timesteps(t, len(schedule))
+        noisy = obj.ddpm_add_noise(x0, noise, schedule, steps)
+        target = obj.ddpm_target(x0, noise, schedule, steps, self.prediction_type)
+        weights = torch.ones(b)
+        if o.min_snr_gamma:
+            weights = obj.min_snr_weights(schedule, steps, gamma=o.min_snr_gamma, prediction_type=self.prediction_type)
+        return (noisy.to(dtype), steps, text["prompt_embeds"].to(dtype)), (target, weights.to(x0.device))

@@ -1,0 +1,250 @@
+"""GPU memory per process for a training config, from the denoiser on the ``meta`` device.
+
+``estimate_memory`` builds the denoiser at its real size on the ``meta``
+device (no memory, no weights: the published config, or the local folder's),
+adds the LoRA the config asks for, and counts:
+
+- **parameters**: every denoiser weight in the training dtype (ZeRO-3
+  divides them over the GPUs);
+- **gradients**: one per trainable parameter in the training dtype (ZeRO-2
+  and 3 divide them);
+- **optimizer state**: float32 moments (AdamW: two per trainable parameter)
+  plus DeepSpeed's float32 master copy under bf16 (ZeRO-1 and up divide
+  them; ``offload_optimizer`` moves them to CPU memory);
+- **activations**: measured, not modelled: one training forward (the
+  family's own ``loss``) runs on ``meta`` tensors of the real batch and
+  resolution, and every tensor autograd saves for the backward pass is
+  counted once (by storage), weights excluded. Attention is counted as a
+  fused kernel (flash / memory-efficient attention, as on a GPU) keeps it:
+  query, key, value, output and the log-sum-exp, never the score matrix.
+
+Not counted: the CUDA context and allocator fragmentation (add 1-2 GiB),
+temporaries of the backward pass (about one block's activations), the VAE and
+text encoders (not loaded while training: the caches hold their outputs).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import peft
+import torch
+
+from diffpipe.config import Config
+from diffpipe.models import get_family
+from diffpipe.models.published import PUBLISHED, Published, for_family
+
+GiB = 2**30
+# float32 optimizer-state bytes per trainable parameter, by ``train.optimizer``.
+_STATE_BYTES = {"adamw": 8, "adamw_kahan": 8, "adamw_stochastic": 8, "adafactor": 0, "sgd": 4}
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes per GPU, with what they were computed for."""
+
+    model: str
+    gpus: int
+    zero_stage: int
+    precision: str
+    resolution: int
+    batch_size: int
+    rank: int | None  # None: full fine-tuning
+    params: int
+    trainable: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    #: None where the forward cannot run on ``meta`` tensors (it reads tensor values, e.g. Lumina 2's mask).
+    activation_bytes: int | None
+    #: True where activations are an upper bound (mixture-of-experts routing assumed to keep every token).
+    activation_upper_bound: bool = False
+
+    @property
+    def total_bytes(self) -> int:
+        """Parameters + gradients + optimizer state + activations (those that could be measured)."""
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + (self.activation_bytes or 0)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "total_bytes": self.total_bytes}
+
+    def table(self) -> str:
+        """A plain-text summary, one line per part, in GiB."""
+        what = f"LoRA rank {self.rank}" if self.rank else "full fine-tuning"
+        rows = [
+            f"model {self.model}: {self.params / 1e9:.3f}B parameters, {self.trainable / 1e6:.2f}M trainable ({what})",
+            f"{self.gpus} GPU(s), ZeRO {self.zero_stage}, {self.precision}, batch {self.batch_size} per GPU "
+            f"at {self.resolution}x{self.resolution} px",
+            f"  parameters       {self.param_bytes / GiB:8.2f} GiB",
+            f"  gradients        {self.grad_bytes / GiB:8.2f} GiB",
+            f"  optimizer state  {self.optimizer_bytes / GiB:8.2f} GiB",
+            f"  activations      {self.activation_bytes / GiB:8.2f} GiB"
+            + (" (upper bound: every token routed to every expert)" if self.activation_upper_bound else "")
+            if self.activation_bytes is not None
+            else "  activations      not measurable on the meta device (the forward reads tensor values)",
+            f"  total per GPU    {self.total_bytes / GiB:8.2f} GiB (plus 1-2 GiB CUDA context and fragmentation)",
+        ]
+        return "\n".join(rows)
+
+
+def _model_spec(cfg: Config, model: str | None) -> Published:
+    """The published model to size: named, the local folder's config, or the family's flagship."""
+    family = cfg.model.family
+    if model:
+        spec = PUBLISHED.get(model)
+        if spec is None:
+            raise ValueError(f"--model: unknown published model {model!r}; known: {', '.join(sorted(PUBLISHED))}")
+        if spec.family != family:
+            raise ValueError(f"--model {model!r} is a {spec.family!r} model, but model.family is {family!r}")
+        return spec
+    specs = for_family(family)
+    if not specs:
+        raise ValueError(f"model.family {family!r}: no published configuration to size; pass a local model")
+    if cfg.model.flavor != "local":
+        return specs[0]
+    import diffusers
+
+    fam = get_family(cfg.model)
+    cls = getattr(diffusers, specs[0].cls)
+    config = dict(cls.load_config(cfg.model.path, subfolder=fam.denoiser_name))
+    config = {k: v for k, v in config.items() if not k.startswith("_")}
+    # Text shapes and latent geometry come from the published model the folder's config is
+    # closest to (e.g. SD 2.1 rather than 1.5 for a 1024-wide cross-attention UNet).
+    def agreement(spec: Published) -> int:
+        return sum(json.dumps(config.get(k)) == json.dumps(v) for k, v in spec.config.items())
+
+    near = max(specs, key=agreement)
+    return Published(cfg.model.path, family, near.cls, config, 0, 1, "local folder", near.text,
+                     near.latent_channels, near.vae_factor)
+
+
+@contextmanager
+def _fused_attention() -> Iterator[None]:
+    """``scaled_dot_product_attention`` as a fused GPU kernel keeps it for backward (see module doc)."""
+
+    class _Fused(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            out = q.new_empty((*q.shape[:-1], v.shape[-1]))
+            lse = q.new_empty(q.shape[:-1], dtype=torch.float32)
+            ctx.save_for_backward(q, k, v, out, lse)
+            return out
+
+        @staticmethod
+        def backward(ctx, grad):  # never run: the estimate stops after the forward
+            q, k, v, _, _ = ctx.saved_tensors
+            return torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+
+    def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if enable_gqa and key.shape[-3] != query.shape[-3]:
+            rep = query.shape[-3] // key.shape[-3]
+            key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
+        return _Fused.apply(query, key, value)
+
+    original = torch.nn.functional.scaled_dot_product_attention
+    torch.nn.functional.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        torch.nn.functional.scaled_dot_product_attention = original
+
+
+def saved_activation_bytes(denoiser: torch.nn.Module, run) -> int:
+    """Bytes autograd saves for backward while ``run()`` does a forward (weights excluded)."""
+    weights = {p.untyped_storage()._cdata for p in denoiser.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        if storage._cdata not in weights:
+            saved[storage._cdata] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention():
+        run()
+    return sum(saved.values())
+
+
+def _meta_inputs(spec: Published, batch: int, resolution: int, dtype: torch.dtype):
+    side = resolution // spec.vae_factor
+    with torch.device("meta"):
+        latents = torch.empty(batch, spec.latent_channels, 1, side, side)
+        text = {k: torch.empty(batch, *shape, dtype=dtype) for k, shape in spec.text.items()}
+        t = torch.full((batch,), 0.5)
+        noise = torch.empty(batch, spec.latent_channels, side, side)
+    return latents, text, t, noise
+
+
+def estimate_memory(
+    cfg: Config,
+    *,
+    gpus: int = 1,
+    resolution: int | None = None,
+    rank: int | None = None,
+    model: str | None = None,
+) -> MemoryEstimate:
+    """Memory per GPU to train ``cfg`` on ``gpus`` data-parallel GPUs (see the module docstring).
+
+    ``resolution`` (pixels; default: the largest dataset resolution), ``rank``
+    (default: ``train.lora.rank``) and ``model`` (a name in
+    ``diffpipe.models.published``; default: the local folder's config, else the
+    family's flagship) override the config.
+    """
+    if gpus < 1:
+        raise ValueError(f"--gpus must be at least 1, got {gpus}")
+    tc = cfg.train
+    spec = _model_spec(cfg, model)
+    family = get_family(cfg.model.model_copy(update={"flavor": "tiny", "path": None}))
+    resolution = resolution or max(max(d.resolutions or [d.resolution]) for d in cfg.datasets)
+    if resolution % family.pixel_multiple and resolution % (spec.vae_factor * 2):
+        raise ValueError(f"resolution {resolution} is not a multiple of {spec.vae_factor * 2}")
+    dtype = torch.bfloat16 if tc.precision == "bf16" else torch.float32
+    width = 2 if tc.precision == "bf16" else 4
+
+    denoiser = spec.build_meta().to(dtype)
+    params = sum(p.numel() for p in denoiser.parameters())
+    full = tc.mode == "full"
+    if full:
+        rank = None
+        denoiser.requires_grad_(True)
+    else:
+        rank = rank or tc.lora.rank
+        denoiser.requires_grad_(False)
+        targets = family.lora_targets(tc.lora.targets)
+        denoiser.add_adapter(peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=targets))
+        denoiser.to(dtype)
+    trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
+    frozen = sum(p.numel() for p in denoiser.parameters() if not p.requires_grad)
+
+    z = tc.zero_stage
+    param_bytes = (frozen + trainable) * width // (gpus if z == 3 else 1)
+    grad_bytes = trainable * width // (gpus if z >= 2 else 1)
+    state = _STATE_BYTES.get(tc.optimizer.lower(), 8) + (4 if tc.precision == "bf16" else 0)
+    optimizer_bytes = 0 if tc.offload_optimizer else trainable * state // (gpus if z >= 1 else 1)
+
+    latents, text, t, noise = _meta_inputs(spec, tc.batch_size, resolution, dtype)
+    generator = torch.Generator()
+    def forward() -> torch.Tensor:
+        return family.loss(denoiser, latents, text, generator, t=t, noise=noise, objective=tc.objective)
+
+    activation_bytes, upper_bound = None, False
+    try:
+        activation_bytes = saved_activation_bytes(denoiser, forward)
+    except NotImplementedError as err:
+        if "nonzero" in str(err):
+            # Mixture-of-experts routing (HiDream) selects tokens with ``nonzero``: on meta, assume
+            # every token reaches every expert, an upper bound on what the real routing keeps.
+            import torch.fx.experimental._config as fx_config
+
+            with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
+                activation_bytes, upper_bound = saved_activation_bytes(denoiser, forward), True
+        # else: "Cannot copy out of meta tensor": the forward reads tensor values (Lumina 2's mask)
+    return MemoryEstimate(
+        model=spec.name, gpus=gpus, zero_stage=z, precision=tc.precision, resolution=resolution,
+        batch_size=tc.batch_size, rank=rank, params=params, trainable=trainable, param_bytes=param_bytes,
+        grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, activation_bytes=activation_bytes,
+        activation_upper_bound=upper_bound,
+    )

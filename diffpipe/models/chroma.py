@@ -1,0 +1,200 @@
+"""Family ``chroma``: Chroma (a Flux.1-schnell derivative), T5 text with an attention mask.
+
+Components and names follow ``ChromaPipeline``: ``vae`` (Flux's),
+``text_encoder`` (T5EncoderModel) + ``tokenizer``, ``transformer``
+(ChromaTransformer2DModel: Flux blocks, modulation from a small
+"approximator" network instead of CLIP pooled text and guidance),
+``scheduler``. Unlike Flux, Chroma masks the T5 padding: every token but
+the first pad is masked, in the encoder and in the transformer, so the mask
+is cached next to the embeddings (``prompt_attention_mask``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from diffusers import ChromaPipeline, ChromaTransformer2DModel, FluxPipeline
+from transformers import T5Config, T5EncoderModel, T5TokenizerFast
+
+from diffpipe.config import ObjectiveConfig
+from diffpipe.models import _common as common
+from diffpipe.models.base import register
+from diffpipe.models.flux import TINY_T5, TINY_T5_LENGTH, FluxFamily
+from diffpipe.models.tokenizers import t5_tokenizer, tokenizer_fingerprint
+from diffpipe.training import objectives as obj
+from diffpipe.utils import digest
+
+TINY_TRANSFORMER = {
+    "patch_size": 1,
+    "in_channels": 4,
+    "num_layers": 1,
+    "num_single_layers": 1,
+    "attention_head_dim": 16,
+    "num_attention_heads": 2,
+    "joint_attention_dim": 32,
+    "axes_dims_rope": (4, 4, 8),
+    "approximator_num_channels": 8,
+    "approximator_hidden_dim": 32,
+    "approximator_layers": 1,
+}
+
+
+@dataclass
+class ChromaTextEncoders:
+    tokenizer: T5TokenizerFast
+    text_encoder: T5EncoderModel
+    max_sequence_length: int
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ChromaTextEncoders:
+        self.text_encoder.to(device=device, dtype=dtype)
+        return self
+
+
+@register
+class ChromaFamily(FluxFamily):
+    name = "chroma"
+    denoiser_name = "transformer"
+    #: Flux's targets (the blocks are Flux's), which also hit the single blocks' q/k/v.
+    default_lora_targets: ClassVar[list[str]] = FluxFamily.default_lora_targets
+
+    # -- components ------------------------------------------------------------
+    def load_tokenizers(self) -> ChromaTextEncoders:
+        msl = self.max_sequence_length
+        if self.cfg.flavor == "tiny":
+            return ChromaTextEncoders(t5_tokenizer(TINY_T5_LENGTH), None, msl)
+        return ChromaTextEncoders(T5TokenizerFast.from_pretrained(self.cfg.path, subfolder="tokenizer"), None, msl)
+
+    def load_text_encoders(self) -> ChromaTextEncoders:
+        enc = self.load_tokenizers()
+        if self.cfg.flavor == "tiny":
+            tok = enc.tokenizer
+            config = T5Config(**TINY_T5, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                              eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id)
+            with common.seeded(self.cfg.seed, "chroma.text_encoder"):
+                enc.text_encoder = T5EncoderModel(config).eval()
+        else:
+            enc.text_encoder = T5EncoderModel.from_pretrained(self.cfg.path, subfolder="text_encoder").eval()
+        return enc
+
+    @property
+    def max_sequence_length(self) -> int:  # type: ignore[override]
+        if self.cfg.flavor == "tiny":
+            return TINY_T5_LENGTH
+        config = json.loads((Path(self.cfg.path) / "tokenizer" / "tokenizer_config.json").read_text())
+        return min(int(config.get("model_max_length", 512)), 512)
+
+    def load_denoiser(self) -> ChromaTransformer2DModel:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, "chroma.transformer"):
+                return ChromaTransformer2DModel(**TINY_TRANSFORMER).eval()
+        return ChromaTransformer2DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+
+    def load_pipeline(self) -> ChromaPipeline:
+        enc = self.load_text_encoders()
+        return ChromaPipeline(scheduler=self.inference_scheduler(), vae=self.load_vae(),
+                              text_encoder=enc.text_encoder, tokenizer=enc.tokenizer,
+                              transformer=self.load_denoiser())
+
+    @property
+    def pipeline_class(self) -> type:
+        return ChromaPipeline
+
+    # -- identities ------------------------------------------------------------
+    def text_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity((self.name, self.cfg.seed, "text"),
+                                        lambda: self._text_identity(self.load_text_encoders()))
+        return digest({
+            "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
+            "text_encoder": common.transformers_folder_identity(T5EncoderModel, T5Config, self.cfg.path,
+                                                                "text_encoder"),
+            "max_sequence_length": self.max_sequence_length,
+        })
+
+    @staticmethod
+    def _text_identity(enc: ChromaTextEncoders) -> str:
+        return digest({"tokenizer": tokenizer_fingerprint(enc.tokenizer),
+                       "text_encoder": common.module_identity(enc.text_encoder),
+                       "max_sequence_length": enc.max_sequence_length})
+
+    # -- encoding --------------------------------------------------------------
+    def encode_text(self, encoders: ChromaTextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
+        # Exactly ChromaPipeline._get_t5_prompt_embeds.
+        tok = encoders.tokenizer(captions, padding="max_length", max_length=encoders.max_sequence_length,
+                                 truncation=True, return_tensors="pt")
+        device = next(encoders.text_encoder.parameters()).device
+        mask = tok.attention_mask.to(device)
+        with torch.no_grad():
+            embeds = encoders.text_encoder(tok.input_ids.to(device), output_hidden_states=False,
+                                           attention_mask=mask)[0]
+        # Every token up to and including the first pad is attended to.
+        positions = torch.arange(mask.shape[1], device=device).unsqueeze(0)
+        keep = (positions <= mask.sum(dim=1, keepdim=True)).float()
+        return {"prompt_embeds": embeds.float(), "prompt_attention_mask": keep}
+
+    def token_limits(self, encoders: ChromaTextEncoders) -> dict[str, int]:
+        return {"t5": encoders.max_sequence_length}
+
+    def count_tokens(self, encoders: ChromaTextEncoders, captions: list[str]) -> dict[str, list[int]]:
+        return {"t5": [len(x) for x in encoders.tokenizer(list(captions)).input_ids]}
+
+    # -- training ----------------------------------------------------------------
+    def loss(
+        self,
+        denoiser: torch.nn.Module,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        objective: ObjectiveConfig | None = None,
+    ) -> torch.Tensor:
+        o = objective or ObjectiveConfig()
+        x0 = common.single_frame(latents, self.name).float()
+        device, (b, c, h, w) = x0.device, x0.shape
+        if t is None:
+            if o.timestep_sampling == "uniform":
+                t = obj.sample_uniform(b, generator, device=generator.device)
+            else:
+                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
+            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
+        if noise is None:
+            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
+        elif noise.ndim == 5:
+            noise = common.single_frame(noise, self.name)
+        t, noise = t.to(device).float(), noise.to(device).float()
+
+        seq = (h // 2) * (w // 2)
+        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(seq))
+        noisy = obj.flow_interpolate(x0, noise, sigma)
+        target = FluxPipeline._pack_latents(obj.flow_target(x0, noise), b, c, h, w)
+        dtype = common.param_dtype(denoiser)
+        embeds = text["prompt_embeds"].to(device=device, dtype=dtype)
+        # ChromaPipeline._prepare_attention_mask: text mask, then every image token.
+        mask = torch.cat([text["prompt_attention_mask"].to(device=device, dtype=dtype),
+                          torch.ones(b, seq, device=device, dtype=dtype)], dim=1)
+        pred = denoiser(
+            hidden_states=FluxPipeline._pack_latents(noisy, b, c, h, w).to(dtype),
+            timestep=sigma.to(dtype),
+            encoder_hidden_states=embeds,
+            txt_ids=torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),
+            img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
+            attention_mask=mask,
+            return_dict=False,
+        )[0]
+        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c)
+
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Embedding, one layer per double and single block, output.
+
+        Input tuple ``(packed_noisy, sigma, prompt_embeds, txt_ids, img_ids, attention_mask)``
+        (the mask over text and image tokens); output ``(packed prediction,)``.
+        """
+        from diffpipe.models.pipeline_layers_more import chroma_layers
+
+        return chroma_layers(common.unwrap(denoiser))

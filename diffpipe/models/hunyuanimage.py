@@ -1,0 +1,272 @@
+"""Family ``hunyuanimage``: HunyuanImage 2.1 (17B), Qwen2.5-VL text plus a ByT5 glyph encoder.
+
+Components and names follow ``HunyuanImagePipeline``: ``vae``
+(AutoencoderKLHunyuanImage, 32x spatial compression at full size),
+``text_encoder`` (Qwen2.5-VL: the chat template's hidden states two layers
+from the top, its first 34 tokens dropped, padded to a fixed length with a
+mask) + ``tokenizer``, ``text_encoder_2`` (ByT5 for text in quotes, the glyph
+text; zeros when the caption quotes nothing) + ``tokenizer_2``,
+``transformer`` (HunyuanImageTransformer2DModel), ``scheduler``. Text is
+encoded by the pipeline's own ``encode_prompt`` on a pipeline of the text
+components alone, so the cache equals what sampling computes. Flow matching,
+velocity ``noise - x0`` at the scheduler's timestep (``sigma * 1000``).
+
+Not registered in ``_load_all`` yet: diffusers 0.42.1's ``HunyuanImagePipeline``
+has no LoRA loader, so the diffusers-format export (which the workflow always
+writes) and ``load_lora_weights`` cannot work. Importing this module registers it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from diffusers import (
+    AutoencoderKLHunyuanImage,
+    FlowMatchEulerDiscreteScheduler,
+    HunyuanImagePipeline,
+    HunyuanImageTransformer2DModel,
+)
+from transformers import (
+    AutoTokenizer,
+    ByT5Tokenizer,
+    PreTrainedTokenizerBase,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    T5Config,
+    T5EncoderModel,
+)
+
+from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.models import _common as common
+from diffpipe.models.base import Family, register
+from diffpipe.models.qwenimage import tiny_qwen_tokenizer, tiny_qwen_vl
+from diffpipe.models.tokenizers import tokenizer_fingerprint
+from diffpipe.training import objectives as obj
+from diffpipe.utils import digest
+
+# The tiny tokenizer spells the template out by characters: the pipeline's
+# 1000-token budget is cut to fit, and the glyph budget too.
+TINY_LENGTH, TINY_GLYPH_LENGTH = 160, 16
+TINY_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": (32, 32, 32),
+            "layers_per_block": 1, "spatial_compression_ratio": 4, "sample_size": 64, "scaling_factor": 0.75}
+TINY_BYT5 = {"d_model": 32, "d_kv": 8, "d_ff": 37, "num_layers": 1, "num_heads": 4, "relative_attention_num_buckets": 8}
+TINY_TRANSFORMER = {"in_channels": 4, "out_channels": 4, "num_attention_heads": 2, "attention_head_dim": 16,
+                    "num_layers": 1, "num_single_layers": 1, "num_refiner_layers": 1, "patch_size": (1, 1),
+                    "text_embed_dim": 32, "text_embed_2_dim": 32, "rope_axes_dim": (8, 8)}
+TINY_SCHEDULER = {"num_train_timesteps": 1000, "shift": 5.0}
+_TEXT_PARTS = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2")
+
+
+@dataclass
+class HunyuanText:
+    tokenizer: PreTrainedTokenizerBase
+    text_encoder: Qwen2_5_VLForConditionalGeneration
+    tokenizer_2: ByT5Tokenizer
+    text_encoder_2: T5EncoderModel
+    max_lengths: tuple[int, int] | None  # (Qwen, glyph) tokens; None: the pipeline's own
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> HunyuanText:
+        self.text_encoder.to(device=device, dtype=dtype)
+        self.text_encoder_2.to(device=device, dtype=dtype)
+        return self
+
+    def pipeline(self, **components) -> HunyuanImagePipeline:
+        pipe = HunyuanImagePipeline(**{name: getattr(self, name) for name in _TEXT_PARTS},
+                                    **{"scheduler": None, "vae": None, "transformer": None, **components})
+        if self.max_lengths:
+            pipe.tokenizer_max_length, pipe.tokenizer_2_max_length = self.max_lengths
+        return pipe
+
+
+@register
+class HunyuanImageFamily(Family):
+    name = "hunyuanimage"
+    denoiser_name = "transformer"
+    #: Attention of both streams and the feed-forwards of the double blocks (Flux-like blocks).
+    default_lora_targets: ClassVar[list[str]] = [
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
+    ]
+
+    @cached_property
+    def _vae_config(self) -> dict[str, Any]:
+        return dict(TINY_VAE) if self.cfg.flavor == "tiny" else dict(
+            AutoencoderKLHunyuanImage.load_config(self.cfg.path, subfolder="vae"))
+
+    @cached_property
+    def _scheduler_config(self) -> dict[str, Any]:
+        return dict(TINY_SCHEDULER) if self.cfg.flavor == "tiny" else dict(
+            FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
+
+    @property
+    def pixel_multiple(self) -> int:
+        return self._vae_config["spatial_compression_ratio"]
+
+    # -- components ------------------------------------------------------------
+    def load_vae(self) -> AutoencoderKLHunyuanImage:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, f"{self.name}.vae"):
+                return AutoencoderKLHunyuanImage(**TINY_VAE).eval()
+        return AutoencoderKLHunyuanImage.from_pretrained(self.cfg.path, subfolder="vae").eval()
+
+    def load_tokenizers(self) -> HunyuanText:
+        if self.cfg.flavor == "tiny":
+            return HunyuanText(tiny_qwen_tokenizer(TINY_LENGTH + 34), None, ByT5Tokenizer(), None,
+                               (TINY_LENGTH, TINY_GLYPH_LENGTH))
+        p = self.cfg.path
+        tok = AutoTokenizer.from_pretrained(p, subfolder="tokenizer")
+        lengths = None if tok.model_max_length > 1034 else (tok.model_max_length - 34, TINY_GLYPH_LENGTH)
+        return HunyuanText(tok, None, ByT5Tokenizer.from_pretrained(p, subfolder="tokenizer_2"), None, lengths)
+
+    def load_text_encoders(self) -> HunyuanText:
+        e = self.load_tokenizers()
+        if self.cfg.flavor == "tiny":
+            e.text_encoder = tiny_qwen_vl(e.tokenizer, self.cfg.seed, f"{self.name}.text_encoder",
+                                          num_hidden_layers=3)
+            config = T5Config(**TINY_BYT5, vocab_size=len(e.tokenizer_2), pad_token_id=e.tokenizer_2.pad_token_id,
+                              eos_token_id=e.tokenizer_2.eos_token_id,
+                              decoder_start_token_id=e.tokenizer_2.pad_token_id)
+            with common.seeded(self.cfg.seed, f"{self.name}.text_encoder_2"):
+                e.text_encoder_2 = T5EncoderModel(config).eval()
+            return e
+        p = self.cfg.path
+        e.text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(p, subfolder="text_encoder").eval()
+        e.text_encoder_2 = T5EncoderModel.from_pretrained(p, subfolder="text_encoder_2").eval()
+        return e
+
+    def load_denoiser(self) -> HunyuanImageTransformer2DModel:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, f"{self.name}.transformer"):
+                return HunyuanImageTransformer2DModel(**TINY_TRANSFORMER).eval()
+        return HunyuanImageTransformer2DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+
+    def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
+
+    def load_pipeline(self) -> HunyuanImagePipeline:
+        # Classifier-free guidance is a pipeline component here (the ``guider``): the folder's own
+        # when it has one; none for the tiny flavor (sampling without CFG).
+        guiders = {}
+        if self.cfg.flavor != "tiny":
+            from diffusers.guiders import AdaptiveProjectedMixGuidance
+
+            for name in ("guider", "ocr_guider"):
+                if (Path(self.cfg.path) / name).is_dir():
+                    guiders[name] = AdaptiveProjectedMixGuidance.from_pretrained(self.cfg.path, subfolder=name)
+        return self.load_text_encoders().pipeline(
+            scheduler=self.inference_scheduler(), vae=self.load_vae(), transformer=self.load_denoiser(), **guiders)
+
+    def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        # No guidance_scale argument: CFG strength lives in the guider component.
+        kwargs = {"num_inference_steps": cfg.steps, "height": cfg.height, "width": cfg.width}
+        if self.cfg.flavor != "tiny":
+            kwargs["distilled_guidance_scale"] = cfg.guidance_scale
+        return kwargs
+
+    @property
+    def pipeline_class(self) -> type:
+        return HunyuanImagePipeline
+
+    # -- identities ------------------------------------------------------------
+    def vae_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity((self.name, self.cfg.seed, "vae"),
+                                        lambda: digest(common.module_identity(self.load_vae())))
+        return digest(common.diffusers_folder_identity(AutoencoderKLHunyuanImage, self.cfg.path, "vae"))
+
+    def text_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity((self.name, self.cfg.seed, "text"),
+                                        lambda: self._text_identity(self.load_text_encoders()))
+        p, tok = self.cfg.path, self.load_tokenizers()
+        return digest({
+            "tokenizer": tokenizer_fingerprint(tok.tokenizer),
+            "tokenizer_2": type(tok.tokenizer_2).__name__,  # byte-level: no vocabulary to hash
+            "text_encoder": common.transformers_folder_identity(
+                Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig, p, "text_encoder"),
+            "text_encoder_2": common.transformers_folder_identity(T5EncoderModel, T5Config, p, "text_encoder_2"),
+            "max_lengths": tok.max_lengths,
+        })
+
+    @staticmethod
+    def _text_identity(e: HunyuanText) -> str:
+        return digest({"tokenizer": tokenizer_fingerprint(e.tokenizer), "tokenizer_2": type(e.tokenizer_2).__name__,
+                       "text_encoder": common.module_identity(e.text_encoder),
+                       "text_encoder_2": common.module_identity(e.text_encoder_2), "max_lengths": e.max_lengths})
+
+    # -- encoding --------------------------------------------------------------
+    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        frames = pixels.shape[2]
+        param = next(vae.parameters())
+        with torch.no_grad():
+            x = common.frames_to_batch(pixels).to(device=param.device, dtype=param.dtype)
+            latents = vae.encode(x).latent_dist.mode()
+        # Inverse of the pipeline's decode: ``latents / scaling_factor``.
+        return common.batch_to_frames(latents.float() * vae.config.scaling_factor, frames)
+
+    def encode_text(self, encoders: HunyuanText, captions: list[str]) -> dict[str, torch.Tensor]:
+        pipe = encoders.pipeline()
+        with torch.no_grad():
+            pe, mask, pe2, mask2 = pipe.encode_prompt(prompt=list(captions), device=pipe._execution_device,
+                                                        batch_size=len(captions))
+        return {"prompt_embeds": pe.float(), "prompt_embeds_mask": mask.float(),
+                "prompt_embeds_2": pe2.float(), "prompt_embeds_mask_2": mask2.float()}
+
+    def token_limits(self, encoders: HunyuanText) -> dict[str, int]:
+        return {"qwen": encoders.pipeline().tokenizer_max_length}
+
+    def count_tokens(self, encoders: HunyuanText, captions: list[str]) -> dict[str, list[int]]:
+        template = encoders.pipeline().prompt_template_encode
+        return {"qwen": [len(x) - 34 for x in encoders.tokenizer([template.format(c) for c in captions]).input_ids]}
+
+    # -- training ----------------------------------------------------------------
+    def loss(
+        self,
+        denoiser: torch.nn.Module,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        objective: ObjectiveConfig | None = None,
+    ) -> torch.Tensor:
+        o = objective or ObjectiveConfig()
+        x0 = common.single_frame(latents, self.name).float()
+        device, b = x0.device, x0.shape[0]
+        if t is None:
+            if o.timestep_sampling == "uniform":
+                t = obj.sample_uniform(b, generator, device=generator.device)
+            else:
+                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
+            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
+        if noise is None:
+            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
+        elif noise.ndim == 5:
+            noise = common.single_frame(noise, self.name)
+        t, noise = t.to(device).float(), noise.to(device).float()
+
+        sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 1.0)))
+        noisy = obj.flow_interpolate(x0, noise, sigma)
+        dtype = common.param_dtype(denoiser)
+        config = common.unwrap(denoiser).config
+        guidance = torch.full((b,), 1000.0, device=device, dtype=dtype) if config.guidance_embeds else None
+        pred = denoiser(
+            hidden_states=noisy.to(dtype),
+            timestep=(sigma * 1000).to(dtype),
+            guidance=guidance,
+            encoder_hidden_states=text["prompt_embeds"].to(device=device, dtype=dtype),
+            encoder_attention_mask=text["prompt_embeds_mask"].to(device=device, dtype=torch.long),
+            encoder_hidden_states_2=text["prompt_embeds_2"].to(device=device, dtype=dtype),
+            encoder_attention_mask_2=text["prompt_embeds_mask_2"].to(device=device, dtype=torch.long),
+            return_dict=False,
+        )[0]
+        return obj.per_sample_loss(pred, obj.flow_target(x0, noise), kind=o.loss, huber_c=o.huber_c)
+
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        raise NotImplementedError("hunyuanimage: pipeline-parallel layers are not implemented yet")

@@ -1,0 +1,54 @@
+"""Tokenizers for the tiny flavors of families whose text encoder is a language model.
+
+Gemma, GLM, Qwen and Llama tokenizers are large BPE vocabularies we cannot
+download; the tiny flavors only need one that behaves like them: special
+tokens, a fixed length limit, a chat-style prompt template when the
+pipeline uses one. ``llm_tokenizer`` builds a ``PreTrainedTokenizerFast``
+over the same character pieces as ``tokenizers.t5_tokenizer`` (every printable
+character, a few whole words), plus the named special tokens. It is written
+by our code, identical in every process, and saved/reloaded exactly by
+``save_pretrained``/``from_pretrained`` (the pipeline's folder holds its
+``tokenizer.json``).
+"""
+
+from __future__ import annotations
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import PreTrainedTokenizerFast
+
+from diffpipe.models.tokenizers import t5_pieces
+
+
+def llm_tokenizer(
+    max_length: int,
+    *,
+    bos: str | None = "<bos>",
+    eos: str = "<eos>",
+    pad: str = "<pad>",
+    extra: tuple[str, ...] = (),
+    add_bos: bool = True,
+    padding_side: str = "right",
+) -> PreTrainedTokenizerFast:
+    """A small Unigram tokenizer with ``pad``, ``eos``, ``bos`` (ids 0, 1, 2) and ``extra`` specials."""
+    specials = [pad, eos] + ([bos] if bos else []) + ["<unk>", *extra]
+    pieces = [(tok, 0.0) for tok in specials] + [p for p in t5_pieces() if p[0] not in ("<pad>", "</s>", "<unk>")]
+    unk = specials.index("<unk>")
+    tok = Tokenizer(models.Unigram(pieces, unk_id=unk, byte_fallback=False))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
+        ]
+    )
+    tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    if bos and add_bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single=[bos, "$A"], pair=[bos, "$A", "$B"], special_tokens=[(bos, specials.index(bos))]
+        )
+    tok.add_special_tokens(list(specials))
+    kwargs = {"bos_token": bos} if bos else {}
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=eos, pad_token=pad, unk_token="<unk>",
+        additional_special_tokens=list(extra) or None, model_max_length=max_length,
+        padding_side=padding_side, **kwargs,
+    )

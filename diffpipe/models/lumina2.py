@@ -1,0 +1,264 @@
+"""Family ``lumina2``: Lumina Image 2.0 (Unified Next-DiT), Gemma-2 text, flow matching.
+
+Components and names follow ``Lumina2Pipeline``: ``vae`` (AutoencoderKL,
+16 channels, factor 8: the pipeline hard-codes the factor, so the tiny VAE
+has four levels too), ``text_encoder`` (Gemma2Model: penultimate hidden
+states, with the attention mask) + ``tokenizer``, ``transformer``
+(Lumina2Transformer2DModel), ``scheduler``. Captions get the pipeline's
+system prompt (``<system prompt> <Prompt Start> <caption>``) in the cache
+exactly as in sampling. Lumina's time runs the other way (0 = noise, 1 =
+image) and the model predicts ``x0 - noise``; the loss uses that convention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    Lumina2Pipeline,
+    Lumina2Transformer2DModel,
+)
+from transformers import AutoTokenizer, Gemma2Config, Gemma2Model, PreTrainedTokenizerBase
+
+from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.models import _common as common
+from diffpipe.models.base import Family, register
+from diffpipe.models.llm_tokenizers import llm_tokenizer
+from diffpipe.models.tokenizers import tokenizer_fingerprint
+from diffpipe.training import objectives as obj
+from diffpipe.utils import digest
+
+#: The system prompt ``Lumina2Pipeline`` puts before every prompt.
+SYSTEM_PROMPT = (
+    "You are an assistant designed to generate superior images with the superior degree of image-text "
+    "alignment based on textual prompts or user prompts."
+)
+MAX_LENGTH = 256  # the pipeline's default max_sequence_length
+TINY_LENGTH = 64
+# Factor 8 in four levels, few channels.
+TINY_VAE8 = {
+    "block_out_channels": (8, 16, 16, 16),
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ("DownEncoderBlock2D",) * 4,
+    "up_block_types": ("UpDecoderBlock2D",) * 4,
+    "latent_channels": 4,
+    "layers_per_block": 1,
+    "norm_num_groups": 8,
+    "sample_size": 64,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+    "scaling_factor": 0.3611,
+    "shift_factor": 0.1159,
+}
+TINY_GEMMA = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8}
+TINY_TRANSFORMER = {
+    "sample_size": 8,
+    "patch_size": 2,
+    "in_channels": 4,
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_refiner_layers": 1,
+    "num_attention_heads": 2,
+    "num_kv_heads": 1,
+    "multiple_of": 16,
+    "axes_dim_rope": (4, 6, 6),
+    "axes_lens": (300, 64, 64),
+    "cap_feat_dim": 32,
+}
+# Lumina-Image-2.0's scheduler: a fixed shift of 6.
+TINY_SCHEDULER = {"num_train_timesteps": 1000, "shift": 6.0}
+
+
+@dataclass
+class GemmaText:
+    tokenizer: PreTrainedTokenizerBase
+    text_encoder: Gemma2Model
+    max_sequence_length: int
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> GemmaText:
+        self.text_encoder.to(device=device, dtype=dtype)
+        return self
+
+
+@register
+class Lumina2Family(Family):
+    name = "lumina2"
+    denoiser_name = "transformer"
+    #: diffusers' Lumina2 LoRA example: the attention projections and the
+    #: SwiGLU feed-forward of every block (refiners included).
+    default_lora_targets: ClassVar[list[str]] = [
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+        "feed_forward.linear_1", "feed_forward.linear_2", "feed_forward.linear_3",
+    ]
+
+    @cached_property
+    def _vae_config(self) -> dict[str, Any]:
+        return dict(TINY_VAE8) if self.cfg.flavor == "tiny" else dict(
+            AutoencoderKL.load_config(self.cfg.path, subfolder="vae"))
+
+    @cached_property
+    def _scheduler_config(self) -> dict[str, Any]:
+        return dict(TINY_SCHEDULER) if self.cfg.flavor == "tiny" else dict(
+            FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
+
+    @property
+    def pixel_multiple(self) -> int:
+        return 16  # the pipeline's vae_scale_factor (8) x patch size (2)
+
+    @cached_property
+    def max_sequence_length(self) -> int:
+        """Tokens per prompt: the pipeline's 256, or the tokenizer's limit when lower."""
+        if self.cfg.flavor == "tiny":
+            return TINY_LENGTH
+        return min(int(AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer").model_max_length),
+                   MAX_LENGTH)
+
+    # -- components ------------------------------------------------------------
+    def load_vae(self) -> AutoencoderKL:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, f"{self.name}.vae"):
+                return AutoencoderKL(**TINY_VAE8).eval()
+        return AutoencoderKL.from_pretrained(self.cfg.path, subfolder="vae").eval()
+
+    def load_tokenizers(self) -> GemmaText:
+        if self.cfg.flavor == "tiny":
+            return GemmaText(llm_tokenizer(TINY_LENGTH), None, TINY_LENGTH)
+        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
+        return GemmaText(tok, None, min(int(tok.model_max_length), MAX_LENGTH))
+
+    def load_text_encoders(self) -> GemmaText:
+        enc = self.load_tokenizers()
+        if self.cfg.flavor == "tiny":
+            tok = enc.tokenizer
+            config = Gemma2Config(**TINY_GEMMA, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+            with common.seeded(self.cfg.seed, f"{self.name}.text_encoder"):
+                enc.text_encoder = Gemma2Model(config).eval()
+        else:
+            enc.text_encoder = Gemma2Model.from_pretrained(self.cfg.path, subfolder="text_encoder").eval()
+        return enc
+
+    def load_denoiser(self) -> Lumina2Transformer2DModel:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, f"{self.name}.transformer"):
+                return Lumina2Transformer2DModel(**TINY_TRANSFORMER).eval()
+        return Lumina2Transformer2DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+
+    def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
+
+    def load_pipeline(self) -> Lumina2Pipeline:
+        enc = self.load_text_encoders()
+        return Lumina2Pipeline(transformer=self.load_denoiser(), scheduler=self.inference_scheduler(),
+                               vae=self.load_vae(), text_encoder=enc.text_encoder, tokenizer=enc.tokenizer)
+
+    @property
+    def pipeline_class(self) -> type:
+        return Lumina2Pipeline
+
+    # -- identities ------------------------------------------------------------
+    def vae_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity((self.name, self.cfg.seed, "vae"),
+                                        lambda: digest(common.module_identity(self.load_vae())))
+        return digest(common.diffusers_folder_identity(AutoencoderKL, self.cfg.path, "vae"))
+
+    def text_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity((self.name, self.cfg.seed, "text"),
+                                        lambda: self._text_identity(self.load_text_encoders()))
+        return digest({
+            "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
+            "text_encoder": common.transformers_folder_identity(Gemma2Model, Gemma2Config, self.cfg.path,
+                                                                "text_encoder"),
+            "max_sequence_length": self.max_sequence_length, "system_prompt": SYSTEM_PROMPT,
+        })
+
+    @staticmethod
+    def _text_identity(enc: GemmaText) -> str:
+        return digest({"tokenizer": tokenizer_fingerprint(enc.tokenizer),
+                       "text_encoder": common.module_identity(enc.text_encoder),
+                       "max_sequence_length": enc.max_sequence_length, "system_prompt": SYSTEM_PROMPT})
+
+    # -- encoding --------------------------------------------------------------
+    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        frames = pixels.shape[2]
+        param = next(vae.parameters())
+        with torch.no_grad():
+            x = common.frames_to_batch(pixels).to(device=param.device, dtype=param.dtype)
+            latents = vae.encode(x).latent_dist.mode()
+        latents = (latents.float() - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
+        return common.batch_to_frames(latents, frames)
+
+    @staticmethod
+    def _prompts(captions: list[str]) -> list[str]:
+        return [SYSTEM_PROMPT + " <Prompt Start> " + c for c in captions]
+
+    def encode_text(self, encoders: GemmaText, captions: list[str]) -> dict[str, torch.Tensor]:
+        # Exactly Lumina2Pipeline.encode_prompt / _get_gemma_prompt_embeds.
+        tok = encoders.tokenizer(self._prompts(captions), padding="max_length",
+                                 max_length=encoders.max_sequence_length, truncation=True, return_tensors="pt")
+        device = next(encoders.text_encoder.parameters()).device
+        mask = tok.attention_mask.to(device)
+        with torch.no_grad():
+            out = encoders.text_encoder(tok.input_ids.to(device), attention_mask=mask, output_hidden_states=True)
+        return {"prompt_embeds": out.hidden_states[-2].float(), "prompt_attention_mask": mask.float()}
+
+    def token_limits(self, encoders: GemmaText) -> dict[str, int]:
+        return {"gemma": encoders.max_sequence_length}
+
+    def count_tokens(self, encoders: GemmaText, captions: list[str]) -> dict[str, list[int]]:
+        return {"gemma": [len(x) for x in encoders.tokenizer(self._prompts(list(captions))).input_ids]}
+
+    # -- training ----------------------------------------------------------------
+    def loss(
+        self,
+        denoiser: torch.nn.Module,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        objective: ObjectiveConfig | None = None,
+    ) -> torch.Tensor:
+        o = objective or ObjectiveConfig()
+        x0 = common.single_frame(latents, self.name).float()
+        device, b = x0.device, x0.shape[0]
+        if t is None:
+            if o.timestep_sampling == "uniform":
+                t = obj.sample_uniform(b, generator, device=generator.device)
+            else:
+                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
+            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
+        if noise is None:
+            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
+        elif noise.ndim == 5:
+            noise = common.single_frame(noise, self.name)
+        t, noise = t.to(device).float(), noise.to(device).float()
+
+        sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 1.0)))
+        noisy = obj.flow_interpolate(x0, noise, sigma)
+        dtype = common.param_dtype(denoiser)
+        pred = denoiser(
+            hidden_states=noisy.to(dtype),
+            timestep=(1 - sigma).to(dtype),  # Lumina: 0 = noise, 1 = image
+            encoder_hidden_states=text["prompt_embeds"].to(device=device, dtype=dtype),
+            encoder_attention_mask=text["prompt_attention_mask"].to(device=device, dtype=torch.long),
+            return_dict=False,
+        )[0]
+        # The pipeline steps with ``-pred`` as the velocity ``noise - x0``.
+        return obj.per_sample_loss(pred, -obj.flow_target(x0, noise), kind=o.loss, huber_c=o.huber_c)
+
+    def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        return {**super().sample_kwargs(cfg), "max_sequence_length": self.max_sequence_length}
+
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        raise NotImplementedError("lumina2: pipeline-parallel layers are not implemented yet")

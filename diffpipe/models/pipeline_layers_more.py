@@ -1,0 +1,274 @@
+"""Pipeline-parallel layer lists of the transformer families beyond Flux (see ``pipeline_layers``).
+
+SD3 tuple between layers: ``(hidden, context, temb, size)``, ``size`` the
+latent ``(h, w)`` as a tensor (stages pass tensors only). The last joint
+block returns no context (``context_pre_only``): the previous one is passed
+on unchanged, so every layer's output has the same structure.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class SD3Embed(nn.Module):
+    """``(noisy, timestep, pooled, context)`` -> ``(hidden, context, temb, size)``."""
+
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.pos_embed, self.time_text_embed, self.context_embedder = (
+            tr.pos_embed, tr.time_text_embed, tr.context_embedder)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        noisy, timestep, pooled, context = inputs
+        size = torch.tensor(noisy.shape[-2:], device=noisy.device)
+        hidden = self.pos_embed(noisy).contiguous()
+        return (hidden, self.context_embedder(context), self.time_text_embed(timestep, pooled), size)
+
+
+class SD3Block(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, context, temb, size = inputs
+        new_context, hidden = self.block(hidden_states=hidden, encoder_hidden_states=context, temb=temb)
+        return (hidden, context if new_context is None else new_context, temb, size)
+
+
+class SD3Out(nn.Module):
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.norm_out, self.proj_out = tr.norm_out, tr.proj_out
+        self.patch, self.channels = tr.config.patch_size, tr.out_channels
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        hidden, _, temb, size = inputs
+        x = self.proj_out(self.norm_out(hidden, temb))
+        p, c = self.patch, self.channels
+        h, w = int(size[0]) // p, int(size[1]) // p
+        x = torch.einsum("nhwpqc->nchpwq", x.reshape(x.shape[0], h, w, p, p, c))
+        return (x.reshape(x.shape[0], c, h * p, w * p),)
+
+
+def sd3_layers(tr: nn.Module) -> list[nn.Module]:
+    return [SD3Embed(tr), *(SD3Block(b) for b in tr.transformer_blocks), SD3Out(tr)]
+
+
+# -- Qwen-Image ------------------------------------------------------------------------------
+class QwenEmbed(nn.Module):
+    """``(packed, timestep, context, mask, fhw)`` -> ``(hidden, context, mask, temb, img_rope, txt_rope)``.
+
+    ``fhw``: the packed latent grid ``(frames, h, w)`` as a tensor; ``mask``: the text mask (bool).
+    Qwen-Image itself only (no guidance embedding, no zero-conditioned timestep).
+    """
+
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        if tr.zero_cond_t or tr.config.guidance_embeds:
+            raise NotImplementedError("qwenimage layers: guidance or zero_cond_t variants are not supported")
+        self.img_in, self.txt_norm, self.txt_in = tr.img_in, tr.txt_norm, tr.txt_in
+        self.time_text_embed, self.pos_embed = tr.time_text_embed, tr.pos_embed
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        packed, timestep, context, mask, fhw = inputs
+        hidden = self.img_in(packed)
+        temb = self.time_text_embed(timestep.to(hidden.dtype), hidden, None)
+        context = self.txt_in(self.txt_norm(context))
+        shapes = [[tuple(int(x) for x in fhw)]] * hidden.shape[0]
+        img_rope, txt_rope = self.pos_embed(shapes, max_txt_seq_len=context.shape[1], device=hidden.device)
+        return (hidden, context, mask.to(torch.bool), temb, img_rope, txt_rope)
+
+
+class QwenBlock(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, context, mask, temb, img_rope, txt_rope = inputs
+        context, hidden = self.block(hidden_states=hidden, encoder_hidden_states=context,
+                                     encoder_hidden_states_mask=mask, temb=temb,
+                                     image_rotary_emb=(img_rope, txt_rope))
+        return (hidden, context, mask, temb, img_rope, txt_rope)
+
+
+class QwenOut(nn.Module):
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.norm_out, self.proj_out = tr.norm_out, tr.proj_out
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        hidden, _, _, temb, _, _ = inputs
+        return (self.proj_out(self.norm_out(hidden, temb)),)
+
+
+def qwen_layers(tr: nn.Module) -> list[nn.Module]:
+    return [QwenEmbed(tr), *(QwenBlock(b) for b in tr.transformer_blocks), QwenOut(tr)]
+
+
+# -- Chroma --------------------------------------------------------------------------------
+class ChromaEmbed(nn.Module):
+    """``(packed, sigma, context, txt_ids, img_ids, mask)`` -> ``(hidden, context, mods, cos, sin, mask)``.
+
+    ``mods``: every block's modulation vectors from the approximator, sliced per block below.
+    """
+
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.x_embedder, self.time_text_embed = tr.x_embedder, tr.time_text_embed
+        self.distilled_guidance_layer, self.context_embedder = tr.distilled_guidance_layer, tr.context_embedder
+        self.pos_embed = tr.pos_embed
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        packed, sigma, context, txt_ids, img_ids, mask = inputs
+        hidden = self.x_embedder(packed)
+        mods = self.distilled_guidance_layer(self.time_text_embed(sigma.to(hidden.dtype) * 1000))
+        cos, sin = self.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+        return (hidden, self.context_embedder(context), mods, cos, sin, mask)
+
+
+class ChromaDouble(nn.Module):
+    def __init__(self, block: nn.Module, index: int, n_double: int, n_single: int):
+        super().__init__()
+        self.block = block
+        img = 3 * n_single + 6 * index
+        txt = 3 * n_single + 6 * n_double + 6 * index
+        self.img, self.txt = img, txt
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, context, mods, cos, sin, mask = inputs
+        temb = torch.cat((mods[:, self.img : self.img + 6], mods[:, self.txt : self.txt + 6]), dim=1)
+        context, hidden = self.block(hidden_states=hidden, encoder_hidden_states=context, temb=temb,
+                                     image_rotary_emb=(cos, sin), attention_mask=mask)
+        return (hidden, context, mods, cos, sin, mask)
+
+
+class ChromaSingle(nn.Module):
+    """A single-stream block on ``[context, hidden]``, split again after (exact: the block sees one sequence)."""
+
+    def __init__(self, block: nn.Module, index: int):
+        super().__init__()
+        self.block, self.start = block, 3 * index
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, context, mods, cos, sin, mask = inputs
+        n = context.shape[1]
+        x = self.block(hidden_states=torch.cat([context, hidden], dim=1), temb=mods[:, self.start : self.start + 3],
+                       image_rotary_emb=(cos, sin), attention_mask=mask)
+        return (x[:, n:], x[:, :n], mods, cos, sin, mask)
+
+
+class ChromaOut(nn.Module):
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.norm_out, self.proj_out = tr.norm_out, tr.proj_out
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        hidden, _, mods, _, _, _ = inputs
+        return (self.proj_out(self.norm_out(hidden, mods[:, -2:])),)
+
+
+def chroma_layers(tr: nn.Module) -> list[nn.Module]:
+    nd, ns = len(tr.transformer_blocks), len(tr.single_transformer_blocks)
+    return [
+        ChromaEmbed(tr),
+        *(ChromaDouble(b, i, nd, ns) for i, b in enumerate(tr.transformer_blocks)),
+        *(ChromaSingle(b, i) for i, b in enumerate(tr.single_transformer_blocks)),
+        ChromaOut(tr),
+    ]
+
+
+# -- HiDream-I1 ------------------------------------------------------------------------------
+# Tuple: (hidden, context, llama, temb, rope, mask, img_sizes, n_img). ``llama``: the projected
+# Llama states each block reads, stacked; ``mask``: the padding mask of non-square inputs, an
+# empty tensor for none; ``n_img``: image tokens (a tensor). Double blocks update the image
+# tokens and the joint text; the first single block joins them into one sequence.
+def _mask(mask: torch.Tensor) -> torch.Tensor | None:
+    return None if mask.numel() == 0 else mask
+
+
+class HiDreamEmbed(nn.Module):
+    """``(noisy, timesteps, t5, llama [layers, B, L, D], pooled)`` -> the tuple above."""
+
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.tr = [tr]  # a plain list: the blocks are registered by their own layers
+        self.x_embedder, self.t_embedder, self.p_embedder = tr.x_embedder, tr.t_embedder, tr.p_embedder
+        self.caption_projection, self.pe_embedder = tr.caption_projection, tr.pe_embedder
+        self.llama_layers = list(tr.config.llama_layers)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        noisy, timesteps, t5, llama, pooled = inputs
+        b = noisy.shape[0]
+        hidden, mask, img_sizes, img_ids = self.tr[0].patchify(noisy)
+        hidden = self.x_embedder(hidden)
+        temb = self.t_embedder(timesteps, hidden.dtype) + self.p_embedder(pooled)
+        states = [self.caption_projection[i](llama[k]).view(b, -1, hidden.shape[-1])
+                  for i, k in enumerate(self.llama_layers)]
+        t5 = self.caption_projection[-1](t5).view(b, -1, hidden.shape[-1])
+        txt_ids = torch.zeros(b, t5.shape[1] + states[-1].shape[1] + states[0].shape[1], 3,
+                              device=img_ids.device, dtype=img_ids.dtype)
+        rope = self.pe_embedder(torch.cat((img_ids, txt_ids), dim=1))
+        context = torch.cat([t5, states[-1]], dim=1)
+        mask = torch.empty(0, device=hidden.device) if mask is None else mask
+        n_img = torch.tensor(hidden.shape[1], device=hidden.device)
+        return (hidden, context, torch.stack(states), temb, rope, mask, img_sizes, n_img)
+
+
+class HiDreamDouble(nn.Module):
+    def __init__(self, block: nn.Module, index: int):
+        super().__init__()
+        self.block, self.index = block, index
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, context, llama, temb, rope, mask, img_sizes, n_img = inputs
+        n = context.shape[1]
+        hidden, context = self.block(hidden_states=hidden, hidden_states_masks=_mask(mask),
+                                     encoder_hidden_states=torch.cat([context, llama[self.index]], dim=1),
+                                     temb=temb, image_rotary_emb=rope)
+        return (hidden, context[:, :n], llama, temb, rope, mask, img_sizes, n_img)
+
+
+class HiDreamSingle(nn.Module):
+    def __init__(self, block: nn.Module, index: int, first: bool):
+        super().__init__()
+        self.block, self.index, self.first = block, index, first
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, context, llama, temb, rope, mask, img_sizes, n_img = inputs
+        if self.first:  # join the streams, as the model does after its last double block
+            if mask.numel():
+                ones = torch.ones(mask.shape[0], context.shape[1] + llama.shape[2], device=mask.device,
+                                  dtype=mask.dtype)
+                mask = torch.cat([mask, ones], dim=1)
+            hidden = torch.cat([hidden, context], dim=1)
+        n = hidden.shape[1]
+        hidden = self.block(hidden_states=torch.cat([hidden, llama[self.index]], dim=1),
+                            hidden_states_masks=_mask(mask), encoder_hidden_states=None, temb=temb,
+                            image_rotary_emb=rope)[:, :n]
+        return (hidden, context, llama, temb, rope, mask, img_sizes, n_img)
+
+
+class HiDreamOut(nn.Module):
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.tr = [tr]
+        self.final_layer = tr.final_layer
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        hidden, _, _, temb, _, _, img_sizes, n_img = inputs
+        out = self.final_layer(hidden[:, : int(n_img)], temb)
+        return (self.tr[0].unpatchify(out, img_sizes, self.tr[0].training),)
+
+
+def hidream_layers(tr: nn.Module) -> list[nn.Module]:
+    nd = len(tr.double_stream_blocks)
+    return [
+        HiDreamEmbed(tr),
+        *(HiDreamDouble(b, i) for i, b in enumerate(tr.double_stream_blocks)),
+        *(HiDreamSingle(b, nd + i, i == 0) for i, b in enumerate(tr.single_stream_blocks)),
+        HiDreamOut(tr),
+    ]

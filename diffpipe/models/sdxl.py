@@ -1,0 +1,292 @@
+"""Family ``sdxl``: the SDXL UNet, two CLIP text encoders, pooled text and size/crop conditioning.
+
+Components and names follow ``StableDiffusionXLPipeline``: ``vae``,
+``text_encoder`` (CLIPTextModel) + ``tokenizer``, ``text_encoder_2``
+(CLIPTextModelWithProjection, also the pooled embedding) + ``tokenizer_2``,
+``unet`` (UNet2DConditionModel with ``addition_embed_type="text_time"``),
+``scheduler`` (Euler on the DDPM betas). Training is DDPM as in ``sd``
+(epsilon or v), plus SDXL's micro-conditioning: ``add_time_ids`` =
+(original height, width, crop top, left, target height, width) per item
+(Podell et al. 2023, section 2.2), computed from the bucket the item was
+trained at and, when the loop passes them, its original size and crop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    EulerDiscreteScheduler,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+)
+
+from diffpipe.config import ObjectiveConfig
+from diffpipe.models import _common as common
+from diffpipe.models.base import register
+from diffpipe.models.sd import TINY_SCHEDULER, TINY_VAE, SDFamily
+from diffpipe.models.tokenizers import clip_tokenizer, tokenizer_fingerprint
+from diffpipe.training import objectives as obj
+from diffpipe.utils import digest
+
+# As diffusers' own SDXL pipeline tests: two 32-wide CLIPs -> 64-wide context.
+TINY_UNET = {
+    "block_out_channels": (32, 64),
+    "layers_per_block": 2,
+    "sample_size": 32,
+    "in_channels": 4,
+    "out_channels": 4,
+    "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
+    "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
+    "attention_head_dim": (2, 4),
+    "use_linear_projection": True,
+    "addition_embed_type": "text_time",
+    "addition_time_embed_dim": 8,
+    "transformer_layers_per_block": (1, 2),
+    "projection_class_embeddings_input_dim": 6 * 8 + 32,  # six time ids + pooled width
+    "cross_attention_dim": 64,
+    "norm_num_groups": 1,
+}
+TINY_VAE_XL = {**TINY_VAE, "scaling_factor": 0.13025}
+
+
+def time_ids(original_hw: torch.Tensor, crop_top_left: torch.Tensor, target_hw: torch.Tensor) -> torch.Tensor:
+    """SDXL's ``add_time_ids`` ``[B, 6]``: original (h, w), crop (top, left), target (h, w).
+
+    The same order as ``StableDiffusionXLPipeline._get_add_time_ids``.
+    """
+    return torch.cat([original_hw, crop_top_left, target_hw], dim=1).float()
+
+
+def crop_conditioning(original_hw: tuple[int, int], bucket_hw: tuple[int, int],
+                      crop: tuple[float, float]) -> tuple[int, int]:
+    """Crop (top, left) in pixels of the resized image, for a crop given as fractions of the slack.
+
+    The image is resized to cover the bucket (aspect kept), then cut at
+    ``crop`` (0.5, 0.5 = centre) of the leftover height and width.
+    """
+    (h, w), (bh, bw) = original_hw, bucket_hw
+    scale = max(bh / h, bw / w)
+    rh, rw = round(h * scale), round(w * scale)
+    return round(crop[0] * (rh - bh)), round(crop[1] * (rw - bw))
+
+
+@dataclass
+class SDXLTextEncoders:
+    tokenizer: CLIPTokenizer
+    text_encoder: CLIPTextModel
+    tokenizer_2: CLIPTokenizer
+    text_encoder_2: CLIPTextModelWithProjection
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> SDXLTextEncoders:
+        self.text_encoder.to(device=device, dtype=dtype)
+        self.text_encoder_2.to(device=device, dtype=dtype)
+        return self
+
+
+@register
+class SDXLFamily(SDFamily):
+    name = "sdxl"
+    denoiser_name = "unet"
+    #: The common SDXL LoRA targets (kohya / diffusers examples): attention and
+    #: feed-forward of every transformer block, plus the ResNet convolutions
+    #: as in ``sd`` so the tiny model learns within a few steps.
+    default_lora_targets: ClassVar[list[str]] = SDFamily.default_lora_targets
+
+    @cached_property
+    def _vae_config(self) -> dict[str, Any]:
+        if self.cfg.flavor == "tiny":
+            return dict(TINY_VAE_XL)
+        return dict(AutoencoderKL.load_config(self.cfg.path, subfolder="vae"))
+
+    @cached_property
+    def _unet_config(self) -> dict[str, Any]:
+        if self.cfg.flavor == "tiny":
+            return dict(TINY_UNET)
+        return dict(UNet2DConditionModel.load_config(self.cfg.path, subfolder="unet"))
+
+    @cached_property
+    def _scheduler_config(self) -> dict[str, Any]:
+        config = dict(TINY_SCHEDULER) if self.cfg.flavor == "tiny" else dict(
+            EulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
+        if self.cfg.prediction_type:
+            config["prediction_type"] = self.cfg.prediction_type
+        return config
+
+    @property
+    def vae_factor(self) -> int:
+        return 2 ** (len(self._vae_config["block_out_channels"]) - 1)
+
+    # -- components --------------------------------------------------------------
+    def load_vae(self) -> AutoencoderKL:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, "sdxl.vae"):
+                return AutoencoderKL(**TINY_VAE_XL).eval()
+        return AutoencoderKL.from_pretrained(self.cfg.path, subfolder="vae").eval()
+
+    def load_tokenizers(self) -> SDXLTextEncoders:
+        if self.cfg.flavor == "tiny":
+            return SDXLTextEncoders(clip_tokenizer(), None, clip_tokenizer(), None)
+        path = self.cfg.path
+        return SDXLTextEncoders(CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"), None,
+                                CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2"), None)
+
+    def load_text_encoders(self) -> SDXLTextEncoders:
+        if self.cfg.flavor == "tiny":
+            tok, tok2 = clip_tokenizer(), clip_tokenizer()
+            enc = common.tiny_clip_text_encoder(tok, self.cfg.seed, "sdxl.text_encoder")
+            config = CLIPTextConfig(**common.TINY_CLIP, vocab_size=len(tok2),
+                                    max_position_embeddings=tok2.model_max_length,
+                                    bos_token_id=tok2.bos_token_id, eos_token_id=tok2.eos_token_id,
+                                    pad_token_id=tok2.pad_token_id)
+            with common.seeded(self.cfg.seed, "sdxl.text_encoder_2"):
+                enc2 = CLIPTextModelWithProjection(config).eval()
+            return SDXLTextEncoders(tok, enc, tok2, enc2)
+        path = self.cfg.path
+        return SDXLTextEncoders(
+            CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
+            CLIPTextModel.from_pretrained(path, subfolder="text_encoder").eval(),
+            CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2"),
+            CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder_2").eval(),
+        )
+
+    def load_denoiser(self) -> UNet2DConditionModel:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, "sdxl.unet"):
+                return UNet2DConditionModel(**TINY_UNET).eval()
+        return UNet2DConditionModel.from_pretrained(self.cfg.path, subfolder="unet").eval()
+
+    def inference_scheduler(self) -> EulerDiscreteScheduler:
+        return EulerDiscreteScheduler.from_config(self._scheduler_config)
+
+    def load_pipeline(self) -> StableDiffusionXLPipeline:
+        enc = self.load_text_encoders()
+        return StableDiffusionXLPipeline(
+            vae=self.load_vae(), text_encoder=enc.text_encoder, text_encoder_2=enc.text_encoder_2,
+            tokenizer=enc.tokenizer, tokenizer_2=enc.tokenizer_2, unet=self.load_denoiser(),
+            scheduler=self.inference_scheduler(), add_watermarker=False,
+        )
+
+    @property
+    def pipeline_class(self) -> type:
+        return StableDiffusionXLPipeline
+
+    # -- identities ----------------------------------------------------------------
+    def text_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity((self.name, self.cfg.seed, "text"),
+                                        lambda: self._text_identity(self.load_text_encoders()))
+        path, tok = self.cfg.path, self.load_tokenizers()
+        return digest({
+            "tokenizer": tokenizer_fingerprint(tok.tokenizer),
+            "text_encoder": common.transformers_folder_identity(CLIPTextModel, CLIPTextConfig, path, "text_encoder"),
+            "tokenizer_2": tokenizer_fingerprint(tok.tokenizer_2),
+            "text_encoder_2": common.transformers_folder_identity(
+                CLIPTextModelWithProjection, CLIPTextConfig, path, "text_encoder_2"),
+        })
+
+    @staticmethod
+    def _text_identity(enc: SDXLTextEncoders) -> str:
+        return digest({
+            "tokenizer": tokenizer_fingerprint(enc.tokenizer),
+            "text_encoder": common.module_identity(enc.text_encoder),
+            "tokenizer_2": tokenizer_fingerprint(enc.tokenizer_2),
+            "text_encoder_2": common.module_identity(enc.text_encoder_2),
+        })
+
+    # -- encoding ----------------------------------------------------------------
+    def encode_text(self, encoders: SDXLTextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
+        # Exactly StableDiffusionXLPipeline.encode_prompt (no clip_skip): the
+        # penultimate hidden states of both encoders side by side, and the
+        # second encoder's projected pooled output.
+        embeds, pooled = [], None
+        pairs = [(encoders.tokenizer, encoders.text_encoder), (encoders.tokenizer_2, encoders.text_encoder_2)]
+        for tok, enc in pairs:
+            ids = tok(captions, padding="max_length", max_length=tok.model_max_length, truncation=True,
+                      return_tensors="pt").input_ids
+            with torch.no_grad():
+                out = enc(ids.to(next(enc.parameters()).device), output_hidden_states=True)
+            if out[0].ndim == 2:
+                pooled = out[0]
+            embeds.append(out.hidden_states[-2])
+        return {"prompt_embeds": torch.cat(embeds, dim=-1).float(), "pooled_prompt_embeds": pooled.float()}
+
+    def token_limits(self, encoders: SDXLTextEncoders) -> dict[str, int]:
+        return {"clip_l": encoders.tokenizer.model_max_length, "clip_g": encoders.tokenizer_2.model_max_length}
+
+    def count_tokens(self, encoders: SDXLTextEncoders, captions: list[str]) -> dict[str, list[int]]:
+        captions = list(captions)
+        return {"clip_l": [len(x) for x in encoders.tokenizer(captions).input_ids],
+                "clip_g": [len(x) for x in encoders.tokenizer_2(captions).input_ids]}
+
+    # -- training ----------------------------------------------------------------
+    def loss(
+        self,
+        denoiser: torch.nn.Module,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        objective: ObjectiveConfig | None = None,
+        sizes: dict[str, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """As ``sd``'s loss, with SDXL's pooled text and ``add_time_ids``.
+
+        ``sizes`` (optional): ``original_size`` and ``crop_top_left``, ``[B, 2]``
+        pixels (height, width / top, left). Without it the item is taken as
+        resized to the bucket with no crop (original = target, crop 0, 0).
+        """
+        o = objective or ObjectiveConfig()
+        x0 = common.single_frame(latents, self.name).float()
+        device, (b, _, h, w) = x0.device, x0.shape
+        if t is None:
+            if o.timestep_sampling == "logit_normal":
+                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
+            else:
+                t = obj.sample_uniform(b, generator, device=generator.device)
+            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
+        if noise is None:
+            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
+            if o.offset_noise:
+                noise = obj.add_offset_noise(noise, o.offset_noise, generator)
+        elif noise.ndim == 5:
+            noise = common.single_frame(noise, self.name)
+        t, noise = t.to(device), noise.to(device).float()
+
+        schedule = self._alphas_cumprod
+        steps = obj.ddpm_timesteps(t, len(schedule))
+        noisy = obj.ddpm_add_noise(x0, noise, schedule, steps)
+        target = obj.ddpm_target(x0, noise, schedule, steps, self.prediction_type)
+
+        target_hw = torch.tensor([[h * self.vae_factor, w * self.vae_factor]], device=device).expand(b, 2)
+        sizes = sizes or {}
+        ids = time_ids(sizes.get("original_size", target_hw).to(device),
+                       sizes.get("crop_top_left", torch.zeros_like(target_hw)).to(device), target_hw)
+        dtype = common.param_dtype(denoiser)
+        pred = denoiser(
+            noisy.to(dtype),
+            steps,
+            encoder_hidden_states=text["prompt_embeds"].to(device=device, dtype=dtype),
+            added_cond_kwargs={"text_embeds": text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+                               "time_ids": ids.to(dtype)},
+            return_dict=False,
+        )[0]
+        weights = None
+        if o.min_snr_gamma:
+            weights = obj.min_snr_weights(schedule, steps, gamma=o.min_snr_gamma, prediction_type=self.prediction_type)
+        return obj.per_sample_loss(pred, target, weights, kind=o.loss, huber_c=o.huber_c)
+
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        raise NotImplementedError("sdxl: pipeline parallelism is not implemented (the UNet fits one GPU)")

@@ -1,0 +1,105 @@
+"""Published sizes on the meta device, and ``diffpipe estimate``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from diffpipe.cli import app
+from diffpipe.config import Config, ModelConfig
+from diffpipe.estimate import GiB, estimate_memory, saved_activation_bytes
+from diffpipe.models import family_names, get_family
+from diffpipe.models.published import PUBLISHED, for_family
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_meta_parameter_count_matches_the_published_figure(name):
+    spec = PUBLISHED[name]
+    model = spec.build_meta()
+    assert all(p.device.type == "meta" for p in model.parameters())
+    count = sum(p.numel() for p in model.parameters())
+    assert spec.params_match(count), f"{name}: {count:,} parameters, published {spec.params:,.0f}"
+
+
+def test_exact_published_counts():
+    # The figures the task names: SD 1.5 UNet 859.5M, FLUX.1-dev transformer 11.90B.
+    count = {n: sum(p.numel() for p in PUBLISHED[n].build_meta().parameters()) for n in ("sd15", "flux1-dev")}
+    assert abs(count["sd15"] / 859.52e6 - 1) < 0.01
+    assert abs(count["flux1-dev"] / 11.90e9 - 1) < 0.01
+
+
+def test_every_family_has_a_published_config():
+    assert all(for_family(name) for name in family_names())
+
+
+def _cfg(family: str, **train) -> Config:
+    return Config.model_validate(
+        {"model": {"family": family}, "datasets": [{"name": "d", "path": "data", "resolution": 256}],
+         "train": {"batch_size": 1, "precision": "bf16", **train}}
+    )
+
+
+def test_estimate_parts_follow_zero_and_rank():
+    flux = estimate_memory(_cfg("flux"), model="flux1-dev", rank=16)
+    assert flux.params == sum(p.numel() for p in PUBLISHED["flux1-dev"].build_meta().parameters())
+    assert flux.resolution == 256 and flux.param_bytes >= 2 * flux.params
+    assert flux.grad_bytes == 2 * flux.trainable and flux.optimizer_bytes == 12 * flux.trainable
+    assert 1 * GiB < flux.activation_bytes < 20 * GiB
+
+    one = estimate_memory(_cfg("sd"), model="sd15", rank=16)
+    r32 = estimate_memory(_cfg("sd"), model="sd15", rank=32)
+    assert r32.trainable == 2 * one.trainable
+    z3 = estimate_memory(_cfg("sd", zero_stage=3), gpus=4, model="sd15", rank=16)
+    assert z3.param_bytes == one.param_bytes // 4 and z3.optimizer_bytes == one.optimizer_bytes // 4
+    assert z3.activation_bytes == one.activation_bytes  # data parallel: each GPU holds its own batch
+    big = estimate_memory(_cfg("sd"), model="sd15", rank=16, resolution=512)
+    assert big.activation_bytes > 3 * one.activation_bytes  # 4x the pixels
+
+
+def test_meta_activations_equal_a_real_forward():
+    # The tiny SD UNet: what autograd saves on meta tensors equals what it saves on real ones.
+    family = get_family(ModelConfig(family="sd"))
+    unet = family.load_denoiser()
+    unet.requires_grad_(False)
+    unet.add_adapter(__import__("peft").LoraConfig(r=4, target_modules=family.default_lora_targets))
+    latents, text = torch.randn(2, 4, 1, 16, 16), {"prompt_embeds": torch.randn(2, 77, 32)}
+    t, noise = torch.tensor([0.3, 0.6]), torch.randn(2, 4, 16, 16)
+
+    def run(model, *tensors):
+        return lambda: family.loss(model, *tensors[:2], torch.Generator(), t=tensors[2], noise=tensors[3])
+
+    real = saved_activation_bytes(unet, run(unet, latents, text, t, noise))
+    meta_unet = unet.to("meta")
+    meta = [x.to("meta") for x in (latents, t, noise)]
+    on_meta = saved_activation_bytes(
+        meta_unet, run(meta_unet, meta[0], {"prompt_embeds": text["prompt_embeds"].to("meta")}, meta[1], meta[2])
+    )
+    assert real > 0 and abs(on_meta - real) <= 0.02 * real, (on_meta, real)
+
+
+def test_estimate_command(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump(_cfg("sd").model_dump(mode="json")))
+    result = CliRunner().invoke(app, ["estimate", "-c", str(config), "--json", "--model", "sd15"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["model"] == "sd15" and out["total_bytes"] > out["param_bytes"] > 0
+    bad = CliRunner().invoke(app, ["estimate", "-c", str(config), "--model", "flux1-dev"])
+    assert bad.exit_code == 1 and "flux" in bad.output
+
+
+def test_estimate_reads_a_local_folder_config(tmp_path):
+    # Only the denoiser's config.json is read; text shapes come from the closest published model (SD 2.1 here).
+    (tmp_path / "unet").mkdir()
+    PUBLISHED["sd21"].build_meta().save_config(tmp_path / "unet")
+    cfg = Config.model_validate(
+        {"model": {"family": "sd", "flavor": "local", "path": str(tmp_path)},
+         "datasets": [{"name": "d", "path": "data", "resolution": 256}], "train": {"batch_size": 1}}
+    )
+    result = estimate_memory(cfg)
+    assert result.model == str(tmp_path) and result.params == 865_910_724
+    assert result.activation_bytes > 0 and result.param_bytes == 4 * result.params + 4 * result.trainable

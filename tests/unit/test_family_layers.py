@@ -1,0 +1,85 @@
+"""Pipeline-parallel layer lists of the newer transformer families equal their forward."""
+
+from __future__ import annotations
+
+import torch
+
+from diffpipe.config import ModelConfig
+from diffpipe.models import get_family
+from diffpipe.models.pipeline_layers import run_layers
+
+
+def test_sd3_layers_equal_forward():
+    family = get_family(ModelConfig(family="sd3"))
+    tr = family.load_denoiser()
+    g = torch.Generator().manual_seed(0)
+    noisy = torch.randn(2, 4, 16, 12, generator=g)
+    timestep = torch.tensor([300.0, 700.0])
+    pooled = torch.randn(2, 64, generator=g)
+    context = torch.randn(2, 9, 64, generator=g)
+    with torch.no_grad():
+        expected = tr(hidden_states=noisy, timestep=timestep, pooled_projections=pooled,
+                      encoder_hidden_states=context, return_dict=False)[0]
+        layers = family.pipeline_layers(tr)
+        got = run_layers(layers, (noisy, timestep, pooled, context))
+    assert len(layers) == len(tr.transformer_blocks) + 2
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_qwenimage_layers_equal_forward():
+    family = get_family(ModelConfig(family="qwenimage"))
+    tr = family.load_denoiser()
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randn(2, 12, 16, generator=g)  # a 3x4 grid of 2x2-packed 4-channel latents
+    sigma = torch.tensor([0.3, 0.8])
+    context = torch.randn(2, 7, 32, generator=g)
+    mask = torch.tensor([[1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
+    with torch.no_grad():
+        expected = tr(hidden_states=packed, timestep=sigma, encoder_hidden_states=context,
+                      encoder_hidden_states_mask=mask, img_shapes=[[(1, 3, 4)]] * 2, return_dict=False)[0]
+        layers = family.pipeline_layers(tr)
+        got = run_layers(layers, (packed, sigma, context, mask, torch.tensor([1, 3, 4])))
+    assert len(layers) == len(tr.transformer_blocks) + 2
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_chroma_layers_equal_forward():
+    family = get_family(ModelConfig(family="chroma"))
+    from diffusers import ChromaTransformer2DModel
+
+    from diffpipe.models.chroma import TINY_TRANSFORMER
+
+    torch.manual_seed(0)  # two blocks of each kind, so the modulation offsets matter
+    tr = ChromaTransformer2DModel(**{**TINY_TRANSFORMER, "num_layers": 2, "num_single_layers": 2}).eval()
+    g = torch.Generator().manual_seed(0)
+    packed = torch.randn(2, 12, 4, generator=g)
+    sigma = torch.tensor([0.3, 0.8])
+    context = torch.randn(2, 5, 32, generator=g)
+    txt_ids, img_ids = torch.zeros(5, 3), torch.randn(12, 3, generator=g)
+    mask = torch.ones(2, 17)
+    mask[0, 3:5] = 0
+    with torch.no_grad():
+        expected = tr(hidden_states=packed, timestep=sigma, encoder_hidden_states=context, txt_ids=txt_ids,
+                      img_ids=img_ids, attention_mask=mask, return_dict=False)[0]
+        got = run_layers(family.pipeline_layers(tr), (packed, sigma, context, txt_ids, img_ids, mask))
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_hidream_layers_equal_forward():
+    from diffusers import HiDreamImageTransformer2DModel
+
+    from diffpipe.models.hidream import TINY_TRANSFORMER
+
+    torch.manual_seed(0)  # two blocks of each kind, so the per-block Llama states matter
+    config = {**TINY_TRANSFORMER, "num_layers": 2, "num_single_layers": 2, "llama_layers": [0, 1, 1, 0]}
+    tr = HiDreamImageTransformer2DModel(**config).eval()
+    family = get_family(ModelConfig(family="hidream"))
+    g = torch.Generator().manual_seed(0)
+    t5, llama, pooled = torch.randn(2, 6, 32, generator=g), torch.randn(2, 2, 5, 32, generator=g), torch.randn(2, 64)
+    for h, w in [(16, 16), (16, 24)]:  # square, and padded to max_seq
+        noisy, steps = torch.randn(2, 4, h, w, generator=g), torch.tensor([300.0, 700.0])
+        with torch.no_grad():
+            expected = tr(hidden_states=noisy, timesteps=steps, encoder_hidden_states_t5=t5,
+                          encoder_hidden_states_llama3=llama, pooled_embeds=pooled, return_dict=False)[0]
+            got = run_layers(family.pipeline_layers(tr), (noisy, steps, t5, llama, pooled))
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

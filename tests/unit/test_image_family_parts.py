@@ -1,0 +1,112 @@
+"""The newer image families' pure parts and text encoding, against the stock pipelines' own code."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from diffpipe.config import ModelConfig
+from diffpipe.models import get_family
+from diffpipe.models.sd3 import loss_weights, sample_cosmap, sample_mode
+from diffpipe.models.sdxl import crop_conditioning, time_ids
+
+CAPTIONS = ["a red circle", "x"]
+
+
+@pytest.fixture(autouse=True)
+def _cache_dir(tmp_path, monkeypatch):
+    monkeypatch.setenv("DIFFPIPE_CACHE", str(tmp_path))
+
+
+def test_sdxl_time_ids_match_the_pipeline():
+    family = get_family(ModelConfig(family="sdxl"))
+    pipe = family.load_pipeline()
+    theirs = pipe._get_add_time_ids((96, 80), (8, 0), (64, 48), torch.float32, text_encoder_projection_dim=32)
+    ours = time_ids(torch.tensor([[96, 80]]), torch.tensor([[8, 0]]), torch.tensor([[64, 48]]))
+    assert torch.equal(ours, theirs)
+
+
+def test_sdxl_crop_conditioning():
+    # 200x100 (h x w) into a 64x64 bucket: resized to 128x64, centre crop starts 32 rows down.
+    assert crop_conditioning((200, 100), (64, 64), (0.5, 0.5)) == (32, 0)
+    assert crop_conditioning((200, 100), (64, 64), (0.0, 0.5)) == (0, 0)
+    assert crop_conditioning((64, 64), (64, 64), (0.5, 0.5)) == (0, 0)
+
+
+def test_sdxl_loss_reads_sizes():
+    family = get_family(ModelConfig(family="sdxl"))
+    unet = family.load_denoiser()
+    latents = torch.randn(2, 4, 1, 16, 16, generator=torch.Generator().manual_seed(0))
+    text = {"prompt_embeds": torch.randn(2, 77, 64), "pooled_prompt_embeds": torch.randn(2, 32)}
+    args = dict(t=torch.tensor([0.2, 0.6]), noise=torch.randn(2, 4, 16, 16))
+    with torch.no_grad():
+        plain = family.loss(unet, latents, text, torch.Generator(), **args)
+        same = family.loss(unet, latents, text, torch.Generator(), sizes={
+            "original_size": torch.tensor([[32, 32]] * 2), "crop_top_left": torch.zeros(2, 2)}, **args)
+        other = family.loss(unet, latents, text, torch.Generator(), sizes={
+            "original_size": torch.tensor([[80, 32]] * 2), "crop_top_left": torch.tensor([[24, 0]] * 2)}, **args)
+    assert torch.equal(plain, same) and not torch.equal(plain, other)
+
+
+def test_sd3_densities_and_weights():
+    g = torch.Generator().manual_seed(0)
+    for draw in (sample_mode(1000, g), sample_cosmap(1000, g)):
+        assert draw.min() >= 0 and draw.max() <= 1
+    sigma = torch.tensor([0.25, 0.5])
+    assert torch.allclose(loss_weights("sigma_sqrt", sigma), torch.tensor([16.0, 4.0]))
+    assert torch.allclose(loss_weights("cosmap", sigma), 2 / (math.pi * (1 - 2 * sigma + 2 * sigma**2)))
+    assert loss_weights(None, sigma) is None
+
+
+def _pipeline_text(name, family, pipe):
+    if name == "sdxl":
+        pe, _, pooled, _ = pipe.encode_prompt(CAPTIONS, do_classifier_free_guidance=False)
+        return {"prompt_embeds": pe, "pooled_prompt_embeds": pooled}
+    if name == "sd3":
+        pe, _, pooled, _ = pipe.encode_prompt(CAPTIONS, None, None, do_classifier_free_guidance=False,
+                                              max_sequence_length=family.max_sequence_length)
+        return {"prompt_embeds": pe, "pooled_prompt_embeds": pooled}
+    if name == "chroma":
+        pe, mask = pipe._get_t5_prompt_embeds(CAPTIONS, max_sequence_length=family.max_sequence_length)
+        return {"prompt_embeds": pe, "prompt_attention_mask": mask}
+    if name == "lumina2":
+        pe, mask, *_ = pipe.encode_prompt(CAPTIONS, do_classifier_free_guidance=False,
+                                          max_sequence_length=family.max_sequence_length)
+        return {"prompt_embeds": pe, "prompt_attention_mask": mask}
+    if name == "hidream":
+        t5, _, llama, _, pooled, _ = pipe.encode_prompt(prompt=CAPTIONS, do_classifier_free_guidance=False,
+                                                        max_sequence_length=family.max_sequence_length)
+        return {"prompt_embeds_t5": t5, "prompt_embeds_llama3": llama.transpose(0, 1), "pooled_prompt_embeds": pooled}
+    pe, mask = pipe._get_qwen_prompt_embeds(CAPTIONS)
+    return {"prompt_embeds": pe, "prompt_embeds_mask": mask}
+
+
+@pytest.mark.parametrize("name", ["sdxl", "sd3", "chroma", "lumina2", "qwenimage", "hidream"])
+def test_cached_text_equals_the_pipeline_encoding(name):
+    family = get_family(ModelConfig(family=name))
+    ours = family.encode_text(family.load_text_encoders(), CAPTIONS)
+    with torch.no_grad():
+        theirs = _pipeline_text(name, family, family.load_pipeline())
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():
+        n = value.shape[1] if value.ndim > 1 else None
+        mine = ours[key][:, :n] if n else ours[key]  # Qwen: the cache pads to a fixed length
+        torch.testing.assert_close(mine, value.float(), rtol=1e-5, atol=1e-5)
+        if n and ours[key].shape[1] > n:
+            assert not ours[key][:, n:].any()
+
+
+def test_hidream_loss_is_the_same_in_train_and_eval_mode():
+    # In train mode the transformer returns patches (padded to max_seq when not square); the loss unpatchifies.
+    family = get_family(ModelConfig(family="hidream"))
+    tr = family.load_denoiser()
+    text = {"prompt_embeds_t5": torch.randn(2, 32, 32), "prompt_embeds_llama3": torch.randn(2, 2, 32, 32),
+            "pooled_prompt_embeds": torch.randn(2, 64)}
+    for h, w in [(16, 16), (16, 24)]:
+        latents, noise, t = torch.randn(2, 4, 1, h, w), torch.randn(2, 4, h, w), torch.tensor([0.3, 0.6])
+        with torch.no_grad():
+            train = family.loss(tr.train(), latents, text, torch.Generator(), t=t, noise=noise)
+            evaluated = family.loss(tr.eval(), latents, text, torch.Generator(), t=t, noise=noise)
+        torch.testing.assert_close(train, evaluated)
