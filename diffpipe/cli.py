@@ -59,17 +59,24 @@ def _setup(config: Path):
 def validate(
     config: ConfigOpt,
     rehash: Annotated[bool, typer.Option(help="Re-read every file even if size and mtime are unchanged.")] = False,
+    workers: Annotated[int | None, typer.Option(help="Decoding processes (default: every core).")] = None,
+    tokens: Annotated[bool, typer.Option(help="Count caption tokens with the model's tokenizers.")] = True,
 ) -> None:
-    """Scan the datasets, fingerprint every file, write the manifest and reports.
+    """Check every dataset file before any GPU time: write the manifest and the reports.
+
+    Exits 1 when a problem whose action is `error` exists; the summary table
+    is the last thing printed. Nothing in the datasets is modified.
 
     Example: diffpipe validate -c config/demo.yaml
     """
-    from diffpipe.data.validate import print_summary, run_validation
+    from diffpipe.data.validate import FamilyTokenCounter, kept_copy, print_summary, run_validation
 
     cfg, paths = _setup(config)
     result = run_validation(cfg.datasets, cfg.validation, manifest_path=paths.manifest,
-                            report_json=paths.report_json, report_html=paths.report_html, rehash=rehash)
-    print_summary(result, console=console)
+                            report_json=paths.report_json, report_html=paths.report_html, rehash=rehash,
+                            tokens=FamilyTokenCounter(cfg.model) if tokens else None, workers=workers,
+                            console=console)
+    print_summary(result, console=console, report=kept_copy(paths.report_html) if result.errors else paths.report_html)
     if result.errors:
         raise typer.Exit(1)
 
@@ -87,76 +94,205 @@ def plan(config: ConfigOpt) -> None:
     cfg, paths = _setup(config)
     family = get_family(cfg.model)
     result = make_plan(paths.manifest, cfg.datasets, cfg.cache, latent_identity=family.vae_identity(),
-                       text_identity=family.text_identity(), pixel_multiple=family.pixel_multiple, paths=paths)
-    console.print(f"plan: {result}")
+                       text_identity=family.text_identity(), pixel_multiple=family.pixel_multiple, paths=paths,
+                       global_batch=cfg.train.batch_size * cfg.train.grad_accum,
+                       fps=getattr(family, "fps", 24.0), frame_rule=getattr(family, "frame_rule", (4, 1)))
+    console.print(f"plan: {result.items} items, {result.entries} entries in {len(result.shards)} shards; "
+                  f"buckets {result.buckets}; {len(result.written)} spec files rewritten")
+    for bucket, n in result.underfilled.items():
+        console.print(f"plan: bucket {bucket} has {n} samples per epoch, fewer than a batch "
+                      f"({cfg.train.batch_size * cfg.train.grad_accum}): filled by repeating its items")
+    for path in result.too_short:
+        console.print(f"plan: {path} is shorter than every frame bucket; not trained on")
+
+
+RegenerateOpt = Annotated[bool, typer.Option(
+    "--regenerate", envvar="DIFFPIPE_REGENERATE",
+    help="Encode everything again, ignoring entries already in the store (env DIFFPIPE_REGENERATE=1).")]
+TrustOpt = Annotated[bool, typer.Option(
+    "--trust", envvar="DIFFPIPE_TRUST",
+    help="Skip re-hashing media files against the validate step's sha256 (very large datasets; "
+    "env DIFFPIPE_TRUST=1).")]
 
 
 @cache_app.command("latents")
 @_errors
-def cache_latents_cmd(config: ConfigOpt, shard: ShardOpt) -> None:
-    """Encode one shard's media with the VAE into Zarr.
+def cache_latents_cmd(config: ConfigOpt, shard: ShardOpt, regenerate: RegenerateOpt = False,
+                      trust: TrustOpt = False) -> None:
+    """Build one latent shard (Zarr), encoding with the VAE only entries the store lacks.
 
     Example: diffpipe cache latents -c config/demo.yaml --shard s0000
     """
     from diffpipe.data.cache import cache_latents
 
     cfg, paths = _setup(config)
-    summary = cache_latents(paths.latent_spec(shard), paths.latent_shard(shard), cfg.model, cfg.cache)
+    summary = cache_latents(paths.latent_spec(shard), paths.latent_shard(shard), cfg.model, cfg.cache,
+                            store=paths.cache_store(cfg.cache.dir), regenerate=regenerate, trust=trust)
     console.print(f"cache latents {shard}: {json.dumps(summary)}")
 
 
 @cache_app.command("text")
 @_errors
-def cache_text_cmd(config: ConfigOpt, shard: ShardOpt) -> None:
-    """Encode one shard's captions with the text encoder(s) into Arrow.
+def cache_text_cmd(config: ConfigOpt, shard: ShardOpt, regenerate: RegenerateOpt = False) -> None:
+    """Build one text shard (Arrow), encoding only captions the store lacks.
 
     Example: diffpipe cache text -c config/demo.yaml --shard s0000
     """
     from diffpipe.data.cache import cache_text
 
     cfg, paths = _setup(config)
-    summary = cache_text(paths.text_spec(shard), paths.text_shard(shard), cfg.model, cfg.cache)
+    summary = cache_text(paths.text_spec(shard), paths.text_shard(shard), cfg.model, cfg.cache,
+                         store=paths.cache_store(cfg.cache.dir), regenerate=regenerate)
     console.print(f"cache text {shard}: {json.dumps(summary)}")
+
+
+@cache_app.command("empty")
+@_errors
+def cache_empty_cmd(config: ConfigOpt, regenerate: RegenerateOpt = False) -> None:
+    """Encode the empty caption once (caption dropout) into cache/text/empty.arrow.
+
+    Example: diffpipe cache empty -c config/demo.yaml
+    """
+    from diffpipe.data.cache import cache_empty_text
+
+    cfg, paths = _setup(config)
+    summary = cache_empty_text(paths.text_empty, cfg.model, cfg.cache, spec_path=paths.empty_spec,
+                               store=paths.cache_store(cfg.cache.dir), regenerate=regenerate)
+    console.print(f"cache empty: {json.dumps(summary)}")
+
+
+@cache_app.command("prune")
+@_errors
+def cache_prune_cmd(config: ConfigOpt) -> None:
+    """Delete store shards superseded by newer ones (every entry is also stored elsewhere).
+
+    Example: diffpipe cache prune -c config/demo.yaml
+    """
+    from diffpipe.data.store import Store, prune
+
+    cfg, paths = _setup(config)
+    store = Store(paths.cache_store(cfg.cache.dir))
+    for kind in ("latents", "text"):
+        removed = prune(store, kind)
+        console.print(f"cache prune: removed {len(removed)} superseded {kind} shards from {store.root}")
+
+
+@cache_app.command("verify")
+@_errors
+def cache_verify_cmd(config: ConfigOpt) -> None:
+    """Check that every planned entry is cached under its key, with its shape and checksum.
+
+    Example: diffpipe cache verify -c config/demo.yaml
+    """
+    from diffpipe.data.reader import CachedDataset
+
+    _, paths = _setup(config)
+    summary = CachedDataset.from_run(paths).summary()
+    console.print(f"cache verify: ok, {json.dumps(summary)}")
 
 
 @app.command()
 @_errors
 def train(
     config: ConfigOpt,
-    processes: Annotated[int, typer.Option(help="Local processes (one per GPU; CPU: gloo).")] = 1,
+    processes: Annotated[
+        int, typer.Option(help="Local processes, one per GPU (0 or 1: one process; on CPU: gloo).")
+    ] = 1,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest checkpoint.")] = False,
+    checkpoint: Annotated[str | None, typer.Option(
+        help="Resume from this checkpoint (a name under train/checkpoints, or a path); implies --resume.")] = None,
 ) -> None:
     """Train a LoRA with DeepSpeed on the cached latents and text embeddings.
 
-    Example: diffpipe train -c config/demo.yaml --processes 2
+    A run killed or stopped continues exactly with --resume; it refuses, naming
+    the keys, when the config changed in a way the checkpoint cannot follow.
+    Touch train/save in the run folder to ask for a checkpoint now.
+
+    Example: diffpipe train -c config/demo.yaml --processes 2 --resume
     """
     from diffpipe.training import engine
 
     if processes > 1 and not engine.in_launched_rank():
         argv = ["train", "--config", str(config), "--processes", str(processes)]
+        argv += ["--resume"] if resume else []
+        argv += ["--checkpoint", checkpoint] if checkpoint else []
         raise typer.Exit(engine.launch_local(processes, argv))
     from diffpipe.training.loop import train as run_training
 
     cfg, paths = _setup(config)
-    run_training(cfg, paths, log=console.print)
+    run_training(cfg, paths, resume=resume, checkpoint=checkpoint, log=console.print)
+
+
+FORMATS_HELP = "diffusers, peft, comfyui, kohya, merged (repeatable or comma-separated; default: the config's)."
+
+
+def _formats(values: list[str] | None, default: list[str]) -> list[str]:
+    from diffpipe.paths import FORMATS
+
+    chosen = [f.strip() for v in values or [] for f in v.split(",") if f.strip()] or list(default)
+    bad = [f for f in chosen if f not in FORMATS]
+    if bad:
+        raise typer.BadParameter(f"unknown format(s) {bad}; choose from {', '.join(FORMATS)}", param_hint="--format")
+    return chosen
 
 
 @app.command()
 @_errors
 def export(
-    config: ConfigOpt,
-    adapter: Annotated[Path | None, typer.Option(help="Adapter folder (default: the run's final adapter).")] = None,
-    out: Annotated[Path | None, typer.Option(help="Output file (default: the run's export folder).")] = None,
+    run_or_checkpoint: Annotated[Path | None, typer.Argument(
+        help="Run folder, adapter folder (train/adapter, train/loras/epoch-N) or DeepSpeed checkpoint.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Experiment config (default: the run's).")] = None,
+    fmt: Annotated[list[str] | None, typer.Option("--format", "-f", help=FORMATS_HELP)] = None,
+    out: Annotated[Path | None, typer.Option(help="Output folder (default: the run's export/ folder).")] = None,
 ) -> None:
-    """Export the trained LoRA as pytorch_lora_weights.safetensors (diffusers format).
+    """Export the trained LoRA for diffusers, PEFT, ComfyUI, kohya/A1111, or merged into the base model.
 
-    Example: diffpipe export -c config/demo.yaml
+    Writes every format with the same metadata, and a README.md model card.
+
+    Example: diffpipe export runs/demo --format comfyui --format kohya
     """
-    from diffpipe.export import export_diffusers
+    from diffpipe.config import ExportConfig
+    from diffpipe.export import export_lora
+    from diffpipe.export.locate import locate, model_config_from_adapter
     from diffpipe.models import get_family
 
-    cfg, paths = _setup(config)
-    written = export_diffusers(adapter or paths.adapter_dir, out or paths.export_diffusers, get_family(cfg.model))
-    console.print(f"export: wrote {written}")
+    if run_or_checkpoint is None and config is None:
+        raise typer.BadParameter("give a run folder, an adapter folder or checkpoint, or --config",
+                                 param_hint="RUN_OR_CHECKPOINT")
+    cfg = load_config(config) if config else None
+    found = locate(run_or_checkpoint, cfg)
+    cfg = found.config
+    formats = _formats(fmt, (cfg.export if cfg else ExportConfig()).formats)
+    model_cfg = cfg.model if cfg else model_config_from_adapter(found.adapter_dir)
+    result = export_lora(found.adapter_dir, out or found.out_dir, get_family(model_cfg), formats,
+                         config=cfg, run=found.run)
+    for name, path in result.files.items():
+        console.print(f"export: {name}: {path}")
+    console.print(f"export: model card: {result.card}")
+
+
+@app.command("import-lora")
+@_errors
+def import_lora_cmd(
+    source: Annotated[Path, typer.Argument(help="LoRA file (diffusers, ComfyUI, kohya) or PEFT folder.")],
+    out: Annotated[Path, typer.Argument(help="Adapter folder to write (PEFT layout, as training writes).")],
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Config naming the base model.")] = None,
+    family: Annotated[str | None, typer.Option(help="Model family, when no config is given (tiny flavor).")] = None,
+    fmt: Annotated[str | None, typer.Option("--format", "-f", help="Force the input format (default: detect).")] = None,
+) -> None:
+    """Read a LoRA in any supported format back into our adapter, e.g. to continue training it.
+
+    Example: diffpipe import-lora downloaded_lora.safetensors runs/demo/imported -c config/demo.yaml
+    """
+    from diffpipe.config import ModelConfig
+    from diffpipe.export import import_lora
+    from diffpipe.models import get_family
+
+    if config is None and family is None:
+        raise typer.BadParameter("give --config (the base model) or --family (tiny flavor)", param_hint="--config")
+    model_cfg = load_config(config).model if config else ModelConfig(family=family, flavor="tiny")
+    result = import_lora(source, out, get_family(model_cfg), fmt=fmt)
+    console.print(f"import-lora: {result}")
 
 
 @app.command()
@@ -187,6 +323,9 @@ def run(
     cores: Annotated[int | None, typer.Option(help="Cores for Snakemake (default: the profile's).")] = None,
     dry_run: Annotated[bool, typer.Option("--dry-run", "-n", help="Show what would run.")] = False,
     workdir: Annotated[Path, typer.Option(help="Folder that relative config paths start from.")] = Path("."),
+    regenerate: Annotated[
+        bool, typer.Option(help="Re-encode every cache shard, ignoring stored entries (and rerun what follows).")
+    ] = False,
 ) -> None:
     """Run the whole workflow with Snakemake; extra arguments go to Snakemake.
 
@@ -195,7 +334,8 @@ def run(
     from diffpipe.runner import DEFAULT_PROFILE, run_workflow
 
     summary = run_workflow(config, profile=profile or DEFAULT_PROFILE, cores=cores, dry_run=dry_run,
-                           targets=target or [], extra=ctx.args, workdir=workdir, console=console)
+                           targets=target or [], extra=ctx.args, workdir=workdir, console=console,
+                           regenerate=regenerate)
     raise typer.Exit(0 if summary.returncode == 0 else 1)
 
 
@@ -228,6 +368,30 @@ def demo_data(
 
     write_demo_dataset(out, n=n, size=size, seed=seed)
     console.print(f"demo-data: wrote {n} images to {out}")
+
+
+@app.command()
+@_errors
+def estimate(
+    config: ConfigOpt,
+    gpus: Annotated[int, typer.Option(help="Data-parallel GPUs the run would use.")] = 1,
+    resolution: Annotated[int | None, typer.Option(help="Image side in pixels (default: the largest dataset resolution).")] = None,
+    rank: Annotated[int | None, typer.Option(help="LoRA rank (default: train.lora.rank).")] = None,
+    model: Annotated[str | None, typer.Option(help="Published model to size, e.g. flux1-dev (default: the local folder, else the family's flagship).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON (bytes).")] = False,
+) -> None:
+    """Memory per GPU (parameters, gradients, optimizer state, activations) for a config, before any GPU is used.
+
+    The denoiser is built at its real size on the meta device; activations are
+    measured from one training forward on meta tensors.
+
+    Example: diffpipe estimate -c config/flux.yaml --model flux1-dev --resolution 1024 --gpus 2
+    """
+    from diffpipe.estimate import estimate_memory
+
+    cfg = load_config(config)
+    result = estimate_memory(cfg, gpus=gpus, resolution=resolution, rank=rank, model=model)
+    sys.stdout.write((json.dumps(result.as_dict(), indent=2) if as_json else result.table()) + "\n")
 
 
 def main() -> None:

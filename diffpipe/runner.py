@@ -19,6 +19,7 @@ from diffpipe.paths import REPO_ROOT, SNAKEFILE, RunPaths
 DEFAULT_PROFILE = REPO_ROOT / "profiles" / "default"
 
 
+REGENERATE_RULES = ("cache_latents", "cache_text", "cache_empty_text")
 STAGES = ("validate", "plan", "cache_latents", "cache_text", "train", "export", "sample")
 
 
@@ -67,6 +68,7 @@ def run_workflow(
     extra: list[str] = (),
     workdir: str | Path = ".",
     console: Console | None = None,
+    regenerate: bool = False,
 ) -> RunSummary:
     """Run Snakemake on ``config``; report jobs run, stage times and where outputs are."""
     console = console or Console(stderr=True)
@@ -78,6 +80,10 @@ def run_workflow(
                             targets=list(targets), extra=list(extra), workdir=workdir)
     # Rules call `diffpipe ...`: make sure it is this installation's.
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if regenerate:
+        # The cache jobs read this and encode every entry again; Snakemake must rerun them.
+        env["DIFFPIPE_REGENERATE"] = "1"
+        cmd += ["--forcerun", *REGENERATE_RULES]
     start = time.time()
     rc = subprocess.call(cmd, env=env, cwd=workdir)
     wall = time.time() - start

@@ -35,7 +35,7 @@ def demo(tmp_path_factory):
 
     def run():
         # Two cache jobs at once: this machine has 2 cores and no GPU.
-        return run_workflow(root / "config.yaml", cores=2, extra=["--resources", "gpus=2"], workdir=root,
+        return run_workflow(root / "config.yaml", cores=2, extra=["--resources", "gpu=2"], workdir=root,
                             console=Console(stderr=True))
 
     first = run()
