@@ -8,7 +8,8 @@ by bucket so a batch has one shape), then writes the complete shard into the
 store and links it into the run's output, and writes a
 ``<shard>.summary.json`` beside it with ``encoded``, ``reused`` and
 ``wall_s``. Decoding runs in worker processes a few batches ahead, so it
-overlaps encoding. ``regenerate`` ignores the store; ``trust`` skips
+overlaps encoding; video clips stream only their planned frames
+(:mod:`diffpipe.data.video`). ``regenerate`` ignores the store; ``trust`` skips
 re-hashing media files against the sha256 the validate step recorded.
 """
 
@@ -48,6 +49,7 @@ from diffpipe.data.store import (
     shard_content_name,
 )
 from diffpipe.data.text import TextShard, write_text_shard
+from diffpipe.data.video import load_video_array
 from diffpipe.utils import write_text_atomic
 
 T = TypeVar("T")
@@ -94,29 +96,37 @@ def _prefetched(
     return drain()
 
 
+def _sha256_of(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _decode(job: tuple[dict[str, Any], bool]) -> np.ndarray:
-    """Read one item, check it against the planned sha256 (unless trusted), decode it."""
+    """Read one item, check it against the planned sha256 (unless trusted), decode it.
+
+    Images are read into memory once (hash and decode); clips are hashed in
+    blocks and streamed from disk, decoding only their planned frames.
+    """
     item, trust = job
     path = item["path"]
-    if item.get("frames"):
-        raise ValueError(
-            f"{path}: video decoding is not implemented yet (frames {len(item['frames'])})"
-        )
+    _, h, w = item["bucket"]
+    crop, flip = tuple(item.get("crop", (0.5, 0.5))), item.get("flip", False)
+    frames = item.get("frames")
     try:
-        data = Path(path).read_bytes()
+        data = None if frames else Path(path).read_bytes()
+        sha = _sha256_of(Path(path)) if data is None else hashlib.sha256(data).hexdigest()
     except OSError as err:
         raise ValueError(f"cannot read {path}: {err}; rerun the validate step") from err
-    if not trust and hashlib.sha256(data).hexdigest() != item["sha256"]:
+    if not trust and sha != item["sha256"]:
         # Encoding it would store new pixels under the old content's key.
         raise ValueError(f"{path} changed since validation (sha256 differs); rerun the workflow")
-    _, h, w = item["bucket"]
     try:
-        return load_image_array(
-            io.BytesIO(data),
-            (h, w),
-            crop=tuple(item.get("crop", (0.5, 0.5))),
-            flip=item.get("flip", False),
-        )
+        if frames:
+            return load_video_array(Path(path), (h, w), frames, crop=crop, flip=flip)
+        return load_image_array(io.BytesIO(data), (h, w), crop=crop, flip=flip)
     except Exception as err:
         raise ValueError(f"cannot decode {path}: {err}") from err
 

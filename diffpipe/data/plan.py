@@ -146,6 +146,8 @@ def _entries(
         if n == 0:
             return []
         frames = resample_indices(n_src, src_fps, fps, n)
+    elif row.get("kind") == "video":
+        frames = [0]  # a one-frame clip: still decoded as video, never by the image loader
     out = []
     for res in ds.training_resolutions():
         h, w = choose_bucket(row["width"], row["height"], res, pixel_multiple, ratios)
@@ -205,7 +207,7 @@ def make_plan(
     by_name = {d.name: d for d in datasets}
     schema_names = set(pq.read_schema(manifest_path).names)
     cols = ["id", "dataset", "path", "sha256", "width", "height", "frames", "caption", "status"]
-    cols += [c for c in ("fps", "split") if c in schema_names]  # columns newer manifests add
+    cols += [c for c in ("fps", "split", "kind") if c in schema_names]  # columns newer manifests add
     rows = pq.ParquetFile(manifest_path).read(columns=cols).to_pylist()
     names = [shard_name(i) for i in range(cache_cfg.shards)]
     latents: list[list[dict[str, Any]]] = [[] for _ in names]

@@ -234,7 +234,8 @@ def _check_geometry(
     f, h, w = bucket
     if (
         len(shape) != 5
-        or shape[2] != f
+        # Video VAEs compress time (F frames -> (F-1)/4+1): a clip's latent has 1..F frames.
+        or not (1 <= shape[2] <= f)
         or h % shape[3]
         or w % shape[4]
         or h // shape[3] != w // shape[4]

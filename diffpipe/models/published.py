@@ -151,6 +151,14 @@ PUBLISHED: dict[str, Published] = {
             text={"prompt_embeds_t5": (128, 4096), "prompt_embeds_llama3": (32, 128, 4096),
                   "pooled_prompt_embeds": (2048,)}, latent_channels=16,
         ),
+        Published(
+            "wan2.1-t2v-1.3b", "wan", "WanTransformer3DModel",
+            {"num_attention_heads": 12, "attention_head_dim": 128, "ffn_dim": 8960, "num_layers": 30},
+            1.42e9, 3,
+            "Wan-AI/Wan2.1-T2V-1.3B(-Diffusers): dim 1536, 12 heads, ffn 8960, 30 layers; 1.42B parameters "
+            "in its transformer weights (the model card's headline: '1.3B')",
+            text={"prompt_embeds": (512, 4096)}, latent_channels=16,
+        ),
         # Published sizes of families without an adapter yet (README table; no estimate).
         Published(
             "hunyuanimage-2.1", "hunyuanimage", "HunyuanImageTransformer2DModel", {"text_embed_2_dim": 1472},

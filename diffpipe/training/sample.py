@@ -1,4 +1,8 @@
-"""Sample images from the stock diffusers pipeline with an exported LoRA loaded."""
+"""Sample images (or clips) from the stock diffusers pipeline with an exported LoRA loaded.
+
+Video families' samples are MP4 files (H.264 when the installed PyAV has it,
+else MPEG-4 Part 2) at the family's frame rate; the grid shows first frames.
+"""
 
 from __future__ import annotations
 
@@ -8,37 +12,47 @@ import torch
 from PIL import Image, ImageDraw
 
 from diffpipe.config import ModelConfig, SampleConfig
+from diffpipe.data.video import write_mp4
 from diffpipe.models import get_family
 from diffpipe.utils import atomic_path
 
 
-def _render(pipe, prompts: list[str], kwargs: dict, seed: int) -> list[Image.Image]:
-    images = []
+def _render(pipe, prompts: list[str], kwargs: dict, seed: int, video: bool = False) -> list[list[Image.Image]]:
+    """The frames of every prompt's sample (one frame for images), each from the same seed."""
+    out = []
     for prompt in prompts:
         gen = torch.Generator().manual_seed(seed)
-        images.append(pipe(prompt, generator=gen, **kwargs).images[0])
-    return images
+        result = pipe(prompt, generator=gen, **kwargs)
+        out.append(list(result.frames[0]) if video else [result.images[0]])
+    return out
+
+
+def _save(sample: list[Image.Image], stem: Path, family) -> None:
+    if family.is_video:
+        write_mp4(sample, stem.with_suffix(".mp4"), family.fps)
+    else:
+        sample[0].save(stem.with_suffix(".png"))
 
 
 def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | Path, out_dir: str | Path) -> list[Path]:
-    """Render every prompt with and without the LoRA (same seed) and save PNGs plus a grid.
+    """Render every prompt with and without the LoRA (same seed) and save PNGs (MP4s) plus a grid.
 
-    The grid's top row is the base model, the bottom row the LoRA: a quick look
-    at what training changed.
+    The grid's top row is the base model, the bottom row the LoRA (first
+    frames for video): a quick look at what training changed.
     """
     family = get_family(model_cfg)
     pipe = family.load_pipeline()
     pipe.set_progress_bar_config(disable=True)
     kwargs = family.sample_kwargs(cfg)
-    base = _render(pipe, cfg.prompts, kwargs, cfg.seed)
+    base = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video)
     pipe.load_lora_weights(str(lora_file))
-    tuned = _render(pipe, cfg.prompts, kwargs, cfg.seed)
+    tuned = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video)
     out_dir = Path(out_dir)
     with atomic_path(out_dir, is_dir=True) as tmp:
-        for i, img in enumerate(tuned):
-            img.save(tmp / f"sample-{i:02d}.png")
-        _grid(base, tuned, cfg.prompts).save(tmp / "grid.png")
-    return sorted(out_dir.glob("*.png"))
+        for i, sample in enumerate(tuned):
+            _save(sample, tmp / f"sample-{i:02d}", family)
+        _grid([b[0] for b in base], [t[0] for t in tuned], cfg.prompts).save(tmp / "grid.png")
+    return sorted(p for p in out_dir.iterdir() if p.suffix in (".png", ".mp4"))
 
 
 def _grid(base: list[Image.Image], tuned: list[Image.Image], prompts: list[str]) -> Image.Image:
@@ -85,11 +99,17 @@ class TrainingSampler:
         self.denoiser.eval()
         try:
             with torch.no_grad():
-                images = _render(self._pipeline(), self.cfg.prompts, self.family.sample_kwargs(self.cfg),
-                                 self.cfg.seed)
+                samples = _render(self._pipeline(), self.cfg.prompts, self.family.sample_kwargs(self.cfg),
+                                  self.cfg.seed, self.family.is_video)
         finally:
             self.denoiser.train(was_training)
             torch.set_rng_state(rng)
+        images = [s[0] for s in samples]  # first frames of clips
+        if self.family.is_video:
+            for i, clip in enumerate(samples):
+                out = self.out_dir / f"step-{step:06d}-{i:02d}.mp4"
+                with atomic_path(out) as tmp:
+                    write_mp4(clip, tmp, self.family.fps)
         w, h = images[0].size
         row = Image.new("RGB", (w * len(images), h), "white")
         for i, img in enumerate(images):
