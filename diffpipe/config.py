@@ -23,7 +23,11 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    family: str = Field("sd", description="Model family: one of the registered families (`sd`, `flux`).")
+    family: str = Field(
+        "sd",
+        description="Model family: sd, sdxl, sd3, flux, chroma, lumina2, qwenimage, hidream, wan "
+        "(see the README's family table).",
+    )
     flavor: str = Field(
         "tiny",
         description="`tiny`: small random-weight model built offline from `seed`; `local`: load the "
@@ -354,6 +358,10 @@ class SampleConfig(_Section):
     seed: int = Field(0, description="Seed of the sampling noise.")
     width: int = Field(64, description="Sample width in pixels.", gt=0)
     height: int = Field(64, description="Sample height in pixels.", gt=0)
+    frames: int = Field(
+        5, description="Frames per sample clip for video families (snapped to the model's frame rule); "
+        "image families ignore it.", ge=1,
+    )
 
 
 class Config(_Section):

@@ -7,14 +7,16 @@ new module plus one ``register`` line; nothing else changes.
 
 Tensor conventions (every family):
 - pixels: float32 ``[B, 3, F, H, W]`` in [-1, 1] (F = 1 for images);
-- latents: ``[B, C, F, h, w]``, already normalised (scaling/shift applied),
-  exactly what the denoiser is trained on;
+- latents: ``[B, C, F', h, w]``, already normalised (scaling/shift applied),
+  exactly what the denoiser is trained on (``F' = F`` for image VAEs,
+  ``(F - 1) / 4 + 1`` for a video VAE with 4x temporal compression);
 - text: ``dict[str, Tensor]`` named like the family pipeline's arguments
   (``prompt_embeds``, ``pooled_prompt_embeds``, ...), each ``[B, ...]``.
 """
 
 from __future__ import annotations
 
+import importlib
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
@@ -31,6 +33,12 @@ class Family(ABC):
     denoiser_name: ClassVar[str]
     #: PEFT ``target_modules`` used when the config gives none.
     default_lora_targets: ClassVar[list[str]]
+    #: Whether the family trains on clips (its pipeline returns ``frames``; samples are MP4s).
+    is_video: ClassVar[bool] = False
+    #: Frame rate clips are resampled to before planning their frames.
+    fps: ClassVar[float] = 24.0
+    #: Frame counts ``step * k + offset`` the VAE accepts, as ``(step, offset)``: 4k+1.
+    frame_rule: ClassVar[tuple[int, int]] = (4, 1)
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
@@ -161,14 +169,17 @@ def register(cls: type[Family]) -> type[Family]:
 
 
 def family_names() -> list[str]:
-    from diffpipe.models import _load_all  # noqa: F401  (imports register every family)
+    from diffpipe.models._load_all import FAMILY_MODULES
 
-    return sorted(_REGISTRY)
+    return sorted(FAMILY_MODULES)
 
 
 def get_family(cfg: ModelConfig) -> Family:
     """The family instance for a model config; a clear error for an unknown name."""
-    names = family_names()
+    from diffpipe.models._load_all import FAMILY_MODULES
+
+    if cfg.family not in FAMILY_MODULES:
+        raise ValueError(f"model.family: unknown family {cfg.family!r}; known: {', '.join(family_names())}")
     if cfg.family not in _REGISTRY:
-        raise ValueError(f"model.family: unknown family {cfg.family!r}; known: {', '.join(names)}")
+        importlib.import_module(FAMILY_MODULES[cfg.family])  # its @register line adds it
     return _REGISTRY[cfg.family](cfg)
