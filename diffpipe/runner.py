@@ -47,6 +47,9 @@ def snakemake_command(
 ) -> list[str]:
     cmd = [sys.executable, "-m", "snakemake", "--snakefile", str(SNAKEFILE), "--directory", str(workdir),
            "--configfile", str(config)]
+    # Snakemake would also load profiles/default (beside the Snakefile) as the
+    # workflow profile and let its set-resources replace the chosen profile's.
+    cmd += ["--workflow-profile", "none"]
     if profile is not None:
         cmd += ["--profile", str(profile)]
     if cores is not None:

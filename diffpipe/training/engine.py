@@ -50,7 +50,7 @@ def setup_distributed() -> DistInfo:
     A single process gets the rendezvous variables filled in, so ``diffpipe
     train`` needs no launcher; launched processes keep the ones they were given.
     """
-    if "RANK" not in os.environ:
+    if "RANK" not in os.environ and not _rendezvous_from_slurm():
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
         )
@@ -63,6 +63,29 @@ def setup_distributed() -> DistInfo:
     if torch.cuda.is_available():
         torch.cuda.set_device(info.local_rank)
     return info
+
+
+def _rendezvous_from_slurm() -> bool:
+    """Inside ``srun`` with several tasks, take ranks and the master node from SLURM.
+
+    So ``srun --nodes 2 --ntasks-per-node 4 diffpipe train -c CFG`` trains on 8
+    GPUs with no launcher: rank = SLURM_PROCID, the first node of the job is the
+    rendezvous host, the port is derived from the job id (same on every node).
+    """
+    env = os.environ
+    if int(env.get("SLURM_NTASKS", "1")) <= 1 or "SLURM_PROCID" not in env or "SLURM_STEP_ID" not in env:
+        return False
+    nodelist = env.get("SLURM_STEP_NODELIST") or env["SLURM_JOB_NODELIST"]
+    master = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True,
+                            check=True).stdout.split()[0]
+    env.update(
+        MASTER_ADDR=master,
+        MASTER_PORT=str(20000 + int(env.get("SLURM_JOB_ID", "0")) % 20000),
+        RANK=env["SLURM_PROCID"],
+        WORLD_SIZE=env["SLURM_NTASKS"],
+        LOCAL_RANK=env.get("SLURM_LOCALID", "0"),
+    )
+    return True
 
 
 def device() -> torch.device:
@@ -188,4 +211,6 @@ def launch_local(processes: int, argv: list[str]) -> int:
 
 
 def in_launched_rank() -> bool:
-    return all(k in os.environ for k in _DIST_ENV)
+    """True in a process some launcher started as one rank (ours, torchrun, or srun with tasks)."""
+    under_srun = int(os.environ.get("SLURM_NTASKS", "1")) > 1 and "SLURM_STEP_ID" in os.environ
+    return under_srun or all(k in os.environ for k in _DIST_ENV)

@@ -1,7 +1,7 @@
 # Validation decodes new files in a pool of worker processes: one per thread.
 rule validate:
     input:
-        dw.dataset_inputs(CFG),
+        dw.dataset_fingerprint(CFG),
     # update(): Snakemake must not delete the previous manifest before the job,
     # it is what lets validation skip files whose size and mtime are unchanged.
     output:
@@ -11,7 +11,8 @@ rule validate:
     params:
         config=RESOLVED,
         digest=dw.stage_digest(CFG, "validate"),
-    threads: workflow.cores
+    # Scaled down to the cores Snakemake has (locally, or inside a SLURM job).
+    threads: 64
     log:
         out("logs/validate.log"),
     benchmark:

@@ -1,0 +1,129 @@
+"""The workflow through profiles/slurm on a real SLURM cluster (slurmctld + slurmd here).
+
+Jobs are submitted with sbatch by the real executor plugin, run, and produce
+the same outputs as a local run of the same config.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from diffpipe.paths import REPO_ROOT, RunPaths
+from diffpipe.runner import run_workflow
+from diffpipe.training.metrics import read_metrics
+
+from .slurm_cluster import LocalSlurm, SlurmUnavailable
+
+pytestmark = pytest.mark.slow
+RULES = ("validate", "plan", "cache_latents", "cache_text", "train", "export", "sample")
+
+
+@pytest.fixture(scope="module")
+def slurm():
+    # Its own folder, not pytest's tmp_path: daemons must outlive any pytest cleanup.
+    cluster = LocalSlurm(Path(tempfile.mkdtemp(prefix="diffpipe-slurm-")))
+    try:
+        cluster.start()
+    except SlurmUnavailable as err:
+        pytest.skip(str(err))
+    yield cluster
+    cluster.stop()
+    shutil.rmtree(cluster.root, ignore_errors=True)
+
+
+def cluster_profile(dest: Path, partition: str) -> Path:
+    """profiles/slurm with its placeholders filled for this one-node CPU cluster."""
+    cfg = yaml.safe_load((REPO_ROOT / "profiles" / "slurm" / "config.yaml").read_text())
+    res = cfg["default-resources"]
+    res["slurm_partition"] = partition
+    del res["slurm_account"]  # no accounting database here
+    res.update(mem_mb=1500, cpus_per_task=1)
+    for rule in cfg["set-resources"].values():  # no GPUs and 2 cores on this node
+        rule.update(gpu=0, cpus_per_task=1, mem_mb=1500)
+    cfg.update({
+        "slurm-status-command": "squeue",  # accounting (sacct) is disabled here
+        "slurm-init-seconds-before-status-checks": 1,
+        "seconds-between-status-checks": 1,
+        "slurm-keep-successful-logs": True,  # the proof below that each rule went through sbatch
+        "latency-wait": 5,
+    })
+    dest.mkdir(parents=True)
+    (dest / "config.yaml").write_text(yaml.safe_dump(cfg))
+    return dest
+
+
+def test_workflow_on_slurm_matches_local_run(slurm, tmp_path):
+    shutil.copytree(REPO_ROOT / "config" / "demo_data", tmp_path / "data")
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "demo.yaml").read_text())
+    cfg.update(output_dir="run")
+    cfg["datasets"][0]["path"] = str(tmp_path / "data")
+    cfg["train"].update(max_steps=3)
+    cfg["sample"]["steps"] = 2
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    (tmp_path / "local").mkdir()
+    (tmp_path / "cluster").mkdir()
+
+    local = run_workflow(config, cores=2, extra=["--resources", "gpu=2"], workdir=tmp_path / "local")
+    assert local.returncode == 0
+    profile = cluster_profile(tmp_path / "profile", partition="debug")
+    remote = run_workflow(config, profile=profile, workdir=tmp_path / "cluster")
+    assert remote.returncode == 0
+
+    logs = tmp_path / "cluster" / ".snakemake" / "slurm_logs"
+    submitted = {p.name.removeprefix("rule_") for p in logs.iterdir()}
+    assert set(RULES) <= submitted, f"not submitted through sbatch: {set(RULES) - submitted}"
+
+    a, b = RunPaths(tmp_path / "local" / "run"), RunPaths(tmp_path / "cluster" / "run")
+    for kind in ("latents", "text"):
+        for shard in a.shard_names(kind):
+            spec_a = (a.plan_dir / kind / f"{shard}.json").read_bytes()
+            assert spec_a == (b.plan_dir / kind / f"{shard}.json").read_bytes()
+    la = [r["loss"] for r in read_metrics(a.metrics)]
+    lb = [r["loss"] for r in read_metrics(b.metrics)]
+    assert la == pytest.approx(lb, abs=1e-6)
+    wa, wb = load_file(str(a.export_diffusers)), load_file(str(b.export_diffusers))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=0, atol=1e-6)
+
+
+def test_train_under_srun_with_two_tasks(slurm, tmp_path):
+    """`srun -n 2 diffpipe train` is a 2-rank data-parallel run with no launcher."""
+    import subprocess
+    import sys
+
+    from typer.testing import CliRunner
+
+    from diffpipe.cli import app
+
+    shutil.copytree(REPO_ROOT / "config" / "demo_data", tmp_path / "data")
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "demo.yaml").read_text())
+    cfg.update(output_dir=str(tmp_path / "run"))
+    cfg["datasets"][0]["path"] = str(tmp_path / "data")
+    cfg["train"].update(max_steps=2, save_every_epochs=0)
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    paths = RunPaths(tmp_path / "run")
+    runner = CliRunner()
+    for args in (["validate"], ["plan"], ["cache", "empty"]):
+        assert runner.invoke(app, [*args, "-c", str(config)]).exit_code == 0, args
+    for shard in paths.shard_names("latents"):
+        for kind in ("latents", "text"):
+            assert runner.invoke(app, ["cache", kind, "-c", str(config), "--shard", shard]).exit_code == 0
+    result = subprocess.run(
+        ["srun", "--ntasks", "2", "--cpus-per-task", "1", sys.executable, "-m", "diffpipe", "train", "-c",
+         str(config)], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads((paths.train_dir / "summary.json").read_text())
+    assert summary["world_size"] == 2
+    assert summary["ranks_agree"] is True
