@@ -12,8 +12,8 @@ from typing import Any
 import yaml
 
 from diffpipe import paths
-from diffpipe.config import Config, ValidationConfig, parse_config
-from diffpipe.data.discover import dataset_files
+from diffpipe.config import Config, parse_config
+from diffpipe.data.discover import list_dataset
 from diffpipe.utils import digest, write_if_changed
 
 RESOLVED_CONFIG = "resolved-config.yaml"
@@ -50,19 +50,30 @@ def write_resolved_config(cfg: Config) -> str:
     return str(target)
 
 
-def dataset_inputs(cfg: Config) -> list[str]:
-    """Every media and caption file: the validate rule's inputs.
+DATASET_FINGERPRINT = "validate/dataset.fingerprint"
 
-    Snakemake reruns validation when one of them changes content (checksum for
-    files up to 1 MB, mtime above) or when files are added or removed.
+
+def dataset_fingerprint(cfg: Config) -> str:
+    """Write a digest of every dataset file's path, size and mtime: the validate rule's input.
+
+    One small file instead of every media and caption file as an input keeps
+    the DAG small at 100,000 items. It is rewritten only when a file was added,
+    removed or changed, and then validation reruns (reading only those files).
     """
-    vcfg: ValidationConfig = cfg.validation
-    files: list[str] = []
+    entries = []
     for ds in cfg.datasets:
         if not Path(ds.path).is_dir():
             raise FileNotFoundError(f"datasets[{ds.name}].path: folder not found: {ds.path}")
-        files.extend(str(p) for p in dataset_files(ds, vcfg))
-    return files
+        listing = list_dataset(ds, cfg.validation, with_stats=True)
+        stats = dict(listing.stats)
+        for rel in listing.metadata:  # few files; not in the listing's stats
+            st = os.stat(os.path.join(listing.root, rel))
+            stats[rel] = (st.st_size, st.st_mtime_ns)
+        entries.append([ds.name, str(listing.root), sorted(stats.items()),
+                        sorted((p.rel, p.reason) for p in listing.problems)])
+    target = Path(cfg.output_dir) / DATASET_FINGERPRINT
+    write_if_changed(target, digest(entries) + "\n")
+    return str(target)
 
 
 def out(cfg: Config, rel: str) -> str:

@@ -36,7 +36,24 @@ def test_resolved_config_rewritten_only_on_change(tmp_path):
 def test_missing_dataset_folder_is_named(tmp_path):
     cfg = parse_config({"datasets": [{"name": "d", "path": str(tmp_path / "nope")}]})
     with pytest.raises(FileNotFoundError, match=r"datasets\[d\]\.path"):
-        dw.dataset_inputs(cfg)
+        dw.dataset_fingerprint(cfg)
+
+
+def test_dataset_fingerprint_changes_only_with_the_files(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "a.png").write_bytes(b"x")
+    (data / "a.txt").write_text("a cat")
+    cfg = _cfg(tmp_path, datasets=[{"name": "d", "path": str(data)}])
+    path = dw.dataset_fingerprint(cfg)
+    first = open(path).read()
+    os.utime(path, (1, 1))
+    assert dw.dataset_fingerprint(cfg) == path and os.stat(path).st_mtime == 1  # unchanged: not rewritten
+    (data / "a.txt").write_text("a black cat")  # edit
+    second = open(dw.dataset_fingerprint(cfg)).read()
+    assert second != first
+    (data / "b.png").write_bytes(b"y")  # addition
+    assert open(dw.dataset_fingerprint(cfg)).read() != second
 
 
 def test_deepspeed_config_from_ours(tmp_path):
