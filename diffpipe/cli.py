@@ -96,7 +96,7 @@ def plan(config: ConfigOpt) -> None:
     result = make_plan(paths.manifest, cfg.datasets, cfg.cache, latent_identity=family.vae_identity(),
                        text_identity=family.text_identity(), pixel_multiple=family.pixel_multiple, paths=paths,
                        global_batch=cfg.train.batch_size * cfg.train.grad_accum,
-                       fps=getattr(family, "fps", 24.0), frame_rule=getattr(family, "frame_rule", (4, 1)))
+                       fps=family.fps, frame_rule=family.frame_rule)
     console.print(f"plan: {result.items} items, {result.entries} entries in {len(result.shards)} shards; "
                   f"buckets {result.buckets}; {len(result.written)} spec files rewritten")
     for bucket, n in result.underfilled.items():
@@ -359,15 +359,21 @@ def demo_data(
     n: Annotated[int, typer.Option(help="Number of images.")] = 16,
     size: Annotated[int, typer.Option(help="Image side in pixels.")] = 64,
     seed: Annotated[int, typer.Option(help="Seed.")] = 0,
+    clips: Annotated[int, typer.Option(help="Also write this many toy clips (a shape moving, MP4, 16 fps).")] = 0,
+    frames: Annotated[int, typer.Option(help="Frames per clip.")] = 9,
 ) -> None:
-    """Write a deterministic toy dataset (coloured shapes with captions).
+    """Write a deterministic toy dataset (coloured shapes with captions; optionally moving-shape clips).
 
-    Example: diffpipe demo-data /tmp/shapes --n 1000
+    Example: diffpipe demo-data /tmp/shapes --n 1000 --clips 8
     """
     from diffpipe.data.demo import write_demo_dataset
 
     write_demo_dataset(out, n=n, size=size, seed=seed)
-    console.print(f"demo-data: wrote {n} images to {out}")
+    if clips:
+        from diffpipe.data.demo_video import write_demo_clips
+
+        write_demo_clips(out, n=clips, frames=frames, width=size, height=size * 2 // 3 // 2 * 2, seed=seed)
+    console.print(f"demo-data: wrote {n} images{f' and {clips} clips' if clips else ''} to {out}")
 
 
 @app.command()
