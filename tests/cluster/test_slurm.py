@@ -66,6 +66,7 @@ def test_workflow_on_slurm_matches_local_run(slurm, tmp_path):
     cfg.update(output_dir="run")
     cfg["datasets"][0]["path"] = str(tmp_path / "data")
     cfg["train"].update(max_steps=3)
+    cfg["cache"] = {"shards": 1}  # fewer jobs: each costs an interpreter start-up
     cfg["sample"]["steps"] = 2
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
