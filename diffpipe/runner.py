@@ -20,7 +20,7 @@ DEFAULT_PROFILE = REPO_ROOT / "profiles" / "default"
 
 
 REGENERATE_RULES = ("cache_latents", "cache_text", "cache_empty_text")
-STAGES = ("validate", "plan", "cache_latents", "cache_text", "train", "export", "sample")
+STAGES = ("validate", "plan", "cache_latents", "cache_text", "cache_empty_text", "train", "export", "sample")
 
 
 @dataclass
