@@ -55,7 +55,11 @@ class DatasetConfig(_Section):
     resolution: int = Field(64, description="Training resolution in pixels (bucket area = resolution²).", gt=0)
     repeats: int = Field(1, description="How many times each item appears per epoch.", ge=1)
     caption_prefix: str = Field("", description="Text put before every caption (e.g. a trigger word).")
-    weight: float = Field(1.0, description="Relative sampling weight of this dataset's items.", gt=0)
+    weight: float = Field(
+        1.0,
+        description="Relative sampling weight: items are drawn round(repeats x weight) times per epoch (at least once).",
+        gt=0,
+    )
     metadata: str | None = Field(
         None,
         description="Metadata file with a file and a caption column (.csv, .json, .jsonl, .parquet), relative "

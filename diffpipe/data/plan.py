@@ -59,6 +59,14 @@ class PlanResult:
     too_short: list[str] = field(default_factory=list)
 
 
+def effective_repeats(repeats: int, weight: float) -> int:
+    """How often an item is drawn per epoch: its dataset's repeats scaled by its weight.
+
+    Rounded to a whole count (at least 1) so every epoch has the same length,
+    which training and exact resume rely on.
+    """
+    return max(1, round(repeats * weight))
+
 def shard_index(item_id: str, shards: int) -> int:
     """Stable shard of an item: its hex id read as an integer, mod ``shards``."""
     return int(item_id, 16) % shards
@@ -171,7 +179,7 @@ def _entries(
                     "flip": flip,
                     "frames": frames,
                     "key": latent_key(row["sha256"], tf, identity, dtype),
-                    "repeats": ds.repeats,
+                    "repeats": effective_repeats(ds.repeats, ds.weight),
                     "dataset": ds.name,
                     "split": row.get("split") or "train",
                 }

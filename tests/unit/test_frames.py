@@ -34,3 +34,12 @@ def test_frame_bucket_picks_the_longest_fitting_valid_count():
     assert (
         frame_bucket(10, 24, 24, [17, 33]) == 0
     )  # too short for every bucket: reported, not guessed
+
+
+def test_dataset_weight_scales_repeats():
+    from diffpipe.data.plan import effective_repeats
+
+    assert effective_repeats(1, 1.0) == 1
+    assert effective_repeats(2, 3.0) == 6
+    assert effective_repeats(1, 2.4) == 2
+    assert effective_repeats(3, 0.1) == 1  # never dropped
