@@ -67,6 +67,7 @@ def effective_repeats(repeats: int, weight: float) -> int:
     """
     return max(1, round(repeats * weight))
 
+
 def shard_index(item_id: str, shards: int) -> int:
     """Stable shard of an item: its hex id read as an integer, mod ``shards``."""
     return int(item_id, 16) % shards
