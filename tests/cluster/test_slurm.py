@@ -48,6 +48,9 @@ def cluster_profile(dest: Path, partition: str) -> Path:
     res.update(mem_mb=1500, cpus_per_task=1)
     for rule in cfg["set-resources"].values():  # no GPUs and 2 cores on this node
         rule.update(gpu=0, cpus_per_task=1, mem_mb=1500)
+    # Training as the profile's multi-node recipe, on this one node: 2 srun
+    # tasks, each one rank (the rendezvous comes from SLURM).
+    cfg["set-resources"]["train"].update(tasks=2, mpi="srun --ntasks 2 --cpus-per-task 1 --kill-on-bad-exit=1")
     cfg.update({
         "slurm-status-command": "squeue",  # accounting (sacct) is disabled here
         "slurm-init-seconds-before-status-checks": 1,
@@ -73,7 +76,9 @@ def test_workflow_on_slurm_matches_local_run(slurm, tmp_path):
     (tmp_path / "local").mkdir()
     (tmp_path / "cluster").mkdir()
 
-    local = run_workflow(config, cores=2, extra=["--resources", "gpu=2"], workdir=tmp_path / "local")
+    # The local reference trains on 2 processes too (our launcher), like the 2 srun ranks.
+    local = run_workflow(config, cores=2, extra=["--resources", "gpu=2", "--set-resources", "train:gpu=2"],
+                         workdir=tmp_path / "local")
     assert local.returncode == 0
     profile = cluster_profile(tmp_path / "profile", partition="debug")
     remote = run_workflow(config, profile=profile, workdir=tmp_path / "cluster")
@@ -88,6 +93,8 @@ def test_workflow_on_slurm_matches_local_run(slurm, tmp_path):
         for shard in a.shard_names(kind):
             spec_a = (a.plan_dir / kind / f"{shard}.json").read_bytes()
             assert spec_a == (b.plan_dir / kind / f"{shard}.json").read_bytes()
+    for run in (a, b):
+        assert json.loads((run.train_dir / "summary.json").read_text())["world_size"] == 2
     la = [r["loss"] for r in read_metrics(a.metrics)]
     lb = [r["loss"] for r in read_metrics(b.metrics)]
     assert la == pytest.approx(lb, abs=1e-6)

@@ -9,11 +9,15 @@ rule train:
     params:
         config=RESOLVED,
         digest=dw.stage_digest(CFG, "train"),
+    # gpu: processes on this node (diffpipe train launches them). mpi: a launcher
+    # put before the command; a profile sets it to srun for multi-node runs,
+    # and every srun task then becomes one rank (see profiles/slurm).
     resources:
         gpu=1,
+        mpi="",
     log:
         out("logs/train.log"),
     benchmark:
         out("benchmarks/train.tsv")
     shell:
-        "diffpipe train --config {params.config} --processes {resources.gpu} > {log} 2>&1"
+        "{resources.mpi} diffpipe train --config {params.config} --processes {resources.gpu} > {log} 2>&1"
