@@ -44,9 +44,23 @@ class Family(ABC):
         self.cfg = cfg
 
     # -- identity: content hashes that go into cache keys ------------------
-    @abstractmethod
+    #: The diffusers VAE class (what a local folder's ``vae/`` is loaded as).
+    vae_class: ClassVar[type]
+
     def vae_identity(self) -> str:
-        """Hash of the VAE's config and weights (latent cache key part)."""
+        """Hash of the VAE's config and weights (latent cache key part).
+
+        Tiny flavor: the built module's tensors (memoised per process); local:
+        the ``vae/`` folder's config and weight files.
+        """
+        from diffpipe.models import _common as common
+        from diffpipe.utils import digest
+
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity(
+                (self.name, self.cfg.seed, "vae"), lambda: digest(common.module_identity(self.load_vae()))
+            )
+        return digest(common.diffusers_folder_identity(self.vae_class, self.cfg.path, "vae"))
 
     @abstractmethod
     def text_identity(self) -> str:

@@ -124,6 +124,7 @@ def _tiny_t5(tokenizer: T5TokenizerFast, seed: int) -> T5EncoderModel:
 @register
 class FluxFamily(Family):
     name = "flux"
+    vae_class = AutoencoderKL
     denoiser_name = "transformer"
     # As in diffusers' Flux DreamBooth LoRA example: attention projections of
     # both streams (image: to_*, text: add_*_proj / to_add_out; the names
@@ -256,14 +257,6 @@ class FluxFamily(Family):
         return FluxPipeline
 
     # -- identities ------------------------------------------------------------
-    def vae_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity(
-                (self.name, self.cfg.seed, "vae"),
-                lambda: digest(common.module_identity(self.load_vae())),
-            )
-        return digest(common.diffusers_folder_identity(AutoencoderKL, self.cfg.path, "vae"))
-
     def text_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity(

@@ -101,6 +101,7 @@ class HiDreamText:
 @register
 class HiDreamFamily(Family):
     name = "hidream"
+    vae_class = AutoencoderKL
     denoiser_name = "transformer"
     #: Attention of both streams and the shared expert of every MoE feed-forward
     #: (the routed experts are left alone, as in diffusers' HiDream LoRA example).
@@ -192,12 +193,6 @@ class HiDreamFamily(Family):
         return HiDreamImagePipeline
 
     # -- identities ------------------------------------------------------------
-    def vae_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity((self.name, self.cfg.seed, "vae"),
-                                        lambda: digest(common.module_identity(self.load_vae())))
-        return digest(common.diffusers_folder_identity(AutoencoderKL, self.cfg.path, "vae"))
-
     def text_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity((self.name, self.cfg.seed, "text"),

@@ -85,6 +85,7 @@ class HunyuanText:
 @register
 class HunyuanImageFamily(Family):
     name = "hunyuanimage"
+    vae_class = AutoencoderKLHunyuanImage
     denoiser_name = "transformer"
     #: Attention of both streams and the feed-forwards of the double blocks (Flux-like blocks).
     default_lora_targets: ClassVar[list[str]] = [
@@ -173,12 +174,6 @@ class HunyuanImageFamily(Family):
         return HunyuanImagePipeline
 
     # -- identities ------------------------------------------------------------
-    def vae_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity((self.name, self.cfg.seed, "vae"),
-                                        lambda: digest(common.module_identity(self.load_vae())))
-        return digest(common.diffusers_folder_identity(AutoencoderKLHunyuanImage, self.cfg.path, "vae"))
-
     def text_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity((self.name, self.cfg.seed, "text"),

@@ -90,6 +90,7 @@ class GemmaText:
 @register
 class Lumina2Family(Family):
     name = "lumina2"
+    vae_class = AutoencoderKL
     denoiser_name = "transformer"
     #: diffusers' Lumina2 LoRA example: the attention projections and the
     #: SwiGLU feed-forward of every block (refiners included).
@@ -164,12 +165,6 @@ class Lumina2Family(Family):
         return Lumina2Pipeline
 
     # -- identities ------------------------------------------------------------
-    def vae_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity((self.name, self.cfg.seed, "vae"),
-                                        lambda: digest(common.module_identity(self.load_vae())))
-        return digest(common.diffusers_folder_identity(AutoencoderKL, self.cfg.path, "vae"))
-
     def text_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity((self.name, self.cfg.seed, "text"),

@@ -96,6 +96,7 @@ def tiny_qwen_vl(tok: PreTrainedTokenizerBase, seed: int, component: str,
 @register
 class QwenImageFamily(Family):
     name = "qwenimage"
+    vae_class = AutoencoderKLQwenImage
     denoiser_name = "transformer"
     #: diffusers' Qwen-Image LoRA examples: attention of both streams and
     #: the image-stream MLP of every block.
@@ -179,12 +180,6 @@ class QwenImageFamily(Family):
         return QwenImagePipeline
 
     # -- identities ------------------------------------------------------------
-    def vae_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity((self.name, self.cfg.seed, "vae"),
-                                        lambda: digest(common.module_identity(self.load_vae())))
-        return digest(common.diffusers_folder_identity(AutoencoderKLQwenImage, self.cfg.path, "vae"))
-
     def text_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity((self.name, self.cfg.seed, "text"),

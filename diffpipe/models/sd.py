@@ -77,6 +77,7 @@ class SDTextEncoders:
 @register
 class SDFamily(Family):
     name = "sd"
+    vae_class = AutoencoderKL
     denoiser_name = "unet"
     # Attention projections are the usual SD LoRA targets. On the tiny UNet
     # they are a small share of the network (one cross-attention block each
@@ -187,14 +188,6 @@ class SDFamily(Family):
         return StableDiffusionPipeline
 
     # -- identities ------------------------------------------------------------
-    def vae_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity(
-                (self.name, self.cfg.seed, "vae"),
-                lambda: digest(common.module_identity(self.load_vae())),
-            )
-        return digest(common.diffusers_folder_identity(AutoencoderKL, self.cfg.path, "vae"))
-
     def text_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity(

@@ -138,6 +138,7 @@ def _tiny_t5(tok: T5TokenizerFast, seed: int, component: str, **overrides) -> T5
 @register
 class SD3Family(Family):
     name = "sd3"
+    vae_class = AutoencoderKL
     denoiser_name = "transformer"
     #: diffusers' SD3 DreamBooth LoRA example: attention of both streams
     #: (image ``to_*``, text ``add_*_proj`` / ``to_add_out``) and both
@@ -234,12 +235,6 @@ class SD3Family(Family):
         return StableDiffusion3Pipeline
 
     # -- identities ------------------------------------------------------------
-    def vae_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity((self.name, self.cfg.seed, "vae"),
-                                        lambda: digest(common.module_identity(self.load_vae())))
-        return digest(common.diffusers_folder_identity(AutoencoderKL, self.cfg.path, "vae"))
-
     def text_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity((self.name, self.cfg.seed, "text"),

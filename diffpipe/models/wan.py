@@ -68,6 +68,7 @@ def _tiny_umt5(tok: PreTrainedTokenizerBase, seed: int) -> UMT5EncoderModel:
 @register
 class WanFamily(Family):
     name = "wan"
+    vae_class = AutoencoderKLWan
     denoiser_name = "transformer"
     is_video = True
     fps = 16.0
@@ -146,12 +147,6 @@ class WanFamily(Family):
         return WanPipeline
 
     # -- identities ------------------------------------------------------------
-    def vae_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity((self.name, self.cfg.seed, "vae"),
-                                        lambda: digest(common.module_identity(self.load_vae())))
-        return digest(common.diffusers_folder_identity(AutoencoderKLWan, self.cfg.path, "vae"))
-
     def text_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity((self.name, self.cfg.seed, "text"),
