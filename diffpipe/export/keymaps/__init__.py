@@ -1,29 +1,35 @@
 """Per-family key maps between our module names and the original checkpoint's.
 
-One table per family (``sd.py``, ``flux.py``), built from the denoiser's
-config; export and import (``diffpipe import-lora``) read the same table.
+One module per family, named after it (``sd.py``, ``flux.py``, ...), holding
+``DENOISER`` (the diffusers denoiser class) and ``build(config, out_features)``
+(the table). Export and import (``diffpipe import-lora``) read the same table;
+adding a family's map is adding its module.
 """
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
-from diffusers import FluxTransformer2DModel, UNet2DConditionModel
 
-from diffpipe.export.keymaps import flux, sd
 from diffpipe.export.keymaps.base import KeyMap, Layer, Segment
 from diffpipe.models.base import Family
 
 Builder = Callable[[Mapping[str, Any], Mapping[str, int]], KeyMap]
-# family name -> (denoiser class, table builder)
-_TABLES: dict[str, tuple[type, Builder]] = {
-    "sd": (UNet2DConditionModel, sd.build),
-    "flux": (FluxTransformer2DModel, flux.build),
-}
+_NOT_FAMILIES = {"base"}
 
-__all__ = ["KeyMap", "Layer", "Segment", "denoiser_skeleton", "keymap_for", "keymap_for_model"]
+__all__ = [
+    "KeyMap",
+    "Layer",
+    "Segment",
+    "denoiser_skeleton",
+    "keymap_for",
+    "keymap_for_model",
+    "mapped_families",
+]
 
 
 def out_features(model: torch.nn.Module) -> dict[str, int]:
@@ -37,10 +43,20 @@ def out_features(model: torch.nn.Module) -> dict[str, int]:
     return sizes
 
 
+def mapped_families() -> list[str]:
+    """Families that have a key map (and so the comfyui and kohya formats)."""
+    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_FAMILIES)
+
+
 def _table(family_name: str) -> tuple[type, Builder]:
-    if family_name not in _TABLES:
-        raise ValueError(f"no LoRA key map for family {family_name!r}; known: {', '.join(sorted(_TABLES))}")
-    return _TABLES[family_name]
+    """``(denoiser class, table builder)`` of a family."""
+    if family_name not in mapped_families():
+        raise ValueError(
+            f"no LoRA key map for family {family_name!r} (formats comfyui and kohya need one); "
+            f"families with one: {', '.join(mapped_families())}"
+        )
+    module = importlib.import_module(f"{__name__}.{family_name}")
+    return module.DENOISER, module.build
 
 
 def denoiser_skeleton(family: Family) -> torch.nn.Module:

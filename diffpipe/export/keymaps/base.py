@@ -82,7 +82,9 @@ class KeyMap:
             rows = sum(s.size for s in self.by_module[name].segments if s.module == name)
             out = mod.out_features if isinstance(mod, torch.nn.Linear) else mod.out_channels
             if rows != out:
-                raise ValueError(f"{self.family} key map: {name} has {out} rows, table covers {rows}")
+                raise ValueError(
+                    f"{self.family} key map: {name} has {out} rows, table covers {rows}"
+                )
 
 
 def plain(original: str, module: str, size: int, kohya: str) -> Layer:

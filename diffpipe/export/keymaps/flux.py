@@ -16,7 +16,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from diffusers import FluxTransformer2DModel
+
 from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name
+
+DENOISER = FluxTransformer2DModel
 
 MLP_RATIO = 4.0
 
@@ -56,7 +60,9 @@ FOLD_SCALE_PREFIX = "final_layer."
 
 
 def _layer(original: str, segments: list[Segment]) -> Layer:
-    return Layer(original, kohya_name(original), tuple(segments), original.startswith(FOLD_SCALE_PREFIX))
+    return Layer(
+        original, kohya_name(original), tuple(segments), original.startswith(FOLD_SCALE_PREFIX)
+    )
 
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
@@ -72,20 +78,28 @@ def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
     for original, ours in TOP_LEVEL.items():
         add_plain(original, ours)
     # norm_out.linear = (scale, shift); final_layer.adaLN_modulation.1 = (shift, scale).
-    layers.append(_layer("final_layer.adaLN_modulation.1",
-                         [Segment("norm_out.linear", inner, inner), Segment("norm_out.linear", 0, inner)]))
+    layers.append(
+        _layer(
+            "final_layer.adaLN_modulation.1",
+            [Segment("norm_out.linear", inner, inner), Segment("norm_out.linear", 0, inner)],
+        )
+    )
 
     for i in range(config["num_layers"]):
         ours, original = f"transformer_blocks.{i}", f"double_blocks.{i}"
         for o, d in DOUBLE_PLAIN.items():
             add_plain(f"{original}.{o}", f"{ours}.{d}")
         for o, parts in DOUBLE_FUSED.items():
-            layers.append(_layer(f"{original}.{o}", [Segment(f"{ours}.{p}", 0, inner) for p in parts]))
+            layers.append(
+                _layer(f"{original}.{o}", [Segment(f"{ours}.{p}", 0, inner) for p in parts])
+            )
 
     for i in range(config["num_single_layers"]):
         ours, original = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
         for o, d in SINGLE_PLAIN.items():
             add_plain(f"{original}.{o}", f"{ours}.{d}")
         sizes = {"attn.to_q": inner, "attn.to_k": inner, "attn.to_v": inner, "proj_mlp": mlp}
-        layers.append(_layer(f"{original}.linear1", [Segment(f"{ours}.{p}", 0, n) for p, n in sizes.items()]))
+        layers.append(
+            _layer(f"{original}.linear1", [Segment(f"{ours}.{p}", 0, n) for p, n in sizes.items()])
+        )
     return KeyMap("flux", layers)

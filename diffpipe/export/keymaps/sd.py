@@ -15,7 +15,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from diffusers import UNet2DConditionModel
+
 from diffpipe.export.keymaps.base import KeyMap, kohya_name, plain
+
+DENOISER = UNet2DConditionModel
 
 # ResNet block: our name -> original name (ldm ``ResBlock``).
 RESNET = {
@@ -26,9 +30,16 @@ RESNET = {
 }
 # Transformer block internals: same names in both (ldm ``SpatialTransformer``).
 TRANSFORMER_BLOCK = [
-    "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
-    "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0",
-    "ff.net.0.proj", "ff.net.2",
+    "attn1.to_q",
+    "attn1.to_k",
+    "attn1.to_v",
+    "attn1.to_out.0",
+    "attn2.to_q",
+    "attn2.to_k",
+    "attn2.to_v",
+    "attn2.to_out.0",
+    "ff.net.0.proj",
+    "ff.net.2",
 ]
 TOP_LEVEL = {
     "conv_in": "input_blocks.0.0",
@@ -52,7 +63,9 @@ def _attention(ours: str, original: str, depth: int) -> dict[str, str]:
     pairs = {f"{ours}.proj_in": f"{original}.proj_in", f"{ours}.proj_out": f"{original}.proj_out"}
     for k in range(depth):
         for name in TRANSFORMER_BLOCK:
-            pairs[f"{ours}.transformer_blocks.{k}.{name}"] = f"{original}.transformer_blocks.{k}.{name}"
+            pairs[f"{ours}.transformer_blocks.{k}.{name}"] = (
+                f"{original}.transformer_blocks.{k}.{name}"
+            )
     return pairs
 
 
@@ -70,7 +83,9 @@ def module_pairs(config: Mapping[str, Any]) -> dict[str, str]:
         for j in range(layers[i]):
             pairs |= _resnet(f"down_blocks.{i}.resnets.{j}", f"input_blocks.{slot}.0")
             if kind.startswith("CrossAttn"):
-                pairs |= _attention(f"down_blocks.{i}.attentions.{j}", f"input_blocks.{slot}.1", depth[i])
+                pairs |= _attention(
+                    f"down_blocks.{i}.attentions.{j}", f"input_blocks.{slot}.1", depth[i]
+                )
             slot += 1
         if i < n - 1:
             pairs[f"down_blocks.{i}.downsamplers.0.conv"] = f"input_blocks.{slot}.0.op"
@@ -87,10 +102,14 @@ def module_pairs(config: Mapping[str, Any]) -> dict[str, str]:
         for j in range(up_layers[i] + 1):
             pairs |= _resnet(f"up_blocks.{i}.resnets.{j}", f"output_blocks.{slot}.0")
             if attn:
-                pairs |= _attention(f"up_blocks.{i}.attentions.{j}", f"output_blocks.{slot}.1", up_depth[i])
+                pairs |= _attention(
+                    f"up_blocks.{i}.attentions.{j}", f"output_blocks.{slot}.1", up_depth[i]
+                )
             slot += 1
         if i < n - 1:
-            pairs[f"up_blocks.{i}.upsamplers.0.conv"] = f"output_blocks.{slot - 1}.{2 if attn else 1}.conv"
+            pairs[f"up_blocks.{i}.upsamplers.0.conv"] = (
+                f"output_blocks.{slot - 1}.{2 if attn else 1}.conv"
+            )
     return pairs
 
 
