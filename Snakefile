@@ -26,6 +26,11 @@ include: "workflow/rules/export.smk"
 include: "workflow/rules/sample.smk"
 
 
+# The target rule only collects files: never a cluster job.
+localrules:
+    all,
+
+
 rule all:
     input:
         dw.final_targets(CFG),

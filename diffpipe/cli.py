@@ -326,12 +326,25 @@ def run(
     regenerate: Annotated[
         bool, typer.Option(help="Re-encode every cache shard, ignoring stored entries (and rerun what follows).")
     ] = False,
+    show_sbatch: Annotated[
+        bool, typer.Option(help="With a SLURM profile: print each job's sbatch command instead (submits nothing).")
+    ] = False,
 ) -> None:
     """Run the whole workflow with Snakemake; extra arguments go to Snakemake.
 
     Example: diffpipe run -c config/demo.yaml --cores 2 -- --forceall
+    Example: diffpipe run -c my.yaml --profile profiles/slurm --show-sbatch
     """
     from diffpipe.runner import DEFAULT_PROFILE, run_workflow
+
+    if show_sbatch:
+        from diffpipe.sbatch import preview
+
+        for job in preview(config.resolve(), (profile or DEFAULT_PROFILE).resolve(), workdir.resolve(), ctx.args):
+            console.print(f"[bold]{job.rule}[/bold] {job.wildcards}".rstrip(), highlight=False)
+            console.print(f"  {job.command}", highlight=False, soft_wrap=True)
+            console.print(f"  runs: {job.shell}", highlight=False, soft_wrap=True, style="dim")
+        return
 
     summary = run_workflow(config, profile=profile or DEFAULT_PROFILE, cores=cores, dry_run=dry_run,
                            targets=target or [], extra=ctx.args, workdir=workdir, console=console,
