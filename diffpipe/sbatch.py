@@ -112,18 +112,14 @@ def submission(job: PlannedJob, workdir: Path) -> Submission:
     from snakemake_executor_plugin_slurm.utils import set_gres_string
 
     res = _Resources(job.resources)
-    like = SimpleNamespace(
-        name=job.rule, threads=job.threads, resources=res, is_group=lambda: False
-    )
+    like = SimpleNamespace(name=job.rule, threads=job.threads, resources=res, is_group=lambda: False)
     wildcards = job.wildcards.replace(", ", "_").replace("=", "~")
     params = {
         "run_uuid": "<run-uuid>",
         "slurm_logfile": Path(".snakemake/slurm_logs") / f"rule_{job.rule}" / wildcards / "%j.log",
         "comment_str": f"rule_{job.rule}" + (f"_wildcards_{wildcards}" if wildcards else ""),
         "account": f"-A {safe_quote(res['slurm_account'])}" if res.get("slurm_account") else "",
-        "partition": f"-p {safe_quote(res['slurm_partition'])}"
-        if res.get("slurm_partition")
-        else "",
+        "partition": f"-p {safe_quote(res['slurm_partition'])}" if res.get("slurm_partition") else "",
         "workdir": str(workdir),
     }
     command = get_submit_command(like, params) + set_gres_string(like)
@@ -144,12 +140,8 @@ def preview(config: Path, profile: Path, workdir: Path, extra: list[str] = ()) -
     result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
     if result.returncode != 0:
         sys.stderr.write(result.stderr[-4000:])
-        raise RuntimeError(
-            f"snakemake dry run failed (exit {result.returncode}) with profile {profile}"
-        )
+        raise RuntimeError(f"snakemake dry run failed (exit {result.returncode}) with profile {profile}")
     jobs = parse_dry_run(result.stdout + result.stderr)
     # A rule without a command (the target rule) is never submitted; the dry run
     # does not mark local rules, so it shows as "Shell command: None".
-    return [
-        submission(job, workdir) for job in jobs if not job.local and job.shell not in ("", "None")
-    ]
+    return [submission(job, workdir) for job in jobs if not job.local and job.shell not in ("", "None")]

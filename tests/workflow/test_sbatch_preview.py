@@ -68,9 +68,7 @@ def test_two_nodes_four_gpus_sbatch_arguments(planned, tmp_path):
     for job in jobs:
         by_rule.setdefault(job.rule, []).append(job)
     assert "all" not in by_rule, "the target rule must stay local"
-    assert {"cache_latents", "cache_text", "cache_empty_text", "train", "export", "sample"} <= set(
-        by_rule
-    )
+    assert {"cache_latents", "cache_text", "cache_empty_text", "train", "export", "sample"} <= set(by_rule)
     assert len(by_rule["cache_latents"]) == len(by_rule["cache_text"]) == 2  # the demo's 2 shards
 
     (train,) = by_rule["train"]
@@ -123,9 +121,7 @@ def test_validate_is_a_cpu_job_and_cli_prints_commands(tmp_path):
     assert result.exit_code == 0, result.output
     validate = result.output[result.output.index("validate") : result.output.index("plan")]
     assert "--cpus-per-task=16" in validate and "--gpus" not in validate and "-t 240" in validate
-    assert not (tmp_path / "run" / "validate" / "manifest.parquet").exists(), (
-        "a preview runs nothing"
-    )
+    assert not (tmp_path / "run" / "validate" / "manifest.parquet").exists(), "a preview runs nothing"
 
 
 def test_parse_dry_run_reads_resources_with_spaces_and_unknowns():
