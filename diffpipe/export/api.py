@@ -78,7 +78,8 @@ def export_lora(
         # The workflow renders samples after export: link the grid it will write.
         found = sorted(run.samples_dir.glob("sample-*.png")) if run.samples_dir.is_dir() else []
         samples = [Path(os.path.relpath(p, out_dir)) for p in found + [run.sample_grid]]
-    card = write_card(out_dir / EXPORT_CARD, info, files, pipeline=family.pipeline_class.__name__, samples=samples)
+    card = write_card(out_dir / EXPORT_CARD, info, files, pipeline=family.pipeline_class.__name__, samples=samples,
+                      load_args=family.lora_load_kwargs)
     return ExportResult(files, card)
 
 

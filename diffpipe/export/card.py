@@ -8,7 +8,7 @@ from diffpipe.export.metadata import ExportInfo
 from diffpipe.utils import write_text_atomic
 
 HOW_TO_LOAD = {
-    "diffusers": "`pipe.load_lora_weights(\"{path}\")`",
+    "diffusers": "`pipe.load_lora_weights(\"{path}\"{load_args})`",
     "peft": "`PeftModel.from_pretrained(denoiser, \"{path}\")` or `diffpipe import-lora {path}`",
     "comfyui": "copy to `ComfyUI/models/loras/`, load with *LoraLoaderModelOnly*",
     "kohya": "copy to A1111/Forge `models/Lora/`, prompt `<lora:{stem}:1>`",
@@ -17,7 +17,7 @@ HOW_TO_LOAD = {
 
 
 def write_card(out_file: str | Path, info: ExportInfo, files: dict[str, Path], *, pipeline: str,
-               samples: list[Path] | None = None) -> Path:
+               samples: list[Path] | None = None, load_args: dict[str, object] | None = None) -> Path:
     """Write the model card: base model, trigger words, files and how to load them, settings."""
     out_file = Path(out_file)
     base = info.model_path or f"{info.family} ({info.flavor} flavor)"
@@ -38,7 +38,8 @@ def write_card(out_file: str | Path, info: ExportInfo, files: dict[str, Path], *
     ]
     for fmt, path in files.items():
         rel = path.relative_to(out_file.parent) if path.is_relative_to(out_file.parent) else path
-        how = HOW_TO_LOAD[fmt].format(path=rel, stem=Path(rel).stem, pipeline=pipeline)
+        args = "".join(f", {k}={v!r}" for k, v in (load_args or {}).items())  # e.g. load_into_transformer_2
+        how = HOW_TO_LOAD[fmt].format(path=rel, stem=Path(rel).stem, pipeline=pipeline, load_args=args)
         lines.append(f"| {fmt} | `{rel}` | {how} |")
     if samples:
         lines += ["", "## Samples", "", "Rendered by `diffpipe sample` (top row: base model, bottom row: this LoRA).", ""]

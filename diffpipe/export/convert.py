@@ -48,7 +48,7 @@ class Lora:
         """The weight update, shaped like the layer's weight."""
         up, down = self.up.flatten(1).double(), self.down.flatten(1).double()
         d = self.scale * (up @ down)
-        if self.down.ndim == 4:
+        if self.down.ndim > 2:  # conv: [out, in, *kernel]
             return d.reshape(self.up.shape[0], *self.down.shape[1:]).float()
         return d.float()
 

@@ -13,13 +13,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from diffpipe.export.convert import Lora, adapter_from_loras, from_original, module_loras
 from diffpipe.export.keymaps import KeyMap, denoiser_skeleton, keymap_for_model
-from diffpipe.export.keymaps.base import kohya_name
+from diffpipe.export.keymaps.base import LORA_LAYERS, kohya_name
 from diffpipe.export.original_io import read_original
 from diffpipe.models.base import Family
 from diffpipe.training.adapter import CONFIG_NAME, load_adapter, save_adapter
@@ -116,7 +115,7 @@ def import_lora(source: str | Path, out_dir: str | Path, family: Family, *, fmt:
         mods = _original_loras(source, keymap_for_model(family.name, skeleton), fmt)
     else:
         raise ValueError(f"unknown LoRA format {fmt!r}; choose from peft, diffusers, comfyui, kohya")
-    lora_able = {n for n, m in skeleton.named_modules() if isinstance(m, torch.nn.Linear | torch.nn.Conv2d)}
+    lora_able = {n for n, m in skeleton.named_modules() if isinstance(m, LORA_LAYERS)}
     missing = sorted(set(mods) - lora_able)
     if missing:
         raise ValueError(f"{source}: {len(missing)} module(s) do not exist in the {family.name} denoiser, e.g. {missing[:3]}")

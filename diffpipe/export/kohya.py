@@ -1,7 +1,8 @@
 """kohya / A1111 format: ``lora_unet_<name>.lora_down/lora_up.weight`` + ``.alpha``, ``ss_*`` and ``modelspec.*`` metadata.
 
 Names come from the family key map (``Layer.kohya``): sd-scripts names SD 1.x/2.x
-layers by the diffusers UNet path and Flux layers by the original path.
+layers by the diffusers UNet path and every other family's layers (SDXL, SD3,
+Flux, Chroma, Lumina 2; musubi-tuner: Wan, Qwen-Image) by the original path.
 The ``ss_*`` keys are the ones sd-scripts writes and A1111 / kohya's GUI read;
 ``modelspec.*`` follows Stability's model spec 1.0.
 """
@@ -22,13 +23,23 @@ from diffpipe.export.original_io import write_original
 _SD1 = ("sd_v1", "stable-diffusion-v1/lora", "https://github.com/Stability-AI/generative-models")
 _SD2 = ("sd_v2", "stable-diffusion-v2-512/lora", "https://github.com/Stability-AI/generative-models")
 _SDXL = ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora", "https://github.com/Stability-AI/generative-models")
-_FLUX = ("flux1", "flux-1-dev/lora", "https://github.com/black-forest-labs/flux")
+# Transformer families: the names sd-scripts (SD3, Chroma, Lumina 2) or musubi-tuner
+# (Qwen-Image, Wan) write; HiDream has no kohya trainer and gets its own.
+_BY_FAMILY = {
+    "flux": ("flux1", "flux-1-dev/lora", "https://github.com/black-forest-labs/flux"),
+    "chroma": ("chroma", "chroma/lora", "https://huggingface.co/lodestones/Chroma"),
+    "sd3": ("sd3", "stable-diffusion-3/lora", "https://github.com/Stability-AI/sd3.5"),
+    "lumina2": ("lumina2", "lumina-2/lora", "https://github.com/Alpha-VLLM/Lumina-Image-2.0"),
+    "qwenimage": ("qwen_image", "Qwen-Image/lora", "https://github.com/QwenLM/Qwen-Image"),
+    "hidream": ("hidream", "hidream-i1/lora", "https://github.com/HiDream-ai/HiDream-I1"),
+    "wan": ("wan", "wan2.1/lora", "https://github.com/Wan-Video/Wan2.1"),
+}
 
 
 def base_model_version(family: str, denoiser_config: dict[str, Any]) -> tuple[str, str, str]:
     """The sd-scripts base model version and modelspec architecture of a denoiser."""
-    if family == "flux":
-        return _FLUX
+    if family in _BY_FAMILY:
+        return _BY_FAMILY[family]
     if denoiser_config.get("addition_embed_type") == "text_time":
         return _SDXL
     return _SD2 if denoiser_config.get("cross_attention_dim") == 1024 else _SD1
@@ -86,4 +97,5 @@ def export_kohya(mods: dict[str, Lora], keymap: KeyMap, out_file: str | Path,
     """Write our per-module LoRAs as a kohya / A1111 LoRA file."""
     loras, layout = to_original(mods, keymap)
     named = {layer.kohya: lora for layer, lora in loras.items()}
-    return write_original(named, layout, out_file, metadata)
+    bare = frozenset(layer.kohya for layer in loras if not layer.alpha_key)
+    return write_original(named, layout, out_file, metadata, without_alpha=bare)

@@ -20,7 +20,7 @@ def export_merged(adapter_dir: str | Path, out_dir: str | Path, family: Family,
     support; ``diffpipe_lora.json`` records which LoRA was fused in.
     """
     pipe = family.load_pipeline()
-    denoiser = getattr(pipe, family.denoiser_name)
+    denoiser = getattr(pipe, family.denoiser_attr)
     apply_adapter(denoiser, adapter_dir)
     denoiser.fuse_lora(lora_scale=1.0)  # W += alpha / rank * B @ A, in place
     denoiser.unload_lora()  # drop the LoRA layers, keep the fused weights

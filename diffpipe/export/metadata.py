@@ -70,7 +70,7 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
 def denoiser_fingerprint(family: Family) -> str:
     if family.cfg.flavor == "tiny":
         return common.module_fingerprint(family.load_denoiser())
-    return common.folder_fingerprint(Path(family.cfg.path) / family.denoiser_name)
+    return common.folder_fingerprint(Path(family.cfg.path) / family.denoiser_attr)
 
 
 def _adapter_header(adapter_dir: Path) -> dict[str, Any]:

@@ -22,12 +22,22 @@ ALPHA = ".alpha"
 
 
 def write_original(loras: dict[str, Lora], layout: Layout, out_file: str | Path,
-                   metadata: dict[str, str] | None = None) -> Path:
-    """Write ``name.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha`` per layer name."""
+                   metadata: dict[str, str] | None = None, *, without_alpha: frozenset[str] = frozenset(),
+                   peft_names: bool = False) -> Path:
+    """Write ``name.lora_down.weight`` / ``.lora_up.weight`` / ``.alpha`` per layer name.
+
+    Names in ``without_alpha`` (alpha = rank, see ``Layer.alpha_key``) get no ``.alpha``;
+    ``peft_names`` writes ``lora_A`` / ``lora_B`` for down / up (``KeyMap.peft_names``).
+    """
+    down, up = (DOWN[1], UP[1]) if peft_names else (DOWN[0], UP[0])
     tensors: dict[str, torch.Tensor] = {}
     for name, lora in loras.items():
-        tensors[f"{name}.lora_down.weight"] = lora.down.float().contiguous()
-        tensors[f"{name}.lora_up.weight"] = lora.up.float().contiguous()
+        tensors[f"{name}{down}"] = lora.down.float().contiguous()
+        tensors[f"{name}{up}"] = lora.up.float().contiguous()
+        if name in without_alpha:
+            if lora.alpha != lora.rank:
+                raise ValueError(f"{name}: alpha {lora.alpha} != rank {lora.rank} cannot be written without alpha")
+            continue
         tensors[f"{name}{ALPHA}"] = torch.tensor(float(lora.alpha), dtype=torch.float32)
     header = {"format": "pt", **(metadata or {}), DIGEST_KEY: tensors_digest(tensors)}
     if layout:

@@ -3,19 +3,24 @@
 One tiny family per module fixture; a LoRA with random ``up`` matrices and
 alpha != rank (so a lost alpha shows) stands in for a trained adapter. The
 expected weight deltas come from PEFT's own ``get_delta_weight`` on the
-in-training model, independent of our conversion code.
+in-training model, independent of our conversion code. The denoiser's inputs
+are the ones the family's own training loss passes (captured once), so every
+family is exercised the same way.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import json
 
 import peft
 import pytest
 import torch
-from diffusers import FluxPipeline
-from diffusers.loaders.lora_conversion_utils import _convert_kohya_flux_lora_to_diffusers
+from diffusers.loaders.lora_conversion_utils import (
+    _convert_kohya_flux_lora_to_diffusers,
+    _convert_non_diffusers_lumina2_lora_to_diffusers,
+)
+from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
 from peft.tuners.lora import LoraLayer
 from safetensors import safe_open
@@ -37,34 +42,52 @@ from diffpipe.training.adapter import (
 )
 
 TOL = 1e-5
-# Beyond the defaults: Flux's final modulation (stored with its halves swapped
-# in the original) and the single blocks' output; SD's shortcut convs and the
-# time embedding. Flux's ``proj_mlp`` stays out, so ``linear1`` is partly trained.
-EXTRA_TARGETS = {"sd": ["conv_shortcut", "time_embedding.linear_1"], "flux": ["norm_out.linear", "proj_out"]}
+FAMILIES = ["sd", "sdxl", "flux", "chroma", "sd3", "lumina2", "qwenimage", "hidream", "wan"]
+# Beyond the defaults, the layers each key map treats specially: SD's shortcut convs and time
+# embedding; SDXL's added-conditioning MLP; Flux's final modulation (halves swapped in the
+# original) and single-block output (``proj_mlp`` stays out, so ``linear1`` is partly trained);
+# Chroma's guidance approximator; SD3's patch conv and swapped modulations (final layer, last
+# context block); Lumina 2's modulations; Qwen-Image's modulation and output; HiDream's MoE
+# experts and output; Wan's Conv3d patch embedding and the layers outside its blocks.
+EXTRA_TARGETS = {
+    "sd": ["conv_shortcut", "time_embedding.linear_1"],
+    "sdxl": ["conv_shortcut", "add_embedding.linear_1"],
+    "flux": ["norm_out.linear", "proj_out"],
+    "chroma": ["distilled_guidance_layer.in_proj", "proj_out"],
+    "sd3": ["pos_embed.proj", "norm_out.linear", "norm1_context.linear"],
+    "lumina2": ["norm1.linear", "norm_out.linear_1"],
+    "qwenimage": ["img_mod.1", "norm_out.linear", "proj_out"],
+    "hidream": ["experts.0.w1", "final_layer.linear"],
+    "wan": ["patch_embedding", "time_proj", "proj_out"],
+}
 
 
-def _forward_inputs(family, denoiser):
+def _forward_inputs(family) -> tuple[tuple, dict]:
+    """The denoiser's arguments in the family's training loss, on two tiny encoded samples."""
     g = torch.Generator().manual_seed(0)
-    c = denoiser.config
-    if family.name == "sd":
-        x = torch.randn(2, c.in_channels, 16, 16, generator=g)
-        return {"sample": x, "timestep": torch.tensor([10, 500]),
-                "encoder_hidden_states": torch.randn(2, 7, c.cross_attention_dim, generator=g)}
-    h = w = 4
-    return {
-        "hidden_states": torch.randn(1, h * w, c.in_channels, generator=g),
-        "encoder_hidden_states": torch.randn(1, 5, c.joint_attention_dim, generator=g),
-        "pooled_projections": torch.randn(1, c.pooled_projection_dim, generator=g),
-        "timestep": torch.tensor([0.4]),
-        "guidance": torch.tensor([1.0]),
-        "img_ids": FluxPipeline._prepare_latent_image_ids(1, h, w, "cpu", torch.float32),
-        "txt_ids": torch.zeros(5, 3),
-    }
+    side = 2 * family.pixel_multiple
+    frames = family.frame_rule[0] + family.frame_rule[1] if family.is_video else 1
+    pixels = torch.rand(2, 3, frames, side, side, generator=g) * 2 - 1
+    with torch.no_grad():
+        latents = family.encode_pixels(family.load_vae(), pixels)
+        text = family.encode_text(family.load_text_encoders(), ["a red fox", "two blue cups on a table"])
+    denoiser = family.load_denoiser()
+    captured = {}
+
+    def hook(module, args, kwargs):
+        captured["inputs"] = (args, {k: v for k, v in kwargs.items() if k != "return_dict"})
+
+    handle = denoiser.register_forward_pre_hook(hook, with_kwargs=True)
+    with torch.no_grad():
+        family.loss(denoiser, latents, text, g, t=torch.tensor([0.3, 0.7]))
+    handle.remove()
+    return captured["inputs"]
 
 
 def _out(denoiser, inputs):
+    args, kwargs = inputs
     with torch.no_grad():
-        return denoiser(**inputs, return_dict=False)[0]
+        return denoiser(*args, **kwargs, return_dict=False)[0]
 
 
 def _deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -85,12 +108,12 @@ def _assert_deltas(got: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
         assert diff <= TOL, f"{what}: {k} delta off by {diff:.2e}"
 
 
-@pytest.fixture(scope="module", params=["sd", "flux"])
+@pytest.fixture(scope="module", params=FAMILIES)
 def trained(request, tmp_path_factory):
     name = request.param
     family = get_family(ModelConfig(family=name, flavor="tiny"))
+    inputs = _forward_inputs(family)
     denoiser = family.load_denoiser()
-    inputs = _forward_inputs(family, denoiser)
     base_out = _out(denoiser, inputs)
     targets = family.lora_targets(None) + EXTRA_TARGETS[name]
     lora_cfg = peft_config(LoraConfig(rank=4, alpha=6.0, targets=targets), targets)
@@ -103,9 +126,28 @@ def trained(request, tmp_path_factory):
     meta = {"family": name, "flavor": "tiny", "step": 7, "epoch": 1}  # what training records
     save_adapter(root / "adapter", lora_state_dict(denoiser), lora_cfg, meta)
     result = export_lora(root / "adapter", root / "export", family, list(FORMATS))
-    return {"family": family, "denoiser": denoiser, "inputs": inputs, "base_out": base_out,
-            "trained_out": _out(denoiser, inputs), "deltas": _deltas(denoiser), "root": root,
-            "files": result.files, "card": result.card}
+    return {
+        "family": family,
+        "denoiser": denoiser,
+        "inputs": inputs,
+        "base_out": base_out,
+        "trained_out": _out(denoiser, inputs),
+        "deltas": _deltas(denoiser),
+        "root": root,
+        "files": result.files,
+        "card": result.card,
+        "pipe": family.load_pipeline(),
+    }
+
+
+@contextlib.contextmanager
+def _lora_in_pipeline(pipe, source, **kwargs):
+    """The pipeline's denoiser with ``source`` loaded by ``load_lora_weights``; unloaded afterwards."""
+    pipe.load_lora_weights(source, **kwargs)
+    try:
+        yield getattr(pipe, next(n for n in ("unet", "transformer") if hasattr(pipe, n)))
+    finally:
+        pipe.unload_lora_weights()
 
 
 def test_lora_changes_the_output(trained):
@@ -113,63 +155,120 @@ def test_lora_changes_the_output(trained):
 
 
 # -- key maps against diffusers' single-file converters ------------------------------------------
-def test_sd_key_map_matches_diffusers_single_file_converter():
-    """Renaming the UNet to original names with our table, diffusers' LDM converter gives it back."""
-    family = get_family(ModelConfig(family="sd", flavor="tiny"))
-    unet = family.load_denoiser()
-    keymap = keymap_for_model("sd", unet)
-    keymap.check_covers(unet)
-    ldm = {}
-    for key, value in unet.state_dict().items():
-        module, param = key.rsplit(".", 1)
-        layer = keymap.by_module.get(module)
-        if layer is None:  # norms: not LoRA-able, renamed by the converter's own rules
-            continue
-        ldm[f"model.diffusion_model.{layer.original}.{param}"] = value
-    back = convert_ldm_unet_checkpoint(copy.copy(ldm), dict(unet.config))
-    sd = unet.state_dict()
-    mapped = {k for k in sd if k.rsplit(".", 1)[0] in keymap.by_module}
-    assert mapped <= set(back), sorted(mapped - set(back))[:5]
-    for k in mapped:
-        assert torch.equal(back[k], sd[k]), k
-
-
-def test_flux_key_map_matches_diffusers_single_file_converter():
-    """On a FLUX.1-sized skeleton (meta device: shapes, no memory), fusing the transformer's
-    weights with our table and running diffusers' BFL converter gives back every key and shape.
-
-    The converter hard-codes FLUX.1's inner dim (3072), hence the full-size skeleton; values are
-    checked by the kohya-converter test below, which runs on real tensors.
-    """
-    from diffusers import FluxTransformer2DModel
-    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
-
-    with torch.device("meta"):
-        model = FluxTransformer2DModel(num_layers=1, num_single_layers=1, guidance_embeds=True)
-    keymap = keymap_for_model("flux", model)
-    keymap.check_covers(model)
+def _fused_original(model: torch.nn.Module, keymap) -> dict[str, torch.Tensor]:
+    """The model's LoRA-able weights renamed (and fused) into the original checkpoint by our table."""
     sd = model.state_dict()
     original = {}
     for layer in keymap.layers:
         for param in ("weight", "bias"):
-            parts = [sd[f"{s.module}.{param}"][s.start : s.start + s.size] for s in layer.segments]
-            original[f"{layer.original}.{param}"] = torch.cat(parts)
-    # Norm scales are not LoRA targets (outside the table); named as in the BFL checkpoint.
-    for stream, ours in (("img", ""), ("txt", "added_")):
-        for qk in ("q", "k"):
-            name = {"q": "query", "k": "key"}[qk]
-            original[f"double_blocks.0.{stream}_attn.norm.{name}_norm.scale"] = \
-                sd[f"transformer_blocks.0.attn.norm_{ours}{qk}.weight"]
-    for qk, name in (("q", "query"), ("k", "key")):
-        original[f"single_blocks.0.norm.{name}_norm.scale"] = sd[f"single_transformer_blocks.0.attn.norm_{qk}.weight"]
-    back = convert_flux_transformer_checkpoint_to_diffusers(original)
-    assert set(back) == set(sd), sorted(set(back) ^ set(sd))[:5]
-    assert all(back[k].shape == sd[k].shape for k in sd)
-    assert keymap.by_original["double_blocks.0.img_attn.qkv"].out_features == 9216
-    assert keymap.by_original["single_blocks.0.linear1"].out_features == 21504
+            if f"{layer.segments[0].module}.{param}" in sd:
+                parts = [sd[f"{s.module}.{param}"][s.start : s.start + s.size] for s in layer.segments]
+                original[f"{layer.original}.{param}"] = torch.cat(parts)
+    return original
+
+
+def _flux_norms(sd: dict[str, torch.Tensor], double: int, single: int) -> dict[str, torch.Tensor]:
+    """QK-norm scales (not LoRA targets, outside the table) under their BFL names."""
+    out = {}
+    for i in range(double):
+        for stream, ours in (("img", ""), ("txt", "added_")):
+            for qk, name in (("q", "query"), ("k", "key")):
+                out[f"double_blocks.{i}.{stream}_attn.norm.{name}_norm.scale"] = sd[
+                    f"transformer_blocks.{i}.attn.norm_{ours}{qk}.weight"
+                ]
+    for i in range(single):
+        for qk, name in (("q", "query"), ("k", "key")):
+            out[f"single_blocks.{i}.norm.{name}_norm.scale"] = sd[
+                f"single_transformer_blocks.{i}.attn.norm_{qk}.weight"
+            ]
+    return out
+
+
+def _tiny(name):
+    return lambda: get_family(ModelConfig(family=name, flavor="tiny")).load_denoiser()
+
+
+def _meta(cls_name, **kwargs):
+    def build():
+        import diffusers
+
+        with torch.device("meta"):
+            return getattr(diffusers, cls_name)(**kwargs)
+
+    return build
+
+
+# family -> (denoiser, extra original tensors the converter pops). Converters that hard-code the
+# flagship's sizes (Flux, Chroma: inner dim 3072; Lumina 2: q/k/v 2304/768/768) get a full-size
+# skeleton on the meta device (shapes, no memory); the others run on the tiny model's values.
+SINGLE_FILE_CASES = {
+    "sd": (_tiny("sd"), None),
+    "sdxl": (_tiny("sdxl"), None),
+    "flux": (
+        _meta("FluxTransformer2DModel", num_layers=1, num_single_layers=1, guidance_embeds=True),
+        lambda sd: _flux_norms(sd, 1, 1),
+    ),
+    "chroma": (
+        _meta("ChromaTransformer2DModel", num_layers=1, num_single_layers=1, approximator_layers=1),
+        lambda sd: (
+            _flux_norms(sd, 1, 1)
+            | {"distilled_guidance_layer.norms.0.scale": sd["distilled_guidance_layer.norms.0.weight"]}
+        ),
+    ),
+    "sd3": (_tiny("sd3"), lambda sd: {"pos_embed": sd["pos_embed.pos_embed"]}),
+    "sd3.5-medium": (
+        _meta("SD3Transformer2DModel", num_layers=2, dual_attention_layers=(0,), qk_norm="rms_norm"),
+        lambda sd: {"pos_embed": sd["pos_embed.pos_embed"]},
+    ),
+    "lumina2": (_meta("Lumina2Transformer2DModel", num_layers=1, num_refiner_layers=1), None),
+    "qwenimage": (_tiny("qwenimage"), None),
+    "hidream": (_tiny("hidream"), None),
+    "wan": (_tiny("wan"), None),
+    "wan-i2v": (_meta("WanTransformer3DModel", num_layers=1, image_dim=1280, added_kv_proj_dim=5120), None),
+}
+
+
+@pytest.mark.parametrize("case", list(SINGLE_FILE_CASES))
+def test_key_map_matches_diffusers_single_file_converter(case):
+    """Renaming (and fusing) the denoiser's weights into original names with our table, the
+    converter diffusers' ``from_single_file`` uses for that class gives every weight back."""
+    family = case.split("-")[0].removesuffix(".5")
+    build, extras = SINGLE_FILE_CASES[case]
+    model = build()
+    keymap = keymap_for_model(family, model)
+    keymap.check_covers(model)
+    sd = model.state_dict()
+    original = _fused_original(model, keymap) | (extras(sd) if extras else {})
+    if family in ("sd", "sdxl"):
+        back = convert_ldm_unet_checkpoint(
+            {f"model.diffusion_model.{k}": v for k, v in original.items()}, dict(model.config)
+        )
+    else:
+        convert = SINGLE_FILE_LOADABLE_CLASSES[type(model).__name__]["checkpoint_mapping_fn"]
+        back = convert(dict(original), config=dict(model.config))
+    mapped = {k for k in sd if k.rsplit(".", 1)[0] in keymap.by_module}
+    assert mapped <= set(back), sorted(mapped - set(back))[:5]
+    for k in mapped:
+        if sd[k].is_meta:
+            assert back[k].shape == sd[k].shape, k
+        else:
+            assert torch.equal(back[k], sd[k]), k
 
 
 # -- per format: every key maps, reference loader reproduces the delta and the output -------------
+BASE_MODEL_VERSION = {
+    "sd": "sd_v1",
+    "sdxl": "sdxl_base_v1-0",
+    "flux": "flux1",
+    "chroma": "chroma",
+    "sd3": "sd3",
+    "lumina2": "lumina2",
+    "qwenimage": "qwen_image",
+    "hidream": "hidream",
+    "wan": "wan",
+}
+
+
 def test_every_format_written_with_metadata_and_card(trained):
     files = trained["files"]
     assert set(files) == set(FORMATS)
@@ -184,27 +283,33 @@ def test_every_format_written_with_metadata_and_card(trained):
     with safe_open(str(files["kohya"]), framework="pt") as f:
         meta = f.metadata()
     assert meta["ss_network_dim"] == "4" and meta["ss_network_alpha"] == "6.0" and meta["ss_steps"] == "7"
-    assert {"ss_base_model_version", "ss_training_started_at", "ss_num_train_images", "modelspec.architecture",
-            "modelspec.title", "modelspec.resolution", "modelspec.sai_model_spec"} <= set(meta)
+    assert {
+        "ss_base_model_version",
+        "ss_training_started_at",
+        "ss_num_train_images",
+        "modelspec.architecture",
+        "modelspec.title",
+        "modelspec.resolution",
+        "modelspec.sai_model_spec",
+    } <= set(meta)
+    assert meta["ss_base_model_version"] == BASE_MODEL_VERSION[trained["family"].name]
     card = trained["card"].read_text()
     assert all(fmt in card for fmt in FORMATS)
 
 
 def test_diffusers_file_loads_in_pipeline_at_trained_strength(trained):
-    family = trained["family"]
-    pipe = family.load_pipeline()
-    pipe.load_lora_weights(str(trained["files"]["diffusers"]))
-    denoiser = getattr(pipe, family.denoiser_name)
-    _assert_deltas(_deltas(denoiser), trained["deltas"], "diffusers/load_lora_weights")
-    torch.testing.assert_close(_out(denoiser, trained["inputs"]), trained["trained_out"], rtol=1e-5, atol=1e-5)
+    with _lora_in_pipeline(trained["pipe"], str(trained["files"]["diffusers"])) as denoiser:
+        _assert_deltas(_deltas(denoiser), trained["deltas"], "diffusers/load_lora_weights")
+        torch.testing.assert_close(_out(denoiser, trained["inputs"]), trained["trained_out"], rtol=1e-5, atol=1e-5)
 
 
 def test_peft_folder_loads_with_peft(trained):
     family = trained["family"]
     model = peft.PeftModel.from_pretrained(family.load_denoiser(), str(trained["files"]["peft"]))
     _assert_deltas(_deltas(model), trained["deltas"], "peft/PeftModel.from_pretrained")
-    torch.testing.assert_close(_out(model.base_model.model, trained["inputs"]), trained["trained_out"],
-                               rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(
+        _out(model.base_model.model, trained["inputs"]), trained["trained_out"], rtol=1e-5, atol=1e-5
+    )
 
 
 def _comfy_keys(keymap) -> set[str]:
@@ -223,32 +328,80 @@ def test_original_name_formats_map_every_key(trained, fmt):
     named, _, _ = read_original(trained["files"][fmt])
     assert set(named) <= _comfy_keys(keymap), sorted(set(named) - _comfy_keys(keymap))[:5]
     tensors = load_file(str(trained["files"][fmt]))
-    assert all(f"{n}.alpha" in tensors for n in named), "every layer carries its alpha"
+    layers = {(f"diffusion_model.{la.original}" if fmt == "comfyui" else la.kohya): la for la in keymap.layers}
+    for name, lora in named.items():
+        if layers[name].alpha_key:
+            assert f"{name}.alpha" in tensors, f"{name} carries no alpha"
+        else:  # no alpha key: the scale is in ``up``, as every loader reads a missing alpha
+            assert f"{name}.alpha" not in tensors and lora.alpha == lora.rank, name
+
+
+def _comfy_as_kohya(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ComfyUI's own equivalence: ``diffusion_model.<path>`` == ``lora_unet_<path with _>``."""
+    renamed = {}
+    for key, value in tensors.items():
+        layer, _, suffix = key.removeprefix("diffusion_model.").partition(".lora_")
+        if not suffix:
+            layer, suffix = key.removeprefix("diffusion_model.").removesuffix(".alpha"), "alpha"
+        else:
+            suffix = "lora_" + suffix
+        renamed["lora_unet_" + layer.replace(".", "_") + "." + suffix] = value
+    return renamed
+
+
+# What each family's stock pipeline reads, per format (diffusers' converters as the reference):
+# a key filter where the converter covers only some layers, and the pipeline kwargs. Families
+# absent here have no diffusers loader for that format at tiny size (Flux, Chroma, Lumina 2:
+# sizes hard-coded, checked at full size below; SD3 and HiDream kohya, Lumina 2 kohya: none):
+# ``diffpipe import-lora`` is their reference (``test_import_round_trip``).
+def _wan_blocks(key: str) -> bool:  # musubi-tuner's Wan layout: the blocks' attention and MLP only
+    return key.startswith("lora_unet_blocks_")
+
+
+def _no_patch_embedding(key: str) -> bool:  # diffusers' Wan converter has no patch_embedding entry
+    return ".patch_embedding." not in key
+
+
+PIPELINE_READS = {
+    ("sd", "kohya"): (None, False),
+    ("sd", "comfyui"): (None, True),
+    ("sdxl", "kohya"): (None, False),
+    ("sdxl", "comfyui"): (None, True),
+    ("qwenimage", "kohya"): (None, False),
+    ("qwenimage", "comfyui"): (None, False),
+    ("hidream", "comfyui"): (None, False),
+    ("wan", "kohya"): (_wan_blocks, False),
+    ("wan", "comfyui"): (_no_patch_embedding, False),
+}
 
 
 @pytest.mark.parametrize("fmt", ["comfyui", "kohya"])
-def test_original_name_formats_load_with_diffusers_converters(trained, fmt):
-    """SD: the stock pipeline's kohya loader; Flux: its kohya/ComfyUI converter (see the FLUX.1-size test)."""
+def test_original_name_formats_load_in_stock_pipeline(trained, fmt):
+    """The file (or the part its converter covers) through the stock pipeline's ``load_lora_weights``."""
     family = trained["family"]
-    if family.name == "flux":
-        pytest.skip("diffusers' Flux converter hard-codes FLUX.1 split sizes; checked at full size below")
-    pipe = family.load_pipeline()
+    if (family.name, fmt) not in PIPELINE_READS:
+        pytest.skip(f"diffusers reads no {fmt} {family.name} LoRA at tiny size; import-lora is the reference")
+    keep, as_kohya = PIPELINE_READS[family.name, fmt]
+    pipe = trained["pipe"]
     tensors = load_file(str(trained["files"][fmt]))
+    if keep is not None:
+        tensors = {k: v for k, v in tensors.items() if keep(k)}
+    layers = {
+        (f"diffusion_model.{la.original}" if fmt == "comfyui" else la.kohya): la
+        for la in keymap_for_model(family.name, family.load_denoiser()).layers
+    }
+    names = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.removesuffix(".alpha") for k in tensors}
+    expected = {k: v for k, v in trained["deltas"].items() if any(k in layers[n].modules for n in names)}
+    assert expected, "the converter must cover some trained layers"
     kwargs = {}
-    if fmt == "comfyui":  # ComfyUI's own equivalence: diffusion_model.<path> == lora_unet_<path with _>
-        renamed = {}
-        for key, value in tensors.items():
-            layer, _, suffix = key.removeprefix("diffusion_model.").partition(".lora_")
-            if not suffix:
-                layer, suffix = key.removeprefix("diffusion_model.").removesuffix(".alpha"), "alpha"
-            else:
-                suffix = "lora_" + suffix
-            renamed["lora_unet_" + layer.replace(".", "_") + "." + suffix] = value
-        tensors = renamed
-        kwargs["unet_config"] = pipe.unet.config  # original block numbering -> diffusers
-    pipe.load_lora_weights(tensors, **kwargs)
-    _assert_deltas(_deltas(pipe.unet), trained["deltas"], f"{fmt}/load_lora_weights")
-    torch.testing.assert_close(_out(pipe.unet, trained["inputs"]), trained["trained_out"], rtol=1e-5, atol=1e-5)
+    if as_kohya:
+        tensors = _comfy_as_kohya(tensors)
+        if family.name == "sd":
+            kwargs["unet_config"] = pipe.unet.config  # original block numbering -> diffusers
+    with _lora_in_pipeline(pipe, tensors, **kwargs) as denoiser:
+        _assert_deltas(_deltas(denoiser), expected, f"{fmt}/load_lora_weights")
+        if len(expected) == len(trained["deltas"]):
+            torch.testing.assert_close(_out(denoiser, trained["inputs"]), trained["trained_out"], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt", ["diffusers", "peft", "comfyui", "kohya"])
@@ -264,7 +417,7 @@ def test_import_round_trip(trained, fmt, tmp_path):
 def test_merged_pipeline_equals_base_plus_lora(trained):
     family = trained["family"]
     merged = family.pipeline_class.from_pretrained(str(trained["files"]["merged"]))
-    denoiser = getattr(merged, family.denoiser_name)
+    denoiser = getattr(merged, family.denoiser_attr)
     base = family.load_denoiser().state_dict()
     for key, value in denoiser.state_dict().items():
         module = key.removesuffix(".weight")
@@ -284,39 +437,105 @@ def test_import_rejects_unmapped_layer(trained, tmp_path):
         import_lora(tmp_path / "bad.safetensors", tmp_path / "out", trained["family"])
 
 
-# -- Flux at FLUX.1 size: diffusers' kohya / ComfyUI converter as the reference ------------------
-@pytest.mark.parametrize("fmt", ["comfyui", "kohya"])
-def test_flux1_size_export_reads_back_with_diffusers_converter(fmt):
-    """Our fused qkv / linear1 (block-structured) read by ``_convert_kohya_flux_lora_to_diffusers``.
+# -- full size: diffusers' converters that hard-code the flagship's split sizes ------------------
+# (family, denoiser class + kwargs, targets the converter covers, its converter)
+FULL_SIZE = {
+    "flux": (
+        "FluxTransformer2DModel",
+        {"num_layers": 1, "num_single_layers": 1, "guidance_embeds": True},
+        [
+            "attn.to_q",
+            "attn.to_k",
+            "attn.to_v",
+            "attn.add_q_proj",
+            "attn.add_k_proj",
+            "attn.add_v_proj",
+            "attn.to_out.0",
+            "ff.net.2",
+            "norm1.linear",
+            "norm_out.linear",
+            "proj_out",
+            "x_embedder",
+        ],
+    ),
+    "chroma": (
+        "ChromaTransformer2DModel",
+        {"num_layers": 1, "num_single_layers": 1, "approximator_layers": 1},
+        [
+            "attn.to_q",
+            "attn.to_k",
+            "attn.to_v",
+            "attn.add_q_proj",
+            "attn.add_v_proj",
+            "attn.to_add_out",
+            "ff_context.net.0.proj",
+            "proj_mlp",
+            "proj_out",
+            "x_embedder",
+            "context_embedder",
+        ],
+    ),
+    # diffusers' Lumina 2 converter expects every block layer (and no others)
+    "lumina2": (
+        "Lumina2Transformer2DModel",
+        {"num_layers": 1, "num_refiner_layers": 1},
+        [
+            "attn.to_q",
+            "attn.to_k",
+            "attn.to_v",
+            "attn.to_out.0",
+            "feed_forward.linear_1",
+            "feed_forward.linear_2",
+            "feed_forward.linear_3",
+            "norm1.linear",
+        ],
+    ),
+}
 
-    A FLUX.1-dev-sized transformer (1 double + 1 single block) on the meta
-    device gives the shapes; the LoRA tensors themselves are small (rank 2).
-    Deltas are compared through random probes: ``delta @ x``.
+
+@pytest.mark.parametrize(
+    ("family", "fmt"),
+    [("flux", "comfyui"), ("flux", "kohya"), ("chroma", "comfyui"), ("chroma", "kohya"), ("lumina2", "comfyui")],
+)
+def test_full_size_export_reads_back_with_diffusers_converter(family, fmt):
+    """Our fused layers (block-structured) read by the converter the stock pipeline uses.
+
+    Flux and Chroma (``FluxLoraLoaderMixin``): ``_convert_kohya_flux_lora_to_diffusers``;
+    Lumina 2: ``_convert_non_diffusers_lumina2_lora_to_diffusers``. A full-size transformer (one block
+    of each kind) on the meta device gives the shapes; the LoRA tensors are small
+    (rank 2). Deltas are compared through random probes: ``delta @ x``.
     """
-    from diffusers import FluxTransformer2DModel
+    import diffusers
 
     from diffpipe.export.convert import Lora
     from diffpipe.export.keymaps.base import kohya_name
 
+    cls_name, kwargs, targets = FULL_SIZE[family]
     with torch.device("meta"):
-        model = FluxTransformer2DModel(num_layers=1, num_single_layers=1, guidance_embeds=True)
-    keymap = keymap_for_model("flux", model)
-    targets = ["attn.to_q", "attn.to_k", "attn.to_v", "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj",
-               "attn.to_out.0", "ff.net.2", "norm1.linear", "norm_out.linear", "proj_out", "x_embedder"]
+        model = getattr(diffusers, cls_name)(**kwargs)
+    keymap = keymap_for_model(family, model)
     g = torch.Generator().manual_seed(0)
     mods = {}
     for name, m in model.named_modules():
         if isinstance(m, torch.nn.Linear) and any(name == t or name.endswith("." + t) for t in targets):
-            mods[name] = Lora(torch.randn(2, m.in_features, generator=g), torch.randn(m.out_features, 2, generator=g),
-                              3.0 if "to_q" in name else 6.0)  # one differing scale: folded into its up block
+            mods[name] = Lora(
+                torch.randn(2, m.in_features, generator=g),
+                torch.randn(m.out_features, 2, generator=g),
+                3.0 if "to_q" in name else 6.0,
+            )  # one differing scale: folded into its up block
     loras, _ = to_original(mods, keymap)
     sd = {}
     for layer, lora in loras.items():
         name = f"diffusion_model.{layer.original}" if fmt == "comfyui" else layer.kohya
-        sd |= {f"{name}.lora_down.weight": lora.down, f"{name}.lora_up.weight": lora.up,
-               f"{name}.alpha": torch.tensor(lora.alpha)}
+        down, up = ("lora_A", "lora_B") if fmt == "comfyui" and keymap.peft_names else ("lora_down", "lora_up")
+        sd |= {f"{name}.{down}.weight": lora.down, f"{name}.{up}.weight": lora.up}
+        if layer.alpha_key:
+            sd[f"{name}.alpha"] = torch.tensor(lora.alpha)
     assert all(layer.kohya == kohya_name(layer.original) for layer in keymap.layers)
-    converted = _convert_kohya_flux_lora_to_diffusers(sd)
+    if family == "lumina2":
+        converted = _convert_non_diffusers_lumina2_lora_to_diffusers(sd)
+    else:
+        converted = _convert_kohya_flux_lora_to_diffusers(sd)
     got = {}
     for key, down in converted.items():
         if key.endswith(".lora_A.weight"):
@@ -341,6 +560,8 @@ def test_import_of_fused_lora_without_layout_is_exact(trained, tmp_path):
     _assert_deltas(_deltas(model), trained["deltas"], "kohya without layout/import-lora")
 
 
+# The CLI and the DeepSpeed-checkpoint path do not depend on the family: one UNet, one transformer.
+@pytest.mark.parametrize("trained", ["sd", "flux"], indirect=True)
 def test_cli_export_and_import_lora(trained, tmp_path):
     """``diffpipe export ADAPTER --format a,b`` (family read from the adapter) and ``diffpipe import-lora``."""
     from typer.testing import CliRunner
@@ -349,19 +570,23 @@ def test_cli_export_and_import_lora(trained, tmp_path):
 
     runner = CliRunner()
     name = trained["family"].name
-    result = runner.invoke(app, ["export", str(trained["root"] / "adapter"), "--format", "comfyui,kohya",
-                                 "--out", str(tmp_path / "exp")])
+    result = runner.invoke(
+        app, ["export", str(trained["root"] / "adapter"), "--format", "comfyui,kohya", "--out", str(tmp_path / "exp")]
+    )
     assert result.exit_code == 0, result.output
     assert (tmp_path / "exp" / "comfyui_lora.safetensors").exists() and (tmp_path / "exp" / "README.md").exists()
     bad = runner.invoke(app, ["export", str(trained["root"] / "adapter"), "--format", "onnx"])
     assert bad.exit_code == 2 and "onnx" in bad.output
-    result = runner.invoke(app, ["import-lora", str(tmp_path / "exp" / "kohya_lora.safetensors"),
-                                 str(tmp_path / "imported"), "--family", name])
+    result = runner.invoke(
+        app,
+        ["import-lora", str(tmp_path / "exp" / "kohya_lora.safetensors"), str(tmp_path / "imported"), "--family", name],
+    )
     assert result.exit_code == 0, result.output
     model = apply_adapter(trained["family"].load_denoiser(), tmp_path / "imported")
     _assert_deltas(_deltas(model), trained["deltas"], "cli import-lora")
 
 
+@pytest.mark.parametrize("trained", ["sd", "flux"], indirect=True)
 def test_cli_exports_a_deepspeed_checkpoint(trained, tmp_path):
     """``diffpipe export RUN/train/checkpoints/step-N``: the LoRA tensors of a DeepSpeed checkpoint."""
     import yaml
@@ -377,8 +602,12 @@ def test_cli_exports_a_deepspeed_checkpoint(trained, tmp_path):
     module = {k: v for k, v in trained["denoiser"].state_dict().items() if "lora_" in k}
     torch.save({"module": module, "step": 7}, ckpt / "mp_rank_00_model_states.pt")
     targets = family.lora_targets(None) + EXTRA_TARGETS[family.name]
-    cfg = {"output_dir": str(run), "datasets": [{"name": "d", "path": str(tmp_path)}],
-           "model": {"family": family.name}, "train": {"lora": {"rank": 4, "alpha": 6.0, "targets": targets}}}
+    cfg = {
+        "output_dir": str(run),
+        "datasets": [{"name": "d", "path": str(tmp_path)}],
+        "model": {"family": family.name},
+        "train": {"lora": {"rank": 4, "alpha": 6.0, "targets": targets}},
+    }
     (run / "resolved-config.yaml").write_text(yaml.safe_dump(cfg))
     result = CliRunner().invoke(app, ["export", str(ckpt), "--format", "comfyui"])
     assert result.exit_code == 0, result.output

@@ -2,7 +2,9 @@
 
 from typing import get_args
 
+import pytest
 import torch
+from safetensors.torch import load_file
 
 from diffpipe.config import ExportFormat
 from diffpipe.export.convert import Lora, from_original, to_original
@@ -16,29 +18,37 @@ def test_config_formats_match_paths():
 
 
 def test_sd_table_follows_ldm_block_numbering():
-    config = {"down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"], "up_block_types":
-              ["CrossAttnUpBlock2D", "UpBlock2D"], "layers_per_block": 2}
+    config = {
+        "down_block_types": ["DownBlock2D", "CrossAttnDownBlock2D"],
+        "up_block_types": ["CrossAttnUpBlock2D", "UpBlock2D"],
+        "layers_per_block": 2,
+    }
     pairs = module_pairs(config)
     assert pairs["down_blocks.0.resnets.1.conv1"] == "input_blocks.2.0.in_layers.2"
     assert pairs["down_blocks.0.downsamplers.0.conv"] == "input_blocks.3.0.op"
     assert pairs["down_blocks.1.attentions.0.proj_in"] == "input_blocks.4.1.proj_in"
     assert pairs["mid_block.resnets.1.time_emb_proj"] == "middle_block.2.emb_layers.1"
-    assert pairs["up_blocks.0.attentions.2.transformer_blocks.0.attn2.to_k"] == \
-        "output_blocks.2.1.transformer_blocks.0.attn2.to_k"
+    assert (
+        pairs["up_blocks.0.attentions.2.transformer_blocks.0.attn2.to_k"]
+        == "output_blocks.2.1.transformer_blocks.0.attn2.to_k"
+    )
     assert pairs["up_blocks.0.upsamplers.0.conv"] == "output_blocks.2.2.conv"
     assert pairs["up_blocks.1.resnets.2.conv_shortcut"] == "output_blocks.5.0.skip_connection"
 
 
 def _fused_map() -> KeyMap:
     segs = (Segment("q", 0, 3), Segment("k", 0, 3), Segment("v", 0, 3))
-    return KeyMap("t", [Layer("qkv", "lora_unet_qkv", segs),
-                        Layer("mod", "lora_unet_mod", (Segment("m", 2, 2), Segment("m", 0, 2)))])
+    return KeyMap(
+        "t",
+        [Layer("qkv", "lora_unet_qkv", segs), Layer("mod", "lora_unet_mod", (Segment("m", 2, 2), Segment("m", 0, 2)))],
+    )
 
 
 def test_fused_lora_is_block_structured_and_exact():
     g = torch.Generator().manual_seed(0)
-    mods = {m: Lora(torch.randn(2, 5, generator=g), torch.randn(3, 2, generator=g), a)
-            for m, a in (("q", 4.0), ("v", 2.0))}
+    mods = {
+        m: Lora(torch.randn(2, 5, generator=g), torch.randn(3, 2, generator=g), a) for m, a in (("q", 4.0), ("v", 2.0))
+    }
     mods["m"] = Lora(torch.randn(2, 5, generator=g), torch.randn(4, 2, generator=g), 3.0)
     loras, layout = to_original(mods, _fused_map())
     by_name = {layer.original: lora for layer, lora in loras.items()}
@@ -63,10 +73,94 @@ def test_workflow_always_exports_diffusers_for_samples():
     from diffpipe import workflow as dw
     from diffpipe.config import parse_config
 
-    cfg = parse_config({"datasets": [{"name": "d", "path": "x"}], "export": {"formats": ["kohya", "merged"]},
-                        "output_dir": "r"})
+    cfg = parse_config(
+        {"datasets": [{"name": "d", "path": "x"}], "export": {"formats": ["kohya", "merged"]}, "output_dir": "r"}
+    )
     assert dw.export_formats(cfg) == ["diffusers", "kohya", "merged"]
     outputs = dw.export_outputs(cfg)
     assert outputs["diffusers"] == "r/export/pytorch_lora_weights.safetensors"
     assert outputs["merged"] == "r/export/merged/model_index.json" and outputs["card"] == "r/export/README.md"
     assert dw.export_format_args(cfg) == "--format diffusers --format kohya --format merged"
+
+
+def test_every_mapped_family_names_its_denoiser():
+    from diffpipe.export.keymaps import mapped_families
+
+    assert set(mapped_families()) >= {"sd", "sdxl", "flux", "chroma", "sd3", "lumina2", "qwenimage", "hidream", "wan"}
+
+
+def _sizes(names: list[str], n: int = 8) -> dict[str, int]:
+    return dict.fromkeys(names, n)
+
+
+def test_sd3_table_fuses_qkv_and_swaps_the_last_context_modulation():
+    from diffpipe.export.keymaps.sd3 import build
+
+    block = [
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_out.0",
+        "norm1.linear",
+        "norm1_context.linear",
+    ]
+    sizes = _sizes([f"transformer_blocks.{i}.{m}" for i in range(2) for m in block] + ["norm_out.linear", "proj_out"])
+    sizes["transformer_blocks.0.attn.to_add_out"] = 8  # only the last block lacks the context output
+    km = build({"num_layers": 2}, sizes)
+    qkv = km.by_original["joint_blocks.1.context_block.attn.qkv"]
+    assert [s.module for s in qkv.segments] == [f"transformer_blocks.1.attn.add_{p}_proj" for p in "qkv"]
+    assert km.by_original["joint_blocks.0.context_block.attn.proj"].modules == ["transformer_blocks.0.attn.to_add_out"]
+    assert km.by_original["joint_blocks.0.context_block.adaLN_modulation.1"].is_plain
+    last = km.by_original["joint_blocks.1.context_block.adaLN_modulation.1"]
+    assert [(s.start, s.size) for s in last.segments] == [(4, 4), (0, 4)], "(shift, scale) vs diffusers' (scale, shift)"
+    assert km.by_original["final_layer.linear"].kohya == "lora_unet_final_layer_linear"
+
+
+def test_wan_table_writes_no_alpha_outside_the_blocks():
+    from diffpipe.export.keymaps.wan import build
+
+    sizes = _sizes(
+        [
+            "patch_embedding",
+            "proj_out",
+            "condition_embedder.time_proj",
+            "blocks.0.attn1.to_out.0",
+            "blocks.0.attn2.add_k_proj",
+            "blocks.0.ffn.net.0.proj",
+        ]
+    )
+    km = build({"num_layers": 1}, sizes)
+    assert km.by_module["blocks.0.attn1.to_out.0"].original == "blocks.0.self_attn.o"
+    assert km.by_module["blocks.0.attn2.add_k_proj"].kohya == "lora_unet_blocks_0_cross_attn_k_img"
+    assert km.by_module["blocks.0.ffn.net.0.proj"].original == "blocks.0.ffn.0"
+    assert km.by_module["blocks.0.ffn.net.0.proj"].alpha_key
+    for module, original in (("proj_out", "head.head"), ("condition_embedder.time_proj", "time_projection.1")):
+        layer = km.by_module[module]
+        assert layer.original == original and layer.fold_scale and not layer.alpha_key
+
+
+def test_lumina2_qkv_splits_by_module_size():
+    from diffpipe.export.keymaps.lumina2 import build
+
+    sizes = {"layers.0.attn.to_q": 12, "layers.0.attn.to_k": 4, "layers.0.attn.to_v": 4}
+    km = build({"num_layers": 1, "num_refiner_layers": 0}, sizes)
+    qkv = km.by_original["layers.0.attention.qkv"]
+    assert [s.size for s in qkv.segments] == [12, 4, 4] and km.peft_names
+
+
+def test_layer_without_alpha_key_is_written_bare_and_read_back_at_scale_one(tmp_path):
+    from diffpipe.export.original_io import read_original, write_original
+
+    g = torch.Generator().manual_seed(0)
+    lora = Lora(torch.randn(2, 5, generator=g), torch.randn(3, 2, generator=g), 2.0)
+    out = write_original({"a": lora}, {}, tmp_path / "x.safetensors", without_alpha=frozenset({"a"}), peft_names=True)
+    named, _, _ = read_original(out)
+    assert named["a"].alpha == 2.0 and torch.equal(named["a"].up, lora.up)
+    assert set(load_file(str(out))) == {"a.lora_A.weight", "a.lora_B.weight"}
+    with pytest.raises(ValueError, match="alpha 3.0 != rank 2"):
+        write_original(
+            {"a": Lora(lora.down, lora.up, 3.0)}, {}, tmp_path / "y.safetensors", without_alpha=frozenset({"a"})
+        )

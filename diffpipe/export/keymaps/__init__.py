@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from diffpipe.export.keymaps.base import KeyMap, Layer, Segment
+from diffpipe.export.keymaps.base import LORA_LAYERS, KeyMap, Layer, Segment
 from diffpipe.models.base import Family
 
 Builder = Callable[[Mapping[str, Any], Mapping[str, int]], KeyMap]
@@ -33,12 +33,12 @@ __all__ = [
 
 
 def out_features(model: torch.nn.Module) -> dict[str, int]:
-    """Output rows of every Linear / Conv2d of ``model``, by module name."""
+    """Output rows of every LoRA-able module (Linear, Conv2d, Conv3d) of ``model``, by module name."""
     sizes = {}
     for name, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear):
             sizes[name] = mod.out_features
-        elif isinstance(mod, torch.nn.Conv2d):
+        elif isinstance(mod, LORA_LAYERS):
             sizes[name] = mod.out_channels
     return sizes
 
@@ -64,7 +64,7 @@ def denoiser_skeleton(family: Family) -> torch.nn.Module:
     if family.cfg.flavor == "tiny":
         return family.load_denoiser()
     cls, _ = _table(family.name)
-    config = cls.load_config(family.cfg.path, subfolder=family.denoiser_name)
+    config = cls.load_config(family.cfg.path, subfolder=family.denoiser_attr)
     with torch.device("meta"):
         return cls.from_config(config)
 

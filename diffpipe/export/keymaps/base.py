@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+#: Module types a LoRA can target (PEFT supports these; Wan's patch embedding is a Conv3d).
+LORA_LAYERS = (torch.nn.Linear, torch.nn.Conv2d, torch.nn.Conv3d)
+
 
 @dataclass(frozen=True)
 class Segment:
@@ -33,6 +36,9 @@ class Layer:
     segments: tuple[Segment, ...]
     #: Write the scale into ``up`` (alpha = rank) because a reference loader ignores alpha here.
     fold_scale: bool = False
+    #: Write no ``.alpha`` (only with ``fold_scale``): a reference loader rejects one here.
+    #: Every loader reads a missing alpha as alpha = rank, which ``fold_scale`` writes anyway.
+    alpha_key: bool = True
 
     @property
     def modules(self) -> list[str]:
@@ -55,6 +61,9 @@ class KeyMap:
 
     family: str
     layers: list[Layer]
+    #: The ComfyUI file names its tensors ``lora_A`` / ``lora_B`` (PEFT's names, which
+    #: ComfyUI also reads) because diffusers' loader for this family reads only those.
+    peft_names: bool = False
     by_original: dict[str, Layer] = field(init=False)
     by_kohya: dict[str, Layer] = field(init=False)
     by_module: dict[str, Layer] = field(init=False)
@@ -75,20 +84,20 @@ class KeyMap:
     def check_covers(self, denoiser: torch.nn.Module) -> None:
         """Every LoRA-able module of ``denoiser`` is in the table with the right row counts."""
         for name, mod in denoiser.named_modules():
-            if not isinstance(mod, torch.nn.Linear | torch.nn.Conv2d):
+            if not isinstance(mod, LORA_LAYERS):
                 continue
             if name not in self.by_module:
                 raise ValueError(f"{self.family} key map: module {name} is not mapped")
             rows = sum(s.size for s in self.by_module[name].segments if s.module == name)
             out = mod.out_features if isinstance(mod, torch.nn.Linear) else mod.out_channels
             if rows != out:
-                raise ValueError(
-                    f"{self.family} key map: {name} has {out} rows, table covers {rows}"
-                )
+                raise ValueError(f"{self.family} key map: {name} has {out} rows, table covers {rows}")
 
 
-def plain(original: str, module: str, size: int, kohya: str) -> Layer:
-    return Layer(original, kohya, (Segment(module, 0, size),))
+def plain(
+    original: str, module: str, size: int, kohya: str, *, fold_scale: bool = False, alpha_key: bool = True
+) -> Layer:
+    return Layer(original, kohya, (Segment(module, 0, size),), fold_scale, alpha_key)
 
 
 def kohya_name(path: str) -> str:

@@ -60,13 +60,17 @@ FOLD_SCALE_PREFIX = "final_layer."
 
 
 def _layer(original: str, segments: list[Segment]) -> Layer:
-    return Layer(
-        original, kohya_name(original), tuple(segments), original.startswith(FOLD_SCALE_PREFIX)
-    )
+    return Layer(original, kohya_name(original), tuple(segments), original.startswith(FOLD_SCALE_PREFIX))
 
 
-def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
-    """The table for a transformer with this config; ``out_features``: its module sizes."""
+def transformer_layers(
+    config: Mapping[str, Any], out_features: Mapping[str, int], top_level: Mapping[str, str]
+) -> list[Layer]:
+    """Layers of a BFL-style transformer: ``top_level`` (original -> ours), then the blocks.
+
+    Shared with ``chroma``, whose blocks are Flux's without the modulation linears
+    (absent modules are skipped) and whose final layer has no modulation.
+    """
     inner = config["num_attention_heads"] * config["attention_head_dim"]
     mlp = int(inner * MLP_RATIO)
     layers: list[Layer] = []
@@ -75,31 +79,33 @@ def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
         if ours in out_features:
             layers.append(_layer(original, [Segment(ours, 0, out_features[ours])]))
 
-    for original, ours in TOP_LEVEL.items():
+    for original, ours in top_level.items():
         add_plain(original, ours)
-    # norm_out.linear = (scale, shift); final_layer.adaLN_modulation.1 = (shift, scale).
-    layers.append(
-        _layer(
-            "final_layer.adaLN_modulation.1",
-            [Segment("norm_out.linear", inner, inner), Segment("norm_out.linear", 0, inner)],
+    if "norm_out.linear" in out_features:
+        # norm_out.linear = (scale, shift); final_layer.adaLN_modulation.1 = (shift, scale).
+        layers.append(
+            _layer(
+                "final_layer.adaLN_modulation.1",
+                [Segment("norm_out.linear", inner, inner), Segment("norm_out.linear", 0, inner)],
+            )
         )
-    )
 
     for i in range(config["num_layers"]):
         ours, original = f"transformer_blocks.{i}", f"double_blocks.{i}"
         for o, d in DOUBLE_PLAIN.items():
             add_plain(f"{original}.{o}", f"{ours}.{d}")
         for o, parts in DOUBLE_FUSED.items():
-            layers.append(
-                _layer(f"{original}.{o}", [Segment(f"{ours}.{p}", 0, inner) for p in parts])
-            )
+            layers.append(_layer(f"{original}.{o}", [Segment(f"{ours}.{p}", 0, inner) for p in parts]))
 
     for i in range(config["num_single_layers"]):
         ours, original = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
         for o, d in SINGLE_PLAIN.items():
             add_plain(f"{original}.{o}", f"{ours}.{d}")
         sizes = {"attn.to_q": inner, "attn.to_k": inner, "attn.to_v": inner, "proj_mlp": mlp}
-        layers.append(
-            _layer(f"{original}.linear1", [Segment(f"{ours}.{p}", 0, n) for p, n in sizes.items()])
-        )
-    return KeyMap("flux", layers)
+        layers.append(_layer(f"{original}.linear1", [Segment(f"{ours}.{p}", 0, n) for p, n in sizes.items()]))
+    return layers
+
+
+def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
+    """The table for a transformer with this config; ``out_features``: its module sizes."""
+    return KeyMap("flux", transformer_layers(config, out_features, TOP_LEVEL))

@@ -63,9 +63,7 @@ def _attention(ours: str, original: str, depth: int) -> dict[str, str]:
     pairs = {f"{ours}.proj_in": f"{original}.proj_in", f"{ours}.proj_out": f"{original}.proj_out"}
     for k in range(depth):
         for name in TRANSFORMER_BLOCK:
-            pairs[f"{ours}.transformer_blocks.{k}.{name}"] = (
-                f"{original}.transformer_blocks.{k}.{name}"
-            )
+            pairs[f"{ours}.transformer_blocks.{k}.{name}"] = f"{original}.transformer_blocks.{k}.{name}"
     return pairs
 
 
@@ -83,9 +81,7 @@ def module_pairs(config: Mapping[str, Any]) -> dict[str, str]:
         for j in range(layers[i]):
             pairs |= _resnet(f"down_blocks.{i}.resnets.{j}", f"input_blocks.{slot}.0")
             if kind.startswith("CrossAttn"):
-                pairs |= _attention(
-                    f"down_blocks.{i}.attentions.{j}", f"input_blocks.{slot}.1", depth[i]
-                )
+                pairs |= _attention(f"down_blocks.{i}.attentions.{j}", f"input_blocks.{slot}.1", depth[i])
             slot += 1
         if i < n - 1:
             pairs[f"down_blocks.{i}.downsamplers.0.conv"] = f"input_blocks.{slot}.0.op"
@@ -102,26 +98,30 @@ def module_pairs(config: Mapping[str, Any]) -> dict[str, str]:
         for j in range(up_layers[i] + 1):
             pairs |= _resnet(f"up_blocks.{i}.resnets.{j}", f"output_blocks.{slot}.0")
             if attn:
-                pairs |= _attention(
-                    f"up_blocks.{i}.attentions.{j}", f"output_blocks.{slot}.1", up_depth[i]
-                )
+                pairs |= _attention(f"up_blocks.{i}.attentions.{j}", f"output_blocks.{slot}.1", up_depth[i])
             slot += 1
         if i < n - 1:
-            pairs[f"up_blocks.{i}.upsamplers.0.conv"] = (
-                f"output_blocks.{slot - 1}.{2 if attn else 1}.conv"
-            )
+            pairs[f"up_blocks.{i}.upsamplers.0.conv"] = f"output_blocks.{slot - 1}.{2 if attn else 1}.conv"
     return pairs
 
 
-def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
+def unet_table(
+    family: str, config: Mapping[str, Any], out_features: Mapping[str, int], *, kohya_from_original: bool
+) -> KeyMap:
     """The table for a UNet with this config; ``out_features``: the UNet's module sizes.
 
     Names the config implies but the model lacks (``conv_shortcut`` where the
-    channels do not change, SDXL's ``add_embedding``) are left out.
+    channels do not change, ``add_embedding`` outside SDXL) are left out.
+    ``kohya_from_original``: kohya names follow the original path (SDXL) rather
+    than ours (SD 1.x/2.x).
     """
     layers = [
-        plain(original, ours, out_features[ours], kohya_name(ours))
+        plain(original, ours, out_features[ours], kohya_name(original if kohya_from_original else ours))
         for ours, original in module_pairs(config).items()
         if ours in out_features
     ]
-    return KeyMap("sd", layers)
+    return KeyMap(family, layers)
+
+
+def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
+    return unet_table("sd", config, out_features, kohya_from_original=False)

@@ -1,0 +1,23 @@
+"""Key map of family ``qwenimage``: diffusers ``QwenImageTransformer2DModel`` <-> the original checkpoint.
+
+Qwen-Image was released with diffusers names, and ComfyUI's Qwen-Image model
+uses them too (diffusers' single-file loader maps the checkpoint unchanged):
+every layer is its own module, under the same path. kohya names
+(musubi-tuner) are ``lora_unet_`` + that path; diffusers'
+``_convert_non_diffusers_qwen_lora_to_diffusers`` reads both, alpha included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from diffusers import QwenImageTransformer2DModel
+
+from diffpipe.export.keymaps.base import KeyMap, kohya_name, plain
+
+DENOISER = QwenImageTransformer2DModel
+
+
+def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
+    return KeyMap("qwenimage", [plain(m, m, n, kohya_name(m)) for m, n in out_features.items()])
