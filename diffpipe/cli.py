@@ -96,7 +96,7 @@ def plan(config: ConfigOpt) -> None:
     result = make_plan(paths.manifest, cfg.datasets, cfg.cache, latent_identity=family.vae_identity(),
                        text_identity=family.text_identity(), pixel_multiple=family.pixel_multiple, paths=paths,
                        global_batch=cfg.train.batch_size * cfg.train.grad_accum,
-                       fps=family.fps, frame_rule=family.frame_rule)
+                       fps=family.fps, frame_rule=family.frame_rule, text_control=family.text_uses_control)
     console.print(f"plan: {result.items} items, {result.entries} entries in {len(result.shards)} shards; "
                   f"buckets {result.buckets}; {len(result.written)} spec files rewritten")
     for bucket, n in result.underfilled.items():

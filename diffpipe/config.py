@@ -7,6 +7,7 @@ Unknown keys are errors that name the key.
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,8 +26,8 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     family: str = Field(
         "sd",
-        description="Model family: sd, sdxl, sd3, flux, chroma, lumina2, qwenimage, hidream, wan "
-        "(see the README's family table).",
+        description="Model family, a name from the README's family table (`sd`, `sdxl`, `flux`, `wan`, ...; "
+        "an unknown name is an error that lists them all).",
     )
     flavor: str = Field(
         "tiny",
@@ -38,6 +39,39 @@ class ModelConfig(_Section):
     prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
         None, description="UNet families: training target; null uses the scheduler's own setting."
     )
+    zero_terminal_snr: bool | None = Field(
+        None,
+        description="sd, sdxl: rescale the noise schedule so the last timestep has zero SNR (pure noise; Lin et "
+        "al. 2024), for training and sampling alike (the scheduler's `rescale_betas_zero_snr`, sampled with "
+        "`timestep_spacing: trailing`). Needs `prediction_type: v_prediction`. null = the scheduler's own setting.",
+    )
+    # -- versions within a family (Wan 2.1 / 2.2) --
+    variant: str | None = Field(
+        None,
+        description="Model version within the family. wan: `2.1` (T2V), `2.2-5b` (TI2V-5B used text-to-video: "
+        "48-channel VAE), `2.2-a14b` (T2V-A14B: two experts). null: tiny flavor = the family's first; local "
+        "flavor = read from the folder (a given value must match it).",
+    )
+    expert: Literal["high", "low"] | None = Field(
+        None,
+        description="Wan 2.2 A14B: the expert to train, only on its own timesteps: `high` (`transformer`, "
+        "scheduler timesteps at or above `boundary_ratio` x 1000) or `low` (`transformer_2`, below; its "
+        "LoRA loads with `load_lora_weights(..., load_into_transformer_2=True)`).",
+    )
+
+    @model_validator(mode="after")
+    def _check_zero_terminal_snr(self) -> ModelConfig:
+        if self.zero_terminal_snr and self.family not in ("sd", "sdxl"):
+            raise ValueError(
+                f"model.zero_terminal_snr applies to the DDPM families sd and sdxl, not {self.family!r} (flow "
+                "matching already ends at pure noise); remove it"
+            )
+        if self.zero_terminal_snr and self.prediction_type == "epsilon":
+            raise ValueError(
+                "model.zero_terminal_snr: true needs model.prediction_type: v_prediction (got epsilon; the noise "
+                "is undefined to predict at zero SNR)"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_flavor(self) -> ModelConfig:
@@ -116,6 +150,44 @@ class DatasetConfig(_Section):
         description="Video: frame counts clips are cut to (each snapped to the model's frame rule, e.g. 4k+1); "
         "null = the longest valid count a clip holds.",
     )
+    # -- which frames of a clip are trained on --
+    clip_windows: Literal["first", "uniform", "multiple"] = Field(
+        "first",
+        description="Video: which frames of a clip make its window (the frame bucket's length): `first` = its "
+        "first frames; `uniform` = one window spread over the whole clip at an even frame stride; `multiple` = "
+        "non-overlapping windows spread over the clip, each a separate training item (at most `max_windows`).",
+    )
+    max_windows: int | None = Field(
+        None, description="Video, `clip_windows: multiple`: at most this many windows per clip; null = as many "
+        "as fit.", ge=1,
+    )
+    mask_path: str | None = Field(
+        None,
+        description="Folder of loss masks: one image per item with the same relative stem as its media file "
+        "(`img/a.png` -> `<mask_path>/img/a.<any image extension>`). White trains, black is ignored; an alpha "
+        "channel, when not fully opaque, is the mask. Items without a mask train unmasked (`missing_mask`).",
+    )
+    mask_column: str | None = Field(
+        None,
+        description="Metadata column naming each item's mask image (a path relative to the metadata file's "
+        "folder, like the file column); empty cells train unmasked.",
+    )
+    control_path: str | None = Field(
+        None,
+        description="Folder of control / reference images (edit pairs, image-to-video first frames), same stems "
+        "as the media files. Each is resized and cropped like its target and cached as conditioning latents.",
+    )
+    control_column: str | None = Field(
+        None,
+        description="Metadata column naming each item's control image (relative to the metadata file's folder).",
+    )
+    # -- image-to-video: the clip's own first frame as its control --------------------------
+    control_from_first_frame: bool = Field(
+        False,
+        description="Use each item's own first frame (of the clip window trained, at its bucket and crop; an "
+        "image is its own first frame) as its control image when it has none from `control_path` / "
+        "`control_column` (image-to-video training on plain clips). Changing it re-caches the items it affects.",
+    )
 
     @model_validator(mode="after")
     def _check_buckets(self) -> DatasetConfig:
@@ -126,6 +198,17 @@ class DatasetConfig(_Section):
         if any(f < 1 for f in self.frame_buckets or []):
             raise ValueError("frame_buckets must be at least 1")
         return self
+
+    @model_validator(mode="after")
+    def _check_aux(self) -> DatasetConfig:
+        for role in ("mask", "control"):
+            if getattr(self, f"{role}_path") and getattr(self, f"{role}_column"):
+                raise ValueError(f"set {role}_path or {role}_column, not both")
+        return self
+
+    def aux_roles(self) -> list[str]:
+        """Which per-item auxiliary images the dataset has: ``mask``, ``control``."""
+        return [r for r in ("mask", "control") if getattr(self, f"{r}_path") or getattr(self, f"{r}_column")]
 
     def training_resolutions(self) -> list[int]:
         """The resolutions items are cached at (sorted, unique)."""
@@ -242,6 +325,38 @@ class ObjectiveConfig(_Section):
         0.0, description="UNet families: offset noise strength (a per-channel constant added to the noise; 0.05-0.1).",
         ge=0,
     )
+    # -- the SD3 paper's timestep densities and loss weightings (sd3) --
+    weighting_scheme: Literal["none", "sigma_sqrt", "logit_normal", "mode", "cosmap"] | None = Field(
+        None,
+        description="sd3: timestep density and loss weighting of the SD3 paper (Esser et al. 2024), as diffusers' "
+        "SD3 training defines them: `logit_normal` (density from logit_mean / logit_std, unweighted), `mode` "
+        "(mode density with `mode_scale`, unweighted), `sigma_sqrt` (uniform, weight sigma^-2), `cosmap` "
+        "(uniform, CosMap weight), `none` (uniform, unweighted). null = the family's default (timestep_sampling, "
+        "unweighted). Set it or timestep_sampling, not both.",
+    )
+    mode_scale: float = Field(
+        1.29,
+        description="`weighting_scheme: mode`: the density's scale s (1.29 in the SD3 paper; -1 to 2/(pi-2) "
+        "keeps the mapping monotonic).",
+        ge=-1,
+        le=2 / (math.pi - 2),
+    )
+    mask_min_weight: float = Field(
+        0.0,
+        description="Items with a loss mask (`datasets[].mask_path`): the loss weight where the mask is black; "
+        "the weight is `mask_min_weight + (1 - mask_min_weight) x mask`, so 0 ignores masked-out areas.",
+        ge=0,
+        le=1,
+    )
+
+    @model_validator(mode="after")
+    def _check_weighting(self) -> ObjectiveConfig:
+        if self.weighting_scheme is not None and self.timestep_sampling is not None:
+            raise ValueError(
+                f"set weighting_scheme ({self.weighting_scheme!r}) or timestep_sampling "
+                f"({self.timestep_sampling!r}), not both: the weighting scheme picks the timestep density too"
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_range(self) -> ObjectiveConfig:
@@ -366,6 +481,18 @@ class SampleConfig(_Section):
         5, description="Frames per sample clip for video families (snapped to the model's frame rule); "
         "image families ignore it.", ge=1,
     )
+    images: list[str] | None = Field(
+        None, description="One conditioning image per prompt (file paths), for image-conditioned models "
+        "(Wan 2.1 I2V: the first frame of each sample clip); null: text only.",
+    )
+
+    @model_validator(mode="after")
+    def _one_image_per_prompt(self) -> SampleConfig:
+        if self.images is not None and len(self.images) != len(self.prompts):
+            raise ValueError(
+                f"sample.images has {len(self.images)} path(s) for {len(self.prompts)} prompt(s); give one per prompt"
+            )
+        return self
 
 
 class Config(_Section):

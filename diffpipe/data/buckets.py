@@ -44,9 +44,7 @@ def _round_to(x: float, m: int) -> int:
 def log_spaced_ratios(min_ar: float, max_ar: float, count: int) -> tuple[float, ...]:
     """``count`` aspect ratios (width / height) evenly spaced in log space, ends included."""
     if count < 1 or min_ar <= 0 or max_ar < min_ar:
-        raise ValueError(
-            f"need 0 < min_ar <= max_ar and count >= 1, got {min_ar}, {max_ar}, {count}"
-        )
+        raise ValueError(f"need 0 < min_ar <= max_ar and count >= 1, got {min_ar}, {max_ar}, {count}")
     if count == 1:
         return (math.sqrt(min_ar * max_ar),)
     lo, hi = math.log(min_ar), math.log(max_ar)
@@ -106,9 +104,7 @@ def crop_offset(seed: str) -> tuple[float, float]:
     return (int.from_bytes(h[:4], "big") / 0xFFFFFFFF, int.from_bytes(h[4:8], "big") / 0xFFFFFFFF)
 
 
-def cover_crop(
-    img: Image.Image, size: tuple[int, int], crop: tuple[float, float] = (0.5, 0.5)
-) -> Image.Image:
+def cover_crop(img: Image.Image, size: tuple[int, int], crop: tuple[float, float] = (0.5, 0.5)) -> Image.Image:
     """Resize to cover ``(H, W)`` preserving aspect, then crop (one resample).
 
     ``crop = (fy, fx)`` places the window within the spare height and width:
@@ -123,6 +119,25 @@ def cover_crop(
     left, top = (w - src_w) * crop[1], (h - src_h) * crop[0]
     box = (left, top, left + src_w, top + src_h)
     return img.resize((out_w, out_h), Image.Resampling.LANCZOS, box=box, reducing_gap=3.0)
+
+
+def crop_top_left(
+    size: tuple[int, int], bucket: tuple[int, int], crop: tuple[float, float] = (0.5, 0.5), flip: bool = False
+) -> tuple[int, int]:
+    """Where :func:`cover_crop`'s window starts, ``(top, left)`` in pixels of the resized image.
+
+    ``size`` is the source ``(H, W)``, ``bucket`` the output ``(H, W)``. SDXL's
+    crop conditioning (Podell et al. 2023, section 2.2) is this offset. A
+    flipped item is a crop of the mirrored image, whose window starts the
+    mirrored distance from the left.
+    """
+    (h, w), (out_h, out_w) = size, bucket
+    scale = max(out_w / w, out_h / h)
+    spare_h, spare_w = h * scale - out_h, w * scale - out_w
+    left = spare_w * crop[1]
+    if flip:
+        left = spare_w - left
+    return round(spare_h * crop[0]), round(left)
 
 
 def load_image_array(
@@ -142,6 +157,41 @@ def load_image_array(
     arr = np.asarray(rgb, dtype=np.float32)  # [H, W, 3]
     arr = arr.transpose(2, 0, 1)[:, None] / np.float32(127.5) - np.float32(1.0)
     return np.ascontiguousarray(arr, dtype=np.float32)
+
+
+def mask_channel(img: Image.Image) -> Image.Image:
+    """A mask image as one 8-bit channel: its alpha when it has a non-opaque one, else its luminance.
+
+    Masks painted on a transparent layer carry the mask in alpha; black-and-white
+    (or grayscale, or 16-bit) masks in their values (white = 1 = trained).
+    """
+    if img.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in img.info:
+        alpha = img.convert("RGBA").getchannel("A")
+        if alpha.getextrema()[0] < 255:
+            return alpha
+    return to_rgb(img).convert("L")
+
+
+def load_mask_array(
+    src: str | Path | BinaryIO,
+    size: tuple[int, int],
+    *,
+    crop: tuple[float, float] = (0.5, 0.5),
+    flip: bool = False,
+) -> np.ndarray:
+    """Decode a mask into float32 ``[1, 1, H, W]`` in [0, 1], resized and cropped like its target.
+
+    The same :func:`cover_crop` as the target (same bucket, crop position and
+    flip), so a mask of the target's aspect ratio lines up at any resolution.
+    """
+    with Image.open(src) as img:
+        img.load()
+        ImageOps.exif_transpose(img, in_place=True)
+        gray = cover_crop(mask_channel(img), size, crop)
+    if flip:
+        gray = gray.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    arr = np.asarray(gray, dtype=np.float32) / np.float32(255.0)
+    return np.ascontiguousarray(np.clip(arr, 0.0, 1.0)[None, None], dtype=np.float32)
 
 
 def load_image(

@@ -11,6 +11,19 @@ store and links it into the run's output, and writes a
 overlaps encoding; video clips stream only their planned frames
 (:mod:`diffpipe.data.video`). ``regenerate`` ignores the store; ``trust`` skips
 re-hashing media files against the sha256 the validate step recorded.
+
+An item with a control image gets it resized and cropped exactly like its
+target (same bucket, crop position and flip) and VAE-encoded into the same
+entry as conditioning latents; an item with a mask gets it resized and cropped
+the same way and area-averaged down to the latent grid (``[1, F, h, w]`` in
+[0, 1]). Both images' hashes are part of the entry's key. A dataset with
+``control_from_first_frame`` uses each item's own first frame (of the window
+trained, already at its bucket and crop) as the control of items without a
+control image. The family's ``encode_control`` encodes controls: the plain VAE
+latents by default, plus an image-encoder embedding (``control_embeds``) for
+families that condition on one. For families whose text encoder sees the
+control image (``text_uses_control``) the text job hands each caption's
+control image, whole, to ``encode_text``.
 """
 
 from __future__ import annotations
@@ -32,10 +45,12 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from diffpipe.config import CacheConfig, ModelConfig
-from diffpipe.data.buckets import load_image_array
+from diffpipe.data.buckets import load_image_array, load_mask_array
 from diffpipe.data.latents import (
+    AUX_FILL,
     LatentEntry,
     LatentShard,
+    aux_array,
     bucket_name,
     storage_to_tensor,
     write_latent_shard,
@@ -67,14 +82,10 @@ def _device(device: str | None) -> torch.device:
 
 
 def _progress() -> Progress:
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn()
-    )
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
 
 
-def _prefetched(
-    batches: Iterable[list[T]], fn: Callable[[T], R], pool: Executor
-) -> Iterator[tuple[list[T], list[R]]]:
+def _prefetched(batches: Iterable[list[T]], fn: Callable[[T], R], pool: Executor) -> Iterator[tuple[list[T], list[R]]]:
     """Yield ``(batch, [fn(x) for x in batch])`` with later batches already running.
 
     The first batches are submitted at once (not at the first ``next``), so
@@ -104,9 +115,24 @@ def _sha256_of(path: Path) -> str:
     return h.hexdigest()
 
 
-def _decode(job: tuple[dict[str, Any], bool]) -> np.ndarray:
-    """Read one item, check it against the planned sha256 (unless trusted), decode it.
+def _read_checked(path: str, sha256: str, trust: bool, *, stream: bool = False) -> bytes | None:
+    """A file's bytes (None when ``stream``), after checking its planned sha256 unless trusted."""
+    try:
+        data = None if stream else Path(path).read_bytes()
+        sha = _sha256_of(Path(path)) if data is None else hashlib.sha256(data).hexdigest()
+    except OSError as err:
+        raise ValueError(f"cannot read {path}: {err}; rerun the validate step") from err
+    if not trust and sha != sha256:
+        # Encoding it would store new pixels under the old content's key.
+        raise ValueError(f"{path} changed since validation (sha256 differs); rerun the workflow")
+    return data
 
+
+def _decode(job: tuple[dict[str, Any], bool]) -> dict[str, np.ndarray]:
+    """Read one item (and its aux images), check them against the planned sha256s, decode them.
+
+    Returns ``pixels`` ``[3, F, H, W]`` and, when the item has them, ``control``
+    ``[3, 1, H, W]`` and ``mask`` ``[1, 1, H, W]``, all cut to the same bucket.
     Images are read into memory once (hash and decode); clips are hashed in
     blocks and streamed from disk, decoding only their planned frames.
     """
@@ -115,20 +141,38 @@ def _decode(job: tuple[dict[str, Any], bool]) -> np.ndarray:
     _, h, w = item["bucket"]
     crop, flip = tuple(item.get("crop", (0.5, 0.5))), item.get("flip", False)
     frames = item.get("frames")
-    try:
-        data = None if frames else Path(path).read_bytes()
-        sha = _sha256_of(Path(path)) if data is None else hashlib.sha256(data).hexdigest()
-    except OSError as err:
-        raise ValueError(f"cannot read {path}: {err}; rerun the validate step") from err
-    if not trust and sha != item["sha256"]:
-        # Encoding it would store new pixels under the old content's key.
-        raise ValueError(f"{path} changed since validation (sha256 differs); rerun the workflow")
+    data = _read_checked(path, item["sha256"], trust, stream=bool(frames))
+    out: dict[str, np.ndarray] = {}
     try:
         if frames:
-            return load_video_array(Path(path), (h, w), frames, crop=crop, flip=flip)
-        return load_image_array(io.BytesIO(data), (h, w), crop=crop, flip=flip)
+            out["pixels"] = load_video_array(Path(path), (h, w), frames, crop=crop, flip=flip)
+        else:
+            out["pixels"] = load_image_array(io.BytesIO(data), (h, w), crop=crop, flip=flip)
     except Exception as err:
         raise ValueError(f"cannot decode {path}: {err}") from err
+    for role, aux in sorted((item.get("aux") or {}).items()):
+        if aux.get("first_frame"):  # the clip's own first frame, cut exactly like the clip
+            out[role] = np.ascontiguousarray(out["pixels"][:, :1])
+            continue
+        aux_data = _read_checked(aux["path"], aux["sha256"], trust)
+        load = load_mask_array if role == "mask" else load_image_array
+        try:
+            out[role] = load(io.BytesIO(aux_data), (h, w), crop=crop, flip=flip)
+        except Exception as err:
+            raise ValueError(f"cannot decode the {role} image {aux['path']} of {path}: {err}") from err
+    return out
+
+
+def latent_mask(mask: np.ndarray | torch.Tensor, latent_shape: tuple[int, ...]) -> torch.Tensor:
+    """A pixel mask ``[1, 1, H, W]`` -> ``[1, F, h, w]`` on the latent grid of ``[C, F, h, w]``.
+
+    Area interpolation: each latent cell gets the mean of the pixels it covers
+    (exact block means when H / h is whole), repeated over the latent frames.
+    """
+    m = torch.as_tensor(mask, dtype=torch.float32).reshape(1, 1, *mask.shape[-2:])
+    _, f, h, w = latent_shape
+    small = torch.nn.functional.interpolate(m, size=(h, w), mode="area")
+    return small.reshape(1, 1, h, w).repeat(1, f, 1, 1).clamp(0, 1)
 
 
 def _pool(n_batches: int, workers: int) -> Executor:
@@ -144,9 +188,7 @@ def _pool(n_batches: int, workers: int) -> Executor:
     return ThreadPoolExecutor(max_workers=max(1, workers))
 
 
-def _check_spec(
-    spec: dict[str, Any], spec_path: Path, identity: str, cache_cfg: CacheConfig
-) -> None:
+def _check_spec(spec: dict[str, Any], spec_path: Path, identity: str, cache_cfg: CacheConfig) -> None:
     if spec["identity"] != identity:
         raise ValueError(
             f"spec {spec_path} was planned for another model (encoder identity differs); rerun the plan step"
@@ -166,9 +208,7 @@ def _store(store: str | Path | None, cache_cfg: CacheConfig, out_path: Path) -> 
 
 
 def _write_summary(out_path: Path, summary: dict[str, Any]) -> None:
-    write_text_atomic(
-        Path(f"{out_path}.summary.json"), json.dumps(summary, indent=1, sort_keys=True) + "\n"
-    )
+    write_text_atomic(Path(f"{out_path}.summary.json"), json.dumps(summary, indent=1, sort_keys=True) + "\n")
 
 
 def _by_shard(found: dict[str, StoreRow]) -> dict[Path, list[tuple[str, StoreRow]]]:
@@ -178,9 +218,10 @@ def _by_shard(found: dict[str, StoreRow]) -> dict[Path, list[tuple[str, StoreRow
     return groups
 
 
-def _reuse_latents(store: Store, found: dict[str, StoreRow], dtype: str) -> dict[str, torch.Tensor]:
-    """Rows of the store, bit-exact; a store shard that fails its checksum is discarded."""
-    out: dict[str, torch.Tensor] = {}
+def _reuse_latents(store: Store, found: dict[str, StoreRow], dtype: str) -> dict[str, dict[str, torch.Tensor | None]]:
+    """Rows of the store (``latents`` and aux arrays), bit-exact; a store shard that fails its
+    checksum is discarded."""
+    out: dict[str, dict[str, torch.Tensor | None]] = {}
     for shard_path, rows in _by_shard(found).items():
         try:
             shard = LatentShard(shard_path)
@@ -192,13 +233,16 @@ def _reuse_latents(store: Store, found: dict[str, StoreRow], dtype: str) -> dict
             continue
         for key, row in rows:
             # float32 like fresh encodes; bf16 -> fp32 -> bf16 is exact.
-            out[key] = storage_to_tensor(arrays[row.array][row.row], dtype).float()
+            value = {"latents": storage_to_tensor(arrays[row.array][row.row], dtype).float()}
+            for role in AUX_FILL:
+                meta = shard.aux_meta.get(name := aux_array(role, row.array))
+                has = meta is not None and meta["has"][row.row]
+                value[role] = storage_to_tensor(arrays[name][row.row], dtype).float() if has else None
+            out[key] = value
     return out
 
 
-def _reuse_text(
-    store: Store, found: dict[str, StoreRow], dtype: str
-) -> dict[str, dict[str, torch.Tensor]]:
+def _reuse_text(store: Store, found: dict[str, StoreRow], dtype: str) -> dict[str, dict[str, torch.Tensor]]:
     out: dict[str, dict[str, torch.Tensor]] = {}
     for shard_path, rows in _by_shard(found).items():
         try:
@@ -219,11 +263,7 @@ def _index_rows(entries: list[LatentEntry]) -> list[tuple[str, str, int]]:
     groups: dict[str, list[LatentEntry]] = {}
     for e in entries:
         groups.setdefault(bucket_name(e.bucket), []).append(e)
-    return [
-        (e.key, arr, r)
-        for arr, g in groups.items()
-        for r, e in enumerate(sorted(g, key=lambda e: e.id))
-    ]
+    return [(e.key, arr, r) for arr, g in groups.items() for r, e in enumerate(sorted(g, key=lambda e: e.id))]
 
 
 def cache_latents(
@@ -254,6 +294,9 @@ def cache_latents(
     for item in items:  # equal keys, equal latents: encode each key once
         first.setdefault(item["key"], item)
     values = {} if regenerate else _reuse_latents(st, st.lookup("latents", first), dtype)
+    for key in list(values):  # a stored entry lacking an aux array the key promises: encode again
+        if any(values[key][role] is None for role in first[key].get("aux") or {}):
+            del values[key]
     reused = len(values)
     missing = [item for key, item in first.items() if key not in values]
 
@@ -273,19 +316,34 @@ def cache_latents(
             with _progress() as progress, torch.no_grad():
                 task = progress.add_task(f"latents {spec['shard']}", total=len(missing))
                 t0 = time.perf_counter()
-                for jobs, pixels in stream:
+                for jobs, decoded in stream:
                     t1 = time.perf_counter()
                     wait += t1 - t0
-                    x = torch.from_numpy(np.stack(pixels)).to(dev)
+                    x = torch.from_numpy(np.stack([d["pixels"] for d in decoded])).to(dev)
                     latents = family.encode_pixels(vae, x).float().cpu()
+                    controls = _encode_controls(family, vae, decoded, dev, frames=x.shape[2])
                     encode_s += time.perf_counter() - t1
-                    for (item, _), lat in zip(jobs, latents, strict=True):
-                        values[item["key"]] = lat
+                    for (item, _), d, lat, ctrl in zip(jobs, decoded, latents, controls, strict=True):
+                        mask = d.get("mask")
+                        values[item["key"]] = {
+                            "latents": lat,
+                            "mask": None if mask is None else latent_mask(mask, tuple(lat.shape)),
+                            **ctrl,
+                        }
                     progress.advance(task, len(jobs))
                     t0 = time.perf_counter()
 
     entries = [
-        LatentEntry(it["id"], it["key"], tuple(it["bucket"]), values[it["key"]]) for it in items
+        LatentEntry(
+            it["id"],
+            it["key"],
+            tuple(it["bucket"]),
+            values[it["key"]]["latents"],
+            values[it["key"]]["mask"],
+            values[it["key"]]["control"],
+            values[it["key"]].get("control_embeds"),
+        )
+        for it in items
     ]
     attrs = {"identity": spec["identity"]}
     name = shard_content_name("latents", dtype, [(it["id"], it["key"]) for it in items])
@@ -316,14 +374,56 @@ def cache_latents(
     return summary
 
 
+def _encode_controls(family, vae, decoded: list[dict[str, np.ndarray]], dev, *, frames: int) -> list[dict]:
+    """Each item's ``control`` (conditioning latents) and ``control_embeds`` (None without a control).
+
+    ``frames`` is the batch's clip length: families that condition a whole clip
+    on one image build their conditioning at the target's length.
+    """
+    have = [i for i, d in enumerate(decoded) if "control" in d]
+    out: list[dict] = [{"control": None, "control_embeds": None} for _ in decoded]
+    if have:
+        x = torch.from_numpy(np.stack([decoded[i]["control"] for i in have])).to(dev)
+        for name, values in family.encode_control(vae, x, frames=frames).items():
+            for i, v in zip(have, values.float().cpu(), strict=True):
+                out[i][name] = v
+    return out
+
+
+def _control_image(control: dict[str, str]):
+    """A text entry's control image as the RGB PIL image a user hands the family's pipeline.
+
+    Checked against its planned sha256 first: encoding it would otherwise store
+    new pixels under the old content's key.
+    """
+    from PIL import Image, ImageOps
+
+    from diffpipe.data.buckets import to_rgb
+
+    data = _read_checked(control["path"], control["sha256"], False)
+    try:
+        with Image.open(io.BytesIO(data)) as img:
+            img.load()
+            ImageOps.exif_transpose(img, in_place=True)
+            return to_rgb(img)
+    except Exception as err:
+        raise ValueError(f"cannot decode the control image {control['path']}: {err}") from err
+
+
 def _encode_captions(
-    family, encoders, captions: list[str], bs: int, label: str
+    family, encoders, captions: list[str], bs: int, label: str, controls: list[dict[str, str] | None] | None = None
 ) -> dict[str, torch.Tensor]:
+    """Embeddings of ``captions``; with ``controls`` (families whose text encoder sees the
+    control image) each caption is encoded with its item's control image."""
     parts: dict[str, list[torch.Tensor]] = {}
     with _progress() as progress, torch.no_grad():
         task = progress.add_task(label, total=len(captions))
         for i in range(0, len(captions), bs):
-            out = family.encode_text(encoders, captions[i : i + bs])
+            if controls is None:
+                out = family.encode_text(encoders, captions[i : i + bs])
+            else:
+                images = [c and _control_image(c) for c in controls[i : i + bs]]
+                out = family.encode_text(encoders, captions[i : i + bs], images=images)
             for name, t in out.items():
                 parts.setdefault(name, []).append(t.float().cpu())
             progress.advance(task, len(captions[i : i + bs]))
@@ -351,8 +451,10 @@ def _cache_text_spec(
     items: list[dict[str, Any]] = spec["items"]
     dtype = spec["dtype"]
     unique: dict[str, str] = {}
+    controls: dict[str, dict[str, str] | None] = {}
     for item in items:  # equal keys, equal embeddings: encode each caption once
         unique.setdefault(item["key"], item["caption"])
+        controls.setdefault(item["key"], item.get("control"))
     values = {} if regenerate else _reuse_text(st, st.lookup("text", unique), dtype)
     reused = len(values)
     missing = [key for key in unique if key not in values]
@@ -364,6 +466,7 @@ def _cache_text_spec(
             [unique[k] for k in missing],
             cache_cfg.batch_size,
             f"text {spec['shard']}",
+            [controls[k] for k in missing] if getattr(family, "text_uses_control", False) else None,
         )
         for i, key in enumerate(missing):
             values[key] = {name: t[i] for name, t in encoded.items()}

@@ -38,8 +38,14 @@ class Listing:
     root_ok: bool
     metadata: list[str] = field(default_factory=list)
     problems: list[Found] = field(default_factory=list)
-    #: (size, mtime_ns) of media and caption files, when listed ``with_stats``.
+    #: (size, mtime_ns) of media and caption files, when listed ``with_stats``; aux
+    #: images by their absolute path.
     stats: dict[str, tuple[int, int]] = field(default_factory=dict)
+    #: Per auxiliary role with a folder (``mask_path``, ``control_path``): media stem
+    #: (relative path without extension) -> the aux image's absolute path.
+    aux: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: The aux folders that exist (role -> absolute folder).
+    aux_roots: dict[str, Path] = field(default_factory=dict)
 
 
 def norm_ext(ext: str) -> str:
@@ -73,7 +79,12 @@ def _bad_name(name: str) -> bool:
 
 
 def _walk(
-    root: str, kinds: dict[str, str], cap_ext: str, meta_names: set[str] | None, with_stats: bool
+    root: str,
+    kinds: dict[str, str],
+    cap_ext: str,
+    meta_names: set[str] | None,
+    with_stats: bool,
+    skip: frozenset[str] = frozenset(),
 ) -> Listing:
     media: dict[str, str] = {}
     stats: dict[str, tuple[int, int]] = {}
@@ -92,17 +103,15 @@ def _walk(
             seen_dirs.add((st.st_dev, st.st_ino))
             entries = list(os.scandir(folder))
         except OSError as err:
-            problems.append(
-                Found(
-                    rel.rstrip("/") or ".", "unreadable", f"cannot list the folder: {err.strerror}"
-                )
-            )
+            problems.append(Found(rel.rstrip("/") or ".", "unreadable", f"cannot list the folder: {err.strerror}"))
             continue
         for entry in entries:
             name = entry.name
             if name.startswith("."):  # hidden files, .DS_Store, editor swap files
                 continue
             sub = f"{rel}{name}"
+            if sub in skip:  # an aux folder (masks, controls) inside the dataset folder
+                continue
             ext = os.path.splitext(name)[1].lower()
             if _bad_name(name):
                 problems.append(
@@ -119,9 +128,7 @@ def _walk(
                         os.stat(entry.path)
                     except OSError as err:
                         if err.errno == errno.ELOOP:
-                            problems.append(
-                                Found(sub, "symlink_loop", "the symbolic link points to itself")
-                            )
+                            problems.append(Found(sub, "symlink_loop", "the symbolic link points to itself"))
                         else:
                             dest = os.readlink(entry.path)
                             problems.append(
@@ -177,8 +184,34 @@ def _walk(
     )
 
 
+def aux_folders(ds: DatasetConfig) -> dict[str, Path]:
+    """The configured aux image folders: role (``mask``, ``control``) -> absolute folder."""
+    return {
+        role: Path(folder).absolute() for role in ("mask", "control") if (folder := getattr(ds, f"{role}_path", None))
+    }
+
+
+def _aux_files(folder: Path, image_exts: list[str], with_stats: bool, listing: Listing) -> dict[str, str]:
+    """Media stem -> absolute path of the images in an aux folder (first extension wins)."""
+    exts = [norm_ext(e) for e in image_exts]
+    found = _walk(str(folder), dict.fromkeys(exts, "image"), "\0", set(), with_stats)
+    listing.problems += [Found(str(folder / p.rel), p.reason, p.note) for p in found.problems]
+    order = {e: i for i, e in enumerate(exts)}
+    files: dict[str, str] = {}
+    for rel in sorted(found.media, key=lambda r: order[os.path.splitext(r)[1].lower()]):
+        path = os.path.join(str(folder), rel)
+        files.setdefault(os.path.splitext(rel)[0], path)
+        if rel in found.stats:
+            listing.stats[path] = found.stats[rel]
+    return files
+
+
 def list_dataset(ds: DatasetConfig, vcfg: ValidationConfig, *, with_stats: bool = False) -> Listing:
-    """Media, caption and metadata files of ``ds`` (recursive, sorted, hidden files skipped)."""
+    """Media, caption and metadata files of ``ds`` (recursive, sorted, hidden files skipped).
+
+    Aux image folders (``mask_path``, ``control_path``) are listed into
+    ``Listing.aux``; one inside the dataset folder is left out of its media.
+    """
     root = Path(ds.path).absolute()
     kinds = {norm_ext(e): "video" for e in vcfg.video_exts}
     kinds.update({norm_ext(e): "image" for e in vcfg.image_exts})
@@ -187,7 +220,19 @@ def list_dataset(ds: DatasetConfig, vcfg: ValidationConfig, *, with_stats: bool 
     meta_names = {ds.metadata.removeprefix("./")} if ds.metadata else None
     if not root.is_dir():
         return Listing(root, {}, [], False)
-    return _walk(str(root), kinds, norm_ext(ds.caption_ext), meta_names, with_stats)
+    folders = aux_folders(ds)
+    skip = set()
+    for folder in folders.values():
+        try:
+            skip.add(folder.relative_to(root).as_posix())
+        except ValueError:
+            pass
+    listing = _walk(str(root), kinds, norm_ext(ds.caption_ext), meta_names, with_stats, frozenset(skip))
+    for role, folder in folders.items():
+        if folder.is_dir():
+            listing.aux_roots[role] = folder
+            listing.aux[role] = _aux_files(folder, vcfg.image_exts, with_stats, listing)
+    return listing
 
 
 def dataset_files(ds: DatasetConfig, vcfg: ValidationConfig) -> list[Path]:
@@ -198,7 +243,6 @@ def dataset_files(ds: DatasetConfig, vcfg: ValidationConfig) -> list[Path]:
     """
     listing = list_dataset(ds, vcfg)
     root = str(listing.root)
-    paths = [
-        os.path.join(root, rel) for rel in (*listing.media, *listing.captions, *listing.metadata)
-    ]
+    paths = [os.path.join(root, rel) for rel in (*listing.media, *listing.captions, *listing.metadata)]
+    paths += [p for files in listing.aux.values() for p in files.values()]
     return sorted(Path(p) for p in paths if os.access(p, os.R_OK))

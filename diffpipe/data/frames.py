@@ -4,7 +4,9 @@ Pure functions; the plan uses them for items with more than one frame.
 Video families encode ``4k+1`` frames (one key frame plus groups of four for
 a VAE with 4x temporal compression), so a clip is resampled to the model's
 frame rate and cut to the largest allowed count (or the largest configured
-frame bucket) it holds.
+frame bucket) it holds. :func:`clip_windows` says which frames: the first
+window, one window strided over the whole clip, or several windows (each its
+own training item).
 """
 
 from __future__ import annotations
@@ -33,9 +35,7 @@ def resampled_length(n_src: int, src_fps: float, dst_fps: float) -> int:
     return max(0, math.floor(duration * dst_fps + 1e-6))
 
 
-def resample_indices(
-    n_src: int, src_fps: float, dst_fps: float, n_out: int, start: int = 0
-) -> list[int]:
+def resample_indices(n_src: int, src_fps: float, dst_fps: float, n_out: int, start: int = 0) -> list[int]:
     """Source frame indices for ``n_out`` frames at ``dst_fps`` (nearest earlier frame).
 
     Raises ValueError when the clip is too short: silently returning fewer
@@ -43,9 +43,7 @@ def resample_indices(
     """
     idx = [start + math.floor(i * src_fps / dst_fps + 1e-6) for i in range(n_out)]
     if n_out and idx[-1] >= n_src:
-        raise ValueError(
-            f"clip of {n_src} frames at {src_fps} fps is too short for {n_out} frames at {dst_fps} fps"
-        )
+        raise ValueError(f"clip of {n_src} frames at {src_fps} fps is too short for {n_out} frames at {dst_fps} fps")
     return idx
 
 
@@ -70,3 +68,70 @@ def frame_bucket(
         fitting = [b for b in allowed if b <= available]
         return fitting[-1] if fitting else 0
     return snap_frames(available, step, offset)
+
+
+# -- which frames of a clip become training items (``datasets[].clip_windows``) ----------
+WINDOW_MODES = ("first", "uniform", "multiple")
+
+
+def window_starts(available: int, n: int, count: int | None = None) -> list[int]:
+    """Starts of non-overlapping ``n``-frame windows spread evenly over ``available`` frames.
+
+    As many windows as fit (at most ``count``); the first starts at frame 0 and
+    the last ends at the clip's end. Consecutive starts differ by at least ``n``.
+    """
+    if n < 1 or available < n:
+        return []
+    k = available // n if count is None else min(count, available // n)
+    if k <= 1:
+        return [0]
+    return [i * (available - n) // (k - 1) for i in range(k)]
+
+
+def strided_indices(n_src: int, n_out: int) -> list[int]:
+    """``n_out`` source frames at one even integer stride, centred, spanning as much of the clip as fits.
+
+    Falls back to consecutive frames when the clip holds fewer than ``n_out`` (stride 1).
+    """
+    if n_out <= 1:
+        return [0] * n_out
+    stride = max(1, (n_src - 1) // (n_out - 1))
+    start = max(0, (n_src - 1 - (n_out - 1) * stride) // 2)
+    return [start + i * stride for i in range(n_out)]
+
+
+def clip_windows(
+    n_src: int,
+    src_fps: float,
+    dst_fps: float,
+    buckets: list[int] | None = None,
+    *,
+    step: int = 4,
+    offset: int = 1,
+    mode: str = "first",
+    count: int | None = None,
+) -> list[list[int]]:
+    """The source frame indices of each training window of a clip (empty: too short for every bucket).
+
+    Every window has the frame count :func:`frame_bucket` picks. ``mode``:
+
+    - ``first``: one window, the clip's first frames at ``dst_fps``;
+    - ``uniform``: one window spread over the whole clip at an even source-frame stride
+      (so it shows the whole clip, faster than real time when the clip is longer than the window);
+    - ``multiple``: non-overlapping windows at ``dst_fps`` spread evenly over the clip, as many as
+      fit (at most ``count``); each becomes its own training item.
+    """
+    if mode not in WINDOW_MODES:
+        raise ValueError(f"clip_windows {mode!r}: choose from {', '.join(WINDOW_MODES)}")
+    n = frame_bucket(n_src, src_fps, dst_fps, buckets, step=step, offset=offset)
+    if n == 0:
+        return []
+    if mode == "uniform":
+        if n_src >= n:
+            return [strided_indices(n_src, n)]
+        return [resample_indices(n_src, src_fps, dst_fps, n)]  # a clip slower than dst_fps repeats frames
+    if mode == "first":
+        return [resample_indices(n_src, src_fps, dst_fps, n)]
+    available = resampled_length(n_src, src_fps, dst_fps)
+    every = resample_indices(n_src, src_fps, dst_fps, available)
+    return [every[s : s + n] for s in window_starts(available, n, count)]

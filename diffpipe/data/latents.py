@@ -6,6 +6,13 @@ Layout of ``<shard>.zarr``::
                               checksum (sha256 over every array's bytes)
     1x64x64/                  array [N, C, F, h, w] for pixel bucket F x H x W
         attrs: bucket, ids, keys, dtype
+    mask/1x64x64/             loss masks [N, 1, F, h, w] in [0, 1] at latent resolution,
+        attrs: ids, has       rows aligned with the bucket's (ones where ``has`` is false)
+    control/1x64x64/          control latents [N, C, F_c, h, w] (zeros where ``has`` is false)
+    control_embeds/1x64x64/   image-encoder embeddings of the control images [N, ...] (families
+                              that condition on one, e.g. Wan 2.1 I2V's CLIP hidden states)
+
+The ``mask``, ``control`` and ``control_embeds`` groups exist only when some item has one.
 
 bfloat16 is stored as its raw uint16 bits (Zarr has no bf16 dtype) with
 ``{"dtype": "bfloat16"}`` in the attrs, so the round trip is bit-exact.
@@ -34,14 +41,32 @@ DTYPES = ("float32", "bfloat16")
 CHUNK_BYTES = 8 << 20
 
 
+#: Per-item arrays stored beside the latents: role -> value of rows without one.
+AUX_FILL = {"mask": 1.0, "control": 0.0, "control_embeds": 0.0}
+
+
 @dataclass(frozen=True)
 class LatentEntry:
-    """One encoded item: its id, cache key, pixel bucket ``(F, H, W)`` and latents ``[C, F, h, w]``."""
+    """One encoded item: its id, cache key, pixel bucket ``(F, H, W)`` and latents ``[C, F, h, w]``.
+
+    ``mask`` (``[1, F, h, w]`` in [0, 1]) and ``control`` (conditioning latents
+    ``[C, F_c, h, w]``) are the item's auxiliary arrays, None when it has none;
+    ``control_embeds`` is the control image's image-encoder embedding, for
+    families whose ``encode_control`` returns one.
+    """
 
     id: str
     key: str
     bucket: tuple[int, int, int]
     latents: torch.Tensor
+    mask: torch.Tensor | None = None
+    control: torch.Tensor | None = None
+    control_embeds: torch.Tensor | None = None
+
+
+def aux_array(role: str, bucket_array: str) -> str:
+    """Path of a bucket's aux array inside a shard: ``mask/1x64x64``."""
+    return f"{role}/{bucket_array}"
 
 
 def bucket_name(bucket: tuple[int, int, int] | list[int]) -> str:
@@ -52,15 +77,7 @@ def bucket_name(bucket: tuple[int, int, int] | list[int]) -> str:
 def to_storage(t: torch.Tensor, dtype: str) -> np.ndarray:
     """Tensor -> numpy array in the storage dtype (bf16 as uint16 bits)."""
     if dtype == "bfloat16":
-        return (
-            t.detach()
-            .cpu()
-            .to(torch.bfloat16)
-            .contiguous()
-            .view(torch.int16)
-            .numpy()
-            .view(np.uint16)
-        )
+        return t.detach().cpu().to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
     if dtype == "float32":
         return t.detach().cpu().to(torch.float32).contiguous().numpy()
     raise ValueError(f"unsupported cache dtype {dtype!r}; use one of {DTYPES}")
@@ -112,9 +129,7 @@ def write_latent_shard(
         items.sort(key=lambda e: e.id)
         shapes = {tuple(e.latents.shape) for e in items}
         if len(shapes) != 1:
-            raise ValueError(
-                f"latent shard {out_path}: bucket {name} mixes shapes {sorted(shapes)}"
-            )
+            raise ValueError(f"latent shard {out_path}: bucket {name} mixes shapes {sorted(shapes)}")
         arrays[name] = to_storage(torch.stack([e.latents for e in items]), dtype)
         meta[name] = {
             "bucket": list(items[0].bucket),
@@ -122,6 +137,22 @@ def write_latent_shard(
             "keys": [e.key for e in items],
             "dtype": dtype,
         }
+        for role, fill in AUX_FILL.items():
+            values = [getattr(e, role) for e in items]
+            present = [v for v in values if v is not None]
+            if not present:
+                continue
+            shapes = {tuple(v.shape) for v in present}
+            if len(shapes) != 1:
+                raise ValueError(f"latent shard {out_path}: bucket {name} mixes {role} shapes {sorted(shapes)}")
+            blank = torch.full(present[0].shape, fill)
+            rows = [blank if v is None else v for v in values]
+            arrays[aux_array(role, name)] = to_storage(torch.stack(rows), dtype)
+            meta[aux_array(role, name)] = {
+                "ids": meta[name]["ids"],
+                "has": [v is not None for v in values],
+                "dtype": dtype,
+            }
     group_attrs = {
         **(attrs or {}),
         "format": FORMAT,
@@ -134,7 +165,7 @@ def write_latent_shard(
         for name, data in arrays.items():
             row_bytes = max(1, data[0].nbytes)
             rows = max(1, min(len(data), CHUNK_BYTES // row_bytes))
-            arr = group.create_array(
+            arr = group.create_array(  # "mask/1x64x64" creates the "mask" group too
                 name,
                 shape=data.shape,
                 chunks=(rows, *data.shape[1:]),
@@ -167,14 +198,19 @@ class LatentShard:
         except Exception as err:  # zarr raises many types for a damaged store
             raise ValueError(f"latent shard {self.path} cannot be opened: {err}") from err
         if self.attrs.get("format") != FORMAT:
-            raise ValueError(
-                f"latent shard {self.path} is not a diffpipe latent shard (no format attr)"
-            )
+            raise ValueError(f"latent shard {self.path} is not a diffpipe latent shard (no format attr)")
         self.dtype: str = self.attrs["dtype"]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*snakemake_timestamp.*")
             self.meta: dict[str, dict[str, Any]] = {
                 name: dict(self.group[name].attrs) for name in sorted(self.group.array_keys())
+            }
+            #: Aux arrays (``mask/1x64x64``, ``control/...``) -> attrs (``ids``, ``has``).
+            self.aux_meta: dict[str, dict[str, Any]] = {
+                aux_array(role, name): dict(self.group[role][name].attrs)
+                for role in AUX_FILL
+                if role in self.group.group_keys()
+                for name in sorted(self.group[role].array_keys())
             }
 
     @property
@@ -189,17 +225,15 @@ class LatentShard:
         try:
             return self.group[name][...]
         except Exception as err:
-            raise ValueError(
-                f"latent shard {self.path}: array {name} cannot be read: {err}"
-            ) from err
+            raise ValueError(f"latent shard {self.path}: array {name} cannot be read: {err}") from err
 
     def read(self, name: str) -> np.ndarray:
         """Array ``name`` as float32 ``[N, C, F, h, w]``."""
         return from_storage(self.read_raw(name), self.dtype)
 
     def load(self) -> dict[str, np.ndarray]:
-        """Every array in storage form, checked against the shard checksum."""
-        arrays = {name: self.read_raw(name) for name in self.names}
+        """Every array in storage form (buckets and aux arrays), checked against the shard checksum."""
+        arrays = {name: self.read_raw(name) for name in [*self.names, *self.aux_meta]}
         self._check(arrays)
         return arrays
 
@@ -209,7 +243,7 @@ class LatentShard:
         return True
 
     def _check(self, arrays: dict[str, np.ndarray]) -> None:
-        if _checksum(arrays, self.meta) != self.attrs.get("checksum"):
+        if _checksum(arrays, {**self.meta, **self.aux_meta}) != self.attrs.get("checksum"):
             raise ValueError(
                 f"latent shard {self.path} is corrupt (checksum mismatch); delete it and rerun its cache job"
             )

@@ -50,6 +50,9 @@ class MetadataTable:
     files: list[str] = field(default_factory=list)  # metadata files read, relative to the root
     captions: dict[str, Any] = field(default_factory=dict)
     where: dict[str, str] = field(default_factory=dict)  # media path -> "metadata.jsonl row 3"
+    #: Per auxiliary role (``mask``, ``control``): media path -> the aux file's relative path
+    #: (None for an empty cell).
+    aux: dict[str, dict[str, str | None]] = field(default_factory=dict)
     problems: list[Problem] = field(default_factory=list)
 
 
@@ -85,11 +88,7 @@ def parse_records(data: bytes, fmt: str) -> list[dict[str, Any]]:
         except json.JSONDecodeError as err:
             raise ValueError(f"not valid JSON ({err.msg} at line {err.lineno})") from None
         if isinstance(records, dict):  # {"file": caption, ...} or {"data": [...]}
-            lists = [
-                v
-                for v in records.values()
-                if isinstance(v, list) and all(isinstance(x, dict) for x in v)
-            ]
+            lists = [v for v in records.values() if isinstance(v, list) and all(isinstance(x, dict) for x in v)]
             if len(records) == 1 and lists:
                 records = lists[0]
             else:
@@ -99,9 +98,7 @@ def parse_records(data: bytes, fmt: str) -> list[dict[str, Any]]:
     return records
 
 
-def pick_column(
-    columns: list[str], configured: str | None, candidates: tuple[str, ...]
-) -> str | None:
+def pick_column(columns: list[str], configured: str | None, candidates: tuple[str, ...]) -> str | None:
     """The configured column if present, else the first candidate (case-insensitive)."""
     if configured:
         return configured if configured in columns else None
@@ -124,17 +121,36 @@ def relative_path(root: Path, value: str) -> str | None:
 
 
 def read_metadata(
-    root: Path, files: list[str], file_column: str | None, caption_column: str | None
+    root: Path,
+    files: list[str],
+    file_column: str | None,
+    caption_column: str | None,
+    aux_columns: dict[str, str] | None = None,
 ) -> MetadataTable:
     """Parse a dataset's metadata files (paths relative to ``root``) into one table.
 
     A file's paths are relative to the folder holding it (``test/metadata.jsonl``
-    names files in ``test/``, as in the ``imagefolder`` layout).
+    names files in ``test/``, as in the ``imagefolder`` layout). ``aux_columns``
+    (role -> column, e.g. ``{"mask": "mask_file"}``) name columns of per-item
+    auxiliary image paths, relative like the file column.
     """
     table = MetadataTable(list(files))
+    table.aux = {role: {} for role in aux_columns or {}}
     for rel in files:
-        _read_one(root, rel, file_column, caption_column, table)
+        _read_one(root, rel, file_column, caption_column, table, aux_columns or {})
     return table
+
+
+def _inside(root: Path, real_root: Path, base: str, value: str) -> str | None:
+    """``value`` (relative to the metadata folder ``base``) relative to ``root``; None outside it."""
+    joined = value if os.path.isabs(value) or not base else f"{base}/{value}"
+    rel = relative_path(root, joined)
+    if rel is not None:
+        try:  # a path inside the root can still leave it through a symlink
+            (root / rel).resolve().relative_to(real_root)
+        except (ValueError, OSError, RuntimeError):
+            rel = None
+    return rel
 
 
 def _read_one(
@@ -143,6 +159,7 @@ def _read_one(
     file_column: str | None,
     caption_column: str | None,
     table: MetadataTable,
+    aux_columns: dict[str, str],
 ) -> None:
     path = root / meta_rel
     name = meta_rel
@@ -154,9 +171,7 @@ def _read_one(
     try:
         data = path.read_bytes()
     except FileNotFoundError:
-        table.problems.append(
-            Problem("bad_metadata", str(path), f"metadata file {name} does not exist")
-        )
+        table.problems.append(Problem("bad_metadata", str(path), f"metadata file {name} does not exist"))
         return
     except OSError as err:
         msg = f"cannot read metadata file {name}: {err.strerror}"
@@ -179,6 +194,11 @@ def _read_one(
             have = ", ".join(columns) or "none"
             msg = f"metadata file {name} has no {kind} column {wanted} (columns: {have}); set datasets[].{kind}_column"
             table.problems.append(Problem("bad_metadata", str(path), msg))
+    for role, col in aux_columns.items():
+        if col not in columns:
+            have = ", ".join(columns) or "none"
+            msg = f"metadata file {name} has no {role} column {col!r} (columns: {have}); fix datasets[].{role}_column"
+            table.problems.append(Problem("bad_metadata", str(path), msg))
     if fcol is None or ccol is None:
         return
     real_root = root.resolve()
@@ -187,18 +207,10 @@ def _read_one(
         where = f"{name} row {n}"
         value = rec.get(fcol)
         if not isinstance(value, str) or not value.strip():
-            table.problems.append(
-                Problem("bad_metadata", str(path), f"{where}: {fcol!r} is empty or not text")
-            )
+            table.problems.append(Problem("bad_metadata", str(path), f"{where}: {fcol!r} is empty or not text"))
             continue
         value = value.strip()
-        joined = value if os.path.isabs(value) or not base else f"{base}/{value}"
-        rel = relative_path(root, joined)
-        if rel is not None:
-            try:  # a path inside the root can still leave it through a symlink
-                (root / rel).resolve().relative_to(real_root)
-            except (ValueError, OSError, RuntimeError):
-                rel = None
+        rel = _inside(root, real_root, base, value)
         if rel is None:
             msg = f"{where}: {value!r} is outside the dataset folder {root}"
             table.problems.append(Problem("path_outside_root", str(path), msg))
@@ -209,3 +221,12 @@ def _read_one(
             continue
         table.captions[rel] = rec.get(ccol)
         table.where[rel] = where
+        for role, col in aux_columns.items():
+            cell = rec.get(col)
+            aux_rel = None
+            if isinstance(cell, str) and cell.strip():
+                aux_rel = _inside(root, real_root, base, cell.strip())
+                if aux_rel is None:
+                    msg = f"{where}: {role} {cell.strip()!r} is outside the dataset folder {root}"
+                    table.problems.append(Problem("path_outside_root", str(path), msg))
+            table.aux[role][rel] = aux_rel

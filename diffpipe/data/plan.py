@@ -6,8 +6,14 @@ Keys hash exactly what determines the cached value:
 
 - latent key = digest(file sha256, transform (bucket ``[F, H, W]``, crop
   position, flip, frame indices), VAE identity (config + weight
-  fingerprint), storage dtype);
-- text key = digest(final caption, tokenizer + text-encoder identity, dtype).
+  fingerprint), storage dtype, and the sha256 of the item's mask and
+  control images when it has them: they are cached in the same entry);
+- text key = digest(final caption, tokenizer + text-encoder identity, dtype),
+  plus the control image's sha256 for families whose text encoder sees it.
+
+Image entries also record ``original_size`` and ``crop_top_left`` (the source
+size and where the crop starts in the resized image: SDXL's size conditioning,
+read by the training reader); both follow from what the latent key holds.
 
 So a caption edit changes one text key and no latent key, a VAE change
 changes latent keys only, a new resolution adds keys without touching the
@@ -35,8 +41,9 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from diffpipe.config import CacheConfig, DatasetConfig
-from diffpipe.data.buckets import choose_bucket, crop_offset, dataset_ratios
-from diffpipe.data.frames import frame_bucket, resample_indices
+from diffpipe.data.aux_images import ROLES, problem_reasons
+from diffpipe.data.buckets import choose_bucket, crop_offset, crop_top_left, dataset_ratios
+from diffpipe.data.frames import clip_windows
 from diffpipe.data.latents import bucket_name
 from diffpipe.paths import RunPaths, shard_name
 from diffpipe.utils import digest, stable_json, write_if_changed
@@ -73,9 +80,7 @@ def shard_index(item_id: str, shards: int) -> int:
     return int(item_id, 16) % shards
 
 
-def assign_shards(
-    ids: list[str], shards: int, previous: dict[str, int] | None = None
-) -> dict[str, int]:
+def assign_shards(ids: list[str], shards: int, previous: dict[str, int] | None = None) -> dict[str, int]:
     """Shard of every item: sticky across plans, new items together.
 
     Without a previous assignment (or with another shard count) items go to
@@ -118,15 +123,45 @@ def transform(
     }
 
 
-def latent_key(sha256: str, tf: dict[str, Any] | list[int], identity: str, dtype: str) -> str:
-    """Key of a latent entry (``tf`` a :func:`transform`; a bare bucket means center, no flip)."""
+def latent_key(
+    sha256: str,
+    tf: dict[str, Any] | list[int],
+    identity: str,
+    dtype: str,
+    aux: dict[str, str] | None = None,
+) -> str:
+    """Key of a latent entry (``tf`` a :func:`transform`; a bare bucket means center, no flip).
+
+    ``aux`` maps a role (``mask``, ``control``) to its image's sha256; items
+    without aux images keep the key they always had.
+    """
     if not isinstance(tf, dict):
         tf = transform(list(tf))
-    return digest(["latent", sha256, tf, identity, dtype])
+    parts: list[Any] = ["latent", sha256, tf, identity, dtype]
+    if aux:
+        parts.append(dict(sorted(aux.items())))
+    return digest(parts)
 
 
-def text_key(caption: str, identity: str, dtype: str) -> str:
-    return digest(["text", caption, identity, dtype])
+def item_aux(row: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """A manifest row's usable aux images: role -> ``{"path", "sha256"}``.
+
+    An image flagged missing, corrupt or mismatched is left out even when the
+    policy kept its item (``warn``): it then trains unmasked / without control.
+    """
+    reasons = set(row.get("reasons") or [])
+    out = {}
+    for role in ROLES:
+        sha = row.get(f"{role}_sha256")
+        if sha and not reasons & problem_reasons(role):
+            out[role] = {"path": row[f"{role}_path"], "sha256": sha}
+    return out
+
+
+def text_key(caption: str, identity: str, dtype: str, control: str | None = None) -> str:
+    """Key of a text entry; ``control`` (the control image's sha256) only for families whose
+    text encoder sees the control image (``Family.text_uses_control``)."""
+    return digest(["text", caption, identity, dtype] + ([control] if control else []))
 
 
 def _spec_json(obj: dict[str, Any]) -> str:
@@ -143,20 +178,59 @@ def _entries(
     fps: float,
     frame_rule: tuple[int, int],
 ) -> list[dict[str, Any]]:
-    """The latent entries of one manifest row: one per resolution and flip."""
+    """The latent entries of one manifest row: one per clip window, resolution and flip."""
     ratios = dataset_ratios(ds)
+    aux = item_aux(row)
+    if ds.control_from_first_frame and "control" not in aux:
+        # The first frame is part of the clip (its sha256 is in the key already); the marker
+        # still changes the key, so toggling the option re-caches the item.
+        aux["control"] = {"first_frame": True}
+    aux_shas = {role: a.get("sha256", "first_frame") for role, a in aux.items()}
     n_src = int(row.get("frames") or 1)
-    frames: list[int] | None = None
-    n = 1
+    windows: list[list[int] | None] = [None]
     if n_src > 1:
         src_fps = float(row.get("fps") or fps)
         step, offset = frame_rule
-        n = frame_bucket(n_src, src_fps, fps, ds.frame_buckets, step=step, offset=offset)
-        if n == 0:
+        windows = clip_windows(
+            n_src, src_fps, fps, ds.frame_buckets, step=step, offset=offset, mode=ds.clip_windows, count=ds.max_windows
+        )
+        if not windows:
             return []
-        frames = resample_indices(n_src, src_fps, fps, n)
     elif row.get("kind") == "video":
-        frames = [0]  # a one-frame clip: still decoded as video, never by the image loader
+        windows = [[0]]  # a one-frame clip: still decoded as video, never by the image loader
+    out = []
+    # Window k > 0 of a clip is its own item ``<id>#w<k>``; window 0 keeps the clip's id.
+    for k, frames in enumerate(windows):
+        out += _window_entries(
+            row,
+            ds,
+            frames,
+            "" if k == 0 else f"#w{k}",
+            ratios=ratios,
+            aux=aux,
+            aux_shas=aux_shas,
+            identity=identity,
+            dtype=dtype,
+            pixel_multiple=pixel_multiple,
+        )
+    return out
+
+
+def _window_entries(
+    row: dict[str, Any],
+    ds: DatasetConfig,
+    frames: list[int] | None,
+    window: str,
+    *,
+    ratios: Any,
+    aux: dict[str, Any],
+    aux_shas: dict[str, str],
+    identity: str,
+    dtype: str,
+    pixel_multiple: int,
+) -> list[dict[str, Any]]:
+    """One window's latent entries: one per resolution and flip."""
+    n = len(frames) if frames else 1
     out = []
     for res in ds.training_resolutions():
         h, w = choose_bucket(row["width"], row["height"], res, pixel_multiple, ratios)
@@ -166,12 +240,10 @@ def _entries(
             crop = crop_offset(f"{row['sha256']}:{bucket_name(bucket)}")
         for flip in (False, True) if ds.flip else (False,):
             tf = transform(bucket, crop=crop, flip=flip, frames=frames)
-            suffix = ("" if len(ds.training_resolutions()) == 1 else f"@{res}") + (
-                ":flip" if flip else ""
-            )
+            suffix = ("" if len(ds.training_resolutions()) == 1 else f"@{res}") + (":flip" if flip else "")
             out.append(
                 {
-                    "id": row["id"] + suffix,
+                    "id": row["id"] + window + suffix,
                     "item": row["id"],
                     "path": row["path"],
                     "sha256": row["sha256"],
@@ -179,13 +251,22 @@ def _entries(
                     "crop": tf["crop"],
                     "flip": flip,
                     "frames": frames,
-                    "key": latent_key(row["sha256"], tf, identity, dtype),
+                    "key": latent_key(row["sha256"], tf, identity, dtype, aux_shas),
                     "repeats": effective_repeats(ds.repeats, ds.weight),
                     "dataset": ds.name,
                     "split": row.get("split") or "train",
+                    **({"aux": aux} if aux else {}),
+                    **(_size_conditioning(row, bucket, crop, flip) if frames is None else {}),
                 }
             )
     return out
+
+
+def _size_conditioning(row: dict[str, Any], bucket: list[int], crop: tuple[float, float], flip: bool) -> dict:
+    """An image entry's source size and crop offset, ``[h, w]`` / ``[top, left]`` pixels (SDXL's
+    micro-conditioning). Pure functions of what the latent key holds, so not part of it."""
+    size = (int(row["height"]), int(row["width"]))
+    return {"original_size": list(size), "crop_top_left": list(crop_top_left(size, tuple(bucket[1:]), crop, flip))}
 
 
 def make_plan(
@@ -200,12 +281,15 @@ def make_plan(
     global_batch: int = 1,
     fps: float = 24.0,
     frame_rule: tuple[int, int] = (4, 1),
+    text_control: bool = False,
 ) -> PlanResult:
     """Write one latent spec and one text spec per shard, the empty-caption spec and the summary.
 
     ``global_batch`` (micro-batch x accumulation x processes) only feeds the
     report of buckets smaller than a batch. ``fps`` and ``frame_rule``
     (``step, offset``: counts ``step*k + offset``) are the model's, for video.
+    ``text_control``: the text encoder sees the control image, so a text entry
+    carries the item's control image and its key the image's sha256.
 
     Raises:
         ValueError: the manifest is missing or names a dataset the config lacks.
@@ -216,7 +300,9 @@ def make_plan(
     by_name = {d.name: d for d in datasets}
     schema_names = set(pq.read_schema(manifest_path).names)
     cols = ["id", "dataset", "path", "sha256", "width", "height", "frames", "caption", "status"]
-    cols += [c for c in ("fps", "split", "kind") if c in schema_names]  # columns newer manifests add
+    newer = ["fps", "split", "kind", "reasons"]  # columns newer manifests add
+    newer += [f"{role}_{col}" for role in ROLES for col in ("path", "sha256")]
+    cols += [c for c in newer if c in schema_names]
     rows = pq.ParquetFile(manifest_path).read(columns=cols).to_pylist()
     names = [shard_name(i) for i in range(cache_cfg.shards)]
     latents: list[list[dict[str, Any]]] = [[] for _ in names]
@@ -249,10 +335,12 @@ def make_plan(
             continue
         n_items += 1
         caption = final_caption(ds.caption_prefix, row["caption"])
+        control = item_aux(row).get("control") if text_control else None
         text = {
             "id": row["id"],
             "caption": caption,
-            "key": text_key(caption, text_identity, cache_cfg.dtype),
+            "key": text_key(caption, text_identity, cache_cfg.dtype, control and control["sha256"]),
+            **({"control": control} if control else {}),
         }
         kept.append((row["id"], entries, text))
         for e in entries:
@@ -297,9 +385,7 @@ def make_plan(
         "kind": "text",
         "shard": "empty",
         "identity": text_identity,
-        "items": [
-            {"id": EMPTY_ID, "caption": "", "key": text_key("", text_identity, cache_cfg.dtype)}
-        ],
+        "items": [{"id": EMPTY_ID, "caption": "", "key": text_key("", text_identity, cache_cfg.dtype)}],
     }
     if write_if_changed(paths.empty_spec, _spec_json(empty)):
         result.written.append(paths.empty_spec)
@@ -320,9 +406,7 @@ def make_plan(
             name: {
                 "items": len(texts[i]),
                 "entries": len(latents[i]),
-                "buckets": dict(
-                    sorted(Counter(bucket_name(x["bucket"]) for x in latents[i]).items())
-                ),
+                "buckets": dict(sorted(Counter(bucket_name(x["bucket"]) for x in latents[i]).items())),
             }
             for i, name in enumerate(names)
         },
@@ -331,9 +415,7 @@ def make_plan(
     if write_if_changed(paths.plan_summary, _spec_json(summary)):
         result.written.append(paths.plan_summary)
     # Outside the plan folder: Snakemake deletes a checkpoint's output before rerunning it.
-    write_if_changed(
-        paths.plan_state, _spec_json({"shards": cache_cfg.shards, "assignment": assignment})
-    )
+    write_if_changed(paths.plan_state, _spec_json({"shards": cache_cfg.shards, "assignment": assignment}))
     return result
 
 

@@ -56,6 +56,25 @@ REASONS: dict[str, tuple[Action, str]] = {
     "no_frames": ("skip", "The video has no decodable frame."),
     "too_few_frames": ("skip", "The video has fewer decoded frames than `validation.min_frames`."),
     "duplicate_media": ("warn", "Another media file has the same content (SHA-256)."),
+    # per-item auxiliary images (datasets[].mask_path / control_path and their columns)
+    "missing_mask": ("warn", "No mask image for the item; it trains unmasked."),
+    "corrupt_mask": (
+        "skip",
+        "The mask image cannot be decoded: unreadable, empty, truncated or not an image.",
+    ),
+    "mask_size_mismatch": (
+        "skip",
+        "The mask's aspect ratio differs from its media file's, so it would not line up.",
+    ),
+    "missing_control": ("skip", "No control image for the item."),
+    "corrupt_control": (
+        "skip",
+        "The control image cannot be decoded: unreadable, empty, truncated or not an image.",
+    ),
+    "control_size_mismatch": (
+        "skip",
+        "The control image's aspect ratio differs from its media file's, so it would not line up.",
+    ),
     # files and paths
     "unreadable": ("skip", "The file or folder cannot be read (permissions or I/O error)."),
     "broken_symlink": ("skip", "A symbolic link whose target does not exist."),
@@ -85,9 +104,7 @@ def resolve_actions(overrides: dict[str, Action] | None = None) -> dict[str, Act
     actions = default_actions()
     for code, action in (overrides or {}).items():
         if code not in actions:
-            raise ValueError(
-                f"validation.actions: unknown reason code {code!r}; known: {', '.join(actions)}"
-            )
+            raise ValueError(f"validation.actions: unknown reason code {code!r}; known: {', '.join(actions)}")
         actions[code] = action
     return actions
 

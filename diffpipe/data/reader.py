@@ -4,7 +4,9 @@
 checks its checksum, and checks that every planned item is stored under its
 expected key with a consistent shape, before a single training step runs.
 Arrays are read whole (one read per bucket per shard) and concatenated; items
-then index into them.
+then index into them. Loss masks and control latents, where items have them,
+are joined the same way (rows aligned with the latents) and come back in the
+batch as ``mask`` and ``control_latents``.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffpipe.data.latents import LatentShard, bucket_name, storage_to_tensor
+from diffpipe.data.latents import AUX_FILL, LatentShard, aux_array, bucket_name, storage_to_tensor
 from diffpipe.data.plan import read_spec
 from diffpipe.data.text import TextShard
 from diffpipe.paths import RunPaths
@@ -32,6 +34,8 @@ class _Item:
     row: int  # row in the bucket's latent tensor
     text_row: int  # row in the text tensors
     repeats: int
+    #: Source ``(h, w)`` and crop ``(top, left)`` in pixels (images planned with them; else None).
+    sizes: tuple[int, int, int, int] | None = None
 
 
 def _concat(parts: list[np.ndarray], dtype: str) -> torch.Tensor:
@@ -48,9 +52,12 @@ class CachedDataset:
         text: dict[str, torch.Tensor],
         empty_text: dict[str, torch.Tensor] | None,
         shards: list[str],
+        aux: dict[str, dict[str, tuple[torch.Tensor, torch.Tensor]]] | None = None,
     ):
         self.items = items
         self._latents = latents
+        #: role -> bucket -> (values [N, ...], has [N] bool), rows aligned with the latents.
+        self._aux = aux or {}
         self._text = text
         self.empty_text = empty_text
         self.shards = shards
@@ -72,13 +79,11 @@ class CachedDataset:
         if not shards:
             raise ValueError(f"no latent specs under {paths.plan_dir}; run the plan step first")
         if paths.shard_names("text") != shards:
-            raise ValueError(
-                f"latent and text specs under {paths.plan_dir} name different shards; rerun plan"
-            )
-        records: list[
-            tuple[str, str, str, int, int, int]
-        ] = []  # id, path, bucket, lat row, text row, reps
+            raise ValueError(f"latent and text specs under {paths.plan_dir} name different shards; rerun plan")
+        records: list[tuple] = []  # id, path, bucket, lat row, text row, reps, sizes
         lat_parts: dict[str, list[np.ndarray]] = {}
+        # role -> bucket -> one (values or None, has) per shard part of that bucket
+        aux_parts: dict[str, dict[str, list[tuple[np.ndarray | None, list[bool]]]]] = {role: {} for role in AUX_FILL}
         text_parts: dict[str, list[np.ndarray]] = {}
         lat_rows: dict[str, int] = {}
         text_rows = 0
@@ -93,9 +98,7 @@ class CachedDataset:
             tarrays = tshard.load()  # raises on a checksum mismatch
             dtypes |= {lshard.dtype, tshard.dtype}
             if tspec["items"] and text_shapes is not None and tshard.shapes != text_shapes:
-                raise ValueError(
-                    f"text shard {tshard.path} has shapes {tshard.shapes}, others {text_shapes}"
-                )
+                raise ValueError(f"text shard {tshard.path} has shapes {tshard.shapes}, others {text_shapes}")
             if tspec["items"]:
                 text_shapes = tshard.shapes
             lat_index = {
@@ -104,8 +107,7 @@ class CachedDataset:
                 for r, (item_id, key) in enumerate(zip(meta["ids"], meta["keys"], strict=True))
             }
             text_index = {
-                item_id: (r, key)
-                for r, (item_id, key) in enumerate(zip(tshard.ids, tshard.keys, strict=True))
+                item_id: (r, key) for r, (item_id, key) in enumerate(zip(tshard.ids, tshard.keys, strict=True))
             }
             text_by_id = {t["id"]: t for t in tspec["items"]}
             for item in lspec["items"]:
@@ -119,18 +121,14 @@ class CachedDataset:
                 source = item.get("item", item["id"])  # several latent entries share one caption
                 titem = text_by_id.get(source)
                 if titem is None:
-                    raise ValueError(
-                        f"text spec {paths.text_spec(s)} lacks {item['path']}; rerun the plan step"
-                    )
+                    raise ValueError(f"text spec {paths.text_spec(s)} lacks {item['path']}; rerun the plan step")
                 tfound = text_index.get(source)
                 if tfound is None or tfound[1] != titem["key"]:
                     raise ValueError(
                         f"text shard {tshard.path} has no entry for {item['path']} (key {titem['key']}); "
                         "rerun its cache job"
                     )
-                geometry.setdefault(
-                    name, _check_geometry(lshard, name, arrays[name].shape, item["bucket"])
-                )
+                geometry.setdefault(name, _check_geometry(lshard, name, arrays[name].shape, item["bucket"]))
                 if split is not None and item.get("split", "train") != split:
                     continue
                 records.append(
@@ -141,21 +139,35 @@ class CachedDataset:
                         lat_rows.get(name, 0) + found[1],
                         text_rows + tfound[0],
                         int(item.get("repeats", 1)),
+                        _sizes(item),
                     )
                 )
-            for name, arr in arrays.items():
+            for name in lshard.names:
+                arr = arrays[name]
                 lat_parts.setdefault(name, []).append(arr)
                 lat_rows[name] = lat_rows.get(name, 0) + len(arr)
+                for role in AUX_FILL:
+                    meta = lshard.aux_meta.get(aux_array(role, name))
+                    part = (None, [False] * len(arr))
+                    if meta is not None:
+                        part = (arrays[aux_array(role, name)], list(meta["has"]))
+                    aux_parts[role].setdefault(name, []).append(part)
             for name, arr in tarrays.items():
                 text_parts.setdefault(name, []).append(arr)
             text_rows += len(tshard)
         _check_channels(geometry, paths)
         if len(dtypes) > 1:
-            raise ValueError(
-                f"caches under {paths.root} mix dtypes {sorted(dtypes)}; rerun the cache step"
-            )
+            raise ValueError(f"caches under {paths.root} mix dtypes {sorted(dtypes)}; rerun the cache step")
         dtype = dtypes.pop()
         latents = {name: _concat(parts, dtype) for name, parts in lat_parts.items()}
+        aux = {
+            role: {
+                name: joined
+                for name, parts in by_bucket.items()
+                if (joined := _join_aux(parts, AUX_FILL[role], dtype)) is not None
+            }
+            for role, by_bucket in aux_parts.items()
+        }
         text = {name: _concat(parts, dtype) for name, parts in text_parts.items()}
         empty = None
         if paths.text_empty.is_file():
@@ -169,12 +181,10 @@ class CachedDataset:
                     )
             empty = {name: t.float() for name, t in eshard.tensors().items()}
             if text_shapes is not None and eshard.shapes != text_shapes:
-                raise ValueError(
-                    f"text shard {eshard.path} has shapes {eshard.shapes}, others {text_shapes}"
-                )
+                raise ValueError(f"text shard {eshard.path} has shapes {eshard.shapes}, others {text_shapes}")
         records.sort()
         items = [_Item(*r) for r in records]
-        return cls(items, latents, text, empty, shards)
+        return cls(items, latents, text, empty, shards, aux)
 
     # -- batching -----------------------------------------------------------------
     def epoch_batches(self, epoch: int, batch_size: int, seed: int) -> list[list[int]]:
@@ -196,24 +206,67 @@ class CachedDataset:
 
     def num_batches(self, batch_size: int) -> int:
         """Batches per epoch (the same for every epoch and seed)."""
-        return sum(
-            math.ceil(sum(self.items[i].repeats for i in idx) / batch_size)
-            for idx in self._by_bucket.values()
-        )
+        return sum(math.ceil(sum(self.items[i].repeats for i in idx) / batch_size) for idx in self._by_bucket.values())
 
     def collate(self, indices: Sequence[int]) -> dict[str, Any]:
-        """Stack items of one bucket: latents ``[B,C,F,h,w]``, text ``{name: [B,...]}`` (float32)."""
+        """Stack items of one bucket: latents ``[B,C,F,h,w]``, text ``{name: [B,...]}`` (float32).
+
+        ``mask``: ``[B,1,F,h,w]`` loss weights in [0, 1] when an item of the batch
+        has a mask (ones for the others: they train unmasked), else None.
+        ``control_latents``: ``[B,C,F_c,h,w]`` when every item has a control
+        image, else None (``control_missing`` lists the ids without one);
+        ``control_embeds``: their image-encoder embeddings ``[B, ...]`` when the
+        family cached them, else None.
+        ``sizes``: ``{"original_size", "crop_top_left"}`` ``[B, 2]`` int pixels
+        when every item's plan recorded them (images), else None.
+        """
         items = [self.items[i] for i in indices]
         buckets = {it.bucket for it in items}
         if len(buckets) != 1:
             raise ValueError(f"a batch must come from one bucket, got {sorted(buckets)}")
+        bucket = buckets.pop()
         rows = torch.tensor([it.row for it in items], dtype=torch.long)
         trows = torch.tensor([it.text_row for it in items], dtype=torch.long)
-        return {
-            "latents": self._latents[buckets.pop()][rows].float(),
+        batch = {
+            "latents": self._latents[bucket][rows].float(),
             "text": {name: t[trows].float() for name, t in self._text.items()},
             "ids": [it.id for it in items],
+            "mask": None,
+            "control_latents": None,
+            "control_missing": [],
+            "control_embeds": None,
+            "sizes": None,
         }
+        if all(it.sizes is not None for it in items):
+            sizes = torch.tensor([it.sizes for it in items], dtype=torch.long)
+            batch["sizes"] = {"original_size": sizes[:, :2], "crop_top_left": sizes[:, 2:]}
+        if bucket in self._aux.get("mask", {}):
+            values, has = self._aux["mask"][bucket]
+            if bool(has[rows].any()):
+                batch["mask"] = values[rows].float()
+        if bucket in self._aux.get("control", {}):
+            values, has = self._aux["control"][bucket]
+            if bool(has[rows].all()):
+                batch["control_latents"] = values[rows].float()
+                if bucket in self._aux.get("control_embeds", {}):
+                    embeds, has_embeds = self._aux["control_embeds"][bucket]
+                    if bool(has_embeds[rows].all()):
+                        batch["control_embeds"] = embeds[rows].float()
+            else:
+                batch["control_missing"] = [it.id for it, h in zip(items, has[rows], strict=True) if not h]
+        else:
+            batch["control_missing"] = [it.id for it in items]
+        return batch
+
+    @property
+    def has_masks(self) -> bool:
+        """Whether any item has a loss mask."""
+        return any(bool(has.any()) for _, has in self._aux.get("mask", {}).values())
+
+    @property
+    def has_controls(self) -> bool:
+        """Whether any item has control latents."""
+        return any(bool(has.any()) for _, has in self._aux.get("control", {}).values())
 
     def summary(self) -> dict[str, Any]:
         """Item count, items per bucket, latent shape per bucket, text shapes."""
@@ -227,9 +280,31 @@ class CachedDataset:
         }
 
 
-def _check_geometry(
-    shard: LatentShard, name: str, shape: tuple[int, ...], bucket: list[int]
-) -> tuple[int, ...]:
+def _sizes(item: dict[str, Any]) -> tuple[int, int, int, int] | None:
+    """A spec entry's ``original_size + crop_top_left`` (None for clips and older plans)."""
+    if "original_size" not in item or "crop_top_left" not in item:
+        return None
+    return (*map(int, item["original_size"]), *map(int, item["crop_top_left"]))
+
+
+def _join_aux(
+    parts: list[tuple[np.ndarray | None, list[bool]]], fill: float, dtype: str
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One bucket's aux rows over every shard, blanks where a shard has none; None when no shard has any."""
+    shape = next((arr.shape[1:] for arr, _ in parts if arr is not None), None)
+    if shape is None:
+        return None
+    # Kept in the storage dtype like the latents (bf16 halves the memory); collate widens.
+    tdtype = torch.bfloat16 if dtype == "bfloat16" else torch.float32
+    tensors = [
+        storage_to_tensor(arr, dtype) if arr is not None else torch.full((len(has), *shape), fill, dtype=tdtype)
+        for arr, has in parts
+    ]
+    has = torch.tensor([h for _, hs in parts for h in hs], dtype=torch.bool)
+    return torch.cat(tensors), has
+
+
+def _check_geometry(shard: LatentShard, name: str, shape: tuple[int, ...], bucket: list[int]) -> tuple[int, ...]:
     """``(C, spatial factor)`` of an array, after checking it matches its pixel bucket."""
     f, h, w = bucket
     if (
@@ -250,6 +325,5 @@ def _check_geometry(
 def _check_channels(geometry: dict[str, tuple[int, ...]], paths: RunPaths) -> None:
     if len(set(geometry.values())) > 1:
         raise ValueError(
-            f"latent caches under {paths.root} disagree on (channels, downscale): {geometry}; "
-            "rerun the cache step"
+            f"latent caches under {paths.root} disagree on (channels, downscale): {geometry}; rerun the cache step"
         )

@@ -30,6 +30,7 @@ from rich.console import Console
 from rich.table import Table
 
 from diffpipe.config import DatasetConfig, ValidationConfig
+from diffpipe.data import aux_images
 from diffpipe.data import captions as cap
 from diffpipe.data.checks import (  # noqa: F401  (FamilyTokenCounter: used through this module)
     FamilyTokenCounter,
@@ -58,10 +59,10 @@ _PROBE_REASONS = {
 }
 #: Reasons found by reading a caption file, reused likewise.
 _CAPTION_REASONS = {"empty_caption", "caption_not_utf8"}
+#: Per-item auxiliary images (:mod:`diffpipe.data.aux_images`).
+AUX_ROLES = aux_images.ROLES
 
-_TOKENS = pa.list_(
-    pa.struct([("encoder", pa.string()), ("tokens", pa.int32()), ("limit", pa.int32())])
-)
+_TOKENS = pa.list_(pa.struct([("encoder", pa.string()), ("tokens", pa.int32()), ("limit", pa.int32())]))
 MANIFEST_SCHEMA = pa.schema(
     [
         ("id", pa.string()),
@@ -88,6 +89,19 @@ MANIFEST_SCHEMA = pa.schema(
         ("status", pa.string()),  # ok | warning | skipped | error
         ("reasons", pa.list_(pa.string())),
         ("notes", pa.list_(pa.string())),  # one human sentence per reason
+        # per aux role (mask, control): absolute path, content hash, stat and size; null when none
+        *[
+            (f"{role}_{col}", typ)
+            for role in AUX_ROLES
+            for col, typ in (
+                ("path", pa.string()),
+                ("sha256", pa.string()),
+                ("size", pa.int64()),
+                ("mtime_ns", pa.int64()),
+                ("width", pa.int32()),
+                ("height", pa.int32()),
+            )
+        ],
     ]
 )
 
@@ -115,7 +129,7 @@ class ValidationResult:
     errors: int = 0
     warnings: int = 0
     manifest_changed: bool = False
-    hashed: int = 0  # media files whose content was read this run
+    hashed: int = 0  # media and aux files whose content was read this run
     reused: int = 0  # media files whose hash came from the previous manifest
     captions_read: int = 0  # caption files read this run
     issues: list[Issue] = field(default_factory=list)
@@ -154,10 +168,7 @@ def _load_previous(path: Path | None) -> tuple[dict[str, dict[str, Any]], dict[s
         meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
         cols = table.to_pydict()  # columnar conversion is several times faster than to_pylist
         names = list(cols)
-        return {
-            vals[0]: dict(zip(names, vals, strict=True))
-            for vals in zip(*cols.values(), strict=True)
-        }, meta
+        return {vals[0]: dict(zip(names, vals, strict=True)) for vals in zip(*cols.values(), strict=True)}, meta
     except Exception:  # a damaged previous manifest only costs the reuse
         return {}, {}
 
@@ -168,8 +179,7 @@ def _same_rows(rows: list[dict[str, Any]], previous: dict[str, dict[str, Any]]) 
         return False
     names = MANIFEST_SCHEMA.names
     return all(
-        (prev := previous.get(row["id"])) is not None and all(row.get(n) == prev[n] for n in names)
-        for row in rows
+        (prev := previous.get(row["id"])) is not None and all(row.get(n) == prev[n] for n in names) for row in rows
     )
 
 
@@ -245,13 +255,7 @@ def _collect(
             "notes": [],
         }
         prev = previous.get(rid)
-        if (
-            reuse_probe
-            and prev
-            and prev["sha256"]
-            and prev["size"] == size
-            and prev["mtime_ns"] == mtime
-        ):
+        if reuse_probe and prev and prev["sha256"] and prev["size"] == size and prev["mtime_ns"] == mtime:
             for k in ("sha256", "kind", "width", "height", "frames", "fps"):
                 row[k] = prev[k]
             for reason, note in zip(prev["reasons"], prev["notes"], strict=True):
@@ -307,9 +311,7 @@ def _captions(
             ):
                 texts = list(prev["captions"] or [])
                 both = zip(prev["reasons"], prev["notes"], strict=True)
-                reason, note = next(
-                    ((r, n) for r, n in both if r in _CAPTION_REASONS), (None, None)
-                )
+                reason, note = next(((r, n) for r, n in both if r in _CAPTION_REASONS), (None, None))
             else:
                 result.captions_read += 1
                 try:
@@ -390,6 +392,7 @@ def run_validation(
 
     per_ds: list[tuple[DatasetConfig, Listing, MetadataTable, list[dict[str, Any]]]] = []
     jobs: list[tuple[list[dict[str, Any]], int, str, str]] = []
+    aux_jobs: list[tuple[dict[str, Any], str, str]] = []  # (row, role, path)
     for ds in datasets:
 
         def issue(path: str, reason: str, note: str, _ds: str = ds.name) -> None:
@@ -406,11 +409,16 @@ def run_validation(
         for found in listing.problems:
             issue(str(listing.root / found.rel), found.reason, found.note)
         meta_files = [ds.metadata] if ds.metadata else listing.metadata
-        meta = read_metadata(listing.root, meta_files, ds.file_column, ds.caption_column)
+        aux_columns = {r: c for r in AUX_ROLES if (c := getattr(ds, f"{r}_column", None))}
+        meta = read_metadata(listing.root, meta_files, ds.file_column, ds.caption_column, aux_columns)
         for prob in meta.problems:
             path = prob.where if os.path.isabs(prob.where) else str(listing.root / prob.where)
             issue(path, prob.reason, prob.note)
+        for rel in aux_images.referenced_files(meta):  # masks / controls are not items
+            listing.media.pop(rel, None)
         rows, ds_jobs = _collect(ds, listing, meta, prev_rows, reuse_probe, issue)
+        aux_images.resolve(ds, listing, meta, rows, issue)
+        aux_jobs += aux_images.reuse_or_probe(rows, listing, prev_rows, reuse_probe)
         if not rows:
             exts = ", ".join([*vcfg.image_exts, *vcfg.video_exts])
             issue(
@@ -424,16 +432,22 @@ def run_validation(
     # New files likely bring new captions: load the tokenizers while they are probed.
     prefetch = getattr(tokens, "prefetch", None) if jobs else None
     probes = probe_files(
-        [(p, k) for _, _, p, k in jobs], vcfg.max_pixels, workers, console, prefetch
+        [(p, k) for _, _, p, k in jobs] + [(p, "image") for _, _, p in aux_jobs],
+        vcfg.max_pixels,
+        workers,
+        console,
+        prefetch,
     )
-    for (rows, i, _, _), probe in zip(jobs, probes, strict=True):
+    for (row, role, _), probe in zip(aux_jobs, probes[len(jobs) :], strict=True):
+        aux_images.apply_probe(row, role, probe)
+    for (rows, i, _, _), probe in zip(jobs, probes[: len(jobs)], strict=True):
         row = rows[i]
         for k in ("sha256", "width", "height", "frames", "fps"):
             row[k] = probe[k]
         row["kind"] = probe["kind"] or row["kind"]
         for reason, note in probe["problems"]:
             add_reason(row, reason, note)
-    result.hashed = len(jobs)
+    result.hashed = len(jobs) + len(aux_jobs)
 
     all_rows: list[dict[str, Any]] = []
     for ds, listing, meta, rows in per_ds:
@@ -450,6 +464,7 @@ def run_validation(
         )
         for row in rows:
             check_geometry(ds, vcfg, row)
+            aux_images.check_geometry(row)
         assign_split(ds, rows, lambda p, r, n, d=ds.name: extra.append((d, p, r, n)), listing.root)
         all_rows += rows
     check_tokens(all_rows, {ds.name: ds.caption_prefix for ds in datasets}, tokens, prev_rows)
@@ -545,8 +560,6 @@ def print_summary(
         table.add_row(label, "", str(value))
     console.print(table)
     if result.errors:
-        console.print(
-            f"[red]{result.errors} error(s): fix them before training (each is listed in the report).[/red]"
-        )
+        console.print(f"[red]{result.errors} error(s): fix them before training (each is listed in the report).[/red]")
     else:
         console.print(f"validate: {result.kept} of {result.items} items kept")

@@ -1,7 +1,7 @@
 """The one video loader the latent cache uses: stream a clip, keep only the planned frames; write MP4s.
 
-The plan picks which source frames a clip contributes (``frames.resample_indices``
-on the model's frame rate and frame rule, first window). Decoding streams
+The plan picks which source frames a clip contributes (``frames.clip_windows`` on
+the model's frame rate and frame rule: the first window, one strided window, or several). Decoding streams
 through PyAV frame by frame, converts and crops only the frames it keeps,
 writes them into a preallocated ``[3, F, H, W]`` array and stops after the
 last one, so memory is set by the bucket, never by the clip's length. Each

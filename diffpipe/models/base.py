@@ -11,7 +11,11 @@ Tensor conventions (every family):
   exactly what the denoiser is trained on (``F' = F`` for image VAEs,
   ``(F - 1) / 4 + 1`` for a video VAE with 4x temporal compression);
 - text: ``dict[str, Tensor]`` named like the family pipeline's arguments
-  (``prompt_embeds``, ``pooled_prompt_embeds``, ...), each ``[B, ...]``.
+  (``prompt_embeds``, ``pooled_prompt_embeds``, ...), each ``[B, ...]``;
+- mask: ``[B, 1, F', h, w]`` loss weights in [0, 1] on the latent grid
+  (datasets with ``mask_path``), applied through :meth:`Family.loss_mask`;
+- control: ``[B, C, F_c, h, w]`` conditioning latents of each item's control
+  image, passed only to families with ``uses_control``.
 """
 
 from __future__ import annotations
@@ -39,9 +43,36 @@ class Family(ABC):
     fps: ClassVar[float] = 24.0
     #: Frame counts ``step * k + offset`` the VAE accepts, as ``(step, offset)``: 4k+1.
     frame_rule: ClassVar[tuple[int, int]] = (4, 1)
+    #: Whether ``loss`` takes ``control`` latents (edit / reference-image families).
+    uses_control: ClassVar[bool] = False
+    #: Whether the text encoder also sees each item's control image (an edit model's
+    #: vision-language encoder): the plan then keys text by caption and control image, and
+    #: the text cache passes the images to ``encode_text(encoders, captions, images=...)``.
+    text_uses_control: ClassVar[bool] = False
+
+    #: Versions ``model.variant`` may name (empty: the family has one).
+    variants: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
+        if cfg.variant is not None and cfg.variant not in self.variants:
+            known = ", ".join(self.variants) or "none"
+            raise ValueError(f"model.variant {cfg.variant!r}: family {self.name!r} has variants: {known}")
+        if cfg.expert is not None and not self.variants:
+            raise ValueError(f"model.expert {cfg.expert!r}: family {self.name!r} has no experts")
+
+    @property
+    def denoiser_attr(self) -> str:
+        """The stock pipeline's attribute (and a local folder's subfolder) holding the trained denoiser.
+
+        ``denoiser_name`` unless a family trains one of several (Wan 2.2 A14B's ``transformer_2``).
+        """
+        return self.denoiser_name
+
+    @property
+    def lora_load_kwargs(self) -> dict[str, Any]:
+        """Extra ``load_lora_weights`` arguments that route the exported LoRA into ``denoiser_attr``."""
+        return {}
 
     # -- identity: content hashes that go into cache keys ------------------
     #: The diffusers VAE class (what a local folder's ``vae/`` is loaded as).
@@ -97,6 +128,15 @@ class Family(ABC):
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         """``[B,3,F,H,W]`` in [-1,1] -> normalised latents ``[B,C,F,h,w]`` (float32)."""
 
+    def encode_control(self, vae: torch.nn.Module, control: torch.Tensor, *, frames: int) -> dict[str, torch.Tensor]:
+        """Control images ``[B,3,1,H,W]`` in [-1,1] -> ``{"control": latents}`` for the cache.
+
+        ``frames`` is the target clip's pixel frame count. A family may add
+        ``control_embeds`` (an image encoder's embedding, ``[B, ...]``); both
+        reach ``loss`` as its ``control`` and ``control_embeds`` arguments.
+        """
+        return {"control": self.encode_pixels(vae, control)}
+
     @abstractmethod
     def encode_text(self, encoders: Any, captions: list[str]) -> dict[str, torch.Tensor]:
         """Captions -> embeddings dict (float32), named like the pipeline's arguments."""
@@ -129,6 +169,7 @@ class Family(ABC):
         t: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
         objective: ObjectiveConfig | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Per-sample training loss ``[B]`` (float32).
 
@@ -138,7 +179,38 @@ class Family(ABC):
         ``t`` (fractions in (0, 1), one per sample) and ``noise`` fix the
         timestep and noise, for evaluation at fixed quantiles; otherwise both
         are drawn from ``generator``. Inputs are cast to the denoiser's dtype.
+
+        ``mask`` (``[B, 1, F', h, w]`` in [0, 1], or None) weights the loss per
+        latent element: the per-sample loss is ``sum(w l) / sum(w)`` with ``w``
+        from :meth:`loss_mask`. Families with ``uses_control`` also take
+        ``control`` (conditioning latents like ``latents``).
         """
+
+    def loss_mask(
+        self,
+        mask: torch.Tensor | None,
+        x0: torch.Tensor,
+        objective: ObjectiveConfig | None = None,
+        pack: Any = None,
+    ) -> torch.Tensor | None:
+        """A batch's loss mask laid out like the family's prediction, as weights (None: unmasked).
+
+        ``mask`` ``[B, 1, F', h, w]`` (or ``[B, 1, h, w]``) is broadcast over the
+        channels of ``x0`` (the clean latents the target is built from, ``[B,C,h,w]``
+        or ``[B,C,F,h,w]``), floored by ``objective.mask_min_weight``, and passed
+        through ``pack`` when the family packs its latents into tokens (the same
+        function its target goes through). Every family's loss calls this.
+        """
+        if mask is None:
+            return None
+        from diffpipe.training.objectives import mask_weights
+
+        m = mask.to(device=x0.device, dtype=torch.float32)
+        if x0.ndim == 4 and m.ndim == 5:  # image families drop the frame axis
+            m = m[:, :, 0]
+        floor = (objective or ObjectiveConfig()).mask_min_weight
+        w = mask_weights(m, floor).expand(x0.shape).contiguous()
+        return pack(w) if pack is not None else w
 
     # -- sampling ----------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:

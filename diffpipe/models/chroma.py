@@ -153,6 +153,7 @@ class ChromaFamily(FluxFamily):
         t: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
         objective: ObjectiveConfig | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()
@@ -176,18 +177,19 @@ class ChromaFamily(FluxFamily):
         dtype = common.param_dtype(denoiser)
         embeds = text["prompt_embeds"].to(device=device, dtype=dtype)
         # ChromaPipeline._prepare_attention_mask: text mask, then every image token.
-        mask = torch.cat([text["prompt_attention_mask"].to(device=device, dtype=dtype),
-                          torch.ones(b, seq, device=device, dtype=dtype)], dim=1)
+        attn_mask = torch.cat([text["prompt_attention_mask"].to(device=device, dtype=dtype),
+                               torch.ones(b, seq, device=device, dtype=dtype)], dim=1)
         pred = denoiser(
             hidden_states=FluxPipeline._pack_latents(noisy, b, c, h, w).to(dtype),
             timestep=sigma.to(dtype),
             encoder_hidden_states=embeds,
             txt_ids=torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),
             img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
-            attention_mask=mask,
+            attention_mask=attn_mask,
             return_dict=False,
         )[0]
-        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c)
+        weights = self.loss_mask(mask, x0, o, lambda m: FluxPipeline._pack_latents(m, b, c, h, w))
+        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c, mask=weights)
 
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """Embedding, one layer per double and single block, output.

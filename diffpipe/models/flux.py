@@ -352,6 +352,7 @@ class FluxFamily(Family):
         t: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
         objective: ObjectiveConfig | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()
@@ -391,7 +392,8 @@ class FluxFamily(Family):
             img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
             return_dict=False,
         )[0]
-        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c)
+        mask = self.loss_mask(mask, x0, o, lambda m: FluxPipeline._pack_latents(m, b, c, h, w))
+        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c, mask=mask)
 
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:

@@ -259,6 +259,7 @@ class HiDreamFamily(Family):
         t: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
         objective: ObjectiveConfig | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()
@@ -289,7 +290,8 @@ class HiDreamFamily(Family):
         if pred.shape != x0.shape:  # train mode returns patches [B, C, S, p*p] (S padded to max_seq)
             pred = unpatchify(pred, x0.shape, common.unwrap(denoiser).config.patch_size)
         # The pipeline steps with ``-pred`` as the velocity ``noise - x0``.
-        return obj.per_sample_loss(pred, -obj.flow_target(x0, noise), kind=o.loss, huber_c=o.huber_c)
+        return obj.per_sample_loss(pred, -obj.flow_target(x0, noise), kind=o.loss, huber_c=o.huber_c,
+                                   mask=self.loss_mask(mask, x0, o))
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         return {**super().sample_kwargs(cfg), "max_sequence_length": self.max_sequence_length}

@@ -230,6 +230,7 @@ class HunyuanImageFamily(Family):
         t: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
         objective: ObjectiveConfig | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()
@@ -261,7 +262,8 @@ class HunyuanImageFamily(Family):
             encoder_attention_mask_2=text["prompt_embeds_mask_2"].to(device=device, dtype=torch.long),
             return_dict=False,
         )[0]
-        return obj.per_sample_loss(pred, obj.flow_target(x0, noise), kind=o.loss, huber_c=o.huber_c)
+        return obj.per_sample_loss(pred, obj.flow_target(x0, noise), kind=o.loss, huber_c=o.huber_c,
+                                   mask=self.loss_mask(mask, x0, o))
 
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         raise NotImplementedError("hunyuanimage: pipeline-parallel layers are not implemented yet")

@@ -223,6 +223,7 @@ class Lumina2Family(Family):
         t: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
         objective: ObjectiveConfig | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()
@@ -250,7 +251,8 @@ class Lumina2Family(Family):
             return_dict=False,
         )[0]
         # The pipeline steps with ``-pred`` as the velocity ``noise - x0``.
-        return obj.per_sample_loss(pred, -obj.flow_target(x0, noise), kind=o.loss, huber_c=o.huber_c)
+        return obj.per_sample_loss(pred, -obj.flow_target(x0, noise), kind=o.loss, huber_c=o.huber_c,
+                                   mask=self.loss_mask(mask, x0, o))
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         return {**super().sample_kwargs(cfg), "max_sequence_length": self.max_sequence_length}

@@ -129,6 +129,11 @@ PUBLISHED: dict[str, Published] = {
             text=_FLUX_TEXT, latent_channels=16,
         ),
         Published(
+            "flux1-kontext-dev", "flux-kontext", "FluxTransformer2DModel", {**_FLUX, "guidance_embeds": True},
+            12e9, 2, "black-forest-labs/FLUX.1-Kontext-dev model card: 12 billion parameter",
+            text=_FLUX_TEXT, latent_channels=16,
+        ),
+        Published(
             "chroma1-hd", "chroma", "ChromaTransformer2DModel", _FLUX, 8.9e9, 2,
             "lodestones/Chroma1-HD model card: 8.9B parameters",
             text={"prompt_embeds": (512, 4096), "prompt_attention_mask": (512,)}, latent_channels=16,
@@ -142,6 +147,12 @@ PUBLISHED: dict[str, Published] = {
             "qwen-image", "qwenimage", "QwenImageTransformer2DModel", {}, 20e9, 2,
             "Qwen/Qwen-Image model card: 20B MMDiT",
             text={"prompt_embeds": (512, 3584), "prompt_embeds_mask": (512,)}, latent_channels=16,
+        ),
+        Published(
+            "qwen-image-edit", "qwenimage-edit", "QwenImageTransformer2DModel", {}, 20e9, 2,
+            "Qwen/Qwen-Image-Edit model card: the 20B Qwen-Image MMDiT, same transformer config",
+            # 512 caption tokens + up to 1456 vision tokens of the ~1024² control image.
+            text={"prompt_embeds": (1968, 3584), "prompt_embeds_mask": (1968,)}, latent_channels=16,
         ),
         Published(
             "hidream-i1-full", "hidream", "HiDreamImageTransformer2DModel",
@@ -159,21 +170,86 @@ PUBLISHED: dict[str, Published] = {
             "in its transformer weights (the model card's headline: '1.3B')",
             text={"prompt_embeds": (512, 4096)}, latent_channels=16,
         ),
-        # Published sizes of families without an adapter yet (README table; no estimate).
         Published(
-            "hunyuanimage-2.1", "hunyuanimage", "HunyuanImageTransformer2DModel", {"text_embed_2_dim": 1472},
-            17e9, 2, "tencent/HunyuanImage-2.1 model card: 17B parameters",
+            "wan2.2-ti2v-5b", "wan", "WanTransformer3DModel",
+            {"num_attention_heads": 24, "attention_head_dim": 128, "ffn_dim": 14336, "num_layers": 30,
+             "in_channels": 48, "out_channels": 48},
+            5e9, 1,
+            "Wan-AI/Wan2.2-TI2V-5B(-Diffusers) model card: 5B dense model (dim 3072, 30 layers, 48-channel "
+            "Wan2.2-VAE with 16x16 spatial compression)",
+            text={"prompt_embeds": (512, 4096)}, latent_channels=48, vae_factor=16,
+        ),
+        Published(
+            "wan2.2-t2v-a14b", "wan", "WanTransformer3DModel",
+            {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824, "num_layers": 40},
+            14e9, 2,
+            "Wan-AI/Wan2.2-T2V-A14B(-Diffusers) model card: two 14B experts (high and low noise), 14B active "
+            "per step; each expert (transformer, transformer_2) is this denoiser",
+            text={"prompt_embeds": (512, 4096)}, latent_channels=16,
+        ),
+        Published(
+            "wan2.1-i2v-14b", "wan", "WanTransformer3DModel",
+            {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824, "num_layers": 40,
+             "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120},
+            16.39e9, 4,
+            "Wan-AI/Wan2.1-I2V-14B-480P(-Diffusers) transformer config (dim 5120, 40 heads, ffn 13824, 40 layers, "
+            "36 input channels, 1280-dim CLIP image embedder with image key/value projections in every block): "
+            "the 14B T2V transformer plus about 2.1B of image-conditioning weights (headline: '14B')",
+            text={"prompt_embeds": (512, 4096)}, latent_channels=16,
+        ),
+        Published(
+            "ltx-video-2b-v0.9", "ltxvideo", "LTXVideoTransformer3DModel", {}, 1.9e9, 2,
+            "Lightricks/LTX-Video: 'a 1.9-billion-parameter' DiT (LTX-Video report, HaCohen et al. 2024; "
+            "the '2B' of ltx-video-2b-v0.9)",
+            text={"prompt_embeds": (128, 4096), "prompt_attention_mask": (128,)}, latent_channels=128,
+            vae_factor=32,
+        ),
+        Published(
+            "cogvideox-2b", "cogvideox", "CogVideoXTransformer3DModel", {}, 2e9, 1,
+            "THUDM/CogVideoX-2b model card: 'CogVideoX-2B' (a one-digit headline; the transformer has 1.69B)",
+            text={"prompt_embeds": (226, 4096)}, latent_channels=16,
+        ),
+        Published(
+            "hunyuanvideo", "hunyuanvideo", "HunyuanVideoTransformer3DModel", {}, 13e9, 2,
+            "tencent/HunyuanVideo (hunyuanvideo-community/HunyuanVideo): '13 billion parameters' (2 digits; "
+            "the transformer has 12.82B)",
+            text={"prompt_embeds": (256, 4096), "prompt_attention_mask": (256,), "pooled_prompt_embeds": (768,)},
+            latent_channels=16,
+        ),
+        Published(
+            "mochi-1-preview", "mochi", "MochiTransformer3DModel", {}, 10e9, 2,
+            "genmo/mochi-1-preview model card: '10 billion parameter diffusion model' (AsymmDiT)",
+            text={"prompt_embeds": (256, 4096), "prompt_attention_mask": (256,)}, latent_channels=12,
         ),
         Published(
             "cogview4-6b", "cogview4", "CogView4Transformer2DModel",
             {"num_layers": 28, "attention_head_dim": 128, "num_attention_heads": 32}, 6e9, 1,
-            "THUDM/CogView4-6B model card: 6B",
+            "THUDM/CogView4-6B: 'CogView-4 model, which has 6B parameters' (THUDM/CogView4 README; a one-digit "
+            "headline, the transformer has 6.37B)",
+            text={"prompt_embeds": (512, 4096), "prompt_embeds_mask": (512,)}, latent_channels=16,
         ),
         Published(
             "cosmos-predict2-2b-t2i", "cosmos2", "CosmosTransformer3DModel",
             {"num_attention_heads": 16, "num_layers": 28, "rope_scale": (1.0, 4.0, 4.0),
              "extra_pos_embed_type": None},
-            2e9, 1, "nvidia/Cosmos-Predict2-2B-Text2Image model card: 2B",
+            2e9, 1,
+            "nvidia/Cosmos-Predict2-2B-Text2Image: 'text to image generation (2 billion parameters)' (Cosmos "
+            "Predict2 model matrix; a one-digit headline, the transformer has 1.96B)",
+            text={"prompt_embeds": (512, 1024)}, latent_channels=16,
+        ),
+        Published(
+            "cosmos-predict2-14b-t2i", "cosmos2", "CosmosTransformer3DModel",
+            {"num_attention_heads": 40, "num_layers": 36, "rope_scale": (1.0, 4.0, 4.0),
+             "extra_pos_embed_type": None},
+            14e9, 2,
+            "nvidia/Cosmos-Predict2-14B-Text2Image: 'text to image generation (14 billion parameters)' (Cosmos "
+            "Predict2 model matrix; the transformer has 14.27B)",
+            text={"prompt_embeds": (512, 1024)}, latent_channels=16,
+        ),
+        # Published sizes of families without an adapter yet (README table; no estimate).
+        Published(
+            "hunyuanimage-2.1", "hunyuanimage", "HunyuanImageTransformer2DModel", {"text_embed_2_dim": 1472},
+            17e9, 2, "tencent/HunyuanImage-2.1 model card: 17B parameters",
         ),
     ]
 }

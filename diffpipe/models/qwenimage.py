@@ -247,6 +247,7 @@ class QwenImageFamily(Family):
         t: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
         objective: ObjectiveConfig | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()
@@ -276,7 +277,8 @@ class QwenImageFamily(Family):
             img_shapes=[[(1, h // 2, w // 2)]] * b,
             return_dict=False,
         )[0]
-        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c)
+        mask = self.loss_mask(mask, x0, o, lambda m: pack(m, b, c, h, w))
+        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c, mask=mask)
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         # Qwen-Image uses "true" CFG (a negative prompt); guidance_scale is for guidance-distilled models.

@@ -150,6 +150,19 @@ def build_engine(
     return engine
 
 
+def offload_in_effect(model: Any) -> dict[str, bool]:
+    """What the engine's ZeRO optimizer really offloads to CPU (read from DeepSpeed, not from our config).
+
+    ZeRO-1/2 flag it as ``cpu_offload``, ZeRO-3 as ``offload_optimizer`` / ``offload_param``;
+    without ZeRO there is no such optimizer and nothing is offloaded.
+    """
+    opt = getattr(model, "optimizer", None)
+    return {
+        "optimizer": bool(getattr(opt, "cpu_offload", False) or getattr(opt, "offload_optimizer", False)),
+        "params": bool(getattr(opt, "offload_param", False)),
+    }
+
+
 @contextmanager
 def gathered(params: list[torch.nn.Parameter], zero_stage: int) -> Iterator[None]:
     """Make ZeRO-3-partitioned ``params`` whole inside the block (collective; no-op below stage 3)."""

@@ -10,7 +10,9 @@ fixed subset of the training items.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -24,6 +26,28 @@ class _Batch:
     latents: torch.Tensor
     text: dict[str, torch.Tensor]
     noise: torch.Tensor
+    aux: dict[str, torch.Tensor]  # the loss's mask / control arguments
+
+
+def aux_inputs(family, batch: dict[str, Any], device: torch.device) -> dict[str, torch.Tensor]:
+    """The loss's keyword arguments from a batch's aux arrays: ``mask``, ``control`` for
+    families that condition on it, and ``sizes`` for families whose loss takes them. Passed only when present, so a batch without aux arrays
+    calls ``loss`` exactly as before."""
+    kw = {}
+    if batch.get("mask") is not None:
+        kw["mask"] = batch["mask"].to(device)
+    if family.uses_control:
+        if batch.get("control_latents") is None:
+            raise ValueError(f"model family {family.name!r} trains on items with a control image; items "
+                             f"{batch.get('control_missing')} have none (set datasets[].control_path or "
+                             "control_column, and keep validation.actions.missing_control at skip)")
+        kw["control"] = batch["control_latents"].to(device)
+        if batch.get("control_embeds") is not None:  # an image encoder's embedding of the control
+            kw["control_embeds"] = batch["control_embeds"].to(device)
+    if batch.get("sizes") is not None and "sizes" in inspect.signature(family.loss).parameters:
+        # Size / crop conditioning (SDXL's add_time_ids) of the items' planned crops.
+        kw["sizes"] = {k: v.to(device) for k, v in batch["sizes"].items()}
+    return kw
 
 
 def eval_dataset(paths: RunPaths, train_data: CachedDataset) -> CachedDataset:
@@ -56,7 +80,7 @@ class Evaluator:
             latents = batch["latents"]
             noise = torch.randn(latents.shape, generator=gen)  # drawn once: the same at every eval
             self.batches.append(_Batch(latents.to(device), {k: v.to(device) for k, v in batch["text"].items()},
-                                       noise.to(device)))
+                                       noise.to(device), aux_inputs(family, batch, device)))
         self._unused = torch.Generator(device=device)
 
     def __call__(self, model) -> dict[str, float]:
@@ -73,7 +97,7 @@ class Evaluator:
                 total, n = 0.0, 0
                 for b in self.batches:
                     t = torch.full((b.latents.shape[0],), q, device=b.latents.device)
-                    loss = self.family.loss(model, b.latents, b.text, self._unused, t=t, noise=b.noise)
+                    loss = self.family.loss(model, b.latents, b.text, self._unused, t=t, noise=b.noise, **b.aux)
                     total, n = total + float(loss.sum()), n + loss.numel()
                 out[f"eval_loss_q{q:g}"] = total / n
         model.train(was_training)

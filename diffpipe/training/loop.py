@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -18,7 +19,7 @@ from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training import checkpoint as ckpt
 from diffpipe.training import engine, pipeline
-from diffpipe.training.eval import Evaluator, eval_dataset
+from diffpipe.training.eval import Evaluator, aux_inputs, eval_dataset
 from diffpipe.training.metrics import MetricsWriter, peak_memory_mb, plot_loss, read_metrics
 from diffpipe.training.optim import build_optimizer
 from diffpipe.training.sample import TrainingSampler
@@ -86,6 +87,10 @@ def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str
     if tc.caption_dropout and data.empty_text is None:
         raise ValueError(f"train.caption_dropout needs the empty-caption cache {paths.text_empty}; "
                          "run the workflow's empty-caption cache job (or set caption_dropout: 0)")
+    if tc.caption_dropout and family.text_uses_control:
+        raise ValueError(f"train.caption_dropout: model family {family.name!r} encodes each caption with its "
+                         "control image, so one cached empty caption cannot stand in; set caption_dropout: 0")
+    _check_aux(family, data, tc, log if dist.is_main else (lambda *_: None))
 
     run_meta = {"config": cfg.model_dump(mode="json"), "world_size": dist.world_size,
                 "data_digest": _data_digest(data)}
@@ -129,8 +134,9 @@ def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str
     elif dist.is_main:
         write_text_atomic(paths.train_dir / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
     if dist.is_main:
+        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 leaves p empty here
         log(f"train: {len(data)} items, {order.steps_per_epoch} steps/epoch, {order.total} steps, "
-            f"{sum(p.numel() for p in params):,} trainable parameters ({trained.kind}), world size {dist.world_size}")
+            f"{n_params:,} trainable parameters ({trained.kind}), world size {dist.world_size}")
 
     metrics = MetricsWriter(paths.metrics, paths.tensorboard, enabled=dist.is_main, append=start > 0,
                             purge_step=start + 1 if start else None)
@@ -178,7 +184,7 @@ def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str
     if dist.is_main:
         plot_loss(read_metrics(paths.metrics), paths.train_dir / "loss.png")
         summary = {"steps": order.total, "resumed_from": start, "world_size": dist.world_size,
-                   "ranks_agree": agree, "seconds": seconds}
+                   "ranks_agree": agree, "seconds": seconds, "offload": engine.offload_in_effect(model)}
         write_text_atomic(paths.train_dir / "summary.json", stable_json(summary))
         if losses:
             log(f"train: {len(losses)} steps in {seconds:.1f} s; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
@@ -200,7 +206,8 @@ def _train_step(model, family, data: CachedDataset, micro_batches: list[list[int
         text = {k: v.to(model.device) for k, v in batch["text"].items()}
         if caption_dropout:
             text = _drop_captions(text, data.empty_text, caption_dropout, gen)
-        loss = family.loss(model, latents, text, gen, objective=objective).mean()
+        loss = family.loss(model, latents, text, gen, objective=objective,
+                           **aux_inputs(family, batch, model.device)).mean()
         model.backward(loss)
         if model.zero_optimization_stage() == 0 and model.is_gradient_accumulation_boundary():
             # Without ZeRO, DeepSpeed reports no norm; grads are all-reduced by now.
@@ -209,6 +216,21 @@ def _train_step(model, family, data: CachedDataset, micro_batches: list[list[int
         micro_losses.append(loss.detach())
     ds_norm = model.get_global_grad_norm()
     return torch.stack(micro_losses).mean(), float(ds_norm) if ds_norm is not None else norm
+
+
+def _check_aux(family, data: CachedDataset, tc: TrainConfig, log) -> None:
+    """Refuse aux data the run cannot use; say when cached control images go unused."""
+    if data.has_masks and tc.pipeline_stages > 1:
+        raise ValueError("loss masks (datasets[].mask_path / mask_column) need train.pipeline_stages: 1")
+    if data.has_masks and "mask" not in inspect.signature(family.loss).parameters:
+        raise ValueError(f"model family {family.name!r} cannot train with loss masks yet (its loss takes no "
+                         "mask); remove datasets[].mask_path / mask_column")
+    if family.uses_control and not data.has_controls:
+        raise ValueError(f"model family {family.name!r} needs a control image per item: set "
+                         "datasets[].control_path or control_column")
+    if data.has_controls and not family.uses_control:
+        log(f"train: note: model family {family.name!r} does not condition on control images; "
+            "the cached control latents are not used")
 
 
 def _sample_due(tc: TrainConfig, done: int, epoch_end: bool, epoch: int) -> bool:

@@ -9,6 +9,8 @@ noise level sigma; for DDPM it maps to an integer step with
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 
@@ -18,9 +20,7 @@ def _expand_like(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 # -- timestep sampling -----------------------------------------------------
-def sample_uniform(
-    n: int, generator: torch.Generator, *, device: torch.device | str = "cpu"
-) -> torch.Tensor:
+def sample_uniform(n: int, generator: torch.Generator, *, device: torch.device | str = "cpu") -> torch.Tensor:
     """``n`` timesteps uniform in [0, 1) (the DDPM default, Ho et al. 2020)."""
     return torch.rand(n, generator=generator, device=device)
 
@@ -71,9 +71,7 @@ def flow_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 # -- DDPM ------------------------------------------------------------------
-def _alpha_bar(
-    alphas_cumprod: torch.Tensor, timesteps: torch.Tensor, like: torch.Tensor
-) -> torch.Tensor:
+def _alpha_bar(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     a = alphas_cumprod.to(device=like.device, dtype=torch.float32)[timesteps.to(like.device)]
     return _expand_like(a, like)
 
@@ -106,9 +104,7 @@ def ddpm_target(
         return noise
     if prediction_type == "v_prediction":
         return v_target(x0, noise, alphas_cumprod, timesteps)
-    raise ValueError(
-        f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}"
-    )
+    raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
 
 
 def snr(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
@@ -136,9 +132,7 @@ def min_snr_weights(
         return clipped / s
     if prediction_type == "v_prediction":
         return clipped / (s + 1)
-    raise ValueError(
-        f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}"
-    )
+    raise ValueError(f"prediction_type must be 'epsilon' or 'v_prediction', got {prediction_type!r}")
 
 
 def limit_timesteps(t: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
@@ -146,26 +140,54 @@ def limit_timesteps(t: torch.Tensor, lo: float, hi: float) -> torch.Tensor:
     return lo + (hi - lo) * t
 
 
-def add_offset_noise(
-    noise: torch.Tensor, strength: float, generator: torch.Generator
-) -> torch.Tensor:
+def add_offset_noise(noise: torch.Tensor, strength: float, generator: torch.Generator) -> torch.Tensor:
     """Noise plus a random constant per sample and channel (Guttenberg 2023, "Diffusion with
     Offset Noise"): lets a UNet learn very dark or bright images."""
     offset = torch.randn(
-        noise.shape[0], noise.shape[1], *([1] * (noise.ndim - 2)), generator=generator,
+        noise.shape[0],
+        noise.shape[1],
+        *([1] * (noise.ndim - 2)),
+        generator=generator,
         device=generator.device,
     )
     return noise + strength * offset.to(noise.device)
 
 
 # -- reduction -------------------------------------------------------------
+def mask_weights(mask: torch.Tensor, min_weight: float = 0.0) -> torch.Tensor:
+    """Per-element loss weights from a mask in [0, 1]: ``min_weight + (1 - min_weight) * mask``.
+
+    ``min_weight > 0`` keeps some loss on masked-out areas (so the model does
+    not drift there); 0 ignores them.
+    """
+    return min_weight + (1 - min_weight) * mask.float()
+
+
+def reduce_per_sample(err: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Mean of a per-element loss over every axis but the batch: ``[B]``.
+
+    With ``mask`` (broadcastable to ``err``, non-negative) the weighted mean
+    ``sum(w * err) / sum(w)`` per sample; an all-ones mask gives the plain mean,
+    and a sample whose weights are all zero contributes 0.
+    """
+    if mask is None:
+        return err.reshape(err.shape[0], -1).mean(dim=1)
+    w = mask.to(device=err.device, dtype=err.dtype).expand_as(err).reshape(err.shape[0], -1)
+    num = (err.reshape(err.shape[0], -1) * w).sum(dim=1)
+    return num / w.sum(dim=1).clamp_min(torch.finfo(err.dtype).tiny)
+
+
 def per_sample_pseudo_huber(
-    pred: torch.Tensor, target: torch.Tensor, c: float, weights: torch.Tensor | None = None
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    c: float,
+    weights: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pseudo-Huber loss ``sqrt(d^2 + c^2) - c`` per sample ``[B]`` (Charbonnier 1994; for diffusion
     Khrapov et al. 2024, "Improving Diffusion Models's Data-Corruption Resistance")."""
     d2 = (pred.float() - target.float()).pow(2)
-    err = ((d2 + c * c).sqrt() - c).reshape(pred.shape[0], -1).mean(dim=1)
+    err = reduce_per_sample((d2 + c * c).sqrt() - c, mask)
     return err if weights is None else err * weights.to(err.dtype)
 
 
@@ -176,17 +198,99 @@ def per_sample_loss(
     *,
     kind: str = "mse",
     huber_c: float = 0.1,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``mse`` or ``huber`` (pseudo-Huber) per sample, optionally weighted."""
-    if kind == "huber":
-        return per_sample_pseudo_huber(pred, target, huber_c, weights)
-    return per_sample_mse(pred, target, weights)
+    """``mse`` or ``huber`` (pseudo-Huber) per sample, optionally weighted.
 
+    ``weights[B]`` scale whole samples (Min-SNR and other timestep weightings);
+    ``mask`` (laid out like ``pred``, or broadcastable to it) weights elements
+    within a sample (a loss mask, see :func:`reduce_per_sample`).
+    """
+    if kind == "huber":
+        return per_sample_pseudo_huber(pred, target, huber_c, weights, mask)
+    return per_sample_mse(pred, target, weights, mask)
 
 
 def per_sample_mse(
-    pred: torch.Tensor, target: torch.Tensor, weights: torch.Tensor | None = None
+    pred: torch.Tensor,
+    target: torch.Tensor,
+    weights: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Mean squared error per sample ``[B]`` in float32, optionally times ``weights[B]``."""
-    err = (pred.float() - target.float()).pow(2).reshape(pred.shape[0], -1).mean(dim=1)
+    err = reduce_per_sample((pred.float() - target.float()).pow(2), mask)
     return err if weights is None else err * weights.to(err.dtype)
+
+
+# -- zero terminal SNR ---------------------------------------------------------
+def rescale_zero_terminal_snr(betas: torch.Tensor) -> torch.Tensor:
+    """Betas whose last timestep has zero SNR (Lin et al. 2024, "Common Diffusion Noise Schedules
+    and Sample Steps are Flawed", Algorithm 1).
+
+    ``sqrt(alphas_cumprod)`` is shifted so its last value is 0 and scaled so its
+    first is unchanged; the betas are read back from it. The last step is then
+    pure noise, which only a v (or x0) prediction can train on.
+    """
+    root = torch.cumprod(1.0 - betas, dim=0).sqrt()
+    first, last = root[0].clone(), root[-1].clone()
+    root = (root - last) * first / (first - last)
+    alphas_cumprod = root**2
+    alphas = torch.cat([alphas_cumprod[:1], alphas_cumprod[1:] / alphas_cumprod[:-1]])
+    return 1.0 - alphas
+
+
+# -- the SD3 paper's timestep densities and loss weightings ----------------------
+#: ``train.objective.weighting_scheme`` values (Esser et al. 2024, section 3.1).
+WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "logit_normal", "mode", "cosmap")
+
+
+def sample_mode(
+    n: int, generator: torch.Generator, *, scale: float = 1.29, device: torch.device | str = "cpu"
+) -> torch.Tensor:
+    """Mode sampling with heavy tails (Esser et al. 2024, eq. 20): ``1 - u - s (cos²(πu/2) - 1 + u)``.
+
+    ``s = 0`` is uniform; ``s > 0`` favours middle timesteps, ``s < 0`` the ends.
+    """
+    u = torch.rand(n, generator=generator, device=device)
+    return 1 - u - scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+
+
+def sample_weighting_scheme(
+    scheme: str,
+    n: int,
+    generator: torch.Generator,
+    *,
+    logit_mean: float = 0.0,
+    logit_std: float = 1.0,
+    mode_scale: float = 1.29,
+    device: torch.device | str = "cpu",
+) -> torch.Tensor:
+    """``n`` timesteps from the density of an SD3 weighting scheme (before any shift).
+
+    ``logit_normal``: :func:`sample_logit_normal`; ``mode``: :func:`sample_mode`;
+    ``none``, ``sigma_sqrt`` and ``cosmap``: uniform (those weight the loss
+    instead, :func:`weighting_scheme_weights`). The same draws as diffusers'
+    ``compute_density_for_timestep_sampling`` with the same generator.
+    """
+    if scheme not in WEIGHTING_SCHEMES:
+        raise ValueError(f"weighting_scheme must be one of {', '.join(WEIGHTING_SCHEMES)}; got {scheme!r}")
+    if scheme == "logit_normal":
+        return sample_logit_normal(n, generator, mean=logit_mean, std=logit_std, device=device)
+    if scheme == "mode":
+        return sample_mode(n, generator, scale=mode_scale, device=device)
+    return sample_uniform(n, generator, device=device)
+
+
+def weighting_scheme_weights(scheme: str | None, sigma: torch.Tensor) -> torch.Tensor | None:
+    """Per-sample loss weights of an SD3 weighting scheme at noise level ``sigma`` (None: unweighted).
+
+    ``sigma_sqrt``: ``sigma^-2``; ``cosmap``: ``2 / (π (1 - 2σ + 2σ²))``, the
+    CosMap density (eq. 21) applied as a weight on uniform draws; the other
+    schemes weight by 1 (returned as None, so the loss is untouched).
+    """
+    if scheme == "sigma_sqrt":
+        return sigma.float() ** -2.0
+    if scheme == "cosmap":
+        s = sigma.float()
+        return 2 / (math.pi * (1 - 2 * s + 2 * s**2))
+    return None

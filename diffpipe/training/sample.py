@@ -17,14 +17,28 @@ from diffpipe.models import get_family
 from diffpipe.utils import atomic_path
 
 
-def _render(pipe, prompts: list[str], kwargs: dict, seed: int, video: bool = False) -> list[list[Image.Image]]:
-    """The frames of every prompt's sample (one frame for images), each from the same seed."""
+def _render(
+    pipe, prompts: list[str], kwargs: dict, seed: int, video: bool = False, images: list[str] | None = None
+) -> list[list[Image.Image]]:
+    """The frames of every prompt's sample (one frame for images), each from the same seed.
+
+    ``images`` (``sample.images``): each prompt's conditioning image, passed as ``image``.
+    """
     out = []
-    for prompt in prompts:
+    for i, prompt in enumerate(prompts):
         gen = torch.Generator().manual_seed(seed)
-        result = pipe(prompt, generator=gen, **kwargs)
+        extra = {"image": _open_image(images[i])} if images else {}
+        result = pipe(prompt=prompt, generator=gen, **kwargs, **extra)  # by name: edit pipelines take `image` first
         out.append(list(result.frames[0]) if video else [result.images[0]])
     return out
+
+
+def _open_image(path: str) -> Image.Image:
+    try:
+        with Image.open(path) as img:
+            return img.convert("RGB")
+    except OSError as err:
+        raise ValueError(f"sample.images: cannot read {path}: {err}") from err
 
 
 def _save(sample: list[Image.Image], stem: Path, family) -> None:
@@ -44,9 +58,9 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
     pipe = family.load_pipeline()
     pipe.set_progress_bar_config(disable=True)
     kwargs = family.sample_kwargs(cfg)
-    base = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video)
-    pipe.load_lora_weights(str(lora_file))
-    tuned = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video)
+    base = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video, cfg.images)
+    pipe.load_lora_weights(str(lora_file), **family.lora_load_kwargs)  # into the trained expert, if several
+    tuned = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video, cfg.images)
     out_dir = Path(out_dir)
     with atomic_path(out_dir, is_dir=True) as tmp:
         for i, sample in enumerate(tuned):
@@ -83,10 +97,10 @@ class TrainingSampler:
     def _pipeline(self):
         if self._pipe is None:
             pipe = self.family.load_pipeline()
-            setattr(pipe, self.family.denoiser_name, self.denoiser)
+            setattr(pipe, self.family.denoiser_attr, self.denoiser)
             device = next(self.denoiser.parameters()).device
             for name, component in pipe.components.items():
-                if isinstance(component, torch.nn.Module) and name != self.family.denoiser_name:
+                if isinstance(component, torch.nn.Module) and name != self.family.denoiser_attr:
                     component.to(device)
             pipe.set_progress_bar_config(disable=True)
             self._pipe = pipe
@@ -100,7 +114,7 @@ class TrainingSampler:
         try:
             with torch.no_grad():
                 samples = _render(self._pipeline(), self.cfg.prompts, self.family.sample_kwargs(self.cfg),
-                                  self.cfg.seed, self.family.is_video)
+                                  self.cfg.seed, self.family.is_video, self.cfg.images)
         finally:
             self.denoiser.train(was_training)
             torch.set_rng_state(rng)

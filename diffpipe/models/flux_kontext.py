@@ -1,0 +1,125 @@
+"""Family ``flux-kontext``: Flux image editing, conditioned on a control (reference) image.
+
+The same components as ``flux`` (``FluxTransformer2DModel``, the Flux VAE,
+CLIP + T5) in ``FluxKontextPipeline``. Each training item is a target image
+with a control image (``datasets[].control_path`` or ``control_column``),
+cached as conditioning latents next to the target's. As the pipeline does,
+the control latents are packed into 2x2 tokens and appended after the
+target's tokens, with their own position ids (first id axis 1 instead of 0);
+the transformer's output for the control tokens is dropped, so the loss (and
+a loss mask) covers the target tokens only. Timesteps, noise, shift and
+guidance are Flux's: the loss is ``flux``'s with the reference tokens added
+around the transformer call.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from diffusers import FluxKontextPipeline, FluxPipeline
+
+from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.models import _common as common
+from diffpipe.models.base import register
+from diffpipe.models.flux import FluxFamily
+
+
+def reference_tokens(control: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Control latents ``[B, C, h, w]`` -> packed tokens ``[B, hw/4, 4C]`` and ids ``[hw/4, 3]``.
+
+    Exactly ``FluxKontextPipeline.prepare_latents``: the latent ids with the
+    first axis set to 1, which tells the reference apart from the target.
+    """
+    b, c, h, w = control.shape
+    tokens = FluxPipeline._pack_latents(control, b, c, h, w)
+    ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, control.device, control.dtype)
+    ids[..., 0] = 1
+    return tokens, ids
+
+
+class _WithReference:
+    """The denoiser called with reference tokens appended; returns the target tokens' output.
+
+    Stands in for the denoiser inside ``FluxFamily.loss`` (it only reads the
+    parameters' dtype, the config and calls it), so the Flux loss, its draws
+    and its mask handling are shared, not copied.
+    """
+
+    def __init__(self, denoiser: Any, tokens: torch.Tensor, ids: torch.Tensor):
+        self.denoiser, self.tokens, self.ids = denoiser, tokens, ids
+        self.module = common.unwrap(denoiser)
+
+    def parameters(self):
+        return self.module.parameters()
+
+    def __call__(self, *, hidden_states: torch.Tensor, img_ids: torch.Tensor, **kwargs: Any):
+        n = hidden_states.shape[1]
+        out = self.denoiser(
+            hidden_states=torch.cat([hidden_states, self.tokens.to(hidden_states)], dim=1),
+            img_ids=torch.cat([img_ids, self.ids.to(img_ids)], dim=0),
+            **kwargs,
+        )
+        return (out[0][:, :n],)
+
+
+@register
+class FluxKontextFamily(FluxFamily):
+    name = "flux-kontext"
+    uses_control = True
+
+    def load_pipeline(self) -> FluxKontextPipeline:
+        enc = self.load_text_encoders()
+        return FluxKontextPipeline(
+            scheduler=self.inference_scheduler(),
+            vae=self.load_vae(),
+            text_encoder=enc.text_encoder,
+            tokenizer=enc.tokenizer,
+            text_encoder_2=enc.text_encoder_2,
+            tokenizer_2=enc.tokenizer_2,
+            transformer=self.load_denoiser(),
+        )
+
+    @property
+    def pipeline_class(self) -> type:
+        return FluxKontextPipeline
+
+    def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        # The pipeline rescales every output to ``max_area`` (1024² by default), whatever
+        # height and width say: keep the configured size.
+        return {**super().sample_kwargs(cfg), "max_area": cfg.width * cfg.height}
+
+    def loss(
+        self,
+        denoiser: torch.nn.Module,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        objective: ObjectiveConfig | None = None,
+        mask: torch.Tensor | None = None,
+        control: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Flux's loss on the target tokens, with the control latents as reference tokens."""
+        if control is None:
+            raise ValueError(
+                "model family 'flux-kontext' needs control latents for every item: set "
+                "datasets[].control_path or control_column"
+            )
+        ref = common.single_frame(control, self.name).to(latents.device).float()
+        tokens, ids = reference_tokens(ref)
+        return super().loss(
+            _WithReference(denoiser, tokens, ids),
+            latents,
+            text,
+            generator,
+            t=t,
+            noise=noise,
+            objective=objective,
+            mask=mask,
+        )
+
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        raise ValueError("flux-kontext: pipeline parallelism is not implemented; set train.pipeline_stages: 1")
