@@ -272,3 +272,190 @@ def hidream_layers(tr: nn.Module) -> list[nn.Module]:
         *(HiDreamSingle(b, nd + i, i == 0) for i, b in enumerate(tr.single_stream_blocks)),
         HiDreamOut(tr),
     ]
+
+
+# -- Wan (2.1, 2.2) --------------------------------------------------------------------------
+class WanEmbed(nn.Module):
+    """``(noisy, timestep, context)`` -> ``(hidden, context, proj, temb, rope_cos, rope_sin, fhw)``.
+
+    ``timestep`` ``[B]`` (``sigma x 1000``); with ``expand_timesteps`` (Wan 2.2 TI2V-5B) it is
+    repeated for every latent token, as ``WanPipeline`` does. ``proj``: the blocks' six
+    modulation vectors; ``fhw``: the patch grid (frames, h, w) as a tensor, for unpatchifying.
+    """
+
+    def __init__(self, tr: nn.Module, expand_timesteps: bool = False):
+        super().__init__()
+        self.rope, self.patch_embedding, self.condition_embedder = tr.rope, tr.patch_embedding, tr.condition_embedder
+        self.patch, self.expand = tuple(tr.config.patch_size), expand_timesteps
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        from diffpipe.models.pipeline_layers import _pipe_ready
+
+        noisy, timestep, context = inputs
+        (pt, ph, pw), (b, _, f, h, w) = self.patch, noisy.shape
+        cos, sin = self.rope(noisy)
+        hidden = self.patch_embedding(noisy).flatten(2).transpose(1, 2).contiguous()
+        seq = hidden.shape[1] if self.expand else None
+        if seq is not None:
+            timestep = timestep[:, None].expand(b, seq).flatten()
+        temb, proj, context, _ = self.condition_embedder(timestep, context, None, timestep_seq_len=seq)
+        proj = proj.unflatten(2, (6, -1)) if seq is not None else proj.unflatten(1, (6, -1))
+        fhw = torch.tensor([f // pt, h // ph, w // pw], device=noisy.device)
+        return _pipe_ready((hidden, context, proj, temb, cos, sin, fhw))
+
+
+class WanBlock(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, context, proj, temb, cos, sin, fhw = inputs
+        return (self.block(hidden, context, proj, (cos, sin)), context, proj, temb, cos, sin, fhw)
+
+
+class WanOut(nn.Module):
+    """Output norm (modulated by ``temb``), projection and unpatchify to ``[B, C, F, h, w]``."""
+
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.norm_out, self.proj_out, self.scale_shift_table = tr.norm_out, tr.proj_out, tr.scale_shift_table
+        self.patch = tuple(tr.config.patch_size)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        hidden, _, _, temb, _, _, fhw = inputs
+        table = self.scale_shift_table.to(temb.device)
+        if temb.ndim == 3:  # one timestep per token
+            shift, scale = (table.unsqueeze(0) + temb.unsqueeze(2)).chunk(2, dim=2)
+            shift, scale = shift.squeeze(2), scale.squeeze(2)
+        else:
+            shift, scale = (table + temb.unsqueeze(1)).chunk(2, dim=1)
+        hidden = (self.norm_out(hidden.float()) * (1 + scale) + shift).type_as(hidden)
+        hidden = self.proj_out(hidden)
+        (pt, ph, pw), (f, h, w) = self.patch, (int(x) for x in fhw)
+        x = hidden.reshape(hidden.shape[0], f, h, w, pt, ph, pw, -1).permute(0, 7, 1, 4, 2, 5, 3, 6)
+        return (x.flatten(6, 7).flatten(4, 5).flatten(2, 3),)
+
+
+def wan_layers(tr: nn.Module, *, expand_timesteps: bool = False) -> list[nn.Module]:
+    return [WanEmbed(tr, expand_timesteps), *(WanBlock(b) for b in tr.blocks), WanOut(tr)]
+
+
+# -- CogView4 --------------------------------------------------------------------------------
+class CogView4Embed(nn.Module):
+    """``(noisy, timestep, context, original_size, target_size, crop_coords)`` ->
+    ``(hidden, context, temb, rope_cos, rope_sin, hw)``; ``hw`` the latent ``(h, w)`` as a tensor.
+
+    Every prompt of the micro-batch has the same length (the transformer cannot mask text).
+    """
+
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.rope, self.patch_embed, self.time_condition_embed = tr.rope, tr.patch_embed, tr.time_condition_embed
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        from diffpipe.models.pipeline_layers import _pipe_ready
+
+        noisy, timestep, context, original, target, crop = inputs
+        cos, sin = self.rope(noisy)
+        hidden, context = self.patch_embed(noisy, context)
+        temb = torch.nn.functional.silu(self.time_condition_embed(timestep, original, target, crop, hidden.dtype))
+        hw = torch.tensor(noisy.shape[-2:], device=noisy.device)
+        return _pipe_ready((hidden, context, temb, cos, sin, hw))
+
+
+class CogView4Block(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, context, temb, cos, sin, hw = inputs
+        hidden, context = self.block(hidden, context, temb, (cos, sin))
+        return (hidden, context, temb, cos, sin, hw)
+
+
+class CogView4Out(nn.Module):
+    """Output norm (modulated by ``temb``), projection and unpatchify to ``[B, C, h, w]``."""
+
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.norm_out, self.proj_out, self.patch = tr.norm_out, tr.proj_out, tr.config.patch_size
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        hidden, _, temb, _, _, hw = inputs
+        hidden = self.proj_out(self.norm_out(hidden, temb))
+        p, (h, w) = self.patch, (int(x) // self.patch for x in hw)
+        x = hidden.reshape(hidden.shape[0], h, w, -1, p, p).permute(0, 3, 1, 4, 2, 5)
+        return (x.flatten(4, 5).flatten(2, 3),)
+
+
+def cogview4_layers(tr: nn.Module) -> list[nn.Module]:
+    return [CogView4Embed(tr), *(CogView4Block(b) for b in tr.transformer_blocks), CogView4Out(tr)]
+
+
+# -- Cosmos-Predict2 -------------------------------------------------------------------------
+# Tuple: (hidden, context, embedded_timestep, temb, rope_cos, rope_sin, extra_pos, fhw); ``extra_pos``
+# the learnable position embedding (an empty tensor for models without one, as Cosmos-Predict2),
+# ``fhw`` the patch grid (frames, h, w) as a tensor.
+class CosmosEmbed(nn.Module):
+    """``(noisy [B,C,F,h,w], timestep [B], context, padding_mask [1,1,H,W])`` -> the tuple above."""
+
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        if tr.config.controlnet_block_every_n or tr.config.img_context_dim_in:
+            raise NotImplementedError("cosmos layers: control or image-context variants are not supported")
+        self.rope, self.learnable_pos_embed, self.patch_embed = tr.rope, tr.learnable_pos_embed, tr.patch_embed
+        self.time_embed = tr.time_embed
+        self.crossattn_proj = getattr(tr, "crossattn_proj", None)
+        self.concat_padding_mask, self.patch = tr.config.concat_padding_mask, tuple(tr.config.patch_size)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        from diffpipe.models.pipeline_layers import _pipe_ready
+
+        noisy, timestep, context, padding_mask = inputs
+        b, _, f, h, w = noisy.shape
+        if self.concat_padding_mask:  # the model resizes with torchvision's NEAREST: this interpolation
+            resized = torch.nn.functional.interpolate(padding_mask, size=[h, w], mode="nearest")
+            noisy = torch.cat([noisy, resized.unsqueeze(2).repeat(b, 1, f, 1, 1)], dim=1)
+        cos, sin = self.rope(noisy)
+        extra = self.learnable_pos_embed(noisy) if self.learnable_pos_embed is not None else None
+        hidden = self.patch_embed(noisy).flatten(1, 3)
+        temb, embedded = self.time_embed(hidden, timestep)
+        if self.crossattn_proj is not None:
+            context = self.crossattn_proj(context)
+        pt, ph, pw = self.patch
+        fhw = torch.tensor([f // pt, h // ph, w // pw], device=noisy.device)
+        extra = torch.empty(0, device=hidden.device) if extra is None else extra
+        return _pipe_ready((hidden, context, embedded, temb, cos, sin, extra, fhw))
+
+
+class CosmosBlock(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, context, embedded, temb, cos, sin, extra, fhw = inputs
+        hidden = self.block(hidden, context, embedded, temb, (cos, sin), _mask(extra))
+        return (hidden, context, embedded, temb, cos, sin, extra, fhw)
+
+
+class CosmosOut(nn.Module):
+    """Output norm, projection and Cosmos' unpatchify to ``[B, C, F, h, w]``."""
+
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.norm_out, self.proj_out, self.patch = tr.norm_out, tr.proj_out, tuple(tr.config.patch_size)
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        hidden, _, embedded, temb, _, _, _, fhw = inputs
+        hidden = self.proj_out(self.norm_out(hidden, embedded, temb))
+        (pt, ph, pw), (f, h, w) = self.patch, (int(x) for x in fhw)
+        hidden = hidden.unflatten(2, (ph, pw, pt, -1)).unflatten(1, (f, h, w))
+        x = hidden.permute(0, 7, 1, 6, 2, 4, 3, 5)  # as the transformer unpatchifies
+        return (x.flatten(6, 7).flatten(4, 5).flatten(2, 3),)
+
+
+def cosmos_layers(tr: nn.Module) -> list[nn.Module]:
+    return [CosmosEmbed(tr), *(CosmosBlock(b) for b in tr.transformer_blocks), CosmosOut(tr)]

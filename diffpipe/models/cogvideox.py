@@ -1,0 +1,330 @@
+"""Family ``cogvideox``: CogVideoX text-to-video (expert DiT), v-prediction DDPM, T5.
+
+Components and names follow ``CogVideoXPipeline``: ``vae``
+(AutoencoderKLCogVideoX: 8x spatial, 4x temporal compression, so clips have
+``4k+1`` frames; latents times ``scaling_factor``, as the pipeline divides
+before decoding), ``text_encoder`` (T5EncoderModel, sequence output, padded
+to 226 tokens) + ``tokenizer``, ``transformer``
+(CogVideoXTransformer3DModel, frames-first ``[B,F,C,h,w]``; 3-D rotary
+positions computed as the pipeline computes them when the model uses them),
+``scheduler`` (CogVideoXDDIMScheduler / CogVideoXDPMScheduler). Training is
+the DDPM objective CogVideoX was trained with: integer steps drawn uniformly,
+``x_t = sqrt(a) x0 + sqrt(1 - a) noise`` on the scheduler's own
+``alphas_cumprod`` (scaled-linear betas, SNR shift ``snr_shift_scale``,
+zero terminal SNR), the target its ``prediction_type`` (``v_prediction``:
+``v = sqrt(a) noise - sqrt(1 - a) x0``); Min-SNR weighting on request. Clips
+are resampled to 8 fps (CogVideoX 1.0's rate; 49 frames = 6 s). CogVideoX 1.5
+(temporal patches of 2) takes ``8k+5`` frames, an even latent count.
+
+Default LoRA targets: the attention projections (``attn1.to_q``, ``attn1.to_k``,
+``attn1.to_v``, ``attn1.to_out.0``) and feed-forward linears (``ff.net.0.proj``,
+``ff.net.2``) of every block. Samples decode an odd latent frame count best
+(9, 17, ... 49 frames): the VAE doubles every latent frame after the first
+of an odd count.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any, ClassVar
+
+import diffusers
+import torch
+from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXPipeline, CogVideoXTransformer3DModel
+from diffusers.models.embeddings import get_3d_rotary_pos_embed
+from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
+
+from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.data.frames import snap_frames
+from diffpipe.models import _common as common
+from diffpipe.models import _video as video
+from diffpipe.models.base import Family, register
+from diffpipe.training import objectives as obj
+
+TINY_VAE = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ("CogVideoXDownBlock3D",) * 4,
+    "up_block_types": ("CogVideoXUpBlock3D",) * 4,
+    "block_out_channels": (8, 8, 8, 8),
+    "latent_channels": 4,
+    "layers_per_block": 1,
+    "norm_num_groups": 2,
+    "temporal_compression_ratio": 4,
+}
+# CogVideoX-5b-style (rotary positions); sample sizes are the latent grid of 48x32 px clips.
+TINY_TRANSFORMER = {
+    "num_attention_heads": 2,
+    "attention_head_dim": 16,
+    "in_channels": 4,
+    "out_channels": 4,
+    "time_embed_dim": 16,
+    "text_embed_dim": 32,
+    "num_layers": 2,
+    "sample_width": 6,
+    "sample_height": 4,
+    "sample_frames": 9,
+    "patch_size": 2,
+    "temporal_compression_ratio": 4,
+    "max_text_seq_length": video.TINY_LENGTH,
+    "use_rotary_positional_embeddings": True,
+}
+# CogVideoX-2b's scheduler (v-prediction, SNR shift 3, zero terminal SNR).
+TINY_SCHEDULER = {
+    "_class_name": "CogVideoXDDIMScheduler",
+    "num_train_timesteps": 1000,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "clip_sample": False,
+    "prediction_type": "v_prediction",
+    "rescale_betas_zero_snr": True,
+    "set_alpha_to_one": True,
+    "snr_shift_scale": 3.0,
+    "steps_offset": 0,
+    "timestep_spacing": "trailing",
+}
+MAX_LENGTH = 226  # CogVideoXPipeline's max_sequence_length (the transformer's max_text_seq_length)
+
+
+@register
+class CogVideoXFamily(Family):
+    name = "cogvideox"
+    vae_class = AutoencoderKLCogVideoX
+    denoiser_name = "transformer"
+    is_video = True
+    fps = 8.0
+    default_lora_targets: ClassVar[list[str]] = [
+        "attn1.to_q",
+        "attn1.to_k",
+        "attn1.to_v",
+        "attn1.to_out.0",
+        "ff.net.0.proj",
+        "ff.net.2",
+    ]
+
+    # -- configs and geometry ------------------------------------------------------
+    @cached_property
+    def _vae_config(self) -> dict[str, Any]:
+        return (
+            dict(TINY_VAE)
+            if self.cfg.flavor == "tiny"
+            else dict(AutoencoderKLCogVideoX.load_config(self.cfg.path, subfolder="vae"))
+        )
+
+    @cached_property
+    def _transformer_config(self) -> dict[str, Any]:
+        return (
+            dict(TINY_TRANSFORMER)
+            if self.cfg.flavor == "tiny"
+            else dict(CogVideoXTransformer3DModel.load_config(self.cfg.path, subfolder="transformer"))
+        )
+
+    @cached_property
+    def _scheduler_config(self) -> dict[str, Any]:
+        return (
+            dict(TINY_SCHEDULER)
+            if self.cfg.flavor == "tiny"
+            else dict(CogVideoXDDIMScheduler.load_config(self.cfg.path, subfolder="scheduler"))
+        )
+
+    @property
+    def frame_rule(self) -> tuple[int, int]:
+        """``(4, 1)``; with temporal patches ``p_t`` the latent count must divide by it: ``(4 p_t, 4 p_t - 3)``."""
+        ratio = int(self._vae_config.get("temporal_compression_ratio", 4))
+        pt = self._transformer_config.get("patch_size_t") or 1
+        return ratio * pt, 1 + ratio * (pt - 1)
+
+    @property
+    def pixel_multiple(self) -> int:
+        return 2 ** (len(self._vae_config["block_out_channels"]) - 1) * int(self._transformer_config["patch_size"])
+
+    @property
+    def prediction_type(self) -> str:
+        return self._scheduler_config.get("prediction_type", "v_prediction")
+
+    @cached_property
+    def _alphas_cumprod(self) -> torch.Tensor:
+        return self.inference_scheduler().alphas_cumprod.clone()
+
+    @cached_property
+    def max_sequence_length(self) -> int:
+        return self.load_tokenizers().max_sequence_length
+
+    # -- components --------------------------------------------------------------
+    def load_vae(self) -> AutoencoderKLCogVideoX:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, "cogvideox.vae"):
+                return AutoencoderKLCogVideoX(**TINY_VAE).eval()
+        return AutoencoderKLCogVideoX.from_pretrained(self.cfg.path, subfolder="vae").eval()
+
+    def load_tokenizers(self) -> video.T5Text:
+        return video.t5_tokenizers(self.cfg.flavor, self.cfg.path, MAX_LENGTH)
+
+    def load_text_encoders(self) -> video.T5Text:
+        return video.t5_text(self.cfg.flavor, self.cfg.path, MAX_LENGTH, self.cfg.seed, "cogvideox.text_encoder")
+
+    def load_denoiser(self) -> CogVideoXTransformer3DModel:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, "cogvideox.transformer"):
+                return CogVideoXTransformer3DModel(**TINY_TRANSFORMER).eval()
+        return CogVideoXTransformer3DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+
+    def inference_scheduler(self):
+        c = self._scheduler_config
+        return getattr(diffusers, c.get("_class_name", "CogVideoXDDIMScheduler")).from_config(c)
+
+    def load_pipeline(self) -> CogVideoXPipeline:
+        enc = self.load_text_encoders()
+        return CogVideoXPipeline(
+            tokenizer=enc.tokenizer,
+            text_encoder=enc.text_encoder,
+            vae=self.load_vae(),
+            transformer=self.load_denoiser(),
+            scheduler=self.inference_scheduler(),
+        )
+
+    @property
+    def pipeline_class(self) -> type:
+        return CogVideoXPipeline
+
+    def text_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity(
+                (self.name, self.cfg.seed, "text"), lambda: video.t5_identity(self.load_text_encoders())
+            )
+        return video.t5_folder_identity(self.cfg.path, MAX_LENGTH)
+
+    # -- encoding ------------------------------------------------------------------
+    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        param = next(vae.parameters())
+        with torch.no_grad():
+            latents = vae.encode(pixels.to(device=param.device, dtype=param.dtype)).latent_dist.mode().float()
+        return latents * vae.config.scaling_factor  # CogVideoXPipeline.decode_latents divides by it
+
+    def encode_text(self, encoders: video.T5Text, captions: list[str]) -> dict[str, torch.Tensor]:
+        return {"prompt_embeds": video.t5_embeds(encoders, captions, masked_encoder=False)[0]}
+
+    def token_limits(self, encoders: video.T5Text) -> dict[str, int]:
+        return {"t5": encoders.max_sequence_length}
+
+    def count_tokens(self, encoders: video.T5Text, captions: list[str]) -> dict[str, list[int]]:
+        return video.t5_count(encoders, captions)
+
+    # -- training ------------------------------------------------------------------
+    def rotary_embeddings(self, frames: int, h: int, w: int, device, config=None):
+        """``CogVideoXPipeline._prepare_rotary_positional_embeddings`` for a ``frames x h x w`` latent.
+
+        ``(cos, sin)``, or None for a model with sin-cos positions; ``config``: the transformer's.
+        """
+        c = config or self._transformer_config
+        if not c.get("use_rotary_positional_embeddings", False):
+            return None
+        p, pt = int(c["patch_size"]), c.get("patch_size_t")
+        grid = (h // p, w // p)
+        base_w, base_h = int(c.get("sample_width", 90)) // p, int(c.get("sample_height", 60)) // p
+        head = int(c.get("attention_head_dim", 64))
+        if pt is None:  # CogVideoX 1.0
+            crops = get_resize_crop_region_for_grid(grid, base_w, base_h)
+            return get_3d_rotary_pos_embed(
+                embed_dim=head, crops_coords=crops, grid_size=grid, temporal_size=frames, device=device
+            )
+        return get_3d_rotary_pos_embed(
+            embed_dim=head,
+            crops_coords=None,
+            grid_size=grid,
+            temporal_size=(frames + pt - 1) // pt,
+            grid_type="slice",
+            max_size=(base_h, base_w),
+            device=device,
+        )
+
+    def _prepare(self, latents, text, generator, t, noise, objective, dtype, config=None):
+        o = objective or ObjectiveConfig()
+        c = config or self._transformer_config
+        x0 = video.check_video_latents(latents, self.name)
+        t, noise = video.draw(o, x0, generator, t, noise, default="uniform")
+        _, _, f, h, w = x0.shape
+        pt = c.get("patch_size_t")
+        if pt and f % pt:
+            raise ValueError(
+                f"family 'cogvideox': {f} latent frames do not divide into temporal patches of {pt}; "
+                f"use clips of {self.frame_rule[0]}k+{self.frame_rule[1]} frames"
+            )
+        schedule = self._alphas_cumprod
+        steps = obj.ddpm_timesteps(t, len(schedule))
+        noisy = obj.ddpm_add_noise(x0, noise, schedule, steps).transpose(1, 2)  # the model reads [B,F,C,h,w]
+        target = obj.ddpm_target(x0, noise, schedule, steps, self.prediction_type).transpose(1, 2)
+        weights = None
+        if o.min_snr_gamma:
+            weights = obj.min_snr_weights(schedule, steps, gamma=o.min_snr_gamma, prediction_type=self.prediction_type)
+        rope = self.rotary_embeddings(f, h, w, x0.device, c)
+        empty = torch.empty(0, device=x0.device)
+        inputs = (
+            noisy.to(dtype),
+            text["prompt_embeds"].to(device=x0.device, dtype=dtype),
+            steps,
+            *(rope if rope is not None else (empty, empty)),
+        )
+        return inputs, target, weights
+
+    def loss(
+        self,
+        denoiser: torch.nn.Module,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        objective: ObjectiveConfig | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        o = objective or ObjectiveConfig()
+        (noisy, context, steps, cos, sin), target, weights = self._prepare(
+            latents, text, generator, t, noise, o, common.param_dtype(denoiser), common.unwrap(denoiser).config
+        )
+        pred = denoiser(
+            hidden_states=noisy,
+            encoder_hidden_states=context,
+            timestep=steps,
+            image_rotary_emb=(cos, sin) if cos.numel() else None,
+            return_dict=False,
+        )[0]
+        mask = self.loss_mask(mask, latents, o, lambda m: m.transpose(1, 2))  # laid out like the target
+        return obj.per_sample_loss(pred, target, weights, kind=o.loss, huber_c=o.huber_c, mask=mask)
+
+    # -- sampling ------------------------------------------------------------------
+    def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        step, offset = self.frame_rule
+        return {
+            **super().sample_kwargs(cfg),
+            "num_frames": max(offset, snap_frames(cfg.frames, step, offset)),
+            "max_sequence_length": self.max_sequence_length,
+            "output_type": "pil",
+        }
+
+    # -- pipeline parallelism ---------------------------------------------------------
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Embedding, one layer per block, output (``pipeline_layers_video``).
+
+        Input tuple ``(noisy [B,F,C,h,w], prompt_embeds, steps, rope cos, rope sin)`` (empty
+        rope tensors for sin-cos positions); output ``(prediction [B,F,C,h,w],)``.
+        """
+        from diffpipe.models.pipeline_layers_video import cogvideox_layers
+
+        return cogvideox_layers(common.unwrap(denoiser))
+
+    def pipeline_inputs(
+        self,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        objective: ObjectiveConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+        inputs, target, weights = self._prepare(latents, text, generator, t, noise, objective, dtype)
+        return inputs, (target, torch.ones(target.shape[0], device=target.device) if weights is None else weights)

@@ -1,0 +1,304 @@
+"""Family ``ltxvideo``: LTX-Video text-to-video (DiT on a 32x-compressed latent), flow matching, T5.
+
+Components and names follow ``LTXPipeline``: ``vae`` (AutoencoderKLLTXVideo:
+causal 3-D VAE, 32x spatial and 8x temporal compression at full size, so clips
+have ``8k+1`` frames; latents normalised by the VAE's ``latents_mean`` /
+``latents_std`` buffers and ``scaling_factor`` exactly as the pipeline's
+``_normalize_latents``), ``text_encoder`` (T5EncoderModel, sequence output;
+the padding mask is cached as ``prompt_attention_mask``) + ``tokenizer``,
+``transformer`` (LTXVideoTransformer3DModel on latents packed into tokens by
+the pipeline's own ``_pack_latents``, fed ``timestep = sigma * 1000``, rotary
+positions scaled by ``(temporal compression / frame rate, spatial, spatial)``),
+``scheduler`` (FlowMatchEulerDiscreteScheduler with a resolution-dependent
+shift: training shifts ``t`` by ``exp(mu)`` for the clip's token count, as the
+pipeline's sampling does). Clips are resampled to 25 fps (``LTXPipeline``'s
+default ``frame_rate``, also fed to the rotary positions).
+
+Default LoRA targets: the self- and cross-attention projections (``to_q``,
+``to_k``, ``to_v``, ``to_out.0``) and the feed-forward linears
+(``ff.net.0.proj``, ``ff.net.2``) of every transformer block. Samples need
+sides that are multiples of 32 (``LTXPipeline.check_inputs``).
+"""
+
+from __future__ import annotations
+
+import math
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
+from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
+
+from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.data.frames import snap_frames
+from diffpipe.models import _common as common
+from diffpipe.models import _video as video
+from diffpipe.models.base import Family, register
+from diffpipe.training import objectives as obj
+
+# Three spatio-temporal downsamplings without the 4x4 pixel patching: 8x spatial, 8x temporal.
+TINY_VAE = {
+    "in_channels": 3,
+    "out_channels": 3,
+    "latent_channels": 8,
+    "block_out_channels": (8, 8, 8, 8),
+    "decoder_block_out_channels": (8, 8, 8, 8),
+    "layers_per_block": (1, 1, 1, 1, 1),
+    "decoder_layers_per_block": (1, 1, 1, 1, 1),
+    "spatio_temporal_scaling": (True, True, True, False),
+    "decoder_spatio_temporal_scaling": (True, True, True, False),
+    "decoder_inject_noise": (False, False, False, False, False),
+    "upsample_residual": (False, False, False, False),
+    "upsample_factor": (1, 1, 1, 1),
+    "timestep_conditioning": False,
+    "patch_size": 1,
+    "patch_size_t": 1,
+    "scaling_factor": 0.8,
+}
+TINY_TRANSFORMER = {
+    "in_channels": 8,
+    "out_channels": 8,
+    "patch_size": 1,
+    "patch_size_t": 1,
+    "num_attention_heads": 4,
+    "attention_head_dim": 8,
+    "cross_attention_dim": 32,
+    "num_layers": 2,
+    "caption_channels": 32,
+}
+# LTX-Video's scheduler: shift exp(mu), mu linear in the token count.
+TINY_SCHEDULER = {
+    "num_train_timesteps": 1000,
+    "shift": 1.0,
+    "use_dynamic_shifting": True,
+    "base_shift": 0.95,
+    "max_shift": 2.05,
+    "base_image_seq_len": 1024,
+    "max_image_seq_len": 4096,
+    "shift_terminal": 0.1,
+}
+MAX_LENGTH = 128  # LTXPipeline's default max_sequence_length
+
+
+@register
+class LTXVideoFamily(Family):
+    name = "ltxvideo"
+    vae_class = AutoencoderKLLTXVideo
+    denoiser_name = "transformer"
+    is_video = True
+    fps = 25.0
+    default_lora_targets: ClassVar[list[str]] = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]
+
+    # -- configs and geometry ------------------------------------------------------
+    @cached_property
+    def _vae_config(self) -> dict[str, Any]:
+        return (
+            dict(TINY_VAE)
+            if self.cfg.flavor == "tiny"
+            else dict(AutoencoderKLLTXVideo.load_config(self.cfg.path, subfolder="vae"))
+        )
+
+    @cached_property
+    def _transformer_config(self) -> dict[str, Any]:
+        return (
+            dict(TINY_TRANSFORMER)
+            if self.cfg.flavor == "tiny"
+            else dict(LTXVideoTransformer3DModel.load_config(self.cfg.path, subfolder="transformer"))
+        )
+
+    @cached_property
+    def _scheduler_config(self) -> dict[str, Any]:
+        return (
+            dict(TINY_SCHEDULER)
+            if self.cfg.flavor == "tiny"
+            else dict(FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
+        )
+
+    @property
+    def compression(self) -> tuple[int, int]:
+        """``(temporal, spatial)`` compression of the VAE, computed as the VAE computes it."""
+        c = self._vae_config
+        scalings = sum(bool(x) for x in c.get("spatio_temporal_scaling", (True, True, True, False)))
+        temporal = c.get("temporal_compression_ratio") or c.get("patch_size_t", 1) * 2**scalings
+        spatial = c.get("spatial_compression_ratio") or c.get("patch_size", 4) * 2**scalings
+        return int(temporal), int(spatial)
+
+    @property
+    def frame_rule(self) -> tuple[int, int]:
+        return self.compression[0], 1  # one key frame plus groups of 8 (full size)
+
+    @property
+    def pixel_multiple(self) -> int:
+        return self.compression[1] * int(self._transformer_config.get("patch_size", 1))
+
+    def timestep_shift(self, seq_len: int) -> float:
+        """The shift ``LTXPipeline`` applies at ``seq_len`` latent tokens (``exp(mu)``, or the fixed shift)."""
+        c = self._scheduler_config
+        if not c.get("use_dynamic_shifting", False):
+            return float(c.get("shift", 1.0))
+        mu = calculate_shift(
+            seq_len,
+            c.get("base_image_seq_len", 256),
+            c.get("max_image_seq_len", 4096),
+            c.get("base_shift", 0.5),
+            c.get("max_shift", 1.15),
+        )
+        return math.exp(mu) if c.get("time_shift_type", "exponential") == "exponential" else mu
+
+    # -- components --------------------------------------------------------------
+    def load_vae(self) -> AutoencoderKLLTXVideo:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, "ltxvideo.vae"):
+                return AutoencoderKLLTXVideo(**TINY_VAE).eval()
+        return AutoencoderKLLTXVideo.from_pretrained(self.cfg.path, subfolder="vae").eval()
+
+    def load_tokenizers(self) -> video.T5Text:
+        return video.t5_tokenizers(self.cfg.flavor, self.cfg.path, MAX_LENGTH)
+
+    def load_text_encoders(self) -> video.T5Text:
+        return video.t5_text(self.cfg.flavor, self.cfg.path, MAX_LENGTH, self.cfg.seed, "ltxvideo.text_encoder")
+
+    def load_denoiser(self) -> LTXVideoTransformer3DModel:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, "ltxvideo.transformer"):
+                return LTXVideoTransformer3DModel(**TINY_TRANSFORMER).eval()
+        return LTXVideoTransformer3DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+
+    def load_pipeline(self) -> LTXPipeline:
+        enc = self.load_text_encoders()
+        return LTXPipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config),
+            vae=self.load_vae(),
+            text_encoder=enc.text_encoder,
+            tokenizer=enc.tokenizer,
+            transformer=self.load_denoiser(),
+        )
+
+    @property
+    def pipeline_class(self) -> type:
+        return LTXPipeline
+
+    def text_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity(
+                (self.name, self.cfg.seed, "text"), lambda: video.t5_identity(self.load_text_encoders())
+            )
+        return video.t5_folder_identity(self.cfg.path, MAX_LENGTH)
+
+    # -- encoding ------------------------------------------------------------------
+    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        param = next(vae.parameters())
+        with torch.no_grad():
+            latents = vae.encode(pixels.to(device=param.device, dtype=param.dtype)).latent_dist.mode().float()
+        return LTXPipeline._normalize_latents(
+            latents, vae.latents_mean.float(), vae.latents_std.float(), vae.config.scaling_factor
+        )
+
+    def encode_text(self, encoders: video.T5Text, captions: list[str]) -> dict[str, torch.Tensor]:
+        embeds, mask = video.t5_embeds(encoders, captions, masked_encoder=False)
+        return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+
+    def token_limits(self, encoders: video.T5Text) -> dict[str, int]:
+        return {"t5": encoders.max_sequence_length}
+
+    def count_tokens(self, encoders: video.T5Text, captions: list[str]) -> dict[str, list[int]]:
+        return video.t5_count(encoders, captions)
+
+    # -- training ------------------------------------------------------------------
+    def _prepare(self, latents, text, generator, t, noise, objective, dtype, config=None):
+        """``(first-layer inputs, target)``: what ``loss`` and ``pipeline_inputs`` both feed.
+
+        ``config``: the transformer's (patch sizes), default the flavor's.
+        """
+        o = objective or ObjectiveConfig()
+        x0 = video.check_video_latents(latents, self.name)
+        t, noise = video.draw(o, x0, generator, t, noise)
+        _, _, f, h, w = x0.shape
+        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(f * h * w))
+        c = config or self._transformer_config
+        p, pt = int(c.get("patch_size", 1)), int(c.get("patch_size_t", 1))
+        noisy = LTXPipeline._pack_latents(obj.flow_interpolate(x0, noise, sigma), p, pt)
+        target = LTXPipeline._pack_latents(obj.flow_target(x0, noise), p, pt)
+        temporal, spatial = self.compression
+        device = x0.device
+        inputs = (
+            noisy.to(dtype),
+            text["prompt_embeds"].to(device=device, dtype=dtype),
+            sigma * self._scheduler_config.get("num_train_timesteps", 1000),  # the scheduler's timesteps
+            text["prompt_attention_mask"].to(device=device),
+            torch.tensor([f // pt, h // p, w // p], device=device),
+            torch.tensor([temporal / self.fps, spatial, spatial], device=device),
+        )
+        return inputs, target
+
+    def loss(
+        self,
+        denoiser: torch.nn.Module,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        objective: ObjectiveConfig | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        o = objective or ObjectiveConfig()
+        c = common.unwrap(denoiser).config
+        (noisy, context, timestep, text_mask, _, _), target = self._prepare(
+            latents, text, generator, t, noise, o, common.param_dtype(denoiser), c
+        )
+        # Sizes from shapes, not from the tensors above: the loss also runs on the meta device (estimate).
+        p, pt = int(c.get("patch_size", 1)), int(c.get("patch_size_t", 1))
+        f, h, w = latents.shape[2] // pt, latents.shape[3] // p, latents.shape[4] // p
+        temporal, spatial = self.compression
+        pred = denoiser(
+            hidden_states=noisy,
+            encoder_hidden_states=context,
+            timestep=timestep,
+            encoder_attention_mask=text_mask,
+            num_frames=f,
+            height=h,
+            width=w,
+            rope_interpolation_scale=(temporal / self.fps, spatial, spatial),
+            return_dict=False,
+        )[0]
+        mask = self.loss_mask(mask, latents, o, lambda m: LTXPipeline._pack_latents(m, p, pt))
+        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c, mask=mask)
+
+    # -- sampling ------------------------------------------------------------------
+    def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        step, offset = self.frame_rule
+        return {
+            **super().sample_kwargs(cfg),
+            "num_frames": max(offset, snap_frames(cfg.frames, step, offset)),
+            "frame_rate": int(self.fps),
+            "max_sequence_length": self.load_tokenizers().max_sequence_length,
+            "output_type": "pil",
+        }
+
+    # -- pipeline parallelism ---------------------------------------------------------
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Embedding, one layer per transformer block, output (``pipeline_layers_video``).
+
+        Input tuple ``(packed noisy, prompt_embeds, sigma * 1000, text mask, (F, h, w), rope scale)``;
+        output ``(packed prediction,)``.
+        """
+        from diffpipe.models.pipeline_layers_video import ltx_layers
+
+        return ltx_layers(common.unwrap(denoiser))
+
+    def pipeline_inputs(
+        self,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        objective: ObjectiveConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+        inputs, target = self._prepare(latents, text, generator, t, noise, objective, dtype)
+        return inputs, (target, torch.ones(target.shape[0], device=target.device))

@@ -1,0 +1,241 @@
+"""Family ``mochi``: Mochi 1 text-to-video (asymmetric DiT), flow matching, T5.
+
+Components and names follow ``MochiPipeline``: ``vae`` (AutoencoderKLMochi:
+8x spatial and 6x temporal compression, 12 latent channels, so clips have
+``6k+1`` frames; latents normalised by the config's ``latents_mean`` /
+``latents_std`` and ``scaling_factor``, the inverse of the pipeline's
+decode), ``text_encoder`` (T5EncoderModel given the padding mask; the mask is
+cached as ``prompt_attention_mask``) + ``tokenizer``, ``transformer``
+(MochiTransformer3DModel), ``scheduler`` (FlowMatchEulerDiscreteScheduler
+with ``invert_sigmas``). Mochi runs time the other way: at noise level
+``sigma`` (``x_t = (1 - sigma) x0 + sigma noise``) the transformer is fed
+``timestep = (1 - sigma) * 1000`` and predicts ``x0 - noise``, which is what
+the pipeline's inverted-sigma Euler steps integrate. Training shifts ``t`` by
+the scheduler's ``shift`` (1 for Mochi 1). Clips are resampled to 30 fps
+(Mochi 1's rate).
+
+``MochiPipeline`` assumes Mochi 1's geometry (8x, 6x, 2x2 patches, 12
+channels), so the tiny flavor keeps it. Default LoRA targets: the block
+attention of both streams (``attn1.to_q``, ``attn1.to_k``, ``attn1.to_v``,
+``attn1.to_out.0``, ``attn1.add_q_proj``, ``attn1.add_k_proj``,
+``attn1.add_v_proj``, ``attn1.to_add_out``) and the feed-forward linears
+(``ff.net.0.proj``, ``ff.net.2``, ``ff_context.net.0.proj``,
+``ff_context.net.2``); the caption pooler's attention is left alone.
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+from diffusers import AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, MochiPipeline, MochiTransformer3DModel
+
+from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.data.frames import snap_frames
+from diffpipe.models import _common as common
+from diffpipe.models import _video as video
+from diffpipe.models.base import Family, register
+from diffpipe.training import objectives as obj
+
+TINY_VAE = {
+    "latent_channels": 12,
+    "out_channels": 3,
+    "encoder_block_out_channels": (32, 32, 32, 32),
+    "decoder_block_out_channels": (32, 32, 32, 32),
+    "layers_per_block": (1, 1, 1, 1, 1),
+}
+TINY_TRANSFORMER = {
+    "patch_size": 2,
+    "num_attention_heads": 2,
+    "attention_head_dim": 8,
+    "num_layers": 2,
+    "pooled_projection_dim": 16,
+    "in_channels": 12,
+    "qk_norm": "rms_norm",
+    "text_embed_dim": 32,
+    "time_embed_dim": 4,
+    "activation_fn": "swiglu",
+    "max_sequence_length": video.TINY_LENGTH,
+}
+# Mochi 1's scheduler.
+TINY_SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "invert_sigmas": True, "use_dynamic_shifting": False}
+MAX_LENGTH = 256  # MochiPipeline's default max_sequence_length
+SPATIAL, TEMPORAL, PATCH = 8, 6, 2  # what MochiPipeline assumes
+
+
+@register
+class MochiFamily(Family):
+    name = "mochi"
+    vae_class = AutoencoderKLMochi
+    denoiser_name = "transformer"
+    is_video = True
+    fps = 30.0
+    frame_rule = (TEMPORAL, 1)
+    default_lora_targets: ClassVar[list[str]] = [
+        "attn1.to_q",
+        "attn1.to_k",
+        "attn1.to_v",
+        "attn1.to_out.0",
+        "attn1.add_q_proj",
+        "attn1.add_k_proj",
+        "attn1.add_v_proj",
+        "attn1.to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    ]
+
+    @cached_property
+    def _scheduler_config(self) -> dict[str, Any]:
+        return (
+            dict(TINY_SCHEDULER)
+            if self.cfg.flavor == "tiny"
+            else dict(FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
+        )
+
+    @property
+    def pixel_multiple(self) -> int:
+        return SPATIAL * PATCH
+
+    @property
+    def flow_shift(self) -> float:
+        return float(self._scheduler_config.get("shift", 1.0))
+
+    # -- components --------------------------------------------------------------
+    def load_vae(self) -> AutoencoderKLMochi:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, "mochi.vae"):
+                return AutoencoderKLMochi(**TINY_VAE).eval()
+        return AutoencoderKLMochi.from_pretrained(self.cfg.path, subfolder="vae").eval()
+
+    def load_tokenizers(self) -> video.T5Text:
+        return video.t5_tokenizers(self.cfg.flavor, self.cfg.path, MAX_LENGTH)
+
+    def load_text_encoders(self) -> video.T5Text:
+        return video.t5_text(self.cfg.flavor, self.cfg.path, MAX_LENGTH, self.cfg.seed, "mochi.text_encoder")
+
+    def load_denoiser(self) -> MochiTransformer3DModel:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, "mochi.transformer"):
+                return MochiTransformer3DModel(**TINY_TRANSFORMER).eval()
+        return MochiTransformer3DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+
+    def load_pipeline(self) -> MochiPipeline:
+        enc = self.load_text_encoders()
+        return MochiPipeline(
+            scheduler=FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config),
+            vae=self.load_vae(),
+            text_encoder=enc.text_encoder,
+            tokenizer=enc.tokenizer,
+            transformer=self.load_denoiser(),
+        )
+
+    @property
+    def pipeline_class(self) -> type:
+        return MochiPipeline
+
+    def text_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity(
+                (self.name, self.cfg.seed, "text"), lambda: video.t5_identity(self.load_text_encoders())
+            )
+        return video.t5_folder_identity(self.cfg.path, MAX_LENGTH)
+
+    # -- encoding ------------------------------------------------------------------
+    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        param = next(vae.parameters())
+        with torch.no_grad():
+            latents = vae.encode(pixels.to(device=param.device, dtype=param.dtype)).latent_dist.mode().float()
+        c = vae.config
+        if c.latents_mean is None or c.latents_std is None:
+            return latents * c.scaling_factor
+        mean = torch.tensor(c.latents_mean, device=latents.device).view(1, -1, 1, 1, 1)
+        std = torch.tensor(c.latents_std, device=latents.device).view(1, -1, 1, 1, 1)
+        # Inverse of MochiPipeline's decode: ``latents * std / scaling_factor + mean``.
+        return (latents - mean) * c.scaling_factor / std
+
+    def encode_text(self, encoders: video.T5Text, captions: list[str]) -> dict[str, torch.Tensor]:
+        embeds, mask = video.t5_embeds(encoders, captions, masked_encoder=True)
+        return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+
+    def token_limits(self, encoders: video.T5Text) -> dict[str, int]:
+        return {"t5": encoders.max_sequence_length}
+
+    def count_tokens(self, encoders: video.T5Text, captions: list[str]) -> dict[str, list[int]]:
+        return video.t5_count(encoders, captions)
+
+    # -- training ------------------------------------------------------------------
+    def _prepare(self, latents, text, generator, t, noise, objective, dtype):
+        o = objective or ObjectiveConfig()
+        x0 = video.check_video_latents(latents, self.name)
+        t, noise = video.draw(o, x0, generator, t, noise)
+        sigma = obj.shift_timesteps(t, o.shift or self.flow_shift)
+        device = x0.device
+        inputs = (
+            obj.flow_interpolate(x0, noise, sigma).to(dtype),
+            ((1 - sigma) * self._scheduler_config.get("num_train_timesteps", 1000)).to(dtype),
+            text["prompt_embeds"].to(device=device, dtype=dtype),
+            text["prompt_attention_mask"].to(device=device).bool(),
+        )
+        return inputs, -obj.flow_target(x0, noise)  # x0 - noise
+
+    def loss(
+        self,
+        denoiser: torch.nn.Module,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        objective: ObjectiveConfig | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        o = objective or ObjectiveConfig()
+        (noisy, timestep, context, text_mask), target = self._prepare(
+            latents, text, generator, t, noise, o, common.param_dtype(denoiser)
+        )
+        pred = denoiser(
+            hidden_states=noisy,
+            encoder_hidden_states=context,
+            timestep=timestep,
+            encoder_attention_mask=text_mask,
+            return_dict=False,
+        )[0]
+        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c, mask=self.loss_mask(mask, latents, o))
+
+    # -- sampling ------------------------------------------------------------------
+    def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        step, offset = self.frame_rule
+        return {
+            **super().sample_kwargs(cfg),
+            "num_frames": max(offset, snap_frames(cfg.frames, step, offset)),
+            "max_sequence_length": self.load_tokenizers().max_sequence_length,
+            "output_type": "pil",
+        }
+
+    # -- pipeline parallelism ---------------------------------------------------------
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Embedding, one layer per block, output (``pipeline_layers_video``).
+
+        Input tuple ``(noisy, (1 - sigma) * 1000, prompt_embeds, mask (bool))``; output ``(prediction,)``.
+        """
+        from diffpipe.models.pipeline_layers_video import mochi_layers
+
+        return mochi_layers(common.unwrap(denoiser))
+
+    def pipeline_inputs(
+        self,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        objective: ObjectiveConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+        inputs, target = self._prepare(latents, text, generator, t, noise, objective, dtype)
+        return inputs, (target, torch.ones(target.shape[0], device=target.device))

@@ -1,0 +1,216 @@
+"""The text-to-video families beyond Wan on their tiny flavors, through every real stage.
+
+One parametrized module with shared set-up, as ``test_image_families.py``:
+validate → plan → cache latents and text → 2 DeepSpeed steps → diffusers
+export → sample (the family's stock pipeline renders MP4 clips), run
+in-process through the real Typer app. Then the exported file is loaded into
+the stock pipeline with ``load_lora_weights``: the transformer's output
+changes and equals the trained adapter's (allclose), measured on a cached
+batch of clips through the family's own loss.
+
+The clips are the demo clips (``config/demo_video_data``: 9 frames at 16 fps,
+48x32). CogVideoX's 8 fps leaves them 4 frames (one 4k+1 frame), so its part
+writes the same moving shapes at 8 fps instead.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import av
+import peft
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from diffpipe.cli import app
+from diffpipe.config import ModelConfig, load_config
+from diffpipe.data.demo_video import write_demo_clips
+from diffpipe.data.plan import read_spec
+from diffpipe.data.reader import CachedDataset
+from diffpipe.models import get_family
+from diffpipe.paths import REPO_ROOT, RunPaths
+from diffpipe.training.adapter import apply_adapter
+from diffpipe.training.engine import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning")]  # Mochi's rope
+
+# family -> (frame bucket, latent (F, h, w), sample frames): each family's frame rule at its frame rate.
+SPECS = {
+    "ltxvideo": (9, (2, 3, 5), 9),  # 25 fps: 14 frames available -> 8k+1 = 9; sides multiples of 8: 40x24
+    "cogvideox": (9, (3, 4, 6), 9),  # 8 fps clips of 9 frames; an odd latent count decodes back to 9 frames
+    "hunyuanvideo": (5, (2, 4, 6), 5),  # 24 fps: 13 available, bucket 5 (4k+1)
+    "mochi": (7, (2, 4, 6), 7),  # 30 fps: 16 available, bucket 7 (6k+1)
+}
+
+
+def _cli(*args, cwd, monkeypatch):
+    monkeypatch.chdir(cwd)
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 0, f"diffpipe {' '.join(args)} failed:\n{result.output}\n{result.exception!r}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def demo_clips(tmp_path_factory):
+    root = tmp_path_factory.mktemp("clips")
+    shutil.copytree(REPO_ROOT / "config" / "demo_video_data", root / "demo")
+    write_demo_clips(root / "eight_fps", n=2, frames=9, width=48, height=32, fps=8)
+    return root
+
+
+@pytest.fixture(scope="module", params=sorted(SPECS))
+def run(request, demo_clips, tmp_path_factory):
+    name = request.param
+    bucket, _, frames = SPECS[name]
+    monkeypatch = pytest.MonkeyPatch()
+    for key, value in dict(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    ).items():
+        monkeypatch.setenv(key, value)
+    root = tmp_path_factory.mktemp(name)
+    data = demo_clips / ("eight_fps" if name == "cogvideox" else "demo")
+    cfg = {
+        "output_dir": "run",
+        "model": {"family": name, "flavor": "tiny"},
+        "datasets": [{"name": "clips", "path": str(data), "resolution": 32, "frame_buckets": [bucket]}],
+        "cache": {"shards": 1, "workers": 0},
+        "train": {"max_steps": 2, "batch_size": 2, "lr": 0.01, "save_every_epochs": 0, "eval": {"quantiles": []}},
+        "export": {"formats": ["diffusers", "peft"]},
+        "sample": {
+            "prompts": ["a red circle moving left to right"],
+            "steps": 2,
+            "width": 32,
+            "height": 32,
+            "frames": frames,
+        },
+    }
+    config = root / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    c = str(config)
+    try:
+        _cli("validate", "-c", c, cwd=root, monkeypatch=monkeypatch)
+        _cli("plan", "-c", c, cwd=root, monkeypatch=monkeypatch)
+        paths = RunPaths(root / "run")
+        for shard in paths.shard_names("latents"):
+            _cli("cache", "latents", "-c", c, "--shard", shard, cwd=root, monkeypatch=monkeypatch)
+            _cli("cache", "text", "-c", c, "--shard", shard, cwd=root, monkeypatch=monkeypatch)
+        _cli("train", "-c", c, cwd=root, monkeypatch=monkeypatch)
+        _cli("export", "-c", c, cwd=root, monkeypatch=monkeypatch)
+        _cli("sample", "-c", c, cwd=root, monkeypatch=monkeypatch)
+    finally:
+        monkeypatch.undo()
+    return load_config(config), paths
+
+
+def test_clips_take_the_family_frame_rule(run):
+    cfg, p = run
+    bucket, latent_shape, _ = SPECS[cfg.model.family]
+    items = read_spec(p.latent_spec("s0000"))["items"]
+    assert items and all(it["bucket"][0] == bucket and len(it["frames"]) == bucket for it in items)
+    ds = CachedDataset.from_run(p)
+    assert {tuple(ds.collate([i])["latents"].shape[2:]) for i in range(len(ds))} == {latent_shape}
+
+
+def test_stages_write_their_outputs(run):
+    cfg, p = run
+    for f in [p.manifest, p.adapter_file, p.metrics, p.export_diffusers, p.sample_grid]:
+        assert f.exists(), f
+    assert len(p.metrics.read_text().splitlines()) == 2
+    with av.open(str(p.samples_dir / "sample-00.mp4")) as container:
+        clip = list(container.decode(video=0))
+    assert len(clip) == SPECS[cfg.model.family][2] and (clip[0].width, clip[0].height) == (32, 32)
+
+
+def _denoiser_output(family, denoiser, batch) -> torch.Tensor:
+    """The denoiser's raw output on a cached batch, fixed t and noise, through the family's loss."""
+    out = []
+    handle = denoiser.register_forward_hook(lambda m, a, o: out.append(o[0] if isinstance(o, tuple) else o.sample))
+    noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            family.loss(
+                denoiser, batch["latents"], batch["text"], torch.Generator(), t=torch.tensor([0.3, 0.7]), noise=noise
+            )
+    finally:
+        handle.remove()
+    return out[0]
+
+
+def test_lora_loads_in_stock_pipeline_and_matches_training(run):
+    cfg, p = run
+    family = get_family(cfg.model)
+    batch = CachedDataset.from_run(p).collate([0, 1])
+    pipe = family.load_pipeline()
+    assert isinstance(pipe, family.pipeline_class)
+    base = _denoiser_output(family, pipe.transformer, batch)
+    pipe.load_lora_weights(str(p.export_diffusers))
+    loaded = _denoiser_output(family, pipe.transformer, batch)
+    expected = _denoiser_output(family, apply_adapter(family.load_denoiser(), p.adapter_dir), batch)
+    assert (loaded - base).abs().max() > 1e-5, "the LoRA does not change the output"
+    torch.testing.assert_close(loaded, expected, rtol=1e-5, atol=1e-5)
+    peft_denoiser = family.load_denoiser()
+    peft.PeftModel.from_pretrained(peft_denoiser, str(p.export_file("peft")))  # injects into peft_denoiser
+    torch.testing.assert_close(_denoiser_output(family, peft_denoiser, batch), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_text_cache_equals_the_pipeline_prompt_embeds(run):
+    cfg, _ = run
+    family = get_family(cfg.model)
+    captions = ["a red circle", "a blue square moving left to right"]
+    enc = family.load_text_encoders()
+    ours = family.encode_text(enc, captions)
+    pipe = family.load_pipeline()
+    with torch.no_grad():
+        if family.name == "hunyuanvideo":
+            # Our code measures the template's crop for its own tokenizer: the kept part starts at the prompt.
+            tpl = enc.prompt_template
+            ids = enc.tokenizer(tpl["template"].format(captions[0])).input_ids
+            assert ids[tpl["crop_start"] : tpl["crop_start"] + 3] == enc.tokenizer(captions[0]).input_ids[1:4]
+            embeds, pooled, mask = pipe.encode_prompt(
+                captions, prompt_template=tpl, max_sequence_length=enc.max_sequence_length
+            )
+            theirs = {"prompt_embeds": embeds, "prompt_attention_mask": mask, "pooled_prompt_embeds": pooled}
+        elif family.name == "cogvideox":
+            theirs = {
+                "prompt_embeds": pipe._get_t5_prompt_embeds(captions, max_sequence_length=enc.max_sequence_length)
+            }
+        else:
+            embeds, mask = pipe._get_t5_prompt_embeds(captions, max_sequence_length=enc.max_sequence_length)
+            theirs = {"prompt_embeds": embeds, "prompt_attention_mask": mask}
+    assert ours.keys() == theirs.keys()
+    for key, value in theirs.items():
+        torch.testing.assert_close(ours[key], value.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_local_flavor_loads_the_saved_pipeline(run, tmp_path):
+    cfg, _ = run
+    family = get_family(cfg.model)
+    family.load_pipeline().save_pretrained(tmp_path)
+    local = get_family(ModelConfig(family=family.name, flavor="local", path=str(tmp_path)))
+    assert local.vae_identity() == family.vae_identity()
+    assert local.text_identity() == family.text_identity()
+    assert (local.frame_rule, local.pixel_multiple, local.fps) == (family.frame_rule, family.pixel_multiple, family.fps)
+    a, b = family.load_denoiser().state_dict(), local.load_denoiser().state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_loss_mask_weights_the_clip(run):
+    cfg, p = run
+    family = get_family(cfg.model)
+    denoiser, batch = family.load_denoiser(), CachedDataset.from_run(p).collate([0, 1])
+    latents = batch["latents"]
+    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
+
+    def loss(mask):
+        with torch.no_grad():
+            return family.loss(
+                denoiser, latents, batch["text"], torch.Generator(), t=torch.tensor([0.3, 0.7]), noise=noise, mask=mask
+            )
+
+    ones = torch.ones(2, 1, *latents.shape[2:])
+    left = torch.zeros_like(ones)
+    left[..., :2] = 1
+    torch.testing.assert_close(loss(ones), loss(None))
+    assert not torch.allclose(loss(left), loss(None))
