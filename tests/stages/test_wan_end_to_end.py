@@ -1,9 +1,10 @@
-"""The Wan 2.1 t2v family on its tiny flavor, through every real stage, on clips and images.
+"""The Wan family on its tiny flavors (2.1, 2.2 TI2V-5B, 2.2 A14B low expert), through every real stage.
 
-validate → plan → cache latents/text on a mixed dataset (short moving-shape
-clips + images) → 2 DeepSpeed steps → diffusers export → the stock
-``WanPipeline.load_lora_weights``: the transformer's output changes and
-equals the trained adapter's → sampling writes MP4 clips. Run in-process
+validate → plan → cache latents/text (2.1: a mixed dataset of short moving-shape
+clips + images; 2.2: clips, one of them cut into two windows) → 2 DeepSpeed
+steps → diffusers export → the stock ``WanPipeline.load_lora_weights`` (into
+``transformer_2`` for the low expert): the trained transformer's output changes
+and equals the trained adapter's → sampling writes MP4 clips. Run in-process
 through the real Typer app, as in ``test_image_families.py``.
 """
 
@@ -16,13 +17,14 @@ import yaml
 from typer.testing import CliRunner
 
 from diffpipe.cli import app
-from diffpipe.config import ModelConfig, SampleConfig, load_config
+from diffpipe.config import ModelConfig, ObjectiveConfig, SampleConfig, load_config
 from diffpipe.data.demo import write_demo_dataset
 from diffpipe.data.demo_video import write_demo_clips
 from diffpipe.data.plan import read_spec
 from diffpipe.data.reader import CachedDataset
 from diffpipe.models import get_family
 from diffpipe.models.published import PUBLISHED
+from diffpipe.models.wan import detect_variant
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter
 from diffpipe.training.engine import free_port
@@ -37,26 +39,27 @@ def _cli(*args, cwd, monkeypatch):
     return result
 
 
-@pytest.fixture(scope="module")
-def wan_run(tmp_path_factory):
+def _run_stages(root, model: dict, dataset: dict, export: list[str], sample_steps: int = 2):
+    """Every stage of one tiny run under ``root`` (data already written to ``root/data``)."""
     monkeypatch = pytest.MonkeyPatch()
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                           WORLD_SIZE="1", LOCAL_RANK="0").items():
+    for key, value in dict(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
+    ).items():
         monkeypatch.setenv(key, value)
-    root = tmp_path_factory.mktemp("wan")
-    data = root / "data"
-    write_demo_dataset(data, n=2, size=32)
-    write_demo_clips(data, n=2, frames=7, width=48, height=32, fps=16)
     cfg = {
         "output_dir": "run",
-        "model": {"family": "wan", "flavor": "tiny"},
-        "datasets": [{"name": "mixed", "path": str(data), "resolution": 32, "frame_buckets": [5]}],
+        "model": model,
+        "datasets": [{"name": "mixed", "path": str(root / "data"), "resolution": 32, **dataset}],
         "cache": {"shards": 1, "workers": 0},
-        "train": {"max_steps": 2, "batch_size": 2, "lr": 0.01, "save_every_epochs": 0,
-                  "eval": {"quantiles": []}},
-        "export": {"formats": ["diffusers", "peft"]},
-        "sample": {"prompts": ["a red circle moving left to right"], "steps": 2, "width": 32, "height": 32,
-                   "frames": 5},
+        "train": {"max_steps": 2, "batch_size": 2, "lr": 0.01, "save_every_epochs": 0, "eval": {"quantiles": []}},
+        "export": {"formats": export},
+        "sample": {
+            "prompts": ["a red circle moving left to right"],
+            "steps": sample_steps,
+            "width": 32,
+            "height": 32,
+            "frames": 5,
+        },
     }
     config = root / "wan.yaml"
     config.write_text(yaml.safe_dump(cfg))
@@ -75,6 +78,34 @@ def wan_run(tmp_path_factory):
     finally:
         monkeypatch.undo()
     return load_config(config), paths
+
+
+@pytest.fixture(scope="module")
+def wan_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wan")
+    write_demo_dataset(root / "data", n=2, size=32)
+    write_demo_clips(root / "data", n=2, frames=7, width=48, height=32, fps=16)
+    return _run_stages(root, {"family": "wan", "flavor": "tiny"}, {"frame_buckets": [5]}, ["diffusers", "peft"])
+
+
+def _clip_run(tmp_path_factory, name: str, model: dict):
+    """A 2.2 run on clips only: a 7-frame clip (one window of 5) and an 11-frame one (two windows)."""
+    root = tmp_path_factory.mktemp(name)
+    write_demo_clips(root / "data", n=1, frames=7, width=48, height=32, fps=16)
+    write_demo_clips(root / "data" / "long", n=1, frames=11, width=48, height=32, fps=16, seed=1)
+    return _run_stages(root, model, {"frame_buckets": [5], "clip_windows": "multiple"}, ["diffusers"], sample_steps=1)
+
+
+@pytest.fixture(scope="module")
+def wan22_5b_run(tmp_path_factory):
+    return _clip_run(tmp_path_factory, "wan22_5b", {"family": "wan", "flavor": "tiny", "variant": "2.2-5b"})
+
+
+@pytest.fixture(scope="module")
+def a14b_low_run(tmp_path_factory):
+    return _clip_run(
+        tmp_path_factory, "a14b_low", {"family": "wan", "flavor": "tiny", "variant": "2.2-a14b", "expert": "low"}
+    )
 
 
 def test_plan_and_cache_hold_clips_and_images(wan_run):
@@ -105,8 +136,9 @@ def test_training_sampler_writes_clips(wan_run, tmp_path):
 
     cfg, _ = wan_run
     family = get_family(cfg.model)
-    sampler = TrainingSampler(family, SampleConfig(prompts=["a"], steps=1, width=32, height=32, frames=5),
-                              family.load_denoiser(), tmp_path)
+    sampler = TrainingSampler(
+        family, SampleConfig(prompts=["a"], steps=1, width=32, height=32, frames=5), family.load_denoiser(), tmp_path
+    )
     png, row = sampler(3)
     assert png.exists() and row.size == (32, 32)
     with av.open(str(tmp_path / "step-000003-00.mp4")) as container:
@@ -119,8 +151,9 @@ def _denoiser_output(family, denoiser, batch) -> torch.Tensor:
     noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(0))
     try:
         with torch.no_grad():
-            family.loss(denoiser, batch["latents"], batch["text"], torch.Generator(),
-                        t=torch.tensor([0.3, 0.7]), noise=noise)
+            family.loss(
+                denoiser, batch["latents"], batch["text"], torch.Generator(), t=torch.tensor([0.3, 0.7]), noise=noise
+            )
     finally:
         handle.remove()
     return out[0]
@@ -164,7 +197,90 @@ def test_local_flavor_loads_the_saved_pipeline(wan_run, tmp_path):
     assert local.sample_kwargs(SampleConfig(frames=10))["num_frames"] == 9
 
 
-def test_published_wan_size_on_meta():
-    spec = PUBLISHED["wan2.1-t2v-1.3b"]
+@pytest.mark.parametrize("name", ["wan2.1-t2v-1.3b", "wan2.2-ti2v-5b", "wan2.2-t2v-a14b"])
+def test_published_wan_sizes_on_meta(name):
+    spec = PUBLISHED[name]
     count = sum(x.numel() for x in spec.build_meta().parameters())
-    assert abs(count / 1.42e9 - 1) < 0.01, count
+    assert spec.family == "wan" and spec.params_match(count), (name, count)
+    assert round(count / 1e9, 2) == {"wan2.1-t2v-1.3b": 1.42, "wan2.2-ti2v-5b": 5.0, "wan2.2-t2v-a14b": 14.29}[name]
+
+
+# -- Wan 2.2 ----------------------------------------------------------------------------------
+def test_wan22_5b_trains_on_48_channel_windows_and_loads_in_the_stock_pipeline(wan22_5b_run):
+    cfg, p = wan22_5b_run
+    family = get_family(cfg.model)
+    items = sorted(read_spec(p.latent_spec("s0000"))["items"], key=lambda it: it["id"])
+    # The 11-frame clip gives two non-overlapping 5-frame windows (two items), the 7-frame clip one.
+    assert sorted(len(it["frames"]) for it in items) == [5, 5, 5] and len({it["item"] for it in items}) == 2
+    long = [it for it in items if "/long/" in it["path"]]
+    assert [it["frames"] for it in long] == [[0, 1, 2, 3, 4], [6, 7, 8, 9, 10]]
+    assert long[1]["id"] == long[0]["id"] + "#w1"
+    ds = CachedDataset.from_run(p)
+    assert {tuple(ds.collate([i])["latents"].shape[1:]) for i in range(len(ds))} == {(48, 2, 2, 2)}  # 16x VAE
+    pipe = family.load_pipeline()
+    assert pipe.config.expand_timesteps and family.pixel_multiple == 32
+    batch = ds.collate([0, 1])
+    base = _denoiser_output(family, pipe.transformer, batch)
+    pipe.load_lora_weights(str(p.export_diffusers))
+    loaded = _denoiser_output(family, pipe.transformer, batch)
+    expected = _denoiser_output(family, apply_adapter(family.load_denoiser(), p.adapter_dir), batch)
+    assert (loaded - base).abs().max() > 1e-5, "the LoRA does not change the output"
+    torch.testing.assert_close(loaded, expected, rtol=1e-5, atol=1e-5)
+    with av.open(str(p.samples_dir / "sample-00.mp4")) as container:
+        frames = list(container.decode(video=0))
+    assert len(frames) == 5 and (frames[0].width, frames[0].height) == (32, 32)
+
+
+def test_a14b_low_expert_lora_loads_into_transformer_2(a14b_low_run):
+    cfg, p = a14b_low_run
+    family = get_family(cfg.model)
+    assert family.denoiser_attr == "transformer_2"
+    ds = CachedDataset.from_run(p)
+    batch = ds.collate([0, 1])
+    pipe = family.load_pipeline()
+    assert pipe.config.boundary_ratio == 0.875 and pipe.transformer_2 is not None
+    high_before = _denoiser_output(family, pipe.transformer, batch)
+    base = _denoiser_output(family, pipe.transformer_2, batch)
+    pipe.load_lora_weights(str(p.export_diffusers), load_into_transformer_2=True)  # the stock call
+    loaded = _denoiser_output(family, pipe.transformer_2, batch)
+    expected = _denoiser_output(family, apply_adapter(family.load_denoiser(), p.adapter_dir), batch)
+    assert (loaded - base).abs().max() > 1e-5, "the LoRA does not change the low expert"
+    torch.testing.assert_close(loaded, expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(_denoiser_output(family, pipe.transformer, batch), high_before)  # high untouched
+    assert "load_into_transformer_2=True" in (p.export_dir / "README.md").read_text()
+    assert (p.samples_dir / "sample-00.mp4").exists()
+
+
+@pytest.mark.parametrize("expert", ["high", "low"])
+def test_a14b_expert_trains_only_on_its_timesteps(expert):
+    family = get_family(ModelConfig(family="wan", variant="2.2-a14b", expert=expert))
+    gen = torch.Generator().manual_seed(0)
+    for o in (ObjectiveConfig(), ObjectiveConfig(timestep_sampling="uniform", shift=1.0)):
+        sigma = family._sigmas(o, 4096, gen, None)
+        inside = sigma >= 0.875 if expert == "high" else sigma < 0.875
+        assert inside.all() and sigma.max() - sigma.min() > 0.05, (expert, o)
+    quantiles = family._sigmas(ObjectiveConfig(), 2, gen, torch.tensor([0.01, 0.99]))  # eval: the expert's range
+    assert ((quantiles >= 0.875) if expert == "high" else (quantiles < 0.875)).all()
+    with pytest.raises(ValueError, match="do not overlap the high expert"):
+        get_family(ModelConfig(family="wan", variant="2.2-a14b", expert="high"))._sigmas(
+            ObjectiveConfig(max_timestep=0.2), 2, gen, None
+        )
+
+
+def test_variant_and_expert_errors_and_local_detection(tmp_path):
+    with pytest.raises(ValueError, match="model.expert: Wan 2.2 A14B has two experts"):
+        get_family(ModelConfig(family="wan", variant="2.2-a14b"))
+    with pytest.raises(ValueError, match="only Wan 2.2 A14B"):
+        get_family(ModelConfig(family="wan", expert="high"))
+    with pytest.raises(ValueError, match="model.variant '2.3'"):
+        get_family(ModelConfig(family="wan", variant="2.3"))
+    with pytest.raises(ValueError, match="family 'sd' has variants: none"):
+        get_family(ModelConfig(family="sd", variant="2.1"))
+    tiny = get_family(ModelConfig(family="wan", variant="2.2-a14b", expert="low"))
+    tiny.load_pipeline().save_pretrained(tmp_path)
+    assert detect_variant(tmp_path) == "2.2-a14b"
+    local = get_family(ModelConfig(family="wan", flavor="local", path=str(tmp_path), expert="low"))
+    assert (local.variant, local.boundary_ratio, local.denoiser_attr) == ("2.2-a14b", 0.875, "transformer_2")
+    assert local.vae_identity() == tiny.vae_identity()
+    with pytest.raises(ValueError, match="holds Wan 2.2-a14b"):
+        get_family(ModelConfig(family="wan", flavor="local", path=str(tmp_path), variant="2.1"))

@@ -1,0 +1,131 @@
+"""Wan 2.1 image-to-video (``model.variant: 2.1-i2v``): the conditioning the ``wan`` family caches and feeds.
+
+``WanImageToVideoPipeline`` conditions every step on the first frame twice:
+
+- ``condition``: the VAE latents (normalised) of the first frame followed by
+  ``num_frames - 1`` black frames, behind 4 mask channels that are 1 on the
+  first latent frame and 0 elsewhere; the transformer (36 input channels)
+  reads ``cat([noisy latents (16), mask (4), condition latents (16)])``;
+- ``image_embeds``: the CLIP vision encoder's penultimate hidden states of
+  the image, attended to by every block's extra image key/value projections.
+
+The cache stores the condition latents as the item's ``control`` and the CLIP
+hidden states as its ``control_embeds``; the mask is a function of the latent
+shape, built at training time. The functions below are the pipeline's
+construction, written once for both the cache and the loss.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+from diffpipe.models import _common as common
+from diffpipe.utils import digest
+
+#: Tiny CLIP vision tower (17 tokens: 16 patches of a 32x32 image + the class token).
+TINY_CLIP_VISION = {
+    "hidden_size": 32,
+    "intermediate_size": 37,
+    "num_attention_heads": 4,
+    "num_hidden_layers": 3,
+    "image_size": 32,
+    "patch_size": 8,
+    "projection_dim": 32,
+}
+
+
+def tiny_image_encoder(seed: int, prefix: str) -> tuple[CLIPVisionModel, CLIPImageProcessor]:
+    """The tiny flavor's CLIP vision encoder (random weights) and its processor (built offline)."""
+    side = TINY_CLIP_VISION["image_size"]
+    processor = CLIPImageProcessor(size={"shortest_edge": side}, crop_size={"height": side, "width": side})
+    with common.seeded(seed, f"{prefix}.image_encoder"):
+        return CLIPVisionModel(CLIPVisionConfig(**TINY_CLIP_VISION)).eval(), processor
+
+
+def load_image_encoder(path: str | Path) -> tuple[CLIPVisionModel, CLIPImageProcessor]:
+    """A diffusers folder's ``image_encoder`` and ``image_processor``."""
+    encoder = CLIPVisionModel.from_pretrained(path, subfolder="image_encoder").eval()
+    return encoder, CLIPImageProcessor.from_pretrained(path, subfolder="image_processor")
+
+
+def image_encoder_identity(encoder: CLIPVisionModel, processor: CLIPImageProcessor) -> dict[str, Any]:
+    return {"image_encoder": common.module_identity(encoder), "image_processor": processor.to_dict()}
+
+
+def folder_image_encoder_identity(path: str | Path) -> dict[str, Any]:
+    """Like :func:`image_encoder_identity`, from a folder without loading the weights."""
+    return {
+        "image_encoder": common.transformers_folder_identity(
+            CLIPVisionModel, CLIPVisionConfig, str(path), "image_encoder"
+        ),
+        "image_processor": CLIPImageProcessor.from_pretrained(path, subfolder="image_processor").to_dict(),
+    }
+
+
+def latent_identity(family: Any) -> str:
+    """The latent cache's identity for Wan 2.1 I2V: its VAE and the image encoder that embeds controls."""
+    cfg = family.cfg
+    if cfg.flavor == "tiny":
+        return common.memo_identity(
+            (family.name, family.variant, cfg.seed, "vae"),
+            lambda: digest(
+                {
+                    "vae": common.module_identity(family.load_vae()),
+                    **image_encoder_identity(*family.load_image_encoder()),
+                }
+            ),
+        )
+    return digest(
+        {
+            "vae": common.diffusers_folder_identity(family.vae_class, cfg.path, "vae"),
+            **folder_image_encoder_identity(cfg.path),
+        }
+    )
+
+
+def to_pil(images: torch.Tensor) -> list[Image.Image]:
+    """``[B, 3, 1, H, W]`` (or ``[B, 3, H, W]``) in [-1, 1] -> RGB images (exact for cached 8-bit pixels)."""
+    if images.ndim == 5:
+        images = images[:, :, 0]
+    arr = ((images.detach().float().cpu() + 1.0) * 127.5).round().clamp(0, 255).to(torch.uint8)
+    return [Image.fromarray(np.ascontiguousarray(a.permute(1, 2, 0).numpy())) for a in arr]
+
+
+def embed_images(encoder: CLIPVisionModel, processor: CLIPImageProcessor, images: list[Image.Image]) -> torch.Tensor:
+    """``WanImageToVideoPipeline.encode_image``: the penultimate hidden states ``[B, tokens, dim]``."""
+    param = next(encoder.parameters())
+    inputs = processor(images=images, return_tensors="pt").to(param.device)
+    with torch.no_grad():
+        out = encoder(pixel_values=inputs["pixel_values"].to(param.dtype), output_hidden_states=True)
+    return out.hidden_states[-2].float()
+
+
+def condition_video(first: torch.Tensor, frames: int) -> torch.Tensor:
+    """The pixels the pipeline encodes: the first frame ``[B,3,1,H,W]`` followed by black (zero) frames."""
+    b, c, _, h, w = first.shape
+    return torch.cat([first, first.new_zeros(b, c, frames - 1, h, w)], dim=2)
+
+
+def first_frame_mask(control: torch.Tensor, temporal: int) -> torch.Tensor:
+    """The pipeline's mask channels for condition latents ``[B,C,F',h,w]``: ``[B, temporal, F', h, w]``.
+
+    ``prepare_latents`` marks pixel frame 0 (repeated ``temporal`` times) and
+    folds the pixel frames into ``temporal`` channels per latent frame: ones on
+    latent frame 0, zeros after it.
+    """
+    b, _, f, h, w = control.shape
+    mask = control.new_zeros(b, temporal, f, h, w)
+    mask[:, :, 0] = 1
+    return mask
+
+
+def transformer_input(noisy: torch.Tensor, control: torch.Tensor, temporal: int) -> torch.Tensor:
+    """``cat([latents, condition])`` with ``condition = cat([mask, condition latents])``, as the pipeline calls it."""
+    condition = torch.cat([first_frame_mask(control, temporal), control.to(noisy)], dim=1)
+    return torch.cat([noisy, condition.to(noisy)], dim=1)

@@ -1,0 +1,208 @@
+"""Wan 2.1 image-to-video (``model.variant: 2.1-i2v``) on its tiny flavor, through every real stage.
+
+Clips with ``control_from_first_frame``: validate → plan → cache (each clip's
+first frame cached as the pipeline's condition latents + CLIP hidden states)
+→ 2 DeepSpeed steps → diffusers export → the stock ``WanImageToVideoPipeline``
+loads the LoRA → sampling writes an MP4 from ``sample.images``. The cached
+conditioning is compared with what the stock pipeline builds from the same
+frame, tensor by tensor.
+"""
+
+from __future__ import annotations
+
+import json
+
+import av
+import pytest
+import torch
+import yaml
+from PIL import Image
+from typer.testing import CliRunner
+
+from diffpipe.cli import app
+from diffpipe.config import DatasetConfig, ModelConfig, SampleConfig
+from diffpipe.data.cache import _decode
+from diffpipe.data.demo_video import write_demo_clips
+from diffpipe.data.plan import _entries, read_spec
+from diffpipe.data.reader import CachedDataset
+from diffpipe.models import get_family, wan_i2v
+from diffpipe.models.published import PUBLISHED
+from diffpipe.paths import RunPaths
+from diffpipe.training.adapter import apply_adapter
+from diffpipe.training.engine import free_port
+
+pytestmark = pytest.mark.slow
+
+
+def _cli(*args, cwd, monkeypatch):
+    monkeypatch.chdir(cwd)
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 0, f"diffpipe {' '.join(args)} failed:\n{result.output}\n{result.exception!r}"
+    return result
+
+
+@pytest.fixture(scope="module")
+def i2v_run(tmp_path_factory):
+    root = tmp_path_factory.mktemp("wan_i2v")
+    write_demo_clips(root / "data", n=2, frames=7, width=48, height=32, fps=16)
+    start = root / "start.png"
+    Image.new("RGB", (48, 32), (200, 30, 30)).save(start)
+    cfg = {
+        "output_dir": "run",
+        "model": {"family": "wan", "flavor": "tiny", "variant": "2.1-i2v"},
+        "datasets": [
+            {
+                "name": "clips",
+                "path": str(root / "data"),
+                "resolution": 32,
+                "frame_buckets": [5],
+                "control_from_first_frame": True,
+            }
+        ],
+        "cache": {"shards": 1, "workers": 0},
+        "train": {"max_steps": 2, "batch_size": 2, "lr": 0.01, "save_every_epochs": 0, "eval": {"quantiles": []}},
+        "export": {"formats": ["diffusers"]},
+        "sample": {"prompts": ["a red circle"], "images": [str(start)], "steps": 1, "width": 48, "height": 32},
+    }
+    config = root / "i2v.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    c = str(config)
+    mp = pytest.MonkeyPatch()
+    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    for key, value in env.items():
+        mp.setenv(key, value)
+    paths = RunPaths(root / "run")
+    try:
+        _cli("validate", "-c", c, cwd=root, monkeypatch=mp)
+        _cli("plan", "-c", c, cwd=root, monkeypatch=mp)
+        for shard in paths.shard_names("latents"):
+            _cli("cache", "latents", "-c", c, "--shard", shard, cwd=root, monkeypatch=mp)
+            _cli("cache", "text", "-c", c, "--shard", shard, cwd=root, monkeypatch=mp)
+        _cli("cache", "empty", "-c", c, cwd=root, monkeypatch=mp)
+        _cli("train", "-c", c, cwd=root, monkeypatch=mp)
+        _cli("export", "-c", c, cwd=root, monkeypatch=mp)
+        _cli("sample", "-c", c, cwd=root, monkeypatch=mp)
+        # A second cache run encodes nothing: the first-frame controls come from the store.
+        _cli("cache", "latents", "-c", c, "--shard", "s0000", cwd=root, monkeypatch=mp)
+    finally:
+        mp.undo()
+    return get_family(ModelConfig(**cfg["model"])), paths
+
+
+def test_cached_condition_equals_the_pipeline_construction(i2v_run):
+    family, p = i2v_run
+    items = read_spec(p.latent_spec("s0000"))["items"]
+    assert all(it["aux"] == {"control": {"first_frame": True}} for it in items) and len(items) == 2
+    ds = CachedDataset.from_run(p)
+    pipe = family.load_pipeline()
+    assert isinstance(pipe, family.pipeline_class) and pipe.transformer.config.in_channels == 36
+    for item in sorted(items, key=lambda it: it["id"]):
+        batch = ds.collate([ds.items.index(next(x for x in ds.items if x.id == item["id"]))])
+        control, embeds = batch["control_latents"], batch["control_embeds"]
+        first = wan_i2v.to_pil(torch.from_numpy(_decode((item, False))["pixels"][None, :, :1]))[0]
+        _, h, w = item["bucket"]
+        with torch.no_grad():
+            image = pipe.video_processor.preprocess(first, height=h, width=w)
+            gen = torch.Generator().manual_seed(0)
+            noise, condition = pipe.prepare_latents(image, 1, 16, h, w, 5, torch.float32, "cpu", gen, None)
+            theirs_embeds = pipe.encode_image(first, "cpu")
+        assert control.shape == (1, 16, 2, h // 8, w // 8) and condition.shape[1] == 20
+        torch.testing.assert_close(control, condition[:, 4:], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(embeds, theirs_embeds, rtol=1e-5, atol=1e-5)
+        # The loss's transformer input is the pipeline's ``cat([latents, condition])``.
+        ours = wan_i2v.transformer_input(noise, control, family.frame_rule[0])
+        torch.testing.assert_close(ours, torch.cat([noise, condition], dim=1), rtol=1e-5, atol=1e-5)
+    summary = json.loads(p.latent_shard("s0000").with_name(p.latent_shard("s0000").name + ".summary.json").read_text())
+    assert (summary["encoded"], summary["reused"]) == (0, 2)
+
+
+def test_lora_loads_in_stock_i2v_pipeline_and_matches_training(i2v_run):
+    family, p = i2v_run
+    ds = CachedDataset.from_run(p)
+    batch = ds.collate([0, 1])
+    noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(0))
+
+    def output(denoiser):
+        out = []
+        handle = denoiser.register_forward_hook(lambda m, a, o: out.append(o[0] if isinstance(o, tuple) else o.sample))
+        try:
+            with torch.no_grad():
+                family.loss(
+                    denoiser,
+                    batch["latents"],
+                    batch["text"],
+                    torch.Generator(),
+                    t=torch.tensor([0.3, 0.7]),
+                    noise=noise,
+                    control=batch["control_latents"],
+                    control_embeds=batch["control_embeds"],
+                )
+        finally:
+            handle.remove()
+        return out[0]
+
+    pipe = family.load_pipeline()
+    base = output(pipe.transformer)
+    pipe.load_lora_weights(str(p.export_diffusers))
+    loaded = output(pipe.transformer)
+    expected = output(apply_adapter(family.load_denoiser(), p.adapter_dir))
+    assert (loaded - base).abs().max() > 1e-5, "the LoRA does not change the output"
+    torch.testing.assert_close(loaded, expected, rtol=1e-5, atol=1e-5)
+    with av.open(str(p.samples_dir / "sample-00.mp4")) as container:
+        frames = list(container.decode(video=0))
+    assert len(frames) == 5 and (frames[0].width, frames[0].height) == (48, 32)
+
+
+def test_first_frame_option_changes_the_key_only_where_it_applies():
+    row = {
+        "id": "a",
+        "path": "/d/a.mp4",
+        "sha256": "0" * 64,
+        "width": 48,
+        "height": 32,
+        "frames": 7,
+        "fps": 16,
+        "kind": "video",
+        "reasons": [],
+    }
+    kw = dict(identity="x", dtype="float32", pixel_multiple=16, fps=16.0, frame_rule=(4, 1))
+    plain = _entries(row, DatasetConfig(name="d", path="/d", resolution=32, frame_buckets=[5]), **kw)
+    first = _entries(
+        row, DatasetConfig(name="d", path="/d", resolution=32, frame_buckets=[5], control_from_first_frame=True), **kw
+    )
+    assert "aux" not in plain[0] and first[0]["aux"] == {"control": {"first_frame": True}}
+    assert plain[0]["key"] != first[0]["key"] and plain[0]["frames"] == first[0]["frames"]
+    own = {**row, "control_path": "/c/a.png", "control_sha256": "1" * 64}  # an own control image wins
+    with_own = _entries(
+        own, DatasetConfig(name="d", path="/d", resolution=32, frame_buckets=[5], control_from_first_frame=True), **kw
+    )
+    assert with_own[0]["aux"]["control"]["sha256"] == "1" * 64
+
+
+def test_i2v_errors_and_published_size():
+    family = get_family(ModelConfig(family="wan", variant="2.1-i2v"))
+    assert family.uses_control and not get_family(ModelConfig(family="wan")).uses_control
+    with pytest.raises(ValueError, match="2.1-i2v needs a control image"):
+        family.loss(None, torch.zeros(1, 16, 1, 2, 2), {}, torch.Generator(), t=torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="sample.images: Wan 2.1 I2V"):
+        family.sample_kwargs(SampleConfig())
+    with pytest.raises(ValueError, match="sample.images has 2 path"):
+        SampleConfig(prompts=["a"], images=["x.png", "y.png"])
+    spec = PUBLISHED["wan2.1-i2v-14b"]
+    with torch.device("meta"):
+        model = spec.build_meta()
+    count = sum(x.numel() for x in model.parameters())
+    assert spec.family == "wan" and spec.params_match(count) and count == 16_394_878_784
+    assert model.config.in_channels == 36 and model.condition_embedder.image_embedder is not None
+
+
+def test_local_i2v_folder_is_detected_and_cached_like_the_tiny_one(i2v_run, tmp_path):
+    family, _ = i2v_run
+    family.load_pipeline().save_pretrained(tmp_path)
+    local = get_family(ModelConfig(family="wan", flavor="local", path=str(tmp_path)))
+    assert local.variant == "2.1-i2v" and local.uses_control and local.pipeline_class is family.pipeline_class
+    encoder, processor = local.load_image_encoder()
+    assert encoder.config.hidden_size == 32 and processor.crop_size == {"height": 32, "width": 32}
+    assert local.vae_identity() == family.vae_identity()  # the same VAE + image encoder, the same cache keys
+    with pytest.raises(ValueError, match="holds Wan 2.1-i2v"):
+        get_family(ModelConfig(family="wan", flavor="local", path=str(tmp_path), variant="2.1"))
