@@ -103,3 +103,14 @@ def test_estimate_reads_a_local_folder_config(tmp_path):
     result = estimate_memory(cfg)
     assert result.model == str(tmp_path) and result.params == 865_910_724
     assert result.activation_bytes > 0 and result.param_bytes == 4 * result.params + 4 * result.trainable
+
+
+def test_cogview4_and_cosmos2_sizes():
+    # The transformers' exact sizes; their published figures are headlines ("6B", "2 billion", "14 billion").
+    names = ("cogview4-6b", "cosmos-predict2-2b-t2i", "cosmos-predict2-14b-t2i")
+    count = {n: sum(p.numel() for p in PUBLISHED[n].build_meta().parameters()) for n in names}
+    assert count == {"cogview4-6b": 6_369_118_272, "cosmos-predict2-2b-t2i": 1_956_405_248,
+                     "cosmos-predict2-14b-t2i": 14_265_265_152}
+    # CogView4's loss runs on meta tensors too (every prompt at the full cached length).
+    est = estimate_memory(_cfg("cogview4"), model="cogview4-6b", rank=16)
+    assert est.params == count["cogview4-6b"] and est.activation_bytes > 0

@@ -1,0 +1,385 @@
+"""Family ``cosmos2``: Cosmos-Predict2 text-to-image (2B and 14B DiT), T5 text, a Wan video VAE.
+
+Components and names follow ``Cosmos2TextToImagePipeline``: ``vae``
+(AutoencoderKLWan: 5-D latents ``[B, 16, 1, h, w]``, normalised by per-channel
+``latents_mean`` / ``latents_std`` and ``sigma_data = 1`` as the pipeline
+decodes), ``text_encoder`` (T5EncoderModel: last hidden states, zeros past
+each prompt, 512 tokens) + ``tokenizer``, ``transformer``
+(CosmosTransformer3DModel), ``scheduler`` (Karras sigmas from 80 to 0.002),
+``safety_checker``.
+
+Training objective, as Cosmos-Predict2 trains and as the pipeline samples.
+The pipeline runs in EDM noise levels ``sigma``: ``x = x0 + sigma eps``, and
+preconditions with ``t = sigma / (sigma + 1)``: the transformer reads
+``c_in x = (1 - t) x0 + t eps`` at timestep ``t`` and its output ``F``
+gives the denoised ``D = c_skip x + c_out F`` (``c_skip = 1 - t``,
+``c_out = -t``). Cosmos-Predict2 trains ``D`` on ``x0`` with weight
+``(sigma^2 + 1) / sigma^2`` and ``log sigma ~ N(0, 1)``. Written in ``t``
+this is rectified flow: ``log sigma ~ N(m, s)`` is ``t ~ logit-normal(m, s)``
+(``train.objective.logit_mean`` / ``logit_std``, defaults 0 and 1), and
+``D - x0 = t (eps - x0 - F)``, so the loss is ``w(t) |F - (eps - x0)|^2``
+with ``w(t) = t^2 + (1 - t)^2``. The loss is computed in that form (no
+division by tiny sigmas); a test checks it equals the pipeline's
+preconditioned one.
+
+The safety checker. The stock pipeline builds ``cosmos_guardrail``'s
+``CosmosSafetyChecker`` when given none; that package downloads its own
+models at run time and cannot run offline. The tiny flavor (random weights,
+tests) passes :class:`PassThroughSafetyChecker` explicitly for that one
+component; the local flavor (real weights) uses the real checker and
+needs ``pip install cosmos_guardrail``.
+
+LoRA loading. diffusers 0.42.1's ``Cosmos2TextToImagePipeline`` has no LoRA
+loader; diffusers' own ``CosmosLoraLoaderMixin`` (written for Cosmos 2.5)
+loads into any pipeline's ``transformer``. :class:`Cosmos2TextToImagePipeline`
+here is the stock pipeline with that mixin and nothing else; it keeps the
+stock name, so a saved (merged) pipeline's ``model_index.json`` names the
+stock class. With the stock class alone, ``pipe.transformer.load_lora_adapter(
+file, prefix="transformer", use_safetensors=True)`` loads our diffusers-format
+export (without ``use_safetensors`` the header holding alpha is not read).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+from diffusers import AutoencoderKLWan, CosmosTransformer3DModel, FlowMatchEulerDiscreteScheduler
+from diffusers import Cosmos2TextToImagePipeline as StockCosmos2TextToImagePipeline
+from diffusers.loaders import CosmosLoraLoaderMixin
+from diffusers.utils import is_cosmos_guardrail_available, is_torchvision_available
+from transformers import AutoTokenizer, PreTrainedTokenizerBase, T5Config, T5EncoderModel
+
+from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.models import _common as common
+from diffpipe.models.base import Family, register
+from diffpipe.models.tokenizers import t5_tokenizer, tokenizer_fingerprint
+from diffpipe.training import objectives as obj
+from diffpipe.utils import digest
+
+MAX_LENGTH = 512  # the pipeline's max_sequence_length
+TINY_LENGTH = 32
+SIGMA_DATA = 1.0  # the pipeline's (fixed) sigma_data
+TINY_VAE = {
+    "base_dim": 3,
+    "z_dim": 16,
+    "dim_mult": [1, 1, 1, 1],
+    "num_res_blocks": 1,
+    "temperal_downsample": [False, True, True],
+}
+TINY_T5 = {"d_model": 32, "d_kv": 8, "d_ff": 37, "num_layers": 2, "num_heads": 4, "relative_attention_num_buckets": 8}
+# Cosmos-Predict2's layout (rope scale, no learnable position embedding), tiny widths. One
+# difference: the published models concatenate the padding mask (``concat_padding_mask``), which
+# diffusers resizes with torchvision; torchvision has no build for this CPU torch here, so the
+# tiny model leaves it out (the pipeline still passes the mask; the transformer ignores it).
+TINY_TRANSFORMER = {
+    "in_channels": 16,
+    "out_channels": 16,
+    "num_attention_heads": 2,
+    "attention_head_dim": 16,
+    "num_layers": 2,
+    "mlp_ratio": 2.0,
+    "text_embed_dim": 32,
+    "adaln_lora_dim": 4,
+    "max_size": (4, 32, 32),
+    "patch_size": (1, 2, 2),
+    "rope_scale": (1.0, 4.0, 4.0),
+    "concat_padding_mask": False,
+    "extra_pos_embed_type": None,
+}
+TINY_SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_karras_sigmas": True}
+
+
+class PassThroughSafetyChecker:
+    """Stand-in for ``cosmos_guardrail.CosmosSafetyChecker``, for the tiny flavor only.
+
+    The pipeline calls ``to``, ``check_text_safety`` and ``check_video_safety``; this one
+    lets every prompt and image through unchanged. Real Cosmos weights get the real
+    checker (install ``cosmos_guardrail``).
+    """
+
+    def to(self, *args: Any, **kwargs: Any) -> PassThroughSafetyChecker:
+        return self
+
+    def check_text_safety(self, prompt: str) -> bool:
+        return True
+
+    def check_video_safety(self, frames: np.ndarray) -> np.ndarray:
+        return frames
+
+
+class Cosmos2TextToImagePipeline(StockCosmos2TextToImagePipeline, CosmosLoraLoaderMixin):
+    """diffusers' ``Cosmos2TextToImagePipeline`` with diffusers' ``CosmosLoraLoaderMixin``.
+
+    Same class name on purpose: ``save_pretrained`` writes it into ``model_index.json``,
+    which then loads with the stock class.
+    """
+
+
+@dataclass
+class T5Text:
+    tokenizer: PreTrainedTokenizerBase
+    text_encoder: T5EncoderModel
+    max_sequence_length: int
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> T5Text:
+        self.text_encoder.to(device=device, dtype=dtype)
+        return self
+
+
+def edm_weight(t: torch.Tensor) -> torch.Tensor:
+    """Cosmos-Predict2's loss weight ``(sigma^2 + 1) / sigma^2`` on ``x0``, in velocity units: ``t^2 + (1-t)^2``."""
+    return t.float() ** 2 + (1 - t.float()) ** 2
+
+
+@register
+class Cosmos2Family(Family):
+    name = "cosmos2"
+    vae_class = AutoencoderKLWan
+    denoiser_name = "transformer"
+    #: Cosmos-Predict2's own LoRA targets (``q_proj, k_proj, v_proj, output_proj,
+    #: mlp.layer1, mlp.layer2``) in diffusers names: self- and cross-attention
+    #: projections and the feed-forward of every block.
+    default_lora_targets: ClassVar[list[str]] = [
+        "attn1.to_q",
+        "attn1.to_k",
+        "attn1.to_v",
+        "attn1.to_out.0",
+        "attn2.to_q",
+        "attn2.to_k",
+        "attn2.to_v",
+        "attn2.to_out.0",
+        "ff.net.0.proj",
+        "ff.net.2",
+    ]
+
+    @cached_property
+    def _vae_config(self) -> dict[str, Any]:
+        return (
+            dict(TINY_VAE)
+            if self.cfg.flavor == "tiny"
+            else dict(AutoencoderKLWan.load_config(self.cfg.path, subfolder="vae"))
+        )
+
+    @cached_property
+    def _transformer_config(self) -> dict[str, Any]:
+        return (
+            dict(TINY_TRANSFORMER)
+            if self.cfg.flavor == "tiny"
+            else dict(CosmosTransformer3DModel.load_config(self.cfg.path, subfolder="transformer"))
+        )
+
+    @property
+    def pixel_multiple(self) -> int:
+        vae = 2 ** len(self._vae_config["temperal_downsample"])  # as the pipeline computes it
+        patch = int(tuple(self._transformer_config.get("patch_size", (1, 2, 2)))[1])
+        return max(vae * patch, 16)  # the pipeline refuses sides not divisible by 16
+
+    @cached_property
+    def max_sequence_length(self) -> int:
+        return self.load_tokenizers().max_sequence_length
+
+    # -- components ------------------------------------------------------------
+    def load_vae(self) -> AutoencoderKLWan:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, f"{self.name}.vae"):
+                return AutoencoderKLWan(**TINY_VAE).eval()
+        return AutoencoderKLWan.from_pretrained(self.cfg.path, subfolder="vae").eval()
+
+    def load_tokenizers(self) -> T5Text:
+        if self.cfg.flavor == "tiny":
+            return T5Text(t5_tokenizer(TINY_LENGTH), None, TINY_LENGTH)
+        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
+        return T5Text(tok, None, min(int(tok.model_max_length), MAX_LENGTH))
+
+    def load_text_encoders(self) -> T5Text:
+        enc = self.load_tokenizers()
+        if self.cfg.flavor == "tiny":
+            tok = enc.tokenizer
+            config = T5Config(
+                **TINY_T5,
+                vocab_size=len(tok),
+                pad_token_id=tok.pad_token_id,
+                eos_token_id=tok.eos_token_id,
+                decoder_start_token_id=tok.pad_token_id,
+            )
+            with common.seeded(self.cfg.seed, f"{self.name}.text_encoder"):
+                enc.text_encoder = T5EncoderModel(config).eval()
+        else:
+            enc.text_encoder = T5EncoderModel.from_pretrained(self.cfg.path, subfolder="text_encoder").eval()
+        return enc
+
+    def load_denoiser(self) -> CosmosTransformer3DModel:
+        if self.cfg.flavor == "tiny":
+            with common.seeded(self.cfg.seed, f"{self.name}.transformer"):
+                return CosmosTransformer3DModel(**TINY_TRANSFORMER).eval()
+        return CosmosTransformer3DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+
+    def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        if self.cfg.flavor == "tiny":
+            return FlowMatchEulerDiscreteScheduler(**TINY_SCHEDULER)
+        return FlowMatchEulerDiscreteScheduler.from_pretrained(self.cfg.path, subfolder="scheduler")
+
+    def safety_checker(self) -> PassThroughSafetyChecker | None:
+        """The pipeline's ``safety_checker``: the stand-in for the tiny flavor; None (the pipeline
+        builds cosmos_guardrail's checker) for real weights, which need ``cosmos_guardrail``."""
+        if self.cfg.flavor == "tiny":
+            return PassThroughSafetyChecker()
+        if not is_cosmos_guardrail_available():
+            raise ValueError(
+                f"model.path {self.cfg.path}: Cosmos2TextToImagePipeline runs NVIDIA's safety "
+                "checker, which needs the cosmos_guardrail package: pip install cosmos_guardrail"
+            )
+        return None
+
+    def load_pipeline(self) -> Cosmos2TextToImagePipeline:
+        enc = self.load_text_encoders()
+        return Cosmos2TextToImagePipeline(
+            text_encoder=enc.text_encoder,
+            tokenizer=enc.tokenizer,
+            transformer=self.load_denoiser(),
+            vae=self.load_vae(),
+            scheduler=self.inference_scheduler(),
+            safety_checker=self.safety_checker(),
+        )
+
+    @property
+    def pipeline_class(self) -> type:
+        return Cosmos2TextToImagePipeline
+
+    # -- identities ------------------------------------------------------------
+    def text_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity(
+                (self.name, self.cfg.seed, "text"), lambda: self._text_identity(self.load_text_encoders())
+            )
+        return digest(
+            {
+                "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
+                "text_encoder": common.transformers_folder_identity(
+                    T5EncoderModel, T5Config, self.cfg.path, "text_encoder"
+                ),
+                "max_sequence_length": self.max_sequence_length,
+            }
+        )
+
+    @staticmethod
+    def _text_identity(enc: T5Text) -> str:
+        return digest(
+            {
+                "tokenizer": tokenizer_fingerprint(enc.tokenizer),
+                "text_encoder": common.module_identity(enc.text_encoder),
+                "max_sequence_length": enc.max_sequence_length,
+            }
+        )
+
+    # -- encoding --------------------------------------------------------------
+    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        # Each frame is an image of its own: [B,3,F,H,W] -> [B*F,3,1,H,W] -> [B,C,F,h,w].
+        frames = pixels.shape[2]
+        param = next(vae.parameters())
+        x = common.frames_to_batch(pixels)[:, :, None].to(device=param.device, dtype=param.dtype)
+        with torch.no_grad():
+            latents = vae.encode(x).latent_dist.mode()[:, :, 0].float()
+        c = vae.config
+        mean = torch.tensor(c.latents_mean, device=latents.device).view(1, -1, 1, 1)
+        std = torch.tensor(c.latents_std, device=latents.device).view(1, -1, 1, 1)
+        # Inverse of the pipeline's decode: ``latents * std / sigma_data + mean``.
+        return common.batch_to_frames((latents - mean) / std * SIGMA_DATA, frames)
+
+    def encode_text(self, encoders: T5Text, captions: list[str]) -> dict[str, torch.Tensor]:
+        # Exactly Cosmos2TextToImagePipeline._get_t5_prompt_embeds: zeros past each prompt's tokens.
+        tok = encoders.tokenizer(
+            captions,
+            padding="max_length",
+            max_length=encoders.max_sequence_length,
+            truncation=True,
+            return_tensors="pt",
+        )
+        device = next(encoders.text_encoder.parameters()).device
+        mask = tok.attention_mask.to(device).bool()
+        with torch.no_grad():
+            hidden = encoders.text_encoder(tok.input_ids.to(device), attention_mask=mask).last_hidden_state
+        return {"prompt_embeds": hidden.float() * mask[..., None]}
+
+    def token_limits(self, encoders: T5Text) -> dict[str, int]:
+        return {"t5": encoders.max_sequence_length}
+
+    def count_tokens(self, encoders: T5Text, captions: list[str]) -> dict[str, list[int]]:
+        return {"t5": [len(x) for x in encoders.tokenizer(list(captions)).input_ids]}
+
+    # -- training ----------------------------------------------------------------
+    def predict(
+        self, denoiser: torch.nn.Module, noisy: torch.Tensor, t: torch.Tensor, prompt_embeds: torch.Tensor
+    ) -> torch.Tensor:
+        """The transformer's output ``F`` on ``c_in x`` (``[B,C,1,h,w]``) at ``t = sigma / (sigma + 1)``,
+        with the pipeline's all-zero padding mask."""
+        if common.unwrap(denoiser).config.concat_padding_mask and not is_torchvision_available():
+            raise RuntimeError(
+                "CosmosTransformer3DModel (concat_padding_mask: true, as Cosmos-Predict2) resizes "
+                "its padding mask with torchvision: pip install torchvision (the build matching torch)"
+            )
+        dtype = common.param_dtype(denoiser)
+        padding_mask = noisy.new_zeros(1, 1, *noisy.shape[-2:], dtype=dtype)
+        return denoiser(
+            hidden_states=noisy.to(dtype),
+            timestep=t.to(dtype),
+            encoder_hidden_states=prompt_embeds.to(device=noisy.device, dtype=dtype),
+            padding_mask=padding_mask,
+            return_dict=False,
+        )[0]
+
+    def loss(
+        self,
+        denoiser: torch.nn.Module,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        objective: ObjectiveConfig | None = None,
+        mask: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        o = objective or ObjectiveConfig()
+        x0 = common.single_frame(latents, self.name).float()[:, :, None]  # the transformer reads 5-D
+        device, b = x0.device, x0.shape[0]
+        if t is None:
+            if o.timestep_sampling == "uniform":
+                t = obj.sample_uniform(b, generator, device=generator.device)
+            else:  # logit-normal t = log-normal sigma: Cosmos-Predict2's sample_sigma at (0, 1)
+                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
+            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
+        if noise is None:
+            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
+        noise = noise.to(device).float().reshape(x0.shape)
+        t = t.to(device).float()
+        if o.shift:
+            t = obj.shift_timesteps(t, o.shift)
+
+        pred = self.predict(denoiser, obj.flow_interpolate(x0, noise, t), t, text["prompt_embeds"])
+        return obj.per_sample_loss(
+            pred,
+            obj.flow_target(x0, noise),
+            edm_weight(t),
+            kind=o.loss,
+            huber_c=o.huber_c,
+            mask=self.loss_mask(mask, x0, o),
+        )
+
+    # -- sampling ----------------------------------------------------------------
+    def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        return {**super().sample_kwargs(cfg), "max_sequence_length": self.max_sequence_length}
+
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Embedding, one layer per block, output (``diffpipe.models.pipeline_layers_more``).
+
+        Input tuple ``(noisy [B,C,1,h,w], t, prompt_embeds, padding_mask [1,1,h,w])``; output
+        ``(prediction,)``.
+        """
+        from diffpipe.models.pipeline_layers_more import cosmos_layers
+
+        return cosmos_layers(common.unwrap(denoiser))
