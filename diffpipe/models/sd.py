@@ -4,6 +4,8 @@ Components and names follow ``StableDiffusionPipeline``: ``vae``
 (AutoencoderKL), ``text_encoder`` (CLIPTextModel) + ``tokenizer``, ``unet``
 (UNet2DConditionModel), ``scheduler``. Training draws integer DDPM steps
 uniformly and predicts epsilon or v; sampling uses DDIM on the same betas.
+``model.zero_terminal_snr`` rescales those betas to zero terminal SNR (Lin et
+al. 2024) for training and sampling alike, sampled with trailing timesteps.
 """
 
 from __future__ import annotations
@@ -118,8 +120,24 @@ class SDFamily(Family):
         else:
             # Any scheduler's config (PNDM in SD 1.5 folders) carries the betas.
             config = dict(DDIMScheduler.load_config(self.cfg.path, subfolder="scheduler"))
+        return self._schedule_options(config)
+
+    def _schedule_options(self, config: dict[str, Any]) -> dict[str, Any]:
+        """``config`` with the model section's prediction type and zero-terminal-SNR choice applied."""
         if self.cfg.prediction_type:
             config["prediction_type"] = self.cfg.prediction_type
+        if self.cfg.zero_terminal_snr is not None:
+            config["rescale_betas_zero_snr"] = self.cfg.zero_terminal_snr
+        if config.get("rescale_betas_zero_snr"):
+            if config.get("prediction_type", "epsilon") != "v_prediction":
+                source = "the tiny flavor's" if self.cfg.flavor == "tiny" else f"{self.cfg.path}/scheduler's"
+                raise ValueError(
+                    f"model.zero_terminal_snr needs model.prediction_type: v_prediction, but {source} prediction "
+                    f"type is {config.get('prediction_type', 'epsilon')!r} (the noise is undefined to predict at "
+                    "zero SNR); set model.prediction_type: v_prediction or model.zero_terminal_snr: false"
+                )
+            # Sampling must start at the last (pure-noise) timestep (Lin et al. 2024, section 3.3).
+            config["timestep_spacing"] = "trailing"
         return config
 
     @cached_property
@@ -161,6 +179,11 @@ class SDFamily(Family):
             with common.seeded(self.cfg.seed, "sd.unet"):
                 return UNet2DConditionModel(**TINY_UNET).eval()
         return UNet2DConditionModel.from_pretrained(self.cfg.path, subfolder="unet").eval()
+
+    @property
+    def zero_terminal_snr(self) -> bool:
+        """Whether the schedule is rescaled to zero terminal SNR (``model.zero_terminal_snr`` or the scheduler's)."""
+        return bool(self._scheduler_config.get("rescale_betas_zero_snr"))
 
     def noise_scheduler(self) -> DDPMScheduler:
         """The training schedule (its ``alphas_cumprod`` noise the latents)."""
@@ -256,8 +279,10 @@ class SDFamily(Family):
         t: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
         objective: ObjectiveConfig | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         o = objective or ObjectiveConfig()
+        self._check_objective(o)
         x0 = common.single_frame(latents, self.name).float()
         device, b = x0.device, x0.shape[0]
         # Draw order is fixed (t, then noise, then offset) so a seeded generator replays a run.
@@ -292,12 +317,26 @@ class SDFamily(Family):
         if o.min_snr_gamma:
             weights = obj.min_snr_weights(schedule, steps, gamma=o.min_snr_gamma,
                                           prediction_type=self.prediction_type)
-        return obj.per_sample_loss(pred, target, weights, kind=o.loss, huber_c=o.huber_c)
+        return obj.per_sample_loss(pred, target, weights, kind=o.loss, huber_c=o.huber_c,
+                                   mask=self.loss_mask(mask, x0, o))
 
     @cached_property
     def _alphas_cumprod(self) -> torch.Tensor:
         # Built once: loss() runs every step.
-        return self.noise_scheduler().alphas_cumprod.clone()
+        if not self.zero_terminal_snr:
+            return self.noise_scheduler().alphas_cumprod.clone()
+        # Our own rescaling of the plain betas; the samplers get the same schedule from
+        # the scheduler option ``rescale_betas_zero_snr`` (a test checks they agree).
+        plain = DDPMScheduler.from_config({**self._scheduler_config, "rescale_betas_zero_snr": False})
+        return torch.cumprod(1.0 - obj.rescale_zero_terminal_snr(plain.betas), dim=0)
+
+    @staticmethod
+    def _check_objective(o: ObjectiveConfig) -> None:
+        if o.weighting_scheme is not None:
+            raise ValueError(
+                f"train.objective.weighting_scheme {o.weighting_scheme!r} applies to flow-matching families "
+                "(sd3); UNet families weight the loss with train.objective.min_snr_gamma"
+            )
 
     # -- pipeline parallelism ------------------------------------------------------
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
@@ -327,6 +366,7 @@ class SDFamily(Family):
         ``noise`` fix them (eval).
         """
         o = objective or ObjectiveConfig()
+        self._check_objective(o)
         x0 = common.single_frame(latents, self.name).float()
         b = x0.shape[0]
         if t is None:

@@ -6,15 +6,16 @@ penultimate hidden states side by side, pooled outputs concatenated) with
 ``tokenizer`` / ``tokenizer_2``, ``text_encoder_3`` (T5) + ``tokenizer_3``,
 ``transformer`` (SD3Transformer2DModel), ``scheduler``
 (FlowMatchEulerDiscreteScheduler, fixed shift 3). Training is rectified flow
-with the SD3 paper's timestep densities and loss weightings (Esser et al.
-2024, section 3.1; as in diffusers' ``training_utils``): logit-normal (the
-default), ``mode`` sampling and the ``sigma_sqrt`` / ``cosmap`` weightings.
+with logit-normal timesteps by default, or the SD3 paper's timestep densities
+and loss weightings (Esser et al. 2024, section 3.1) through
+``train.objective.weighting_scheme`` (``logit_normal``, ``mode``,
+``sigma_sqrt``, ``cosmap``, ``none``; pure functions in
+:mod:`diffpipe.training.objectives`).
 """
 
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
@@ -76,32 +77,6 @@ TINY_T5_LENGTH = 32
 TINY_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0}
 #: StableDiffusion3Pipeline's default T5 length.
 T5_LENGTH = 256
-
-
-# -- the SD3 paper's densities and weightings (pure) -----------------------------
-def sample_mode(n: int, generator: torch.Generator, *, scale: float = 1.29,
-                device: torch.device | str = "cpu") -> torch.Tensor:
-    """Mode sampling with heavy tails (Esser et al. 2024, eq. 20): ``1 - u - s (cos²(πu/2) - 1 + u)``."""
-    u = torch.rand(n, generator=generator, device=device)
-    return 1 - u - scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
-
-
-def sample_cosmap(n: int, generator: torch.Generator, *, device: torch.device | str = "cpu") -> torch.Tensor:
-    """CosMap sampling (Esser et al. 2024, eq. 21): ``1 - 1 / (tan(πu/2) + 1)``."""
-    u = torch.rand(n, generator=generator, device=device)
-    return 1 - 1 / (torch.tan(math.pi * u / 2) + 1)
-
-
-def loss_weights(scheme: str | None, sigma: torch.Tensor) -> torch.Tensor | None:
-    """Per-sample loss weights at noise level ``sigma`` (diffusers' ``compute_loss_weighting_for_sd3``).
-
-    ``sigma_sqrt``: ``sigma^-2``; ``cosmap``: ``2 / (π (1 - 2σ + 2σ²))``; else none.
-    """
-    if scheme == "sigma_sqrt":
-        return sigma.float() ** -2.0
-    if scheme == "cosmap":
-        return 2 / (math.pi * (1 - 2 * sigma.float() + 2 * sigma.float() ** 2))
-    return None
 
 
 @dataclass
@@ -306,17 +281,17 @@ class SD3Family(Family):
 
     # -- training ----------------------------------------------------------------
     def sample_t(self, o: ObjectiveConfig, b: int, generator: torch.Generator) -> torch.Tensor:
-        """Training timesteps before the shift: ``train.objective.timestep_sampling`` (default logit-normal).
+        """Training timesteps before the shift.
 
-        Also reads ``mode`` / ``cosmap`` (and ``mode_scale``) when the config offers them.
+        ``train.objective.weighting_scheme`` when set (its density), else
+        ``timestep_sampling`` (default logit-normal).
         """
-        kind = o.timestep_sampling or "logit_normal"
-        if kind == "uniform":
+        if o.weighting_scheme is not None:
+            return obj.sample_weighting_scheme(o.weighting_scheme, b, generator, logit_mean=o.logit_mean,
+                                               logit_std=o.logit_std, mode_scale=o.mode_scale,
+                                               device=generator.device)
+        if o.timestep_sampling == "uniform":
             return obj.sample_uniform(b, generator, device=generator.device)
-        if kind == "mode":
-            return sample_mode(b, generator, scale=getattr(o, "mode_scale", 1.29), device=generator.device)
-        if kind == "cosmap":
-            return sample_cosmap(b, generator, device=generator.device)
         return obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
 
     def loss(
@@ -329,6 +304,7 @@ class SD3Family(Family):
         t: torch.Tensor | None = None,
         noise: torch.Tensor | None = None,
         objective: ObjectiveConfig | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()
@@ -353,8 +329,9 @@ class SD3Family(Family):
             pooled_projections=text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
             return_dict=False,
         )[0]
-        weights = loss_weights(getattr(o, "weighting_scheme", None), sigma)
-        return obj.per_sample_loss(pred, target, weights, kind=o.loss, huber_c=o.huber_c)
+        weights = obj.weighting_scheme_weights(o.weighting_scheme, sigma)
+        return obj.per_sample_loss(pred, target, weights, kind=o.loss, huber_c=o.huber_c,
+                                   mask=self.loss_mask(mask, x0, o))
 
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:

@@ -7,8 +7,9 @@ Components and names follow ``StableDiffusionXLPipeline``: ``vae``,
 ``scheduler`` (Euler on the DDPM betas). Training is DDPM as in ``sd``
 (epsilon or v), plus SDXL's micro-conditioning: ``add_time_ids`` =
 (original height, width, crop top, left, target height, width) per item
-(Podell et al. 2023, section 2.2), computed from the bucket the item was
-trained at and, when the loop passes them, its original size and crop.
+(Podell et al. 2023, section 2.2): the source image's size and the crop the
+cache actually applied (planned per item, :func:`diffpipe.data.buckets.crop_top_left`),
+and the bucket it was trained at.
 """
 
 from __future__ import annotations
@@ -68,19 +69,6 @@ def time_ids(original_hw: torch.Tensor, crop_top_left: torch.Tensor, target_hw: 
     return torch.cat([original_hw, crop_top_left, target_hw], dim=1).float()
 
 
-def crop_conditioning(original_hw: tuple[int, int], bucket_hw: tuple[int, int],
-                      crop: tuple[float, float]) -> tuple[int, int]:
-    """Crop (top, left) in pixels of the resized image, for a crop given as fractions of the slack.
-
-    The image is resized to cover the bucket (aspect kept), then cut at
-    ``crop`` (0.5, 0.5 = centre) of the leftover height and width.
-    """
-    (h, w), (bh, bw) = original_hw, bucket_hw
-    scale = max(bh / h, bw / w)
-    rh, rw = round(h * scale), round(w * scale)
-    return round(crop[0] * (rh - bh)), round(crop[1] * (rw - bw))
-
-
 @dataclass
 class SDXLTextEncoders:
     tokenizer: CLIPTokenizer
@@ -119,9 +107,7 @@ class SDXLFamily(SDFamily):
     def _scheduler_config(self) -> dict[str, Any]:
         config = dict(TINY_SCHEDULER) if self.cfg.flavor == "tiny" else dict(
             EulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
-        if self.cfg.prediction_type:
-            config["prediction_type"] = self.cfg.prediction_type
-        return config
+        return self._schedule_options(config)
 
     @property
     def vae_factor(self) -> int:
@@ -241,14 +227,17 @@ class SDXLFamily(SDFamily):
         noise: torch.Tensor | None = None,
         objective: ObjectiveConfig | None = None,
         sizes: dict[str, torch.Tensor] | None = None,
+        mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """As ``sd``'s loss, with SDXL's pooled text and ``add_time_ids``.
 
-        ``sizes`` (optional): ``original_size`` and ``crop_top_left``, ``[B, 2]``
-        pixels (height, width / top, left). Without it the item is taken as
-        resized to the bucket with no crop (original = target, crop 0, 0).
+        ``sizes`` (the batch's ``sizes``, optional): ``original_size`` and
+        ``crop_top_left``, ``[B, 2]`` pixels (height, width / top, left). Without
+        it the item is taken as resized to the bucket with no crop (original =
+        target, crop 0, 0), as for caches planned before the plan recorded them.
         """
         o = objective or ObjectiveConfig()
+        self._check_objective(o)
         x0 = common.single_frame(latents, self.name).float()
         device, (b, _, h, w) = x0.device, x0.shape
         if t is None:
@@ -286,7 +275,8 @@ class SDXLFamily(SDFamily):
         weights = None
         if o.min_snr_gamma:
             weights = obj.min_snr_weights(schedule, steps, gamma=o.min_snr_gamma, prediction_type=self.prediction_type)
-        return obj.per_sample_loss(pred, target, weights, kind=o.loss, huber_c=o.huber_c)
+        return obj.per_sample_loss(pred, target, weights, kind=o.loss, huber_c=o.huber_c,
+                                   mask=self.loss_mask(mask, x0, o))
 
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         raise NotImplementedError("sdxl: pipeline parallelism is not implemented (the UNet fits one GPU)")

@@ -8,9 +8,10 @@ import pytest
 import torch
 
 from diffpipe.config import ModelConfig
+from diffpipe.data.buckets import crop_top_left
 from diffpipe.models import get_family
-from diffpipe.models.sd3 import loss_weights, sample_cosmap, sample_mode
-from diffpipe.models.sdxl import crop_conditioning, time_ids
+from diffpipe.models.sdxl import time_ids
+from diffpipe.training.objectives import sample_mode, weighting_scheme_weights
 
 CAPTIONS = ["a red circle", "x"]
 
@@ -30,9 +31,9 @@ def test_sdxl_time_ids_match_the_pipeline():
 
 def test_sdxl_crop_conditioning():
     # 200x100 (h x w) into a 64x64 bucket: resized to 128x64, centre crop starts 32 rows down.
-    assert crop_conditioning((200, 100), (64, 64), (0.5, 0.5)) == (32, 0)
-    assert crop_conditioning((200, 100), (64, 64), (0.0, 0.5)) == (0, 0)
-    assert crop_conditioning((64, 64), (64, 64), (0.5, 0.5)) == (0, 0)
+    assert crop_top_left((200, 100), (64, 64), (0.5, 0.5)) == (32, 0)
+    assert crop_top_left((200, 100), (64, 64), (0.0, 0.5)) == (0, 0)
+    assert crop_top_left((64, 64), (64, 64), (0.5, 0.5)) == (0, 0)
 
 
 def test_sdxl_loss_reads_sizes():
@@ -52,12 +53,12 @@ def test_sdxl_loss_reads_sizes():
 
 def test_sd3_densities_and_weights():
     g = torch.Generator().manual_seed(0)
-    for draw in (sample_mode(1000, g), sample_cosmap(1000, g)):
-        assert draw.min() >= 0 and draw.max() <= 1
+    draw = sample_mode(1000, g)
+    assert draw.min() >= 0 and draw.max() <= 1
     sigma = torch.tensor([0.25, 0.5])
-    assert torch.allclose(loss_weights("sigma_sqrt", sigma), torch.tensor([16.0, 4.0]))
-    assert torch.allclose(loss_weights("cosmap", sigma), 2 / (math.pi * (1 - 2 * sigma + 2 * sigma**2)))
-    assert loss_weights(None, sigma) is None
+    assert torch.allclose(weighting_scheme_weights("sigma_sqrt", sigma), torch.tensor([16.0, 4.0]))
+    assert torch.allclose(weighting_scheme_weights("cosmap", sigma), 2 / (math.pi * (1 - 2 * sigma + 2 * sigma**2)))
+    assert weighting_scheme_weights(None, sigma) is None
 
 
 def _pipeline_text(name, family, pipe):
