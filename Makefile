@@ -34,5 +34,9 @@ lint: venv
 schema: venv
 	$(BIN)/diffpipe schema > workflow/schemas/config.schema.json
 
+# The README's generated tables (config reference, validation reasons) and the schema.
+docs: schema
+	$(BIN)/python -m diffpipe.readme_tables README.md
+
 clean-demo:
 	rm -rf runs/demo .snakemake

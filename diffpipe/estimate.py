@@ -109,7 +109,7 @@ def _model_spec(cfg: Config, model: str | None) -> Published:
 
     fam = get_family(cfg.model)
     cls = getattr(diffusers, specs[0].cls)
-    config = dict(cls.load_config(cfg.model.path, subfolder=fam.denoiser_name))
+    config = dict(cls.load_config(cfg.model.path, subfolder=fam.denoiser_attr))
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     # Text shapes and latent geometry come from the published model the folder's config is
     # closest to (e.g. SD 2.1 rather than 1.5 for a 1024-wide cross-attention UNet).
@@ -197,7 +197,8 @@ def estimate_memory(
         raise ValueError(f"--gpus must be at least 1, got {gpus}")
     tc = cfg.train
     spec = _model_spec(cfg, model)
-    family = get_family(cfg.model.model_copy(update={"flavor": "tiny", "path": None}))
+    # The tiny scheduler's prediction type need not suit the folder's zero-terminal-SNR schedule.
+    family = get_family(cfg.model.model_copy(update={"flavor": "tiny", "path": None, "zero_terminal_snr": None}))
     resolution = resolution or max(max(d.resolutions or [d.resolution]) for d in cfg.datasets)
     if resolution % family.pixel_multiple and resolution % (spec.vae_factor * 2):
         raise ValueError(f"resolution {resolution} is not a multiple of {spec.vae_factor * 2}")
@@ -227,8 +228,11 @@ def estimate_memory(
 
     latents, text, t, noise = _meta_inputs(spec, tc.batch_size, resolution, dtype)
     generator = torch.Generator()
+    # Edit families: a reference image the size of the target (the usual case), as conditioning latents.
+    extra = {"control": latents.clone()} if family.uses_control else {}
+
     def forward() -> torch.Tensor:
-        return family.loss(denoiser, latents, text, generator, t=t, noise=noise, objective=tc.objective)
+        return family.loss(denoiser, latents, text, generator, t=t, noise=noise, objective=tc.objective, **extra)
 
     activation_bytes, upper_bound = None, False
     try:
@@ -242,6 +246,10 @@ def estimate_memory(
             with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
                 activation_bytes, upper_bound = saved_activation_bytes(denoiser, forward), True
         # else: "Cannot copy out of meta tensor": the forward reads tensor values (Lumina 2's mask)
+    except RuntimeError as err:
+        # Mochi's rotary embedding opens torch.autocast on its tensors' device: not on meta.
+        if "autocast" not in str(err):
+            raise
     return MemoryEstimate(
         model=spec.name, gpus=gpus, zero_stage=z, precision=tc.precision, resolution=resolution,
         batch_size=tc.batch_size, rank=rank, params=params, trainable=trainable, param_bytes=param_bytes,

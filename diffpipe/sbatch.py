@@ -126,22 +126,20 @@ def submission(job: PlannedJob, workdir: Path) -> Submission:
     return Submission(job.rule, job.wildcards, re.sub(r" {2,}", " ", command), job.shell)
 
 
-def preview(config: Path, profile: Path, workdir: Path, extra: list[str] = ()) -> list[Submission]:
-    """Dry-run the workflow with ``profile``; the sbatch command of every job that would be submitted."""
-    cmd = snakemake_command(
-        config,
-        profile=profile,
-        cores=None,
-        dry_run=True,
-        targets=[],
-        extra=["--printshellcmds", *extra],
-        workdir=workdir,
-    )
+def dry_run_jobs(config: Path, profile: Path | None, workdir: Path, extra: list[str] = ()) -> list[PlannedJob]:
+    """The jobs Snakemake would run now (its dry run), with their resolved resources and commands."""
+    cmd = snakemake_command(config, profile=profile, cores=None if profile else 1, dry_run=True, targets=[],
+                            extra=["--printshellcmds", *extra], workdir=workdir)
     result = subprocess.run(cmd, cwd=workdir, capture_output=True, text=True)
     if result.returncode != 0:
         sys.stderr.write(result.stderr[-4000:])
         raise RuntimeError(f"snakemake dry run failed (exit {result.returncode}) with profile {profile}")
-    jobs = parse_dry_run(result.stdout + result.stderr)
+    return parse_dry_run(result.stdout + result.stderr)
+
+
+def preview(config: Path, profile: Path, workdir: Path, extra: list[str] = ()) -> list[Submission]:
+    """Dry-run the workflow with ``profile``; the sbatch command of every job that would be submitted."""
+    jobs = dry_run_jobs(config, profile, workdir, extra)
     # A rule without a command (the target rule) is never submitted; the dry run
     # does not mark local rules, so it shows as "Shell command: None".
     return [submission(job, workdir) for job in jobs if not job.local and job.shell not in ("", "None")]

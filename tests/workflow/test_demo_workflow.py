@@ -17,7 +17,8 @@ from rich.console import Console
 from diffpipe.config import load_config
 from diffpipe.models import get_family
 from diffpipe.paths import REPO_ROOT, RunPaths
-from diffpipe.runner import run_workflow
+from diffpipe.runner import DEFAULT_PROFILE, run_workflow
+from diffpipe.sbatch import dry_run_jobs
 from diffpipe.training.adapter import apply_adapter
 from diffpipe.training.metrics import read_metrics
 
@@ -33,10 +34,10 @@ def demo(tmp_path_factory):
     cfg["datasets"][0]["path"] = str(root / "data")
     (root / "config.yaml").write_text(yaml.safe_dump(cfg))
 
-    def run():
+    def run(targets=()):
         # Two cache jobs at once: this machine has 2 cores and no GPU.
         return run_workflow(root / "config.yaml", cores=2, extra=["--resources", "gpu=2"], workdir=root,
-                            console=Console(stderr=True))
+                            console=Console(stderr=True), targets=list(targets))
 
     first = run()
     assert first.returncode == 0, "first workflow run failed (see the captured output)"
@@ -102,16 +103,25 @@ def test_second_run_executes_zero_jobs(demo):
 
 
 def test_caption_edit_reruns_only_its_text_shard_and_downstream(demo):
+    """After a caption edit, validate and plan rerun; then Snakemake's own plan of the rest
+    (its dry run, the same decision a full run takes) is one text shard and what follows it.
+    That shard is then built for real; training again is left out (the first run trained)."""
     root, p = demo["root"], demo["paths"]
     caption = sorted((root / "data").glob("*.txt"))[3]
     time.sleep(1.1)  # coarse file-system clocks
     caption.write_text(caption.read_text().strip() + ", sharp edges\n")
-    third = demo["run"]()
+    third = demo["run"](targets=["plan"])
     assert third.returncode == 0
-    text_jobs = [j for j in third.jobs if j.startswith("cache_text/")]
-    assert len(text_jobs) == 1, third.jobs
-    assert not [j for j in third.jobs if j.startswith("cache_latents/")], third.jobs
-    assert {"validate", "plan", "train", "export", "sample"} <= {j.split("/")[0] for j in third.jobs}
-    # The rerun shard holds the new caption's key.
-    spec = yaml.safe_load(p.text_spec(text_jobs[0].split("/")[1]).read_text())
+    assert sorted(third.jobs) == ["plan", "validate"]
+    planned = [f"{j.rule}/{j.wildcards.removeprefix('shard=')}".rstrip("/")
+               for j in dry_run_jobs(root / "config.yaml", DEFAULT_PROFILE, root)]
+    text_jobs = [j for j in planned if j.startswith("cache_text/")]
+    assert len(text_jobs) == 1, planned
+    assert not [j for j in planned if j.startswith("cache_latents/")], planned
+    assert {"train", "export", "sample"} <= {j.split("/")[0] for j in planned}, planned
+    # The rerun shard holds the new caption's key, and building it succeeds.
+    shard = text_jobs[0].split("/")[1]
+    spec = yaml.safe_load(p.text_spec(shard).read_text())
     assert any(item["caption"].endswith("sharp edges") for item in spec["items"])
+    fourth = demo["run"](targets=[str(p.text_shard(shard).relative_to(root))])
+    assert fourth.returncode == 0 and fourth.jobs == [text_jobs[0]], fourth.jobs
