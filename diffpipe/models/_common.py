@@ -55,6 +55,15 @@ TINY_CLIP = {
 }
 
 
+def component(cls: type, cfg: Any, family: str, subfolder: str, tiny: Mapping[str, Any]) -> torch.nn.Module:
+    """A diffusers model of a family, in eval mode: tiny flavor = ``cls(**tiny)`` with weights seeded
+    from ``model.seed`` and ``family.subfolder``; local = the folder's ``subfolder``."""
+    if cfg.flavor == "tiny":
+        with seeded(cfg.seed, f"{family}.{subfolder}"):
+            return cls(**tiny).eval()
+    return cls.from_pretrained(cfg.path, subfolder=subfolder).eval()
+
+
 def tiny_clip_text_encoder(
     tokenizer: PreTrainedTokenizerBase, seed: int, component: str
 ) -> CLIPTextModel:

@@ -88,10 +88,7 @@ class ChromaFamily(FluxFamily):
         return min(int(config.get("model_max_length", 512)), 512)
 
     def load_denoiser(self) -> ChromaTransformer2DModel:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, "chroma.transformer"):
-                return ChromaTransformer2DModel(**TINY_TRANSFORMER).eval()
-        return ChromaTransformer2DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+        return common.component(ChromaTransformer2DModel, self.cfg, "chroma", "transformer", TINY_TRANSFORMER)
 
     def load_pipeline(self) -> ChromaPipeline:
         enc = self.load_text_encoders()

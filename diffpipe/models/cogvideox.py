@@ -153,10 +153,7 @@ class CogVideoXFamily(Family):
 
     # -- components --------------------------------------------------------------
     def load_vae(self) -> AutoencoderKLCogVideoX:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, "cogvideox.vae"):
-                return AutoencoderKLCogVideoX(**TINY_VAE).eval()
-        return AutoencoderKLCogVideoX.from_pretrained(self.cfg.path, subfolder="vae").eval()
+        return common.component(AutoencoderKLCogVideoX, self.cfg, "cogvideox", "vae", TINY_VAE)
 
     def load_tokenizers(self) -> video.T5Text:
         return video.t5_tokenizers(self.cfg.flavor, self.cfg.path, MAX_LENGTH)
@@ -165,10 +162,7 @@ class CogVideoXFamily(Family):
         return video.t5_text(self.cfg.flavor, self.cfg.path, MAX_LENGTH, self.cfg.seed, "cogvideox.text_encoder")
 
     def load_denoiser(self) -> CogVideoXTransformer3DModel:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, "cogvideox.transformer"):
-                return CogVideoXTransformer3DModel(**TINY_TRANSFORMER).eval()
-        return CogVideoXTransformer3DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+        return common.component(CogVideoXTransformer3DModel, self.cfg, "cogvideox", "transformer", TINY_TRANSFORMER)
 
     def inference_scheduler(self):
         c = self._scheduler_config

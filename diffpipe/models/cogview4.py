@@ -187,10 +187,7 @@ class CogView4Family(Family):
 
     # -- components ------------------------------------------------------------
     def load_vae(self) -> AutoencoderKL:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, f"{self.name}.vae"):
-                return AutoencoderKL(**TINY_VAE).eval()
-        return AutoencoderKL.from_pretrained(self.cfg.path, subfolder="vae").eval()
+        return common.component(AutoencoderKL, self.cfg, self.name, "vae", TINY_VAE)
 
     def load_tokenizers(self) -> GlmText:
         if self.cfg.flavor == "tiny":
@@ -216,10 +213,7 @@ class CogView4Family(Family):
         return enc
 
     def load_denoiser(self) -> CogView4Transformer2DModel:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, f"{self.name}.transformer"):
-                return CogView4Transformer2DModel(**TINY_TRANSFORMER).eval()
-        return CogView4Transformer2DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+        return common.component(CogView4Transformer2DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
 
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)

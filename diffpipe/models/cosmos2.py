@@ -184,10 +184,7 @@ class Cosmos2Family(Family):
 
     # -- components ------------------------------------------------------------
     def load_vae(self) -> AutoencoderKLWan:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, f"{self.name}.vae"):
-                return AutoencoderKLWan(**TINY_VAE).eval()
-        return AutoencoderKLWan.from_pretrained(self.cfg.path, subfolder="vae").eval()
+        return common.component(AutoencoderKLWan, self.cfg, self.name, "vae", TINY_VAE)
 
     def load_tokenizers(self) -> T5Text:
         if self.cfg.flavor == "tiny":
@@ -213,10 +210,7 @@ class Cosmos2Family(Family):
         return enc
 
     def load_denoiser(self) -> CosmosTransformer3DModel:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, f"{self.name}.transformer"):
-                return CosmosTransformer3DModel(**TINY_TRANSFORMER).eval()
-        return CosmosTransformer3DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+        return common.component(CosmosTransformer3DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
 
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         if self.cfg.flavor == "tiny":

@@ -197,10 +197,7 @@ class FluxFamily(Family):
 
     # -- components ------------------------------------------------------------
     def load_vae(self) -> AutoencoderKL:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, "flux.vae"):
-                return AutoencoderKL(**TINY_VAE).eval()
-        return AutoencoderKL.from_pretrained(self.cfg.path, subfolder="vae").eval()
+        return common.component(AutoencoderKL, self.cfg, "lux", "vae", TINY_VAE)
 
     def load_tokenizers(self) -> FluxTextEncoders:
         """Both tokenizers only (no encoder weights): enough to count tokens."""
@@ -232,10 +229,7 @@ class FluxFamily(Family):
         )
 
     def load_denoiser(self) -> FluxTransformer2DModel:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, "flux.transformer"):
-                return FluxTransformer2DModel(**TINY_TRANSFORMER).eval()
-        return FluxTransformer2DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+        return common.component(FluxTransformer2DModel, self.cfg, "lux", "transformer", TINY_TRANSFORMER)
 
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)

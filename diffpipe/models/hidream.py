@@ -133,10 +133,7 @@ class HiDreamFamily(Family):
 
     # -- components ------------------------------------------------------------
     def load_vae(self) -> AutoencoderKL:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, f"{self.name}.vae"):
-                return AutoencoderKL(**TINY_VAE).eval()
-        return AutoencoderKL.from_pretrained(self.cfg.path, subfolder="vae").eval()
+        return common.component(AutoencoderKL, self.cfg, self.name, "vae", TINY_VAE)
 
     def load_tokenizers(self) -> HiDreamText:
         msl = self.max_sequence_length
@@ -171,10 +168,7 @@ class HiDreamFamily(Family):
         return e
 
     def load_denoiser(self) -> HiDreamImageTransformer2DModel:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, f"{self.name}.transformer"):
-                return HiDreamImageTransformer2DModel(**TINY_TRANSFORMER).eval()
-        return HiDreamImageTransformer2DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+        return common.component(HiDreamImageTransformer2DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
 
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)

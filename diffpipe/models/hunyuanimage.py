@@ -110,10 +110,7 @@ class HunyuanImageFamily(Family):
 
     # -- components ------------------------------------------------------------
     def load_vae(self) -> AutoencoderKLHunyuanImage:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, f"{self.name}.vae"):
-                return AutoencoderKLHunyuanImage(**TINY_VAE).eval()
-        return AutoencoderKLHunyuanImage.from_pretrained(self.cfg.path, subfolder="vae").eval()
+        return common.component(AutoencoderKLHunyuanImage, self.cfg, self.name, "vae", TINY_VAE)
 
     def load_tokenizers(self) -> HunyuanText:
         if self.cfg.flavor == "tiny":
@@ -141,10 +138,7 @@ class HunyuanImageFamily(Family):
         return e
 
     def load_denoiser(self) -> HunyuanImageTransformer2DModel:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, f"{self.name}.transformer"):
-                return HunyuanImageTransformer2DModel(**TINY_TRANSFORMER).eval()
-        return HunyuanImageTransformer2DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+        return common.component(HunyuanImageTransformer2DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
 
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)

@@ -209,10 +209,7 @@ class HunyuanVideoFamily(Family):
 
     # -- components --------------------------------------------------------------
     def load_vae(self) -> AutoencoderKLHunyuanVideo:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, "hunyuanvideo.vae"):
-                return AutoencoderKLHunyuanVideo(**TINY_VAE).eval()
-        return AutoencoderKLHunyuanVideo.from_pretrained(self.cfg.path, subfolder="vae").eval()
+        return common.component(AutoencoderKLHunyuanVideo, self.cfg, "hunyuanvideo", "vae", TINY_VAE)
 
     def load_tokenizers(self) -> HunyuanText:
         if self.cfg.flavor == "tiny":
@@ -245,10 +242,7 @@ class HunyuanVideoFamily(Family):
         return e
 
     def load_denoiser(self) -> HunyuanVideoTransformer3DModel:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, "hunyuanvideo.transformer"):
-                return HunyuanVideoTransformer3DModel(**TINY_TRANSFORMER).eval()
-        return HunyuanVideoTransformer3DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+        return common.component(HunyuanVideoTransformer3DModel, self.cfg, "hunyuanvideo", "transformer", TINY_TRANSFORMER)
 
     def load_pipeline(self) -> HunyuanVideoPipeline:
         e = self.load_text_encoders()

@@ -148,10 +148,7 @@ class LTXVideoFamily(Family):
 
     # -- components --------------------------------------------------------------
     def load_vae(self) -> AutoencoderKLLTXVideo:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, "ltxvideo.vae"):
-                return AutoencoderKLLTXVideo(**TINY_VAE).eval()
-        return AutoencoderKLLTXVideo.from_pretrained(self.cfg.path, subfolder="vae").eval()
+        return common.component(AutoencoderKLLTXVideo, self.cfg, "ltxvideo", "vae", TINY_VAE)
 
     def load_tokenizers(self) -> video.T5Text:
         return video.t5_tokenizers(self.cfg.flavor, self.cfg.path, MAX_LENGTH)
@@ -160,10 +157,7 @@ class LTXVideoFamily(Family):
         return video.t5_text(self.cfg.flavor, self.cfg.path, MAX_LENGTH, self.cfg.seed, "ltxvideo.text_encoder")
 
     def load_denoiser(self) -> LTXVideoTransformer3DModel:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, "ltxvideo.transformer"):
-                return LTXVideoTransformer3DModel(**TINY_TRANSFORMER).eval()
-        return LTXVideoTransformer3DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+        return common.component(LTXVideoTransformer3DModel, self.cfg, "ltxvideo", "transformer", TINY_TRANSFORMER)
 
     def load_pipeline(self) -> LTXPipeline:
         enc = self.load_text_encoders()

@@ -123,10 +123,7 @@ class Lumina2Family(Family):
 
     # -- components ------------------------------------------------------------
     def load_vae(self) -> AutoencoderKL:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, f"{self.name}.vae"):
-                return AutoencoderKL(**TINY_VAE8).eval()
-        return AutoencoderKL.from_pretrained(self.cfg.path, subfolder="vae").eval()
+        return common.component(AutoencoderKL, self.cfg, self.name, "vae", TINY_VAE8)
 
     def load_tokenizers(self) -> GemmaText:
         if self.cfg.flavor == "tiny":
@@ -147,10 +144,7 @@ class Lumina2Family(Family):
         return enc
 
     def load_denoiser(self) -> Lumina2Transformer2DModel:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, f"{self.name}.transformer"):
-                return Lumina2Transformer2DModel(**TINY_TRANSFORMER).eval()
-        return Lumina2Transformer2DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+        return common.component(Lumina2Transformer2DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
 
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)

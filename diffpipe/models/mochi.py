@@ -105,10 +105,7 @@ class MochiFamily(Family):
 
     # -- components --------------------------------------------------------------
     def load_vae(self) -> AutoencoderKLMochi:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, "mochi.vae"):
-                return AutoencoderKLMochi(**TINY_VAE).eval()
-        return AutoencoderKLMochi.from_pretrained(self.cfg.path, subfolder="vae").eval()
+        return common.component(AutoencoderKLMochi, self.cfg, "mochi", "vae", TINY_VAE)
 
     def load_tokenizers(self) -> video.T5Text:
         return video.t5_tokenizers(self.cfg.flavor, self.cfg.path, MAX_LENGTH)
@@ -117,10 +114,7 @@ class MochiFamily(Family):
         return video.t5_text(self.cfg.flavor, self.cfg.path, MAX_LENGTH, self.cfg.seed, "mochi.text_encoder")
 
     def load_denoiser(self) -> MochiTransformer3DModel:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, "mochi.transformer"):
-                return MochiTransformer3DModel(**TINY_TRANSFORMER).eval()
-        return MochiTransformer3DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+        return common.component(MochiTransformer3DModel, self.cfg, "mochi", "transformer", TINY_TRANSFORMER)
 
     def load_pipeline(self) -> MochiPipeline:
         enc = self.load_text_encoders()

@@ -139,10 +139,7 @@ class QwenImageFamily(Family):
 
     # -- components ------------------------------------------------------------
     def load_vae(self) -> AutoencoderKLQwenImage:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, f"{self.name}.vae"):
-                return AutoencoderKLQwenImage(**TINY_VAE).eval()
-        return AutoencoderKLQwenImage.from_pretrained(self.cfg.path, subfolder="vae").eval()
+        return common.component(AutoencoderKLQwenImage, self.cfg, self.name, "vae", TINY_VAE)
 
     def load_tokenizers(self) -> QwenText:
         if self.cfg.flavor == "tiny":
@@ -161,10 +158,7 @@ class QwenImageFamily(Family):
         return enc
 
     def load_denoiser(self) -> QwenImageTransformer2DModel:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, f"{self.name}.transformer"):
-                return QwenImageTransformer2DModel(**TINY_TRANSFORMER).eval()
-        return QwenImageTransformer2DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+        return common.component(QwenImageTransformer2DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
 
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)

@@ -154,10 +154,7 @@ class SDFamily(Family):
 
     # -- components ------------------------------------------------------------
     def load_vae(self) -> AutoencoderKL:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, "sd.vae"):
-                return AutoencoderKL(**TINY_VAE).eval()
-        return AutoencoderKL.from_pretrained(self.cfg.path, subfolder="vae").eval()
+        return common.component(AutoencoderKL, self.cfg, "sd", "vae", TINY_VAE)
 
     def load_tokenizers(self) -> SDTextEncoders:
         """The tokenizer only (no encoder weights): enough to count tokens."""
@@ -175,10 +172,7 @@ class SDFamily(Family):
         return SDTextEncoders(tokenizer, encoder)
 
     def load_denoiser(self) -> UNet2DConditionModel:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, "sd.unet"):
-                return UNet2DConditionModel(**TINY_UNET).eval()
-        return UNet2DConditionModel.from_pretrained(self.cfg.path, subfolder="unet").eval()
+        return common.component(UNet2DConditionModel, self.cfg, "sd", "unet", TINY_UNET)
 
     @property
     def zero_terminal_snr(self) -> bool:

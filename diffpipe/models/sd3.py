@@ -160,10 +160,7 @@ class SD3Family(Family):
 
     # -- components ------------------------------------------------------------
     def load_vae(self) -> AutoencoderKL:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, f"{self.name}.vae"):
-                return AutoencoderKL(**TINY_VAE).eval()
-        return AutoencoderKL.from_pretrained(self.cfg.path, subfolder="vae").eval()
+        return common.component(AutoencoderKL, self.cfg, self.name, "vae", TINY_VAE)
 
     def load_tokenizers(self) -> SD3TextEncoders:
         msl = self.max_sequence_length
@@ -189,10 +186,7 @@ class SD3Family(Family):
         return enc
 
     def load_denoiser(self) -> SD3Transformer2DModel:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, f"{self.name}.transformer"):
-                return SD3Transformer2DModel(**TINY_TRANSFORMER).eval()
-        return SD3Transformer2DModel.from_pretrained(self.cfg.path, subfolder="transformer").eval()
+        return common.component(SD3Transformer2DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
 
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)

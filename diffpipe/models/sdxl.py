@@ -115,10 +115,7 @@ class SDXLFamily(SDFamily):
 
     # -- components --------------------------------------------------------------
     def load_vae(self) -> AutoencoderKL:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, "sdxl.vae"):
-                return AutoencoderKL(**TINY_VAE_XL).eval()
-        return AutoencoderKL.from_pretrained(self.cfg.path, subfolder="vae").eval()
+        return common.component(AutoencoderKL, self.cfg, "sdxl", "vae", TINY_VAE_XL)
 
     def load_tokenizers(self) -> SDXLTextEncoders:
         if self.cfg.flavor == "tiny":
@@ -147,10 +144,7 @@ class SDXLFamily(SDFamily):
         )
 
     def load_denoiser(self) -> UNet2DConditionModel:
-        if self.cfg.flavor == "tiny":
-            with common.seeded(self.cfg.seed, "sdxl.unet"):
-                return UNet2DConditionModel(**TINY_UNET).eval()
-        return UNet2DConditionModel.from_pretrained(self.cfg.path, subfolder="unet").eval()
+        return common.component(UNet2DConditionModel, self.cfg, "sdxl", "unet", TINY_UNET)
 
     def inference_scheduler(self) -> EulerDiscreteScheduler:
         return EulerDiscreteScheduler.from_config(self._scheduler_config)
