@@ -24,7 +24,8 @@ _SD1 = ("sd_v1", "stable-diffusion-v1/lora", "https://github.com/Stability-AI/ge
 _SD2 = ("sd_v2", "stable-diffusion-v2-512/lora", "https://github.com/Stability-AI/generative-models")
 _SDXL = ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora", "https://github.com/Stability-AI/generative-models")
 # Transformer families: the names sd-scripts (SD3, Chroma, Lumina 2) or musubi-tuner
-# (Qwen-Image, Wan) write; HiDream has no kohya trainer and gets its own.
+# (Qwen-Image, Wan, HunyuanVideo) write; the edit models keep their base model's version,
+# and families no kohya trainer covers (HiDream, LTX-Video, Mochi, Cosmos) get their own.
 _BY_FAMILY = {
     "flux": ("flux1", "flux-1-dev/lora", "https://github.com/black-forest-labs/flux"),
     "chroma": ("chroma", "chroma/lora", "https://huggingface.co/lodestones/Chroma"),
@@ -33,6 +34,13 @@ _BY_FAMILY = {
     "qwenimage": ("qwen_image", "Qwen-Image/lora", "https://github.com/QwenLM/Qwen-Image"),
     "hidream": ("hidream", "hidream-i1/lora", "https://github.com/HiDream-ai/HiDream-I1"),
     "wan": ("wan", "wan2.1/lora", "https://github.com/Wan-Video/Wan2.1"),
+    "flux-kontext": ("flux1", "flux-1-kontext-dev/lora", "https://github.com/black-forest-labs/flux"),
+    "qwenimage-edit": ("qwen_image", "Qwen-Image-Edit/lora", "https://github.com/QwenLM/Qwen-Image"),
+    "hunyuanvideo": ("hunyuan_video", "hunyuan-video/lora", "https://github.com/Tencent/HunyuanVideo"),
+    "ltxvideo": ("ltx_video", "ltx-video/lora", "https://github.com/Lightricks/LTX-Video"),
+    "mochi": ("mochi", "mochi-1/lora", "https://github.com/genmoai/mochi"),
+    "cosmos2": ("cosmos_predict2", "cosmos-predict2/lora", "https://github.com/nvidia-cosmos/cosmos-predict2"),
+    "cosmos2-video": ("cosmos_predict2", "cosmos-predict2/lora", "https://github.com/nvidia-cosmos/cosmos-predict2"),
 }
 
 

@@ -17,19 +17,21 @@ import peft
 import pytest
 import torch
 from diffusers.loaders.lora_conversion_utils import (
+    _convert_hunyuan_video_lora_to_diffusers,
     _convert_kohya_flux_lora_to_diffusers,
     _convert_non_diffusers_lumina2_lora_to_diffusers,
 )
 from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
 from peft.tuners.lora import LoraLayer
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from diffpipe.config import LoraConfig, ModelConfig
 from diffpipe.export import export_lora, import_lora
 from diffpipe.export.convert import to_original
-from diffpipe.export.keymaps import keymap_for_model
+from diffpipe.export.keymaps import keymap_for_model, mapped_families
 from diffpipe.export.original_io import read_original
 from diffpipe.models import get_family
 from diffpipe.paths import FORMATS
@@ -43,12 +45,16 @@ from diffpipe.training.adapter import (
 
 TOL = 1e-5
 FAMILIES = ["sd", "sdxl", "flux", "chroma", "sd3", "lumina2", "qwenimage", "hidream", "wan"]
+FAMILIES += ["flux-kontext", "qwenimage-edit", "ltxvideo", "hunyuanvideo", "mochi", "cosmos2", "cosmos2-video"]
 # Beyond the defaults, the layers each key map treats specially: SD's shortcut convs and time
 # embedding; SDXL's added-conditioning MLP; Flux's final modulation (halves swapped in the
 # original) and single-block output (``proj_mlp`` stays out, so ``linear1`` is partly trained);
 # Chroma's guidance approximator; SD3's patch conv and swapped modulations (final layer, last
 # context block); Lumina 2's modulations; Qwen-Image's modulation and output; HiDream's MoE
-# experts and output; Wan's Conv3d patch embedding and the layers outside its blocks.
+# experts and output; Wan's Conv3d patch embedding and the layers outside its blocks; LTX-Video's
+# renamed patch and timestep layers; HunyuanVideo's Conv3d patch embedding, swapped final
+# modulation, token refiner and embedders; Mochi's Conv2d patch embedding, swapped final
+# modulation, last-block text modulation and caption projection; Cosmos' AdaLN-LoRA modulations.
 EXTRA_TARGETS = {
     "sd": ["conv_shortcut", "time_embedding.linear_1"],
     "sdxl": ["conv_shortcut", "add_embedding.linear_1"],
@@ -59,6 +65,13 @@ EXTRA_TARGETS = {
     "qwenimage": ["img_mod.1", "norm_out.linear", "proj_out"],
     "hidream": ["experts.0.w1", "final_layer.linear"],
     "wan": ["patch_embedding", "time_proj", "proj_out"],
+    "flux-kontext": ["norm_out.linear", "proj_out"],
+    "qwenimage-edit": ["img_mod.1", "norm_out.linear", "proj_out"],
+    "ltxvideo": ["proj_in", "time_embed.linear", "caption_projection.linear_1"],
+    "hunyuanvideo": ["x_embedder.proj", "norm_out.linear", "norm1_context.linear", "proj_in", "timestep_embedder.linear_1"],
+    "mochi": ["patch_embed.proj", "norm_out.linear", "norm1_context.linear_1", "caption_proj"],
+    "cosmos2": ["patch_embed.proj", "norm1.linear_1", "norm_out.linear_2", "t_embedder.linear_1"],
+    "cosmos2-video": ["patch_embed.proj", "norm_out.linear_2"],
 }
 
 
@@ -68,9 +81,17 @@ def _forward_inputs(family) -> tuple[tuple, dict]:
     side = 2 * family.pixel_multiple
     frames = family.frame_rule[0] + family.frame_rule[1] if family.is_video else 1
     pixels = torch.rand(2, 3, frames, side, side, generator=g) * 2 - 1
+    captions = ["a red fox", "two blue cups on a table"]
+    extra = {}
     with torch.no_grad():
         latents = family.encode_pixels(family.load_vae(), pixels)
-        text = family.encode_text(family.load_text_encoders(), ["a red fox", "two blue cups on a table"])
+        if family.text_uses_control:  # the control image is the other item's target
+            images = [Image.fromarray(((p[:, 0].permute(1, 2, 0) + 1) * 127.5).byte().numpy()) for p in pixels]
+            text = family.encode_text(family.load_text_encoders(), captions, images[::-1])
+        else:
+            text = family.encode_text(family.load_text_encoders(), captions)
+    if family.uses_control:
+        extra["control"] = latents.flip(0)
     denoiser = family.load_denoiser()
     captured = {}
 
@@ -79,7 +100,7 @@ def _forward_inputs(family) -> tuple[tuple, dict]:
 
     handle = denoiser.register_forward_pre_hook(hook, with_kwargs=True)
     with torch.no_grad():
-        family.loss(denoiser, latents, text, g, t=torch.tensor([0.3, 0.7]))
+        family.loss(denoiser, latents, text, g, t=torch.tensor([0.3, 0.7]), **extra)
     handle.remove()
     return captured["inputs"]
 
@@ -184,8 +205,25 @@ def _flux_norms(sd: dict[str, torch.Tensor], double: int, single: int) -> dict[s
     return out
 
 
-def _tiny(name):
-    return lambda: get_family(ModelConfig(family=name, flavor="tiny")).load_denoiser()
+def _mochi_norms(sd: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    """QK-norm scales and rotary frequencies (not LoRA targets, outside the table) under Mochi's names."""
+    out = {"pos_frequencies": sd["pos_frequencies"]}
+    for i in range(n):
+        for o, d in (("q_norm_x", "norm_q"), ("k_norm_x", "norm_k"), ("q_norm_y", "norm_added_q"), ("k_norm_y", "norm_added_k")):
+            out[f"blocks.{i}.attn.{o}.weight"] = sd[f"transformer_blocks.{i}.attn1.{d}.weight"]
+    return out
+
+
+def _tiny(name, **changes):
+    if not changes:
+        return lambda: get_family(ModelConfig(family=name, flavor="tiny")).load_denoiser()
+
+    def build():  # the tiny flavor's config with ``changes``, random weights
+        tiny = get_family(ModelConfig(family=name, flavor="tiny")).load_denoiser()
+        torch.manual_seed(0)
+        return type(tiny).from_config({**tiny.config, **changes})
+
+    return build
 
 
 def _meta(cls_name, **kwargs):
@@ -225,6 +263,21 @@ SINGLE_FILE_CASES = {
     "hidream": (_tiny("hidream"), None),
     "wan": (_tiny("wan"), None),
     "wan-i2v": (_meta("WanTransformer3DModel", num_layers=1, image_dim=1280, added_kv_proj_dim=5120), None),
+    "flux-kontext": (
+        _meta("FluxTransformer2DModel", num_layers=1, num_single_layers=1, guidance_embeds=True),
+        lambda sd: _flux_norms(sd, 1, 1),
+    ),
+    "qwenimage-edit": (_tiny("qwenimage-edit"), None),
+    "ltxvideo": (_tiny("ltxvideo"), None),
+    # HunyuanVideo's converter hard-codes the inner size (3072) of ``linear1``; Mochi's, 48 blocks
+    # (tiny ones here, so the swapped halves are checked by value).
+    "hunyuanvideo": (
+        _meta("HunyuanVideoTransformer3DModel", num_layers=1, num_single_layers=1, num_refiner_layers=1),
+        None,
+    ),
+    "mochi": (_tiny("mochi", num_layers=48), lambda sd: _mochi_norms(sd, 48)),
+    "cosmos2": (_tiny("cosmos2"), None),
+    "cosmos2-video": (_tiny("cosmos2-video"), None),
 }
 
 
@@ -232,7 +285,7 @@ SINGLE_FILE_CASES = {
 def test_key_map_matches_diffusers_single_file_converter(case):
     """Renaming (and fusing) the denoiser's weights into original names with our table, the
     converter diffusers' ``from_single_file`` uses for that class gives every weight back."""
-    family = case.split("-")[0].removesuffix(".5")
+    family = case if case in mapped_families() else case.split("-")[0].removesuffix(".5")
     build, extras = SINGLE_FILE_CASES[case]
     model = build()
     keymap = keymap_for_model(family, model)
@@ -266,6 +319,13 @@ BASE_MODEL_VERSION = {
     "qwenimage": "qwen_image",
     "hidream": "hidream",
     "wan": "wan",
+    "flux-kontext": "flux1",
+    "qwenimage-edit": "qwen_image",
+    "ltxvideo": "ltx_video",
+    "hunyuanvideo": "hunyuan_video",
+    "mochi": "mochi",
+    "cosmos2": "cosmos_predict2",
+    "cosmos2-video": "cosmos_predict2",
 }
 
 
@@ -351,15 +411,31 @@ def _comfy_as_kohya(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 
 # What each family's stock pipeline reads, per format (diffusers' converters as the reference):
 # a key filter where the converter covers only some layers, and the pipeline kwargs. Families
-# absent here have no diffusers loader for that format at tiny size (Flux, Chroma, Lumina 2:
-# sizes hard-coded, checked at full size below; SD3 and HiDream kohya, Lumina 2 kohya: none):
-# ``diffpipe import-lora`` is their reference (``test_import_round_trip``).
+# absent here have no diffusers loader for that format at tiny size (Flux, Flux Kontext, Chroma,
+# Lumina 2: sizes hard-coded, checked at full size below; SD3, HiDream, Lumina 2, LTX-Video and
+# HunyuanVideo kohya, Mochi and Cosmos: none): ``diffpipe import-lora`` is their reference
+# (``test_import_round_trip``).
 def _wan_blocks(key: str) -> bool:  # musubi-tuner's Wan layout: the blocks' attention and MLP only
     return key.startswith("lora_unet_blocks_")
 
 
 def _no_patch_embedding(key: str) -> bool:  # diffusers' Wan converter has no patch_embedding entry
     return ".patch_embedding." not in key
+
+
+def _ltx_renamed(key: str) -> bool:  # diffusers' LTX converter does not rename these two
+    return not key.startswith(("diffusion_model.patchify_proj.", "diffusion_model.adaln_single."))
+
+
+def _hunyuan_tiny(key: str) -> bool:
+    """What diffusers' HunyuanVideo converter reads at tiny size: not ``linear1`` (sizes hard-coded,
+    checked at full size below), the final modulation or the refiner's ``self_attn_qkv`` (it splits
+    ``down`` as it splits ``up``: a LoRA there does not load from any file)."""
+    return not (
+        (key.startswith("diffusion_model.single_blocks.") and ".linear1." in key)
+        or key.startswith("diffusion_model.final_layer.adaLN_modulation.1.")
+        or ".self_attn_qkv." in key
+    )
 
 
 PIPELINE_READS = {
@@ -372,6 +448,10 @@ PIPELINE_READS = {
     ("hidream", "comfyui"): (None, False),
     ("wan", "kohya"): (_wan_blocks, False),
     ("wan", "comfyui"): (_no_patch_embedding, False),
+    ("qwenimage-edit", "kohya"): (None, False),
+    ("qwenimage-edit", "comfyui"): (None, False),
+    ("ltxvideo", "comfyui"): (_ltx_renamed, False),
+    ("hunyuanvideo", "comfyui"): (_hunyuan_tiny, False),
 }
 
 
@@ -416,7 +496,9 @@ def test_import_round_trip(trained, fmt, tmp_path):
 
 def test_merged_pipeline_equals_base_plus_lora(trained):
     family = trained["family"]
-    merged = family.pipeline_class.from_pretrained(str(trained["files"]["merged"]))
+    # Cosmos2: the stock pipeline's safety checker is passed explicitly (see diffpipe.models.cosmos2).
+    extra = {"safety_checker": family.safety_checker()} if family.name.startswith("cosmos2") else {}
+    merged = family.pipeline_class.from_pretrained(str(trained["files"]["merged"]), **extra)
     denoiser = getattr(merged, family.denoiser_attr)
     base = family.load_denoiser().state_dict()
     for key, value in denoiser.state_dict().items():
@@ -475,6 +557,23 @@ FULL_SIZE = {
             "context_embedder",
         ],
     ),
+    # Not the refiner's attention or the final modulation, which that converter misreads (see
+    # ``_hunyuan_tiny``); full names keep the double blocks' q, k, v apart from the refiner's.
+    "hunyuanvideo": (
+        "HunyuanVideoTransformer3DModel",
+        {"num_layers": 1, "num_single_layers": 1, "num_refiner_layers": 1},
+        [
+            *(f"transformer_blocks.0.attn.{p}" for p in ("to_q", "to_k", "to_v", "add_q_proj", "add_v_proj")),
+            *(f"single_transformer_blocks.0.attn.{p}" for p in ("to_q", "to_k", "to_v")),
+            "proj_mlp",
+            "proj_out",
+            "norm.linear",
+            "norm1_context.linear",
+            "ff_context.net.2",
+            "context_embedder.proj_in",
+            "timestep_embedder.linear_1",
+        ],
+    ),
     # diffusers' Lumina 2 converter expects every block layer (and no others)
     "lumina2": (
         "Lumina2Transformer2DModel",
@@ -495,13 +594,21 @@ FULL_SIZE = {
 
 @pytest.mark.parametrize(
     ("family", "fmt"),
-    [("flux", "comfyui"), ("flux", "kohya"), ("chroma", "comfyui"), ("chroma", "kohya"), ("lumina2", "comfyui")],
+    [
+        ("flux", "comfyui"),
+        ("flux", "kohya"),
+        ("chroma", "comfyui"),
+        ("chroma", "kohya"),
+        ("lumina2", "comfyui"),
+        ("hunyuanvideo", "comfyui"),
+    ],
 )
 def test_full_size_export_reads_back_with_diffusers_converter(family, fmt):
     """Our fused layers (block-structured) read by the converter the stock pipeline uses.
 
     Flux and Chroma (``FluxLoraLoaderMixin``): ``_convert_kohya_flux_lora_to_diffusers``;
-    Lumina 2: ``_convert_non_diffusers_lumina2_lora_to_diffusers``. A full-size transformer (one block
+    Lumina 2: ``_convert_non_diffusers_lumina2_lora_to_diffusers``; HunyuanVideo:
+    ``_convert_hunyuan_video_lora_to_diffusers``. A full-size transformer (one block
     of each kind) on the meta device gives the shapes; the LoRA tensors are small
     (rank 2). Deltas are compared through random probes: ``delta @ x``.
     """
@@ -534,6 +641,8 @@ def test_full_size_export_reads_back_with_diffusers_converter(family, fmt):
     assert all(layer.kohya == kohya_name(layer.original) for layer in keymap.layers)
     if family == "lumina2":
         converted = _convert_non_diffusers_lumina2_lora_to_diffusers(sd)
+    elif family == "hunyuanvideo":
+        converted = _convert_hunyuan_video_lora_to_diffusers(sd)
     else:
         converted = _convert_kohya_flux_lora_to_diffusers(sd)
     got = {}

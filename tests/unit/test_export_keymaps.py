@@ -86,7 +86,38 @@ def test_workflow_always_exports_diffusers_for_samples():
 def test_every_mapped_family_names_its_denoiser():
     from diffpipe.export.keymaps import mapped_families
 
-    assert set(mapped_families()) >= {"sd", "sdxl", "flux", "chroma", "sd3", "lumina2", "qwenimage", "hidream", "wan"}
+    assert set(mapped_families()) >= {
+        "sd",
+        "sdxl",
+        "flux",
+        "chroma",
+        "sd3",
+        "lumina2",
+        "qwenimage",
+        "hidream",
+        "wan",
+        "flux-kontext",
+        "qwenimage-edit",
+        "ltxvideo",
+        "hunyuanvideo",
+        "mochi",
+        "cosmos2",
+    }
+    # Families not covered (no original naming to follow: diffusers has no single-file converter).
+    assert not {"cogvideox", "cogview4"} & set(mapped_families())
+
+
+def test_dashed_family_names_find_their_module():
+    from diffpipe.export.keymaps import _table
+    from diffpipe.export.keymaps.flux_kontext import build
+
+    sizes = _sizes(["single_transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.proj_out"])
+    denoiser, builder = _table("flux-kontext")
+    assert denoiser.__name__ == "FluxTransformer2DModel" and builder is build
+    km = builder({"num_layers": 0, "num_single_layers": 0, "num_attention_heads": 1, "attention_head_dim": 8}, sizes)
+    assert km.family == "flux-kontext"
+    with pytest.raises(ValueError, match="no LoRA key map for family 'cogvideox'"):
+        _table("cogvideox")
 
 
 def _sizes(names: list[str], n: int = 8) -> dict[str, int]:
@@ -164,3 +195,37 @@ def test_layer_without_alpha_key_is_written_bare_and_read_back_at_scale_one(tmp_
         write_original(
             {"a": Lora(lora.down, lora.up, 3.0)}, {}, tmp_path / "y.safetensors", without_alpha=frozenset({"a"})
         )
+
+
+def test_video_tables_rename_and_swap_as_the_original_checkpoints():
+    from diffpipe.export.keymaps import hunyuanvideo, ltxvideo, mochi
+
+    ltx = ltxvideo.build({}, _sizes(["proj_in", "time_embed.linear", "transformer_blocks.0.attn1.to_q"]))
+    assert ltx.by_module["proj_in"].original == "patchify_proj"
+    assert ltx.by_module["time_embed.linear"].kohya == "lora_unet_adaln_single_linear"
+    assert ltx.by_module["transformer_blocks.0.attn1.to_q"].original == "transformer_blocks.0.attn1.to_q"
+    assert ltx.peft_names and not any(layer.alpha_key for layer in ltx.layers)
+
+    block = ["norm1.linear", "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.add_q_proj", "attn1.add_k_proj"]
+    block += ["attn1.add_v_proj", "ff.net.0.proj"]
+    sizes = _sizes([f"transformer_blocks.{i}.{m}" for i in range(2) for m in block] + ["norm_out.linear"])
+    sizes |= {"transformer_blocks.0.norm1_context.linear": 8, "transformer_blocks.1.norm1_context.linear_1": 8}
+    km = mochi.build({"num_layers": 2}, sizes)
+    w1 = km.by_original["blocks.1.mlp_x.w1"]
+    assert [(s.start, s.size) for s in w1.segments] == [(4, 4), (0, 4)], "SwiGLU halves in the other order"
+    assert km.by_module["transformer_blocks.1.norm1_context.linear_1"].original == "blocks.1.mod_y"
+    assert km.by_original["blocks.0.attn.qkv_y"].modules[0] == "transformer_blocks.0.attn1.add_q_proj"
+
+    refiner = "context_embedder.token_refiner.refiner_blocks.0"
+    sizes = _sizes([f"{refiner}.attn.to_{p}" for p in "qkv"] + [f"{refiner}.norm_out.linear", "norm_out.linear"])
+    sizes |= {f"single_transformer_blocks.0.{m}": n for m, n in (("attn.to_q", 8), ("attn.to_k", 8),
+                                                                  ("attn.to_v", 8), ("proj_mlp", 32))}
+    km = hunyuanvideo.build({"num_refiner_layers": 1, "num_layers": 0, "num_single_layers": 1}, sizes)
+    assert km.by_module[f"{refiner}.attn.to_k"].original == "txt_in.individual_token_refiner.blocks.0.self_attn_qkv"
+    assert km.by_module[f"{refiner}.norm_out.linear"].kohya == (
+        "lora_unet_txt_in_individual_token_refiner_blocks_0_adaLN_modulation_1"
+    )
+    assert [s.size for s in km.by_original["single_blocks.0.linear1"].segments] == [8, 8, 8, 32]
+    final = km.by_original["final_layer.adaLN_modulation.1"]
+    assert [(s.start, s.size) for s in final.segments] == [(4, 4), (0, 4)], "(shift, scale) vs (scale, shift)"
+    assert km.peft_names and all(layer.fold_scale and not layer.alpha_key for layer in km.layers)

@@ -1,6 +1,7 @@
 """Per-family key maps between our module names and the original checkpoint's.
 
-One module per family, named after it (``sd.py``, ``flux.py``, ...), holding
+One module per family, named after it (``sd.py``, ``flux.py``, ``flux_kontext.py``
+for ``flux-kontext``: ``-`` becomes ``_``), holding
 ``DENOISER`` (the diffusers denoiser class) and ``build(config, out_features)``
 (the table). Export and import (``diffpipe import-lora``) read the same table;
 adding a family's map is adding its module.
@@ -45,7 +46,7 @@ def out_features(model: torch.nn.Module) -> dict[str, int]:
 
 def mapped_families() -> list[str]:
     """Families that have a key map (and so the comfyui and kohya formats)."""
-    return sorted(m.name for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_FAMILIES)
+    return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_FAMILIES)
 
 
 def _table(family_name: str) -> tuple[type, Builder]:
@@ -55,7 +56,7 @@ def _table(family_name: str) -> tuple[type, Builder]:
             f"no LoRA key map for family {family_name!r} (formats comfyui and kohya need one); "
             f"families with one: {', '.join(mapped_families())}"
         )
-    module = importlib.import_module(f"{__name__}.{family_name}")
+    module = importlib.import_module(f"{__name__}.{family_name.replace('-', '_')}")
     return module.DENOISER, module.build
 
 

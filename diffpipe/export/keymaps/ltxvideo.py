@@ -1,0 +1,44 @@
+"""Key map of family ``ltxvideo``: diffusers ``LTXVideoTransformer3DModel`` <-> the original (LTX-Video) checkpoint.
+
+Names follow ``convert_ltx_transformer_checkpoint_to_diffusers`` in diffusers'
+``single_file_utils.py``: the original uses diffusers' block names
+(``transformer_blocks.N.attn1.to_q``, ``ff.net.0.proj``, ...) except the patch
+embedding ``patchify_proj`` (ours ``proj_in``) and the timestep modulation
+``adaln_single`` (ours ``time_embed``); ComfyUI's LTX-Video model uses the
+original names. kohya names are ``lora_unet_`` + the original path (what
+ComfyUI maps for every model; no kohya trainer covers LTX-Video).
+
+diffusers' LTX-Video loader (``_convert_non_diffusers_ltxv_lora_to_diffusers``)
+only swaps ``diffusion_model.`` for ``transformer.``, reads PEFT tensor names
+and no alpha (and so misses ``patchify_proj`` and ``adaln_single``, which it
+does not rename): the ComfyUI file names its tensors ``lora_A`` / ``lora_B``
+(ComfyUI reads them too) and every layer carries its scale in ``up`` with no
+``.alpha`` key (alpha = rank, what ComfyUI assumes when it is missing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from diffusers import LTXVideoTransformer3DModel
+
+from diffpipe.export.keymaps.base import KeyMap, kohya_name, plain
+
+DENOISER = LTXVideoTransformer3DModel
+
+# Our top-level prefix -> the original's; every other name is the same.
+RENAMED = {"proj_in": "patchify_proj", "time_embed": "adaln_single"}
+
+
+def original_name(module: str) -> str:
+    head, dot, rest = module.partition(".")
+    return RENAMED.get(head, head) + dot + rest
+
+
+def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
+    layers = []
+    for module, size in out_features.items():
+        original = original_name(module)
+        layers.append(plain(original, module, size, kohya_name(original), fold_scale=True, alpha_key=False))
+    return KeyMap("ltxvideo", layers, peft_names=True)
