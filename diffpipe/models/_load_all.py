@@ -9,6 +9,7 @@ FAMILY_MODULES: dict[str, str] = {
     "cogvideox": "diffpipe.models.cogvideox",
     "cogview4": "diffpipe.models.cogview4",
     "cosmos2": "diffpipe.models.cosmos2",
+    "cosmos2-video": "diffpipe.models.cosmos2_video",
     "flux": "diffpipe.models.flux",
     "flux-kontext": "diffpipe.models.flux_kontext",
     "hidream": "diffpipe.models.hidream",

@@ -246,6 +246,24 @@ PUBLISHED: dict[str, Published] = {
             "Predict2 model matrix; the transformer has 14.27B)",
             text={"prompt_embeds": (512, 1024)}, latent_channels=16,
         ),
+        Published(
+            "cosmos-predict2-2b-video2world", "cosmos2-video", "CosmosTransformer3DModel",
+            {"in_channels": 17, "num_attention_heads": 16, "num_layers": 28, "rope_scale": (1.0, 3.0, 3.0),
+             "extra_pos_embed_type": None},
+            2e9, 1,
+            "nvidia/Cosmos-Predict2-2B-Video2World ('Video + Text based future visual world generation', Cosmos-"
+            "Predict2 README; the 2B of its name, one digit; 16 latent + 1 condition-mask input channels, 1.96B)",
+            text={"prompt_embeds": (512, 1024)}, latent_channels=16,
+        ),
+        Published(
+            "cosmos-predict2-14b-video2world", "cosmos2-video", "CosmosTransformer3DModel",
+            {"in_channels": 17, "num_attention_heads": 40, "num_layers": 36, "rope_scale": (20 / 24, 2.0, 2.0),
+             "extra_pos_embed_type": None},
+            14e9, 2,
+            "nvidia/Cosmos-Predict2-14B-Video2World ('Video + Text based future visual world generation', Cosmos-"
+            "Predict2 README; the 14B of its name; the transformer has 14.27B)",
+            text={"prompt_embeds": (512, 1024)}, latent_channels=16,
+        ),
         # Published sizes of families without an adapter yet (README table; no estimate).
         Published(
             "hunyuanimage-2.1", "hunyuanimage", "HunyuanImageTransformer2DModel", {"text_embed_2_dim": 1472},

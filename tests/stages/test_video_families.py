@@ -10,7 +10,10 @@ batch of clips through the family's own loss.
 
 The clips are the demo clips (``config/demo_video_data``: 9 frames at 16 fps,
 48x32). CogVideoX's 8 fps leaves them 4 frames (one 4k+1 frame), so its part
-writes the same moving shapes at 8 fps instead.
+writes the same moving shapes at 8 fps instead. Cosmos-Predict2 Video2World
+continues a clip from its first frames: its samples start from
+``sample.images``, and its conditioning is checked against the stock
+pipeline's construction.
 """
 
 from __future__ import annotations
@@ -22,14 +25,16 @@ import peft
 import pytest
 import torch
 import yaml
+from PIL import Image
 from typer.testing import CliRunner
 
 from diffpipe.cli import app
-from diffpipe.config import ModelConfig, load_config
+from diffpipe.config import ModelConfig, ObjectiveConfig, load_config
+from diffpipe.data.cache import _decode
 from diffpipe.data.demo_video import write_demo_clips
 from diffpipe.data.plan import read_spec
 from diffpipe.data.reader import CachedDataset
-from diffpipe.models import get_family
+from diffpipe.models import get_family, wan_i2v
 from diffpipe.paths import REPO_ROOT, RunPaths
 from diffpipe.training.adapter import apply_adapter
 from diffpipe.training.engine import free_port
@@ -42,6 +47,7 @@ SPECS = {
     "cogvideox": (9, (3, 4, 6), 9),  # 8 fps clips of 9 frames; an odd latent count decodes back to 9 frames
     "hunyuanvideo": (5, (2, 4, 6), 5),  # 24 fps: 13 available, bucket 5 (4k+1)
     "mochi": (7, (2, 4, 6), 7),  # 30 fps: 16 available, bucket 7 (6k+1)
+    "cosmos2-video": (9, (3, 4, 6), 9),  # 16 fps: the 9 demo frames (4k+1)
 }
 
 
@@ -86,6 +92,9 @@ def run(request, demo_clips, tmp_path_factory):
             "frames": frames,
         },
     }
+    if name == "cosmos2-video":  # Video2World continues an image
+        Image.new("RGB", (48, 32), (200, 30, 30)).save(root / "start.png")
+        cfg["sample"]["images"] = [str(root / "start.png")]
     config = root / f"{name}.yaml"
     config.write_text(yaml.safe_dump(cfg))
     c = str(config)
@@ -172,7 +181,7 @@ def test_text_cache_equals_the_pipeline_prompt_embeds(run):
                 captions, prompt_template=tpl, max_sequence_length=enc.max_sequence_length
             )
             theirs = {"prompt_embeds": embeds, "prompt_attention_mask": mask, "pooled_prompt_embeds": pooled}
-        elif family.name == "cogvideox":
+        elif family.name in ("cogvideox", "cosmos2-video"):
             theirs = {
                 "prompt_embeds": pipe._get_t5_prompt_embeds(captions, max_sequence_length=enc.max_sequence_length)
             }
@@ -214,3 +223,52 @@ def test_loss_mask_weights_the_clip(run):
     left[..., :2] = 1
     torch.testing.assert_close(loss(ones), loss(None))
     assert not torch.allclose(loss(left), loss(None))
+
+
+def test_video2world_condition_equals_the_pipeline_construction(run, monkeypatch):
+    """Cosmos-Predict2 Video2World: a cached clip's first latent frames are what the stock pipeline's
+    ``prepare_latents`` builds from its first frame (an image) or first 5 frames (a video), and the
+    loss feeds the transformer exactly what the denoising loop feeds it (hooked on both sides)."""
+    cfg, p = run
+    if cfg.model.family != "cosmos2-video":
+        pytest.skip("Video2World conditioning")
+    from diffusers.pipelines.cosmos import pipeline_cosmos2_video2world as stock
+
+    family = get_family(cfg.model)
+    item = sorted(read_spec(p.latent_spec("s0000"))["items"], key=lambda it: it["id"])[0]
+    ds = CachedDataset.from_run(p)
+    latents = ds.collate([next(i for i, x in enumerate(ds.items) if x.id == item["id"])])["latents"]
+    pixels = torch.from_numpy(_decode((item, False))["pixels"][None])  # the cached clip's pixels
+    frames = [wan_i2v.to_pil(pixels[:, :, i : i + 1])[0] for i in range(5)]
+    _, h, w = item["bucket"]
+    # The pipeline draws its conditioning latents from the VAE's distribution; the cache holds its mean.
+    monkeypatch.setattr(stock, "retrieve_latents", lambda out, generator=None, sample_mode="sample": out.latent_dist.mode())
+    pipe = family.load_pipeline()
+    pipe.set_progress_bar_config(disable=True)
+    seen = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw), with_kwargs=True)
+    eps = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
+
+    def call(initial, **cond):
+        seen.clear()
+        with torch.no_grad():
+            pipe(prompt="a red circle", **cond, height=h, width=w, num_frames=9, num_inference_steps=2,
+                 guidance_scale=1.0, latents=initial, output_type="latent")
+        return seen[0]
+
+    for k, cond in [(1, {"image": frames[0]}), (2, {"video": frames})]:
+        call(eps, **cond)
+        sigma = float(pipe.scheduler.sigmas[0])  # the first step's noise level
+        # Our noisy clip x0 + sigma eps, handed over as the initial latents (the pipeline scales them by sigma_max).
+        theirs = call((latents + sigma * eps) / pipe.scheduler.config.sigma_max, **cond)
+        torch.testing.assert_close(theirs["hidden_states"][:, :, :k], latents[:, :, :k], rtol=1e-5, atol=1e-5)
+        t = theirs["timestep"][:, 0, -1, 0, 0]
+        seen.clear()
+        with torch.no_grad():
+            family.loss(pipe.transformer, latents, {"prompt_embeds": theirs["encoder_hidden_states"]},
+                        torch.Generator(), t=t, noise=eps, objective=ObjectiveConfig(shift=1.0),
+                        conditional_frames=torch.tensor([k]))
+        ours = seen[0]
+        assert theirs["fps"] == ours["fps"] == 16 and theirs["condition_mask"][0, 0, :, 0, 0].tolist() == [1.0] * k + [0.0] * (3 - k)
+        for key in ("hidden_states", "timestep", "condition_mask"):
+            torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-5, msg=f"{key}, {k} given")
