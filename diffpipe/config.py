@@ -49,14 +49,15 @@ class ModelConfig(_Section):
     variant: str | None = Field(
         None,
         description="Model version within the family. wan: `2.1` (T2V), `2.2-5b` (TI2V-5B used text-to-video: "
-        "48-channel VAE), `2.2-a14b` (T2V-A14B: two experts). null: tiny flavor = the family's first; local "
+        "48-channel VAE), `2.2-a14b` (T2V-A14B: two experts), `2.1-i2v` (I2V-14B). null: tiny flavor = the family's first; local "
         "flavor = read from the folder (a given value must match it).",
     )
-    expert: Literal["high", "low"] | None = Field(
+    expert: Literal["high", "low", "both"] | None = Field(
         None,
         description="Wan 2.2 A14B: the expert to train, only on its own timesteps: `high` (`transformer`, "
         "scheduler timesteps at or above `boundary_ratio` x 1000) or `low` (`transformer_2`, below; its "
-        "LoRA loads with `load_lora_weights(..., load_into_transformer_2=True)`).",
+        "LoRA loads with `load_lora_weights(..., load_into_transformer_2=True)`); `both`: a LoRA on each in "
+        "one run, each sample sent to its timestep's expert (the low one exported with a `_low_noise` suffix).",
     )
 
     @model_validator(mode="after")

@@ -152,9 +152,9 @@ class RunPaths:
     def export_diffusers(self) -> Path:
         return self._p(EXPORT_DIFFUSERS)
 
-    def export_file(self, fmt: str) -> Path:
-        """Where ``fmt`` is written (a folder for ``peft`` and ``merged``)."""
-        return self.export_dir / EXPORT_NAMES[fmt]
+    def export_file(self, fmt: str, suffix: str = "") -> Path:
+        """Where ``fmt`` is written (a folder for ``peft`` and ``merged``); ``suffix``: another trained part's."""
+        return self.export_dir / export_name(fmt, suffix)
 
     @property
     def samples_dir(self) -> Path:
@@ -172,6 +172,16 @@ class RunPaths:
         """Shard names the plan wrote (sorted), read from its spec files."""
         folder = self.plan_dir / kind
         return sorted(p.stem for p in folder.glob("*.json"))
+
+
+def export_name(fmt: str, suffix: str = "") -> str:
+    """``fmt``'s name in the export folder, with a trained part's ``suffix`` before any extension.
+
+    ``export_name("diffusers", "_low_noise")`` is ``pytorch_lora_weights_low_noise.safetensors``
+    (Wan 2.2 A14B's low-noise expert with ``model.expert: both``); ``("peft", "_low_noise")`` is ``peft_low_noise``.
+    """
+    name = Path(EXPORT_NAMES[fmt])
+    return f"{name.stem}{suffix}{name.suffix}" if name.suffix else f"{name}{suffix}"
 
 
 def shard_name(index: int) -> str:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffpipe.config import Config
-from diffpipe.export.card import write_card
+from diffpipe.export.card import CardFile, write_card
 from diffpipe.export.comfyui import export_comfyui
 from diffpipe.export.convert import module_loras
 from diffpipe.export.diffusers_format import export_diffusers
@@ -16,8 +16,8 @@ from diffpipe.export.kohya import export_kohya, kohya_metadata
 from diffpipe.export.merged import export_merged
 from diffpipe.export.metadata import gather_info, tensors_digest
 from diffpipe.export.peft_format import export_peft
-from diffpipe.models.base import Family
-from diffpipe.paths import EXPORT_CARD, EXPORT_NAMES, FORMATS, RunPaths
+from diffpipe.models.base import Family, split_parts
+from diffpipe.paths import EXPORT_CARD, EXPORT_NAMES, FORMATS, RunPaths, export_name
 from diffpipe.training.adapter import PEFT_PREFIX, load_adapter
 
 
@@ -44,27 +44,43 @@ def export_lora(
     File names are ``paths.EXPORT_NAMES``; every file carries the same
     ``diffpipe.*`` metadata (base model identity, rank/alpha/targets, steps,
     dataset summary, resolved config, tensor hash) and ``README.md`` describes them.
+
+    A run that trains several parts (``family.denoiser_parts``: Wan 2.2 A14B with
+    ``model.expert: both``) gets a diffusers file and a PEFT folder per part, the later
+    parts' names carrying their suffix (``pytorch_lora_weights_low_noise.safetensors``,
+    ``peft_low_noise``; result keys ``diffusers_low_noise``, ...), and one merged
+    folder with every part fused in.
     """
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown or not formats:
         raise ValueError(f"export formats {unknown or formats}: choose from {', '.join(FORMATS)}")
+    parts = family.denoiser_parts
+    single_file = sorted({"comfyui", "kohya"} & set(formats))
+    if len(parts) > 1 and single_file:
+        raise ValueError(f"export formats {single_file}: a run with model.expert both trains one LoRA per expert "
+                         "and these formats hold one model's LoRA; export diffusers, peft or merged")
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     state_dict, lora_cfg = load_adapter(adapter_dir)
+    by_part = split_parts(state_dict, parts)
     info = gather_info(adapter_dir, lora_cfg, family, config=config, run=run)
     header = {**info.header(), "diffpipe.adapter_sha256": tensors_digest(state_dict)}
     mods = module_loras(state_dict, lora_cfg)
     skeleton = denoiser_skeleton(family) if {"comfyui", "kohya"} & set(formats) else None
     files: dict[str, Path] = {}
+    card_files: list[CardFile] = []
     for fmt in dict.fromkeys(formats):
         target = out_dir / EXPORT_NAMES[fmt]
-        if fmt == "diffusers":
-            prefixed = {f"{family.denoiser_name}.{k}": v for k, v in state_dict.items()}
-            meta = {**header, "diffpipe.tensors_sha256": tensors_digest(prefixed)}
-            files[fmt] = export_diffusers(state_dict, lora_cfg, target, family, meta)
-        elif fmt == "peft":
-            meta = {**header, "diffpipe.tensors_sha256": tensors_digest({PEFT_PREFIX + k: v for k, v in state_dict.items()})}
-            files[fmt] = export_peft(state_dict, lora_cfg, target, meta)
-        elif fmt == "comfyui":
+        if fmt in ("diffusers", "peft"):
+            for part in parts:
+                sd, name = by_part[part.attr], fmt + part.suffix
+                # Several parts: say which one each file holds (its keys no longer do).
+                part_header = {**header, "diffpipe.component": part.attr} if len(parts) > 1 else header
+                files[name] = _export_part(fmt, sd, lora_cfg, out_dir / export_name(fmt, part.suffix), family,
+                                           part_header)
+                card_files.append(CardFile(fmt, files[name], part.load_kwargs if fmt == "diffusers" else {},
+                                           part.label if len(parts) > 1 else ""))
+            continue
+        if fmt == "comfyui":
             files[fmt] = export_comfyui(mods, keymap_for_model(family.name, skeleton), target, header)
         elif fmt == "kohya":
             title = f"{out_dir.parent.name or 'diffpipe'}-{family.name}-lora"
@@ -73,14 +89,25 @@ def export_lora(
             files[fmt] = export_kohya(mods, keymap_for_model(family.name, skeleton), target, meta)
         elif fmt == "merged":
             files[fmt] = export_merged(adapter_dir, target, family, header)
+        card_files.append(CardFile(fmt, files[fmt]))
     samples = []
     if run is not None:
         # The workflow renders samples after export: link the grid it will write.
         found = sorted(run.samples_dir.glob("sample-*.png")) if run.samples_dir.is_dir() else []
         samples = [Path(os.path.relpath(p, out_dir)) for p in found + [run.sample_grid]]
-    card = write_card(out_dir / EXPORT_CARD, info, files, pipeline=family.pipeline_class.__name__, samples=samples,
-                      load_args=family.lora_load_kwargs)
+    card = write_card(out_dir / EXPORT_CARD, info, card_files, pipeline=family.pipeline_class.__name__,
+                      samples=samples)
     return ExportResult(files, card)
+
+
+def _export_part(fmt: str, state_dict, lora_cfg, target: Path, family: Family, header: dict[str, str]) -> Path:
+    """One trained part's LoRA as a diffusers file (``transformer.`` keys) or a PEFT folder."""
+    if fmt == "diffusers":
+        prefixed = {f"{family.denoiser_name}.{k}": v for k, v in state_dict.items()}
+        meta = {**header, "diffpipe.tensors_sha256": tensors_digest(prefixed)}
+        return export_diffusers(state_dict, lora_cfg, target, family, meta)
+    meta = {**header, "diffpipe.tensors_sha256": tensors_digest({PEFT_PREFIX + k: v for k, v in state_dict.items()})}
+    return export_peft(state_dict, lora_cfg, target, meta)
 
 
 def _started_at(run: RunPaths | None) -> float | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffpipe.export.metadata import ExportInfo
@@ -16,8 +17,20 @@ HOW_TO_LOAD = {
 }
 
 
-def write_card(out_file: str | Path, info: ExportInfo, files: dict[str, Path], *, pipeline: str,
-               samples: list[Path] | None = None, load_args: dict[str, object] | None = None) -> Path:
+@dataclass(frozen=True)
+class CardFile:
+    """One exported file (or folder) as the card lists it."""
+
+    fmt: str
+    path: Path
+    #: Extra ``load_lora_weights`` arguments (e.g. ``load_into_transformer_2``) for the diffusers line.
+    load_args: dict[str, object] = field(default_factory=dict)
+    #: Which trained part it holds, when a run trains several ("low-noise expert"); "" otherwise.
+    label: str = ""
+
+
+def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *, pipeline: str,
+               samples: list[Path] | None = None) -> Path:
     """Write the model card: base model, trigger words, files and how to load them, settings."""
     out_file = Path(out_file)
     base = info.model_path or f"{info.family} ({info.flavor} flavor)"
@@ -36,11 +49,16 @@ def write_card(out_file: str | Path, info: ExportInfo, files: dict[str, Path], *
         "| format | file | how to load |",
         "| --- | --- | --- |",
     ]
-    for fmt, path in files.items():
-        rel = path.relative_to(out_file.parent) if path.is_relative_to(out_file.parent) else path
-        args = "".join(f", {k}={v!r}" for k, v in (load_args or {}).items())  # e.g. load_into_transformer_2
-        how = HOW_TO_LOAD[fmt].format(path=rel, stem=Path(rel).stem, pipeline=pipeline, load_args=args)
-        lines.append(f"| {fmt} | `{rel}` | {how} |")
+    loads = []
+    for f in files:
+        rel = f.path.relative_to(out_file.parent) if f.path.is_relative_to(out_file.parent) else f.path
+        args = "".join(f", {k}={v!r}" for k, v in f.load_args.items())  # e.g. load_into_transformer_2
+        how = HOW_TO_LOAD[f.fmt].format(path=rel, stem=Path(rel).stem, pipeline=pipeline, load_args=args)
+        lines.append(f"| {f.fmt}{f' ({f.label})' if f.label else ''} | `{rel}` | {how} |")
+        if f.fmt == "diffusers" and f.label:
+            loads.append(f'pipe.load_lora_weights("{rel}"{args})  # {f.label}')
+    if len(loads) > 1:  # one LoRA per trained part: every one must be loaded
+        lines += ["", f"Load every part's LoRA into `{pipeline}`:", "", "```python", *loads, "```"]
     if samples:
         lines += ["", "## Samples", "", "Rendered by `diffpipe sample` (top row: base model, bottom row: this LoRA).", ""]
         lines += [f"![sample]({p})" for p in samples]

@@ -22,11 +22,51 @@ from __future__ import annotations
 
 import importlib
 from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
 
 from diffpipe.config import ModelConfig, ObjectiveConfig, SampleConfig
+
+
+@dataclass(frozen=True)
+class DenoiserPart:
+    """One pipeline component a run trains a LoRA on, and how its exported LoRA loads back.
+
+    A run trains one part, except Wan 2.2 A14B with ``model.expert: both``: its trained
+    module then holds each part as a submodule named ``attr``, so the adapter's keys
+    start with ``<attr>.``, and export writes one LoRA per part.
+    """
+
+    #: The stock pipeline's attribute (``transformer_2``).
+    attr: str
+    #: Added to every export name of this part (``pytorch_lora_weights_low_noise.safetensors``); "" for the first.
+    suffix: str = ""
+    #: Extra ``load_lora_weights`` arguments that route its diffusers file into ``attr``.
+    load_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: What the model card calls it ("low-noise expert").
+    label: str = ""
+
+
+def split_parts(state_dict: dict[str, torch.Tensor], parts: tuple[DenoiserPart, ...]) -> dict[str, dict[str, torch.Tensor]]:
+    """An adapter's tensors per part (``attr -> tensors keyed relative to that part``).
+
+    One part: the state as is. Several: each ``<attr>.`` prefix is taken off; a key that
+    names no part is an error (the adapter was not trained on this model's parts).
+    """
+    if len(parts) == 1:
+        return {parts[0].attr: state_dict}
+    out: dict[str, dict[str, torch.Tensor]] = {p.attr: {} for p in parts}
+    for key, value in state_dict.items():
+        attr = key.split(".", 1)[0]
+        if attr not in out:
+            raise ValueError(f"adapter key {key!r} names no trained part (expected one of {', '.join(out)})")
+        out[attr][key.split(".", 1)[1]] = value
+    empty = [a for a, sd in out.items() if not sd]
+    if empty:
+        raise ValueError(f"the adapter has no tensors for {', '.join(empty)}; was it trained with every part?")
+    return out
 
 
 class Family(ABC):
@@ -73,6 +113,11 @@ class Family(ABC):
     def lora_load_kwargs(self) -> dict[str, Any]:
         """Extra ``load_lora_weights`` arguments that route the exported LoRA into ``denoiser_attr``."""
         return {}
+
+    @property
+    def denoiser_parts(self) -> tuple[DenoiserPart, ...]:
+        """The pipeline components one run trains (see :class:`DenoiserPart`): ``denoiser_attr`` alone."""
+        return (DenoiserPart(self.denoiser_attr, load_kwargs=self.lora_load_kwargs),)
 
     # -- identity: content hashes that go into cache keys ------------------
     #: The diffusers VAE class (what a local folder's ``vae/`` is loaded as).

@@ -23,6 +23,10 @@ Variants (``model.variant``; a local folder's is read from it):
   own range, so the LoRA learns exactly what the pipeline will ask of it.
   The LoRA file keeps diffusers' ``transformer.`` keys either way; the low
   expert's loads with ``pipe.load_lora_weights(file, load_into_transformer_2=True)``.
+  ``both`` trains a LoRA on each in one run (:mod:`diffpipe.models.wan_experts`):
+  timesteps are drawn over the whole schedule and each sample goes to the
+  expert the pipeline would use at its timestep; export writes the low
+  expert's LoRA beside the high one's with a ``_low_noise`` suffix.
 - ``2.1-i2v``: Wan 2.1 I2V in ``WanImageToVideoPipeline``: each item's control
   image (a control image, or its own first frame with
   ``datasets[].control_from_first_frame``) is cached as the VAE latents of
@@ -57,8 +61,9 @@ from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.data.frames import snap_frames
 from diffpipe.models import _common as common
 from diffpipe.models import wan_i2v
-from diffpipe.models.base import Family, register
+from diffpipe.models.base import DenoiserPart, Family, register
 from diffpipe.models.tokenizers import t5_tokenizer, tokenizer_fingerprint
+from diffpipe.models.wan_experts import WanExperts
 from diffpipe.training import objectives as obj
 from diffpipe.utils import digest
 
@@ -106,7 +111,17 @@ TINY_UMT5 = {"d_model": 32, "d_kv": 8, "d_ff": 37, "num_layers": 2, "num_heads":
 TINY_LENGTH = 32
 MAX_LENGTH = 512  # WanPipeline's default max_sequence_length
 DEFAULT_BOUNDARY = 0.875  # Wan 2.2 T2V-A14B's boundary_ratio
-EXPERT_ATTR = {"high": "transformer", "low": "transformer_2"}
+EXPERT_ATTR = {"high": "transformer", "low": "transformer_2", "both": "transformer"}
+#: ``model.expert: both``: each expert's export (the low one's names end in ``_low_noise``).
+BOTH_PARTS = (
+    DenoiserPart("transformer", label="high-noise expert"),
+    DenoiserPart(
+        "transformer_2",
+        suffix="_low_noise",
+        load_kwargs={"load_into_transformer_2": True},
+        label="low-noise expert",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -227,7 +242,7 @@ class WanFamily(Family):
         if self.variant == "2.2-a14b" and self.expert is None:
             raise ValueError(
                 "model.expert: Wan 2.2 A14B has two experts; set `high` (transformer, high-noise "
-                "timesteps) or `low` (transformer_2, low-noise timesteps)"
+                "timesteps), `low` (transformer_2, low-noise timesteps) or `both` (a LoRA on each)"
             )
         if self.variant != "2.2-a14b" and self.expert is not None:
             raise ValueError(
@@ -238,7 +253,12 @@ class WanFamily(Family):
     # -- what differs between versions ------------------------------------------
     @property
     def denoiser_attr(self) -> str:
+        # ``both``: the high-noise expert's folder stands for the (identical) architecture of the two.
         return EXPERT_ATTR[self.expert] if self.expert else "transformer"
+
+    @property
+    def denoiser_parts(self) -> tuple[DenoiserPart, ...]:
+        return BOTH_PARTS if self.expert == "both" else super().denoiser_parts
 
     @property
     def lora_load_kwargs(self) -> dict[str, Any]:
@@ -335,8 +355,11 @@ class WanFamily(Family):
                 return WanTransformer3DModel(**self.spec.transformer).eval()
         return WanTransformer3DModel.from_pretrained(self.cfg.path, subfolder=attr).eval()
 
-    def load_denoiser(self) -> WanTransformer3DModel:
-        """The trained transformer: the only one, or the expert ``model.expert`` names."""
+    def load_denoiser(self) -> WanTransformer3DModel | WanExperts:
+        """The trained transformer: the only one, the expert ``model.expert`` names, or both experts."""
+        if self.expert == "both":
+            boundary = self.boundary_ratio * self._scheduler_config.get("num_train_timesteps", 1000)
+            return WanExperts(self._load_transformer("transformer"), self._load_transformer("transformer_2"), boundary)
         return self._load_transformer(self.denoiser_attr)
 
     def inference_scheduler(self):
@@ -473,7 +496,7 @@ class WanFamily(Family):
         The pipeline switches experts where ``sigma * 1000 >= boundary_ratio * 1000``, with
         ``sigma`` the shifted fraction, so the boundary maps back through the inverse shift.
         """
-        if self.expert is None:
+        if self.expert in (None, "both"):  # both: each drawn timestep picks its expert
             return 0.0, 1.0
         cut = unshift_timesteps(self.boundary_ratio, shift)
         return (cut, 1.0) if self.expert == "high" else (0.0, cut)
@@ -495,7 +518,7 @@ class WanFamily(Family):
                     f"{self.boundary_ratio}, shift {shift}); widen them or train the other expert"
                 )
             t = obj.limit_timesteps(t, ulo, uhi)
-        elif self.expert is not None:
+        elif self.expert in ("high", "low"):
             t = obj.limit_timesteps(t, lo, hi)
         sigma = obj.shift_timesteps(t.float(), shift)
         if self.expert == "high":  # rounding must never hand the other expert's steps to this one
@@ -576,6 +599,11 @@ class WanFamily(Family):
 
         if self.spec.image_to_video:
             raise ValueError("wan 2.1-i2v: pipeline parallelism is not implemented; set train.pipeline_stages: 1")
+        if self.expert == "both":
+            raise ValueError(
+                "model.expert both: pipeline parallelism splits one transformer, not two experts chosen per "
+                "sample; set train.pipeline_stages: 1 (or train one expert per run)"
+            )
         return wan_layers(common.unwrap(denoiser), expand_timesteps=self.expand_timesteps)
 
     def pipeline_inputs(

@@ -131,9 +131,15 @@ def load_adapter(directory: str | Path) -> tuple[dict[str, torch.Tensor], peft.L
 def apply_adapter(denoiser: torch.nn.Module, directory: str | Path) -> torch.nn.Module:
     """Load a saved adapter into a fresh denoiser (for eval, export checks, resume)."""
     sd, cfg = load_adapter(directory)
-    denoiser.add_adapter(cfg)
-    result = set_peft_model_state_dict(denoiser, sd)
+    return apply_state(denoiser, sd, cfg, source=str(directory))
+
+
+def apply_state(denoiser: torch.nn.Module, state_dict: dict[str, torch.Tensor], config: peft.LoraConfig, *,
+                source: str) -> torch.nn.Module:
+    """Add a LoRA with ``config`` to ``denoiser`` and load ``state_dict`` into it (``source`` names it in errors)."""
+    denoiser.add_adapter(config)
+    result = set_peft_model_state_dict(denoiser, state_dict)
     unexpected = getattr(result, "unexpected_keys", None) or []
     if unexpected:
-        raise ValueError(f"adapter {directory}: {len(unexpected)} keys match no module, e.g. {unexpected[:3]}")
+        raise ValueError(f"adapter {source}: {len(unexpected)} keys match no module, e.g. {unexpected[:3]}")
     return denoiser

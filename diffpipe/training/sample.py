@@ -14,6 +14,7 @@ from PIL import Image, ImageDraw
 from diffpipe.config import ModelConfig, SampleConfig
 from diffpipe.data.video import write_mp4
 from diffpipe.models import get_family
+from diffpipe.paths import EXPORT_NAMES, export_name
 from diffpipe.utils import atomic_path
 
 
@@ -52,14 +53,17 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
     """Render every prompt with and without the LoRA (same seed) and save PNGs (MP4s) plus a grid.
 
     The grid's top row is the base model, the bottom row the LoRA (first
-    frames for video): a quick look at what training changed.
+    frames for video): a quick look at what training changed. A run that trained
+    several parts (Wan 2.2 A14B, ``model.expert: both``) loads each part's file,
+    found beside ``lora_file`` by its export name.
     """
     family = get_family(model_cfg)
     pipe = family.load_pipeline()
     pipe.set_progress_bar_config(disable=True)
     kwargs = family.sample_kwargs(cfg)
     base = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video, cfg.images)
-    pipe.load_lora_weights(str(lora_file), **family.lora_load_kwargs)  # into the trained expert, if several
+    for file, load_kwargs in _part_files(family, Path(lora_file)):
+        pipe.load_lora_weights(str(file), **load_kwargs)  # each into its expert, if several
     tuned = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video, cfg.images)
     out_dir = Path(out_dir)
     with atomic_path(out_dir, is_dir=True) as tmp:
@@ -67,6 +71,22 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
             _save(sample, tmp / f"sample-{i:02d}", family)
         _grid([b[0] for b in base], [t[0] for t in tuned], cfg.prompts).save(tmp / "grid.png")
     return sorted(p for p in out_dir.iterdir() if p.suffix in (".png", ".mp4"))
+
+
+def _part_files(family, lora_file: Path) -> list[tuple[Path, dict]]:
+    """Each trained part's diffusers file and ``load_lora_weights`` arguments; the first is ``lora_file``."""
+    parts = family.denoiser_parts
+    out = [(lora_file, parts[0].load_kwargs)]
+    for part in parts[1:]:
+        # pytorch_lora_weights.safetensors -> pytorch_lora_weights_low_noise.safetensors (any other name alike)
+        name = (export_name("diffusers", part.suffix) if lora_file.name == EXPORT_NAMES["diffusers"]
+                else f"{lora_file.stem}{part.suffix}{lora_file.suffix}")
+        file = lora_file.with_name(name)
+        if not file.is_file():
+            raise FileNotFoundError(f"sample: the {part.label or part.attr} LoRA {file} is missing (export writes "
+                                    f"it beside {lora_file.name}); run `diffpipe export` again")
+        out.append((file, part.load_kwargs))
+    return out
 
 
 def _grid(base: list[Image.Image], tuned: list[Image.Image], prompts: list[str]) -> Image.Image:
@@ -97,10 +117,12 @@ class TrainingSampler:
     def _pipeline(self):
         if self._pipe is None:
             pipe = self.family.load_pipeline()
-            setattr(pipe, self.family.denoiser_attr, self.denoiser)
+            parts = [p.attr for p in self.family.denoiser_parts]
+            for attr in parts:  # several parts: the trained module holds each under its pipeline name
+                setattr(pipe, attr, getattr(self.denoiser, attr) if len(parts) > 1 else self.denoiser)
             device = next(self.denoiser.parameters()).device
             for name, component in pipe.components.items():
-                if isinstance(component, torch.nn.Module) and name != self.family.denoiser_attr:
+                if isinstance(component, torch.nn.Module) and name not in parts:
                     component.to(device)
             pipe.set_progress_bar_config(disable=True)
             self._pipe = pipe

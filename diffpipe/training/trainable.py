@@ -30,6 +30,12 @@ class Trainable:
         self.full = tc.mode == "full"
         self.lora_cfg = None
         self.stage_params: list[torch.nn.Parameter] | None = None  # set under pipeline parallel
+        if len(family.denoiser_parts) > 1 and (self.full or tc.zero_stage == 3):
+            # Each process runs only the experts its samples need; ZeRO-3 would gather every expert's
+            # weights collectively, and a full fine-tune would have to save two models.
+            setting = "train.mode: full" if self.full else "train.zero_stage: 3"
+            raise ValueError(f"model.expert both trains a LoRA on each expert: {setting} is not supported; "
+                             "use train.mode: lora with train.zero_stage 0-2, or train one expert per run")
         if self.full:
             denoiser.requires_grad_(True)
             self.params = [p for p in denoiser.parameters()]

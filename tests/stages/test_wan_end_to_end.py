@@ -1,4 +1,5 @@
-"""The Wan family on its tiny flavors (2.1, 2.2 TI2V-5B, 2.2 A14B low expert), through every real stage.
+"""The Wan family on its tiny flavors (2.1, 2.2 TI2V-5B, 2.2 A14B low expert and both experts), through every
+real stage.
 
 validate → plan → cache latents/text (2.1: a mixed dataset of short moving-shape
 clips + images; 2.2: clips, one of them cut into two windows) → 2 DeepSpeed
@@ -14,6 +15,7 @@ import av
 import pytest
 import torch
 import yaml
+from diffusers import WanTransformer3DModel
 from typer.testing import CliRunner
 
 from diffpipe.cli import app
@@ -26,7 +28,7 @@ from diffpipe.models import get_family
 from diffpipe.models.published import PUBLISHED
 from diffpipe.models.wan import detect_variant
 from diffpipe.paths import RunPaths
-from diffpipe.training.adapter import apply_adapter
+from diffpipe.training.adapter import apply_adapter, load_adapter
 from diffpipe.training.engine import free_port
 
 pytestmark = pytest.mark.slow
@@ -39,8 +41,8 @@ def _cli(*args, cwd, monkeypatch):
     return result
 
 
-def _run_stages(root, model: dict, dataset: dict, export: list[str], sample_steps: int = 2):
-    """Every stage of one tiny run under ``root`` (data already written to ``root/data``)."""
+def _run_stages(root, model: dict, dataset: dict, export: list[str], sample_steps: int = 2, train: dict | None = None):
+    """Every stage of one tiny run under ``root`` (data already written to ``root/data``); ``train`` adds settings."""
     monkeypatch = pytest.MonkeyPatch()
     for key, value in dict(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
@@ -51,7 +53,14 @@ def _run_stages(root, model: dict, dataset: dict, export: list[str], sample_step
         "model": model,
         "datasets": [{"name": "mixed", "path": str(root / "data"), "resolution": 32, **dataset}],
         "cache": {"shards": 1, "workers": 0},
-        "train": {"max_steps": 2, "batch_size": 2, "lr": 0.01, "save_every_epochs": 0, "eval": {"quantiles": []}},
+        "train": {
+            "max_steps": 2,
+            "batch_size": 2,
+            "lr": 0.01,
+            "save_every_epochs": 0,
+            "eval": {"quantiles": []},
+            **(train or {}),
+        },
         "export": {"formats": export},
         "sample": {
             "prompts": ["a red circle moving left to right"],
@@ -88,12 +97,13 @@ def wan_run(tmp_path_factory):
     return _run_stages(root, {"family": "wan", "flavor": "tiny"}, {"frame_buckets": [5]}, ["diffusers", "peft"])
 
 
-def _clip_run(tmp_path_factory, name: str, model: dict):
+def _clip_run(tmp_path_factory, name: str, model: dict, export: tuple[str, ...] = ("diffusers",), train=None):
     """A 2.2 run on clips only: a 7-frame clip (one window of 5) and an 11-frame one (two windows)."""
     root = tmp_path_factory.mktemp(name)
     write_demo_clips(root / "data", n=1, frames=7, width=48, height=32, fps=16)
     write_demo_clips(root / "data" / "long", n=1, frames=11, width=48, height=32, fps=16, seed=1)
-    return _run_stages(root, model, {"frame_buckets": [5], "clip_windows": "multiple"}, ["diffusers"], sample_steps=1)
+    dataset = {"frame_buckets": [5], "clip_windows": "multiple"}
+    return _run_stages(root, model, dataset, list(export), sample_steps=1, train=train)
 
 
 @pytest.fixture(scope="module")
@@ -106,6 +116,15 @@ def a14b_low_run(tmp_path_factory):
     return _clip_run(
         tmp_path_factory, "a14b_low", {"family": "wan", "flavor": "tiny", "variant": "2.2-a14b", "expert": "low"}
     )
+
+
+@pytest.fixture(scope="module")
+def a14b_both_run(tmp_path_factory):
+    model = {"family": "wan", "flavor": "tiny", "variant": "2.2-a14b", "expert": "both"}
+    # Uniform t (shift 12: the boundary sigma 0.875 is t = 0.37) over the whole schedule; the run's
+    # seeded draws (t about 0.04, 0.45 | 0.07, 0.27) send one sample to the high expert, three to the low.
+    objective = {"timestep_sampling": "uniform"}
+    return _clip_run(tmp_path_factory, "a14b_both", model, ("diffusers", "peft", "merged"), {"objective": objective})
 
 
 def test_plan_and_cache_hold_clips_and_images(wan_run):
@@ -284,3 +303,82 @@ def test_variant_and_expert_errors_and_local_detection(tmp_path):
     assert local.vae_identity() == tiny.vae_identity()
     with pytest.raises(ValueError, match="holds Wan 2.2-a14b"):
         get_family(ModelConfig(family="wan", flavor="local", path=str(tmp_path), variant="2.1"))
+
+
+# -- Wan 2.2 A14B, both experts in one run -------------------------------------------------------
+EXPERTS = {"transformer": {}, "transformer_2": {"load_into_transformer_2": True}}
+
+
+def _lora_parts(adapter_dir) -> dict[str, dict[str, torch.Tensor]]:
+    sd, _ = load_adapter(adapter_dir)
+    return {e: {k.removeprefix(f"{e}."): v for k, v in sd.items() if k.startswith(f"{e}.")} for e in EXPERTS}
+
+
+def test_a14b_both_trains_a_lora_on_each_expert_routed_by_timestep(a14b_both_run):
+    cfg, p = a14b_both_run
+    family = get_family(cfg.model)
+    parts = _lora_parts(p.adapter_dir)
+    assert len(parts["transformer"]) == len(parts["transformer_2"]) == len(load_adapter(p.adapter_dir)[0]) // 2
+    for expert, sd in parts.items():  # lora_B starts at zero: nonzero means the expert was updated
+        assert max(float(v.abs().max()) for k, v in sd.items() if "lora_B" in k) > 0, expert
+    pair = apply_adapter(family.load_denoiser(), p.adapter_dir).eval()
+    batch = CachedDataset.from_run(p).collate([0, 1])
+    # t = 0.1 -> sigma 0.57 (below the 0.875 boundary: low expert); t = 0.9 -> sigma 0.99 (high expert).
+    t, noise = torch.tensor([0.1, 0.9]), torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(0))
+    seen = {e: [] for e in EXPERTS}
+    hooks = [getattr(pair, e).register_forward_pre_hook(lambda m, a, e=e: seen[e].append(a[1])) for e in EXPERTS]
+    with torch.no_grad():
+        both = family.loss(pair, batch["latents"], batch["text"], torch.Generator(), t=t, noise=noise)
+    for h in hooks:
+        h.remove()
+    assert [x.tolist() for x in seen["transformer"]] == [[pytest.approx(1000 * 10.8 / 10.9, rel=1e-5)]]
+    assert [x.tolist() for x in seen["transformer_2"]] == [[pytest.approx(1000 * 1.2 / 2.1, rel=1e-5)]]
+    with torch.no_grad():  # each sample's loss is exactly its expert's alone
+        high = family.loss(pair.transformer, batch["latents"], batch["text"], torch.Generator(), t=t, noise=noise)
+        low = family.loss(pair.transformer_2, batch["latents"], batch["text"], torch.Generator(), t=t, noise=noise)
+    torch.testing.assert_close(both, torch.stack([low[0], high[1]]))
+    assert (high - low).abs().min() > 1e-6  # the experts really differ
+    with pytest.raises(ValueError, match="model.expert both: pipeline parallelism"):
+        family.pipeline_layers(pair)
+
+
+def test_a14b_both_exports_load_into_each_expert_of_the_stock_pipeline(a14b_both_run):
+    cfg, p = a14b_both_run
+    family = get_family(cfg.model)
+    files = {"transformer": p.export_diffusers, "transformer_2": p.export_file("diffusers", "_low_noise")}
+    assert files["transformer_2"].name == "pytorch_lora_weights_low_noise.safetensors"
+    batch = CachedDataset.from_run(p).collate([0, 1])
+    pipe = family.load_pipeline()
+    base = {e: _denoiser_output(family, getattr(pipe, e), batch) for e in EXPERTS}
+    for expert, kwargs in EXPERTS.items():
+        pipe.load_lora_weights(str(files[expert]), **kwargs)  # the stock calls, as the model card shows
+    pair = apply_adapter(family.load_denoiser(), p.adapter_dir)
+    for expert in EXPERTS:
+        loaded = _denoiser_output(family, getattr(pipe, expert), batch)
+        assert (loaded - base[expert]).abs().max() > 1e-5, f"the LoRA does not change {expert}"
+        torch.testing.assert_close(loaded, _denoiser_output(family, getattr(pair, expert), batch), rtol=1e-5, atol=1e-5)
+    card = (p.export_dir / "README.md").read_text()
+    assert 'load_lora_weights("pytorch_lora_weights.safetensors")' in card
+    assert 'load_lora_weights("pytorch_lora_weights_low_noise.safetensors", load_into_transformer_2=True)' in card
+    # PEFT: one folder per expert, keys relative to it; merged: each expert = base + its own LoRA.
+    parts, scale = _lora_parts(p.adapter_dir), cfg.train.lora.alpha / cfg.train.lora.rank
+    fresh = family.load_pipeline()
+    for expert, folder in {"transformer": p.export_file("peft"), "transformer_2": p.export_file("peft", "_low_noise")}.items():
+        sd, _ = load_adapter(folder)
+        assert sd.keys() == parts[expert].keys() and all(torch.equal(sd[k], parts[expert][k]) for k in sd)
+        merged = WanTransformer3DModel.from_pretrained(p.export_file("merged") / expert).state_dict()
+        base_sd = getattr(fresh, expert).state_dict()
+        for key in (k for k in sd if ".lora_A." in k):
+            module = key.split(".lora_A.")[0]
+            delta = scale * sd[key.replace("lora_A", "lora_B")] @ sd[key]
+            torch.testing.assert_close(merged[f"{module}.weight"], base_sd[f"{module}.weight"] + delta)
+    with av.open(str(p.samples_dir / "sample-00.mp4")) as container:
+        assert len(list(container.decode(video=0))) == 5
+
+
+def test_a14b_both_refusals(tmp_path):
+    from diffpipe.export import export_lora
+
+    family = get_family(ModelConfig(family="wan", variant="2.2-a14b", expert="both"))
+    with pytest.raises(ValueError, match=r"export formats \['comfyui'\]: a run with model.expert both"):
+        export_lora(tmp_path / "adapter", tmp_path / "out", family, ["diffusers", "comfyui"])
