@@ -6,6 +6,8 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
+# Test workers (pytest-xdist): one per core, at most 4 (each holds torch and the tiny models).
+TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.diffpipe-installed
 
@@ -26,7 +28,7 @@ demo: venv
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/diffpipe run --config config/demo.yaml
 
 test: venv
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
 
 lint: venv
 	$(BIN)/ruff check diffpipe tests benchmarks

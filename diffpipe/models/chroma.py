@@ -197,3 +197,41 @@ class ChromaFamily(FluxFamily):
         from diffpipe.models.pipeline_layers_more import chroma_layers
 
         return chroma_layers(common.unwrap(denoiser))
+
+    def pipeline_inputs(
+        self,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        objective: ObjectiveConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+        """``((packed_noisy, sigma, prompt_embeds, txt_ids, img_ids, attention_mask), (target, weights))``.
+
+        Draws exactly what ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval).
+        """
+        from diffpipe.models._draws import draw_image
+
+        o = objective or ObjectiveConfig()
+        x0 = common.single_frame(latents, self.name).float()
+        device, (b, c, h, w) = x0.device, x0.shape
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
+        seq = (h // 2) * (w // 2)
+        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(seq))
+        noisy = obj.flow_interpolate(x0, noise, sigma)
+        embeds = text["prompt_embeds"].to(device=device, dtype=dtype)
+        attn_mask = torch.cat([text["prompt_attention_mask"].to(device=device, dtype=dtype),
+                               torch.ones(b, seq, device=device, dtype=dtype)], dim=1)
+        inputs = (
+            FluxPipeline._pack_latents(noisy, b, c, h, w).to(dtype),
+            sigma.to(dtype),
+            embeds,
+            torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),
+            FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
+            attn_mask,
+        )
+        target = FluxPipeline._pack_latents(obj.flow_target(x0, noise), b, c, h, w)
+        return inputs, (target, torch.ones(b, device=device))

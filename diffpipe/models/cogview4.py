@@ -389,3 +389,48 @@ class CogView4Family(Family):
         from diffpipe.models.pipeline_layers_more import cogview4_layers
 
         return cogview4_layers(common.unwrap(denoiser))
+
+    def pipeline_inputs(
+        self,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        objective: ObjectiveConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+        """``((noisy, sigma * 1000, prompt_embeds, original_size, target_size, crop_coords), (target, weights))``.
+
+        The transformer cannot mask text: ``loss`` runs each prompt length as its own
+        forward, which a pipeline (one tensor per micro-batch) cannot; here every prompt
+        of the micro-batch must have the same token count (always so with
+        ``train.batch_size: 1``). Draws exactly what ``loss`` draws, in the same order;
+        ``t`` and ``noise`` fix them (eval).
+        """
+        from diffpipe.models._draws import draw_image
+
+        embeds, keep = text["prompt_embeds"], text["prompt_embeds_mask"]
+        lengths = sorted({int(n) for n in keep.sum(dim=1).round().long().tolist()})
+        if len(lengths) != 1 or lengths[0] <= 0:
+            raise ValueError(
+                f"cogview4 with train.pipeline_stages > 1: the prompts of a micro-batch have {lengths} tokens, "
+                "but a pipeline needs one prompt length per micro-batch (the transformer cannot mask text); "
+                "set train.batch_size: 1 or train.pipeline_stages: 1"
+            )
+        o = objective or ObjectiveConfig()
+        x0 = common.single_frame(latents, self.name).float()
+        device, (b, _, h, w) = x0.device, x0.shape
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
+        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(h * w // self.patch_size**2))
+        size = torch.tensor([[h * self.vae_factor, w * self.vae_factor]], device=device, dtype=dtype).repeat(b, 1)
+        inputs = (
+            obj.flow_interpolate(x0, noise, sigma).to(dtype),
+            (sigma * 1000).to(dtype),
+            embeds[:, embeds.shape[1] - lengths[0] :].to(device=device, dtype=dtype),
+            size,
+            size.clone(),
+            torch.zeros_like(size),
+        )
+        return inputs, (obj.flow_target(x0, noise), torch.ones(b, device=device))

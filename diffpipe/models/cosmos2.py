@@ -377,3 +377,34 @@ class Cosmos2Family(Family):
         from diffpipe.models.pipeline_layers_more import cosmos_layers
 
         return cosmos_layers(common.unwrap(denoiser))
+
+    def pipeline_inputs(
+        self,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        objective: ObjectiveConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+        """``((noisy [B,C,1,h,w], t, prompt_embeds, padding_mask), (target, EDM weights))``.
+
+        Draws exactly what ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval).
+        """
+        from diffpipe.models._draws import draw_image
+
+        o = objective or ObjectiveConfig()
+        x0 = common.single_frame(latents, self.name).float()
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
+        x0, noise = x0[:, :, None], noise[:, :, None]  # the transformer reads 5-D
+        if o.shift:
+            t = obj.shift_timesteps(t, o.shift)
+        inputs = (
+            obj.flow_interpolate(x0, noise, t).to(dtype),
+            t.to(dtype),
+            text["prompt_embeds"].to(device=x0.device, dtype=dtype),
+            x0.new_zeros(1, 1, *x0.shape[-2:], dtype=dtype),  # the pipeline's all-zero padding mask
+        )
+        return inputs, (obj.flow_target(x0, noise), edm_weight(t))

@@ -294,8 +294,40 @@ class HiDreamFamily(Family):
         """Embedding, one layer per double and single block, output.
 
         Input tuple ``(noisy, sigma * 1000, prompt_embeds_t5, llama [layers, B, L, D], pooled)``;
-        output ``(prediction,)`` in the model's own layout (patches in train mode).
+        output ``(prediction [B, C, H, W],)`` (the image layout in train mode too).
         """
         from diffpipe.models.pipeline_layers_more import hidream_layers
 
         return hidream_layers(common.unwrap(denoiser))
+
+    def pipeline_inputs(
+        self,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        objective: ObjectiveConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+        """``((noisy, sigma * 1000, t5, llama [layers, B, L, D], pooled), (target, weights))``.
+
+        The target is ``x0 - noise``: the pipeline steps with ``-pred`` as the velocity. Draws
+        exactly what ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval).
+        """
+        from diffpipe.models._draws import draw_image
+
+        o = objective or ObjectiveConfig()
+        x0 = common.single_frame(latents, self.name).float()
+        device, b = x0.device, x0.shape[0]
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
+        sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 1.0)))
+        inputs = (
+            obj.flow_interpolate(x0, noise, sigma).to(dtype),
+            (sigma * 1000).to(dtype),
+            text["prompt_embeds_t5"].to(device=device, dtype=dtype),
+            text["prompt_embeds_llama3"].to(device=device, dtype=dtype).transpose(0, 1),
+            text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+        )
+        return inputs, (-obj.flow_target(x0, noise), torch.ones(b, device=device))

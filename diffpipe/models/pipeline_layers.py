@@ -50,6 +50,26 @@ class UNetEmbed(nn.Module):
         return _pipe_ready((h, emb, context, h))
 
 
+class UNetTextTimeEmbed(UNetEmbed):
+    """SDXL: ``(noisy, timesteps, context, text_embeds, time_ids)`` -> ``(h, emb, context, h)``.
+
+    The time embedding plus the ``text_time`` embedding of the pooled text and ``add_time_ids``.
+    """
+
+    def __init__(self, unet: nn.Module):
+        super().__init__(unet)
+        self.add_time_proj, self.add_embedding = unet.add_time_proj, unet.add_embedding
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        sample, timesteps, context, text_embeds, time_ids = inputs
+        t = self.time_proj(timesteps.expand(sample.shape[0])).to(dtype=sample.dtype)
+        emb = self.time_embedding(t)
+        time_embeds = self.add_time_proj(time_ids.flatten()).reshape(text_embeds.shape[0], -1)
+        emb = emb + self.add_embedding(torch.concat([text_embeds, time_embeds], dim=-1).to(emb.dtype))
+        h = self.conv_in(sample)
+        return _pipe_ready((h, emb, context, h))
+
+
 class UNetDown(nn.Module):
     def __init__(self, block: nn.Module):
         super().__init__()
@@ -112,7 +132,10 @@ class UNetOut(nn.Module):
 
 
 def unet_layers(unet: nn.Module) -> list[nn.Module]:
-    layers: list[nn.Module] = [UNetEmbed(unet)]
+    kind = unet.config.addition_embed_type
+    if kind not in (None, "text_time"):
+        raise NotImplementedError(f"unet layers: addition_embed_type {kind!r} is not supported")
+    layers: list[nn.Module] = [UNetTextTimeEmbed(unet) if kind == "text_time" else UNetEmbed(unet)]
     layers += [UNetDown(b) for b in unet.down_blocks]
     if unet.mid_block is not None:
         layers.append(UNetMid(unet.mid_block))

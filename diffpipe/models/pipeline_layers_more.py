@@ -79,6 +79,8 @@ class QwenEmbed(nn.Module):
         context = self.txt_in(self.txt_norm(context))
         shapes = [[tuple(int(x) for x in fhw)]] * hidden.shape[0]
         img_rope, txt_rope = self.pos_embed(shapes, max_txt_seq_len=context.shape[1], device=hidden.device)
+        # The rotary frequencies are complex: stages exchange them as real pairs (NCCL sends no complex).
+        img_rope, txt_rope = torch.view_as_real(img_rope), torch.view_as_real(txt_rope)
         return (hidden, context, mask.to(torch.bool), temb, img_rope, txt_rope)
 
 
@@ -89,9 +91,9 @@ class QwenBlock(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, context, mask, temb, img_rope, txt_rope = inputs
+        rope = (torch.view_as_complex(img_rope), torch.view_as_complex(txt_rope))
         context, hidden = self.block(hidden_states=hidden, encoder_hidden_states=context,
-                                     encoder_hidden_states_mask=mask, temb=temb,
-                                     image_rotary_emb=(img_rope, txt_rope))
+                                     encoder_hidden_states_mask=mask, temb=temb, image_rotary_emb=rope)
         return (hidden, context, mask, temb, img_rope, txt_rope)
 
 
@@ -261,7 +263,9 @@ class HiDreamOut(nn.Module):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
         hidden, _, _, temb, _, _, img_sizes, n_img = inputs
         out = self.final_layer(hidden[:, : int(n_img)], temb)
-        return (self.tr[0].unpatchify(out, img_sizes, self.tr[0].training),)
+        # The image layout in train mode too (not the model's padded patches), so the pipeline
+        # loss compares the prediction with the target directly.
+        return (self.tr[0].unpatchify(out, img_sizes, False),)
 
 
 def hidream_layers(tr: nn.Module) -> list[nn.Module]:
@@ -371,7 +375,9 @@ class CogView4Block(nn.Module):
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, context, temb, cos, sin, hw = inputs
-        hidden, context = self.block(hidden, context, temb, (cos, sin))
+        # Detached: the attention applies the rotation in place, which backward cannot undo
+        # once the rotary tensors carry gradients (as they do between pipeline stages).
+        hidden, context = self.block(hidden, context, temb, (cos.detach(), sin.detach()))
         return (hidden, context, temb, cos, sin, hw)
 
 

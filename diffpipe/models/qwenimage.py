@@ -288,3 +288,35 @@ class QwenImageFamily(Family):
         from diffpipe.models.pipeline_layers_more import qwen_layers
 
         return qwen_layers(common.unwrap(denoiser))
+
+    def pipeline_inputs(
+        self,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        objective: ObjectiveConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+        """``((packed_noisy, sigma, prompt_embeds, prompt_embeds_mask, fhw), (target, weights))``.
+
+        Draws exactly what ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval).
+        """
+        from diffpipe.models._draws import draw_image
+
+        o = objective or ObjectiveConfig()
+        x0 = common.single_frame(latents, self.name).float()
+        device, (b, c, h, w) = x0.device, x0.shape
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
+        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift((h // 2) * (w // 2)))
+        pack = QwenImagePipeline._pack_latents
+        inputs = (
+            pack(obj.flow_interpolate(x0, noise, sigma), b, c, h, w).to(dtype),
+            sigma.to(dtype),
+            text["prompt_embeds"].to(device=device, dtype=dtype),
+            text["prompt_embeds_mask"].to(device=device, dtype=torch.long),
+            torch.tensor([1, h // 2, w // 2], device=device),
+        )
+        return inputs, (pack(obj.flow_target(x0, noise), b, c, h, w), torch.ones(b, device=device))

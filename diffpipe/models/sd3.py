@@ -336,3 +336,34 @@ class SD3Family(Family):
         from diffpipe.models.pipeline_layers_more import sd3_layers
 
         return sd3_layers(common.unwrap(denoiser))
+
+    def pipeline_inputs(
+        self,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        objective: ObjectiveConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+        """``((noisy, sigma * 1000, pooled, prompt_embeds), (target, weights))``, weights by the weighting scheme.
+
+        Draws exactly what ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval).
+        """
+        from diffpipe.models._draws import draw_image
+
+        o = objective or ObjectiveConfig()
+        x0 = common.single_frame(latents, self.name).float()
+        device, b = x0.device, x0.shape[0]
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name, sample_t=self.sample_t)
+        sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 3.0)))
+        weights = obj.weighting_scheme_weights(o.weighting_scheme, sigma)
+        inputs = (
+            obj.flow_interpolate(x0, noise, sigma).to(dtype),
+            (sigma * 1000).to(dtype),
+            text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+            text["prompt_embeds"].to(device=device, dtype=dtype),
+        )
+        return inputs, (obj.flow_target(x0, noise), torch.ones(b, device=device) if weights is None else weights)

@@ -272,5 +272,52 @@ class SDXLFamily(SDFamily):
         return obj.per_sample_loss(pred, target, weights, kind=o.loss, huber_c=o.huber_c,
                                    mask=self.loss_mask(mask, x0, o))
 
+    # -- pipeline parallelism ------------------------------------------------------
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
-        raise NotImplementedError("sdxl: pipeline parallelism is not implemented (the UNet fits one GPU)")
+        """The UNet as layers, as ``sd``'s, with the ``text_time`` embedding in the first.
+
+        Input tuple ``(noisy, timesteps, prompt_embeds, pooled_prompt_embeds, add_time_ids)``;
+        output ``(prediction,)``.
+        """
+        from diffpipe.models.pipeline_layers import unet_layers
+
+        return unet_layers(common.unwrap(denoiser))
+
+    def pipeline_inputs(
+        self,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        objective: ObjectiveConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        sizes: dict[str, torch.Tensor] | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+        """``((noisy, timesteps, prompt_embeds, pooled, add_time_ids), (target, weights))``.
+
+        Draws exactly what ``loss`` draws, in the same order; ``t`` and ``noise``
+        fix them (eval); ``sizes`` as in ``loss``.
+        """
+        from diffpipe.models._draws import draw_image
+
+        o = objective or ObjectiveConfig()
+        self._check_objective(o)
+        x0 = common.single_frame(latents, self.name).float()
+        device, (b, _, h, w) = x0.device, x0.shape
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name, default="uniform", offset_noise=True)
+        schedule = self._alphas_cumprod
+        steps = obj.ddpm_timesteps(t, len(schedule))
+        noisy = obj.ddpm_add_noise(x0, noise, schedule, steps)
+        target = obj.ddpm_target(x0, noise, schedule, steps, self.prediction_type)
+        target_hw = torch.tensor([[h * self.vae_factor, w * self.vae_factor]], device=device).expand(b, 2)
+        sizes = sizes or {}
+        ids = time_ids(sizes.get("original_size", target_hw).to(device),
+                       sizes.get("crop_top_left", torch.zeros_like(target_hw)).to(device), target_hw)
+        weights = torch.ones(b, device=device)
+        if o.min_snr_gamma:
+            weights = obj.min_snr_weights(schedule, steps, gamma=o.min_snr_gamma, prediction_type=self.prediction_type)
+        inputs = (noisy.to(dtype), steps, text["prompt_embeds"].to(device=device, dtype=dtype),
+                  text["pooled_prompt_embeds"].to(device=device, dtype=dtype), ids.to(dtype))
+        return inputs, (target, weights.to(device))

@@ -111,7 +111,7 @@ class Evaluator:
             def feed(q=q):
                 for b in self.batches:
                     t = torch.full((b.latents.shape[0],), q, device=b.latents.device)
-                    yield self.family.pipeline_inputs(b.latents, b.text, self._unused, t=t, noise=b.noise)
+                    yield self.family.pipeline_inputs(b.latents, b.text, self._unused, t=t, noise=b.noise, **b.aux)
 
             loss = model.eval_batch(data_iter=feed(), num_micro_batches=len(self.batches))
             out[f"eval_loss_q{q:g}"] = float(loss)

@@ -250,7 +250,9 @@ def _pipeline_step(model, family, data: CachedDataset, micro_batches: list[list[
             text = {k: v.to(model.device) for k, v in batch["text"].items()}
             if caption_dropout:
                 text = _drop_captions(text, data.empty_text, caption_dropout, gen)
-            yield family.pipeline_inputs(batch["latents"].to(model.device), text, gen, objective)
+            # Masks are refused under pipeline stages (_check_aux): what is left is SDXL's sizes.
+            yield family.pipeline_inputs(batch["latents"].to(model.device), text, gen, objective,
+                                         **aux_inputs(family, batch, model.device))
 
     loss = model.train_batch(data_iter=feed())
     norm = model.get_global_grad_norm()

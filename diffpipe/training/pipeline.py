@@ -85,6 +85,40 @@ def manual_split(boundaries: list[int], n_layers: int, stages: int) -> list[int]
 
 
 # -- the DeepSpeed pipeline engine ----------------------------------------------------------
+class _StageEdge(torch.nn.Module):
+    """A layer at a stage boundary, made to meet what DeepSpeed's pipeline engine asks there.
+
+    The engine calls ``backward`` on every float tensor a stage sends, and sends back a
+    gradient for every float tensor a stage received. ``exit`` (a stage's last layer): sent
+    tensors without a graph (computed from frozen weights only) become grad-requiring leaves.
+    ``entry`` (a stage's first layer): every received float tensor is tied to the output with
+    weight zero, so it gets a (zero) gradient even where the stage leaves it unused (a UNet
+    block without cross-attention, the output layer); the output's values are unchanged.
+    """
+
+    def __init__(self, layer: torch.nn.Module, *, entry: bool, exit: bool):
+        super().__init__()
+        self.layer, self.entry, self.exit = layer, entry, exit
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        from diffpipe.models.pipeline_layers import _pipe_ready
+
+        out = self.layer(inputs)
+        if self.entry and torch.is_grad_enabled():
+            tied = [x.sum() for x in inputs if x.is_floating_point() and x.requires_grad]
+            if tied:
+                i = next(i for i, y in enumerate(out) if y.is_floating_point())
+                out = (*out[:i], out[i] + (sum(tied) * 0).to(out[i].dtype), *out[i + 1 :])
+        return _pipe_ready(out) if self.exit else out
+
+
+def stage_edges(layers: list[torch.nn.Module], bounds: list[int]) -> list[torch.nn.Module]:
+    """``layers`` with each stage's first and last layer wrapped for the engine (see ``_StageEdge``)."""
+    entries, exits = set(bounds[1:-1]), {b - 1 for b in bounds[1:-1]}
+    return [_StageEdge(layer, entry=i in entries, exit=i in exits) if i in entries | exits else layer
+            for i, layer in enumerate(layers)]
+
+
 def stage_bounds(layers: list[torch.nn.Module], tc: TrainConfig) -> list[int]:
     """``train.pipeline_split`` if given, else the frozen-weight-aware balanced split."""
     if tc.pipeline_split:
@@ -107,8 +141,9 @@ def build_pipeline_engine(layers: list[torch.nn.Module], bounds: list[int], loss
             stage = self._topo.get_coord(self.global_rank).pipe
             self._set_bounds(start=self.parts[stage], stop=self.parts[stage + 1])
 
-    module = _Pipe(layers=layers, num_stages=tc.pipeline_stages, loss_fn=loss_fn,
-                   activation_checkpoint_interval=1 if tc.activation_checkpointing else 0)
+    # dynamic_shape: micro-batches of other buckets (and prompt lengths) send tensors of other shapes.
+    module = _Pipe(layers=stage_edges(layers, bounds), num_stages=tc.pipeline_stages, loss_fn=loss_fn,
+                   activation_checkpoint_interval=1 if tc.activation_checkpointing else 0, dynamic_shape=True)
     params = [p for p in module.parameters() if p.requires_grad]
     optimizer = build_optimizer(params, tc)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=make_scheduler(optimizer),

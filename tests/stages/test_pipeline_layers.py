@@ -202,3 +202,110 @@ def test_cosmos2_layers_equal_forward(extra_pos):
                   return_dict=False)[0]
         got = run_layers(layers, (noisy, t, context, padding))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+# Per family: latent channels and an objective with non-default options (timestep sampling,
+# shift, limits, weighting), so pipeline_inputs must honour each option as loss does.
+PIPELINE_INPUT_CASES = {
+    "sdxl": (4, {"min_snr_gamma": 5.0, "offset_noise": 0.1, "timestep_sampling": "logit_normal"}),
+    "sd3": (4, {"weighting_scheme": "cosmap"}),
+    "chroma": (1, {"timestep_sampling": "uniform", "min_timestep": 0.1, "max_timestep": 0.9}),
+    "qwenimage": (4, {"shift": 2.0}),
+    "hidream": (4, {"logit_mean": 0.5}),
+    "cogview4": (4, {}),
+    "cosmos2": (16, {"shift": 3.0}),
+}
+
+
+@pytest.mark.parametrize("name", list(PIPELINE_INPUT_CASES))
+def test_image_family_pipeline_inputs_reproduce_the_loss(name):
+    """Image families: the layers' prediction equals the denoiser's, and pipeline_inputs + the pipeline
+    loss equal family.loss from the same generator state (real text embeddings, non-square latents);
+    between layers every float tensor can carry a gradient, as DeepSpeed's backward needs."""
+    from diffpipe.config import ObjectiveConfig
+    from diffpipe.training.pipeline import pipeline_loss_fn
+
+    family = get_family(ModelConfig(family=name))
+    den = _with_lora(family)
+    if name == "hidream":
+        den.train()  # train mode outputs padded patches, which loss unpatchifies: the layers give the image
+    channels, options = PIPELINE_INPUT_CASES[name]
+    latents = torch.randn(2, channels, 1, 8, 12, generator=torch.Generator().manual_seed(0))
+    text = family.encode_text(family.load_text_encoders(), ["a red circle", "a blue square on the left"])
+    o = ObjectiveConfig(**options)
+    # SDXL's size conditioning of planned crops (original size, crop corner), as the batches carry it.
+    aux = {"sizes": {"original_size": torch.tensor([[48, 40], [64, 96]]),
+                     "crop_top_left": torch.tensor([[8, 0], [0, 16]])}} if name == "sdxl" else {}
+    preds = []
+    handle = den.register_forward_hook(lambda m, a, out: preds.append(out[0] if isinstance(out, tuple) else out))
+    with torch.no_grad():
+        want = family.loss(den, latents, text, torch.Generator().manual_seed(3), objective=o, **aux).mean()
+        inputs, labels = family.pipeline_inputs(latents, text, torch.Generator().manual_seed(3), o, **aux)
+        layers = family.pipeline_layers(den)
+        got_pred = run_layers(layers, inputs)
+        got = pipeline_loss_fn(o)(got_pred, labels)
+    handle.remove()
+    assert labels[0].shape == got_pred.shape and labels[1].shape == (2,)
+    want_pred = preds[0] if preds[0].shape == got_pred.shape else None
+    if name == "hidream":
+        from diffpipe.models.hidream import unpatchify
+
+        want_pred = unpatchify(preds[0], got_pred.shape, den.config.patch_size)
+    torch.testing.assert_close(got_pred, want_pred, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    _check_stage_boundaries(name, layers, inputs, labels, pipeline_loss_fn(o))
+
+
+def _check_stage_boundaries(name, layers, inputs, labels, loss_fn):
+    """What DeepSpeed's pipeline engine needs at a stage boundary after any layer (as the engine
+    wraps the layers there).
+
+    The sending stage (its first-stage inputs carry no grad) calls ``backward`` on every float
+    tensor it sent, so each needs a graph or ``requires_grad``; the receiving stage sends back a
+    gradient for every float tensor it received; complex tensors do not cross (NCCL sends none).
+    """
+    from diffpipe.training.pipeline import stage_edges
+
+    for k in range(1, len(layers)):
+        staged = stage_edges(layers, [0, k, len(layers)])
+        x = tuple(t.clone() for t in inputs)
+        for layer in staged[:k]:
+            x = layer(x)
+        bad = [j for j, t in enumerate(x) if (t.is_floating_point() and not t.requires_grad) or t.is_complex()]
+        assert not bad, f"{name}: outputs {bad} of layer {k - 1} cannot cross a pipeline stage"
+        received = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in x)
+        y = tuple(t.clone() for t in received)
+        for layer in staged[k:]:
+            y = layer(y)
+        loss_fn(y, labels).backward()
+        no_grad = [j for j, t in enumerate(received) if t.is_floating_point() and t.grad is None]
+        assert not no_grad, f"{name}: inputs {no_grad} of layer {k} get no gradient to send back"
+
+
+def test_cogview4_pipeline_needs_one_prompt_length_per_micro_batch():
+    """CogView4's loss runs each prompt length as its own forward; a pipeline micro-batch is one tensor."""
+    family = get_family(ModelConfig(family="cogview4"))
+    mask = torch.zeros(2, 16)
+    mask[0, 6:], mask[1, 2:] = 1, 1  # 10 and 14 tokens (left-padded)
+    text = {"prompt_embeds": torch.randn(2, 16, 32), "prompt_embeds_mask": mask}
+    with pytest.raises(ValueError, match=r"\[10, 14\] tokens.*train.batch_size: 1"):
+        family.pipeline_inputs(torch.randn(2, 4, 1, 8, 8), text, torch.Generator().manual_seed(0))
+    mask[1, :6] = 0  # both 10 tokens: the prompts are cut to them
+    inputs, _ = family.pipeline_inputs(torch.randn(2, 4, 1, 8, 8), text, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(inputs[2], text["prompt_embeds"][:, 6:])
+
+
+@pytest.mark.parametrize("name", ["sd", "flux"])
+def test_every_stage_boundary_meets_the_engine(name):
+    """Splits anywhere, the output layer alone on the last stage included (it leaves the text unused)."""
+    from diffpipe.config import ObjectiveConfig
+    from diffpipe.training.pipeline import pipeline_loss_fn
+
+    family = get_family(ModelConfig(family=name))
+    den = _with_lora(family)
+    ch, seq = (4, 77) if name == "sd" else (1, 32)
+    latents = torch.randn(2, ch, 1, 16, 16, generator=torch.Generator().manual_seed(0))
+    text = {"prompt_embeds": torch.randn(2, seq, 32), "pooled_prompt_embeds": torch.randn(2, 32)}
+    inputs, labels = family.pipeline_inputs(latents, text, torch.Generator().manual_seed(3))
+    o = ObjectiveConfig()
+    _check_stage_boundaries(name, family.pipeline_layers(den), inputs, labels, pipeline_loss_fn(o))

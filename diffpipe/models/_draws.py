@@ -1,0 +1,56 @@
+"""The image families' timestep and noise draws, for ``pipeline_inputs``.
+
+A pipeline run must see the timesteps and noise a 1-process run sees, so
+``pipeline_inputs`` draws what the family's ``loss`` draws, in the same
+order: ``t`` (then its limits), then the noise (then offset noise, for the
+DDPM families). ``tests/stages/test_pipeline_layers.py`` checks each family's
+pair against its loss from the same generator state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from diffpipe.config import ObjectiveConfig
+from diffpipe.models import _common as common
+from diffpipe.training import objectives as obj
+
+
+def draw_image(
+    o: ObjectiveConfig,
+    x0: torch.Tensor,
+    generator: torch.Generator,
+    t: torch.Tensor | None,
+    noise: torch.Tensor | None,
+    *,
+    family: str,
+    default: str = "logit_normal",
+    sample_t: Callable[[ObjectiveConfig, int, torch.Generator], torch.Tensor] | None = None,
+    offset_noise: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(t, noise)`` float32 on ``x0``'s device (``[B]``, like ``x0`` ``[B,C,h,w]``).
+
+    Given ones are kept (eval: fixed quantiles and noise; noise may come like the
+    latents, ``[B,C,1,h,w]``); missing ones are drawn from ``generator``.
+    ``default``: the sampling when ``objective.timestep_sampling`` is unset;
+    ``sample_t``: a family's own draw (SD3's weighting-scheme densities);
+    ``offset_noise``: whether the family's loss adds ``objective.offset_noise``.
+    """
+    b = x0.shape[0]
+    if t is None:
+        if sample_t is not None:
+            t = sample_t(o, b, generator)
+        elif (o.timestep_sampling or default) == "uniform":
+            t = obj.sample_uniform(b, generator, device=generator.device)
+        else:
+            t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
+        t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
+    if noise is None:
+        noise = torch.randn(x0.shape, generator=generator, device=generator.device)
+        if offset_noise and o.offset_noise:
+            noise = obj.add_offset_noise(noise, o.offset_noise, generator)
+    elif noise.ndim == 5:
+        noise = common.single_frame(noise, family)
+    return t.to(x0.device).float(), noise.to(x0.device).float()
