@@ -58,7 +58,9 @@ def snakemake_command(
         cmd += ["--cores", "all"]
     if dry_run:
         cmd.append("--dry-run")
-    return cmd + list(extra) + list(targets)
+    # "--" ends the options: a target must not be read as one more value of an option that
+    # takes several (--resources gpu=2 plan).
+    return cmd + list(extra) + (["--", *targets] if targets else [])
 
 
 def run_workflow(
