@@ -28,7 +28,7 @@ demo: venv
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/diffpipe run --config config/demo.yaml
 
 test: venv
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile tests
 
 lint: venv
 	$(BIN)/ruff check diffpipe tests benchmarks

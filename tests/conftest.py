@@ -13,22 +13,16 @@ torch.set_num_threads(1)
 
 
 # -- running the suite on several workers (pytest-xdist, `make test`) ------------------
-# The longest files start first, and each file stays on one worker with its module fixtures
-# (the multiprocess files share session fixtures: one group).
+# `--dist loadfile` keeps each file on one worker with its module fixtures; the longest
+# files are collected first so they start first.
 LONGEST_FIRST = ("tests/cluster/", "tests/workflow/", "tests/multiprocess/")
 
 
 def pytest_collection_modifyitems(config, items):
-    import pytest
-
     def rank(item) -> int:
         return next((i for i, p in enumerate(LONGEST_FIRST) if item.nodeid.startswith(p)), len(LONGEST_FIRST))
 
     items.sort(key=rank)  # stable: the order inside each file is kept
-    for item in items:
-        module = item.nodeid.split("::")[0]
-        group = "multiprocess" if module.startswith("tests/multiprocess/") else module
-        item.add_marker(pytest.mark.xdist_group(group))
 
 
 # -- a cached tiny run shared by the training tests ------------------------------------

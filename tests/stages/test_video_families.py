@@ -225,13 +225,12 @@ def test_loss_mask_weights_the_clip(run):
     assert not torch.allclose(loss(left), loss(None))
 
 
+@pytest.mark.parametrize("run", ["cosmos2-video"], indirect=True)
 def test_video2world_condition_equals_the_pipeline_construction(run, monkeypatch):
     """Cosmos-Predict2 Video2World: a cached clip's first latent frames are what the stock pipeline's
     ``prepare_latents`` builds from its first frame (an image) or first 5 frames (a video), and the
     loss feeds the transformer exactly what the denoising loop feeds it (hooked on both sides)."""
     cfg, p = run
-    if cfg.model.family != "cosmos2-video":
-        pytest.skip("Video2World conditioning")
     from diffusers.pipelines.cosmos import pipeline_cosmos2_video2world as stock
 
     family = get_family(cfg.model)
