@@ -6,8 +6,9 @@
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
-# Test workers (pytest-xdist): one per core, at most 4 (each holds torch and the tiny models).
-TEST_WORKERS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); [ $$n -gt 4 ] && n=4; echo $$n)
+# Test workers (pytest-xdist): one per core plus one, which keeps the cores busy while the
+# SLURM and workflow tests wait on their jobs; at most 4 (each holds torch and the tiny models).
+TEST_WORKERS ?= $(shell n=$$(( $$(nproc 2>/dev/null || echo 2) + 1 )); [ $$n -gt 4 ] && n=4; echo $$n)
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.diffpipe-installed
 
