@@ -9,6 +9,7 @@ replays a run, in ``loss`` and ``pipeline_inputs`` alike.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 from transformers import T5Config, T5EncoderModel, T5TokenizerFast
@@ -74,17 +75,19 @@ class T5Text:
         return self
 
 
-def t5_tokenizers(flavor: str, path: str | None, max_length: int) -> T5Text:
-    """The tokenizer alone: the tiny flavor's (``TINY_LENGTH`` tokens) or a folder's ``tokenizer/``."""
+def t5_tokenizers(flavor: str, path: str | None, max_length: int, tiny_length: int = TINY_LENGTH) -> T5Text:
+    """The tokenizer alone: the tiny flavor's (``tiny_length`` tokens) or a folder's ``tokenizer/``."""
     if flavor == "tiny":
-        return T5Text(t5_tokenizer(TINY_LENGTH), None, TINY_LENGTH)
+        return T5Text(t5_tokenizer(tiny_length), None, tiny_length)
     tok = T5TokenizerFast.from_pretrained(path, subfolder="tokenizer")
     return T5Text(tok, None, min(int(tok.model_max_length), max_length))
 
 
-def t5_text(flavor: str, path: str | None, max_length: int, seed: int, component: str) -> T5Text:
+def t5_text(
+    flavor: str, path: str | None, max_length: int, seed: int, component: str, tiny_length: int = TINY_LENGTH
+) -> T5Text:
     """Tokenizer and encoder: random tiny weights from ``seed``, or a folder's ``text_encoder/``."""
-    enc = t5_tokenizers(flavor, path, max_length)
+    enc = t5_tokenizers(flavor, path, max_length, tiny_length)
     if flavor == "tiny":
         tok = enc.tokenizer
         config = T5Config(
@@ -147,3 +150,35 @@ def t5_embeds(enc: T5Text, captions: list[str], *, masked_encoder: bool) -> tupl
 
 def t5_count(enc: T5Text, captions: list[str]) -> dict[str, list[int]]:
     return {"t5": [len(x) for x in enc.tokenizer(list(captions)).input_ids]}
+
+
+class T5TextFamily:
+    """The text side of a family with one T5 encoder; put it before ``Family`` in the bases.
+
+    The tiny encoder's weights are seeded from ``model.seed`` and ``<family>.text_encoder``.
+    """
+
+    #: The pipeline's ``max_sequence_length``.
+    t5_max_length: ClassVar[int]
+    #: Prompt length of the tiny flavor.
+    t5_tiny_length: ClassVar[int] = TINY_LENGTH
+
+    def load_tokenizers(self) -> T5Text:
+        return t5_tokenizers(self.cfg.flavor, self.cfg.path, self.t5_max_length, self.t5_tiny_length)
+
+    def load_text_encoders(self) -> T5Text:
+        return t5_text(self.cfg.flavor, self.cfg.path, self.t5_max_length, self.cfg.seed,
+                       f"{self.name}.text_encoder", self.t5_tiny_length)
+
+    def text_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity(
+                (self.name, self.cfg.seed, "text"), lambda: t5_identity(self.load_text_encoders())
+            )
+        return t5_folder_identity(self.cfg.path, self.t5_max_length)
+
+    def token_limits(self, encoders: T5Text) -> dict[str, int]:
+        return {"t5": encoders.max_sequence_length}
+
+    def count_tokens(self, encoders: T5Text, captions: list[str]) -> dict[str, list[int]]:
+        return t5_count(encoders, captions)

@@ -88,8 +88,9 @@ MAX_LENGTH = 226  # CogVideoXPipeline's max_sequence_length (the transformer's m
 
 
 @register
-class CogVideoXFamily(Family):
+class CogVideoXFamily(video.T5TextFamily, Family):
     name = "cogvideox"
+    t5_max_length = MAX_LENGTH
     vae_class = AutoencoderKLCogVideoX
     denoiser_name = "transformer"
     is_video = True
@@ -155,12 +156,6 @@ class CogVideoXFamily(Family):
     def load_vae(self) -> AutoencoderKLCogVideoX:
         return common.component(AutoencoderKLCogVideoX, self.cfg, "cogvideox", "vae", TINY_VAE)
 
-    def load_tokenizers(self) -> video.T5Text:
-        return video.t5_tokenizers(self.cfg.flavor, self.cfg.path, MAX_LENGTH)
-
-    def load_text_encoders(self) -> video.T5Text:
-        return video.t5_text(self.cfg.flavor, self.cfg.path, MAX_LENGTH, self.cfg.seed, "cogvideox.text_encoder")
-
     def load_denoiser(self) -> CogVideoXTransformer3DModel:
         return common.component(CogVideoXTransformer3DModel, self.cfg, "cogvideox", "transformer", TINY_TRANSFORMER)
 
@@ -182,13 +177,6 @@ class CogVideoXFamily(Family):
     def pipeline_class(self) -> type:
         return CogVideoXPipeline
 
-    def text_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity(
-                (self.name, self.cfg.seed, "text"), lambda: video.t5_identity(self.load_text_encoders())
-            )
-        return video.t5_folder_identity(self.cfg.path, MAX_LENGTH)
-
     # -- encoding ------------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         param = next(vae.parameters())
@@ -198,12 +186,6 @@ class CogVideoXFamily(Family):
 
     def encode_text(self, encoders: video.T5Text, captions: list[str]) -> dict[str, torch.Tensor]:
         return {"prompt_embeds": video.t5_embeds(encoders, captions, masked_encoder=False)[0]}
-
-    def token_limits(self, encoders: video.T5Text) -> dict[str, int]:
-        return {"t5": encoders.max_sequence_length}
-
-    def count_tokens(self, encoders: video.T5Text, captions: list[str]) -> dict[str, list[int]]:
-        return video.t5_count(encoders, captions)
 
     # -- training ------------------------------------------------------------------
     def rotary_embeddings(self, frames: int, h: int, w: int, device, config=None):

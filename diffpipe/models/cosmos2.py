@@ -41,7 +41,6 @@ export (without ``use_safetensors`` the header holding alpha is not read).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -51,14 +50,13 @@ from diffusers import AutoencoderKLWan, CosmosTransformer3DModel, FlowMatchEuler
 from diffusers import Cosmos2TextToImagePipeline as StockCosmos2TextToImagePipeline
 from diffusers.loaders import CosmosLoraLoaderMixin
 from diffusers.utils import is_cosmos_guardrail_available, is_torchvision_available
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, T5Config, T5EncoderModel
 
 from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.models import _common as common
+from diffpipe.models import _video as video
+from diffpipe.models._video import T5Text
 from diffpipe.models.base import Family, register
-from diffpipe.models.tokenizers import t5_tokenizer, tokenizer_fingerprint
 from diffpipe.training import objectives as obj
-from diffpipe.utils import digest
 
 MAX_LENGTH = 512  # the pipeline's max_sequence_length
 TINY_LENGTH = 32
@@ -119,16 +117,6 @@ class Cosmos2TextToImagePipeline(StockCosmos2TextToImagePipeline, CosmosLoraLoad
     """
 
 
-@dataclass
-class T5Text:
-    tokenizer: PreTrainedTokenizerBase
-    text_encoder: T5EncoderModel
-    max_sequence_length: int
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> T5Text:
-        self.text_encoder.to(device=device, dtype=dtype)
-        return self
-
 
 def edm_weight(t: torch.Tensor) -> torch.Tensor:
     """Cosmos-Predict2's loss weight ``(sigma^2 + 1) / sigma^2`` on ``x0``, in velocity units: ``t^2 + (1-t)^2``."""
@@ -136,8 +124,10 @@ def edm_weight(t: torch.Tensor) -> torch.Tensor:
 
 
 @register
-class Cosmos2Family(Family):
+class Cosmos2Family(video.T5TextFamily, Family):
     name = "cosmos2"
+    t5_max_length = MAX_LENGTH
+    t5_tiny_length = TINY_LENGTH
     vae_class = AutoencoderKLWan
     denoiser_name = "transformer"
     #: Cosmos-Predict2's own LoRA targets (``q_proj, k_proj, v_proj, output_proj,
@@ -186,29 +176,6 @@ class Cosmos2Family(Family):
     def load_vae(self) -> AutoencoderKLWan:
         return common.component(AutoencoderKLWan, self.cfg, self.name, "vae", TINY_VAE)
 
-    def load_tokenizers(self) -> T5Text:
-        if self.cfg.flavor == "tiny":
-            return T5Text(t5_tokenizer(TINY_LENGTH), None, TINY_LENGTH)
-        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
-        return T5Text(tok, None, min(int(tok.model_max_length), MAX_LENGTH))
-
-    def load_text_encoders(self) -> T5Text:
-        enc = self.load_tokenizers()
-        if self.cfg.flavor == "tiny":
-            tok = enc.tokenizer
-            config = T5Config(
-                **TINY_T5,
-                vocab_size=len(tok),
-                pad_token_id=tok.pad_token_id,
-                eos_token_id=tok.eos_token_id,
-                decoder_start_token_id=tok.pad_token_id,
-            )
-            with common.seeded(self.cfg.seed, f"{self.name}.text_encoder"):
-                enc.text_encoder = T5EncoderModel(config).eval()
-        else:
-            enc.text_encoder = T5EncoderModel.from_pretrained(self.cfg.path, subfolder="text_encoder").eval()
-        return enc
-
     def load_denoiser(self) -> CosmosTransformer3DModel:
         return common.component(CosmosTransformer3DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
 
@@ -245,31 +212,6 @@ class Cosmos2Family(Family):
         return Cosmos2TextToImagePipeline
 
     # -- identities ------------------------------------------------------------
-    def text_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity(
-                (self.name, self.cfg.seed, "text"), lambda: self._text_identity(self.load_text_encoders())
-            )
-        return digest(
-            {
-                "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
-                "text_encoder": common.transformers_folder_identity(
-                    T5EncoderModel, T5Config, self.cfg.path, "text_encoder"
-                ),
-                "max_sequence_length": self.max_sequence_length,
-            }
-        )
-
-    @staticmethod
-    def _text_identity(enc: T5Text) -> str:
-        return digest(
-            {
-                "tokenizer": tokenizer_fingerprint(enc.tokenizer),
-                "text_encoder": common.module_identity(enc.text_encoder),
-                "max_sequence_length": enc.max_sequence_length,
-            }
-        )
-
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         # Each frame is an image of its own: [B,3,F,H,W] -> [B*F,3,1,H,W] -> [B,C,F,h,w].
@@ -286,24 +228,8 @@ class Cosmos2Family(Family):
 
     def encode_text(self, encoders: T5Text, captions: list[str]) -> dict[str, torch.Tensor]:
         # Exactly Cosmos2TextToImagePipeline._get_t5_prompt_embeds: zeros past each prompt's tokens.
-        tok = encoders.tokenizer(
-            captions,
-            padding="max_length",
-            max_length=encoders.max_sequence_length,
-            truncation=True,
-            return_tensors="pt",
-        )
-        device = next(encoders.text_encoder.parameters()).device
-        mask = tok.attention_mask.to(device).bool()
-        with torch.no_grad():
-            hidden = encoders.text_encoder(tok.input_ids.to(device), attention_mask=mask).last_hidden_state
-        return {"prompt_embeds": hidden.float() * mask[..., None]}
-
-    def token_limits(self, encoders: T5Text) -> dict[str, int]:
-        return {"t5": encoders.max_sequence_length}
-
-    def count_tokens(self, encoders: T5Text, captions: list[str]) -> dict[str, list[int]]:
-        return {"t5": [len(x) for x in encoders.tokenizer(list(captions)).input_ids]}
+        embeds, mask = video.t5_embeds(encoders, captions, masked_encoder=True)
+        return {"prompt_embeds": embeds * mask[..., None]}
 
     # -- training ----------------------------------------------------------------
     def predict(

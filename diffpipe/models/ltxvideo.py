@@ -82,8 +82,9 @@ MAX_LENGTH = 128  # LTXPipeline's default max_sequence_length
 
 
 @register
-class LTXVideoFamily(Family):
+class LTXVideoFamily(video.T5TextFamily, Family):
     name = "ltxvideo"
+    t5_max_length = MAX_LENGTH
     vae_class = AutoencoderKLLTXVideo
     denoiser_name = "transformer"
     is_video = True
@@ -150,12 +151,6 @@ class LTXVideoFamily(Family):
     def load_vae(self) -> AutoencoderKLLTXVideo:
         return common.component(AutoencoderKLLTXVideo, self.cfg, "ltxvideo", "vae", TINY_VAE)
 
-    def load_tokenizers(self) -> video.T5Text:
-        return video.t5_tokenizers(self.cfg.flavor, self.cfg.path, MAX_LENGTH)
-
-    def load_text_encoders(self) -> video.T5Text:
-        return video.t5_text(self.cfg.flavor, self.cfg.path, MAX_LENGTH, self.cfg.seed, "ltxvideo.text_encoder")
-
     def load_denoiser(self) -> LTXVideoTransformer3DModel:
         return common.component(LTXVideoTransformer3DModel, self.cfg, "ltxvideo", "transformer", TINY_TRANSFORMER)
 
@@ -173,13 +168,6 @@ class LTXVideoFamily(Family):
     def pipeline_class(self) -> type:
         return LTXPipeline
 
-    def text_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity(
-                (self.name, self.cfg.seed, "text"), lambda: video.t5_identity(self.load_text_encoders())
-            )
-        return video.t5_folder_identity(self.cfg.path, MAX_LENGTH)
-
     # -- encoding ------------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         param = next(vae.parameters())
@@ -192,12 +180,6 @@ class LTXVideoFamily(Family):
     def encode_text(self, encoders: video.T5Text, captions: list[str]) -> dict[str, torch.Tensor]:
         embeds, mask = video.t5_embeds(encoders, captions, masked_encoder=False)
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
-
-    def token_limits(self, encoders: video.T5Text) -> dict[str, int]:
-        return {"t5": encoders.max_sequence_length}
-
-    def count_tokens(self, encoders: video.T5Text, captions: list[str]) -> dict[str, list[int]]:
-        return video.t5_count(encoders, captions)
 
     # -- training ------------------------------------------------------------------
     def _prepare(self, latents, text, generator, t, noise, objective, dtype, config=None):

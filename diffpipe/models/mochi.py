@@ -65,8 +65,9 @@ SPATIAL, TEMPORAL, PATCH = 8, 6, 2  # what MochiPipeline assumes
 
 
 @register
-class MochiFamily(Family):
+class MochiFamily(video.T5TextFamily, Family):
     name = "mochi"
+    t5_max_length = MAX_LENGTH
     vae_class = AutoencoderKLMochi
     denoiser_name = "transformer"
     is_video = True
@@ -107,12 +108,6 @@ class MochiFamily(Family):
     def load_vae(self) -> AutoencoderKLMochi:
         return common.component(AutoencoderKLMochi, self.cfg, "mochi", "vae", TINY_VAE)
 
-    def load_tokenizers(self) -> video.T5Text:
-        return video.t5_tokenizers(self.cfg.flavor, self.cfg.path, MAX_LENGTH)
-
-    def load_text_encoders(self) -> video.T5Text:
-        return video.t5_text(self.cfg.flavor, self.cfg.path, MAX_LENGTH, self.cfg.seed, "mochi.text_encoder")
-
     def load_denoiser(self) -> MochiTransformer3DModel:
         return common.component(MochiTransformer3DModel, self.cfg, "mochi", "transformer", TINY_TRANSFORMER)
 
@@ -130,13 +125,6 @@ class MochiFamily(Family):
     def pipeline_class(self) -> type:
         return MochiPipeline
 
-    def text_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity(
-                (self.name, self.cfg.seed, "text"), lambda: video.t5_identity(self.load_text_encoders())
-            )
-        return video.t5_folder_identity(self.cfg.path, MAX_LENGTH)
-
     # -- encoding ------------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         param = next(vae.parameters())
@@ -153,12 +141,6 @@ class MochiFamily(Family):
     def encode_text(self, encoders: video.T5Text, captions: list[str]) -> dict[str, torch.Tensor]:
         embeds, mask = video.t5_embeds(encoders, captions, masked_encoder=True)
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
-
-    def token_limits(self, encoders: video.T5Text) -> dict[str, int]:
-        return {"t5": encoders.max_sequence_length}
-
-    def count_tokens(self, encoders: video.T5Text, captions: list[str]) -> dict[str, list[int]]:
-        return video.t5_count(encoders, captions)
 
     # -- training ------------------------------------------------------------------
     def _prepare(self, latents, text, generator, t, noise, objective, dtype):
