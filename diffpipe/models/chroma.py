@@ -22,6 +22,7 @@ from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 
 from diffpipe.config import ObjectiveConfig
 from diffpipe.models import _common as common
+from diffpipe.models._draws import draw_image
 from diffpipe.models.base import register
 from diffpipe.models.flux import TINY_T5, TINY_T5_LENGTH, FluxFamily
 from diffpipe.models.tokenizers import t5_tokenizer, tokenizer_fingerprint
@@ -155,17 +156,7 @@ class ChromaFamily(FluxFamily):
         o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()
         device, (b, c, h, w) = x0.device, x0.shape
-        if t is None:
-            if o.timestep_sampling == "uniform":
-                t = obj.sample_uniform(b, generator, device=generator.device)
-            else:
-                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
-            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
-        if noise is None:
-            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
-        elif noise.ndim == 5:
-            noise = common.single_frame(noise, self.name)
-        t, noise = t.to(device).float(), noise.to(device).float()
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
 
         seq = (h // 2) * (w // 2)
         sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(seq))
@@ -213,7 +204,6 @@ class ChromaFamily(FluxFamily):
 
         Draws exactly what ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval).
         """
-        from diffpipe.models._draws import draw_image
 
         o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()

@@ -38,6 +38,7 @@ from transformers import AutoTokenizer, GlmConfig, GlmModel, PreTrainedTokenizer
 
 from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.models import _common as common
+from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, register
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 from diffpipe.models.tokenizers import tokenizer_fingerprint
@@ -355,18 +356,8 @@ class CogView4Family(Family):
     ) -> torch.Tensor:
         o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()
-        device, (b, _, h, w) = x0.device, x0.shape
-        if t is None:
-            if o.timestep_sampling == "uniform":
-                t = obj.sample_uniform(b, generator, device=generator.device)
-            else:
-                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
-            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
-        if noise is None:
-            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
-        elif noise.ndim == 5:
-            noise = common.single_frame(noise, self.name)
-        t, noise = t.to(device).float(), noise.to(device).float()
+        h, w = x0.shape[-2:]
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
 
         sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(h * w // self.patch_size**2))
         noisy = obj.flow_interpolate(x0, noise, sigma)
@@ -409,7 +400,6 @@ class CogView4Family(Family):
         ``train.batch_size: 1``). Draws exactly what ``loss`` draws, in the same order;
         ``t`` and ``noise`` fix them (eval).
         """
-        from diffpipe.models._draws import draw_image
 
         embeds, keep = text["prompt_embeds"], text["prompt_embeds_mask"]
         lengths = sorted({int(n) for n in keep.sum(dim=1).round().long().tolist()})

@@ -54,6 +54,7 @@ from diffusers.utils import is_cosmos_guardrail_available, is_torchvision_availa
 from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
+from diffpipe.models._draws import draw_image
 from diffpipe.models._video import T5Text
 from diffpipe.models.base import Family, register
 from diffpipe.training import objectives as obj
@@ -265,18 +266,10 @@ class Cosmos2Family(video.T5TextFamily, Family):
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         o = objective or ObjectiveConfig()
-        x0 = common.single_frame(latents, self.name).float()[:, :, None]  # the transformer reads 5-D
-        device, b = x0.device, x0.shape[0]
-        if t is None:
-            if o.timestep_sampling == "uniform":
-                t = obj.sample_uniform(b, generator, device=generator.device)
-            else:  # logit-normal t = log-normal sigma: Cosmos-Predict2's sample_sigma at (0, 1)
-                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
-            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
-        if noise is None:
-            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
-        noise = noise.to(device).float().reshape(x0.shape)
-        t = t.to(device).float()
+        x0 = common.single_frame(latents, self.name).float()
+        # Logit-normal t is log-normal sigma: Cosmos-Predict2's sample_sigma at (0, 1).
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
+        x0, noise = x0[:, :, None], noise[:, :, None]  # the transformer reads 5-D
         if o.shift:
             t = obj.shift_timesteps(t, o.shift)
 
@@ -319,7 +312,6 @@ class Cosmos2Family(video.T5TextFamily, Family):
 
         Draws exactly what ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval).
         """
-        from diffpipe.models._draws import draw_image
 
         o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()

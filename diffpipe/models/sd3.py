@@ -39,6 +39,7 @@ from transformers import (
 
 from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.models import _common as common
+from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, register
 from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer, tokenizer_fingerprint
 from diffpipe.training import objectives as obj
@@ -302,14 +303,8 @@ class SD3Family(Family):
     ) -> torch.Tensor:
         o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()
-        device, b = x0.device, x0.shape[0]
-        if t is None:
-            t = obj.limit_timesteps(self.sample_t(o, b, generator), o.min_timestep, o.max_timestep)
-        if noise is None:
-            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
-        elif noise.ndim == 5:
-            noise = common.single_frame(noise, self.name)
-        t, noise = t.to(device).float(), noise.to(device).float()
+        device = x0.device
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name, sample_t=self.sample_t)
 
         sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 3.0)))
         noisy = obj.flow_interpolate(x0, noise, sigma)
@@ -352,7 +347,6 @@ class SD3Family(Family):
 
         Draws exactly what ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval).
         """
-        from diffpipe.models._draws import draw_image
 
         o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()

@@ -34,6 +34,7 @@ from transformers import (
 
 from diffpipe.config import ObjectiveConfig
 from diffpipe.models import _common as common
+from diffpipe.models._draws import draw_image
 from diffpipe.models.base import register
 from diffpipe.models.sd import TINY_SCHEDULER, TINY_VAE, SDFamily
 from diffpipe.models.tokenizers import clip_tokenizer, tokenizer_fingerprint
@@ -234,19 +235,7 @@ class SDXLFamily(SDFamily):
         self._check_objective(o)
         x0 = common.single_frame(latents, self.name).float()
         device, (b, _, h, w) = x0.device, x0.shape
-        if t is None:
-            if o.timestep_sampling == "logit_normal":
-                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
-            else:
-                t = obj.sample_uniform(b, generator, device=generator.device)
-            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
-        if noise is None:
-            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
-            if o.offset_noise:
-                noise = obj.add_offset_noise(noise, o.offset_noise, generator)
-        elif noise.ndim == 5:
-            noise = common.single_frame(noise, self.name)
-        t, noise = t.to(device), noise.to(device).float()
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name, default="uniform", offset_noise=True)
 
         schedule = self._alphas_cumprod
         steps = obj.ddpm_timesteps(t, len(schedule))
@@ -300,7 +289,6 @@ class SDXLFamily(SDFamily):
         Draws exactly what ``loss`` draws, in the same order; ``t`` and ``noise``
         fix them (eval); ``sizes`` as in ``loss``.
         """
-        from diffpipe.models._draws import draw_image
 
         o = objective or ObjectiveConfig()
         self._check_objective(o)
