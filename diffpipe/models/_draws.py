@@ -1,8 +1,7 @@
-"""The image families' timestep and noise draws, for ``pipeline_inputs``.
+"""The image families' timestep and noise draws, for ``loss`` and ``pipeline_inputs`` alike.
 
 A pipeline run must see the timesteps and noise a 1-process run sees, so
-``pipeline_inputs`` draws what the family's ``loss`` draws, in the same
-order: ``t`` (then its limits), then the noise (then offset noise, for the
+both paths draw through this one function, in the same order: ``t`` (then its limits), then the noise (then offset noise, for the
 DDPM families). ``tests/stages/test_pipeline_layers.py`` checks each family's
 pair against its loss from the same generator state.
 """

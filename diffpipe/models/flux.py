@@ -36,6 +36,7 @@ from transformers import (
 
 from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.models import _common as common
+from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, register
 from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer, tokenizer_fingerprint
 from diffpipe.training import objectives as obj
@@ -351,19 +352,7 @@ class FluxFamily(Family):
         o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()
         device, (b, c, h, w) = x0.device, x0.shape
-        # Draw order is fixed (t, then noise) so a seeded generator replays a run.
-        if t is None:
-            if o.timestep_sampling == "uniform":
-                t = obj.sample_uniform(b, generator, device=generator.device)
-            else:
-                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std,
-                                            device=generator.device)
-            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
-        if noise is None:
-            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
-        elif noise.ndim == 5:  # given like the latents, [B,C,1,h,w]
-            noise = common.single_frame(noise, self.name)
-        t, noise = t.to(device).float(), noise.to(device).float()
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
 
         shift = o.shift or self.timestep_shift((h // 2) * (w // 2))
         sigma = obj.shift_timesteps(t, shift)
@@ -422,18 +411,7 @@ class FluxFamily(Family):
         o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()
         device, (b, c, h, w) = x0.device, x0.shape
-        if t is None:
-            if o.timestep_sampling == "uniform":
-                t = obj.sample_uniform(b, generator, device=generator.device)
-            else:
-                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std,
-                                            device=generator.device)
-            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
-        if noise is None:
-            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
-        elif noise.ndim == 5:  # given like the latents (eval)
-            noise = common.single_frame(noise, self.name)
-        t, noise = t.to(device).float(), noise.to(device).float()
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
         sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift((h // 2) * (w // 2)))
         noisy = obj.flow_interpolate(x0, noise, sigma)
         target = FluxPipeline._pack_latents(obj.flow_target(x0, noise), b, c, h, w)

@@ -42,6 +42,7 @@ from transformers import (
 
 from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.models import _common as common
+from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, register
 from diffpipe.models.qwenimage import tiny_qwen_tokenizer, tiny_qwen_vl
 from diffpipe.models.tokenizers import tokenizer_fingerprint
@@ -229,17 +230,7 @@ class HunyuanImageFamily(Family):
         o = objective or ObjectiveConfig()
         x0 = common.single_frame(latents, self.name).float()
         device, b = x0.device, x0.shape[0]
-        if t is None:
-            if o.timestep_sampling == "uniform":
-                t = obj.sample_uniform(b, generator, device=generator.device)
-            else:
-                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
-            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
-        if noise is None:
-            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
-        elif noise.ndim == 5:
-            noise = common.single_frame(noise, self.name)
-        t, noise = t.to(device).float(), noise.to(device).float()
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
 
         sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 1.0)))
         noisy = obj.flow_interpolate(x0, noise, sigma)
