@@ -85,6 +85,8 @@ class Family(ABC):
     frame_rule: ClassVar[tuple[int, int]] = (4, 1)
     #: Whether ``loss`` takes ``control`` latents (edit / reference-image families).
     uses_control: ClassVar[bool] = False
+    #: Whether ``loss`` takes ``sizes``: each item's source size and crop (SDXL's add_time_ids).
+    uses_sizes: ClassVar[bool] = False
     #: Whether the text encoder also sees each item's control image (an edit model's
     #: vision-language encoder): the plan then keys text by caption and control image, and
     #: the text cache passes the images to ``encode_text(encoders, captions, images=...)``.

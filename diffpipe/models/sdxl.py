@@ -86,6 +86,7 @@ class SDXLTextEncoders:
 @register
 class SDXLFamily(SDFamily):
     name = "sdxl"
+    uses_sizes = True
     denoiser_name = "unet"
     #: The common SDXL LoRA targets (kohya / diffusers examples): attention and
     #: feed-forward of every transformer block, plus the ResNet convolutions

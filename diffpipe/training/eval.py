@@ -10,7 +10,6 @@ fixed subset of the training items.
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +43,7 @@ def aux_inputs(family, batch: dict[str, Any], device: torch.device) -> dict[str,
         kw["control"] = batch["control_latents"].to(device)
         if batch.get("control_embeds") is not None:  # an image encoder's embedding of the control
             kw["control_embeds"] = batch["control_embeds"].to(device)
-    if batch.get("sizes") is not None and "sizes" in inspect.signature(family.loss).parameters:
+    if batch.get("sizes") is not None and family.uses_sizes:
         # Size / crop conditioning (SDXL's add_time_ids) of the items' planned crops.
         kw["sizes"] = {k: v.to(device) for k, v in batch["sizes"].items()}
     return kw
