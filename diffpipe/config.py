@@ -36,6 +36,14 @@ class ModelConfig(_Section):
     )
     path: str | None = Field(None, description="Local diffusers model folder (needed when flavor is `local`).")
     seed: int = Field(0, description="Seed of the tiny flavor's random weights.")
+    single_files: dict[str, str] = Field(
+        {},
+        description="Local flavor: single-file checkpoints (`.safetensors`, in the original checkpoint naming "
+        "that ComfyUI and A1111 load, or in diffusers naming) that replace components of the folder at `path`, "
+        "by subfolder: `{transformer: flux1-dev.safetensors}`, `{unet: sd15.safetensors, vae: vae.safetensors}`. "
+        "The component's config still comes from `path/<subfolder>/config.json`; its weights may be absent there. "
+        "The denoiser and the VAE can come from single files (Wan 2.2 A14B: also `transformer_2`).",
+    )
     prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
         None, description="UNet families: training target; null uses the scheduler's own setting."
     )
@@ -80,6 +88,11 @@ class ModelConfig(_Section):
             raise ValueError(f"model.flavor must be 'tiny' or 'local', got {self.flavor!r}")
         if self.flavor == "local" and not self.path:
             raise ValueError("model.path is required when model.flavor is 'local'")
+        if self.single_files and self.flavor != "local":
+            raise ValueError(
+                "model.single_files replaces components of a local model folder: set model.flavor: local and "
+                "model.path (the folder with the components' configs)"
+            )
         return self
 
 

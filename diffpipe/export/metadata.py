@@ -71,12 +71,8 @@ def denoiser_fingerprint(family: Family) -> str:
     """The trained base weights: every trained part's (both Wan 2.2 A14B experts with ``model.expert: both``)."""
     if family.cfg.flavor == "tiny":
         return common.module_fingerprint(family.load_denoiser())
-    attrs = [part.attr for part in family.denoiser_parts]
-    if len(attrs) == 1:
-        return common.folder_fingerprint(Path(family.cfg.path) / attrs[0])
-    return hashlib.sha256(
-        "|".join(common.folder_fingerprint(Path(family.cfg.path) / a) for a in attrs).encode()
-    ).hexdigest()
+    prints = [common.weights_fingerprint(family.cfg, part.attr) for part in family.denoiser_parts]
+    return prints[0] if len(prints) == 1 else hashlib.sha256("|".join(prints).encode()).hexdigest()
 
 
 def _adapter_header(adapter_dir: Path) -> dict[str, Any]:

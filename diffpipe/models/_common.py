@@ -61,7 +61,60 @@ def component(cls: type, cfg: Any, family: str, subfolder: str, tiny: Mapping[st
     if cfg.flavor == "tiny":
         with seeded(cfg.seed, f"{family}.{subfolder}"):
             return cls(**tiny).eval()
-    return cls.from_pretrained(cfg.path, subfolder=subfolder).eval()
+    return local_component(cls, cfg, subfolder)
+
+
+def local_component(cls: type, cfg: Any, subfolder: str) -> torch.nn.Module:
+    """A diffusers model from the local folder's ``subfolder``, or from the single-file checkpoint
+    ``model.single_files`` names for it (config from the folder), in eval mode."""
+    file = cfg.single_files.get(subfolder)
+    if file is None:
+        return cls.from_pretrained(cfg.path, subfolder=subfolder).eval()
+    return single_file_component(cls, file, cfg.path, subfolder)
+
+
+def single_file_component(cls: type, file: str, folder: str, subfolder: str) -> torch.nn.Module:
+    """``cls`` with ``folder/subfolder``'s config and the weights of the single-file checkpoint ``file``.
+
+    diffusers' converter for ``cls`` renames an original-naming file (a file in diffusers naming
+    is taken as is). The converted keys are checked against the model's before loading: diffusers
+    would leave a weight the file lacks unset, and drop one the model lacks (a checkpoint of a
+    different model), so either is an error naming the tensors.
+    """
+    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+    from diffusers.loaders.single_file_utils import load_single_file_checkpoint
+
+    what = f"model.single_files.{subfolder}"
+    known = next((c.__name__ for c in cls.__mro__ if c.__name__ in SINGLE_FILE_LOADABLE_CLASSES), None)
+    if known is None:
+        raise ValueError(
+            f"{what}: diffusers cannot load {cls.__name__} from a single file (no converter for it); "
+            f"use the diffusers folder's {subfolder}/ instead"
+        )
+    if not Path(file).is_file():
+        raise FileNotFoundError(f"{what}: file not found: {file}")
+    config = cls.load_config(folder, subfolder=subfolder)
+    with torch.device("meta"):
+        expected = set(cls.from_config(config).state_dict())
+    try:
+        checkpoint = load_single_file_checkpoint(file, local_files_only=True)
+        if set(checkpoint) != expected:
+            convert = SINGLE_FILE_LOADABLE_CLASSES[known]["checkpoint_mapping_fn"]
+            checkpoint = convert(checkpoint=checkpoint, config=dict(config))
+    except (ValueError, KeyError, IndexError, RuntimeError, OSError) as err:
+        raise ValueError(f"{what}: cannot convert {file} to {cls.__name__}: {err!r}") from err
+    missing, unexpected = sorted(expected - set(checkpoint)), sorted(set(checkpoint) - expected)
+    if missing or unexpected:
+        raise ValueError(
+            f"{what}: {file} does not match {cls.__name__} with the config in {Path(folder) / subfolder}: "
+            f"{len(missing)} tensor(s) missing (e.g. {', '.join(missing[:3]) or '-'}), {len(unexpected)} "
+            f"unknown (e.g. {', '.join(unexpected[:3]) or '-'}); is it a checkpoint of this model?"
+        )
+    try:
+        model = cls.from_single_file(checkpoint, config=str(folder), subfolder=subfolder)
+    except (ValueError, RuntimeError) as err:
+        raise ValueError(f"{what}: cannot load {file} as {cls.__name__}: {err}") from err
+    return model.eval()
 
 
 def tiny_clip_text_encoder(
@@ -143,10 +196,21 @@ def _read_memo() -> dict[str, list[str]]:
 
 def folder_fingerprint(folder: str | Path) -> str:
     """Fingerprint of a component folder's weight files, memoised on disk."""
+    return files_fingerprint(weight_files(folder))
+
+
+def weights_fingerprint(cfg: Any, subfolder: str) -> str:
+    """Fingerprint of a local component's weights: its single file (``model.single_files``) or its folder."""
+    file = cfg.single_files.get(subfolder)
+    return files_fingerprint([Path(file)]) if file else folder_fingerprint(Path(cfg.path) / subfolder)
+
+
+def files_fingerprint(files: Iterable[Path]) -> str:
+    """Fingerprint of weight files (see module docstring), memoised on disk."""
     memo = _read_memo()
     hashes: list[str] = []
     changed = False
-    for path in weight_files(folder):
+    for path in files:
         stat = path.stat()
         key = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}"
         if key not in memo:
@@ -183,10 +247,10 @@ def module_identity(module: torch.nn.Module) -> dict[str, Any]:
     return identity(type(module).__name__, config, module_fingerprint(module))
 
 
-def diffusers_folder_identity(cls: type, path: str, subfolder: str) -> dict[str, Any]:
-    """Identity of a diffusers model folder, without loading the model."""
-    config = cls.load_config(path, subfolder=subfolder)
-    return identity(cls.__name__, config, folder_fingerprint(Path(path) / subfolder))
+def diffusers_folder_identity(cls: type, cfg: Any, subfolder: str) -> dict[str, Any]:
+    """Identity of a local diffusers component (folder or single file), without loading the model."""
+    config = cls.load_config(cfg.path, subfolder=subfolder)
+    return identity(cls.__name__, config, weights_fingerprint(cfg, subfolder))
 
 
 def transformers_folder_identity(model_cls: type, config_cls: type, path: str, subfolder: str):

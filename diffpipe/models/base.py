@@ -94,6 +94,8 @@ class Family(ABC):
 
     #: Versions ``model.variant`` may name (empty: the family has one).
     variants: ClassVar[tuple[str, ...]] = ()
+    #: Subfolders besides ``vae`` and ``denoiser_name`` that ``model.single_files`` may replace.
+    extra_single_files: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, cfg: ModelConfig):
         self.cfg = cfg
@@ -102,6 +104,13 @@ class Family(ABC):
             raise ValueError(f"model.variant {cfg.variant!r}: family {self.name!r} has variants: {known}")
         if cfg.expert is not None and not self.variants:
             raise ValueError(f"model.expert {cfg.expert!r}: family {self.name!r} has no experts")
+        allowed = ("vae", self.denoiser_name, *self.extra_single_files)
+        for key in cfg.single_files:
+            if key not in allowed:
+                raise ValueError(
+                    f"model.single_files.{key}: family {self.name!r} loads only {', '.join(allowed)} from "
+                    "single files (tokenizers and text encoders come from the folder at model.path)"
+                )
 
     @property
     def denoiser_attr(self) -> str:
@@ -138,7 +147,7 @@ class Family(ABC):
             return common.memo_identity(
                 (self.name, self.cfg.seed, "vae"), lambda: digest(common.module_identity(self.load_vae()))
             )
-        return digest(common.diffusers_folder_identity(self.vae_class, self.cfg.path, "vae"))
+        return digest(common.diffusers_folder_identity(self.vae_class, self.cfg, "vae"))
 
     @abstractmethod
     def text_identity(self) -> str:

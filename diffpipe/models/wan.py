@@ -224,6 +224,7 @@ class WanFamily(Family):
     denoiser_name = "transformer"
     is_video = True
     fps = 16.0
+    extra_single_files = ("transformer_2",)
     variants: ClassVar[tuple[str, ...]] = tuple(VARIANTS)
     #: Self- and cross-attention projections and the feed-forward linears of every block
     #: (what Wan LoRA trainers target).
@@ -249,6 +250,8 @@ class WanFamily(Family):
                 f"model.expert {self.expert!r}: only Wan 2.2 A14B (model.variant: 2.2-a14b) has "
                 f"experts; this model is Wan {self.variant}"
             )
+        if "transformer_2" in cfg.single_files and self.variant != "2.2-a14b":
+            raise ValueError(f"model.single_files.transformer_2: only Wan 2.2 A14B has one; this model is Wan {self.variant}")
 
     # -- what differs between versions ------------------------------------------
     @property
@@ -333,7 +336,7 @@ class WanFamily(Family):
         if self.cfg.flavor == "tiny":
             with common.seeded(self.cfg.seed, self._seed("vae")):
                 return AutoencoderKLWan(**self.spec.vae).eval()
-        return AutoencoderKLWan.from_pretrained(self.cfg.path, subfolder="vae").eval()
+        return common.local_component(AutoencoderKLWan, self.cfg, "vae")
 
     def load_tokenizers(self) -> WanText:
         if self.cfg.flavor == "tiny":
@@ -353,7 +356,7 @@ class WanFamily(Family):
         if self.cfg.flavor == "tiny":
             with common.seeded(self.cfg.seed, self._seed(attr)):
                 return WanTransformer3DModel(**self.spec.transformer).eval()
-        return WanTransformer3DModel.from_pretrained(self.cfg.path, subfolder=attr).eval()
+        return common.local_component(WanTransformer3DModel, self.cfg, attr)
 
     def load_denoiser(self) -> WanTransformer3DModel | WanExperts:
         """The trained transformer: the only one, the expert ``model.expert`` names, or both experts."""
