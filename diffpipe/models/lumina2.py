@@ -221,26 +221,51 @@ class Lumina2Family(Family):
         mask: torch.Tensor | None = None,
     ) -> torch.Tensor:
         o = objective or ObjectiveConfig()
+        inputs, x0, target = self._draw(latents, text, generator, o, common.param_dtype(denoiser), t, noise)
+        pred = denoiser(*inputs, return_dict=False)[0]
+        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c, mask=self.loss_mask(mask, x0, o))
+
+    def _draw(self, latents, text, generator, o, dtype, t, noise):
+        """``(noisy, timestep, prompt_embeds, prompt_attention_mask)`` (the transformer's arguments),
+        the clean latents and the target: what ``loss`` and ``pipeline_inputs`` both draw."""
         x0 = common.single_frame(latents, self.name).float()
         device = x0.device
         t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-
         sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 1.0)))
-        noisy = obj.flow_interpolate(x0, noise, sigma)
-        dtype = common.param_dtype(denoiser)
-        pred = denoiser(
-            hidden_states=noisy.to(dtype),
-            timestep=(1 - sigma).to(dtype),  # Lumina: 0 = noise, 1 = image
-            encoder_hidden_states=text["prompt_embeds"].to(device=device, dtype=dtype),
-            encoder_attention_mask=text["prompt_attention_mask"].to(device=device, dtype=torch.long),
-            return_dict=False,
-        )[0]
+        inputs = (
+            obj.flow_interpolate(x0, noise, sigma).to(dtype),
+            (1 - sigma).to(dtype),  # Lumina: 0 = noise, 1 = image
+            text["prompt_embeds"].to(device=device, dtype=dtype),
+            text["prompt_attention_mask"].to(device=device, dtype=torch.long),
+        )
         # The pipeline steps with ``-pred`` as the velocity ``noise - x0``.
-        return obj.per_sample_loss(pred, -obj.flow_target(x0, noise), kind=o.loss, huber_c=o.huber_c,
-                                   mask=self.loss_mask(mask, x0, o))
+        return inputs, x0, -obj.flow_target(x0, noise)
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         return {**super().sample_kwargs(cfg), "max_sequence_length": self.max_sequence_length}
 
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
-        raise NotImplementedError("lumina2: pipeline-parallel layers are not implemented yet")
+        """Embedding (with the caption and image refiners), one layer per joint block, output.
+
+        Input tuple ``(noisy, timestep, prompt_embeds, prompt_attention_mask)``; output ``(prediction,)``.
+        Prompts of any length mix in a micro-batch: the joint sequence is packed per sample.
+        """
+        from diffpipe.models.pipeline_layers_more import lumina2_layers
+
+        return lumina2_layers(common.unwrap(denoiser))
+
+    def pipeline_inputs(
+        self,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        objective: ObjectiveConfig | None = None,
+        dtype: torch.dtype = torch.float32,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
+        """``((noisy, timestep, prompt_embeds, prompt_attention_mask), (target, weights))``: exactly what
+        ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval)."""
+        inputs, x0, target = self._draw(latents, text, generator, objective or ObjectiveConfig(), dtype, t, noise)
+        return inputs, (target, torch.ones(x0.shape[0], device=x0.device))

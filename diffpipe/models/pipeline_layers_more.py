@@ -465,3 +465,75 @@ class CosmosOut(nn.Module):
 
 def cosmos_layers(tr: nn.Module) -> list[nn.Module]:
     return [CosmosEmbed(tr), *(CosmosBlock(b) for b in tr.transformer_blocks), CosmosOut(tr)]
+
+
+# -- Lumina Image 2.0 --------------------------------------------------------------------------
+# Tuple: (joint, temb, rope, lengths, hw). ``joint``: each sample's caption tokens then its image
+# tokens, zero-padded to the longest; ``rope``: the joint rotary table as real pairs (complex
+# tensors do not cross stages); ``lengths``: [B, 2] caption and joint token counts; ``hw``: the
+# latent (h, w). The refiners (caption and image streams, apart) run in the embedding layer.
+class Lumina2Embed(nn.Module):
+    """``(noisy, timestep, context, context_mask)`` -> the tuple above."""
+
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.time_caption_embed, self.rope_embedder = tr.time_caption_embed, tr.rope_embedder
+        self.x_embedder, self.context_refiner, self.noise_refiner = tr.x_embedder, tr.context_refiner, tr.noise_refiner
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        from diffpipe.models.pipeline_layers import _pipe_ready
+
+        noisy, timestep, context, mask = inputs
+        temb, context = self.time_caption_embed(noisy, timestep, context)
+        hidden, cap_rope, img_rope, rope, cap_lens, seq_lens = self.rope_embedder(noisy, mask)
+        hidden = self.x_embedder(hidden)
+        for layer in self.context_refiner:
+            context = layer(context, mask, cap_rope)
+        for layer in self.noise_refiner:
+            hidden = layer(hidden, None, img_rope, temb)
+        joint = hidden.new_zeros(hidden.shape[0], max(seq_lens), hidden.shape[-1])
+        for i, (n_cap, n) in enumerate(zip(cap_lens, seq_lens, strict=True)):
+            joint[i, :n_cap] = context[i, :n_cap]
+            joint[i, n_cap:n] = hidden[i]
+        lengths = torch.tensor(list(zip(cap_lens, seq_lens, strict=True)), device=noisy.device)
+        hw = torch.tensor(noisy.shape[-2:], device=noisy.device)
+        return _pipe_ready((joint, temb, torch.view_as_real(rope).contiguous(), lengths, hw))
+
+
+class Lumina2Block(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        joint, temb, rope, lengths, hw = inputs
+        seq_lens = lengths[:, 1]
+        # The model masks only when the samples' lengths differ.
+        mask = None
+        if len(set(seq_lens.tolist())) > 1:
+            mask = torch.arange(joint.shape[1], device=joint.device)[None] < seq_lens[:, None]
+        # Detached: rotary tables are constants (as in the CogView4 layers).
+        joint = self.block(joint, mask, torch.view_as_complex(rope.detach().contiguous()), temb)
+        return (joint, temb, rope, lengths, hw)
+
+
+class Lumina2Out(nn.Module):
+    """Output norm (modulated by ``temb``), then each sample's image tokens unpatchified to ``[C, h, w]``."""
+
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.norm_out, self.patch, self.channels = tr.norm_out, tr.config.patch_size, tr.out_channels
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        joint, temb, _, lengths, hw = inputs
+        joint = self.norm_out(joint, temb)
+        p, (h, w) = self.patch, (int(x) // self.patch for x in hw)
+        out = [
+            joint[i, n_cap:n].view(h, w, p, p, self.channels).permute(4, 0, 2, 1, 3).flatten(3, 4).flatten(1, 2)
+            for i, (n_cap, n) in enumerate(lengths.tolist())
+        ]
+        return (torch.stack(out),)
+
+
+def lumina2_layers(tr: nn.Module) -> list[nn.Module]:
+    return [Lumina2Embed(tr), *(Lumina2Block(b) for b in tr.layers), Lumina2Out(tr)]

@@ -90,7 +90,9 @@ class _StageEdge(torch.nn.Module):
 
     The engine calls ``backward`` on every float tensor a stage sends, and sends back a
     gradient for every float tensor a stage received. ``exit`` (a stage's last layer): sent
-    tensors without a graph (computed from frozen weights only) become grad-requiring leaves.
+    tensors are made contiguous (``send`` takes no other: a block's output sliced from a joint
+    sequence is not), and those without a graph (computed from frozen weights only) become
+    grad-requiring leaves.
     ``entry`` (a stage's first layer): every received float tensor is tied to the output with
     weight zero, so it gets a (zero) gradient even where the stage leaves it unused (a UNet
     block without cross-attention, the output layer); the output's values are unchanged.
@@ -109,7 +111,7 @@ class _StageEdge(torch.nn.Module):
             if tied:
                 i = next(i for i, y in enumerate(out) if y.is_floating_point())
                 out = (*out[:i], out[i] + (sum(tied) * 0).to(out[i].dtype), *out[i + 1 :])
-        return _pipe_ready(out) if self.exit else out
+        return _pipe_ready(tuple(t.contiguous() for t in out)) if self.exit else out
 
 
 def stage_edges(layers: list[torch.nn.Module], bounds: list[int]) -> list[torch.nn.Module]:
@@ -145,6 +147,13 @@ def build_pipeline_engine(layers: list[torch.nn.Module], bounds: list[int], loss
     module = _Pipe(layers=stage_edges(layers, bounds), num_stages=tc.pipeline_stages, loss_fn=loss_fn,
                    activation_checkpoint_interval=1 if tc.activation_checkpointing else 0, dynamic_shape=True)
     params = [p for p in module.parameters() if p.requires_grad]
+    if not params:
+        stage = module.stage_id
+        raise ValueError(
+            f"train.pipeline_stages: stage {stage} (layers {bounds[stage]}-{bounds[stage + 1] - 1} of {len(layers)}) "
+            "has nothing to train (no LoRA target in its layers); move the split with train.pipeline_split or "
+            "add targets there (train.lora.targets)"
+        )
     optimizer = build_optimizer(params, tc)
     engine, _, _, _ = deepspeed.initialize(model=module, optimizer=optimizer, lr_scheduler=make_scheduler(optimizer),
                                            config=deepspeed_config(tc, world_size // tc.pipeline_stages))

@@ -214,6 +214,7 @@ PIPELINE_INPUT_CASES = {
     "hidream": (4, {"logit_mean": 0.5}),
     "cogview4": (4, {}),
     "cosmos2": (16, {"shift": 3.0}),
+    "lumina2": (4, {"shift": 2.0, "loss": "huber"}),
 }
 
 
@@ -262,7 +263,8 @@ def _check_stage_boundaries(name, layers, inputs, labels, loss_fn):
 
     The sending stage (its first-stage inputs carry no grad) calls ``backward`` on every float
     tensor it sent, so each needs a graph or ``requires_grad``; the receiving stage sends back a
-    gradient for every float tensor it received; complex tensors do not cross (NCCL sends none).
+    gradient for every float tensor it received; complex tensors do not cross (NCCL sends none), and
+    ``send`` takes contiguous tensors only.
     """
     from diffpipe.training.pipeline import stage_edges
 
@@ -271,7 +273,8 @@ def _check_stage_boundaries(name, layers, inputs, labels, loss_fn):
         x = tuple(t.clone() for t in inputs)
         for layer in staged[:k]:
             x = layer(x)
-        bad = [j for j, t in enumerate(x) if (t.is_floating_point() and not t.requires_grad) or t.is_complex()]
+        bad = [j for j, t in enumerate(x)
+               if (t.is_floating_point() and not t.requires_grad) or t.is_complex() or not t.is_contiguous()]
         assert not bad, f"{name}: outputs {bad} of layer {k - 1} cannot cross a pipeline stage"
         received = tuple(t.detach().clone().requires_grad_(t.is_floating_point()) for t in x)
         y = tuple(t.clone() for t in received)

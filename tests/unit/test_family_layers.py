@@ -83,3 +83,20 @@ def test_hidream_layers_equal_forward():
                           encoder_hidden_states_llama3=llama, pooled_embeds=pooled, return_dict=False)[0]
             got = run_layers(family.pipeline_layers(tr), (noisy, steps, t5, llama, pooled))
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_lumina2_layers_equal_forward_with_prompts_of_different_lengths():
+    """Lumina 2 packs each sample's caption and image tokens into one sequence of its own length:
+    with 3 and 7 caption tokens the blocks must mask the shorter sample's padding as the model does."""
+    family = get_family(ModelConfig(family="lumina2"))
+    tr = family.load_denoiser()
+    g = torch.Generator().manual_seed(0)
+    noisy, context = torch.randn(2, 4, 8, 12, generator=g), torch.randn(2, 7, 32, generator=g)
+    mask = torch.tensor([[1, 1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1]])
+    t = torch.tensor([0.3, 0.8])
+    with torch.no_grad():
+        expected = tr(noisy, t, context, mask, return_dict=False)[0]
+        layers = family.pipeline_layers(tr)
+        got = run_layers(layers, (noisy, t, context, mask))
+    assert len(layers) == len(tr.layers) + 2
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
