@@ -15,6 +15,24 @@ HOW_TO_LOAD = {
     "kohya": "copy to A1111/Forge `models/Lora/`, prompt `<lora:{stem}:1>`",
     "merged": "`{pipeline}.from_pretrained(\"{path}\")` (no LoRA support needed)",
 }
+_IMPORT = "`diffpipe import-lora {path}` (to continue training); elsewhere use the diffusers file"
+#: Where the generic line above is wrong for a family: A1111/Forge run only SD 1.x/2.x, SDXL and
+#: (Forge) Flux; ComfyUI has no CogView4 model.
+HOW_TO_LOAD_FAMILY = {
+    ("cogview4", "comfyui"): _IMPORT + " (ComfyUI has no CogView4 model)",
+    ("cogview4", "kohya"): _IMPORT + " (no A1111, Forge or ComfyUI model reads CogView4)",
+}
+_A1111 = {"sd", "sdxl", "flux", "flux-kontext"}
+_KOHYA_ELSEWHERE = "copy to `ComfyUI/models/loras/` (A1111/Forge do not run this model), or kohya/musubi tooling"
+
+
+def how_to_load(fmt: str, family: str) -> str:
+    """The card's "how to load" line of one format for one family (``{path}`` etc. still to fill)."""
+    if (family, fmt) in HOW_TO_LOAD_FAMILY:
+        return HOW_TO_LOAD_FAMILY[family, fmt]
+    if fmt == "kohya" and family not in _A1111:
+        return _KOHYA_ELSEWHERE
+    return HOW_TO_LOAD[fmt]
 
 
 @dataclass(frozen=True)
@@ -53,7 +71,7 @@ def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *,
     for f in files:
         rel = f.path.relative_to(out_file.parent) if f.path.is_relative_to(out_file.parent) else f.path
         args = "".join(f", {k}={v!r}" for k, v in f.load_args.items())  # e.g. load_into_transformer_2
-        how = HOW_TO_LOAD[f.fmt].format(path=rel, stem=Path(rel).stem, pipeline=pipeline, load_args=args)
+        how = how_to_load(f.fmt, info.family).format(path=rel, stem=Path(rel).stem, pipeline=pipeline, load_args=args)
         lines.append(f"| {f.fmt}{f' ({f.label})' if f.label else ''} | `{rel}` | {how} |")
         if f.fmt == "diffusers" and f.label:
             loads.append(f'pipe.load_lora_weights("{rel}"{args})  # {f.label}')

@@ -2,7 +2,8 @@
 
 Names come from the family key map (``Layer.kohya``): sd-scripts names SD 1.x/2.x
 layers by the diffusers UNet path and every other family's layers (SDXL, SD3,
-Flux, Chroma, Lumina 2; musubi-tuner: Wan, Qwen-Image) by the original path.
+Flux, Chroma, Lumina 2; musubi-tuner: Wan, Qwen-Image) by the original path
+(CogVideoX: ComfyUI's model path, see its key map).
 The ``ss_*`` keys are the ones sd-scripts writes and A1111 / kohya's GUI read;
 ``modelspec.*`` follows Stability's model spec 1.0.
 """
@@ -25,7 +26,8 @@ _SD2 = ("sd_v2", "stable-diffusion-v2-512/lora", "https://github.com/Stability-A
 _SDXL = ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora", "https://github.com/Stability-AI/generative-models")
 # Transformer families: the names sd-scripts (SD3, Chroma, Lumina 2) or musubi-tuner
 # (Qwen-Image, Wan, HunyuanVideo) write; the edit models keep their base model's version,
-# and families no kohya trainer covers (HiDream, LTX-Video, Mochi, Cosmos) get their own.
+# and families no kohya trainer covers (HiDream, LTX-Video, Mochi, Cosmos, CogVideoX,
+# CogView4) get their own.
 _BY_FAMILY = {
     "flux": ("flux1", "flux-1-dev/lora", "https://github.com/black-forest-labs/flux"),
     "chroma": ("chroma", "chroma/lora", "https://huggingface.co/lodestones/Chroma"),
@@ -41,6 +43,8 @@ _BY_FAMILY = {
     "mochi": ("mochi", "mochi-1/lora", "https://github.com/genmoai/mochi"),
     "cosmos2": ("cosmos_predict2", "cosmos-predict2/lora", "https://github.com/nvidia-cosmos/cosmos-predict2"),
     "cosmos2-video": ("cosmos_predict2", "cosmos-predict2/lora", "https://github.com/nvidia-cosmos/cosmos-predict2"),
+    "cogvideox": ("cogvideox", "cogvideox/lora", "https://github.com/THUDM/CogVideo"),
+    "cogview4": ("cogview4", "cogview4/lora", "https://github.com/THUDM/CogView4"),
 }
 
 
@@ -53,8 +57,9 @@ def base_model_version(family: str, denoiser_config: dict[str, Any]) -> tuple[st
     return _SD2 if denoiser_config.get("cross_attention_dim") == 1024 else _SD1
 
 
-def kohya_metadata(info: ExportInfo, denoiser_config: dict[str, Any], *, title: str,
-                   started_at: float | None = None) -> dict[str, str]:
+def kohya_metadata(
+    info: ExportInfo, denoiser_config: dict[str, Any], *, title: str, started_at: float | None = None
+) -> dict[str, str]:
     """``ss_*`` and ``modelspec.*`` keys, as sd-scripts writes them (strings)."""
     version, arch, impl = base_model_version(info.family, denoiser_config)
     cfg = info.config or {}
@@ -85,8 +90,9 @@ def kohya_metadata(info: ExportInfo, denoiser_config: dict[str, Any], *, title: 
         "ss_mixed_precision": str(train.get("precision", "")),
         "ss_seed": str(train.get("seed", "")),
         "ss_resolution": f"({res}, {res})",
-        "ss_dataset_dirs": json.dumps({d["name"]: {"n_repeats": d.get("repeats", 1), "img_count": items.get(d["name"], 0)}
-                                       for d in datasets}),
+        "ss_dataset_dirs": json.dumps(
+            {d["name"]: {"n_repeats": d.get("repeats", 1), "img_count": items.get(d["name"], 0)} for d in datasets}
+        ),
         "ss_output_name": title,
         "modelspec.sai_model_spec": "1.0.0",
         "modelspec.architecture": arch,
@@ -100,8 +106,9 @@ def kohya_metadata(info: ExportInfo, denoiser_config: dict[str, Any], *, title: 
     return meta
 
 
-def export_kohya(mods: dict[str, Lora], keymap: KeyMap, out_file: str | Path,
-                 metadata: dict[str, str] | None = None) -> Path:
+def export_kohya(
+    mods: dict[str, Lora], keymap: KeyMap, out_file: str | Path, metadata: dict[str, str] | None = None
+) -> Path:
     """Write our per-module LoRAs as a kohya / A1111 LoRA file."""
     loras, layout = to_original(mods, keymap)
     named = {layer.kohya: lora for layer, lora in loras.items()}

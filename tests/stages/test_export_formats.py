@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 
 import peft
 import pytest
@@ -46,6 +47,7 @@ from diffpipe.training.adapter import (
 TOL = 1e-5
 FAMILIES = ["sd", "sdxl", "flux", "chroma", "sd3", "lumina2", "qwenimage", "hidream", "wan"]
 FAMILIES += ["flux-kontext", "qwenimage-edit", "ltxvideo", "hunyuanvideo", "mochi", "cosmos2", "cosmos2-video"]
+FAMILIES += ["cogvideox", "cogview4"]
 # Beyond the defaults, the layers each key map treats specially: SD's shortcut convs and time
 # embedding; SDXL's added-conditioning MLP; Flux's final modulation (halves swapped in the
 # original) and single-block output (``proj_mlp`` stays out, so ``linear1`` is partly trained);
@@ -54,7 +56,10 @@ FAMILIES += ["flux-kontext", "qwenimage-edit", "ltxvideo", "hunyuanvideo", "moch
 # experts and output; Wan's Conv3d patch embedding and the layers outside its blocks; LTX-Video's
 # renamed patch and timestep layers; HunyuanVideo's Conv3d patch embedding, swapped final
 # modulation, token refiner and embedders; Mochi's Conv2d patch embedding, swapped final
-# modulation, last-block text modulation and caption projection; Cosmos' AdaLN-LoRA modulations.
+# modulation, last-block text modulation and caption projection; Cosmos' AdaLN-LoRA modulations;
+# CogVideoX's Conv2d patch embedding, renamed time embedding and block modulations; CogView4's
+# swapped final modulation, block modulation (outside the block in the original) and the
+# condition embedder.
 EXTRA_TARGETS = {
     "sd": ["conv_shortcut", "time_embedding.linear_1"],
     "sdxl": ["conv_shortcut", "add_embedding.linear_1"],
@@ -68,10 +73,18 @@ EXTRA_TARGETS = {
     "flux-kontext": ["norm_out.linear", "proj_out"],
     "qwenimage-edit": ["img_mod.1", "norm_out.linear", "proj_out"],
     "ltxvideo": ["proj_in", "time_embed.linear", "caption_projection.linear_1"],
-    "hunyuanvideo": ["x_embedder.proj", "norm_out.linear", "norm1_context.linear", "proj_in", "timestep_embedder.linear_1"],
+    "hunyuanvideo": [
+        "x_embedder.proj",
+        "norm_out.linear",
+        "norm1_context.linear",
+        "proj_in",
+        "timestep_embedder.linear_1",
+    ],
     "mochi": ["patch_embed.proj", "norm_out.linear", "norm1_context.linear_1", "caption_proj"],
     "cosmos2": ["patch_embed.proj", "norm1.linear_1", "norm_out.linear_2", "t_embedder.linear_1"],
     "cosmos2-video": ["patch_embed.proj", "norm_out.linear_2"],
+    "cogvideox": ["patch_embed.proj", "time_embedding.linear_1", "norm1.linear", "norm2.linear", "norm_out.linear"],
+    "cogview4": ["norm_out.linear", "norm1.linear", "condition_embedder.linear_1", "proj_out"],
 }
 
 
@@ -209,7 +222,12 @@ def _mochi_norms(sd: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]
     """QK-norm scales and rotary frequencies (not LoRA targets, outside the table) under Mochi's names."""
     out = {"pos_frequencies": sd["pos_frequencies"]}
     for i in range(n):
-        for o, d in (("q_norm_x", "norm_q"), ("k_norm_x", "norm_k"), ("q_norm_y", "norm_added_q"), ("k_norm_y", "norm_added_k")):
+        for o, d in (
+            ("q_norm_x", "norm_q"),
+            ("k_norm_x", "norm_k"),
+            ("q_norm_y", "norm_added_q"),
+            ("k_norm_y", "norm_added_k"),
+        ):
             out[f"blocks.{i}.attn.{o}.weight"] = sd[f"transformer_blocks.{i}.attn1.{d}.weight"]
     return out
 
@@ -308,6 +326,91 @@ def test_key_map_matches_diffusers_single_file_converter(case):
             assert torch.equal(back[k], sd[k]), k
 
 
+# -- key maps without a diffusers converter: the naming facts, restated here ----------------------
+def _comfy_cogvideox_to_diffusers(original: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """ComfyUI's CogVideoX model (``comfy/ldm/cogvideo/model.py``) names -> diffusers' names.
+
+    Its blocks ``blocks.N`` hold ``q``/``k``/``v``/``attn_out``, ``ff_proj``/``ff_out`` and
+    ``norm1``/``norm2.linear``; the time and ofs embedders are flat attributes
+    (``time_embedding_linear_1``); nothing is fused or reordered.
+    """
+    block = {"q": "attn1.to_q", "k": "attn1.to_k", "v": "attn1.to_v", "attn_out": "attn1.to_out.0"}
+    block |= {"ff_proj": "ff.net.0.proj", "ff_out": "ff.net.2", "norm1.linear": "norm1.linear"}
+    block |= {"norm2.linear": "norm2.linear"}
+    flat = {f"{e}_embedding_linear_{i}": f"{e}_embedding.linear_{i}" for e in ("time", "ofs") for i in (1, 2)}
+    same = ("patch_embed.proj", "patch_embed.text_proj", "norm_out.linear", "proj_out")
+    back = {}
+    for key, value in original.items():
+        name, param = key.rsplit(".", 1)
+        if m := re.fullmatch(r"blocks\.(\d+)\.(.+)", name):
+            name = f"transformer_blocks.{m[1]}.{block[m[2]]}"
+        elif name in flat:
+            name = flat[name]
+        else:
+            assert name in same, f"not a ComfyUI CogVideoX layer: {key}"
+        back[f"{name}.{param}"] = value
+    return back
+
+
+def _sat_cogview4_to_diffusers(original: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """THUDM's SAT CogView4 checkpoint names (as diffusers' conversion script reads them) -> diffusers'.
+
+    ``query_key_value`` splits into thirds (q, k, v); ``mixins.final_layer.adaln.1`` holds
+    (shift, scale) where diffusers holds (scale, shift).
+    """
+    top = {"mixins.patch_embed.proj": "patch_embed.proj", "mixins.patch_embed.text_proj": "patch_embed.text_proj",
+           "time_embed.0": "time_condition_embed.timestep_embedder.linear_1",
+           "time_embed.2": "time_condition_embed.timestep_embedder.linear_2",
+           "label_emb.0.0": "time_condition_embed.condition_embedder.linear_1",
+           "label_emb.0.2": "time_condition_embed.condition_embedder.linear_2",
+           "mixins.final_layer.linear": "proj_out"}  # fmt: skip
+    block = {"attention.dense": "attn1.to_out.0", "mlp.dense_h_to_4h": "ff.net.0.proj",
+             "mlp.dense_4h_to_h": "ff.net.2"}  # fmt: skip
+    back = {}
+    for key, value in original.items():
+        name, param = key.rsplit(".", 1)
+        if name in top:
+            back[f"{top[name]}.{param}"] = value
+        elif name == "mixins.final_layer.adaln.1":
+            shift, scale = value.chunk(2)
+            back[f"norm_out.linear.{param}"] = torch.cat([scale, shift])
+        elif m := re.fullmatch(r"mixins\.adaln\.adaln_modules\.(\d+)\.1", name):
+            back[f"transformer_blocks.{m[1]}.norm1.linear.{param}"] = value
+        elif m := re.fullmatch(r"transformer\.layers\.(\d+)\.attention\.query_key_value", name):
+            for part, chunk in zip(("to_q", "to_k", "to_v"), value.chunk(3), strict=True):
+                back[f"transformer_blocks.{m[1]}.attn1.{part}.{param}"] = chunk
+        else:
+            m = re.fullmatch(r"transformer\.layers\.(\d+)\.(.+)", name)
+            assert m and m[2] in block, f"not a SAT CogView4 layer: {key}"
+            back[f"transformer_blocks.{m[1]}.{block[m[2]]}.{param}"] = value
+    return back
+
+
+NAMING_FACT_CASES = {
+    "cogvideox": (_tiny("cogvideox"), _comfy_cogvideox_to_diffusers),
+    # CogVideoX 1.5 image-to-video: temporal patches (a Linear patch embedding) and the ofs embedding.
+    "cogvideox-1.5": (_tiny("cogvideox", patch_size_t=2, ofs_embed_dim=8), _comfy_cogvideox_to_diffusers),
+    "cogview4": (_tiny("cogview4"), _sat_cogview4_to_diffusers),
+}
+
+
+@pytest.mark.parametrize("case", list(NAMING_FACT_CASES))
+def test_key_map_matches_original_naming_facts(case):
+    """Families diffusers ships no single-file converter for: the denoiser's weights renamed (and
+    fused) into original names by our table, and back by the naming facts restated above, are the
+    denoiser's own; the table names no layer outside those facts."""
+    build, to_diffusers = NAMING_FACT_CASES[case]
+    model = build()
+    keymap = keymap_for_model(case.split("-")[0], model)
+    keymap.check_covers(model)
+    sd = model.state_dict()
+    back = to_diffusers(_fused_original(model, keymap))
+    mapped = {k for k in sd if k.rsplit(".", 1)[0] in keymap.by_module}
+    assert set(back) == mapped, sorted(set(back) ^ mapped)[:5]
+    for k in mapped:
+        assert torch.equal(back[k], sd[k]), k
+
+
 # -- per format: every key maps, reference loader reproduces the delta and the output -------------
 BASE_MODEL_VERSION = {
     "sd": "sd_v1",
@@ -326,6 +429,8 @@ BASE_MODEL_VERSION = {
     "mochi": "mochi",
     "cosmos2": "cosmos_predict2",
     "cosmos2-video": "cosmos_predict2",
+    "cogvideox": "cogvideox",
+    "cogview4": "cogview4",
 }
 
 
@@ -355,6 +460,10 @@ def test_every_format_written_with_metadata_and_card(trained):
     assert meta["ss_base_model_version"] == BASE_MODEL_VERSION[trained["family"].name]
     card = trained["card"].read_text()
     assert all(fmt in card for fmt in FORMATS)
+    # How to load: A1111/Forge only where they run the model; CogView4's original names only in our import.
+    name = trained["family"].name
+    assert ("<lora:kohya_lora:1>" in card) == (name in ("sd", "sdxl", "flux", "flux-kontext"))
+    assert ("import-lora comfyui_lora.safetensors" in card) == (name == "cogview4")
 
 
 def test_diffusers_file_loads_in_pipeline_at_trained_strength(trained):
@@ -413,7 +522,7 @@ def _comfy_as_kohya(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
 # a key filter where the converter covers only some layers, and the pipeline kwargs. Families
 # absent here have no diffusers loader for that format at tiny size (Flux, Flux Kontext, Chroma,
 # Lumina 2: sizes hard-coded, checked at full size below; SD3, HiDream, Lumina 2, LTX-Video and
-# HunyuanVideo kohya, Mochi and Cosmos: none): ``diffpipe import-lora`` is their reference
+# HunyuanVideo kohya, Mochi, Cosmos, CogVideoX and CogView4: none): ``diffpipe import-lora`` is their reference
 # (``test_import_round_trip``).
 def _wan_blocks(key: str) -> bool:  # musubi-tuner's Wan layout: the blocks' attention and MLP only
     return key.startswith("lora_unet_blocks_")
@@ -460,7 +569,7 @@ def test_original_name_formats_load_in_stock_pipeline(trained, fmt):
     """The file (or the part its converter covers) through the stock pipeline's ``load_lora_weights``."""
     family = trained["family"]
     if (family.name, fmt) not in PIPELINE_READS:
-        pytest.skip(f"diffusers reads no {fmt} {family.name} LoRA at tiny size; import-lora is the reference")
+        pytest.skip(f"diffusers reads no {fmt} {family.name} LoRA (none at all, or none at tiny size); import-lora is the reference")
     keep, as_kohya = PIPELINE_READS[family.name, fmt]
     pipe = trained["pipe"]
     tensors = load_file(str(trained["files"][fmt]))
