@@ -174,6 +174,10 @@ class RunPaths:
         return sorted(p.stem for p in folder.glob("*.json"))
 
 
+#: Export-name suffix of Wan 2.2 A14B's low-noise expert when a run trains both experts.
+LOW_NOISE_SUFFIX = "_low_noise"
+
+
 def export_name(fmt: str, suffix: str = "") -> str:
     """``fmt``'s name in the export folder, with a trained part's ``suffix`` before any extension.
 

@@ -97,8 +97,19 @@ def export_formats(cfg: Config) -> list[str]:
 
 
 def export_outputs(cfg: Config) -> dict[str, str]:
-    """Output name -> path of the export rule: one per format, and the model card."""
+    """Output name -> path of the export rule: one per format, and the model card.
+
+    A run training both Wan 2.2 A14B experts (``model.expert: both``) writes the diffusers
+    and peft files once more for the low-noise expert, under its suffix: outputs too. (Read
+    from the config: importing the model families would cost every job seconds.)
+    """
     outputs = {fmt: out(cfg, EXPORT_OUTPUTS[fmt]) for fmt in export_formats(cfg)}
+    suffixes = [paths.LOW_NOISE_SUFFIX] if cfg.model.expert == "both" else []
+    for suffix in suffixes:
+        for fmt in ("diffusers", "peft"):
+            if fmt in outputs:  # the file itself, or the file in the peft folder
+                plain, named = (f"{paths.EXPORT_DIR}/{paths.export_name(fmt, x)}" for x in ("", suffix))
+                outputs[fmt + suffix] = out(cfg, EXPORT_OUTPUTS[fmt].replace(plain, named, 1))
     outputs["card"] = out(cfg, f"{paths.EXPORT_DIR}/{paths.EXPORT_CARD}")
     return outputs
 

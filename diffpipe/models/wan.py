@@ -64,6 +64,7 @@ from diffpipe.models import wan_i2v
 from diffpipe.models.base import DenoiserPart, Family, register
 from diffpipe.models.tokenizers import t5_tokenizer, tokenizer_fingerprint
 from diffpipe.models.wan_experts import WanExperts
+from diffpipe.paths import LOW_NOISE_SUFFIX
 from diffpipe.training import objectives as obj
 from diffpipe.utils import digest
 
@@ -117,7 +118,7 @@ BOTH_PARTS = (
     DenoiserPart("transformer", label="high-noise expert"),
     DenoiserPart(
         "transformer_2",
-        suffix="_low_noise",
+        suffix=LOW_NOISE_SUFFIX,
         load_kwargs={"load_into_transformer_2": True},
         label="low-noise expert",
     ),

@@ -83,6 +83,21 @@ def test_workflow_always_exports_diffusers_for_samples():
     assert dw.export_format_args(cfg) == "--format diffusers --format kohya --format merged"
 
 
+def test_workflow_declares_each_trained_parts_export_files():
+    """Wan 2.2 A14B with both experts: the low-noise expert's diffusers and peft files are outputs too."""
+    from diffpipe import workflow as dw
+    from diffpipe.config import parse_config
+
+    model = {"family": "wan", "variant": "2.2-a14b", "expert": "both"}
+    cfg = parse_config(
+        {"model": model, "datasets": [{"name": "d", "path": "x"}], "export": {"formats": ["peft"]}, "output_dir": "r"}
+    )
+    outputs = dw.export_outputs(cfg)
+    assert outputs["diffusers_low_noise"] == "r/export/pytorch_lora_weights_low_noise.safetensors"
+    assert outputs["peft_low_noise"] == "r/export/peft_low_noise/adapter_model.safetensors"
+    assert set(outputs) == {"diffusers", "peft", "diffusers_low_noise", "peft_low_noise", "card"}
+
+
 def test_every_mapped_family_names_its_denoiser():
     from diffpipe.export.keymaps import mapped_families
 
