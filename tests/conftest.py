@@ -13,9 +13,25 @@ torch.set_num_threads(1)
 
 
 # -- running the suite on several workers (pytest-xdist, `make test`) ------------------
-# `--dist loadfile` keeps each file on one worker with its module fixtures; the longest
-# files are collected first so they start first.
-LONGEST_FIRST = ("tests/cluster/", "tests/workflow/", "tests/multiprocess/")
+# `--dist loadfile` keeps each file on one worker with its module fixtures. Workers take
+# files in collection order (`--no-loadscope-reorder`: xdist would otherwise sort files by
+# test count, starting the 1-test SLURM file last), and a worker takes its next file once
+# at most 2 of its tests are left. So the longest files are collected first, in the order
+# that keeps two long ones off one worker; seconds from one suite run on 2 cores, 3 workers.
+LONGEST_FIRST = (
+    "tests/workflow/test_demo_workflow.py",  # 258 s
+    "tests/multiprocess/test_pipeline_parallel.py",  # 210 s
+    "tests/cluster/test_slurm.py",  # 200 s, one test: its worker takes the next file at once
+    "tests/stages/test_video_families.py",  # 73 s
+    "tests/multiprocess/test_data_parallel.py",  # 145 s
+    "tests/stages/test_train_resume.py",  # 108 s
+    "tests/stages/test_export_formats.py",  # 58 s
+    "tests/workflow/test_sbatch_preview.py",  # 41 s
+    "tests/stages/test_full_finetune.py",  # 37 s
+    "tests/unit/test_estimate.py",  # 30 s
+    "tests/stages/test_families.py",  # 26 s
+    "tests/stages/test_image_families.py",  # 24 s
+)
 
 
 def pytest_collection_modifyitems(config, items):
