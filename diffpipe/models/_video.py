@@ -180,5 +180,22 @@ class T5TextFamily:
     def token_limits(self, encoders: T5Text) -> dict[str, int]:
         return {"t5": encoders.max_sequence_length}
 
+    def inference_scheduler(self):
+        """The scheduler the pipeline samples with: flow matching from the family's scheduler config."""
+        from diffusers import FlowMatchEulerDiscreteScheduler
+
+        return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
+
+    def load_pipeline(self):
+        """The stock pipeline (``pipeline_class``) from the T5 text side, VAE, transformer and scheduler."""
+        enc = self.load_text_encoders()
+        return self.pipeline_class(
+            tokenizer=enc.tokenizer,
+            text_encoder=enc.text_encoder,
+            vae=self.load_vae(),
+            transformer=self.load_denoiser(),
+            scheduler=self.inference_scheduler(),
+        )
+
     def count_tokens(self, encoders: T5Text, captions: list[str]) -> dict[str, list[int]]:
         return t5_count(encoders, captions)

@@ -163,16 +163,6 @@ class CogVideoXFamily(video.T5TextFamily, Family):
         c = self._scheduler_config
         return getattr(diffusers, c.get("_class_name", "CogVideoXDDIMScheduler")).from_config(c)
 
-    def load_pipeline(self) -> CogVideoXPipeline:
-        enc = self.load_text_encoders()
-        return CogVideoXPipeline(
-            tokenizer=enc.tokenizer,
-            text_encoder=enc.text_encoder,
-            vae=self.load_vae(),
-            transformer=self.load_denoiser(),
-            scheduler=self.inference_scheduler(),
-        )
-
     @property
     def pipeline_class(self) -> type:
         return CogVideoXPipeline

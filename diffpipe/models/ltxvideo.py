@@ -154,16 +154,6 @@ class LTXVideoFamily(video.T5TextFamily, Family):
     def load_denoiser(self) -> LTXVideoTransformer3DModel:
         return common.component(LTXVideoTransformer3DModel, self.cfg, "ltxvideo", "transformer", TINY_TRANSFORMER)
 
-    def load_pipeline(self) -> LTXPipeline:
-        enc = self.load_text_encoders()
-        return LTXPipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config),
-            vae=self.load_vae(),
-            text_encoder=enc.text_encoder,
-            tokenizer=enc.tokenizer,
-            transformer=self.load_denoiser(),
-        )
-
     @property
     def pipeline_class(self) -> type:
         return LTXPipeline

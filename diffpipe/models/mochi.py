@@ -111,16 +111,6 @@ class MochiFamily(video.T5TextFamily, Family):
     def load_denoiser(self) -> MochiTransformer3DModel:
         return common.component(MochiTransformer3DModel, self.cfg, "mochi", "transformer", TINY_TRANSFORMER)
 
-    def load_pipeline(self) -> MochiPipeline:
-        enc = self.load_text_encoders()
-        return MochiPipeline(
-            scheduler=FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config),
-            vae=self.load_vae(),
-            text_encoder=enc.text_encoder,
-            tokenizer=enc.tokenizer,
-            transformer=self.load_denoiser(),
-        )
-
     @property
     def pipeline_class(self) -> type:
         return MochiPipeline
