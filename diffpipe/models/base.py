@@ -242,6 +242,18 @@ class Family(ABC):
         ``control`` (conditioning latents like ``latents``).
         """
 
+    def reference_image(self, control: torch.Tensor | None, latents: torch.Tensor) -> torch.Tensor:
+        """An edit family's control latents ``[B,C,1,h,w]`` as ``[B,C,h,w]`` float on the latents' device;
+        an error naming the dataset keys when the batch has none."""
+        if control is None:
+            raise ValueError(
+                f"model family {self.name!r} needs control latents for every item: set "
+                "datasets[].control_path or control_column"
+            )
+        from diffpipe.models._common import single_frame
+
+        return single_frame(control, self.name).to(latents.device).float()
+
     def loss_mask(
         self,
         mask: torch.Tensor | None,

@@ -103,12 +103,7 @@ class FluxKontextFamily(FluxFamily):
         control: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Flux's loss on the target tokens, with the control latents as reference tokens."""
-        if control is None:
-            raise ValueError(
-                "model family 'flux-kontext' needs control latents for every item: set "
-                "datasets[].control_path or control_column"
-            )
-        ref = common.single_frame(control, self.name).to(latents.device).float()
+        ref = self.reference_image(control, latents)
         tokens, ids = reference_tokens(ref)
         return super().loss(
             _WithReference(denoiser, tokens, ids),

@@ -326,12 +326,7 @@ class QwenImageEditFamily(QwenImageFamily):
         control: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Qwen-Image's loss on the target tokens, with the control latents as reference tokens."""
-        if control is None:
-            raise ValueError(
-                "model family 'qwenimage-edit' needs control latents for every item: set "
-                "datasets[].control_path or control_column"
-            )
-        ref = common.single_frame(control, self.name).to(latents.device).float()
+        ref = self.reference_image(control, latents)
         tokens, shape = reference_tokens(ref)
         return super().loss(
             _WithReference(denoiser, tokens, shape),

@@ -111,3 +111,10 @@ def test_hidream_loss_is_the_same_in_train_and_eval_mode():
             train = family.loss(tr.train(), latents, text, torch.Generator(), t=t, noise=noise)
             evaluated = family.loss(tr.eval(), latents, text, torch.Generator(), t=t, noise=noise)
         torch.testing.assert_close(train, evaluated)
+
+
+@pytest.mark.parametrize("name", ["flux-kontext", "qwenimage-edit"])
+def test_edit_family_without_control_latents_names_the_dataset_keys(name):
+    family = get_family(ModelConfig(family=name))
+    with pytest.raises(ValueError, match=rf"'{name}' needs control latents .*control_path or control_column"):
+        family.loss(None, torch.zeros(1, 4, 1, 8, 8), {}, torch.Generator())
