@@ -247,7 +247,7 @@ def module_identity(module: torch.nn.Module) -> dict[str, Any]:
     return identity(type(module).__name__, config, module_fingerprint(module))
 
 
-def diffusers_folder_identity(cls: type, cfg: Any, subfolder: str) -> dict[str, Any]:
+def diffusers_component_identity(cls: type, cfg: Any, subfolder: str) -> dict[str, Any]:
     """Identity of a local diffusers component (folder or single file), without loading the model."""
     config = cls.load_config(cfg.path, subfolder=subfolder)
     return identity(cls.__name__, config, weights_fingerprint(cfg, subfolder))

@@ -147,7 +147,7 @@ class Family(ABC):
             return common.memo_identity(
                 (self.name, self.cfg.seed, "vae"), lambda: digest(common.module_identity(self.load_vae()))
             )
-        return digest(common.diffusers_folder_identity(self.vae_class, self.cfg, "vae"))
+        return digest(common.diffusers_component_identity(self.vae_class, self.cfg, "vae"))
 
     @abstractmethod
     def text_identity(self) -> str:

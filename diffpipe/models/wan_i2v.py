@@ -83,7 +83,7 @@ def latent_identity(family: Any) -> str:
         )
     return digest(
         {
-            "vae": common.diffusers_folder_identity(family.vae_class, cfg, "vae"),
+            "vae": common.diffusers_component_identity(family.vae_class, cfg, "vae"),
             **folder_image_encoder_identity(cfg.path),
         }
     )
