@@ -468,9 +468,10 @@ def cosmos_layers(tr: nn.Module) -> list[nn.Module]:
 
 
 # -- Lumina Image 2.0 --------------------------------------------------------------------------
-# Tuple: (joint, temb, rope, lengths, hw). ``joint``: each sample's caption tokens then its image
-# tokens, zero-padded to the longest; ``rope``: the joint rotary table as real pairs (complex
-# tensors do not cross stages); ``lengths``: [B, 2] caption and joint token counts; ``hw``: the
+# Tuple: (joint, temb, rope, mask, lengths, hw). ``joint``: each sample's caption tokens then its
+# image tokens, zero-padded to the longest; ``rope``: the joint rotary table as real pairs (complex
+# tensors do not cross stages); ``mask``: [B, L] 1 on real tokens, empty when all lengths are equal
+# (the model masks only then); ``lengths``: [B, 2] caption and joint token counts; ``hw``: the
 # latent (h, w). The refiners (caption and image streams, apart) run in the embedding layer.
 class Lumina2Embed(nn.Module):
     """``(noisy, timestep, context, context_mask)`` -> the tuple above."""
@@ -496,8 +497,11 @@ class Lumina2Embed(nn.Module):
             joint[i, :n_cap] = context[i, :n_cap]
             joint[i, n_cap:n] = hidden[i]
         lengths = torch.tensor(list(zip(cap_lens, seq_lens, strict=True)), device=noisy.device)
+        mask = torch.empty(0, dtype=torch.long, device=noisy.device)
+        if len(set(seq_lens)) > 1:
+            mask = (torch.arange(joint.shape[1], device=noisy.device)[None] < lengths[:, 1:]).long()
         hw = torch.tensor(noisy.shape[-2:], device=noisy.device)
-        return _pipe_ready((joint, temb, torch.view_as_real(rope).contiguous(), lengths, hw))
+        return _pipe_ready((joint, temb, torch.view_as_real(rope).contiguous(), mask, lengths, hw))
 
 
 class Lumina2Block(nn.Module):
@@ -506,15 +510,11 @@ class Lumina2Block(nn.Module):
         self.block = block
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        joint, temb, rope, lengths, hw = inputs
-        seq_lens = lengths[:, 1]
-        # The model masks only when the samples' lengths differ.
-        mask = None
-        if len(set(seq_lens.tolist())) > 1:
-            mask = torch.arange(joint.shape[1], device=joint.device)[None] < seq_lens[:, None]
+        joint, temb, rope, mask, lengths, hw = inputs
         # Detached: rotary tables are constants (as in the CogView4 layers).
-        joint = self.block(joint, mask, torch.view_as_complex(rope.detach().contiguous()), temb)
-        return (joint, temb, rope, lengths, hw)
+        rotary = torch.view_as_complex(rope.detach().contiguous())
+        joint = self.block(joint, mask.bool() if mask.numel() else None, rotary, temb)
+        return (joint, temb, rope, mask, lengths, hw)
 
 
 class Lumina2Out(nn.Module):
@@ -525,7 +525,7 @@ class Lumina2Out(nn.Module):
         self.norm_out, self.patch, self.channels = tr.norm_out, tr.config.patch_size, tr.out_channels
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
-        joint, temb, _, lengths, hw = inputs
+        joint, temb, _, _, lengths, hw = inputs
         joint = self.norm_out(joint, temb)
         p, (h, w) = self.patch, (int(x) // self.patch for x in hw)
         out = [
