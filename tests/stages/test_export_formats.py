@@ -822,7 +822,7 @@ def test_cli_exports_a_deepspeed_checkpoint(trained, tmp_path):
     targets = family.lora_targets(None) + EXTRA_TARGETS[family.name]
     cfg = {
         "output_dir": str(run),
-        "datasets": [{"name": "d", "path": str(tmp_path)}],
+        "datasets": [{"name": "d", "path": str(tmp_path / "data")}],  # apart from the run folder
         "model": {"family": family.name},
         "train": {"lora": {"rank": 4, "alpha": 6.0, "targets": targets}},
     }

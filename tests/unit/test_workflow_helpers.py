@@ -8,7 +8,7 @@ from diffpipe.training.engine import deepspeed_config
 
 
 def _cfg(tmp_path, **over):
-    data = {"output_dir": str(tmp_path / "out"), "datasets": [{"name": "d", "path": str(tmp_path)}], **over}
+    data = {"output_dir": str(tmp_path / "out"), "datasets": [{"name": "d", "path": str(tmp_path / "data")}], **over}
     return parse_config(data)
 
 
