@@ -8,15 +8,63 @@ Unknown keys are errors that name the key.
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    Strict,
+    StrictBool,
+    StringConstraints,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
+
+from diffpipe import config_paths, yamlload
 
 
 class ConfigError(ValueError):
     """A config problem a user can fix; the message names the key and value."""
+
+
+# -- value types: strict, finite, bounded --------------------------------------------------------------
+# Lax pydantic reads `epochs: true` as 1, `shards: 2.5` as an error but `2.0` as 2, and `weight: .inf`
+# as a weight; each ends in a traceback or a silent surprise later. These types refuse them up front.
+
+#: A whole number: no bool (`true` is not 1), no float (not even `2.0`), no text.
+Int = Annotated[int, Strict()]
+#: A finite number (a whole number is fine): no bool, no text, no `.inf` or `.nan`.
+Float = Annotated[float, Strict(), Field(allow_inf_nan=False)]
+#: `true` or `false`, not 1, 0 or "yes".
+Bool = StrictBool
+#: Text that must not be empty (names, columns, extensions).
+Text = Annotated[str, StringConstraints(min_length=1)]
+#: A file or folder: not empty, not only spaces, no NUL character.
+PathText = Annotated[str, StringConstraints(pattern=r"^[^\x00]*[^\s\x00][^\x00]*$")]
+#: A random seed (torch and NumPy both take it).
+Seed = Annotated[int, Strict(), Field(ge=0, le=2**32 - 1)]
+#: A fraction strictly between 0 and 1: bounds in the schema (Snakemake); the model's validator checks them
+#: with a message naming the range.
+Quantile = Annotated[Float, Field(json_schema_extra={"exclusiveMinimum": 0, "exclusiveMaximum": 1})]
+#: A width / height ratio.
+AspectRatio = Annotated[Float, Field(ge=0.01, le=100)]
+
+# Upper bounds: a larger value can only be a typo (`shards: 1e9`), and would cost hours or memory
+# before failing, or never fail at all.
+MAX_SIDE = 16_384  # pixels: image resolution, sample size
+MAX_FRAMES = 10_000  # video frames
+MAX_REPEATS = 10_000  # dataset repeats and weight
+MAX_SHARDS = 10_000  # cache shards: one Snakemake job each
+MAX_BATCH = 4_096  # batch size, gradient accumulation
+MAX_WORKERS = 256  # processes per job
+MAX_EPOCHS = 1_000_000
+MAX_STEPS = 10**9
 
 
 class _Section(BaseModel):
@@ -24,19 +72,19 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    family: str = Field(
+    family: Text = Field(
         "sd",
         description="Model family, a name from the README's family table (`sd`, `sdxl`, `flux`, `wan`, ...; "
         "an unknown name is an error that lists them all).",
     )
-    flavor: str = Field(
+    flavor: Text = Field(
         "tiny",
         description="`tiny`: small random-weight model built offline from `seed`; `local`: load the "
         "diffusers folder at `path`.",
     )
-    path: str | None = Field(None, description="Local diffusers model folder (needed when flavor is `local`).")
-    seed: int = Field(0, description="Seed of the tiny flavor's random weights.")
-    single_files: dict[str, str] = Field(
+    path: PathText | None = Field(None, description="Local diffusers model folder (needed when flavor is `local`).")
+    seed: Seed = Field(0, description="Seed of the tiny flavor's random weights.")
+    single_files: dict[Text, PathText] = Field(
         {},
         description="Local flavor: single-file checkpoints (`.safetensors`, in the original checkpoint naming "
         "that ComfyUI and A1111 load, or in diffusers naming) that replace components of the folder at `path`, "
@@ -47,14 +95,14 @@ class ModelConfig(_Section):
     prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
         None, description="UNet families: training target; null uses the scheduler's own setting."
     )
-    zero_terminal_snr: bool | None = Field(
+    zero_terminal_snr: Bool | None = Field(
         None,
         description="sd, sdxl: rescale the noise schedule so the last timestep has zero SNR (pure noise; Lin et "
         "al. 2024), for training and sampling alike (the scheduler's `rescale_betas_zero_snr`, sampled with "
         "`timestep_spacing: trailing`). Needs `prediction_type: v_prediction`. null = the scheduler's own setting.",
     )
     # -- versions within a family (Wan 2.1 / 2.2) --
-    variant: str | None = Field(
+    variant: Text | None = Field(
         None,
         description="Model version within the family. wan: `2.1` (T2V), `2.2-5b` (TI2V-5B used text-to-video: "
         "48-channel VAE), `2.2-a14b` (T2V-A14B: two experts), `2.1-i2v` (I2V-14B). null: tiny flavor = the family's first; local "
@@ -97,28 +145,31 @@ class ModelConfig(_Section):
 
 
 class DatasetConfig(_Section):
-    name: str = Field(..., description="Dataset name (used in item ids and reports).", min_length=1)
-    path: str = Field(..., description="Folder of media with same-stem caption files.")
-    caption_ext: str = Field(".txt", description="Caption file extension.")
-    resolution: int = Field(64, description="Training resolution in pixels (bucket area = resolution²).", gt=0)
-    repeats: int = Field(1, description="How many times each item appears per epoch.", ge=1)
+    name: Text = Field(..., description="Dataset name (used in item ids and reports).")
+    path: PathText = Field(..., description="Folder of media with same-stem caption files.")
+    caption_ext: Text = Field(".txt", description="Caption file extension.")
+    resolution: Int = Field(
+        64, description="Training resolution in pixels (bucket area = resolution²).", gt=0, le=MAX_SIDE
+    )
+    repeats: Int = Field(1, description="How many times each item appears per epoch.", ge=1, le=MAX_REPEATS)
     caption_prefix: str = Field("", description="Text put before every caption (e.g. a trigger word).")
-    weight: float = Field(
+    weight: Float = Field(
         1.0,
         description="Relative sampling weight: items are drawn round(repeats x weight) times per epoch (at least once).",
         gt=0,
+        le=MAX_REPEATS,
     )
-    metadata: str | None = Field(
+    metadata: PathText | None = Field(
         None,
         description="Metadata file with a file and a caption column (.csv, .json, .jsonl, .parquet), relative "
         "to `path`; null: read every `metadata.jsonl|csv|json|parquet` in the dataset's folders (the Hugging "
         "Face `imagefolder` layout). File paths in it are relative to its folder.",
     )
-    file_column: str | None = Field(
+    file_column: Text | None = Field(
         None, description="Metadata column holding file paths (relative to `path`); null: auto-detect "
         "(`file_name`, `file`, `filename`, `path`, `image`, `video`, ...)."
     )
-    caption_column: str | None = Field(
+    caption_column: Text | None = Field(
         None, description="Metadata column holding the caption (text or list of alternatives); null: "
         "auto-detect (`caption`, `captions`, `text`, `prompt`, `tags`, ...)."
     )
@@ -132,37 +183,40 @@ class DatasetConfig(_Section):
         description="`tags`: captions are comma-separated tags, normalised (trimmed, empty and repeated tags "
         "dropped, joined with `, `).",
     )
-    eval_files: list[str] = Field(
+    eval_files: list[PathText] = Field(
         [], description="Media files (relative to `path`) held out for evaluation instead of training."
     )
-    eval_fraction: float = Field(
+    eval_fraction: Float = Field(
         0.0, description="Fraction of the items held out for evaluation, drawn by a hash of `eval_seed` and "
         "the file path (stable when files are added).", ge=0, lt=1,
     )
-    eval_seed: int = Field(0, description="Seed of the `eval_fraction` draw.")
-    resolutions: list[int] | None = Field(
+    eval_seed: Seed = Field(0, description="Seed of the `eval_fraction` draw.")
+    resolutions: list[Annotated[Int, Field(gt=0, le=MAX_SIDE)]] | None = Field(
         None,
         description="Several training resolutions (each item is cached once per resolution); null = [`resolution`].",
+        min_length=1,
     )
-    aspect_ratios: list[float] | None = Field(
-        None, description="Explicit bucket aspect ratios (width / height); overrides `ar_buckets`."
+    aspect_ratios: list[AspectRatio] | None = Field(
+        None, description="Explicit bucket aspect ratios (width / height); overrides `ar_buckets`.", min_length=1
     )
-    ar_buckets: int | None = Field(
+    ar_buckets: Int | None = Field(
         None,
         description="Number of log-spaced aspect ratios between `min_ar` and `max_ar`; null (and no "
         "`aspect_ratios`) = the classic nine from 1:2 to 2:1.",
         ge=1,
+        le=1000,
     )
-    min_ar: float = Field(0.5, description="Smallest bucket aspect ratio (width / height) for `ar_buckets`.", gt=0)
-    max_ar: float = Field(2.0, description="Largest bucket aspect ratio (width / height) for `ar_buckets`.", gt=0)
+    min_ar: AspectRatio = Field(0.5, description="Smallest bucket aspect ratio (width / height) for `ar_buckets`.")
+    max_ar: AspectRatio = Field(2.0, description="Largest bucket aspect ratio (width / height) for `ar_buckets`.")
     crop: Literal["center", "random"] = Field(
         "center", description="Crop to the bucket: `center`, or `random` (a fixed random offset per item, cached)."
     )
-    flip: bool = Field(False, description="Also train on a horizontally flipped copy of every item (cached once).")
-    frame_buckets: list[int] | None = Field(
+    flip: Bool = Field(False, description="Also train on a horizontally flipped copy of every item (cached once).")
+    frame_buckets: list[Annotated[Int, Field(ge=1, le=MAX_FRAMES)]] | None = Field(
         None,
         description="Video: frame counts clips are cut to (each snapped to the model's frame rule, e.g. 4k+1); "
         "null = the longest valid count a clip holds.",
+        min_length=1,
     )
     # -- which frames of a clip are trained on --
     clip_windows: Literal["first", "uniform", "multiple"] = Field(
@@ -171,32 +225,32 @@ class DatasetConfig(_Section):
         "first frames; `uniform` = one window spread over the whole clip at an even frame stride; `multiple` = "
         "non-overlapping windows spread over the clip, each a separate training item (at most `max_windows`).",
     )
-    max_windows: int | None = Field(
+    max_windows: Int | None = Field(
         None, description="Video, `clip_windows: multiple`: at most this many windows per clip; null = as many "
-        "as fit.", ge=1,
+        "as fit.", ge=1, le=MAX_FRAMES,
     )
-    mask_path: str | None = Field(
+    mask_path: PathText | None = Field(
         None,
         description="Folder of loss masks: one image per item with the same relative stem as its media file "
         "(`img/a.png` -> `<mask_path>/img/a.<any image extension>`). White trains, black is ignored; an alpha "
         "channel, when not fully opaque, is the mask. Items without a mask train unmasked (`missing_mask`).",
     )
-    mask_column: str | None = Field(
+    mask_column: Text | None = Field(
         None,
         description="Metadata column naming each item's mask image (a path relative to the metadata file's "
         "folder, like the file column); empty cells train unmasked.",
     )
-    control_path: str | None = Field(
+    control_path: PathText | None = Field(
         None,
         description="Folder of control / reference images (edit pairs, image-to-video first frames), same stems "
         "as the media files. Each is resized and cropped like its target and cached as conditioning latents.",
     )
-    control_column: str | None = Field(
+    control_column: Text | None = Field(
         None,
         description="Metadata column naming each item's control image (relative to the metadata file's folder).",
     )
     # -- image-to-video: the clip's own first frame as its control --------------------------
-    control_from_first_frame: bool = Field(
+    control_from_first_frame: Bool = Field(
         False,
         description="Use each item's own first frame (of the clip window trained, at its bucket and crop; an "
         "image is its own first frame) as its control image when it has none from `control_path` / "
@@ -207,10 +261,6 @@ class DatasetConfig(_Section):
     def _check_buckets(self) -> DatasetConfig:
         if self.min_ar > self.max_ar:
             raise ValueError(f"min_ar ({self.min_ar}) must not exceed max_ar ({self.max_ar})")
-        if any(r <= 0 for r in self.resolutions or []) or any(r <= 0 for r in self.aspect_ratios or []):
-            raise ValueError("resolutions and aspect_ratios must be positive")
-        if any(f < 1 for f in self.frame_buckets or []):
-            raise ValueError("frame_buckets must be at least 1")
         return self
 
     @model_validator(mode="after")
@@ -230,23 +280,24 @@ class DatasetConfig(_Section):
 
 
 class ValidationConfig(_Section):
-    image_exts: list[str] = Field(
+    image_exts: list[Text] = Field(
         [".png", ".jpg", ".jpeg", ".webp", ".bmp", ".tif", ".tiff"], description="File extensions treated as images."
     )
-    min_size: int = Field(16, description="Smallest accepted image side in pixels.", ge=1)
-    video_exts: list[str] = Field(
+    min_size: Int = Field(16, description="Smallest accepted image side in pixels.", ge=1, le=MAX_SIDE)
+    video_exts: list[Text] = Field(
         [".mp4", ".webm", ".mov", ".mkv", ".gif"],
         description="File extensions treated as videos (decoded with PyAV; frames and fps measured by decoding).",
     )
-    min_frames: int = Field(1, description="Fewest decoded frames a video must have.", ge=1)
-    aspect_range: tuple[float, float] = Field(
+    min_frames: Int = Field(1, description="Fewest decoded frames a video must have.", ge=1, le=MAX_FRAMES)
+    aspect_range: tuple[AspectRatio, AspectRatio] = Field(
         (0.25, 4.0), description="Accepted width / height ratios, [smallest, largest]."
     )
-    max_pixels: int = Field(
+    max_pixels: Int = Field(
         178_956_970,
         description="Images with more pixels are flagged `decompression_bomb` and never decoded (Pillow's own "
         "limit by default).",
         ge=1,
+        le=2**40,
     )
     actions: dict[str, Literal["error", "skip", "warn"]] = Field(
         {}, description="Per reason code, override the default action (`error`, `skip` or `warn`); see the "
@@ -266,49 +317,64 @@ class ValidationConfig(_Section):
 
 
 class CacheConfig(_Section):
-    shards: int = Field(2, description="Number of cache shards (one Snakemake job each).", ge=1)
+    shards: Int = Field(2, description="Number of cache shards (one Snakemake job each).", ge=1, le=MAX_SHARDS)
     dtype: Literal["float32", "bfloat16"] = Field("float32", description="Storage dtype of cached tensors.")
-    batch_size: int = Field(8, description="Encoder batch size in cache jobs.", ge=1)
-    dir: str | None = Field(
+    batch_size: Int = Field(8, description="Encoder batch size in cache jobs.", ge=1, le=MAX_BATCH)
+    dir: PathText | None = Field(
         None,
         description="Content-addressed store that cache jobs reuse entries from; share it across runs and "
         "datasets. null = `<output_dir>/cache/store`.",
     )
-    workers: int = Field(2, description="Decoding worker processes per latent cache job (0: decode inline).", ge=0)
+    workers: Int = Field(
+        2, description="Decoding worker processes per latent cache job (0: decode inline).", ge=0, le=MAX_WORKERS
+    )
 
 
 class LoraConfig(_Section):
-    rank: int = Field(8, description="LoRA rank.", ge=1)
-    alpha: float = Field(8.0, description="LoRA alpha; the update is scaled by alpha / rank.", gt=0)
-    dropout: float = Field(0.0, description="LoRA dropout.", ge=0, lt=1)
-    targets: list[str] | None = Field(
-        None, description="Module names to adapt (PEFT target_modules); null = the family's defaults."
+    rank: Int = Field(8, description="LoRA rank.", ge=1, le=4096)
+    alpha: Float = Field(8.0, description="LoRA alpha; the update is scaled by alpha / rank.", gt=0)
+    dropout: Float = Field(0.0, description="LoRA dropout.", ge=0, lt=1)
+    targets: list[Text] | None = Field(
+        None, description="Module names to adapt (PEFT target_modules); null = the family's defaults.", min_length=1
     )
-    blocks: list[str] | None = Field(
+    blocks: list[Text] | None = Field(
         None,
         description="Only adapt targets inside modules whose path matches one of these regular expressions "
         "(e.g. `up_blocks\\.1`, `transformer_blocks\\.[0-3]\\.`); null = every block.",
+        min_length=1,
     )
     init: Literal["gaussian", "kaiming"] = Field(
         "gaussian", description="Initialisation of the LoRA down matrix (the up matrix starts at zero)."
     )
-    init_from: str | None = Field(
+    init_from: PathText | None = Field(
         None,
         description="Continue from an existing LoRA: a PEFT adapter folder, or a diffusers "
         "`pytorch_lora_weights.safetensors`; its rank must equal `rank`.",
     )
 
+    @field_validator("blocks")
+    @classmethod
+    def _blocks_compile(cls, blocks: list[str] | None) -> list[str] | None:
+        for b in blocks or []:
+            try:
+                re.compile(f"(?:{b})")
+            except re.error as err:
+                raise ValueError(f"{b!r} is not a regular expression: {err}") from None
+        return blocks
+
 
 class EvalConfig(_Section):
-    every_steps: int = Field(
-        0, description="Eval loss every N optimizer steps (0: only before and after training).", ge=0
+    every_steps: Int = Field(
+        0, description="Eval loss every N optimizer steps (0: only before and after training).", ge=0, le=MAX_STEPS
     )
-    quantiles: list[float] = Field(
+    quantiles: list[Quantile] = Field(
         [0.1, 0.3, 0.5, 0.7, 0.9],
         description="Timestep quantiles the eval loss is measured at (empty: no eval).",
     )
-    max_items: int = Field(16, description="Eval items (the `eval` split, else a fixed subset of training items).", ge=1)
-    seed: int = Field(0, description="Seed of the fixed eval noise.")
+    max_items: Int = Field(
+        16, description="Eval items (the `eval` split, else a fixed subset of training items).", ge=1, le=100_000
+    )
+    seed: Seed = Field(0, description="Seed of the fixed eval noise.")
 
     @model_validator(mode="after")
     def _check_quantiles(self) -> EvalConfig:
@@ -321,21 +387,21 @@ class ObjectiveConfig(_Section):
     loss: Literal["mse", "huber"] = Field(
         "mse", description="`mse`, or `huber`: pseudo-Huber, robust to outlier items (Khrapov et al. 2024)."
     )
-    huber_c: float = Field(0.1, description="Pseudo-Huber constant: quadratic below it, linear above.", gt=0)
+    huber_c: Float = Field(0.1, description="Pseudo-Huber constant: quadratic below it, linear above.", gt=0)
     timestep_sampling: Literal["uniform", "logit_normal"] | None = Field(
         None, description="How training timesteps are drawn; null = the family's own (sd: uniform, flux: logit-normal)."
     )
-    logit_mean: float = Field(0.0, description="Logit-normal sampling: mean.")
-    logit_std: float = Field(1.0, description="Logit-normal sampling: standard deviation.", gt=0)
-    shift: float | None = Field(
+    logit_mean: Float = Field(0.0, description="Logit-normal sampling: mean.")
+    logit_std: Float = Field(1.0, description="Logit-normal sampling: standard deviation.", gt=0)
+    shift: Float | None = Field(
         None, description="Flow families: fixed timestep shift; null = the model's (resolution-dependent) shift.", gt=0
     )
-    min_timestep: float = Field(0.0, description="Lowest training timestep, as a fraction of the schedule.", ge=0, le=1)
-    max_timestep: float = Field(1.0, description="Highest training timestep, as a fraction of the schedule.", ge=0, le=1)
-    min_snr_gamma: float | None = Field(
+    min_timestep: Float = Field(0.0, description="Lowest training timestep, as a fraction of the schedule.", ge=0, le=1)
+    max_timestep: Float = Field(1.0, description="Highest training timestep, as a fraction of the schedule.", ge=0, le=1)
+    min_snr_gamma: Float | None = Field(
         None, description="UNet families: Min-SNR-gamma loss weighting (Hang et al. 2023; 5 is usual); null = off.", gt=0
     )
-    offset_noise: float = Field(
+    offset_noise: Float = Field(
         0.0, description="UNet families: offset noise strength (a per-channel constant added to the noise; 0.05-0.1).",
         ge=0,
     )
@@ -348,14 +414,14 @@ class ObjectiveConfig(_Section):
         "(uniform, CosMap weight), `none` (uniform, unweighted). null = the family's default (timestep_sampling, "
         "unweighted). Set it or timestep_sampling, not both.",
     )
-    mode_scale: float = Field(
+    mode_scale: Float = Field(
         1.29,
         description="`weighting_scheme: mode`: the density's scale s (1.29 in the SD3 paper; -1 to 2/(pi-2) "
         "keeps the mapping monotonic).",
         ge=-1,
         le=2 / (math.pi - 2),
     )
-    mask_min_weight: float = Field(
+    mask_min_weight: Float = Field(
         0.0,
         description="Items with a loss mask (`datasets[].mask_path`): the loss weight where the mask is black; "
         "the weight is `mask_min_weight + (1 - mask_min_weight) x mask`, so 0 ignores masked-out areas.",
@@ -380,24 +446,26 @@ class ObjectiveConfig(_Section):
 
 
 class TrainConfig(_Section):
-    epochs: int = Field(10, description="Passes over the training data.", ge=1)
-    max_steps: int | None = Field(None, description="Stop after this many optimizer steps (overrides epochs).")
-    batch_size: int = Field(4, description="Micro-batch size per process.", ge=1)
-    grad_accum: int = Field(1, description="Gradient accumulation steps.", ge=1)
-    lr: float = Field(1e-3, description="Peak learning rate.", gt=0)
+    epochs: Int = Field(10, description="Passes over the training data.", ge=1, le=MAX_EPOCHS)
+    max_steps: Int | None = Field(
+        None, description="Stop after this many optimizer steps (overrides epochs).", ge=1, le=MAX_STEPS
+    )
+    batch_size: Int = Field(4, description="Micro-batch size per process.", ge=1, le=MAX_BATCH)
+    grad_accum: Int = Field(1, description="Gradient accumulation steps.", ge=1, le=MAX_BATCH)
+    lr: Float = Field(1e-3, description="Peak learning rate.", gt=0)
     lr_schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="LR schedule after warmup.")
-    warmup_steps: int = Field(0, description="Linear warmup steps.", ge=0)
-    weight_decay: float = Field(0.0, description="Weight decay (decoupled for the AdamW variants).", ge=0)
-    optimizer: str = Field(
+    warmup_steps: Int = Field(0, description="Linear warmup steps.", ge=0, le=MAX_STEPS)
+    weight_decay: Float = Field(0.0, description="Weight decay (decoupled for the AdamW variants).", ge=0)
+    optimizer: Text = Field(
         "adamw",
         description="`adamw`, `adamw_kahan` / `adamw_stochastic` (bf16 weights: Kahan summation or stochastic "
         "rounding), `adafactor`, or any `torch.optim` class name (e.g. `SGD`, `RAdam`).",
     )
-    optimizer_args: dict[str, Any] = Field(
+    optimizer_args: dict[Text, Any] = Field(
         {}, description="Extra keyword arguments for the optimizer (e.g. `{betas: [0.9, 0.99]}`)."
     )
-    grad_clip: float = Field(1.0, description="Gradient norm clip (0 disables).", ge=0)
-    caption_dropout: float = Field(
+    grad_clip: Float = Field(1.0, description="Gradient norm clip (0 disables).", ge=0)
+    caption_dropout: Float = Field(
         0.0,
         description="Probability of training an item on the empty caption (the cached empty-caption "
         "embedding), which keeps classifier-free guidance working.",
@@ -407,30 +475,33 @@ class TrainConfig(_Section):
     precision: Literal["fp32", "bf16", "fp16"] = Field(
         "fp32", description="Training precision: fp32, bf16 (CPU and GPU), fp16 (GPU only, dynamic loss scaling)."
     )
-    activation_checkpointing: bool = Field(
+    activation_checkpointing: Bool = Field(
         False, description="Recompute block activations in the backward pass: less memory, about 30% more compute."
     )
-    zero_stage: Literal[0, 1, 2, 3] = Field(0, description="DeepSpeed ZeRO stage.")
-    pipeline_stages: int = Field(
+    zero_stage: Int = Field(0, description="DeepSpeed ZeRO stage.", ge=0, le=3)
+    pipeline_stages: Int = Field(
         1,
         description="Pipeline parallel: split the denoiser's layers over this many processes (the process count "
         "must be a multiple: data parallel across the rest). ZeRO 0 or 1, LoRA only.",
         ge=1,
+        le=1024,
     )
-    pipeline_split: list[int] | None = Field(
+    pipeline_split: list[Annotated[Int, Field(ge=1, le=1_000_000)]] | None = Field(
         None,
         description="Manual pipeline split: the first layer index of each stage after the first; null = balance "
         "the parameter count, frozen weights included.",
     )
-    offload_optimizer: bool = Field(False, description="ZeRO 1-3: keep optimizer states in CPU memory.")
-    offload_params: bool = Field(False, description="ZeRO 3: keep parameters in CPU memory.")
-    seed: int = Field(42, description="Seed for noise, timesteps and data order.")
-    save_every_epochs: int = Field(1, description="Save a LoRA every N epochs (0: only at the end).", ge=0)
-    checkpoint_every_steps: int = Field(0, description="Full checkpoint every N steps (0: only at the end).", ge=0)
-    checkpoint_every_minutes: float = Field(
+    offload_optimizer: Bool = Field(False, description="ZeRO 1-3: keep optimizer states in CPU memory.")
+    offload_params: Bool = Field(False, description="ZeRO 3: keep parameters in CPU memory.")
+    seed: Seed = Field(42, description="Seed for noise, timesteps and data order.")
+    save_every_epochs: Int = Field(1, description="Save a LoRA every N epochs (0: only at the end).", ge=0, le=MAX_EPOCHS)
+    checkpoint_every_steps: Int = Field(
+        0, description="Full checkpoint every N steps (0: only at the end).", ge=0, le=MAX_STEPS
+    )
+    checkpoint_every_minutes: Float = Field(
         0, description="Also a full checkpoint every N minutes of training (0: off).", ge=0
     )
-    keep_checkpoints: int = Field(3, description="Keep only the newest K full checkpoints (0: keep all).", ge=0)
+    keep_checkpoints: Int = Field(3, description="Keep only the newest K full checkpoints (0: keep all).", ge=0, le=10_000)
     mode: Literal["lora", "full"] = Field(
         "lora",
         description="`lora`: train a LoRA on the frozen denoiser; `full`: fine-tune every denoiser weight "
@@ -441,11 +512,13 @@ class TrainConfig(_Section):
         default_factory=ObjectiveConfig, description="Timestep sampling, loss and loss weighting."
     )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Eval loss at fixed timesteps and noise.")
-    sample_every_steps: int = Field(
-        0, description="Render the `sample` prompts from the in-training weights every N steps (0: off).", ge=0
+    sample_every_steps: Int = Field(
+        0, description="Render the `sample` prompts from the in-training weights every N steps (0: off).", ge=0,
+        le=MAX_STEPS,
     )
-    sample_every_epochs: int = Field(
-        0, description="Render the `sample` prompts every N epochs (0: off); PNGs under `train/samples/`.", ge=0
+    sample_every_epochs: Int = Field(
+        0, description="Render the `sample` prompts every N epochs (0: off); PNGs under `train/samples/`.", ge=0,
+        le=MAX_EPOCHS,
     )
 
     @model_validator(mode="after")
@@ -485,17 +558,19 @@ class ExportConfig(_Section):
 
 
 class SampleConfig(_Section):
-    prompts: list[str] = Field(["a red circle"], description="Prompts rendered with the trained LoRA.")
-    steps: int = Field(10, description="Inference steps.", ge=1)
-    guidance_scale: float = Field(5.0, description="Classifier-free guidance scale.", ge=0)
-    seed: int = Field(0, description="Seed of the sampling noise.")
-    width: int = Field(64, description="Sample width in pixels.", gt=0)
-    height: int = Field(64, description="Sample height in pixels.", gt=0)
-    frames: int = Field(
-        5, description="Frames per sample clip for video families (snapped to the model's frame rule); "
-        "image families ignore it.", ge=1,
+    prompts: list[str] = Field(
+        ["a red circle"], description="Prompts rendered with the trained LoRA.", min_length=1, max_length=10_000
     )
-    images: list[str] | None = Field(
+    steps: Int = Field(10, description="Inference steps.", ge=1, le=10_000)
+    guidance_scale: Float = Field(5.0, description="Classifier-free guidance scale.", ge=0)
+    seed: Seed = Field(0, description="Seed of the sampling noise.")
+    width: Int = Field(64, description="Sample width in pixels.", gt=0, le=MAX_SIDE)
+    height: Int = Field(64, description="Sample height in pixels.", gt=0, le=MAX_SIDE)
+    frames: Int = Field(
+        5, description="Frames per sample clip for video families (snapped to the model's frame rule); "
+        "image families ignore it.", ge=1, le=MAX_FRAMES,
+    )
+    images: list[PathText] | None = Field(
         None, description="One conditioning image per prompt (file paths), for image-conditioned models "
         "(Wan 2.1 I2V: the first frame of each sample clip); null: text only.",
     )
@@ -510,7 +585,7 @@ class SampleConfig(_Section):
 
 
 class Config(_Section):
-    output_dir: str = Field("runs/demo", description="Folder that receives every output of the run.")
+    output_dir: PathText = Field("runs/demo", description="Folder that receives every output of the run.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Which model to fine-tune.")
     datasets: list[DatasetConfig] = Field(..., description="Training datasets.", min_length=1)
     validation: ValidationConfig = Field(default_factory=ValidationConfig, description="Dataset checks.")
@@ -527,40 +602,88 @@ class Config(_Section):
             raise ValueError(f"datasets: duplicate name(s) {dupes}")
         return self
 
+    @model_validator(mode="after")
+    def _separate_folders(self, info: ValidationInfo) -> Config:
+        """output_dir, cache.dir and the dataset folders must not overlap (see diffpipe.config_paths)."""
+        base = Path((info.context or {}).get("base") or ".").absolute()
+        if problems := config_paths.folder_problems(self, base):
+            raise ValueError("\n  ".join(problems))
+        return self
+
+
+def _key(loc: tuple[int | str, ...]) -> str:
+    """``("datasets", 0, "weight")`` -> ``datasets[0].weight``."""
+    key = ""
+    for part in loc:
+        key += f"[{part}]" if isinstance(part, int) else f".{part}" if key else str(part)
+    return key
+
+
+_HINTS = {
+    "float_type": "write a number; YAML reads 1e-4 and 1.0e5 as text: write 1.0e-4 and 1.0e+5",
+    "int_type": "write a whole number, without quotes, a dot or an exponent (1000000, not 1e6)",
+    "bool_type": "write true or false",
+}
+
 
 def _format_error(err: ValidationError, source: str) -> str:
     lines = [f"invalid config {source}:"]
     for e in err.errors():
-        key = ".".join(str(p) for p in e["loc"]) or "(root)"
-        msg = e["msg"]
+        key = _key(e["loc"])
+        msg = e["msg"].removeprefix("Value error, ")
         if e["type"] == "extra_forbidden":
             msg = "unknown key"
-        elif "input" in e and not isinstance(e["input"], dict | list):
-            msg += f" (got {e['input']!r})"
-        lines.append(f"  {key}: {msg}")
+        elif e["type"] == "string_pattern_mismatch":
+            msg = "must be a path: not empty, not only spaces, no NUL character"
+        if "input" in e and not isinstance(e["input"], dict):
+            shown = repr(e["input"])
+            msg += f" (got {shown if len(shown) <= 80 else shown[:77] + '...'})"
+        if isinstance(e.get("input"), str) and e["type"] in _HINTS:
+            msg += f"; {_HINTS[e['type']]}"
+        lines.append(f"  {key}: {msg}" if key else f"  {msg}")
     return "\n".join(lines)
 
 
-def parse_config(data: dict[str, Any], source: str = "<dict>") -> Config:
-    """Validate a config mapping; raises ConfigError naming every bad key."""
+def parse_config(data: dict[str, Any], source: str = "<dict>", *, base: str | Path | None = None) -> Config:
+    """Validate a config mapping; raises ConfigError naming every bad key.
+
+    ``base``: the folder relative paths start from (``diffpipe run --workdir``); default the working folder.
+    """
     try:
-        return Config.model_validate(data)
+        return Config.model_validate(data, context={"base": base})
     except ValidationError as err:
         raise ConfigError(_format_error(err, source)) from None
 
 
-def load_config(path: str | Path) -> Config:
-    """Read and validate a YAML config file."""
-    path = Path(path)
+def load_yaml(source: str | Path) -> Any:
+    """Read user YAML safely: a ``Path`` is a file to read, a ``str`` is YAML text.
+
+    No Python objects are built (a safe loader); a key given twice in a mapping, an
+    alias bomb or a recursive alias is a ConfigError naming the key or line and the file.
+    """
+    name = f"config file {source}" if isinstance(source, Path) else "YAML text"
+    if isinstance(source, Path):
+        try:
+            source = source.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            raise ConfigError(f"{name} not found") from None
+        except (OSError, UnicodeDecodeError) as err:
+            raise ConfigError(f"{name} cannot be read: {err}") from None
     try:
-        data = yaml.safe_load(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config file not found: {path}") from None
+        return yamlload.load(source)
+    except yamlload.RefusedError as err:
+        raise ConfigError(f"{name}: {err}") from None
     except yaml.YAMLError as err:
-        raise ConfigError(f"config file {path} is not valid YAML: {err}") from None
+        raise ConfigError(f"{name} is not valid YAML: {err}") from None
+
+
+def load_config(path: str | Path, *, base: str | Path | None = None) -> Config:
+    """Read and validate a YAML config file (relative paths in it start at ``base``, default the working folder)."""
+    path = Path(path)
+    data = load_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError(f"config file {path} must hold a mapping, got {type(data).__name__}")
-    return parse_config(data, str(path))
+    return parse_config(data, str(path), base=base)
 
 
 def json_schema() -> dict[str, Any]:
