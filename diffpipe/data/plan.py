@@ -291,14 +291,20 @@ def make_plan(
     ``text_control``: the text encoder sees the control image, so a text entry
     carries the item's control image and its key the image's sha256.
 
+    The specs carry the manifest's ``max_pixels``, so the cache jobs refuse a
+    file whose header grew past the validated limit since.
+
     Raises:
-        ValueError: the manifest is missing or names a dataset the config lacks.
+        ValueError: the manifest is missing, names a dataset the config lacks,
+            or leaves no item to train on (with the counts).
     """
     manifest_path = Path(manifest_path)
     if not manifest_path.is_file():
         raise ValueError(f"manifest {manifest_path} not found; run the validate step first")
     by_name = {d.name: d for d in datasets}
-    schema_names = set(pq.read_schema(manifest_path).names)
+    schema = pq.read_schema(manifest_path)
+    schema_names = set(schema.names)
+    max_pixels = (schema.metadata or {}).get(b"max_pixels")
     cols = ["id", "dataset", "path", "sha256", "width", "height", "frames", "caption", "status"]
     newer = ["fps", "split", "kind", "reasons"]  # columns newer manifests add
     newer += [f"{role}_{col}" for role in ROLES for col in ("path", "sha256")]
@@ -361,7 +367,9 @@ def make_plan(
         underfilled=underfilled,
         too_short=too_short,
     )
-    common = {"version": SPEC_VERSION, "dtype": cache_cfg.dtype}
+    common: dict[str, Any] = {"version": SPEC_VERSION, "dtype": cache_cfg.dtype}
+    if max_pixels:  # the decoders' limit (manifests older than it: the decoders' default)
+        common["max_pixels"] = int(max_pixels)
     for i, name in enumerate(names):
         lspec = {
             **common,

@@ -48,13 +48,15 @@ from diffpipe.data.pool import probe_files
 from diffpipe.utils import atomic_path, digest
 
 #: Bump when probing changes, so a new version re-probes every file.
-PROBE_VERSION = 3
+#: 4: declared sizes checked from headers (GIF frames, video streams); ``large_media``.
+PROBE_VERSION = 4
 #: Reasons found by reading media content, reused while size and mtime are unchanged.
 _PROBE_REASONS = {
     "zero_byte",
     "corrupt_media",
     "extension_mismatch",
     "decompression_bomb",
+    "large_media",
     "no_frames",
 }
 #: Reasons found by reading a caption file, reused likewise.
@@ -135,6 +137,7 @@ class ValidationResult:
     issues: list[Issue] = field(default_factory=list)
     datasets: dict[str, dict[str, int]] = field(default_factory=dict)
     actions: dict[str, Action] = field(default_factory=dict)
+    max_pixels: int = ValidationConfig().max_pixels  # the limit files were checked against
 
     @property
     def counts(self) -> dict[str, int]:
@@ -387,7 +390,7 @@ def run_validation(
     caption_keys = {ds.name: digest([ds.caption_lines, ds.caption_style])[:16] for ds in datasets}
     prev_caption_keys = json.loads(prev_meta.get("caption_keys", "{}"))
     reuse_probe = not rehash and prev_meta.get("probe_key") == probe_key
-    result = ValidationResult(actions=actions)
+    result = ValidationResult(actions=actions, max_pixels=vcfg.max_pixels)
     extra: list[tuple[str, str, str, str]] = []  # (dataset, path, reason, note) not tied to a row
 
     per_ds: list[tuple[DatasetConfig, Listing, MetadataTable, list[dict[str, Any]]]] = []
@@ -504,7 +507,11 @@ def run_validation(
     result.errors = sum(i.action == "error" for i in result.issues)
     result.warnings = sum(i.action == "warn" for i in result.issues)
     result.issues.sort(key=lambda i: (i.dataset, i.path, i.reason))
-    meta = {"probe_key": probe_key, "caption_keys": json.dumps(caption_keys, sort_keys=True)}
+    meta = {
+        "probe_key": probe_key,
+        "caption_keys": json.dumps(caption_keys, sort_keys=True),
+        "max_pixels": str(vcfg.max_pixels),  # the plan hands it to the cache jobs' decoders
+    }
     if prev_path == manifest_path and prev_meta == meta and _same_rows(all_rows, prev_rows):
         # Compared as Python values: building the Arrow table from rows imports pandas
         # (pyarrow checks for pandas types), a large share of a no-change rerun.
