@@ -225,14 +225,15 @@ def _collect(
     for rel in meta.captions:
         if rel in media:
             continue
-        if (listing.root / rel).is_file():
+        try:
+            exists = (listing.root / rel).is_file()
+            why = "does not exist"
+        except OSError as err:  # a name too long for the file system, ...
+            exists, why = False, f"cannot be a file ({err.strerror or err})"
+        if exists:
             media[rel] = "image"  # listed by metadata with an unusual extension: sniffing decides
         else:
-            issue(
-                str(listing.root / rel),
-                "missing_file",
-                f"{meta.where[rel]}: {rel!r} does not exist in {listing.root}",
-            )
+            issue(str(listing.root / rel), "missing_file", f"{meta.where[rel]}: {rel!r} {why} in {listing.root}")
     rows: list[dict[str, Any]] = []
     jobs: list[tuple[int, str, str]] = []
     root = str(listing.root)
