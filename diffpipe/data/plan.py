@@ -316,7 +316,7 @@ def make_plan(
     buckets: Counter[str] = Counter()
     samples: Counter[str] = Counter()  # entries x repeats: what one epoch draws per bucket
     too_short: list[str] = []
-    n_items = 0
+    n_items = n_train = 0
     kept: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = []
     for row in sorted(rows, key=lambda r: r["id"]):
         if row["status"] == "skipped":
@@ -349,10 +349,18 @@ def make_plan(
             **({"control": control} if control else {}),
         }
         kept.append((row["id"], entries, text))
+        n_train += any(e["split"] == "train" for e in entries)
         for e in entries:
             buckets[bucket_name(e["bucket"])] += 1
             samples[bucket_name(e["bucket"])] += e["repeats"]
 
+    if not n_train:
+        skipped = sum(r["status"] == "skipped" for r in rows)
+        raise ValueError(
+            f"the plan has no item to train on: {len(rows)} in the manifest {manifest_path}, {skipped} skipped "
+            f"by validation, {len(too_short)} shorter than every frame bucket, {n_items - n_train} held out for "
+            "eval; see the validation report"
+        )
     state = _read_state(paths.plan_state, cache_cfg.shards)
     assignment = assign_shards([k[0] for k in kept], cache_cfg.shards, state)
     for item_id, entries, text in kept:

@@ -97,6 +97,10 @@ REASONS: dict[str, tuple[Action, str]] = {
     # datasets
     "missing_dataset": ("error", "The dataset folder does not exist."),
     "no_media": ("error", "The dataset holds no media file."),
+    "no_usable_items": (
+        "error",
+        "Every media file of the dataset is skipped (or held out for eval): nothing to train on.",
+    ),
 }
 
 

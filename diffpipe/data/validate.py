@@ -39,6 +39,7 @@ from diffpipe.data.checks import (  # noqa: F401  (FamilyTokenCounter: used thro
     assign_split,
     check_geometry,
     check_tokens,
+    check_usable,
     flag_duplicates,
 )
 from diffpipe.data.discover import Listing, list_dataset, printable
@@ -489,6 +490,8 @@ def run_validation(
                     row["kind"],
                 )
             )
+    for ds, listing, _, rows in per_ds:
+        check_usable(ds, rows, actions, lambda p, r, n, d=ds.name: extra.append((d, p, r, n)), listing.root)
     for ds_name, path, reason, note in extra:
         result.issues.append(Issue(ds_name, printable(path), reason, note, actions[reason]))
     for ds in datasets:
