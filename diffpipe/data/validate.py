@@ -27,6 +27,7 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from diffpipe.config import DatasetConfig, ValidationConfig
@@ -543,15 +544,20 @@ def print_summary(
     report: Path | None = None,
     max_errors: int = 50,
 ) -> None:
-    """Print each error, the report's path, then the counts per reason as a table (printed last)."""
+    """Print each error, the report's path, then the counts per reason as a table (printed last).
+
+    Paths and messages hold user text (file names, metadata rows): escaped, so
+    square brackets print as written instead of being read as rich markup.
+    """
     console = console or Console(stderr=True)
     errors = [i for i in result.issues if i.action == "error"]
     for issue in errors[:max_errors]:  # in the log too: a failed Snakemake job loses its outputs
-        console.print(f"[red]{issue.reason}[/red] {issue.path}: {issue.message}", highlight=False)
+        line = f"[red]{issue.reason}[/red] {escape(issue.path)}: {escape(issue.message)}"
+        console.print(line, highlight=False, soft_wrap=True)  # one line per error: greppable logs
     if len(errors) > max_errors:
         console.print(f"... and {len(errors) - max_errors} more error(s)")
     if report:
-        console.print(f"validate: report {report}")
+        console.print(f"validate: report {escape(str(report))}", highlight=False, soft_wrap=True)
     table = Table(title="Dataset validation")
     table.add_column("reason")
     table.add_column("action")
