@@ -21,7 +21,7 @@ import torch
 from PIL import Image, ImageOps
 
 # One RGB conversion for validation and caching; it lives with the media probes.
-from diffpipe.data.media import to_rgb
+from diffpipe.data.media import DEFAULT_MAX_PIXELS, open_image, to_rgb
 
 #: Width:height ratios of the buckets, from portrait 1:2 to landscape 2:1.
 ASPECT_RATIOS: tuple[tuple[int, int], ...] = (
@@ -146,9 +146,14 @@ def load_image_array(
     *,
     crop: tuple[float, float] = (0.5, 0.5),
     flip: bool = False,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> np.ndarray:
-    """:func:`load_image` as numpy (no torch: safe in forked decoding workers)."""
-    with Image.open(src) as img:
+    """:func:`load_image` as numpy (no torch: safe in forked decoding workers).
+
+    Raises:
+        ValueError: the header declares more than ``max_pixels`` (nothing decoded).
+    """
+    with open_image(src, max_pixels) as img:
         img.load()
         ImageOps.exif_transpose(img, in_place=True)
         rgb = cover_crop(to_rgb(img), size, crop)
@@ -178,13 +183,15 @@ def load_mask_array(
     *,
     crop: tuple[float, float] = (0.5, 0.5),
     flip: bool = False,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> np.ndarray:
     """Decode a mask into float32 ``[1, 1, H, W]`` in [0, 1], resized and cropped like its target.
 
     The same :func:`cover_crop` as the target (same bucket, crop position and
     flip), so a mask of the target's aspect ratio lines up at any resolution.
+    Refused like :func:`load_image_array` when it declares more than ``max_pixels``.
     """
-    with Image.open(src) as img:
+    with open_image(src, max_pixels) as img:
         img.load()
         ImageOps.exif_transpose(img, in_place=True)
         gray = cover_crop(mask_channel(img), size, crop)
@@ -200,6 +207,7 @@ def load_image(
     *,
     crop: tuple[float, float] = (0.5, 0.5),
     flip: bool = False,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> torch.Tensor:
     """Decode an image into float32 ``[3, 1, H, W]`` in [-1, 1] for bucket ``(H, W)``."""
-    return torch.from_numpy(load_image_array(src, size, crop=crop, flip=flip))
+    return torch.from_numpy(load_image_array(src, size, crop=crop, flip=flip, max_pixels=max_pixels))

@@ -55,6 +55,7 @@ from diffpipe.data.latents import (
     storage_to_tensor,
     write_latent_shard,
 )
+from diffpipe.data.media import DEFAULT_MAX_PIXELS
 from diffpipe.data.plan import EMPTY_ID, read_spec, text_key
 from diffpipe.data.store import (
     Store,
@@ -128,15 +129,17 @@ def _read_checked(path: str, sha256: str, trust: bool, *, stream: bool = False) 
     return data
 
 
-def _decode(job: tuple[dict[str, Any], bool]) -> dict[str, np.ndarray]:
+def _decode(job: tuple[dict[str, Any], bool] | tuple[dict[str, Any], bool, int]) -> dict[str, np.ndarray]:
     """Read one item (and its aux images), check them against the planned sha256s, decode them.
 
     Returns ``pixels`` ``[3, F, H, W]`` and, when the item has them, ``control``
     ``[3, 1, H, W]`` and ``mask`` ``[1, 1, H, W]``, all cut to the same bucket.
     Images are read into memory once (hash and decode); clips are hashed in
-    blocks and streamed from disk, decoding only their planned frames.
+    blocks and streamed from disk, decoding only their planned frames. A file
+    whose header declares more than ``max_pixels`` (the validated limit, from
+    the spec) is refused before decoding, even when trusted.
     """
-    item, trust = job
+    item, trust, max_pixels = (*job, DEFAULT_MAX_PIXELS)[:3]
     path = item["path"]
     _, h, w = item["bucket"]
     crop, flip = tuple(item.get("crop", (0.5, 0.5))), item.get("flip", False)
@@ -145,9 +148,9 @@ def _decode(job: tuple[dict[str, Any], bool]) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {}
     try:
         if frames:
-            out["pixels"] = load_video_array(Path(path), (h, w), frames, crop=crop, flip=flip)
+            out["pixels"] = load_video_array(Path(path), (h, w), frames, crop=crop, flip=flip, max_pixels=max_pixels)
         else:
-            out["pixels"] = load_image_array(io.BytesIO(data), (h, w), crop=crop, flip=flip)
+            out["pixels"] = load_image_array(io.BytesIO(data), (h, w), crop=crop, flip=flip, max_pixels=max_pixels)
     except Exception as err:
         raise ValueError(f"cannot decode {path}: {err}") from err
     for role, aux in sorted((item.get("aux") or {}).items()):
@@ -157,7 +160,7 @@ def _decode(job: tuple[dict[str, Any], bool]) -> dict[str, np.ndarray]:
         aux_data = _read_checked(aux["path"], aux["sha256"], trust)
         load = load_mask_array if role == "mask" else load_image_array
         try:
-            out[role] = load(io.BytesIO(aux_data), (h, w), crop=crop, flip=flip)
+            out[role] = load(io.BytesIO(aux_data), (h, w), crop=crop, flip=flip, max_pixels=max_pixels)
         except Exception as err:
             raise ValueError(f"cannot decode the {role} image {aux['path']} of {path}: {err}") from err
     return out
@@ -311,7 +314,8 @@ def cache_latents(
         n_workers = cache_cfg.workers if workers is None else workers
         with _pool(len(batches), n_workers) as pool:
             # Submitting first lets worker start-up and decoding overlap loading the VAE.
-            stream = _prefetched(([(x, trust) for x in b] for b in batches), _decode, pool)
+            limit = spec.get("max_pixels", DEFAULT_MAX_PIXELS)  # specs planned before it was recorded
+            stream = _prefetched(([(x, trust, limit) for x in b] for b in batches), _decode, pool)
             vae = family.load_vae().to(dev)
             with _progress() as progress, torch.no_grad():
                 task = progress.add_task(f"latents {spec['shard']}", total=len(missing))
@@ -323,7 +327,7 @@ def cache_latents(
                     latents = family.encode_pixels(vae, x).float().cpu()
                     controls = _encode_controls(family, vae, decoded, dev, frames=x.shape[2])
                     encode_s += time.perf_counter() - t1
-                    for (item, _), d, lat, ctrl in zip(jobs, decoded, latents, controls, strict=True):
+                    for (item, *_), d, lat, ctrl in zip(jobs, decoded, latents, controls, strict=True):
                         mask = d.get("mask")
                         values[item["key"]] = {
                             "latents": lat,
@@ -390,19 +394,19 @@ def _encode_controls(family, vae, decoded: list[dict[str, np.ndarray]], dev, *, 
     return out
 
 
-def _control_image(control: dict[str, str]):
+def _control_image(control: dict[str, str], max_pixels: int):
     """A text entry's control image as the RGB PIL image a user hands the family's pipeline.
 
     Checked against its planned sha256 first: encoding it would otherwise store
     new pixels under the old content's key.
     """
-    from PIL import Image, ImageOps
+    from PIL import ImageOps
 
-    from diffpipe.data.buckets import to_rgb
+    from diffpipe.data.media import open_image, to_rgb
 
     data = _read_checked(control["path"], control["sha256"], False)
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        with open_image(io.BytesIO(data), max_pixels) as img:
             img.load()
             ImageOps.exif_transpose(img, in_place=True)
             return to_rgb(img)
@@ -411,7 +415,13 @@ def _control_image(control: dict[str, str]):
 
 
 def _encode_captions(
-    family, encoders, captions: list[str], bs: int, label: str, controls: list[dict[str, str] | None] | None = None
+    family,
+    encoders,
+    captions: list[str],
+    bs: int,
+    label: str,
+    controls: list[dict[str, str] | None] | None = None,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> dict[str, torch.Tensor]:
     """Embeddings of ``captions``; with ``controls`` (families whose text encoder sees the
     control image) each caption is encoded with its item's control image."""
@@ -422,7 +432,7 @@ def _encode_captions(
             if controls is None:
                 out = family.encode_text(encoders, captions[i : i + bs])
             else:
-                images = [c and _control_image(c) for c in controls[i : i + bs]]
+                images = [c and _control_image(c, max_pixels) for c in controls[i : i + bs]]
                 out = family.encode_text(encoders, captions[i : i + bs], images=images)
             for name, t in out.items():
                 parts.setdefault(name, []).append(t.float().cpu())
@@ -467,6 +477,7 @@ def _cache_text_spec(
             cache_cfg.batch_size,
             f"text {spec['shard']}",
             [controls[k] for k in missing] if getattr(family, "text_uses_control", False) else None,
+            spec.get("max_pixels", DEFAULT_MAX_PIXELS),
         )
         for i, key in enumerate(missing):
             values[key] = {name: t[i] for name, t in encoded.items()}

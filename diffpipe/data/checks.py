@@ -11,12 +11,14 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
+from collections import Counter
 from pathlib import Path
 from typing import Any, Protocol
 
 from diffpipe.config import DatasetConfig, ModelConfig, ValidationConfig
 from diffpipe.data import captions as cap
 from diffpipe.data.metadata import relative_path
+from diffpipe.data.policy import Action
 from diffpipe.utils import digest
 
 
@@ -212,3 +214,24 @@ def assign_split(ds: DatasetConfig, rows: list[dict[str, Any]], issue: Any, root
         if not held and ds.eval_fraction > 0:
             held = int(digest([ds.eval_seed, rel])[:15], 16) / 16**15 < ds.eval_fraction
         row["split"] = "eval" if held else "train"
+
+
+def check_usable(ds: DatasetConfig, rows: list[dict[str, Any]], actions: dict[str, Action], issue: Any, root: Path) -> None:
+    """Flag ``no_usable_items`` when no row of the dataset is left to train on, with the counts.
+
+    Run after each row has its status: a dataset of only skipped (or eval)
+    items would otherwise pass validation and fail much later, in training.
+    An empty dataset is ``no_media`` already.
+    """
+    if not rows or any(r["status"] in ("ok", "warning") and r["split"] == "train" for r in rows):
+        return
+    skipped = [r for r in rows if r["status"] not in ("ok", "warning")]
+    why = Counter(code for r in skipped for code in dict.fromkeys(r["reasons"]) if actions[code] != "warn")
+    detail = f" ({', '.join(f'{code} {n}' for code, n in why.most_common())})" if why else ""
+    issue(
+        str(root),
+        "no_usable_items",
+        f"dataset {ds.name}: {len(rows)} found, {len(skipped)} skipped{detail}, "
+        f"{len(rows) - len(skipped)} held out for eval, 0 usable for training; fix the files the report "
+        "lists (or the config's validation.actions, eval_files, eval_fraction)",
+    )

@@ -218,7 +218,7 @@ def list_dataset(ds: DatasetConfig, vcfg: ValidationConfig, *, with_stats: bool 
     # A configured metadata file by its path; else the default names in any folder
     # (imagefolder puts one in each split folder).
     meta_names = {ds.metadata.removeprefix("./")} if ds.metadata else None
-    if not root.is_dir():
+    if not os.path.isdir(root):  # never raises (a name too long, a NUL: not a folder)
         return Listing(root, {}, [], False)
     folders = aux_folders(ds)
     skip = set()
@@ -229,7 +229,7 @@ def list_dataset(ds: DatasetConfig, vcfg: ValidationConfig, *, with_stats: bool 
             pass
     listing = _walk(str(root), kinds, norm_ext(ds.caption_ext), meta_names, with_stats, frozenset(skip))
     for role, folder in folders.items():
-        if folder.is_dir():
+        if os.path.isdir(folder):
             listing.aux_roots[role] = folder
             listing.aux[role] = _aux_files(folder, vcfg.image_exts, with_stats, listing)
     return listing

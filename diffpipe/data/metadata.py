@@ -14,6 +14,7 @@ import csv
 import io
 import json
 import os
+import unicodedata
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,46 +57,128 @@ class MetadataTable:
     problems: list[Problem] = field(default_factory=list)
 
 
-def parse_records(data: bytes, fmt: str) -> list[dict[str, Any]]:
-    """Records of a metadata file's content; ValueError with a human reason on bad input."""
+_JSON_TYPES = {dict: "an object", list: "a list", str: "a string", int: "a number", float: "a number",
+               bool: "a boolean", type(None): "null"}
+
+
+def _json_type(value: Any) -> str:
+    return _JSON_TYPES.get(type(value), type(value).__name__)
+
+
+@dataclass
+class Records:
+    """A metadata file's rows: ``rows[n - 1]`` is row n, None where row n is malformed
+    (``problems`` says why, as ``(row, sentence)``); ``columns`` in file order."""
+
+    rows: list[dict[str, Any] | None]
+    columns: list[str]
+    problems: list[tuple[int, str]] = field(default_factory=list)
+
+
+def read_records(data: bytes, fmt: str) -> Records:
+    """Rows of a metadata file's content, each malformed row named with its problem.
+
+    Raises:
+        ValueError: with a human reason, when the whole file is unusable (not
+            UTF-8, not JSON, not a list of records, not Parquet).
+    """
     if fmt == "parquet":
         import pyarrow.parquet as pq
 
         try:
-            return pq.read_table(io.BytesIO(data)).to_pylist()
+            table = pq.read_table(io.BytesIO(data))
+            return Records(table.to_pylist(), table.column_names)
         except Exception as err:
             raise ValueError(f"not a readable Parquet file ({err})") from None
     try:
         text = data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
-        raise ValueError(f"not valid UTF-8 (byte offset {err.start})") from None
+        line = data[: err.start].count(b"\n") + 1
+        raise ValueError(f"not valid UTF-8 (line {line}, byte offset {err.start}); re-save it as UTF-8") from None
     if fmt == "csv":
-        try:
-            return list(csv.DictReader(io.StringIO(text, newline="")))
-        except csv.Error as err:
-            raise ValueError(f"not valid CSV ({err})") from None
+        return _csv(text)
     if fmt == "jsonl":
-        records = []
-        for n, line in enumerate(text.splitlines(), 1):
-            if line.strip():
-                try:
-                    records.append(json.loads(line))
-                except json.JSONDecodeError as err:
-                    raise ValueError(f"line {n} is not valid JSON ({err.msg})") from None
-    else:
-        try:
-            records = json.loads(text)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"not valid JSON ({err.msg} at line {err.lineno})") from None
-        if isinstance(records, dict):  # {"file": caption, ...} or {"data": [...]}
-            lists = [v for v in records.values() if isinstance(v, list) and all(isinstance(x, dict) for x in v)]
-            if len(records) == 1 and lists:
-                records = lists[0]
+        return _jsonl(text)
+    try:
+        records = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise ValueError(f"not valid JSON ({err.msg} at line {err.lineno})") from None
+    except RecursionError:
+        raise ValueError("nested too deeply to read as JSON") from None
+    if isinstance(records, dict):  # {"data": [...]}
+        lists = [v for v in records.values() if isinstance(v, list)]
+        if len(records) != 1 or not lists:
+            raise ValueError("a JSON metadata file must hold a list of records")
+        records = lists[0]
+    if not isinstance(records, list):
+        raise ValueError(f"a JSON metadata file must hold a list of records, not {_json_type(records)}")
+    return _objects([(f"record {n}", rec) for n, rec in enumerate(records, 1)])
+
+
+class _Unparsed(str):
+    """Why a JSON Lines line could not be parsed (a sentence that follows its label)."""
+
+
+def _objects(values: list[tuple[str, Any]]) -> Records:
+    """Rows from parsed JSON values ``(label, value)``: one that is not an object is its row's problem."""
+    out = Records([], [])
+    for n, (label, value) in enumerate(values, 1):
+        if isinstance(value, _Unparsed):
+            out.problems.append((n, f"{label} {value}"))
+            value = None
+        elif not isinstance(value, dict):
+            out.problems.append((n, f"{label} is {_json_type(value)}, not an object with named fields"))
+            value = None
+        out.rows.append(value)
+    out.columns = list(dict.fromkeys(k for r in out.rows if r for k in r))
+    return out
+
+
+def _csv(text: str) -> Records:
+    reader = csv.reader(io.StringIO(text, newline=""))
+    try:
+        header = next(reader, [])
+        out = Records([], header)
+        for row in reader:
+            if not row:  # a blank line is no row
+                continue
+            n = len(out.rows) + 1
+            if len(row) != len(header):
+                fields = f"{len(row)} field{'s' * (len(row) != 1)}"
+                out.problems.append(
+                    (
+                        n,
+                        f"row {n} (line {reader.line_num}) has {fields}, the header has {len(header)}; "
+                        'quote a value holding a comma ("a cat, on a mat")',
+                    )
+                )
+                out.rows.append(None)
             else:
-                raise ValueError("a JSON metadata file must hold a list of records")
-    if not isinstance(records, list) or not all(isinstance(r, dict) for r in records):
-        raise ValueError("every record must be an object with named fields")
-    return records
+                out.rows.append(dict(zip(header, row, strict=True)))
+    except csv.Error as err:
+        raise ValueError(f"not valid CSV (line {reader.line_num}: {err})") from None
+    return out
+
+
+def _jsonl(text: str) -> Records:
+    return _objects([(f"line {n}", _json_line(line)) for n, line in enumerate(text.splitlines(), 1) if line.strip()])
+
+
+def _json_line(line: str) -> Any:
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError as err:
+        return _Unparsed(f"is not valid JSON ({err.msg})")
+    except RecursionError:
+        return _Unparsed("is nested too deeply to read as JSON")
+
+
+def parse_records(data: bytes, fmt: str) -> list[dict[str, Any]]:
+    """Records of a metadata file's content; ValueError with a human reason on any bad row or file."""
+    records = read_records(data, fmt)
+    if records.problems:
+        raise ValueError(records.problems[0][1])
+    return [r for r in records.rows if r is not None]
 
 
 def pick_column(columns: list[str], configured: str | None, candidates: tuple[str, ...]) -> str | None:
@@ -137,8 +220,17 @@ def read_metadata(
     table = MetadataTable(list(files))
     table.aux = {role: {} for role in aux_columns or {}}
     for rel in files:
-        _read_one(root, rel, file_column, caption_column, table, aux_columns or {})
+        try:
+            _read_one(root, rel, file_column, caption_column, table, aux_columns or {})
+        except Exception as err:  # a case not foreseen above still names the file, never a traceback
+            msg = f"metadata file {rel} cannot be read: {type(err).__name__}: {err}"
+            table.problems.append(Problem("bad_metadata", str(root / rel), msg))
     return table
+
+
+def _unusable(value: str) -> bool:
+    """A control character (NUL, newline...) or a lone surrogate: no file name in a dataset holds one."""
+    return any(unicodedata.category(c) in ("Cc", "Cs") for c in value)
 
 
 def _inside(root: Path, real_root: Path, base: str, value: str) -> str | None:
@@ -169,6 +261,10 @@ def _read_one(
         table.problems.append(Problem("bad_metadata", str(path), msg))
         return
     try:
+        if path.exists() and not path.is_file():  # a folder, or a pipe that would block the read
+            msg = f"metadata file {name} is not a regular file"
+            table.problems.append(Problem("bad_metadata", str(path), msg))
+            return
         data = path.read_bytes()
     except FileNotFoundError:
         table.problems.append(Problem("bad_metadata", str(path), f"metadata file {name} does not exist"))
@@ -177,12 +273,17 @@ def _read_one(
         msg = f"cannot read metadata file {name}: {err.strerror}"
         table.problems.append(Problem("unreadable", str(path), msg))
         return
+    if not data.strip():
+        table.problems.append(Problem("bad_metadata", str(path), f"metadata file {name} is empty"))
+        return
     try:
-        records = parse_records(data, fmt)
+        records = read_records(data, fmt)
     except ValueError as err:
         table.problems.append(Problem("bad_metadata", str(path), f"metadata file {name}: {err}"))
         return
-    columns = list(dict.fromkeys(k for r in records for k in r))
+    for _, note in records.problems:
+        table.problems.append(Problem("bad_metadata", str(path), f"metadata file {name}: {note}"))
+    columns = [str(c) for c in records.columns]
     fcol = pick_column(columns, file_column, FILE_COLUMNS)
     ccol = pick_column(columns, caption_column, CAPTION_COLUMNS)
     for col, configured_name, kind, cands in (
@@ -203,11 +304,17 @@ def _read_one(
         return
     real_root = root.resolve()
     base = os.path.dirname(meta_rel)
-    for n, rec in enumerate(records, 1):
+    for n, rec in enumerate(records.rows, 1):
+        if rec is None:  # malformed: reported above
+            continue
         where = f"{name} row {n}"
         value = rec.get(fcol)
         if not isinstance(value, str) or not value.strip():
             table.problems.append(Problem("bad_metadata", str(path), f"{where}: {fcol!r} is empty or not text"))
+            continue
+        if _unusable(value):
+            msg = f"{where}: {value!r} holds a control character or an invalid code point; no file has that name"
+            table.problems.append(Problem("bad_metadata", str(path), msg))
             continue
         value = value.strip()
         rel = _inside(root, real_root, base, value)
@@ -224,7 +331,10 @@ def _read_one(
         for role, col in aux_columns.items():
             cell = rec.get(col)
             aux_rel = None
-            if isinstance(cell, str) and cell.strip():
+            if isinstance(cell, str) and _unusable(cell):
+                msg = f"{where}: {role} {cell!r} holds a control character or an invalid code point"
+                table.problems.append(Problem("bad_metadata", str(path), msg))
+            elif isinstance(cell, str) and cell.strip():
                 aux_rel = _inside(root, real_root, base, cell.strip())
                 if aux_rel is None:
                     msg = f"{where}: {role} {cell.strip()!r} is outside the dataset folder {root}"

@@ -291,14 +291,20 @@ def make_plan(
     ``text_control``: the text encoder sees the control image, so a text entry
     carries the item's control image and its key the image's sha256.
 
+    The specs carry the manifest's ``max_pixels``, so the cache jobs refuse a
+    file whose header grew past the validated limit since.
+
     Raises:
-        ValueError: the manifest is missing or names a dataset the config lacks.
+        ValueError: the manifest is missing, names a dataset the config lacks,
+            or leaves no item to train on (with the counts).
     """
     manifest_path = Path(manifest_path)
     if not manifest_path.is_file():
         raise ValueError(f"manifest {manifest_path} not found; run the validate step first")
     by_name = {d.name: d for d in datasets}
-    schema_names = set(pq.read_schema(manifest_path).names)
+    schema = pq.read_schema(manifest_path)
+    schema_names = set(schema.names)
+    max_pixels = (schema.metadata or {}).get(b"max_pixels")
     cols = ["id", "dataset", "path", "sha256", "width", "height", "frames", "caption", "status"]
     newer = ["fps", "split", "kind", "reasons"]  # columns newer manifests add
     newer += [f"{role}_{col}" for role in ROLES for col in ("path", "sha256")]
@@ -310,7 +316,7 @@ def make_plan(
     buckets: Counter[str] = Counter()
     samples: Counter[str] = Counter()  # entries x repeats: what one epoch draws per bucket
     too_short: list[str] = []
-    n_items = 0
+    n_items = n_train = 0
     kept: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = []
     for row in sorted(rows, key=lambda r: r["id"]):
         if row["status"] == "skipped":
@@ -343,10 +349,18 @@ def make_plan(
             **({"control": control} if control else {}),
         }
         kept.append((row["id"], entries, text))
+        n_train += any(e["split"] == "train" for e in entries)
         for e in entries:
             buckets[bucket_name(e["bucket"])] += 1
             samples[bucket_name(e["bucket"])] += e["repeats"]
 
+    if not n_train:
+        skipped = sum(r["status"] == "skipped" for r in rows)
+        raise ValueError(
+            f"the plan has no item to train on: {len(rows)} in the manifest {manifest_path}, {skipped} skipped "
+            f"by validation, {len(too_short)} shorter than every frame bucket, {n_items - n_train} held out for "
+            "eval; see the validation report"
+        )
     state = _read_state(paths.plan_state, cache_cfg.shards)
     assignment = assign_shards([k[0] for k in kept], cache_cfg.shards, state)
     for item_id, entries, text in kept:
@@ -361,7 +375,9 @@ def make_plan(
         underfilled=underfilled,
         too_short=too_short,
     )
-    common = {"version": SPEC_VERSION, "dtype": cache_cfg.dtype}
+    common: dict[str, Any] = {"version": SPEC_VERSION, "dtype": cache_cfg.dtype}
+    if max_pixels:  # the decoders' limit (manifests older than it: the decoders' default)
+        common["max_pixels"] = int(max_pixels)
     for i, name in enumerate(names):
         lspec = {
             **common,

@@ -43,7 +43,12 @@ REASONS: dict[str, tuple[Action, str]] = {
     ),
     "decompression_bomb": (
         "skip",
-        "The image has more pixels than `validation.max_pixels`; it is not decoded.",
+        "The header declares more pixels than `validation.max_pixels` (an image, a GIF's screen or any of "
+        "its frames, a video frame); it is not decoded.",
+    ),
+    "large_media": (
+        "warn",
+        "The image (or a video frame) is over 16.8 megapixels (4096x4096): kept, but slow to cache.",
     ),
     "too_small": (
         "skip",
@@ -92,6 +97,10 @@ REASONS: dict[str, tuple[Action, str]] = {
     # datasets
     "missing_dataset": ("error", "The dataset folder does not exist."),
     "no_media": ("error", "The dataset holds no media file."),
+    "no_usable_items": (
+        "error",
+        "Every media file of the dataset is skipped (or held out for eval): nothing to train on.",
+    ),
 }
 
 

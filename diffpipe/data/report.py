@@ -16,10 +16,15 @@ from diffpipe.data.validate import Issue, ValidationResult
 from diffpipe.utils import digest, write_text_atomic
 
 #: Bump when the page layout changes, so existing pages are rebuilt.
-HTML_VERSION = 2
+HTML_VERSION = 3  # 3: thumbnails only of files within the pixel limits
 THUMB = 128
 #: Thumbnails per reason; the rest are listed without one (keeps the page small).
 MAX_THUMBS = 500
+#: Larger images get no thumbnail (nor more than ``validation.max_pixels``): a page of
+#: flagged files must not cost a decode of each at full size.
+THUMB_MAX_PIXELS = 64_000_000
+#: Reasons whose files are fine to look at: no thumbnail needed.
+_NO_THUMB = {"large_media"}
 _KEY_RE = re.compile(r'<meta name="diffpipe-report-key" content="([0-9a-f]+)">')
 
 
@@ -57,9 +62,9 @@ def report_data(result: ValidationResult) -> dict[str, Any]:
     }
 
 
-def _thumbnail(path: str, kind: str | None) -> str | None:
+def _thumbnail(path: str, kind: str | None, max_pixels: int) -> str | None:
     """Base64 JPEG thumbnail (a video's first frame), or None when it cannot be decoded."""
-    img = thumbnail(path, kind, THUMB)
+    img = thumbnail(path, kind, THUMB, min(max_pixels, THUMB_MAX_PIXELS))
     if img is None:
         return None
     buf = io.BytesIO()
@@ -78,7 +83,7 @@ table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:4px 10px;text
 """
 
 
-def _card(issue: Issue, with_thumb: bool) -> str:
+def _card(issue: Issue, with_thumb: bool, max_pixels: int) -> str:
     name = html.escape(Path(issue.path).name)
     msg = html.escape(issue.message)
     label = (
@@ -86,7 +91,7 @@ def _card(issue: Issue, with_thumb: bool) -> str:
     )  # flags on rows have a kind; others name a file or folder
     thumb = None
     if label is None:
-        thumb = _thumbnail(issue.path, issue.kind) if with_thumb else None
+        thumb = _thumbnail(issue.path, issue.kind, max_pixels) if with_thumb else None
         label = "cannot decode" if with_thumb else "not shown"
     if thumb:
         pic = f'<img src="data:image/jpeg;base64,{thumb}" alt="{name}">'
@@ -122,7 +127,8 @@ def render_html(result: ValidationResult, key: str) -> str:
             f'<h2 id="{reason}">{reason} <span class="{action}">({action}, {count})</span></h2><div class="grid">'
         )
         group = [i for i in result.issues if i.reason == reason]
-        parts += [_card(issue, n < MAX_THUMBS) for n, issue in enumerate(group)]
+        with_thumbs = reason not in _NO_THUMB
+        parts += [_card(issue, with_thumbs and n < MAX_THUMBS, result.max_pixels) for n, issue in enumerate(group)]
         parts.append("</div>")
     parts.append("</body></html>\n")
     return "\n".join(parts)

@@ -27,6 +27,7 @@ from typing import Any, Literal
 import pyarrow as pa
 import pyarrow.parquet as pq
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from diffpipe.config import DatasetConfig, ValidationConfig
@@ -39,6 +40,7 @@ from diffpipe.data.checks import (  # noqa: F401  (FamilyTokenCounter: used thro
     assign_split,
     check_geometry,
     check_tokens,
+    check_usable,
     flag_duplicates,
 )
 from diffpipe.data.discover import Listing, list_dataset, printable
@@ -48,13 +50,15 @@ from diffpipe.data.pool import probe_files
 from diffpipe.utils import atomic_path, digest
 
 #: Bump when probing changes, so a new version re-probes every file.
-PROBE_VERSION = 3
+#: 4: declared sizes checked from headers (GIF frames, video streams); ``large_media``.
+PROBE_VERSION = 4
 #: Reasons found by reading media content, reused while size and mtime are unchanged.
 _PROBE_REASONS = {
     "zero_byte",
     "corrupt_media",
     "extension_mismatch",
     "decompression_bomb",
+    "large_media",
     "no_frames",
 }
 #: Reasons found by reading a caption file, reused likewise.
@@ -135,6 +139,7 @@ class ValidationResult:
     issues: list[Issue] = field(default_factory=list)
     datasets: dict[str, dict[str, int]] = field(default_factory=dict)
     actions: dict[str, Action] = field(default_factory=dict)
+    max_pixels: int = ValidationConfig().max_pixels  # the limit files were checked against
 
     @property
     def counts(self) -> dict[str, int]:
@@ -222,14 +227,15 @@ def _collect(
     for rel in meta.captions:
         if rel in media:
             continue
-        if (listing.root / rel).is_file():
+        try:
+            exists = (listing.root / rel).is_file()
+            why = "does not exist"
+        except OSError as err:  # a name too long for the file system, ...
+            exists, why = False, f"cannot be a file ({err.strerror or err})"
+        if exists:
             media[rel] = "image"  # listed by metadata with an unusual extension: sniffing decides
         else:
-            issue(
-                str(listing.root / rel),
-                "missing_file",
-                f"{meta.where[rel]}: {rel!r} does not exist in {listing.root}",
-            )
+            issue(str(listing.root / rel), "missing_file", f"{meta.where[rel]}: {rel!r} {why} in {listing.root}")
     rows: list[dict[str, Any]] = []
     jobs: list[tuple[int, str, str]] = []
     root = str(listing.root)
@@ -387,7 +393,7 @@ def run_validation(
     caption_keys = {ds.name: digest([ds.caption_lines, ds.caption_style])[:16] for ds in datasets}
     prev_caption_keys = json.loads(prev_meta.get("caption_keys", "{}"))
     reuse_probe = not rehash and prev_meta.get("probe_key") == probe_key
-    result = ValidationResult(actions=actions)
+    result = ValidationResult(actions=actions, max_pixels=vcfg.max_pixels)
     extra: list[tuple[str, str, str, str]] = []  # (dataset, path, reason, note) not tied to a row
 
     per_ds: list[tuple[DatasetConfig, Listing, MetadataTable, list[dict[str, Any]]]] = []
@@ -485,6 +491,8 @@ def run_validation(
                     row["kind"],
                 )
             )
+    for ds, listing, _, rows in per_ds:
+        check_usable(ds, rows, actions, lambda p, r, n, d=ds.name: extra.append((d, p, r, n)), listing.root)
     for ds_name, path, reason, note in extra:
         result.issues.append(Issue(ds_name, printable(path), reason, note, actions[reason]))
     for ds in datasets:
@@ -504,7 +512,11 @@ def run_validation(
     result.errors = sum(i.action == "error" for i in result.issues)
     result.warnings = sum(i.action == "warn" for i in result.issues)
     result.issues.sort(key=lambda i: (i.dataset, i.path, i.reason))
-    meta = {"probe_key": probe_key, "caption_keys": json.dumps(caption_keys, sort_keys=True)}
+    meta = {
+        "probe_key": probe_key,
+        "caption_keys": json.dumps(caption_keys, sort_keys=True),
+        "max_pixels": str(vcfg.max_pixels),  # the plan hands it to the cache jobs' decoders
+    }
     if prev_path == manifest_path and prev_meta == meta and _same_rows(all_rows, prev_rows):
         # Compared as Python values: building the Arrow table from rows imports pandas
         # (pyarrow checks for pandas types), a large share of a no-change rerun.
@@ -532,15 +544,20 @@ def print_summary(
     report: Path | None = None,
     max_errors: int = 50,
 ) -> None:
-    """Print each error, the report's path, then the counts per reason as a table (printed last)."""
+    """Print each error, the report's path, then the counts per reason as a table (printed last).
+
+    Paths and messages hold user text (file names, metadata rows): escaped, so
+    square brackets print as written instead of being read as rich markup.
+    """
     console = console or Console(stderr=True)
     errors = [i for i in result.issues if i.action == "error"]
     for issue in errors[:max_errors]:  # in the log too: a failed Snakemake job loses its outputs
-        console.print(f"[red]{issue.reason}[/red] {issue.path}: {issue.message}", highlight=False)
+        line = f"[red]{issue.reason}[/red] {escape(issue.path)}: {escape(issue.message)}"
+        console.print(line, highlight=False, soft_wrap=True)  # one line per error: greppable logs
     if len(errors) > max_errors:
         console.print(f"... and {len(errors) - max_errors} more error(s)")
     if report:
-        console.print(f"validate: report {report}")
+        console.print(f"validate: report {escape(str(report))}", highlight=False, soft_wrap=True)
     table = Table(title="Dataset validation")
     table.add_column("reason")
     table.add_column("action")

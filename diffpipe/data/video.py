@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from diffpipe.data.buckets import cover_crop
-from diffpipe.data.media import to_rgb
+from diffpipe.data.media import DEFAULT_MAX_PIXELS, decoded_frames, open_video, to_rgb
 
 
 def select_frames(frames: Iterable[Any], indices: list[int]) -> Iterator[tuple[list[int], Any]]:
@@ -51,22 +51,19 @@ def load_video_array(
     *,
     crop: tuple[float, float] = (0.5, 0.5),
     flip: bool = False,
+    max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> np.ndarray:
     """Decode source frames ``frames`` of a clip into float32 ``[3, F, H, W]`` in [-1, 1].
 
     Raises:
-        ValueError: the clip has no video stream or ends before the last planned frame.
+        ValueError: the clip has no video stream, declares frames of more than
+            ``max_pixels`` (checked before decoding) or ends before the last planned frame.
     """
-    import av
-
     h, w = size
     out = np.empty((3, len(frames), h, w), dtype=np.float32)
     filled = 0
-    with av.open(str(src) if isinstance(src, Path) else src) as container:
-        stream = next((s for s in container.streams if s.type == "video"), None)
-        if stream is None:
-            raise ValueError("the file holds no video stream")
-        for positions, frame in select_frames(container.decode(stream), frames):
+    with open_video(src, max_pixels) as (container, stream):
+        for positions, frame in select_frames(decoded_frames(container, stream, max_pixels), frames):
             rgb = cover_crop(to_rgb(frame.to_image()), (h, w), crop)
             if flip:
                 rgb = rgb.transpose(Image.Transpose.FLIP_LEFT_RIGHT)

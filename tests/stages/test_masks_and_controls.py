@@ -212,7 +212,8 @@ def test_metadata_columns_and_aux_folder_inside_the_dataset(tmp_path):
                                       "mask_path": str(data / "images" / "masks")}]})
     result = run_validation(cfg.datasets, ValidationConfig(), manifest_path=tmp_path / "m2.parquet",
                             report_json=tmp_path / "r2.json", report_html=tmp_path / "r2.html", workers=1)
-    assert result.items == 3 and result.counts == {"missing_caption": 3, "missing_mask": 2}
+    # Every item lacks its caption here, so the dataset has nothing to train on: an error (issue 14).
+    assert result.items == 3 and result.counts == {"missing_caption": 3, "missing_mask": 2, "no_usable_items": 1}
 
 
 # -- caching ---------------------------------------------------------------------------------
