@@ -19,9 +19,10 @@ median of ``--repeat`` runs of each:
 - a LoRA adapter folder (PEFT, rank 16, about 1.6M parameters), as training
   and ``import-lora`` write it.
 
-The ratio is what a job's write phase costs with syncing over without; a
-cache job's encoding and a training run's steps are not in it (they dwarf
-these writes). Figures depend on the disk: a laptop SSD, a network file
+The ratio is what a job's write phase costs with syncing over without, ``+ms``
+the time syncing adds; a cache job's encoding and a training run's steps are
+not in it (they dwarf these writes). Small writes have high ratios and small
+``+ms``: each ``fsync`` waits for the disk (a journal commit) however little it flushes. Figures depend on the disk: a laptop SSD, a network file
 system and a VM's virtual disk differ by orders of magnitude.
 """
 
@@ -167,7 +168,7 @@ def main() -> None:
     ap.add_argument("--dir", type=Path, default=Path("/tmp/diffpipe-fsync-bench"))
     args = ap.parse_args()
     shutil.rmtree(args.dir, ignore_errors=True)
-    print(f"{'write':30} {'size':>9} {'no sync ms':>11} {'sync ms':>9} {'ratio':>6} {'fsyncs':>7}")
+    print(f"{'write':30} {'size':>9} {'no sync ms':>11} {'sync ms':>9} {'+ms':>6} {'ratio':>6} {'fsyncs':>7}")
     for label, make in CASES.items():
         root = args.dir / label.split()[0]
         run, size = make(root)
@@ -180,7 +181,8 @@ def main() -> None:
                 times.append(time.perf_counter() - t)
                 i += 1
         a, b = statistics.median(plain) * 1e3, statistics.median(synced) * 1e3
-        print(f"{label:30} {size / 2**20:7.2f}MB {a:11.1f} {b:9.1f} {b / a:6.2f} {counter.calls // args.repeat:7d}")
+        print(f"{label:30} {size / 2**20:7.2f}MB {a:11.1f} {b:9.1f} {b - a:6.1f} {b / a:6.2f} "
+              f"{counter.calls // args.repeat:7d}")
         shutil.rmtree(root, ignore_errors=True)
 
 
