@@ -60,8 +60,6 @@ from diffpipe.data.plan import EMPTY_ID, read_spec, text_key
 from diffpipe.data.store import (
     Store,
     StoreRow,
-    clean_stale_temp,
-    link_into_place,
     shard_content_name,
 )
 from diffpipe.data.text import TextShard, write_text_shard
@@ -74,8 +72,6 @@ R = TypeVar("R")
 PREFETCH = 2
 #: Fewer entries to encode than this many batches: decode in threads (no process start-up).
 PROCESS_MIN_BATCHES = 4
-#: A store temp folder this old belongs to a killed writer (a live one renames it within seconds).
-STALE_TEMP_S = 3600
 
 
 def _device(device: str | None) -> torch.device:
@@ -221,9 +217,9 @@ def _by_shard(found: dict[str, StoreRow]) -> dict[Path, list[tuple[str, StoreRow
     return groups
 
 
-def _reuse_latents(store: Store, found: dict[str, StoreRow], dtype: str) -> dict[str, dict[str, torch.Tensor | None]]:
-    """Rows of the store (``latents`` and aux arrays), bit-exact; a store shard that fails its
-    checksum is discarded."""
+def _reuse_latents(found: dict[str, StoreRow], dtype: str, damaged: list[str]) -> dict[str, dict[str, torch.Tensor | None]]:
+    """Rows of the store (``latents`` and aux arrays), bit-exact; the names of store shards
+    that fail their checksum go to ``damaged`` (removed when the job publishes)."""
     out: dict[str, dict[str, torch.Tensor | None]] = {}
     for shard_path, rows in _by_shard(found).items():
         try:
@@ -232,7 +228,7 @@ def _reuse_latents(store: Store, found: dict[str, StoreRow], dtype: str) -> dict
                 continue
             arrays = shard.load()  # whole arrays: one read call per bucket; checksum checked
         except ValueError:
-            store.discard("latents", shard_path.name.removesuffix(".zarr"))
+            damaged.append(shard_path.name.removesuffix(".zarr"))
             continue
         for key, row in rows:
             # float32 like fresh encodes; bf16 -> fp32 -> bf16 is exact.
@@ -245,7 +241,7 @@ def _reuse_latents(store: Store, found: dict[str, StoreRow], dtype: str) -> dict
     return out
 
 
-def _reuse_text(store: Store, found: dict[str, StoreRow], dtype: str) -> dict[str, dict[str, torch.Tensor]]:
+def _reuse_text(found: dict[str, StoreRow], dtype: str, damaged: list[str]) -> dict[str, dict[str, torch.Tensor]]:
     out: dict[str, dict[str, torch.Tensor]] = {}
     for shard_path, rows in _by_shard(found).items():
         try:
@@ -254,7 +250,7 @@ def _reuse_text(store: Store, found: dict[str, StoreRow], dtype: str) -> dict[st
                 continue
             arrays = shard.load()
         except ValueError:
-            store.discard("text", shard_path.name.removesuffix(".arrow"))
+            damaged.append(shard_path.name.removesuffix(".arrow"))
             continue
         for key, row in rows:
             out[key] = {name: storage_to_tensor(a[row.row], dtype) for name, a in arrays.items()}
@@ -296,7 +292,11 @@ def cache_latents(
     first: dict[str, dict[str, Any]] = {}
     for item in items:  # equal keys, equal latents: encode each key once
         first.setdefault(item["key"], item)
-    values = {} if regenerate else _reuse_latents(st, st.lookup("latents", first), dtype)
+    damaged: list[str] = []
+    values = {}
+    if not regenerate:
+        with st.lock():  # no store shard goes while it is read
+            values = _reuse_latents(st.lookup("latents", first), dtype, damaged)
     for key in list(values):  # a stored entry lacking an aux array the key promises: encode again
         if any(values[key][role] is None for role in first[key].get("aux") or {}):
             del values[key]
@@ -351,16 +351,15 @@ def cache_latents(
     ]
     attrs = {"identity": spec["identity"]}
     name = shard_content_name("latents", dtype, [(it["id"], it["key"]) for it in items])
-    target = st.shard_path("latents", name)
     rows = _index_rows(entries)
-    clean_stale_temp(target, older_than=STALE_TEMP_S)
-    if regenerate or missing or not st.has("latents", name):
-        write_latent_shard(target, entries, dtype=dtype, attrs=attrs)
-        st.add_index("latents", name, rows)
+
+    def write(path: Path) -> None:
+        write_latent_shard(path, entries, dtype=dtype, attrs=attrs)
+
+    target = st.publish("latents", name, out_path, write, rows, rewrite=regenerate or bool(missing), damaged=damaged)
     counts = {}
     for _, arr, _ in rows:
         counts[arr] = counts.get(arr, 0) + 1
-    link_into_place(target, out_path)
     summary = {
         "kind": "latents",
         "shard": spec["shard"],
@@ -465,7 +464,11 @@ def _cache_text_spec(
     for item in items:  # equal keys, equal embeddings: encode each caption once
         unique.setdefault(item["key"], item["caption"])
         controls.setdefault(item["key"], item.get("control"))
-    values = {} if regenerate else _reuse_text(st, st.lookup("text", unique), dtype)
+    damaged: list[str] = []
+    values = {}
+    if not regenerate:
+        with st.lock():
+            values = _reuse_text(st.lookup("text", unique), dtype, damaged)
     reused = len(values)
     missing = [key for key in unique if key not in values]
     if missing:
@@ -486,19 +489,13 @@ def _cache_text_spec(
         names = sorted(values[items[0]["key"]])
         embeddings = {n: torch.stack([values[it["key"]][n].float() for it in items]) for n in names}
     name = shard_content_name("text", dtype, [(it["id"], it["key"]) for it in items])
-    target = st.shard_path("text", name)
-    clean_stale_temp(target, older_than=STALE_TEMP_S)
-    if regenerate or missing or not st.has("text", name):
-        write_text_shard(
-            target,
-            [it["id"] for it in items],
-            [it["key"] for it in items],
-            embeddings,
-            dtype=dtype,
-            attrs={"identity": spec["identity"]},
-        )
-        st.add_index("text", name, [(it["key"], "", r) for r, it in enumerate(items)])
-    link_into_place(target, out_path)
+
+    def write(path: Path) -> None:
+        ids, keys = [it["id"] for it in items], [it["key"] for it in items]
+        write_text_shard(path, ids, keys, embeddings, dtype=dtype, attrs={"identity": spec["identity"]})
+
+    rows = [(it["key"], "", r) for r, it in enumerate(items)]
+    target = st.publish("text", name, out_path, write, rows, rewrite=regenerate or bool(missing), damaged=damaged)
     summary = {
         "kind": "text",
         "shard": spec["shard"],

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from diffpipe.utils import write_bytes_atomic, write_text_atomic
+from diffpipe.utils import claim_files, write_bytes_atomic, write_text_atomic
 
 COLORS: dict[str, tuple[int, int, int]] = {
     "red": (220, 40, 40),
@@ -56,17 +56,22 @@ def demo_item(index: int, size: int = 64, seed: int = 0) -> tuple[Image.Image, s
 def write_demo_dataset(
     out_dir: str | Path, n: int = 16, size: int = 64, seed: int = 0
 ) -> list[Path]:
-    """Write ``n`` PNG images with same-stem ``.txt`` captions; returns the image paths."""
+    """Write ``n`` PNG images with same-stem ``.txt`` captions; returns the image paths.
+
+    A user's file under one of those names is refused, never overwritten (other
+    files in ``out_dir`` are left alone). Not synced: toy data is rewritten in a second.
+    """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     width = max(3, len(str(n - 1)))
+    stems = [f"shape_{i:0{width}d}" for i in range(n)]
+    claim_files(out, [f"{stem}{ext}" for stem in stems for ext in (".png", ".txt")])
     paths = []
-    for i in range(n):
+    for i, name in enumerate(stems):
         img, caption = demo_item(i, size=size, seed=seed)
-        stem = out / f"shape_{i:0{width}d}"
+        stem = out / name
         buf = io.BytesIO()
         img.save(buf, format="PNG")
-        write_bytes_atomic(stem.with_suffix(".png"), buf.getvalue())
-        write_text_atomic(stem.with_suffix(".txt"), caption + "\n")
+        write_bytes_atomic(stem.with_suffix(".png"), buf.getvalue(), durable=False)
+        write_text_atomic(stem.with_suffix(".txt"), caption + "\n", durable=False)
         paths.append(stem.with_suffix(".png"))
     return paths

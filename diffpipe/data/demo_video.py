@@ -14,7 +14,7 @@ from PIL import Image, ImageDraw
 
 from diffpipe.data.demo import COLORS, SHAPES, _draw_shape
 from diffpipe.data.video import write_mp4
-from diffpipe.utils import atomic_path, write_text_atomic
+from diffpipe.utils import atomic_path, claim_files, write_text_atomic
 
 DIRECTIONS = {"left to right": (1, 0), "right to left": (-1, 0), "top to bottom": (0, 1), "bottom to top": (0, -1)}
 
@@ -45,7 +45,7 @@ def demo_clip(
 
 def write_clip(frames: list[Image.Image], path: str | Path, fps: float) -> Path:
     """Encode RGB frames into an MP4 file, atomically (the sides must be even)."""
-    with atomic_path(path) as tmp:
+    with atomic_path(path, durable=False) as tmp:
         write_mp4(frames, tmp, fps)
     return Path(path)
 
@@ -54,13 +54,18 @@ def write_demo_clips(
     out_dir: str | Path, n: int = 4, *, frames: int = 9, width: int = 48, height: int = 32, fps: float = 16,
     seed: int = 0,
 ) -> list[Path]:
-    """Write ``n`` MP4 clips with same-stem ``.txt`` captions; returns the clip paths."""
+    """Write ``n`` MP4 clips with same-stem ``.txt`` captions; returns the clip paths.
+
+    As :func:`~diffpipe.data.demo.write_demo_dataset`: a user's file under one of
+    those names is refused, never overwritten.
+    """
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    stems = [f"clip_{i:03d}" for i in range(n)]
+    claim_files(out, [f"{stem}{ext}" for stem in stems for ext in (".mp4", ".txt")])
     paths = []
-    for i in range(n):
+    for i, name in enumerate(stems):
         clip, caption = demo_clip(i, frames=frames, width=width, height=height, seed=seed)
-        stem = out / f"clip_{i:03d}"
+        stem = out / name
         paths.append(write_clip(clip, stem.with_suffix(".mp4"), fps))
-        write_text_atomic(stem.with_suffix(".txt"), caption + "\n")
+        write_text_atomic(stem.with_suffix(".txt"), caption + "\n", durable=False)
     return paths

@@ -182,6 +182,11 @@ def write_latent_shard(
     return {name: len(a) for name, a in arrays.items()}
 
 
+#: Files in a shard folder that are not Zarr's: Snakemake's stamp in directory outputs,
+#: diffpipe's own-output marker (``utils.OUTPUT_MARKER``). Zarr warns about each.
+_NOT_ZARR = r".*(\.snakemake_timestamp|\.diffpipe-output\.json).*"
+
+
 class LatentShard:
     """Read side of a latent shard; ``load()`` reads each array in one call."""
 
@@ -191,8 +196,7 @@ class LatentShard:
             raise ValueError(f"latent shard {self.path} is missing; run the cache step for it")
         try:
             with warnings.catch_warnings():
-                # Snakemake drops a `.snakemake_timestamp` file into directory outputs.
-                warnings.filterwarnings("ignore", message=".*snakemake_timestamp.*")
+                warnings.filterwarnings("ignore", message=_NOT_ZARR)
                 self.group = zarr.open_group(str(self.path), mode="r")
             self.attrs: dict[str, Any] = dict(self.group.attrs)
         except Exception as err:  # zarr raises many types for a damaged store
@@ -201,7 +205,7 @@ class LatentShard:
             raise ValueError(f"latent shard {self.path} is not a diffpipe latent shard (no format attr)")
         self.dtype: str = self.attrs["dtype"]
         with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*snakemake_timestamp.*")
+            warnings.filterwarnings("ignore", message=_NOT_ZARR)
             self.meta: dict[str, dict[str, Any]] = {
                 name: dict(self.group[name].attrs) for name in sorted(self.group.array_keys())
             }

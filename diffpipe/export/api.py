@@ -19,6 +19,7 @@ from diffpipe.export.peft_format import export_peft
 from diffpipe.models.base import Family, split_parts
 from diffpipe.paths import EXPORT_CARD, EXPORT_NAMES, FORMATS, RunPaths, export_name
 from diffpipe.training.adapter import PEFT_PREFIX, load_adapter
+from diffpipe.utils import claim_files
 
 
 @dataclass
@@ -50,6 +51,9 @@ def export_lora(
     parts' names carrying their suffix (``pytorch_lora_weights_low_noise.safetensors``,
     ``peft_low_noise``; result keys ``diffusers_low_noise``, ...), and one merged
     folder with every part fused in.
+
+    ``out_dir`` may hold other files: they stay untouched. A file or folder of the
+    user's under one of the names written here is refused before anything is written.
     """
     unknown = sorted(set(formats) - set(FORMATS))
     if unknown or not formats:
@@ -61,6 +65,9 @@ def export_lora(
                          "and these formats hold one model's LoRA; export diffusers, peft or merged")
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     state_dict, lora_cfg = load_adapter(adapter_dir)
+    # out_dir may be a user's folder (--out): refuse before writing if a name we write is theirs.
+    claim_files(out_dir, [EXPORT_CARD] + [export_name(fmt, part.suffix) if fmt in ("diffusers", "peft")
+                                          else EXPORT_NAMES[fmt] for fmt in formats for part in parts])
     by_part = split_parts(state_dict, parts)
     info = gather_info(adapter_dir, lora_cfg, family, config=config, run=run)
     header = {**info.header(), "diffpipe.adapter_sha256": tensors_digest(state_dict)}

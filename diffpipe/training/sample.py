@@ -53,20 +53,23 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
     """Render every prompt with and without the LoRA (same seed) and save PNGs (MP4s) plus a grid.
 
     The grid's top row is the base model, the bottom row the LoRA (first
-    frames for video): a quick look at what training changed. A run that trained
-    several parts (Wan 2.2 A14B, ``model.expert: both``) loads each part's file,
-    found beside ``lora_file`` by its export name.
+    frames for video): a quick look at what training changed. ``out_dir`` is written
+    whole: a folder diffpipe wrote before is replaced, any other non-empty one is
+    refused (see :func:`diffpipe.utils.atomic_path`). A run that trained several
+    parts (Wan 2.2 A14B, ``model.expert: both``) loads each part's file, found
+    beside ``lora_file`` by its export name.
     """
     family = get_family(model_cfg)
-    pipe = family.load_pipeline()
-    pipe.set_progress_bar_config(disable=True)
-    kwargs = family.sample_kwargs(cfg)
-    base = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video, cfg.images)
-    for file, load_kwargs in _part_files(family, Path(lora_file)):
-        pipe.load_lora_weights(str(file), **load_kwargs)  # each into its expert, if several
-    tuned = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video, cfg.images)
     out_dir = Path(out_dir)
+    # Entered first: a folder of the user's is refused before minutes of rendering.
     with atomic_path(out_dir, is_dir=True) as tmp:
+        pipe = family.load_pipeline()
+        pipe.set_progress_bar_config(disable=True)
+        kwargs = family.sample_kwargs(cfg)
+        base = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video, cfg.images)
+        for file, load_kwargs in _part_files(family, Path(lora_file)):
+            pipe.load_lora_weights(str(file), **load_kwargs)  # each into its expert, if several
+        tuned = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video, cfg.images)
         for i, sample in enumerate(tuned):
             _save(sample, tmp / f"sample-{i:02d}", family)
         _grid([b[0] for b in base], [t[0] for t in tuned], cfg.prompts).save(tmp / "grid.png")
