@@ -294,8 +294,9 @@ class ValidationConfig(_Section):
     )
     max_pixels: Int = Field(
         178_956_970,
-        description="Images with more pixels are flagged `decompression_bomb` and never decoded (Pillow's own "
-        "limit by default).",
+        description="Files whose header declares more pixels (an image, a GIF's screen or any of its frames, "
+        "a video frame) are flagged `decompression_bomb` and never decoded, in validation and in the cache jobs "
+        "(Pillow's own limit by default).",
         ge=1,
         le=2**40,
     )

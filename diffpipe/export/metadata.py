@@ -14,10 +14,9 @@ from typing import Any
 
 import peft
 import torch
-import yaml
 from safetensors import safe_open
 
-from diffpipe.config import Config
+from diffpipe.config import Config, load_yaml
 from diffpipe.models import _common as common
 from diffpipe.models.base import Family
 from diffpipe.paths import RunPaths
@@ -111,7 +110,7 @@ def gather_info(adapter_dir: str | Path, lora_cfg: peft.LoraConfig, family: Fami
     header = _adapter_header(adapter_dir)
     resolved = config.model_dump(mode="json") if config is not None else None
     if resolved is None and run is not None and (run.root / "resolved-config.yaml").exists():
-        resolved = yaml.safe_load((run.root / "resolved-config.yaml").read_text())
+        resolved = load_yaml(run.root / "resolved-config.yaml")
     triggers = [d["caption_prefix"].strip() for d in (resolved or {}).get("datasets", []) if d.get("caption_prefix")]
     return ExportInfo(
         family=family.name,

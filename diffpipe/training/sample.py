@@ -12,6 +12,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from diffpipe.config import ModelConfig, SampleConfig
+from diffpipe.data.media import DEFAULT_MAX_PIXELS, open_image
 from diffpipe.data.video import write_mp4
 from diffpipe.models import get_family
 from diffpipe.paths import EXPORT_NAMES, export_name
@@ -35,8 +36,9 @@ def _render(
 
 
 def _open_image(path: str) -> Image.Image:
+    # The same header check as validation: a sample image is user input too (a decompression bomb).
     try:
-        with Image.open(path) as img:
+        with open_image(path, DEFAULT_MAX_PIXELS) as img:
             return img.convert("RGB")
     except OSError as err:
         raise ValueError(f"sample.images: cannot read {path}: {err}") from err
