@@ -10,6 +10,7 @@ from __future__ import annotations
 import errno
 import io
 import os
+import shlex
 import subprocess
 import sys
 
@@ -124,3 +125,49 @@ def test_unexpected_error_is_named_without_a_traceback(tmp_path, monkeypatch):
     monkeypatch.setenv("DIFFPIPE_DEBUG", "1")
     assert isinstance(runner.invoke(app, ["plan", "--config", str(_config(tmp_path, tmp_path / "run"))]).exception,
                       KeyError)
+
+
+def test_output_dir_with_braces_is_refused_by_name(tmp_path):
+    """Snakemake reads "{x}" in a path as a wildcard: refused before it starts, naming the key."""
+    result = runner.invoke(app, ["run", "-n", "--config", str(_config(tmp_path, tmp_path / "run{shard}"))])
+    assert result.exit_code == 2, result.output
+    assert "output_dir" in result.output and "run{shard}" in result.output
+
+
+def test_train_launcher_is_split_and_each_word_quoted():
+    from types import SimpleNamespace
+
+    from diffpipe.workflow import launcher_args
+
+    mpi = "srun --kill-on-bad-exit=1 --export 'A=$(touch PWNED)' `x`;y"
+    assert shlex.split(launcher_args(None, SimpleNamespace(mpi=mpi))) == shlex.split(mpi)
+    assert launcher_args(None, SimpleNamespace(mpi="")) == ""
+    with pytest.raises(ValueError, match="resources.mpi"):
+        launcher_args(None, SimpleNamespace(mpi="srun 'open"))
+
+
+def test_run_folder_lock_is_exclusive_and_names_the_holder(tmp_path, monkeypatch):
+    from diffpipe import runlock
+
+    with runlock.hold(tmp_path / "run", runlock.RUN_LOCK, "diffpipe run") as path:
+        with pytest.raises(runlock.FolderLocked, match=f"pid {os.getpid()}") as err:
+            with runlock.hold(tmp_path / "run", runlock.RUN_LOCK, "diffpipe run"):
+                pass
+        assert str(tmp_path / "run") in str(err.value)
+        with runlock.hold(tmp_path / "run", runlock.TRAIN_LOCK, "diffpipe train"):
+            pass  # the run's own train job takes another lock
+        monkeypatch.setenv(runlock.HELD_ENV, str(path.resolve()))
+        with runlock.hold(tmp_path / "run", runlock.RUN_LOCK, "diffpipe run"):
+            pass  # a process our launcher started, under its parent's lock
+    monkeypatch.delenv(runlock.HELD_ENV)
+    with runlock.hold(tmp_path / "run", runlock.RUN_LOCK, "diffpipe run"):
+        pass  # released on exit
+
+
+def test_slurm_profile_passes_job_commands_as_scripts():
+    """With sbatch --wrap="...", the submitting shell expanded $(...) in a config or output path
+    (shlex's single quotes mean nothing inside double quotes); a script on stdin is run as written."""
+    from diffpipe.paths import REPO_ROOT
+
+    profile = yaml.safe_load((REPO_ROOT / "profiles" / "slurm" / "config.yaml").read_text())
+    assert profile["slurm-pass-command-as-script"] is True
