@@ -265,14 +265,17 @@ def train(
 
     cfg, paths = _setup(config)
     launched = engine.in_launched_rank()
-    # One trainer per run folder. Rank 0 holds the lock for every rank (under srun or
-    # torchrun); the ranks our own launcher starts find it held by their parent.
+    # One trainer per run folder, and none beside a `diffpipe run` other than the run's own
+    # train job (runlock). Rank 0 holds the lock for every rank (under srun or torchrun);
+    # the ranks our own launcher starts find it held by their parent.
     rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
     lock = nullcontext() if launched and rank != 0 else runlock.hold(paths.root, runlock.TRAIN_LOCK,
                                                                      "diffpipe train", warn=_say)
     with lock as held:
+        if held is not None:
+            runlock.check_free(paths.root, runlock.RUN_LOCK, "diffpipe run")
         if processes > 1 and not launched:
-            os.environ[runlock.HELD_ENV] = str(held.resolve())
+            os.environ[runlock.HELD_ENV] = runlock.held_env(held)
             argv = ["train", "--config", str(config), "--processes", str(processes)]
             argv += ["--resume"] if resume else []
             argv += ["--checkpoint", checkpoint] if checkpoint else []

@@ -100,7 +100,10 @@ def run_workflow(
     # from another folder would pass it. A dry run writes nothing and is not locked.
     lock = nullcontext() if dry_run else runlock.hold(run_paths.root, runlock.RUN_LOCK, "diffpipe run",
                                                        warn=lambda m: console.print(m, markup=False))
-    with lock:
+    with lock as held:
+        if held is not None:
+            runlock.check_free(run_paths.root, runlock.TRAIN_LOCK, "diffpipe train")
+            env[runlock.HELD_ENV] = runlock.held_env(held)  # the jobs run under this lock
         rc = subprocess.call(cmd, env=env, cwd=workdir)
     wall = time.time() - start
     jobs, seconds = _benchmarks(run_paths.benchmarks, since=start)

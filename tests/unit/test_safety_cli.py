@@ -149,18 +149,25 @@ def test_train_launcher_is_split_and_each_word_quoted():
 def test_run_folder_lock_is_exclusive_and_names_the_holder(tmp_path, monkeypatch):
     from diffpipe import runlock
 
-    with runlock.hold(tmp_path / "run", runlock.RUN_LOCK, "diffpipe run") as path:
+    run = tmp_path / "run"
+    runlock.check_free(run, runlock.RUN_LOCK, "diffpipe run")  # no lock file yet
+    with runlock.hold(run, runlock.RUN_LOCK, "diffpipe run") as path:
         with pytest.raises(runlock.FolderLocked, match=f"pid {os.getpid()}") as err:
-            with runlock.hold(tmp_path / "run", runlock.RUN_LOCK, "diffpipe run"):
+            with runlock.hold(run, runlock.RUN_LOCK, "diffpipe run"):
                 pass
-        assert str(tmp_path / "run") in str(err.value)
-        with runlock.hold(tmp_path / "run", runlock.TRAIN_LOCK, "diffpipe train"):
-            pass  # the run's own train job takes another lock
-        monkeypatch.setenv(runlock.HELD_ENV, str(path.resolve()))
-        with runlock.hold(tmp_path / "run", runlock.RUN_LOCK, "diffpipe run"):
-            pass  # a process our launcher started, under its parent's lock
+        assert str(run) in str(err.value)
+        with pytest.raises(runlock.FolderLocked, match="in use by a diffpipe run"):
+            runlock.check_free(run, runlock.RUN_LOCK, "diffpipe run")
+        runlock.check_free(run, runlock.TRAIN_LOCK, "diffpipe train")
+        # What the run's own jobs see: the run lock held for them, the train lock theirs to take.
+        monkeypatch.setenv(runlock.HELD_ENV, runlock.held_env(path))
+        runlock.check_free(run, runlock.RUN_LOCK, "diffpipe run")
+        with runlock.hold(run, runlock.TRAIN_LOCK, "diffpipe train") as train:
+            monkeypatch.setenv(runlock.HELD_ENV, runlock.held_env(train))  # and its ranks' view
+            with runlock.hold(run, runlock.TRAIN_LOCK, "diffpipe train"), runlock.hold(run, runlock.RUN_LOCK, "x"):
+                pass
     monkeypatch.delenv(runlock.HELD_ENV)
-    with runlock.hold(tmp_path / "run", runlock.RUN_LOCK, "diffpipe run"):
+    with runlock.hold(run, runlock.RUN_LOCK, "diffpipe run"):
         pass  # released on exit
 
 

@@ -128,39 +128,43 @@ def _hold(lock: Path, cwd: Path) -> subprocess.Popen:
     return holder
 
 
-def test_second_run_on_one_output_dir_from_another_folder_is_refused(hostile, tmp_path):
-    p = hostile["paths"]
+def _elsewhere(hostile, tmp_path) -> tuple[Path, Path]:
+    """A config in another folder naming the same run folder by its absolute path."""
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    # The same run folder, named by an absolute path from a config in another folder.
     cfg = yaml.safe_load(hostile["config"].read_text())
-    cfg["output_dir"] = str(p.root)
+    cfg["output_dir"] = str(hostile["paths"].root)
     other = elsewhere / "other.yaml"
     other.write_text(yaml.safe_dump(cfg))
-    holder = _hold(p.root / ".diffpipe-run.lock", cwd=hostile["work"])
+    return elsewhere, other
+
+
+@pytest.mark.parametrize(("held", "command"), [
+    ("run", "run"),  # a second run, started from another folder
+    ("train", "train"),  # a second direct train
+    ("run", "train"),  # a direct train beside a run (the run's own train job is not refused: the first test)
+    ("train", "run"),  # a run beside a direct train
+])
+def test_second_writer_on_one_run_folder_is_refused(hostile, tmp_path, held, command):
+    p = hostile["paths"]
+    elsewhere, other = _elsewhere(hostile, tmp_path)
+    before = p.adapter_file.stat().st_mtime_ns
+    holder = _hold(p.root / f".diffpipe-{held}.lock", cwd=hostile["work"])
     try:
-        second = diffpipe("run", "-c", str(other), "--cores", "1", cwd=elsewhere)
+        args = ["run", "-c", str(other), "--cores", "1"] if command == "run" else ["train", "-c", str(other)]
+        second = diffpipe(*args, cwd=elsewhere)
     finally:
         holder.communicate("")
     assert second.returncode == 1, second.stderr[-3000:]
     assert str(p.root) in second.stderr and f"pid {holder.pid}" in second.stderr, second.stderr
-    assert "Traceback" not in second.stderr
-    # Once the first is gone the lock is free; the run's own jobs never wait on it (the first run trained).
+    assert f"in use by a diffpipe {held}" in second.stderr and "Traceback" not in second.stderr
+    assert p.adapter_file.stat().st_mtime_ns == before
+
+
+def test_run_after_the_lock_is_released_does_nothing(hostile, tmp_path):
+    elsewhere, other = _elsewhere(hostile, tmp_path)
     again = diffpipe("run", "-c", str(other), "--cores", "1", cwd=elsewhere)
     assert again.returncode == 0 and "Nothing to do" in again.stderr, again.stderr[-3000:]
-
-
-def test_second_train_on_one_run_folder_is_refused(hostile):
-    p = hostile["paths"]
-    before = p.adapter_file.stat().st_mtime_ns
-    holder = _hold(p.root / ".diffpipe-train.lock", cwd=hostile["root"])
-    try:
-        second = diffpipe("train", "-c", str(p.root / RESOLVED_CONFIG), cwd=hostile["work"])
-    finally:
-        holder.communicate("")
-    assert second.returncode == 1, second.stderr[-3000:]
-    assert str(p.root) in second.stderr and f"pid {holder.pid}" in second.stderr, second.stderr
-    assert p.adapter_file.stat().st_mtime_ns == before
 
 
 def test_target_on_a_text_shard_after_a_caption_edit_rebuilds_it(hostile):
