@@ -6,15 +6,21 @@ user can fix print a clear message and exit 2 (usage/config) or 1 (data/run).
 
 from __future__ import annotations
 
+import errno
 import functools
 import json
+import os
 import sys
+import traceback
+from contextlib import nullcontext
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, NoReturn
 
 import typer
 from rich.console import Console
+from rich.text import Text
 
+from diffpipe import runlock
 from diffpipe.config import ConfigError, load_config
 from diffpipe.paths import RunPaths
 
@@ -32,19 +38,64 @@ ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="Experiment conf
 ShardOpt = Annotated[str, typer.Option("--shard", help="Shard name from the plan, e.g. s0000.")]
 
 
+def _say(text: str) -> None:
+    """Print library or user text as it is: no rich markup ("[/x]" in a path is text), no added line breaks."""
+    console.print(text, markup=False, highlight=False, soft_wrap=True)
+
+
+def _fail(label: str, message: str, code: int) -> NoReturn:
+    console.print(Text.assemble((f"{label}:", "bold red"), " ", message), highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+# What to do about the OSErrors a user can fix (full disk, permissions).
+_OS_ADVICE = {
+    errno.ENOSPC: "free space on that file system (or move output_dir / cache.dir to another one), then run again",
+    errno.EDQUOT: "free space or raise your quota on that file system, then run again",
+    errno.EACCES: "check the permissions of that path, or choose a folder you can write",
+    errno.EPERM: "check the permissions of that path, or choose a folder you can write",
+    errno.EROFS: "the file system is read-only: choose a writable output_dir / cache.dir",
+}
+
+
+def _os_error_message(err: OSError) -> str:
+    """``path: reason; what to do`` for an OSError (a library's own message when it wrote one)."""
+    if err.errno is None or not err.strerror:
+        return str(err)
+    names = [str(f) for f in (err.filename, err.filename2) if f is not None]
+    what = f"{' -> '.join(names)}: {err.strerror}" if names else f"{err.strerror} (the system did not name the file)"
+    advice = _OS_ADVICE.get(err.errno)
+    return what + (f"; {advice}" if advice else "")
+
+
 def _errors(fn):
-    """Turn library errors into clean messages and exit codes."""
+    """Turn library errors into clean messages and exit codes: 2 config, 1 data/run; never a traceback.
+
+    User text in a message is printed as text (a "[/x]" in a path neither crashes
+    the printer nor vanishes). An unexpected exception is named with where it was
+    raised; DIFFPIPE_DEBUG=1 shows its traceback instead.
+    """
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, typer.exceptions.TyperException):
+            raise  # typer's own exits and usage errors
         except ConfigError as err:
-            console.print(f"[bold red]config error:[/] {err}")
-            raise typer.Exit(2) from None
-        except (ValueError, FileNotFoundError) as err:
-            console.print(f"[bold red]error:[/] {err}")
-            raise typer.Exit(1) from None
+            _fail("config error", str(err), 2)
+        except ValueError as err:
+            _fail("error", str(err), 1)
+        except OSError as err:  # a missing file, a full disk, a permission, a read-only file system
+            _fail("error", _os_error_message(err), 1)
+        except runlock.FolderLocked as err:
+            _fail("error", str(err), 1)
+        except Exception as err:
+            if os.environ.get("DIFFPIPE_DEBUG"):
+                raise
+            frame = traceback.extract_tb(err.__traceback__)[-1]
+            _fail("error", f"unexpected {type(err).__name__}: {err} (at {frame.filename}:{frame.lineno}; "
+                  "run again with DIFFPIPE_DEBUG=1 for the traceback, and please report it)", 1)
 
     return wrapper
 
@@ -97,13 +148,13 @@ def plan(config: ConfigOpt) -> None:
                        text_identity=family.text_identity(), pixel_multiple=family.pixel_multiple, paths=paths,
                        global_batch=cfg.train.batch_size * cfg.train.grad_accum,
                        fps=family.fps, frame_rule=family.frame_rule, text_control=family.text_uses_control)
-    console.print(f"plan: {result.items} items, {result.entries} entries in {len(result.shards)} shards; "
+    _say(f"plan: {result.items} items, {result.entries} entries in {len(result.shards)} shards; "
                   f"buckets {result.buckets}; {len(result.written)} spec files rewritten")
     for bucket, n in result.underfilled.items():
-        console.print(f"plan: bucket {bucket} has {n} samples per epoch, fewer than a batch "
+        _say(f"plan: bucket {bucket} has {n} samples per epoch, fewer than a batch "
                       f"({cfg.train.batch_size * cfg.train.grad_accum}): filled by repeating its items")
     for path in result.too_short:
-        console.print(f"plan: {path} is shorter than every frame bucket; not trained on")
+        _say(f"plan: {path} is shorter than every frame bucket; not trained on")
 
 
 RegenerateOpt = Annotated[bool, typer.Option(
@@ -128,7 +179,7 @@ def cache_latents_cmd(config: ConfigOpt, shard: ShardOpt, regenerate: Regenerate
     cfg, paths = _setup(config)
     summary = cache_latents(paths.latent_spec(shard), paths.latent_shard(shard), cfg.model, cfg.cache,
                             store=paths.cache_store(cfg.cache.dir), regenerate=regenerate, trust=trust)
-    console.print(f"cache latents {shard}: {json.dumps(summary)}")
+    _say(f"cache latents {shard}: {json.dumps(summary)}")
 
 
 @cache_app.command("text")
@@ -143,7 +194,7 @@ def cache_text_cmd(config: ConfigOpt, shard: ShardOpt, regenerate: RegenerateOpt
     cfg, paths = _setup(config)
     summary = cache_text(paths.text_spec(shard), paths.text_shard(shard), cfg.model, cfg.cache,
                          store=paths.cache_store(cfg.cache.dir), regenerate=regenerate)
-    console.print(f"cache text {shard}: {json.dumps(summary)}")
+    _say(f"cache text {shard}: {json.dumps(summary)}")
 
 
 @cache_app.command("empty")
@@ -158,7 +209,7 @@ def cache_empty_cmd(config: ConfigOpt, regenerate: RegenerateOpt = False) -> Non
     cfg, paths = _setup(config)
     summary = cache_empty_text(paths.text_empty, cfg.model, cfg.cache, spec_path=paths.empty_spec,
                                store=paths.cache_store(cfg.cache.dir), regenerate=regenerate)
-    console.print(f"cache empty: {json.dumps(summary)}")
+    _say(f"cache empty: {json.dumps(summary)}")
 
 
 @cache_app.command("prune")
@@ -174,7 +225,7 @@ def cache_prune_cmd(config: ConfigOpt) -> None:
     store = Store(paths.cache_store(cfg.cache.dir))
     for kind in ("latents", "text"):
         removed = prune(store, kind)
-        console.print(f"cache prune: removed {len(removed)} superseded {kind} shards from {store.root}")
+        _say(f"cache prune: removed {len(removed)} superseded {kind} shards from {store.root}")
 
 
 @cache_app.command("verify")
@@ -188,7 +239,7 @@ def cache_verify_cmd(config: ConfigOpt) -> None:
 
     _, paths = _setup(config)
     summary = CachedDataset.from_run(paths).summary()
-    console.print(f"cache verify: ok, {json.dumps(summary)}")
+    _say(f"cache verify: ok, {json.dumps(summary)}")
 
 
 @app.command()
@@ -212,15 +263,26 @@ def train(
     """
     from diffpipe.training import engine
 
-    if processes > 1 and not engine.in_launched_rank():
-        argv = ["train", "--config", str(config), "--processes", str(processes)]
-        argv += ["--resume"] if resume else []
-        argv += ["--checkpoint", checkpoint] if checkpoint else []
-        raise typer.Exit(engine.launch_local(processes, argv))
-    from diffpipe.training.loop import train as run_training
-
     cfg, paths = _setup(config)
-    run_training(cfg, paths, resume=resume, checkpoint=checkpoint, log=console.print)
+    launched = engine.in_launched_rank()
+    # One trainer per run folder, and none beside a `diffpipe run` other than the run's own
+    # train job (runlock). Rank 0 holds the lock for every rank (under srun or torchrun);
+    # the ranks our own launcher starts find it held by their parent.
+    rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
+    lock = nullcontext() if launched and rank != 0 else runlock.hold(paths.root, runlock.TRAIN_LOCK,
+                                                                     "diffpipe train", warn=_say)
+    with lock as held:
+        if held is not None:
+            runlock.check_free(paths.root, runlock.RUN_LOCK, "diffpipe run")
+        if processes > 1 and not launched:
+            os.environ[runlock.HELD_ENV] = runlock.held_env(held)
+            argv = ["train", "--config", str(config), "--processes", str(processes)]
+            argv += ["--resume"] if resume else []
+            argv += ["--checkpoint", checkpoint] if checkpoint else []
+            raise typer.Exit(engine.launch_local(processes, argv))
+        from diffpipe.training.loop import train as run_training
+
+        run_training(cfg, paths, resume=resume, checkpoint=checkpoint, log=_say)
 
 
 FORMATS_HELP = "diffusers, peft, comfyui, kohya, merged (repeatable or comma-separated; default: the config's)."
@@ -267,8 +329,8 @@ def export(
     result = export_lora(found.adapter_dir, out or found.out_dir, get_family(model_cfg), formats,
                          config=cfg, run=found.run)
     for name, path in result.files.items():
-        console.print(f"export: {name}: {path}")
-    console.print(f"export: model card: {result.card}")
+        _say(f"export: {name}: {path}")
+    _say(f"export: model card: {result.card}")
 
 
 @app.command("import-lora")
@@ -292,7 +354,7 @@ def import_lora_cmd(
         raise typer.BadParameter("give --config (the base model) or --family (tiny flavor)", param_hint="--config")
     model_cfg = load_config(config).model if config else ModelConfig(family=family, flavor="tiny")
     result = import_lora(source, out, get_family(model_cfg), fmt=fmt)
-    console.print(f"import-lora: {result}")
+    _say(f"import-lora: {result}")
 
 
 @app.command()
@@ -310,7 +372,7 @@ def sample(
 
     cfg, paths = _setup(config)
     files = render_samples(cfg.model, cfg.sample, lora or paths.export_diffusers, out or paths.samples_dir)
-    console.print(f"sample: wrote {len(files)} images to {files[0].parent}")
+    _say(f"sample: wrote {len(files)} images to {files[0].parent}")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
@@ -341,9 +403,9 @@ def run(
         from diffpipe.sbatch import preview
 
         for job in preview(config.resolve(), (profile or DEFAULT_PROFILE).resolve(), workdir.resolve(), ctx.args):
-            console.print(f"[bold]{job.rule}[/bold] {job.wildcards}".rstrip(), highlight=False)
-            console.print(f"  {job.command}", highlight=False, soft_wrap=True)
-            console.print(f"  runs: {job.shell}", highlight=False, soft_wrap=True, style="dim")
+            console.print(Text.assemble((job.rule, "bold"), f" {job.wildcards}".rstrip()), highlight=False)
+            _say(f"  {job.command}")
+            console.print(Text(f"  runs: {job.shell}", style="dim"), highlight=False, soft_wrap=True)
         return
 
     summary = run_workflow(config, profile=profile or DEFAULT_PROFILE, cores=cores, dry_run=dry_run,
@@ -353,6 +415,7 @@ def run(
 
 
 @app.command()
+@_errors
 def schema(
     markdown: Annotated[bool, typer.Option(help="Print the README's config reference table instead.")] = False,
 ) -> None:
@@ -367,6 +430,7 @@ def schema(
 
 
 @app.command("demo-data")
+@_errors
 def demo_data(
     out: Annotated[Path, typer.Argument(help="Folder to write the images and captions into.")],
     n: Annotated[int, typer.Option(help="Number of images.")] = 16,
@@ -386,7 +450,7 @@ def demo_data(
         from diffpipe.data.demo_video import write_demo_clips
 
         write_demo_clips(out, n=clips, frames=frames, width=size, height=size * 2 // 3 // 2 * 2, seed=seed)
-    console.print(f"demo-data: wrote {n} images{f' and {clips} clips' if clips else ''} to {out}")
+    _say(f"demo-data: wrote {n} images{f' and {clips} clips' if clips else ''} to {out}")
 
 
 @app.command()

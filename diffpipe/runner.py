@@ -4,17 +4,22 @@ from __future__ import annotations
 
 import csv
 import os
+import shlex
 import subprocess
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
+from diffpipe import runlock
 from diffpipe.config import load_config
 from diffpipe.paths import REPO_ROOT, SNAKEFILE, RunPaths
+from diffpipe.workflow import check_snakemake_paths
 
 DEFAULT_PROFILE = REPO_ROOT / "profiles" / "default"
 
@@ -80,6 +85,7 @@ def run_workflow(
     config = Path(config).resolve()
     workdir = Path(workdir).resolve()
     cfg = load_config(config)  # fail fast with our own error before Snakemake starts
+    check_snakemake_paths(cfg)
     run_paths = RunPaths(workdir / cfg.output_dir)
     cmd = snakemake_command(config, profile=Path(profile) if profile else None, cores=cores, dry_run=dry_run,
                             targets=list(targets), extra=list(extra), workdir=workdir)
@@ -90,7 +96,15 @@ def run_workflow(
         env["DIFFPIPE_REGENERATE"] = "1"
         cmd += ["--forcerun", *REGENERATE_RULES]
     start = time.time()
-    rc = subprocess.call(cmd, env=env, cwd=workdir)
+    # Snakemake's own lock is per working directory: a second run on this output_dir
+    # from another folder would pass it. A dry run writes nothing and is not locked.
+    lock = nullcontext() if dry_run else runlock.hold(run_paths.root, runlock.RUN_LOCK, "diffpipe run",
+                                                       warn=lambda m: console.print(m, markup=False))
+    with lock as held:
+        if held is not None:
+            runlock.check_free(run_paths.root, runlock.TRAIN_LOCK, "diffpipe train")
+            env[runlock.HELD_ENV] = runlock.held_env(held)  # the jobs run under this lock
+        rc = subprocess.call(cmd, env=env, cwd=workdir)
     wall = time.time() - start
     jobs, seconds = _benchmarks(run_paths.benchmarks, since=start)
     summary = RunSummary(rc, jobs, seconds, wall)
@@ -118,7 +132,8 @@ def _benchmarks(folder: Path, since: float) -> tuple[list[str], dict[str, float]
 
 def _print_summary(console: Console, s: RunSummary, p: RunPaths) -> None:
     if s.returncode != 0:
-        console.print(f"[bold red]workflow failed[/] (Snakemake exit {s.returncode}); see the logs in {p.root / 'logs'}")
+        console.print(f"[bold red]workflow failed[/] (Snakemake exit {s.returncode}); see the logs in "
+                      f"{escape(str(p.root / 'logs'))}", soft_wrap=True)
         return
     if s.jobs_ran == 0:
         console.print("[bold green]Nothing to do:[/] 0 Snakemake jobs ran; every output is up to date.")
@@ -130,8 +145,10 @@ def _print_summary(console: Console, s: RunSummary, p: RunPaths) -> None:
     for stage, sec in s.stage_seconds.items():
         table.add_row(stage, f"{sec:.1f}")
     console.print(table)
-    console.print(f"LoRA (diffusers):   {p.export_diffusers}")
-    console.print(f"sample images:      {p.samples_dir}  (grid: {p.sample_grid})")
-    console.print(f"TensorBoard logs:   {p.tensorboard}  (tensorboard --logdir {p.tensorboard})")
-    console.print(f"metrics, loss plot: {p.metrics}, {p.train_dir / 'loss.png'}")
-    console.print(f"validation report:  {p.report_html}")
+    # Paths as text (no markup: a "[" in output_dir is not a style), one line each (copyable).
+    for line in (f"LoRA (diffusers):   {p.export_diffusers}",
+                 f"sample images:      {p.samples_dir}  (grid: {p.sample_grid})",
+                 f"TensorBoard logs:   {p.tensorboard}  (tensorboard --logdir {shlex.quote(str(p.tensorboard))})",
+                 f"metrics, loss plot: {p.metrics}, {p.train_dir / 'loss.png'}",
+                 f"validation report:  {p.report_html}"):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)

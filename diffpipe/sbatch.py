@@ -79,14 +79,26 @@ def _value(text: str) -> Any:
     return int(text) if re.fullmatch(r"-?\d+", text) else text
 
 
+def _complete(command: str) -> bool:
+    """False while a quote in ``command`` is still open (it continues on the next line)."""
+    try:
+        shlex.split(command)
+    except ValueError:
+        return False
+    return True
+
+
 def parse_dry_run(text: str) -> list[PlannedJob]:
     """The jobs of Snakemake's dry-run output, with their resolved resources."""
     jobs: list[PlannedJob] = []
+    open_shell = False  # a command whose quoted path holds a newline goes on on the next line
     for line in text.splitlines():
-        head = _JOB_HEAD.match(line.strip())
-        if jobs and line.startswith("Shell command: "):
-            jobs[-1].shell = line.removeprefix("Shell command: ").strip()
+        if jobs and (open_shell or line.startswith("Shell command: ")):
+            shell = jobs[-1].shell + "\n" + line if open_shell else line.removeprefix("Shell command: ")
+            open_shell = not _complete(shell)
+            jobs[-1].shell = shell if open_shell else shell.strip()
             continue
+        head = _JOB_HEAD.match(line.strip())
         if head:
             jobs.append(PlannedJob(rule=head.group(2), local=head.group(1).startswith("local")))
             continue

@@ -6,13 +6,14 @@ Kept here (not in .smk files) so they are plain, unit-tested Python.
 from __future__ import annotations
 
 import os
+import shlex
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from diffpipe import paths
-from diffpipe.config import Config, parse_config
+from diffpipe.config import Config, ConfigError, parse_config
 from diffpipe.data.discover import list_dataset
 from diffpipe.utils import digest, write_if_changed
 
@@ -31,7 +32,19 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
 
 
 def load(config: dict[str, Any]) -> Config:
-    return parse_config(dict(config), "(Snakemake config)")
+    return check_snakemake_paths(parse_config(dict(config), "(Snakemake config)"))
+
+
+def check_snakemake_paths(cfg: Config) -> Config:
+    """Refuse an ``output_dir`` Snakemake cannot use: ``{`` or ``}`` in it would be read as wildcards.
+
+    Every other character (spaces, quotes, ``$``, ``;``, newlines) is safe: each rule
+    quotes what it puts in its shell command.
+    """
+    if any(c in str(cfg.output_dir) for c in "{}"):
+        raise ConfigError(f"output_dir: {cfg.output_dir!r} contains '{{' or '}}', which the Snakemake workflow "
+                          "reads as a wildcard in every output path; choose a folder name without braces")
+    return cfg
 
 
 def stage_digest(cfg: Config, stage: str) -> str:
@@ -115,8 +128,24 @@ def export_outputs(cfg: Config) -> dict[str, str]:
 
 
 def export_format_args(cfg: Config) -> str:
-    """``--format X`` for each exported format (the rule's shell command)."""
-    return " ".join(f"--format {fmt}" for fmt in export_formats(cfg))
+    """``--format X`` for each exported format, shell-quoted (the rule puts it in as it is)."""
+    return shlex.join(arg for fmt in export_formats(cfg) for arg in ("--format", fmt))
+
+
+def launcher_args(wildcards: Any, resources: Any) -> str:
+    """The train rule's ``resources.mpi`` launcher (e.g. ``srun --kill-on-bad-exit=1``), each word shell-quoted.
+
+    A launcher is several words, so Snakemake's ``:q`` (one word) cannot quote it: it is
+    split as a shell would split it and joined back quoted, so ``$(...)``, backticks,
+    ``;`` or ``>`` in it reach the launcher as text instead of running. A params function
+    reading ``resources`` is "derived" for Snakemake: changing the launcher (another
+    profile) does not rerun training.
+    """
+    text = str(resources.mpi or "")
+    try:
+        return shlex.join(shlex.split(text))
+    except ValueError as err:
+        raise ValueError(f"resources.mpi of the train rule: cannot split {text!r} into words ({err})") from None
 
 
 def final_targets(cfg: Config) -> list[str]:

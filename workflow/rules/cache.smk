@@ -7,7 +7,7 @@
 
 rule cache_latents:
     input:
-        out(paths.LATENT_SPEC),
+        plan_file(paths.LATENT_SPEC),
     output:
         directory(out(paths.LATENT_SHARD)),
     params:
@@ -20,12 +20,12 @@ rule cache_latents:
     benchmark:
         out("benchmarks/cache_latents/{shard}.tsv")
     shell:
-        "diffpipe cache latents --config {params.config} --shard {wildcards.shard} > {log} 2>&1"
+        "diffpipe cache latents --config {params.config:q} --shard {wildcards.shard:q} > {log:q} 2>&1"
 
 
 rule cache_text:
     input:
-        out(paths.TEXT_SPEC),
+        plan_file(paths.TEXT_SPEC),
     output:
         out(paths.TEXT_SHARD),
     params:
@@ -38,7 +38,7 @@ rule cache_text:
     benchmark:
         out("benchmarks/cache_text/{shard}.tsv")
     shell:
-        "diffpipe cache text --config {params.config} --shard {wildcards.shard} > {log} 2>&1"
+        "diffpipe cache text --config {params.config:q} --shard {wildcards.shard:q} > {log:q} 2>&1"
 
 
 rule cache_empty_text:
@@ -56,4 +56,4 @@ rule cache_empty_text:
     benchmark:
         out("benchmarks/cache_empty_text.tsv")
     shell:
-        "diffpipe cache empty --config {params.config} > {log} 2>&1"
+        "diffpipe cache empty --config {params.config:q} > {log:q} 2>&1"

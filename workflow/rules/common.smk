@@ -22,10 +22,16 @@ def planned(template, kind):
 
 
 def plan_file(template):
-    """A file the plan checkpoint writes (known only after it ran)."""
+    """A file the plan checkpoint writes (a shard spec: wildcards filled in).
+
+    Asking the checkpoint (not naming the file) puts plan, and through it validate,
+    in every DAG that needs a spec: `--target` on one shard after a caption edit
+    replans first, and the shard reruns if its spec changed. A plain path inside the
+    plan's directory() output has no producer for Snakemake: it was trusted as it was.
+    """
 
     def inputs(wildcards):
         checkpoints.plan.get()
-        return out(template)
+        return out(template.format(**wildcards))
 
     return inputs

@@ -1,4 +1,5 @@
 # One output per configured format (diffusers always: sample reads it), plus the model card.
+# params.formats is already a shell-quoted argument list (dw.export_format_args): no :q.
 
 
 rule export:
@@ -15,4 +16,4 @@ rule export:
     benchmark:
         out("benchmarks/export.tsv")
     shell:
-        "diffpipe export --config {params.config} {params.formats} > {log} 2>&1"
+        "diffpipe export --config {params.config:q} {params.formats} > {log:q} 2>&1"

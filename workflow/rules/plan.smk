@@ -11,4 +11,4 @@ checkpoint plan:
     benchmark:
         out("benchmarks/plan.tsv")
     shell:
-        "diffpipe plan --config {params.config} > {log} 2>&1"
+        "diffpipe plan --config {params.config:q} > {log:q} 2>&1"

@@ -11,4 +11,4 @@ rule sample:
     benchmark:
         out("benchmarks/sample.tsv")
     shell:
-        "diffpipe sample --config {params.config} > {log} 2>&1"
+        "diffpipe sample --config {params.config:q} > {log:q} 2>&1"

@@ -6,9 +6,12 @@ rule train:
     output:
         adapter=out(paths.ADAPTER_FILE),
         metrics=out(paths.METRICS),
+    # launcher: resources.mpi split into words and each one shell-quoted
+    # (dw.launcher_args), so a profile's launcher cannot run anything but itself.
     params:
         config=RESOLVED,
         digest=dw.stage_digest(CFG, "train"),
+        launcher=dw.launcher_args,
     # gpu: processes on this node (diffpipe train launches them). mpi: a launcher
     # put before the command; a profile sets it to srun for multi-node runs,
     # and every srun task then becomes one rank (see profiles/slurm).
@@ -20,4 +23,4 @@ rule train:
     benchmark:
         out("benchmarks/train.tsv")
     shell:
-        "{resources.mpi} diffpipe train --config {params.config} --processes {resources.gpu} > {log} 2>&1"
+        "{params.launcher} diffpipe train --config {params.config:q} --processes {resources.gpu:q} > {log:q} 2>&1"

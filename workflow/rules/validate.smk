@@ -18,4 +18,4 @@ rule validate:
     benchmark:
         out("benchmarks/validate.tsv")
     shell:
-        "diffpipe validate --config {params.config} --workers {threads} > {log} 2>&1"
+        "diffpipe validate --config {params.config:q} --workers {threads:q} > {log:q} 2>&1"
