@@ -120,13 +120,14 @@ def validate(
 
     Example: diffpipe validate -c config/demo.yaml
     """
+    from diffpipe.data.discover import run_folders
     from diffpipe.data.validate import FamilyTokenCounter, kept_copy, print_summary, run_validation
 
     cfg, paths = _setup(config)
     result = run_validation(cfg.datasets, cfg.validation, manifest_path=paths.manifest,
                             report_json=paths.report_json, report_html=paths.report_html, rehash=rehash,
                             tokens=FamilyTokenCounter(cfg.model) if tokens else None, workers=workers,
-                            console=console)
+                            console=console, exclude=run_folders(cfg.output_dir, cfg.cache.dir))
     print_summary(result, console=console, report=kept_copy(paths.report_html) if result.errors else paths.report_html)
     if result.errors:
         raise typer.Exit(1)
@@ -224,7 +225,8 @@ def cache_prune_cmd(config: ConfigOpt) -> None:
     cfg, paths = _setup(config)
     store = Store(paths.cache_store(cfg.cache.dir))
     for kind in ("latents", "text"):
-        removed = prune(store, kind)
+        removed = prune(store, kind, on_wait=lambda: _say(
+            f"cache prune: waiting for running cache jobs to release {store.root}"))
         _say(f"cache prune: removed {len(removed)} superseded {kind} shards from {store.root}")
 
 

@@ -84,7 +84,7 @@ def run_workflow(
     console = console or Console(stderr=True)
     config = Path(config).resolve()
     workdir = Path(workdir).resolve()
-    cfg = load_config(config)  # fail fast with our own error before Snakemake starts
+    cfg = load_config(config, base=workdir)  # fail fast with our own error before Snakemake starts
     check_snakemake_paths(cfg)
     run_paths = RunPaths(workdir / cfg.output_dir)
     cmd = snakemake_command(config, profile=Path(profile) if profile else None, cores=cores, dry_run=dry_run,

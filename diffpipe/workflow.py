@@ -14,7 +14,7 @@ import yaml
 
 from diffpipe import paths
 from diffpipe.config import Config, ConfigError, parse_config
-from diffpipe.data.discover import list_dataset
+from diffpipe.data.discover import list_dataset, run_folders
 from diffpipe.utils import digest, write_if_changed
 
 RESOLVED_CONFIG = "resolved-config.yaml"
@@ -77,7 +77,7 @@ def dataset_fingerprint(cfg: Config) -> str:
     for ds in cfg.datasets:
         if not Path(ds.path).is_dir():
             raise FileNotFoundError(f"datasets[{ds.name}].path: folder not found: {ds.path}")
-        listing = list_dataset(ds, cfg.validation, with_stats=True)
+        listing = list_dataset(ds, cfg.validation, with_stats=True, exclude=run_folders(cfg.output_dir, cfg.cache.dir))
         stats = dict(listing.stats)
         for rel in listing.metadata:  # few files; not in the listing's stats
             st = os.stat(os.path.join(listing.root, rel))

@@ -85,6 +85,7 @@ def _walk(
     meta_names: set[str] | None,
     with_stats: bool,
     skip: frozenset[str] = frozenset(),
+    exclude: tuple[str, ...] = (),
 ) -> Listing:
     media: dict[str, str] = {}
     stats: dict[str, tuple[int, int]] = {}
@@ -150,6 +151,15 @@ def _walk(
                                 )
                             )
                             continue
+                        if any(_within(target_real, folder) for folder in exclude):
+                            problems.append(
+                                Found(
+                                    sub,
+                                    "run_folder",
+                                    f"the symbolic link points to {target_real}, a folder the run writes",
+                                )
+                            )
+                            continue
                         stack.append((sub + "/", entry.path, target_real))
                         continue
                 elif entry.is_dir():
@@ -184,6 +194,15 @@ def _walk(
     )
 
 
+def _within(path: str, folder: str) -> bool:
+    return path == folder or path.startswith(folder.rstrip("/") + "/")
+
+
+def run_folders(*folders: str | os.PathLike | None) -> tuple[str, ...]:
+    """The folders a run writes (``output_dir``, ``cache.dir``), resolved: never listed as data."""
+    return tuple(os.path.realpath(f) for f in folders if f)
+
+
 def aux_folders(ds: DatasetConfig) -> dict[str, Path]:
     """The configured aux image folders: role (``mask``, ``control``) -> absolute folder."""
     return {
@@ -191,10 +210,12 @@ def aux_folders(ds: DatasetConfig) -> dict[str, Path]:
     }
 
 
-def _aux_files(folder: Path, image_exts: list[str], with_stats: bool, listing: Listing) -> dict[str, str]:
+def _aux_files(
+    folder: Path, image_exts: list[str], with_stats: bool, listing: Listing, exclude: tuple[str, ...] = ()
+) -> dict[str, str]:
     """Media stem -> absolute path of the images in an aux folder (first extension wins)."""
     exts = [norm_ext(e) for e in image_exts]
-    found = _walk(str(folder), dict.fromkeys(exts, "image"), "\0", set(), with_stats)
+    found = _walk(str(folder), dict.fromkeys(exts, "image"), "\0", set(), with_stats, exclude=exclude)
     listing.problems += [Found(str(folder / p.rel), p.reason, p.note) for p in found.problems]
     order = {e: i for i, e in enumerate(exts)}
     files: dict[str, str] = {}
@@ -206,11 +227,15 @@ def _aux_files(folder: Path, image_exts: list[str], with_stats: bool, listing: L
     return files
 
 
-def list_dataset(ds: DatasetConfig, vcfg: ValidationConfig, *, with_stats: bool = False) -> Listing:
+def list_dataset(
+    ds: DatasetConfig, vcfg: ValidationConfig, *, with_stats: bool = False, exclude: tuple[str, ...] = ()
+) -> Listing:
     """Media, caption and metadata files of ``ds`` (recursive, sorted, hidden files skipped).
 
     Aux image folders (``mask_path``, ``control_path``) are listed into
     ``Listing.aux``; one inside the dataset folder is left out of its media.
+    ``exclude``: the run's own folders (:func:`run_folders`); a symbolic link into one
+    is reported as ``run_folder`` and not followed (the config refuses direct overlaps).
     """
     root = Path(ds.path).absolute()
     kinds = {norm_ext(e): "video" for e in vcfg.video_exts}
@@ -227,21 +252,21 @@ def list_dataset(ds: DatasetConfig, vcfg: ValidationConfig, *, with_stats: bool 
             skip.add(folder.relative_to(root).as_posix())
         except ValueError:
             pass
-    listing = _walk(str(root), kinds, norm_ext(ds.caption_ext), meta_names, with_stats, frozenset(skip))
+    listing = _walk(str(root), kinds, norm_ext(ds.caption_ext), meta_names, with_stats, frozenset(skip), exclude)
     for role, folder in folders.items():
         if os.path.isdir(folder):
             listing.aux_roots[role] = folder
-            listing.aux[role] = _aux_files(folder, vcfg.image_exts, with_stats, listing)
+            listing.aux[role] = _aux_files(folder, vcfg.image_exts, with_stats, listing, exclude)
     return listing
 
 
-def dataset_files(ds: DatasetConfig, vcfg: ValidationConfig) -> list[Path]:
+def dataset_files(ds: DatasetConfig, vcfg: ValidationConfig, exclude: tuple[str, ...] = ()) -> list[Path]:
     """Every media, caption and metadata file of a dataset (absolute, sorted).
 
     Broken links, loops, badly named and unreadable files are left out
     (Snakemake would fail on them); validation reports them.
     """
-    listing = list_dataset(ds, vcfg)
+    listing = list_dataset(ds, vcfg, exclude=exclude)
     root = str(listing.root)
     paths = [os.path.join(root, rel) for rel in (*listing.media, *listing.captions, *listing.metadata)]
     paths += [p for files in listing.aux.values() for p in files.values()]

@@ -84,6 +84,10 @@ REASONS: dict[str, tuple[Action, str]] = {
     "unreadable": ("skip", "The file or folder cannot be read (permissions or I/O error)."),
     "broken_symlink": ("skip", "A symbolic link whose target does not exist."),
     "symlink_loop": ("skip", "A symbolic link that points to itself or to a folder above it."),
+    "run_folder": (
+        "skip",
+        "A symbolic link into the run's `output_dir` or `cache.dir`: a run never reads its own outputs as data.",
+    ),
     "bad_filename": ("skip", "The file name is not valid UTF-8 text or holds control characters."),
     "missing_file": (
         "skip",

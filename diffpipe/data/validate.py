@@ -364,6 +364,7 @@ def run_validation(
     tokens: TokenCounter | None = None,
     workers: int | None = None,
     console: Console | None = None,
+    exclude: tuple[str, ...] = (),
 ) -> ValidationResult:
     """Scan datasets, write the manifest and both reports, return the counts.
 
@@ -379,6 +380,7 @@ def run_validation(
         tokens: counts caption tokens per text encoder (None: no length check).
         workers: probe processes (default: every core).
         console: where the progress bar goes (shown only on a terminal).
+        exclude: the run's own folders (``discover.run_folders``), never listed as data.
     """
     from diffpipe.data.report import write_reports  # imported here: report imports this module
 
@@ -404,7 +406,7 @@ def run_validation(
         def issue(path: str, reason: str, note: str, _ds: str = ds.name) -> None:
             extra.append((_ds, path, reason, note))
 
-        listing = list_dataset(ds, vcfg, with_stats=True)
+        listing = list_dataset(ds, vcfg, with_stats=True, exclude=exclude)
         if not listing.root_ok:
             issue(
                 str(listing.root),

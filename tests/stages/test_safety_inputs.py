@@ -350,3 +350,26 @@ def test_square_brackets_in_paths_and_rows_print_literally(tmp_path):
     assert "../[/x]out.png" in text and "d[bold]x[/x]" in text and "[/y]report.html" in text
     page = (tmp_path / "out" / "report.html").read_text()
     assert "[/x]out.png" in page and "d[bold]x[/x]" in page
+
+
+def test_a_symlink_into_the_run_folder_is_never_data(tmp_path):
+    """The config refuses overlapping folders; a link inside the dataset could still reach the run."""
+    from diffpipe.data.discover import dataset_files, run_folders
+    from diffpipe.data.validate import run_validation
+
+    root = tmp_path / "data"
+    write_demo_dataset(root, n=2, size=32)
+    run = tmp_path / "run"
+    (run / "samples").mkdir(parents=True)
+    (run / "samples" / "sample-00.png").write_bytes((root / "shape_000.png").read_bytes())
+    (run / "samples" / "sample-00.txt").write_text("a sample")
+    (root / "outputs").symlink_to(run)
+    ds = DatasetConfig(name="d", path=str(root), resolution=32)
+    exclude = run_folders(run, None)
+    assert not [p for p in dataset_files(ds, ValidationConfig(), exclude) if "outputs" in str(p)]
+    result = run_validation([ds], ValidationConfig(), manifest_path=tmp_path / "m" / "manifest.parquet",
+                            report_json=tmp_path / "m" / "report.json", report_html=tmp_path / "m" / "report.html",
+                            exclude=exclude)
+    report = json.loads((tmp_path / "m" / "report.json").read_text())
+    assert result.counts.get("run_folder") == 1, result.counts
+    assert "outputs" in json.dumps(report)

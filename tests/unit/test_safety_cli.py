@@ -56,7 +56,9 @@ def test_run_summary_prints_paths_with_square_brackets(tmp_path):
 
 def _config(tmp_path, output_dir):
     cfg = tmp_path / "c.yaml"
-    cfg.write_text(yaml.safe_dump({"output_dir": str(output_dir), "datasets": [{"name": "d", "path": str(tmp_path)}]}))
+    (tmp_path / "data").mkdir(exist_ok=True)
+    cfg.write_text(yaml.safe_dump({"output_dir": str(output_dir),
+                                   "datasets": [{"name": "d", "path": str(tmp_path / "data")}]}))
     return cfg
 
 

@@ -26,9 +26,9 @@ from diffpipe.workflow import RESOLVED_CONFIG, export_formats
 
 pytestmark = pytest.mark.slow
 
-# Each piece would run `touch PWNED` if a shell read the name unquoted. (Rich markup such as
-# "[/x]" is left to tests/unit/test_safety_cli.py: validate's own summary prints paths too.)
-HOSTILE = "'sq' \"dq\" $(touch PWNED) `touch PWNED`; touch PWNED\nnl"
+# Each piece would run `touch PWNED` if a shell read the name unquoted; "[/x]" would crash or
+# vanish if a printer read it as rich markup.
+HOSTILE = "'sq' \"dq\" [/x] $(touch PWNED) `touch PWNED`; touch PWNED\nnl"
 LAUNCHER_WORD = "$(touch PWNED) `touch PWNED`; touch PWNED"
 
 
