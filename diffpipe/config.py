@@ -49,6 +49,7 @@ Text = Annotated[str, StringConstraints(min_length=1)]
 PathText = Annotated[str, StringConstraints(pattern=r"^[^\x00]*[^\s\x00][^\x00]*$")]
 #: A random seed (torch and NumPy both take it).
 Seed = Annotated[int, Strict(), Field(ge=0, le=2**32 - 1)]
+LoadDtype = Literal["auto", "float32", "bfloat16", "float16"]
 #: A fraction strictly between 0 and 1: bounds in the schema (Snakemake); the model's validator checks them
 #: with a message naming the range.
 Quantile = Annotated[Float, Field(json_schema_extra={"exclusiveMinimum": 0, "exclusiveMaximum": 1})]
@@ -91,6 +92,20 @@ class ModelConfig(_Section):
         "by subfolder: `{transformer: flux1-dev.safetensors}`, `{unet: sd15.safetensors, vae: vae.safetensors}`. "
         "The component's config still comes from `path/<subfolder>/config.json`; its weights may be absent there. "
         "The denoiser and the VAE can come from single files (Wan 2.2 A14B: also `transformer_2`).",
+    )
+    dtype: LoadDtype = Field(
+        "auto",
+        description="dtype the denoiser loads in (straight from the weight files, no float32 copy first): `auto` = "
+        "bfloat16 on CUDA, float32 on CPU.",
+    )
+    text_encoder_dtype: LoadDtype = Field(
+        "auto", description="dtype the text encoders load and encode in (cache jobs): `auto` = bfloat16 on CUDA, "
+        "float32 on CPU. Part of the text cache key."
+    )
+    vae_dtype: LoadDtype = Field(
+        "auto",
+        description="dtype the VAE loads and encodes in (cache jobs): `auto` = bfloat16 on CUDA, float32 on CPU and "
+        "for the families whose VAE loses precision in 16 bits (sd, sdxl, wan). Part of the latent cache key.",
     )
     prediction_type: Literal["epsilon", "v_prediction"] | None = Field(
         None, description="UNet families: training target; null uses the scheduler's own setting."
@@ -473,8 +488,27 @@ class TrainConfig(_Section):
         ge=0,
         lt=1,
     )
-    precision: Literal["fp32", "bf16", "fp16"] = Field(
-        "fp32", description="Training precision: fp32, bf16 (CPU and GPU), fp16 (GPU only, dynamic loss scaling)."
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field(
+        "auto",
+        description="Training precision: `auto` (bf16 on CUDA, fp32 on CPU), fp32, bf16 (CPU and GPU; DeepSpeed keeps "
+        "float32 master copies of the trained weights), fp16 (GPU only, dynamic loss scaling).",
+    )
+    base_weights: Literal["auto", "fp8"] = Field(
+        "auto",
+        description="Storage of the frozen denoiser weights during LoRA training: `auto` = the training precision; "
+        "`fp8` = float8_e4m3fn, cast to the training precision layer by layer for each forward (diffusers' "
+        "layerwise casting; norms, embeddings and the LoRA stay in 16/32 bits). Half the weight memory of bf16.",
+    )
+    attention_backend: Text = Field(
+        "native",
+        description="diffusers attention backend for the denoiser: `native` (torch SDPA), `flash`, `sage`, "
+        "`xformers`, `_native_cudnn`, ... (a name from diffusers' AttentionBackendName). All but `native`, "
+        "`_native_math` and `flex` need CUDA and, for some, their package.",
+    )
+    compile: Bool = Field(
+        False,
+        description="Regional compilation: torch.compile each repeated block of the denoiser (diffusers' "
+        "`compile_repeated_blocks`) rather than the whole model; the first steps are slower.",
     )
     activation_checkpointing: Bool = Field(
         False, description="Recompute block activations in the backward pass: less memory, about 30% more compute."
@@ -521,6 +555,15 @@ class TrainConfig(_Section):
         0, description="Render the `sample` prompts every N epochs (0: off); PNGs under `train/samples/`.", ge=0,
         le=MAX_EPOCHS,
     )
+
+    @model_validator(mode="after")
+    def _check_base_weights(self) -> TrainConfig:
+        if self.base_weights == "fp8" and self.mode == "full":
+            raise ValueError("train.base_weights: fp8 stores frozen weights in 8 bits; train.mode full trains every "
+                             "weight: use train.mode lora or base_weights auto")
+        if self.base_weights == "fp8" and self.pipeline_stages > 1:
+            raise ValueError("train.base_weights: fp8 needs train.pipeline_stages: 1")
+        return self
 
     @model_validator(mode="after")
     def _check_pipeline(self) -> TrainConfig:

@@ -29,6 +29,7 @@ from diffpipe.utils import digest, sha256_file, stable_json, write_text_atomic
 
 # Keys that change with the library version or the save location, not the model.
 _VOLATILE_CONFIG_KEYS = {"transformers_version", "architectures", "dtype", "torch_dtype"}
+_FLOAT8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _WEIGHT_FILE = re.compile(r"^(diffusion_pytorch_model|model)(-\d+-of-\d+)?\.(safetensors|bin)$")
 
 
@@ -55,25 +56,65 @@ TINY_CLIP = {
 }
 
 
+_DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_ROLE_KEYS = {"denoiser": "dtype", "text_encoder": "text_encoder_dtype", "vae": "vae_dtype"}
+
+
+def load_dtype(cfg: Any, role: str, *, cuda: bool | None = None) -> torch.dtype:
+    """The dtype a component loads and computes in: ``model.dtype`` (role ``denoiser``),
+    ``model.text_encoder_dtype`` or ``model.vae_dtype``. ``auto``: float32 on CPU; bfloat16 on CUDA,
+    except the VAE of a family that declares ``vae_needs_fp32``."""
+    value = getattr(cfg, _ROLE_KEYS[role])
+    if value != "auto":
+        return _DTYPE_NAMES[value]
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    if not cuda:
+        return torch.float32
+    if role == "vae":
+        from diffpipe.models.base import get_family
+
+        if type(get_family(cfg)).vae_needs_fp32:
+            return torch.float32
+    return torch.bfloat16
+
+
+def with_dtype(identity: str, dtype: torch.dtype) -> str:
+    """An encoder identity that also names the dtype it encodes in, so changing it re-encodes.
+    float32 leaves the identity as it was: caches written before dtypes were configurable stay valid."""
+    return identity if dtype == torch.float32 else digest([identity, str(dtype)])
+
+
 def component(cls: type, cfg: Any, family: str, subfolder: str, tiny: Mapping[str, Any]) -> torch.nn.Module:
-    """A diffusers model of a family, in eval mode: tiny flavor = ``cls(**tiny)`` with weights seeded
-    from ``model.seed`` and ``family.subfolder``; local = the folder's ``subfolder``."""
+    """A diffusers model of a family, in eval mode, in its configured dtype (:func:`load_dtype`; the
+    ``vae`` subfolder is the VAE, any other the denoiser): tiny flavor = ``cls(**tiny)`` with weights
+    seeded from ``model.seed`` and ``family.subfolder`` (built in float32, then cast, so a tiny bf16
+    model is the float32 one rounded); local = the folder's ``subfolder``, loaded straight in the dtype."""
+    dtype = load_dtype(cfg, "vae" if subfolder == "vae" else "denoiser")
     if cfg.flavor == "tiny":
         with seeded(cfg.seed, f"{family}.{subfolder}"):
-            return cls(**tiny).eval()
-    return local_component(cls, cfg, subfolder)
+            return cls(**tiny).to(dtype).eval()
+    return local_component(cls, cfg, subfolder, dtype)
 
 
-def local_component(cls: type, cfg: Any, subfolder: str) -> torch.nn.Module:
+def local_component(cls: type, cfg: Any, subfolder: str, dtype: torch.dtype | None = None) -> torch.nn.Module:
     """A diffusers model from the local folder's ``subfolder``, or from the single-file checkpoint
-    ``model.single_files`` names for it (config from the folder), in eval mode."""
+    ``model.single_files`` names for it (config from the folder), in eval mode, loaded in ``dtype``
+    (None: the denoiser's :func:`load_dtype`)."""
+    dtype = dtype or load_dtype(cfg, "vae" if subfolder == "vae" else "denoiser")
     file = cfg.single_files.get(subfolder)
     if file is None:
-        return cls.from_pretrained(cfg.path, subfolder=subfolder).eval()
-    return single_file_component(cls, file, cfg.path, subfolder)
+        return cls.from_pretrained(cfg.path, subfolder=subfolder, torch_dtype=dtype).eval()
+    return single_file_component(cls, file, cfg.path, subfolder, dtype)
 
 
-def single_file_component(cls: type, file: str, folder: str, subfolder: str) -> torch.nn.Module:
+def pretrained_text_encoder(cls: type, cfg: Any, subfolder: str) -> torch.nn.Module:
+    """A transformers text encoder from the local folder's ``subfolder``, loaded straight in
+    ``model.text_encoder_dtype`` (transformers 5 names the argument ``dtype``), in eval mode."""
+    return cls.from_pretrained(cfg.path, subfolder=subfolder, dtype=load_dtype(cfg, "text_encoder")).eval()
+
+
+def single_file_component(cls: type, file: str, folder: str, subfolder: str,
+                          dtype: torch.dtype | None = None) -> torch.nn.Module:
     """``cls`` with ``folder/subfolder``'s config and the weights of the single-file checkpoint ``file``.
 
     diffusers' converter for ``cls`` renames an original-naming file (a file in diffusers naming
@@ -111,7 +152,7 @@ def single_file_component(cls: type, file: str, folder: str, subfolder: str) -> 
             f"unknown (e.g. {', '.join(unexpected[:3]) or '-'}); is it a checkpoint of this model?"
         )
     try:
-        model = cls.from_single_file(checkpoint, config=str(folder), subfolder=subfolder)
+        model = cls.from_single_file(checkpoint, config=str(folder), subfolder=subfolder, torch_dtype=dtype)
     except (ValueError, RuntimeError) as err:
         raise ValueError(f"{what}: cannot load {file} as {cls.__name__}: {err}") from err
     return model.eval()
@@ -266,7 +307,17 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def param_dtype(model: torch.nn.Module) -> torch.dtype:
-    return next(model.parameters()).dtype
+    """The dtype the denoiser computes in: its weights' dtype, or, under layerwise casting
+    (``train.base_weights: fp8``), the dtype its float8-stored weights are cast to for each forward."""
+    dtype = next(model.parameters()).dtype
+    if dtype not in _FLOAT8:
+        return dtype
+    for m in model.modules():
+        registry = getattr(m, "_diffusers_hook", None)
+        hook = registry.get_hook("layerwise_casting") if registry is not None else None
+        if hook is not None:
+            return hook.compute_dtype
+    raise ValueError(f"{type(model).__name__} stores weights in {dtype} without layerwise casting: no compute dtype")
 
 
 def frames_to_batch(pixels: torch.Tensor) -> torch.Tensor:

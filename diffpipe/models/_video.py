@@ -84,7 +84,8 @@ def t5_tokenizers(flavor: str, path: str | None, max_length: int, tiny_length: i
 
 
 def t5_text(
-    flavor: str, path: str | None, max_length: int, seed: int, component: str, tiny_length: int = TINY_LENGTH
+    flavor: str, path: str | None, max_length: int, seed: int, component: str, tiny_length: int = TINY_LENGTH,
+    dtype: torch.dtype = torch.float32,
 ) -> T5Text:
     """Tokenizer and encoder: random tiny weights from ``seed``, or a folder's ``text_encoder/``."""
     enc = t5_tokenizers(flavor, path, max_length, tiny_length)
@@ -100,7 +101,7 @@ def t5_text(
         with common.seeded(seed, component):
             enc.text_encoder = T5EncoderModel(config).eval()
     else:
-        enc.text_encoder = T5EncoderModel.from_pretrained(path, subfolder="text_encoder").eval()
+        enc.text_encoder = T5EncoderModel.from_pretrained(path, subfolder="text_encoder", dtype=dtype).eval()
     return enc
 
 
@@ -168,9 +169,9 @@ class T5TextFamily:
 
     def load_text_encoders(self) -> T5Text:
         return t5_text(self.cfg.flavor, self.cfg.path, self.t5_max_length, self.cfg.seed,
-                       f"{self.name}.text_encoder", self.t5_tiny_length)
+                       f"{self.name}.text_encoder", self.t5_tiny_length, dtype=common.load_dtype(self.cfg, "text_encoder"))
 
-    def text_identity(self) -> str:
+    def encoders_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity(
                 (self.name, self.cfg.seed, "text"), lambda: t5_identity(self.load_text_encoders())

@@ -134,8 +134,24 @@ class Family(ABC):
     #: The diffusers VAE class (what a local folder's ``vae/`` is loaded as).
     vae_class: ClassVar[type]
 
+    #: Whether the VAE encodes in float32 under ``model.vae_dtype: auto`` on CUDA (16 bits lose
+    #: precision or overflow in it: SD 1.x/SDXL's VAE, Wan's causal 3D VAE).
+    vae_needs_fp32: ClassVar[bool] = False
+
     def vae_identity(self) -> str:
-        """Hash of the VAE's config and weights (latent cache key part).
+        """The latent cache key part: the VAE's weights and config, and the dtype it encodes in."""
+        from diffpipe.models import _common as common
+
+        return common.with_dtype(self.vae_weights_identity(), common.load_dtype(self.cfg, "vae"))
+
+    def text_identity(self) -> str:
+        """The text cache key part: tokenizers, encoders and the dtype they encode in."""
+        from diffpipe.models import _common as common
+
+        return common.with_dtype(self.encoders_identity(), common.load_dtype(self.cfg, "text_encoder"))
+
+    def vae_weights_identity(self) -> str:
+        """Hash of the VAE's config and weights.
 
         Tiny flavor: the built module's tensors (memoised per process); local:
         the ``vae/`` folder's config and weight files.
@@ -150,7 +166,7 @@ class Family(ABC):
         return digest(common.diffusers_component_identity(self.vae_class, self.cfg, "vae"))
 
     @abstractmethod
-    def text_identity(self) -> str:
+    def encoders_identity(self) -> str:
         """Hash of the tokenizers' and text encoders' config and weights."""
 
     # -- geometry ----------------------------------------------------------

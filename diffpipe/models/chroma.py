@@ -78,7 +78,7 @@ class ChromaFamily(FluxFamily):
             with common.seeded(self.cfg.seed, "chroma.text_encoder"):
                 enc.text_encoder = T5EncoderModel(config).eval()
         else:
-            enc.text_encoder = T5EncoderModel.from_pretrained(self.cfg.path, subfolder="text_encoder").eval()
+            enc.text_encoder = common.pretrained_text_encoder(T5EncoderModel, self.cfg, "text_encoder")
         return enc
 
     @property
@@ -102,7 +102,7 @@ class ChromaFamily(FluxFamily):
         return ChromaPipeline
 
     # -- identities ------------------------------------------------------------
-    def text_identity(self) -> str:
+    def encoders_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity((self.name, self.cfg.seed, "text"),
                                         lambda: self._text_identity(self.load_text_encoders()))

@@ -210,7 +210,7 @@ class CogView4Family(Family):
             with common.seeded(self.cfg.seed, f"{self.name}.text_encoder"):
                 enc.text_encoder = GlmModel(config).eval()
         else:
-            enc.text_encoder = GlmModel.from_pretrained(self.cfg.path, subfolder="text_encoder").eval()
+            enc.text_encoder = common.pretrained_text_encoder(GlmModel, self.cfg, "text_encoder")
         return enc
 
     def load_denoiser(self) -> CogView4Transformer2DModel:
@@ -234,7 +234,7 @@ class CogView4Family(Family):
         return CogView4Pipeline  # its LoRA loader: CogView4LoraLoaderMixin
 
     # -- identities ------------------------------------------------------------
-    def text_identity(self) -> str:
+    def encoders_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity(
                 (self.name, self.cfg.seed, "text"), lambda: self._text_identity(self.load_text_encoders())

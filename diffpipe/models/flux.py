@@ -223,9 +223,9 @@ class FluxFamily(Family):
         path = self.cfg.path
         return FluxTextEncoders(
             CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
-            CLIPTextModel.from_pretrained(path, subfolder="text_encoder").eval(),
+            common.pretrained_text_encoder(CLIPTextModel, self.cfg, "text_encoder"),
             T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_2"),
-            T5EncoderModel.from_pretrained(path, subfolder="text_encoder_2").eval(),
+            common.pretrained_text_encoder(T5EncoderModel, self.cfg, "text_encoder_2"),
             msl,
         )
 
@@ -252,7 +252,7 @@ class FluxFamily(Family):
         return FluxPipeline
 
     # -- identities ------------------------------------------------------------
-    def text_identity(self) -> str:
+    def encoders_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity(
                 (self.name, self.cfg.seed, "text"),

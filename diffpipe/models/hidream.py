@@ -161,11 +161,10 @@ class HiDreamFamily(Family):
             with common.seeded(seed, "hidream.text_encoder_4"):
                 e.text_encoder_4 = LlamaForCausalLM(llama).eval()
             return e
-        p = self.cfg.path
-        e.text_encoder = CLIPTextModelWithProjection.from_pretrained(p, subfolder="text_encoder").eval()
-        e.text_encoder_2 = CLIPTextModelWithProjection.from_pretrained(p, subfolder="text_encoder_2").eval()
-        e.text_encoder_3 = T5EncoderModel.from_pretrained(p, subfolder="text_encoder_3").eval()
-        e.text_encoder_4 = LlamaForCausalLM.from_pretrained(p, subfolder="text_encoder_4").eval()
+        e.text_encoder = common.pretrained_text_encoder(CLIPTextModelWithProjection, self.cfg, "text_encoder")
+        e.text_encoder_2 = common.pretrained_text_encoder(CLIPTextModelWithProjection, self.cfg, "text_encoder_2")
+        e.text_encoder_3 = common.pretrained_text_encoder(T5EncoderModel, self.cfg, "text_encoder_3")
+        e.text_encoder_4 = common.pretrained_text_encoder(LlamaForCausalLM, self.cfg, "text_encoder_4")
         return e
 
     def load_denoiser(self) -> HiDreamImageTransformer2DModel:
@@ -188,7 +187,7 @@ class HiDreamFamily(Family):
         return HiDreamImagePipeline
 
     # -- identities ------------------------------------------------------------
-    def text_identity(self) -> str:
+    def encoders_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity((self.name, self.cfg.seed, "text"),
                                         lambda: self._text_identity(self.load_text_encoders()))

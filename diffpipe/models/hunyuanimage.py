@@ -133,9 +133,8 @@ class HunyuanImageFamily(Family):
             with common.seeded(self.cfg.seed, f"{self.name}.text_encoder_2"):
                 e.text_encoder_2 = T5EncoderModel(config).eval()
             return e
-        p = self.cfg.path
-        e.text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(p, subfolder="text_encoder").eval()
-        e.text_encoder_2 = T5EncoderModel.from_pretrained(p, subfolder="text_encoder_2").eval()
+        e.text_encoder = common.pretrained_text_encoder(Qwen2_5_VLForConditionalGeneration, self.cfg, "text_encoder")
+        e.text_encoder_2 = common.pretrained_text_encoder(T5EncoderModel, self.cfg, "text_encoder_2")
         return e
 
     def load_denoiser(self) -> HunyuanImageTransformer2DModel:
@@ -169,7 +168,7 @@ class HunyuanImageFamily(Family):
         return HunyuanImagePipeline
 
     # -- identities ------------------------------------------------------------
-    def text_identity(self) -> str:
+    def encoders_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity((self.name, self.cfg.seed, "text"),
                                         lambda: self._text_identity(self.load_text_encoders()))

@@ -237,8 +237,8 @@ class HunyuanVideoFamily(Family):
                 e.tokenizer_2, self.cfg.seed, "hunyuanvideo.text_encoder_2"
             )
             return e
-        e.text_encoder = LlamaModel.from_pretrained(self.cfg.path, subfolder="text_encoder").eval()
-        e.text_encoder_2 = CLIPTextModel.from_pretrained(self.cfg.path, subfolder="text_encoder_2").eval()
+        e.text_encoder = common.pretrained_text_encoder(LlamaModel, self.cfg, "text_encoder")
+        e.text_encoder_2 = common.pretrained_text_encoder(CLIPTextModel, self.cfg, "text_encoder_2")
         return e
 
     def load_denoiser(self) -> HunyuanVideoTransformer3DModel:
@@ -260,7 +260,7 @@ class HunyuanVideoFamily(Family):
     def pipeline_class(self) -> type:
         return HunyuanVideoPipeline
 
-    def text_identity(self) -> str:
+    def encoders_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity(
                 (self.name, self.cfg.seed, "text"), lambda: self._identity(self.load_text_encoders())

@@ -141,7 +141,7 @@ class Lumina2Family(Family):
             with common.seeded(self.cfg.seed, f"{self.name}.text_encoder"):
                 enc.text_encoder = Gemma2Model(config).eval()
         else:
-            enc.text_encoder = Gemma2Model.from_pretrained(self.cfg.path, subfolder="text_encoder").eval()
+            enc.text_encoder = common.pretrained_text_encoder(Gemma2Model, self.cfg, "text_encoder")
         return enc
 
     def load_denoiser(self) -> Lumina2Transformer2DModel:
@@ -160,7 +160,7 @@ class Lumina2Family(Family):
         return Lumina2Pipeline
 
     # -- identities ------------------------------------------------------------
-    def text_identity(self) -> str:
+    def encoders_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity((self.name, self.cfg.seed, "text"),
                                         lambda: self._text_identity(self.load_text_encoders()))

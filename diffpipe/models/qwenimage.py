@@ -154,8 +154,7 @@ class QwenImageFamily(Family):
         if self.cfg.flavor == "tiny":
             enc.text_encoder = tiny_qwen_vl(enc.tokenizer, self.cfg.seed, f"{self.name}.text_encoder")
         else:
-            enc.text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                self.cfg.path, subfolder="text_encoder").eval()
+            enc.text_encoder = common.pretrained_text_encoder(Qwen2_5_VLForConditionalGeneration, self.cfg, "text_encoder")
         return enc
 
     def load_denoiser(self) -> QwenImageTransformer2DModel:
@@ -175,7 +174,7 @@ class QwenImageFamily(Family):
         return QwenImagePipeline
 
     # -- identities ------------------------------------------------------------
-    def text_identity(self) -> str:
+    def encoders_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity((self.name, self.cfg.seed, "text"),
                                         lambda: self._text_identity(self.load_text_encoders()))

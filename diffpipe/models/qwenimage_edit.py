@@ -207,9 +207,7 @@ class QwenImageEditFamily(QwenImageFamily):
             with common.seeded(self.cfg.seed, f"{self.name}.text_encoder"):
                 enc.text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
         else:
-            enc.text_encoder = Qwen2_5_VLForConditionalGeneration.from_pretrained(
-                self.cfg.path, subfolder="text_encoder"
-            ).eval()
+            enc.text_encoder = common.pretrained_text_encoder(Qwen2_5_VLForConditionalGeneration, self.cfg, "text_encoder")
         return enc
 
     def load_pipeline(self) -> QwenImageEditPipeline:
@@ -228,7 +226,7 @@ class QwenImageEditFamily(QwenImageFamily):
         return QwenImageEditPipeline
 
     # -- identities ------------------------------------------------------------
-    def text_identity(self) -> str:
+    def encoders_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity(
                 (self.name, self.cfg.seed, "text"), lambda: self._edit_identity(self.load_text_encoders(), None)

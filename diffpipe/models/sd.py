@@ -80,6 +80,7 @@ class SDTextEncoders:
 class SDFamily(Family):
     name = "sd"
     vae_class = AutoencoderKL
+    vae_needs_fp32 = True  # fp16 overflows in its decoder; kohya and musubi keep it in float32 too
     denoiser_name = "unet"
     # Attention projections are the usual SD LoRA targets. On the tiny UNet
     # they are a small share of the network (one cross-attention block each
@@ -168,7 +169,7 @@ class SDFamily(Family):
             encoder = common.tiny_clip_text_encoder(tokenizer, self.cfg.seed, "sd.text_encoder")
             return SDTextEncoders(tokenizer, encoder)
         tokenizer = CLIPTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
-        encoder = CLIPTextModel.from_pretrained(self.cfg.path, subfolder="text_encoder").eval()
+        encoder = common.pretrained_text_encoder(CLIPTextModel, self.cfg, "text_encoder")
         return SDTextEncoders(tokenizer, encoder)
 
     def load_denoiser(self) -> UNet2DConditionModel:
@@ -205,7 +206,7 @@ class SDFamily(Family):
         return StableDiffusionPipeline
 
     # -- identities ------------------------------------------------------------
-    def text_identity(self) -> str:
+    def encoders_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity(
                 (self.name, self.cfg.seed, "text"),

@@ -180,10 +180,9 @@ class SD3Family(Family):
                                    tok2, _tiny_clip(tok2, seed, "sd3.text_encoder_2"),
                                    tok3, _tiny_t5(tok3, seed, "sd3.text_encoder_3"), msl)
         enc = self.load_tokenizers()
-        p = self.cfg.path
-        enc.text_encoder = CLIPTextModelWithProjection.from_pretrained(p, subfolder="text_encoder").eval()
-        enc.text_encoder_2 = CLIPTextModelWithProjection.from_pretrained(p, subfolder="text_encoder_2").eval()
-        enc.text_encoder_3 = T5EncoderModel.from_pretrained(p, subfolder="text_encoder_3").eval()
+        enc.text_encoder = common.pretrained_text_encoder(CLIPTextModelWithProjection, self.cfg, "text_encoder")
+        enc.text_encoder_2 = common.pretrained_text_encoder(CLIPTextModelWithProjection, self.cfg, "text_encoder_2")
+        enc.text_encoder_3 = common.pretrained_text_encoder(T5EncoderModel, self.cfg, "text_encoder_3")
         return enc
 
     def load_denoiser(self) -> SD3Transformer2DModel:
@@ -205,7 +204,7 @@ class SD3Family(Family):
         return StableDiffusion3Pipeline
 
     # -- identities ------------------------------------------------------------
-    def text_identity(self) -> str:
+    def encoders_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity((self.name, self.cfg.seed, "text"),
                                         lambda: self._text_identity(self.load_text_encoders()))

@@ -140,9 +140,9 @@ class SDXLFamily(SDFamily):
         path = self.cfg.path
         return SDXLTextEncoders(
             CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
-            CLIPTextModel.from_pretrained(path, subfolder="text_encoder").eval(),
+            common.pretrained_text_encoder(CLIPTextModel, self.cfg, "text_encoder"),
             CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2"),
-            CLIPTextModelWithProjection.from_pretrained(path, subfolder="text_encoder_2").eval(),
+            common.pretrained_text_encoder(CLIPTextModelWithProjection, self.cfg, "text_encoder_2"),
         )
 
     def load_denoiser(self) -> UNet2DConditionModel:
@@ -164,7 +164,7 @@ class SDXLFamily(SDFamily):
         return StableDiffusionXLPipeline
 
     # -- identities ----------------------------------------------------------------
-    def text_identity(self) -> str:
+    def encoders_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity((self.name, self.cfg.seed, "text"),
                                         lambda: self._text_identity(self.load_text_encoders()))

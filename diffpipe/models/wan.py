@@ -222,6 +222,7 @@ def unshift_timesteps(sigma: float, shift: float) -> float:
 class WanFamily(Family):
     name = "wan"
     vae_class = AutoencoderKLWan
+    vae_needs_fp32 = True  # the Wan repos and diffusers examples run this causal 3D VAE in float32
     denoiser_name = "transformer"
     is_video = True
     fps = 16.0
@@ -350,7 +351,7 @@ class WanFamily(Family):
         if self.cfg.flavor == "tiny":
             enc.text_encoder = _tiny_umt5(enc.tokenizer, self.cfg.seed)
         else:
-            enc.text_encoder = UMT5EncoderModel.from_pretrained(self.cfg.path, subfolder="text_encoder").eval()
+            enc.text_encoder = common.pretrained_text_encoder(UMT5EncoderModel, self.cfg, "text_encoder")
         return enc
 
     def _load_transformer(self, attr: str) -> WanTransformer3DModel:
@@ -410,7 +411,7 @@ class WanFamily(Family):
         return WanImageToVideoPipeline if self.spec.image_to_video else WanPipeline
 
     # -- identities ------------------------------------------------------------
-    def vae_identity(self) -> str:
+    def vae_weights_identity(self) -> str:
         """The latent cache's identity: the VAE, plus the image encoder that embeds I2V controls."""
         if self.spec.image_to_video:
             return wan_i2v.latent_identity(self)
@@ -418,9 +419,9 @@ class WanFamily(Family):
             return common.memo_identity(
                 (self.name, self.variant, self.cfg.seed, "vae"), lambda: digest(common.module_identity(self.load_vae()))
             )
-        return super().vae_identity()
+        return super().vae_weights_identity()
 
-    def text_identity(self) -> str:
+    def encoders_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity(
                 (self.name, self.cfg.seed, self.spec.text_length, "text"),

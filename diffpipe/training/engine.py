@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from diffpipe.config import TrainConfig
+from diffpipe.training.precision import check as check_precision
+from diffpipe.training.precision import resolve_precision
 
 # torch deprecates the collectives DeepSpeed calls; one warning per call floods the logs.
 warnings.filterwarnings("ignore", message=r"`torch\.distributed\.\w+` is deprecated", category=FutureWarning)
@@ -96,12 +98,13 @@ def device() -> torch.device:
 
 def deepspeed_config(tc: TrainConfig, world_size: int) -> dict[str, Any]:
     """DeepSpeed's JSON config, generated from ours (users never write it)."""
+    precision = resolve_precision(tc.precision)
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": tc.batch_size,
         "gradient_accumulation_steps": tc.grad_accum,
         "train_batch_size": tc.batch_size * tc.grad_accum * world_size,
-        "bf16": {"enabled": tc.precision == "bf16"},
-        "fp16": {"enabled": tc.precision == "fp16", "initial_scale_power": 16},
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16},
         "zero_optimization": _zero_config(tc),
         # Any torch optimizer (Adafactor, SGD, our bf16 AdamW) may run under ZeRO.
         "zero_allow_untested_optimizer": True,
@@ -137,8 +140,7 @@ def build_engine(
     A torch optimizer is handed over rather than DeepSpeed's fused ones, which
     compile for minutes on first use and do not exist on CPU.
     """
-    if tc.precision == "fp16" and not torch.cuda.is_available():
-        raise ValueError("train.precision fp16 needs a CUDA GPU (CPU kernels lack fp16); use bf16 or fp32")
+    check_precision(tc)
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(

@@ -18,7 +18,7 @@ from diffpipe.data.reader import CachedDataset
 from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training import checkpoint as ckpt
-from diffpipe.training import engine, pipeline
+from diffpipe.training import engine, pipeline, precision
 from diffpipe.training.eval import Evaluator, aux_inputs, eval_dataset
 from diffpipe.training.metrics import MetricsWriter, peak_memory_mb, plot_loss, read_metrics
 from diffpipe.training.optim import build_optimizer
@@ -74,6 +74,7 @@ def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str
     name under ``train/checkpoints`` or a path) with identical results.
     """
     tc = cfg.train
+    precision.check(tc)
     dist = engine.setup_distributed()
     torch.manual_seed(tc.seed)
     family = get_family(cfg.model)
@@ -98,6 +99,7 @@ def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str
 
     denoiser = family.load_denoiser().to(engine.device())
     trained = Trainable(denoiser, family, cfg, is_main=dist.is_main, continue_lora=not (resume or checkpoint))
+    precision.prepare_denoiser(denoiser, tc)  # fp8 base weights, attention backend, compile
     params = trained.params
 
     def make_scheduler(optimizer):

@@ -1,0 +1,103 @@
+"""Precision and speed settings of a training run, applied to the denoiser in one place.
+
+``train.precision: auto`` is bf16 on CUDA and fp32 on CPU (DeepSpeed on CPU runs bf16 and fp32, not
+fp16). Under bf16 DeepSpeed casts the module's parameters to bf16 and its optimizer wrapper keeps
+float32 master copies of the trained ones (``FP16_Optimizer`` with bf16 at ZeRO 0, the ZeRO
+optimizers' float32 partitions above), so the LoRA is stepped in float32.
+
+``train.base_weights: fp8`` stores the frozen Linear/Conv weights in float8_e4m3fn through diffusers'
+layerwise casting: each layer is cast to the compute dtype for its forward and back after. diffusers'
+default skip patterns keep norms (and the AdaLN modulation Linears named ``norm*``), positional and
+patch embeddings, ``proj_in``/``proj_out`` and PEFT's LoRA layers out of it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from diffpipe.config import TrainConfig
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Backends that run without CUDA (torch SDPA and its math kernel; flex attention).
+_CPU_BACKENDS = {"native", "_native_math", "flex"}
+
+
+def resolve_precision(precision: str, cuda: bool | None = None) -> str:
+    """``auto`` -> ``bf16`` on CUDA, ``fp32`` on CPU; other values as they are."""
+    if precision != "auto":
+        return precision
+    cuda = torch.cuda.is_available() if cuda is None else cuda
+    return "bf16" if cuda else "fp32"
+
+
+def compute_dtype(tc: TrainConfig) -> torch.dtype:
+    """The dtype the denoiser computes in during training."""
+    return _DTYPES[resolve_precision(tc.precision)]
+
+
+def check(tc: TrainConfig) -> None:
+    """Refuse, before anything loads, settings this machine cannot run (errors name the key)."""
+    cuda = torch.cuda.is_available()
+    if resolve_precision(tc.precision) == "fp16" and not cuda:
+        raise ValueError("train.precision fp16 needs a CUDA GPU (CPU kernels lack fp16); use bf16 or fp32")
+    backend = tc.attention_backend.lower()
+    from diffusers.models.attention_dispatch import AttentionBackendName
+
+    known = sorted(b.value for b in AttentionBackendName)
+    if backend not in known:
+        raise ValueError(f"train.attention_backend {tc.attention_backend!r}: not a diffusers attention backend; "
+                         f"known: {', '.join(known)}")
+    if backend not in _CPU_BACKENDS and not cuda:
+        raise ValueError(f"train.attention_backend {backend!r} needs a CUDA GPU; on CPU use native")
+    if backend != "native":
+        from diffusers.models.attention_dispatch import _check_attention_backend_requirements
+
+        try:
+            _check_attention_backend_requirements(AttentionBackendName(backend))
+        except (RuntimeError, ImportError) as err:
+            raise ValueError(f"train.attention_backend {backend!r} cannot run here: {err}") from err
+
+
+def prepare_denoiser(denoiser: torch.nn.Module, tc: TrainConfig) -> torch.nn.Module:
+    """Apply ``base_weights``, ``attention_backend`` and ``compile`` (after the LoRA is added);
+    TF32 matmuls on CUDA. Returns the denoiser (the same module)."""
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    if tc.base_weights == "fp8":
+        enable_fp8_base_weights(denoiser, compute_dtype(tc))
+    if tc.attention_backend.lower() != "native":
+        denoiser.set_attention_backend(tc.attention_backend.lower())
+    if tc.compile:
+        compile_blocks(denoiser)
+    return denoiser
+
+
+def enable_fp8_base_weights(denoiser: torch.nn.Module, compute: torch.dtype) -> None:
+    """Store the frozen weights in float8_e4m3fn, computing in ``compute`` (see module docstring).
+
+    diffusers' default skip patterns are used (no ``skip_modules_pattern``): only then does it add
+    PEFT's layer names, so ``lora_A``/``lora_B`` keep their dtype and stay trainable.
+    """
+    if not hasattr(denoiser, "enable_layerwise_casting"):
+        raise ValueError(f"train.base_weights fp8: {type(denoiser).__name__} is not a diffusers model "
+                         "(no layerwise casting); use base_weights auto")
+    denoiser.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute)
+    bad = [n for n, p in denoiser.named_parameters() if p.requires_grad and p.dtype == torch.float8_e4m3fn]
+    if bad:
+        raise ValueError(f"train.base_weights fp8 cast trained weights to float8 (e.g. {bad[0]}); "
+                         "check train.lora.targets")
+
+
+def compile_blocks(denoiser: torch.nn.Module) -> None:
+    """Regional compilation: each repeated block compiled once (diffusers' ``compile_repeated_blocks``
+    where the model declares ``_repeated_blocks``), else each block of its top-level ``ModuleList``s."""
+    if getattr(denoiser, "_repeated_blocks", None):
+        denoiser.compile_repeated_blocks()
+        return
+    lists = [m for m in denoiser.children() if isinstance(m, torch.nn.ModuleList)]
+    if not lists:
+        raise ValueError(f"train.compile: {type(denoiser).__name__} has no repeated blocks to compile")
+    for blocks in lists:
+        for block in blocks:
+            block.compile()
