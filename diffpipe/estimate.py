@@ -36,6 +36,7 @@ import torch
 from diffpipe.config import Config
 from diffpipe.models import get_family
 from diffpipe.models.published import PUBLISHED, Published, for_family
+from diffpipe.training.precision import resolve_precision
 
 GiB = 2**30
 # float32 optimizer-state bytes per trainable parameter, by ``train.optimizer``.
@@ -202,8 +203,9 @@ def estimate_memory(
     resolution = resolution or max(max(d.resolutions or [d.resolution]) for d in cfg.datasets)
     if resolution % family.pixel_multiple and resolution % (spec.vae_factor * 2):
         raise ValueError(f"resolution {resolution} is not a multiple of {spec.vae_factor * 2}")
-    dtype = torch.bfloat16 if tc.precision == "bf16" else torch.float32
-    width = 2 if tc.precision == "bf16" else 4
+    precision = resolve_precision(tc.precision, cuda=True)  # the estimate is for a GPU: auto = bf16
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    width = 2 if precision == "bf16" else 4
 
     denoiser = spec.build_meta().to(dtype)
     params = sum(p.numel() for p in denoiser.parameters())
@@ -223,7 +225,7 @@ def estimate_memory(
     z = tc.zero_stage
     param_bytes = (frozen + trainable) * width // (gpus if z == 3 else 1)
     grad_bytes = trainable * width // (gpus if z >= 2 else 1)
-    state = _STATE_BYTES.get(tc.optimizer.lower(), 8) + (4 if tc.precision == "bf16" else 0)
+    state = _STATE_BYTES.get(tc.optimizer.lower(), 8) + (4 if precision == "bf16" else 0)
     optimizer_bytes = 0 if tc.offload_optimizer else trainable * state // (gpus if z >= 1 else 1)
 
     latents, text, t, noise = _meta_inputs(spec, tc.batch_size, resolution, dtype)
@@ -251,7 +253,7 @@ def estimate_memory(
         if "autocast" not in str(err):
             raise
     return MemoryEstimate(
-        model=spec.name, gpus=gpus, zero_stage=z, precision=tc.precision, resolution=resolution,
+        model=spec.name, gpus=gpus, zero_stage=z, precision=precision, resolution=resolution,
         batch_size=tc.batch_size, rank=rank, params=params, trainable=trainable, param_bytes=param_bytes,
         grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, activation_bytes=activation_bytes,
         activation_upper_bound=upper_bound,

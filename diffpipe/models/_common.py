@@ -92,7 +92,9 @@ def component(cls: type, cfg: Any, family: str, subfolder: str, tiny: Mapping[st
     dtype = load_dtype(cfg, "vae" if subfolder == "vae" else "denoiser")
     if cfg.flavor == "tiny":
         with seeded(cfg.seed, f"{family}.{subfolder}"):
-            return cls(**tiny).to(dtype).eval()
+            model = cls(**tiny)
+        # No cast at float32: diffusers' ``to`` warns on every call with a dtype.
+        return (model if dtype == torch.float32 else model.to(dtype)).eval()
     return local_component(cls, cfg, subfolder, dtype)
 
 

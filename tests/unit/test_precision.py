@@ -80,3 +80,16 @@ def test_fp16_and_gpu_attention_backends_are_refused_on_cpu():
     with pytest.raises(ValueError, match="'flsh': not a diffusers attention backend; known: .*flash"):
         check(TrainConfig(attention_backend="flsh"))
     check(TrainConfig(attention_backend="native"))
+
+
+def test_estimate_sizes_auto_precision_as_bf16():
+    from diffpipe.config import Config
+    from diffpipe.estimate import estimate_memory
+
+    def est(precision):
+        cfg = Config.model_validate({"model": {"family": "sd"}, "datasets": [{"name": "d", "path": "d", "resolution": 64}],
+                                     "train": {"batch_size": 1, "precision": precision}})
+        return estimate_memory(cfg, model="sd15", rank=4)
+
+    auto, bf16 = est("auto"), est("bf16")
+    assert auto.precision == "bf16" and auto.total_bytes == bf16.total_bytes
