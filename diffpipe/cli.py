@@ -552,5 +552,25 @@ def estimate(
     sys.stdout.write((json.dumps(result.as_dict(), indent=2) if as_json else result.table()) + "\n")
 
 
+@app.command()
+@_errors
+def doctor(
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Experiment config to check against.")] = None,
+    profile: Annotated[Path | None, typer.Option(help="Snakemake profile the run will use (SLURM: its tools).")] = None,
+) -> None:
+    """Check this machine: torch and CUDA build, GPUs against the config's memory estimate, attention
+    backends, DeepSpeed ops, free disk for output and cache, SLURM tools for a SLURM profile.
+
+    Prints one line per check, `ok` or `warn` with the fix; exits 0 (warnings do not stop a run).
+
+    Example: diffpipe doctor -c diffpipe.yaml --profile profiles/slurm
+    """
+    from diffpipe.doctor import run_checks
+
+    cfg = load_config(config) if config else None
+    for check in run_checks(cfg, profile=profile):
+        _say(check.line())
+
+
 def main() -> None:
     app()
