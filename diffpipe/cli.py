@@ -152,8 +152,11 @@ def validate(
         if not folder.is_dir():
             raise typer.BadParameter(f"{folder} is not a folder", param_hint="FOLDER")
         name = folder.resolve().name or "data"
-        cfg = parse_config({"output_dir": str(out or Path("runs") / f"validate-{name}"),
-                            "datasets": [{"name": name, "path": str(folder)}]}, f"validate {folder}")
+        try:
+            cfg = parse_config({"output_dir": str(out or Path("runs") / f"validate-{name}"),
+                                "datasets": [{"name": name, "path": str(folder)}]}, f"validate {folder}")
+        except ConfigError as err:
+            raise ConfigError(f"{err}\n(with a FOLDER, the output_dir is --out: give one outside {folder})") from None
         paths = RunPaths(cfg.output_dir)
     else:
         cfg, paths = _setup(config)

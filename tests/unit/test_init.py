@@ -72,3 +72,10 @@ def test_validate_a_folder_without_a_config(images, tmp_path, monkeypatch):
     assert "validate: report runs/validate-shapes/validate/report.html" in result.output
     assert (tmp_path / "runs/validate-shapes/validate/report.html").is_file()
     assert "Dataset validation" in result.output and "4 of 4 items kept" in result.output
+
+
+def test_validate_a_folder_from_inside_it_asks_for_out(images, monkeypatch):
+    monkeypatch.chdir(images)
+    result = runner.invoke(app, ["validate", ".", "--no-tokens"])
+    assert result.exit_code == 2 and "--out" in result.output, result.output
+    assert not (images / "runs").exists()
