@@ -141,7 +141,9 @@ def _print_summary(console: Console, s: RunSummary, p: RunPaths) -> None:
         console.print("[bold green]Nothing to do:[/] 0 Snakemake jobs ran; every output is up to date.")
     else:
         console.print(f"[bold green]Done:[/] {s.jobs_ran} Snakemake jobs ran in {s.wall_seconds:.1f} s.")
-    table = Table(title="time per stage (last run of each job, summed over shards)")
+    # The title on its own line: as a table title it wraps at the table's narrow width.
+    console.print("time per stage (last run of each job, summed over shards):", highlight=False, soft_wrap=True)
+    table = Table()
     table.add_column("stage")
     table.add_column("seconds", justify="right")
     for stage, sec in s.stage_seconds.items():
