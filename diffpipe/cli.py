@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from diffpipe import runlock
+from diffpipe import logs, runlock
 from diffpipe.config import ConfigError, load_config
 from diffpipe.paths import RunPaths
 
@@ -33,6 +33,21 @@ app = typer.Typer(
 cache_app = typer.Typer(help="Encode a cache shard (latents or text embeddings).", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 console = Console(stderr=True)
+
+
+
+@app.callback()
+def _levels(
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="Show only results, warnings of ours and errors "
+                                        "(libraries' warnings and Snakemake's progress hidden).")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Also show the library notices diffpipe "
+                                          "filters as harmless (see diffpipe/logs.py).")] = False,
+) -> None:
+    """diffpipe: fingerprinted data → sharded caches → DeepSpeed LoRA training → export → samples."""
+    if quiet and verbose:
+        raise typer.BadParameter("give --quiet or --verbose, not both", param_hint="--quiet")
+    logs.configure(quiet=quiet, verbose=verbose)
+
 
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="Experiment config (YAML).")]
 ShardOpt = Annotated[str, typer.Option("--shard", help="Shard name from the plan, e.g. s0000.")]
@@ -108,7 +123,11 @@ def _setup(config: Path):
 @app.command()
 @_errors
 def validate(
-    config: ConfigOpt,
+    folder: Annotated[Path | None, typer.Argument(
+        help="A dataset folder to check with the default rules, without a config.")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Experiment config (YAML).")] = None,
+    out: Annotated[Path | None, typer.Option(
+        help="With FOLDER: where the manifest and reports go (default: runs/validate-<folder name>).")] = None,
     rehash: Annotated[bool, typer.Option(help="Re-read every file even if size and mtime are unchanged.")] = False,
     workers: Annotated[int | None, typer.Option(help="Decoding processes (default: every core).")] = None,
     tokens: Annotated[bool, typer.Option(help="Count caption tokens with the model's tokenizers.")] = True,
@@ -116,14 +135,31 @@ def validate(
     """Check every dataset file before any GPU time: write the manifest and the reports.
 
     Exits 1 when a problem whose action is `error` exists; the summary table
-    is the last thing printed. Nothing in the datasets is modified.
+    is the last thing printed. Nothing in the datasets is modified. Given a
+    folder instead of a config, it checks that folder with the default rules
+    (caption lengths are counted with the tiny SD tokenizer, CLIP's 77-token limit).
 
     Example: diffpipe validate -c config/demo.yaml
+    Example: diffpipe validate my_images/
     """
+    from diffpipe.config import parse_config
     from diffpipe.data.discover import run_folders
     from diffpipe.data.validate import FamilyTokenCounter, kept_copy, print_summary, run_validation
 
-    cfg, paths = _setup(config)
+    if (folder is None) == (config is None):
+        raise typer.BadParameter("give a dataset FOLDER or --config, one of them", param_hint="FOLDER")
+    if folder is not None:
+        if not folder.is_dir():
+            raise typer.BadParameter(f"{folder} is not a folder", param_hint="FOLDER")
+        name = folder.resolve().name or "data"
+        try:
+            cfg = parse_config({"output_dir": str(out or Path("runs") / f"validate-{name}"),
+                                "datasets": [{"name": name, "path": str(folder)}]}, f"validate {folder}")
+        except ConfigError as err:
+            raise ConfigError(f"{err}\n(with a FOLDER, the output_dir is --out: give one outside {folder})") from None
+        paths = RunPaths(cfg.output_dir)
+    else:
+        cfg, paths = _setup(config)
     result = run_validation(cfg.datasets, cfg.validation, manifest_path=paths.manifest,
                             report_json=paths.report_json, report_html=paths.report_html, rehash=rehash,
                             tokens=FamilyTokenCounter(cfg.model) if tokens else None, workers=workers,
@@ -131,6 +167,46 @@ def validate(
     print_summary(result, console=console, report=kept_copy(paths.report_html) if result.errors else paths.report_html)
     if result.errors:
         raise typer.Exit(1)
+
+
+@app.command()
+@_errors
+def init(
+    dataset: Annotated[Path, typer.Argument(help="Folder of images with same-stem .txt captions.")],
+    model: Annotated[str, typer.Option(
+        help="A local diffusers model folder (family detected from model_index.json), or tiny:<family> for "
+        "the offline tiny model.")],
+    family: Annotated[str | None, typer.Option(help="Model family, when it cannot be detected.")] = None,
+    trigger: Annotated[str | None, typer.Option(
+        help="Trigger word put before every caption and sample prompt.")] = None,
+    out: Annotated[Path, typer.Option("--out", "-o", help="Config file to write (never replaced).")] = Path(
+        "diffpipe.yaml"),
+    output_dir: Annotated[str | None, typer.Option(
+        help="The run's output folder (default: runs/<dataset folder name>).")] = None,
+    estimate: Annotated[bool, typer.Option(help="Add the GPU memory estimate as a comment.")] = True,
+) -> None:
+    """Write a commented config for a folder of images and a model, ready for `diffpipe run`.
+
+    Family from the model, resolution and buckets from the images, sample
+    prompts from their captions, LoRA defaults for the family, and the
+    `diffpipe estimate` figures as a comment. An existing file is never replaced.
+
+    Example: diffpipe init my_images/ --model models/sd15 --trigger sks
+    """
+    from diffpipe.init import init_config
+
+    taken = f"{out} exists; diffpipe never replaces it: choose another name with --out"
+    if out.exists() or out.is_symlink():
+        raise typer.BadParameter(taken, param_hint="--out")
+    text = init_config(dataset, model, family=family, trigger=trigger, output_dir=output_dir, estimate=estimate,
+                       name_of_file=str(out))
+    try:
+        with open(out, "x", encoding="utf-8") as fh:  # "x": fails rather than replace a file made meanwhile
+            fh.write(text)
+    except FileExistsError:
+        raise typer.BadParameter(taken, param_hint="--out") from None
+    _say(f"init: wrote {out}")
+    _say(f"next: diffpipe validate -c {out}   (check the data), then: diffpipe run -c {out}")
 
 
 @app.command()
@@ -477,6 +553,26 @@ def estimate(
     cfg = load_config(config)
     result = estimate_memory(cfg, gpus=gpus, resolution=resolution, rank=rank, model=model)
     sys.stdout.write((json.dumps(result.as_dict(), indent=2) if as_json else result.table()) + "\n")
+
+
+@app.command()
+@_errors
+def doctor(
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Experiment config to check against.")] = None,
+    profile: Annotated[Path | None, typer.Option(help="Snakemake profile the run will use (SLURM: its tools).")] = None,
+) -> None:
+    """Check this machine: torch and CUDA build, GPUs against the config's memory estimate, attention
+    backends, DeepSpeed ops, free disk for output and cache, SLURM tools for a SLURM profile.
+
+    Prints one line per check, `ok` or `warn` with the fix; exits 0 (warnings do not stop a run).
+
+    Example: diffpipe doctor -c diffpipe.yaml --profile profiles/slurm
+    """
+    from diffpipe.doctor import run_checks
+
+    cfg = load_config(config) if config else None
+    for check in run_checks(cfg, profile=profile):
+        _say(check.line())
 
 
 def main() -> None:

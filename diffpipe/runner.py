@@ -63,6 +63,8 @@ def snakemake_command(
         cmd += ["--cores", "all"]
     if dry_run:
         cmd.append("--dry-run")
+    if os.environ.get("DIFFPIPE_QUIET") == "1":  # `diffpipe --quiet run`: no per-job progress (errors still show)
+        cmd += ["--quiet", "progress", "rules", "host"]
     # "--" ends the options: a target must not be read as one more value of an option that
     # takes several (--resources gpu=2 plan).
     return cmd + list(extra) + (["--", *targets] if targets else [])
@@ -99,7 +101,7 @@ def run_workflow(
     # Snakemake's own lock is per working directory: a second run on this output_dir
     # from another folder would pass it. A dry run writes nothing and is not locked.
     lock = nullcontext() if dry_run else runlock.hold(run_paths.root, runlock.RUN_LOCK, "diffpipe run",
-                                                       warn=lambda m: console.print(m, markup=False))
+                                                       warn=lambda m: console.print(m, markup=False, highlight=False, soft_wrap=True))
     with lock as held:
         if held is not None:
             runlock.check_free(run_paths.root, runlock.TRAIN_LOCK, "diffpipe train")
@@ -139,7 +141,9 @@ def _print_summary(console: Console, s: RunSummary, p: RunPaths) -> None:
         console.print("[bold green]Nothing to do:[/] 0 Snakemake jobs ran; every output is up to date.")
     else:
         console.print(f"[bold green]Done:[/] {s.jobs_ran} Snakemake jobs ran in {s.wall_seconds:.1f} s.")
-    table = Table(title="time per stage (last run of each job, summed over shards)")
+    # The title on its own line: as a table title it wraps at the table's narrow width.
+    console.print("time per stage (last run of each job, summed over shards):", highlight=False, soft_wrap=True)
+    table = Table()
     table.add_column("stage")
     table.add_column("seconds", justify="right")
     for stage, sec in s.stage_seconds.items():

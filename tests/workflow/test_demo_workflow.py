@@ -13,7 +13,9 @@ import pytest
 import torch
 import yaml
 from rich.console import Console
+from typer.testing import CliRunner
 
+from diffpipe.cli import app
 from diffpipe.config import load_config
 from diffpipe.models import get_family
 from diffpipe.paths import REPO_ROOT, RunPaths
@@ -29,11 +31,17 @@ pytestmark = pytest.mark.slow
 def demo(tmp_path_factory):
     root = tmp_path_factory.mktemp("demo")
     shutil.copytree(REPO_ROOT / "config" / "demo_data", root / "data")
-    cfg = yaml.safe_load((REPO_ROOT / "config" / "demo.yaml").read_text())
-    cfg["output_dir"] = "run"
+    # The config is the one `diffpipe init` writes for the demo images (the README's quick start),
+    # with the demo's training and sampling settings: this run proves `diffpipe run` takes it as is.
+    made = CliRunner().invoke(app, ["init", str(root / "data"), "--model", "tiny:sd", "--output-dir", "run",
+                                    "-o", str(root / "init.yaml"), "--no-estimate"])
+    assert made.exit_code == 0, made.output
+    cfg = yaml.safe_load((root / "init.yaml").read_text())
+    demo_cfg = yaml.safe_load((REPO_ROOT / "config" / "demo.yaml").read_text())
+    assert cfg["model"] == {"family": "sd", "flavor": "tiny"} and cfg["datasets"][0]["resolution"] == 64
+    cfg.update({k: demo_cfg[k] for k in ("cache", "train", "sample")})
     # 32 steps instead of the demo's 80: enough for the learning check, 1-2 minutes less.
     cfg["train"]["epochs"] = 8
-    cfg["datasets"][0]["path"] = str(root / "data")
     (root / "config.yaml").write_text(yaml.safe_dump(cfg))
 
     def run(targets=()):
@@ -55,7 +63,7 @@ def test_first_run_produces_every_output(demo):
     assert sum(j.startswith("cache_latents/") for j in first.jobs) == n_shards
     assert sum(j.startswith("cache_text/") for j in first.jobs) == n_shards
     for f in [p.manifest, p.report_json, p.report_html, p.plan_summary, p.adapter_file, p.metrics,
-              p.export_diffusers, p.sample_grid, p.train_dir / "loss.png"]:
+              p.export_diffusers, p.export_file("comfyui"), p.sample_grid, p.train_dir / "loss.png"]:
         assert f.exists() and f.stat().st_size > 0, f
     assert list(p.tensorboard.glob("events.out.tfevents.*"))
     assert list(p.epoch_loras.glob("epoch-*/adapter_model.safetensors"))

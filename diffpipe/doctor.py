@@ -1,0 +1,130 @@
+"""``diffpipe doctor``: can this machine run what the config asks? One line per check, each with its fix.
+
+Nothing here changes the machine; a check that cannot decide says so as a warning.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from diffpipe.config import Config, load_yaml
+
+GiB = 1024**3
+#: Free space below which the output or cache folder's file system gets a warning.
+MIN_FREE_BYTES = 20 * GiB
+#: What the CUDA context and allocator fragmentation add to ``diffpipe estimate``'s total.
+CUDA_OVERHEAD_BYTES = 2 * GiB
+TORCH_CUDA_FIX = ('install a CUDA build of torch: make venv TORCH_SPEC="torch==<version> --index-url '
+                  'https://download.pytorch.org/whl/cu128" (on a fresh .venv)')
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        return f"{'ok  ' if self.ok else 'warn'}  {self.name}: {self.detail}" + ("" if self.ok else f"; fix: {self.fix}")
+
+
+def _torch_checks(cfg: Config | None, estimate) -> list[Check]:
+    import torch
+
+    cuda = torch.version.cuda
+    checks = [Check("torch", bool(cuda), f"{torch.__version__}, " + (f"CUDA {cuda} build" if cuda else "CPU-only build"),
+                    TORCH_CUDA_FIX)]
+    gpus = [torch.cuda.get_device_properties(i) for i in range(torch.cuda.device_count())] if cuda else []
+    if not gpus:
+        checks.append(Check("GPUs", False, "none visible (training runs on CPU: fine for the tiny models, far too "
+                            "slow for published ones)", "run on a machine with an NVIDIA GPU and a CUDA build of "
+                            "torch" if cuda else TORCH_CUDA_FIX))
+    else:
+        names = ", ".join(f"{g.name} {g.total_memory / GiB:.0f} GiB" for g in gpus)
+        checks.append(Check("GPUs", True, f"{len(gpus)}: {names}"))
+    if estimate is not None:
+        need = estimate.total_bytes + CUDA_OVERHEAD_BYTES
+        have = min((g.total_memory for g in gpus), default=0)
+        what = f"the config needs about {need / GiB:.1f} GiB per GPU (diffpipe estimate, plus CUDA overhead" + (
+            f"; the tiny flavor is sized as {estimate.model})" if cfg.model.flavor == "tiny" else ")")
+        fits = bool(gpus) and need <= have
+        checks.append(Check("GPU memory", fits, what + (f"; the smallest GPU has {have / GiB:.0f} GiB" if gpus else
+                            "; no GPU to hold it"), "lower train.batch_size or the resolution, or use "
+                            "train.zero_stage / offload_optimizer / activation_checkpointing on several GPUs "
+                            "(diffpipe estimate -c CONFIG --gpus N shows the effect)"))
+    return checks
+
+
+def _library_checks() -> list[Check]:
+    checks = []
+    for module, label, pip in (("flash_attn", "flash attention", "flash-attn"),
+                               ("sageattention", "sage attention", "sageattention")):
+        found = importlib.util.find_spec(module) is not None
+        checks.append(Check(label, found, "installed" if found else "not installed (optional: PyTorch's own "
+                            "attention is used)", f"pip install {pip} (needs a CUDA GPU) for faster attention"))
+    try:
+        import deepspeed.ops
+
+        ops = getattr(deepspeed.ops, "__compatible_ops__", {})
+        usable = sorted(k for k, v in ops.items() if v)
+        missing = sorted(k for k, v in ops.items() if not v and k != "deepspeed_not_implemented")
+        checks.append(Check("DeepSpeed ops", "cpu_adam" in usable and "fused_adam" in usable,
+                            f"{deepspeed.__version__}; buildable: {', '.join(usable) or 'none'}"
+                            + (f"; not buildable here: {', '.join(missing)}" if missing else ""),
+                            "install a C++ compiler (and the CUDA toolkit matching torch for GPU ops), then run "
+                            "ds_report"))
+    except Exception as err:  # DeepSpeed missing or broken: that is the finding
+        checks.append(Check("DeepSpeed", False, f"cannot be imported ({type(err).__name__}: {err})",
+                            "reinstall: pip install -e . in this repository"))
+    return checks
+
+
+def _existing(path: Path) -> Path:
+    path = path.absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _disk_checks(cfg: Config, base: Path, min_free: int) -> list[Check]:
+    folders = {"output_dir": base / cfg.output_dir}
+    if cfg.cache.dir:
+        folders["cache.dir"] = base / cfg.cache.dir
+    checks = []
+    for key, folder in folders.items():
+        free = shutil.disk_usage(_existing(folder)).free
+        checks.append(Check(f"disk for {key}", free >= min_free, f"{folder}: {free / GiB:.1f} GiB free",
+                            f"free space there, or point {key} at a larger file system (caches and "
+                            f"checkpoints of published models take tens of GiB; {min_free / GiB:.0f} GiB is "
+                            "the least this check accepts)"))
+    return checks
+
+
+def _slurm_checks(profile: Path) -> list[Check]:
+    settings = load_yaml(profile / "config.yaml") if (profile / "config.yaml").is_file() else {}
+    if not isinstance(settings, dict) or settings.get("executor") != "slurm":
+        return []
+    missing = [t for t in ("sbatch", "squeue", "sacct", "srun") if shutil.which(t) is None]
+    return [Check("SLURM tools", not missing, f"profile {profile} submits with sbatch; "
+                  + (f"not on PATH: {', '.join(missing)}" if missing else "sbatch, squeue, sacct, srun found"),
+                  "run from a login node of the cluster (or load its SLURM module)")]
+
+
+def run_checks(cfg: Config | None = None, *, base: Path = Path("."), profile: Path | None = None,
+               min_free: int = MIN_FREE_BYTES) -> list[Check]:
+    """Every check, in a fixed order; a config adds memory and disk checks, a SLURM profile the SLURM tools."""
+    estimate = None
+    if cfg is not None:
+        from diffpipe.estimate import estimate_memory
+
+        estimate = estimate_memory(cfg)
+    checks = _torch_checks(cfg, estimate) + _library_checks()
+    if cfg is not None:
+        checks += _disk_checks(cfg, base, min_free)
+    if profile is not None:
+        checks += _slurm_checks(profile)
+    return checks

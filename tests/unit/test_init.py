@@ -1,0 +1,81 @@
+"""`diffpipe init` and `diffpipe validate FOLDER`: from a folder of images to a config that works."""
+
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from diffpipe.cli import app
+from diffpipe.config import load_config
+from diffpipe.data.demo import write_demo_dataset
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def images(tmp_path_factory):
+    root = tmp_path_factory.mktemp("init")
+    write_demo_dataset(root / "shapes", n=4, size=64)
+    return root / "shapes"
+
+
+def test_init_writes_a_commented_config_that_loads(images, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["init", str(images), "--model", "tiny:sd", "--trigger", "sks", "-o", "my.yaml"])
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / "my.yaml").read_text()
+    cfg = load_config(tmp_path / "my.yaml")
+    assert (cfg.model.family, cfg.model.flavor) == ("sd", "tiny")
+    ds = cfg.datasets[0]
+    assert (ds.resolution, ds.aspect_ratios, ds.caption_prefix) == (64, [1.0], "sks, ")
+    captions = sorted(p.read_text().strip() for p in images.glob("*.txt"))
+    assert cfg.sample.prompts and all(p.startswith("sks, ") and p[5:] in captions for p in cfg.sample.prompts)
+    assert "comfyui" in cfg.export.formats
+    assert "total per GPU" in text and "diffpipe run -c my.yaml" in text  # the estimate, the next command
+
+
+def test_init_never_replaces_a_file(images, tmp_path):
+    out = tmp_path / "mine.yaml"
+    out.write_text("my own notes\n")
+    result = runner.invoke(app, ["init", str(images), "--model", "tiny:sd", "-o", str(out), "--no-estimate"])
+    assert result.exit_code == 2 and "never replaces" in result.output
+    assert out.read_text() == "my own notes\n"
+
+
+@pytest.mark.parametrize("pipeline, family", [("FluxPipeline", "flux"), ("WanPipeline", "wan"),
+                                              ("StableDiffusionXLPipeline", "sdxl")])
+def test_init_detects_the_family_of_a_local_folder(images, tmp_path, pipeline, family):
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model_index.json").write_text(json.dumps({"_class_name": pipeline}))
+    out = tmp_path / "c.yaml"
+    result = runner.invoke(app, ["init", str(images), "--model", str(model), "-o", str(out), "--no-estimate",
+                                 "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    m = yaml.safe_load(out.read_text())["model"]
+    assert m == {"family": family, "flavor": "local", "path": str(model)}
+
+
+@pytest.mark.parametrize("model, says", [("stabilityai/sdxl-turbo", "Hugging Face ids"),
+                                         ("tiny:nosuch", "unknown family 'nosuch'")])
+def test_init_refuses_a_model_it_cannot_load(images, tmp_path, model, says):
+    result = runner.invoke(app, ["init", str(images), "--model", model, "-o", str(tmp_path / "c.yaml")])
+    assert result.exit_code == 2 and says in result.output, result.output
+    assert not (tmp_path / "c.yaml").exists()
+
+
+def test_validate_a_folder_without_a_config(images, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["validate", str(images), "--no-tokens"])
+    assert result.exit_code == 0, result.output
+    assert "validate: report runs/validate-shapes/validate/report.html" in result.output
+    assert (tmp_path / "runs/validate-shapes/validate/report.html").is_file()
+    assert "Dataset validation" in result.output and "4 of 4 items kept" in result.output
+
+
+def test_validate_a_folder_from_inside_it_asks_for_out(images, monkeypatch):
+    monkeypatch.chdir(images)
+    result = runner.invoke(app, ["validate", ".", "--no-tokens"])
+    assert result.exit_code == 2 and "--out" in result.output, result.output
+    assert not (images / "runs").exists()
