@@ -98,7 +98,7 @@ def test_estimate_reads_a_local_folder_config(tmp_path):
     PUBLISHED["sd21"].build_meta().save_config(tmp_path / "unet")
     cfg = Config.model_validate(
         {"model": {"family": "sd", "flavor": "local", "path": str(tmp_path)},
-         "datasets": [{"name": "d", "path": "data", "resolution": 256}], "train": {"batch_size": 1}}
+         "datasets": [{"name": "d", "path": "data", "resolution": 256}], "train": {"batch_size": 1, "precision": "fp32"}}
     )
     result = estimate_memory(cfg)
     assert result.model == str(tmp_path) and result.params == 865_910_724
