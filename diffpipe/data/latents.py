@@ -22,6 +22,7 @@ Chunks hold a block of whole rows, so a batch or a whole bucket is a few reads.
 from __future__ import annotations
 
 import hashlib
+import json
 import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -198,24 +199,37 @@ class LatentShard:
             with warnings.catch_warnings():
                 warnings.filterwarnings("ignore", message=_NOT_ZARR)
                 self.group = zarr.open_group(str(self.path), mode="r")
-            self.attrs: dict[str, Any] = dict(self.group.attrs)
+                self.attrs: dict[str, Any] = dict(self.group.attrs)
+                if self.attrs.get("format") != FORMAT:
+                    raise ValueError(f"latent shard {self.path} is not a diffpipe latent shard (no format attr)")
+                self.dtype: str = self.attrs["dtype"]
+                self.meta: dict[str, dict[str, Any]] = {
+                    name: dict(self.group[name].attrs) for name in sorted(self.group.array_keys())
+                }
+                #: Aux arrays (``mask/1x64x64``, ``control/...``) -> attrs (``ids``, ``has``).
+                self.aux_meta: dict[str, dict[str, Any]] = {
+                    aux_array(role, name): dict(self.group[role][name].attrs)
+                    for role in AUX_FILL
+                    if role in self.group.group_keys()
+                    for name in sorted(self.group[role].array_keys())
+                }
         except Exception as err:  # zarr raises many types for a damaged store
-            raise ValueError(f"latent shard {self.path} cannot be opened: {err}") from err
-        if self.attrs.get("format") != FORMAT:
-            raise ValueError(f"latent shard {self.path} is not a diffpipe latent shard (no format attr)")
-        self.dtype: str = self.attrs["dtype"]
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=_NOT_ZARR)
-            self.meta: dict[str, dict[str, Any]] = {
-                name: dict(self.group[name].attrs) for name in sorted(self.group.array_keys())
-            }
-            #: Aux arrays (``mask/1x64x64``, ``control/...``) -> attrs (``ids``, ``has``).
-            self.aux_meta: dict[str, dict[str, Any]] = {
-                aux_array(role, name): dict(self.group[role][name].attrs)
-                for role in AUX_FILL
-                if role in self.group.group_keys()
-                for name in sorted(self.group[role].array_keys())
-            }
+            raise self._damaged(err) from None
+
+    def _damaged(self, err: Exception) -> ValueError:
+        """A ValueError naming the shard, its first unreadable metadata file, and the fix."""
+        if isinstance(err, ValueError) and str(err).startswith(f"latent shard {self.path}"):
+            return err
+        bad = None
+        for meta in sorted(self.path.rglob("zarr.json")):
+            try:
+                json.loads(meta.read_text())
+            except (OSError, ValueError):
+                bad = meta
+                break
+        where = f"its metadata file {bad} is damaged" if bad else f"it cannot be opened ({type(err).__name__}: {err})"
+        return ValueError(f"latent shard {self.path}: {where}; delete the shard folder and rerun its cache job "
+                          "(`diffpipe run` does)")
 
     @property
     def names(self) -> list[str]:

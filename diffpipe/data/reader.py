@@ -36,6 +36,8 @@ class _Item:
     repeats: int
     #: Source ``(h, w)`` and crop ``(top, left)`` in pixels (images planned with them; else None).
     sizes: tuple[int, int, int, int] | None = None
+    key: str = ""  # the plan's latent cache key (image content and transform)
+    text_key: str = ""  # the plan's text cache key (caption)
 
 
 def _concat(parts: list[np.ndarray], dtype: str) -> torch.Tensor:
@@ -80,7 +82,7 @@ class CachedDataset:
             raise ValueError(f"no latent specs under {paths.plan_dir}; run the plan step first")
         if paths.shard_names("text") != shards:
             raise ValueError(f"latent and text specs under {paths.plan_dir} name different shards; rerun plan")
-        records: list[tuple] = []  # id, path, bucket, lat row, text row, reps, sizes
+        records: list[tuple] = []  # id, path, bucket, lat row, text row, reps, sizes, key, text key
         lat_parts: dict[str, list[np.ndarray]] = {}
         # role -> bucket -> one (values or None, has) per shard part of that bucket
         aux_parts: dict[str, dict[str, list[tuple[np.ndarray | None, list[bool]]]]] = {role: {} for role in AUX_FILL}
@@ -140,6 +142,8 @@ class CachedDataset:
                         text_rows + tfound[0],
                         int(item.get("repeats", 1)),
                         _sizes(item),
+                        item["key"],
+                        titem["key"],
                     )
                 )
             for name in lshard.names:

@@ -92,7 +92,8 @@ class TextShard:
             self.table = pa.ipc.open_file(source).read_all()
             self.meta: dict[str, Any] = json.loads(self.table.schema.metadata[META_KEY])
         except Exception as err:  # ArrowInvalid, KeyError, JSON errors: all mean damaged
-            raise ValueError(f"text shard {self.path} cannot be read: {err}") from err
+            raise ValueError(f"text shard {self.path} cannot be read ({err}); delete it and rerun its cache job "
+                             "(`diffpipe run` does)") from err
         if self.meta.get("format") != FORMAT:
             raise ValueError(f"text shard {self.path} is not a diffpipe text shard")
         self.dtype: str = self.meta["dtype"]

@@ -12,7 +12,6 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 
 from diffpipe.config import Config, ModelConfig, load_config
@@ -61,10 +60,16 @@ def _deepspeed_states(path: Path) -> Path | None:
 def adapter_from_deepspeed(checkpoint: Path, cfg: Config, out_dir: Path) -> Path:
     """Write the LoRA tensors of a DeepSpeed checkpoint (frozen weights excluded) as an adapter folder."""
     from diffpipe.models import get_family
+    from diffpipe.training.checkpoint import load_torch_file
+    from diffpipe.training.engine import deepspeed_safe_types
 
     states = _deepspeed_states(checkpoint)
-    saved = torch.load(states, map_location="cpu", weights_only=False)  # our own checkpoint
-    sd = {k.replace(".default.", "."): v.float() for k, v in saved["module"].items() if ".lora_" in k}
+    # weights_only: a crafted file is refused before any of it runs.
+    saved = load_torch_file(states, checkpoint, allowed=deepspeed_safe_types())
+    module = saved.get("module") if isinstance(saved, dict) else None
+    if not isinstance(module, dict):
+        raise ValueError(f"{states}: not a DeepSpeed model-states file (no 'module' weights)")
+    sd = {k.replace(".default.", "."): v.float() for k, v in module.items() if ".lora_" in k}
     if not sd:
         raise ValueError(f"{states}: holds no LoRA tensors")
     step = saved.get("step")

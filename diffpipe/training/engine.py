@@ -12,7 +12,7 @@ import socket
 import subprocess
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -150,6 +150,51 @@ def build_engine(
         config=deepspeed_config(tc, world_size),
     )
     return engine
+
+
+def deepspeed_safe_types() -> list[type]:
+    """The non-tensor types DeepSpeed's checkpoint files hold, all plain data (checked on ZeRO 0-3,
+    offload, bf16 and pipeline checkpoints): ZeRO optimizer states pickle the loss scaler, the
+    ZeRO stage enum and tensor-fragment addresses; fp16 (GPU) makes the loss scaler dynamic."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
+class _SafeLoads:
+    """A DeepSpeed checkpoint engine whose ``load`` is ours; everything else is the wrapped one's."""
+
+    def __init__(self, inner: Any, load: Callable[..., Any]):
+        self._inner, self.load = inner, load
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+@contextmanager
+def safe_checkpoint_loads(model: Any, load: Callable[..., Any], allowed: list[type]) -> Iterator[None]:
+    """Inside the block, every checkpoint file ``model.load_checkpoint`` reads goes through ``load``.
+
+    DeepSpeed's own checkpoint engine unpickles with ``weights_only=False``
+    (any pickle runs code). Every load of model, optimizer, ZeRO and pipeline
+    layer states goes through ``model.checkpoint_engine``, swapped here for one
+    that calls ``load``; the few ``torch.load`` calls DeepSpeed makes directly
+    (universal checkpoints, which diffpipe does not write) are forced to
+    ``weights_only=True`` by torch's own switch, with only ``allowed`` types.
+    """
+    inner = model.checkpoint_engine
+    saved = {k: os.environ.pop(k, None) for k in ("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")}
+    model.checkpoint_engine = _SafeLoads(inner, load)
+    os.environ["TORCH_FORCE_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        with torch.serialization.safe_globals(allowed):
+            yield
+    finally:
+        model.checkpoint_engine = inner
+        os.environ.pop("TORCH_FORCE_WEIGHTS_ONLY_LOAD")
+        os.environ.update({k: v for k, v in saved.items() if v is not None})
 
 
 def offload_in_effect(model: Any) -> dict[str, bool]:

@@ -25,7 +25,7 @@ from diffpipe.training.optim import build_optimizer
 from diffpipe.training.sample import TrainingSampler
 from diffpipe.training.schedules import lr_lambda
 from diffpipe.training.trainable import Trainable
-from diffpipe.utils import digest, stable_json, write_text_atomic
+from diffpipe.utils import stable_json, write_text_atomic
 
 
 @dataclass
@@ -93,9 +93,10 @@ def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str
                          "control image, so one cached empty caption cannot stand in; set caption_dropout: 0")
     _check_aux(family, data, tc, log if dist.is_main else (lambda *_: None))
 
+    items = _data_items(data)
     run_meta = {"config": cfg.model_dump(mode="json"), "world_size": dist.world_size,
-                "data_digest": _data_digest(data)}
-    resume_from = _check_resume(paths, run_meta, checkpoint) if resume or checkpoint else None  # refuse early
+                "data_digest": ckpt.items_digest(items)}
+    resume_from = _check_resume(paths, run_meta, items, checkpoint) if resume or checkpoint else None  # refuse early
 
     denoiser = family.load_denoiser().to(engine.device())
     trained = Trainable(denoiser, family, cfg, is_main=dist.is_main, continue_lora=not (resume or checkpoint))
@@ -125,12 +126,12 @@ def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str
         return ckpt.save_checkpoint(
             model, paths.checkpoints, step=step, rank=dist.rank, keep_last=tc.keep_checkpoints,
             meta={**run_meta, "epoch": epoch, "step_in_epoch": in_epoch},
-            rng=ckpt.rng_state(gen), write_adapter=write_adapter,
+            rng=ckpt.rng_state(gen), write_adapter=write_adapter, data_items=items,
         )
 
     start = 0
     if resume_from is not None:
-        start = _resume(model, gen, paths, resume_from, dist.rank)
+        start = _resume(model, gen, paths, resume_from, dist.rank, dist.world_size)
         log_fn = log if dist.is_main else (lambda *_: None)
         log_fn(f"train: resumed from step {start} ({paths.checkpoints})")
     elif dist.is_main:
@@ -295,22 +296,25 @@ class _CheckpointTrigger:
             self.request.unlink(missing_ok=True)
 
 
-def _check_resume(paths: RunPaths, run_meta: dict[str, Any], name: str | None) -> Path:
+def _check_resume(paths: RunPaths, run_meta: dict[str, Any], items: dict[str, dict[str, Any]],
+                  name: str | None) -> Path:
     """The checkpoint to resume from, after checking it fits this config, process count and data."""
     path = ckpt.resolve_checkpoint(paths.checkpoints, name)
     ckpt.check_resumable(ckpt.read_meta(path), config=run_meta["config"], world_size=run_meta["world_size"],
-                         data_digest=run_meta["data_digest"], ckpt=path)
+                         data_digest=run_meta["data_digest"], ckpt=path, data_items=items)
     return path
 
 
-def _resume(model, gen: torch.Generator, paths: RunPaths, path: Path, rank: int) -> int:
+def _resume(model, gen: torch.Generator, paths: RunPaths, path: Path, rank: int, world_size: int) -> int:
     """Load the checkpoint's weights, optimizer, scheduler and RNG states; returns its step."""
     step = int(ckpt.read_meta(path)["step"])
-    ckpt.set_rng_state(gen, ckpt.load_checkpoint(model, path, rank=rank))
+    ckpt.set_rng_state(gen, ckpt.load_checkpoint(model, path, rank=rank, world_size=world_size))
     if rank == 0:
         ckpt.truncate_metrics(paths.metrics, step)
     return step
 
 
-def _data_digest(data: CachedDataset) -> str:
-    return digest([[it.id, it.path, it.bucket, it.repeats] for it in data.items])
+def _data_items(data: CachedDataset) -> dict[str, dict[str, Any]]:
+    """What the resume check compares: each training item's cache keys (content), bucket and repeats."""
+    return {it.id: {"path": it.path, "bucket": it.bucket, "repeats": it.repeats, "image": it.key,
+                    "caption": it.text_key} for it in data.items}
