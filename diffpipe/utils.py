@@ -77,25 +77,32 @@ def fsync_dir(path: str | os.PathLike) -> None:
         os.close(fd)
 
 
-def fsync_tree(path: str | os.PathLike) -> None:
+def fsync_tree(path: str | os.PathLike, *, missing_ok: bool = False) -> None:
     """Sync every file and folder under ``path`` (``path`` itself too), then ``path``'s parent.
 
     After it, ``path`` and all it holds survive a power loss. Children are
     synced before their folder, the parent last (it holds ``path``'s entry).
+    ``missing_ok``: another process may still be writing there (the ranks of one
+    checkpoint); a file gone by the time it would be synced is skipped, since
+    its writer syncs what it renamed it to.
     """
     path = Path(path)
     if path.is_dir() and not path.is_symlink():
-        _sync_under(path)
+        _sync_under(path, missing_ok)
     else:
         fsync_file(path)
     fsync_dir(path.parent)
 
 
-def _sync_under(folder: Path) -> None:
+def _sync_under(folder: Path, missing_ok: bool = False) -> None:
     for root, _dirs, files in os.walk(folder, topdown=False):
         for name in files:
             if not os.path.islink(os.path.join(root, name)):
-                fsync_file(os.path.join(root, name))
+                try:
+                    fsync_file(os.path.join(root, name))
+                except FileNotFoundError:
+                    if not missing_ok:
+                        raise
         fsync_dir(root)
 
 

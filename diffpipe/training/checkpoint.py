@@ -47,7 +47,7 @@ from safetensors.torch import save_file
 
 from diffpipe.config import ConfigError
 from diffpipe.training.adapter import load_adapter
-from diffpipe.utils import atomic_path, digest, write_text_atomic
+from diffpipe.utils import atomic_path, digest, fsync_dir, fsync_tree, write_text_atomic
 
 META_NAME = "diffpipe.json"
 ITEMS_NAME = "data-items.json"
@@ -281,56 +281,26 @@ def save_checkpoint(
                            exclude_frozen_parameters=True)
     save_rng(rng, rng_file(tmp, rank))
     write_adapter(tmp / ADAPTER_NAME)
-    _fsync_tree(tmp)  # each rank syncs after its own writes, so every file is synced by its writer
+    fsync_tree(tmp, missing_ok=True)  # each rank syncs after its own writes, so every file is synced by its writer
     fault_point("checkpoint-write", step)
     _barrier()
     final = root / name
     if rank == 0:
-        written = [tmp / META_NAME]
         if data_items is not None:
             write_text_atomic(tmp / ITEMS_NAME, json.dumps(data_items, sort_keys=True))
-            written.insert(0, tmp / ITEMS_NAME)
         write_text_atomic(tmp / META_NAME, json.dumps({**meta, "step": step}, indent=1, sort_keys=True))
-        for path in [*written, tmp]:
-            _fsync(path)
+        fsync_tree(tmp)  # the atomic writes synced their files under temporary names; every name is final now
         old = root / f"{tmp_tag}.old"
         if final.exists():  # a newer run over an older resume point: replace it
             os.replace(final, old)
         os.replace(tmp, final)
-        _fsync(root)  # the rename is on disk before anything older goes
+        fsync_dir(root)  # the rename is on disk before anything older goes
         shutil.rmtree(old, ignore_errors=True)
         if keep_last > 0:
             for stale in list_checkpoints(root)[:-keep_last]:
                 shutil.rmtree(stale, ignore_errors=True)
     _barrier()
     return final
-
-
-def _fsync(path: Path, *, missing_ok: bool = False) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except FileNotFoundError:
-        if missing_ok:
-            return
-        raise
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _fsync_tree(path: Path) -> None:
-    """Sync every file and folder under ``path`` to disk, then its parent (which names it).
-
-    Another rank may still be writing there: a temporary file that is gone by the
-    time it would be synced is skipped (its writer syncs what it renames it to).
-    Private until diffpipe.utils gains ``fsync_tree``; this then becomes that.
-    """
-    for folder, _, files in os.walk(path):
-        for f in files:
-            _fsync(Path(folder, f), missing_ok=True)
-        _fsync(Path(folder), missing_ok=True)
-    _fsync(Path(path).parent)
 
 
 # -- resume ----------------------------------------------------------------------------
