@@ -23,7 +23,8 @@ What is compared, and why these tolerances:
 * the trained LoRA: the sha256 of its tensors (names, dtypes, shapes and
   bytes, sorted by name; the safetensors header, which holds run metadata,
   is left out), exact. The tiny runs are bit-reproducible on CPU, in a fresh
-  process and in any test order, so unchanged behaviour means unchanged
+  process and in any test order (demo clips are encoded repeatably for this:
+  ``write_mp4(repeatable=True)``), so unchanged behaviour means unchanged
   bytes. This also catches what the losses cannot: a change to the last
   update (Adam's beta2, which step 1 ignores) or one the losses only graze
   (Lumina2's 1 % std change). Each tensor's absolute sum is stored beside it
