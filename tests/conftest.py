@@ -106,3 +106,11 @@ def tiny_run(tmp_path_factory) -> TinyRun:
 @pytest.fixture(scope="session")
 def cli():
     return run_cli
+
+
+@pytest.fixture(scope="session")
+def golden():
+    """``golden(family, run, paths)``: a finished run against tests/assets/golden_losses.json (tests/golden.py)."""
+    from golden import check_golden  # tests/golden.py, beside this file
+
+    return check_golden

@@ -44,9 +44,13 @@ def demo_clip(
 
 
 def write_clip(frames: list[Image.Image], path: str | Path, fps: float) -> Path:
-    """Encode RGB frames into an MP4 file, atomically (the sides must be even)."""
+    """Encode RGB frames into an MP4 file, atomically (the sides must be even).
+
+    Repeatably: the same clip is the same file, so tests that write demo clips
+    train on the same pixels every run (their golden losses depend on it).
+    """
     with atomic_path(path, durable=False) as tmp:
-        write_mp4(frames, tmp, fps)
+        write_mp4(frames, tmp, fps, repeatable=True)
     return Path(path)
 
 

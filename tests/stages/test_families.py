@@ -10,6 +10,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import peft
@@ -18,7 +19,7 @@ import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
 from diffpipe.config import ModelConfig, SampleConfig
-from diffpipe.models import _common, get_family
+from diffpipe.models import _common, family_names, get_family
 from diffpipe.models.base import Family
 from diffpipe.training.objectives import shift_timesteps
 
@@ -320,3 +321,11 @@ def test_sd_prediction_type_follows_config():
         a = eps.loss(unet, latents, text, torch.Generator(), t=t, noise=noise)
         b = v.loss(unet, latents, text, torch.Generator(), t=t, noise=noise)
     assert not torch.allclose(a, b)
+
+
+def test_every_registered_family_has_golden_training_values():
+    """Each family's tiny run is pinned by golden losses and a LoRA fingerprint (tests/golden.py), so a
+    restructuring can show it changes no training; a new family needs its entry (``DIFFPIPE_UPDATE_GOLDEN=1``)."""
+    golden = json.loads((Path(__file__).parents[1] / "assets" / "golden_losses.json").read_text())
+    assert sorted(golden) == family_names()
+    assert all(entry["losses"] and entry["lora"] for runs in golden.values() for entry in runs.values())

@@ -4,6 +4,10 @@ validate → plan → cache latents/text → 2 DeepSpeed steps → diffusers exp
 load into the stock FluxPipeline → output changes and matches the trained
 transformer → sampling runs. (The SD family gets the same proof from the
 Snakemake workflow test.)
+
+The run's losses and exported LoRA are also compared with the golden values in
+``tests/assets/golden_losses.json``; ``DIFFPIPE_UPDATE_GOLDEN=1`` rewrites them
+deliberately (see ``tests/golden.py``).
 """
 
 from __future__ import annotations
@@ -73,6 +77,12 @@ def test_flux_stages_write_their_outputs(flux_run):
     for f in [p.manifest, p.adapter_file, p.metrics, p.export_diffusers, p.sample_grid]:
         assert f.exists(), f
     assert len(p.metrics.read_text().splitlines()) == 2
+
+
+def test_flux_golden_losses_and_lora(flux_run, golden):
+    """The 2 losses and the exported LoRA equal the stored golden values (tests/golden.py)."""
+    _, p = flux_run
+    golden("flux", "test_flux_end_to_end::flux_run", p)
 
 
 def test_flux_lora_loads_in_stock_pipeline_and_matches_training(flux_run):

@@ -5,6 +5,10 @@ diffusers export → sample, in-process through the Typer app. Then: the
 reference tokens equal what ``FluxKontextPipeline.prepare_latents`` builds
 from the same latents, the control image changes the loss, and the exported
 LoRA loads into the stock pipeline and reproduces the trained adapter.
+
+The run's losses and exported LoRA are also compared with the golden values in
+``tests/assets/golden_losses.json``; ``DIFFPIPE_UPDATE_GOLDEN=1`` rewrites them
+deliberately (see ``tests/golden.py``).
 """
 
 from __future__ import annotations
@@ -81,6 +85,12 @@ def test_stages_write_their_outputs(run):
     for f in [p.adapter_file, p.metrics, p.export_diffusers, p.sample_grid]:
         assert f.exists(), f
     assert len(p.metrics.read_text().splitlines()) == 2
+
+
+def test_golden_losses_and_lora(run, golden):
+    """The 2 losses and the exported LoRA equal the stored golden values (tests/golden.py)."""
+    _, p = run
+    golden("flux-kontext", "test_flux_kontext::run", p)
 
 
 def test_reference_tokens_are_the_pipelines(run):

@@ -7,6 +7,10 @@ pipeline renders), run in-process through the real Typer app as in
 pipeline with ``load_lora_weights``: the denoiser's output changes and equals
 the trained adapter's (allclose), measured on a cached batch through the
 family's own loss.
+
+The run's losses and exported LoRA are also compared with the golden values in
+``tests/assets/golden_losses.json``; ``DIFFPIPE_UPDATE_GOLDEN=1`` rewrites them
+deliberately (see ``tests/golden.py``).
 """
 
 from __future__ import annotations
@@ -87,6 +91,12 @@ def test_stages_write_their_outputs(run):
     for f in [p.manifest, p.adapter_file, p.metrics, p.export_diffusers, p.sample_grid]:
         assert f.exists(), f
     assert len(p.metrics.read_text().splitlines()) == 2
+
+
+def test_golden_losses_and_lora(run, golden):
+    """The 2 losses and the exported LoRA equal the stored golden values (tests/golden.py)."""
+    cfg, p = run
+    golden(cfg.model.family, "test_image_families::run", p)
 
 
 def _denoiser_output(family, denoiser, batch) -> torch.Tensor:

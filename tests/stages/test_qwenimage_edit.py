@@ -6,6 +6,10 @@ Typer app. Then: the cached text equals ``QwenImageEditPipeline.encode_prompt``
 on the same caption and image, the reference tokens and ``img_shapes`` equal
 what the pipeline builds, and the exported LoRA loads into the stock pipeline
 and reproduces the trained adapter.
+
+The run's losses and exported LoRA are also compared with the golden values in
+``tests/assets/golden_losses.json``; ``DIFFPIPE_UPDATE_GOLDEN=1`` rewrites them
+deliberately (see ``tests/golden.py``).
 """
 
 from __future__ import annotations
@@ -83,6 +87,12 @@ def run(tmp_path_factory):
     finally:
         monkeypatch.undo()
     return load_config(config), paths
+
+
+def test_golden_losses_and_lora(run, golden):
+    """The 2 losses and the exported LoRA equal the stored golden values (tests/golden.py)."""
+    _, p = run
+    golden("qwenimage-edit", "test_qwenimage_edit::run", p)
 
 
 def test_cached_text_is_the_pipelines_prompt_with_the_image(run):

@@ -4,6 +4,10 @@ One uninterrupted run is the reference (it also renders samples during
 training, which must not disturb it); a second run is killed in the middle of
 writing a checkpoint and resumed: its per-step losses and final LoRA must
 match the reference.
+
+The reference's losses and adapter are also compared with the golden values in
+``tests/assets/golden_losses.json``; ``DIFFPIPE_UPDATE_GOLDEN=1`` rewrites them
+deliberately (see ``tests/golden.py``).
 """
 
 from __future__ import annotations
@@ -54,6 +58,11 @@ def test_save_request_and_step_checkpoints(reference):
     assert samples == ["step-000004.png", "step-000008.png"]
     assert Image.open(reference.train_dir / "samples" / samples[0]).size == (64, 32)
     assert all(r["grad_norm"] is not None and r["grad_norm"] > 0 for r in rows)
+
+
+def test_golden_losses_and_lora(reference, golden):
+    """The reference's 8 losses (LoRA dropout, cosine warm-up) and trained adapter equal the stored golden values."""
+    golden("sd", "test_train_resume::reference", reference, lora_files=[reference.adapter_file])
 
 
 def test_killed_mid_checkpoint_resumes_exactly(reference, tiny_run, cli, tmp_path):

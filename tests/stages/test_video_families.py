@@ -14,6 +14,10 @@ writes the same moving shapes at 8 fps instead. Cosmos-Predict2 Video2World
 continues a clip from its first frames: its samples start from
 ``sample.images``, and its conditioning is checked against the stock
 pipeline's construction.
+
+The run's losses and exported LoRA are also compared with the golden values in
+``tests/assets/golden_losses.json``; ``DIFFPIPE_UPDATE_GOLDEN=1`` rewrites them
+deliberately (see ``tests/golden.py``).
 """
 
 from __future__ import annotations
@@ -130,6 +134,12 @@ def test_stages_write_their_outputs(run):
     with av.open(str(p.samples_dir / "sample-00.mp4")) as container:
         clip = list(container.decode(video=0))
     assert len(clip) == SPECS[cfg.model.family][2] and (clip[0].width, clip[0].height) == (32, 32)
+
+
+def test_golden_losses_and_lora(run, golden):
+    """The 2 losses and the exported LoRA equal the stored golden values (tests/golden.py)."""
+    cfg, p = run
+    golden(cfg.model.family, "test_video_families::run", p)
 
 
 def _denoiser_output(family, denoiser, batch) -> torch.Tensor:

@@ -7,6 +7,10 @@ steps → diffusers export → the stock ``WanPipeline.load_lora_weights`` (into
 ``transformer_2`` for the low expert): the trained transformer's output changes
 and equals the trained adapter's → sampling writes MP4 clips. Run in-process
 through the real Typer app, as in ``test_image_families.py``.
+
+The run's losses and exported LoRA are also compared with the golden values in
+``tests/assets/golden_losses.json``; ``DIFFPIPE_UPDATE_GOLDEN=1`` rewrites them
+deliberately (see ``tests/golden.py``).
 """
 
 from __future__ import annotations
@@ -125,6 +129,13 @@ def a14b_both_run(tmp_path_factory):
     # seeded draws (t about 0.04, 0.45 | 0.07, 0.27) send one sample to the high expert, three to the low.
     objective = {"timestep_sampling": "uniform"}
     return _clip_run(tmp_path_factory, "a14b_both", model, ("diffusers", "peft", "merged"), {"objective": objective})
+
+
+@pytest.mark.parametrize("fixture", ["wan_run", "wan22_5b_run", "a14b_low_run", "a14b_both_run"])
+def test_golden_losses_and_lora(fixture, request, golden):
+    """Each Wan run's 2 losses and exported LoRA(s) equal the stored golden values (tests/golden.py)."""
+    _, p = request.getfixturevalue(fixture)
+    golden("wan", f"test_wan_end_to_end::{fixture}", p)
 
 
 def test_plan_and_cache_hold_clips_and_images(wan_run):

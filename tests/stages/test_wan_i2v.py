@@ -6,6 +6,10 @@ first frame cached as the pipeline's condition latents + CLIP hidden states)
 loads the LoRA → sampling writes an MP4 from ``sample.images``. The cached
 conditioning is compared with what the stock pipeline builds from the same
 frame, tensor by tensor.
+
+The run's losses and exported LoRA are also compared with the golden values in
+``tests/assets/golden_losses.json``; ``DIFFPIPE_UPDATE_GOLDEN=1`` rewrites them
+deliberately (see ``tests/golden.py``).
 """
 
 from __future__ import annotations
@@ -87,6 +91,12 @@ def i2v_run(tmp_path_factory):
     finally:
         mp.undo()
     return get_family(ModelConfig(**cfg["model"])), paths
+
+
+def test_golden_losses_and_lora(i2v_run, golden):
+    """The 2 losses and the exported LoRA equal the stored golden values (tests/golden.py)."""
+    _, p = i2v_run
+    golden("wan", "test_wan_i2v::i2v_run", p)
 
 
 def test_cached_condition_equals_the_pipeline_construction(i2v_run):

@@ -2,6 +2,10 @@
 
 Tests run in file order on one shared run: first run, LoRA checks, the
 learning check, a second run that does nothing, then a caption edit.
+
+The run's losses and exported LoRA are also compared with the golden values in
+``tests/assets/golden_losses.json``; ``DIFFPIPE_UPDATE_GOLDEN=1`` rewrites them
+deliberately (see ``tests/golden.py``).
 """
 
 from __future__ import annotations
@@ -74,6 +78,11 @@ def test_first_run_produces_every_output(demo):
     rows = read_metrics(p.metrics)
     assert {"step", "loss", "lr", "samples_per_s"} <= set(rows[0])
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+
+
+def test_golden_losses_and_lora(demo, golden):
+    """The workflow's first 8 losses and exported LoRA equal the stored golden values (tests/golden.py)."""
+    golden("sd", "test_demo_workflow::demo", demo["paths"])
 
 
 def _unet_inputs(unet, seed=0):
