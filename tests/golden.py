@@ -30,6 +30,10 @@ What is compared, and why these tolerances:
   (Lumina2's 1 % std change). Each tensor's absolute sum is stored beside it
   to say, on failure, which tensor moved and how far: about 1e-7 to 1e-5
   relative is rounding (the same math in another order), more is a change.
+  Where the bytes differ but every tensor's sum is within :data:`LORA_RTOL`
+  (1e-5) the check passes: that is the rounding another CPU's kernels give
+  (a test machine with other vector units), while the changes above move a
+  sum by 1e-4 or more (Adam's beta2: 3.2e-4).
 
 The values are CPU float32 values: on a CUDA machine (TF32 convolutions,
 other kernels) the check skips with a reason rather than compare them.
@@ -66,6 +70,7 @@ GOLDEN_FILE = Path(__file__).parent / "assets" / "golden_losses.json"
 UPDATE_ENV = "DIFFPIPE_UPDATE_GOLDEN"
 GOLDEN_STEPS = 8  # the first steps are kept; the LoRA fingerprint covers the rest of a longer run
 LOSS_RTOL = 1e-5
+LORA_RTOL = 1e-5
 
 
 def run_losses(metrics: Path, steps: int = GOLDEN_STEPS) -> list[float]:
@@ -147,9 +152,11 @@ def _compare(family: str, run: str, want: dict, got: dict) -> None:
         else:
             worst = max(sums, key=lambda k: abs(sums[k] - ref[k]) / max(abs(ref[k]), 1e-30))
             rel = abs(sums[worst] - ref[worst]) / max(abs(ref[worst]), 1e-30)
+            if rel <= LORA_RTOL:  # other bytes, same training: another CPU's kernels round differently
+                continue
             detail = (
-                f"largest change of a tensor's abs sum: {worst} {sums[worst]!r} vs {ref[worst]!r} (relative {rel:.2e}"
-                f"{': rounding level, the same math in another order?' if rel < 1e-5 else ''})"
+                f"largest change of a tensor's abs sum: {worst} {sums[worst]!r} vs {ref[worst]!r} (relative {rel:.2e}, "
+                f"tolerance {LORA_RTOL:.0e})"
             )
         pytest.fail(
             f"{where}: LoRA {name} tensors differ (sha256 {have['sha256'][:12]}, "
