@@ -45,8 +45,13 @@ def _run_config(run: RunPaths) -> Config | None:
 
 def model_config_from_adapter(adapter_dir: Path) -> ModelConfig:
     """The base model recorded in an adapter's header (tiny flavors only: a local path needs --config)."""
-    with safe_open(str(adapter_dir / WEIGHTS_NAME), framework="pt") as f:
-        meta = json.loads((f.metadata() or {}).get("diffpipe", "{}"))
+    weights = adapter_dir / WEIGHTS_NAME
+    try:
+        with safe_open(str(weights), framework="pt") as f:
+            meta = json.loads((f.metadata() or {}).get("diffpipe", "{}"))
+    except Exception as err:  # SafetensorError (truncated), a damaged JSON header
+        raise ValueError(f"{weights} is damaged ({type(err).__name__}: {err}); export another adapter or "
+                         "checkpoint, or train again") from None
     if meta.get("flavor") == "tiny" and meta.get("family"):
         return ModelConfig(family=meta["family"], flavor="tiny")
     raise ValueError(f"{adapter_dir}: cannot tell the base model; pass --config CONFIG.yaml")

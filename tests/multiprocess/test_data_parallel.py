@@ -33,7 +33,7 @@ def test_two_process_zero_stage(stage, zero_run):
     assert summary == {**summary, "world_size": 2, "ranks_agree": True, "steps": 2, "offload": offload}
     ckpts = list_checkpoints(paths.checkpoints)
     assert [c.name for c in ckpts] == (["step-000001", "step-000002"] if stage == 3 else ["step-000002"])
-    assert sorted(p.name for p in ckpts[-1].glob("rng-rank*.pt")) == ["rng-rank000.pt", "rng-rank001.pt"]
+    assert sorted(p.name for p in ckpts[-1].glob("rng-rank*")) == ["rng-rank000.safetensors", "rng-rank001.safetensors"]
 
 
 def test_zero_stages_agree(zero_run):

@@ -281,3 +281,16 @@ def test_damaged_array_metadata_names_the_shard_and_file(trained, cli, tmp_path)
     assert str(array_meta) in msg and "rerun" in msg and "delete" in msg, msg
     code, out = _run(cli, "cache", "verify", "-c", str(cfg))
     assert code == 1 and "Traceback" not in out and str(array_meta) in out, out[-3000:]
+
+
+def test_truncated_adapter_is_named_by_export(trained, tmp_path):
+    from diffpipe.export.locate import model_config_from_adapter
+
+    _, paths = _fork(trained, tmp_path)
+    ckpt = paths.checkpoints / "step-000003"
+    weights = ckpt / "adapter" / "adapter_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:300])
+    with pytest.raises(ckpts.CheckpointError, match=r"adapter.*is damaged.*--checkpoint step-000002"):
+        ckpts.adapter_from_checkpoint(ckpt, tmp_path / "out")
+    with pytest.raises(ValueError, match=r"adapter_model\.safetensors is damaged"):
+        model_config_from_adapter(ckpt / "adapter")
