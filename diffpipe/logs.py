@@ -26,6 +26,12 @@ HARMLESS = {
         # nothing is affected. A non-empty list is still shown.
         "no module is affected (the list is empty)",
     ),
+    "diffusers.loaders.lora_base": (
+        re.compile(r"No LoRA keys associated to \w+ found with the prefix='text_encoder(_\d)?'"),
+        # load_lora_weights looks for text-encoder keys in every file; diffpipe trains the denoiser only,
+        # so its files never hold any. A denoiser without keys is logged elsewhere and still shown.
+        "diffpipe's LoRA files hold no text-encoder keys by design",
+    ),
 }
 
 

@@ -42,19 +42,24 @@ def _emit():
     mu = logging.getLogger("diffusers.models.modeling_utils")
     mu.warning("There are modules in UNet2DConditionModel that should be kept in float32: []. Casting ...")
     mu.warning("There are modules in T5EncoderModel that should be kept in float32: ['wo']. Casting ...")
+    lb = logging.getLogger("diffusers.loaders.lora_base")
+    lb.warning("No LoRA keys associated to CLIPTextModel found with the prefix='text_encoder'. This is safe ...")
+    lb.warning("No LoRA keys associated to UNet2DConditionModel found with the prefix='unet'. This is safe ...")
 
 
 def test_harmless_notices_are_filtered_and_others_kept(captured):
     logs.configure()
     _emit()
     assert captured.lines == ["something else entirely", "There are modules in T5EncoderModel that should be "
-                              "kept in float32: ['wo']. Casting ..."]
+                              "kept in float32: ['wo']. Casting ...",
+                              "No LoRA keys associated to UNet2DConditionModel found with the prefix='unet'. "
+                              "This is safe ..."]
 
 
 def test_verbose_keeps_every_notice(captured):
     logs.configure(verbose=True)
     _emit()
-    assert len(captured.lines) == 4
+    assert len(captured.lines) == 6
 
 
 def test_quiet_and_verbose_are_global_options(captured):
