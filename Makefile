@@ -37,9 +37,10 @@ lint: venv
 schema: venv
 	$(BIN)/diffpipe schema > workflow/schemas/config.schema.json
 
-# The README's generated tables (config reference, validation reasons) and the schema.
+# The generated tables of docs/ (config reference, validation reasons; each file in
+# diffpipe.readme_tables.TABLES) and the schema.
 docs: schema
-	$(BIN)/python -m diffpipe.readme_tables README.md
+	$(BIN)/python -m diffpipe.readme_tables
 
 clean-demo:
 	rm -rf runs/demo .snakemake

@@ -1,6 +1,6 @@
 """Incremental caching: full cache, +10 images, one caption edit, encoder-only time, reader speed.
 
-Usage (figures in the README's "Benchmarks" section):
+Usage (figures in docs/benchmarks.md, "Benchmarks"):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_incremental.py --n 1000 [--shards 8] [--dir /tmp/cb]
 

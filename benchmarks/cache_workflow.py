@@ -1,6 +1,6 @@
 """The cache stages through Snakemake: first run, no-change rerun, +10 images, one caption edit.
 
-Usage (figures in the README's "Benchmarks" section):
+Usage (figures in docs/benchmarks.md, "Benchmarks"):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/cache_workflow.py --n 1000 [--shards 8] [--dir /tmp/cw]
 

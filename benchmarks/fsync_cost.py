@@ -1,6 +1,6 @@
 """What syncing trusted writes costs: each write with ``fsync`` against the same write without it.
 
-Usage (figures in the README's "Benchmarks" section):
+Usage (figures in docs/benchmarks.md, "Benchmarks"):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsync_cost.py [--repeat 15] [--dir /tmp/fb]
 

@@ -1,6 +1,6 @@
 """Training overhead: steady-state step time of ``diffpipe train`` vs a bare PyTorch + PEFT loop.
 
-Usage (figure in the README's "Benchmarks" section):
+Usage (figure in docs/benchmarks.md, "Benchmarks"):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/train_step_bench.py [--steps 60] [--rounds 3] [--dir /tmp/tb]
 

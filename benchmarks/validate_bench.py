@@ -1,6 +1,6 @@
 """Validation throughput: a first run over N small captioned images, then a no-change rerun.
 
-Usage (figures in the README's "Benchmarks" section):
+Usage (figures in docs/benchmarks.md, "Benchmarks"):
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/validate_bench.py --n 10000 [--workers 2] [--dir /tmp/vb]
 

@@ -495,7 +495,7 @@ def run(
 @app.command()
 @_errors
 def schema(
-    markdown: Annotated[bool, typer.Option(help="Print the README's config reference table instead.")] = False,
+    markdown: Annotated[bool, typer.Option(help="Print the config reference table (docs/configuration.md) instead.")] = False,
 ) -> None:
     """Print the config JSON schema (the one Snakemake validates configs with).
 

@@ -1,7 +1,7 @@
 """The typed experiment config: one pydantic model per stage plus the root.
 
 Every field carries a description: it feeds ``--help``, the JSON schema that
-Snakemake validates with (``diffpipe schema``) and the README reference.
+Snakemake validates with (``diffpipe schema``) and the config reference in ``docs/configuration.md``.
 Unknown keys are errors that name the key.
 """
 
@@ -75,7 +75,7 @@ class _Section(BaseModel):
 class ModelConfig(_Section):
     family: Text = Field(
         "sd",
-        description="Model family, a name from the README's family table (`sd`, `sdxl`, `flux`, `wan`, ...; "
+        description="Model family, a name from the family table in docs/families.md (`sd`, `sdxl`, `flux`, `wan`, ...; "
         "an unknown name is an error that lists them all).",
     )
     flavor: Text = Field(
@@ -317,7 +317,7 @@ class ValidationConfig(_Section):
     )
     actions: dict[str, Literal["error", "skip", "warn"]] = Field(
         {}, description="Per reason code, override the default action (`error`, `skip` or `warn`); see the "
-        "README's reason table."
+        "reason table in docs/validation.md."
     )
 
     @model_validator(mode="after")
@@ -758,7 +758,7 @@ def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str]]:
 
 
 def reference_markdown() -> str:
-    """The README's config reference table, generated from the models (drift-tested)."""
+    """The config reference table of docs/configuration.md, generated from the models (drift-tested)."""
     lines = ["| key | default | meaning |", "| --- | --- | --- |"]
     for key, default, desc in _rows(Config, ""):
         lines.append(f"| `{key}` | {default} | {desc.replace('|', '/')} |")

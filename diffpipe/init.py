@@ -195,7 +195,7 @@ def init_config(dataset: str | Path, model: str, *, family: str | None = None, t
     text = (
         f"# Written by `diffpipe init {dataset} --model {model}` for {scan.images} images.\n"
         f"# Run it:   diffpipe run -c {name_of_file}\n"
-        "# Every key: the README's config reference (or `diffpipe schema --markdown`).\n"
+        "# Every key: docs/configuration.md, the config reference (or `diffpipe schema --markdown`).\n"
         f"# Check the machine against it: diffpipe doctor -c {name_of_file}\n"
         f"output_dir: {_q(out)}\n\n"
         f"model:\n{model_lines}\n"

@@ -1,23 +1,34 @@
-"""Refresh the README's generated tables in place: ``python -m diffpipe.readme_tables README.md``.
+"""Refresh the generated tables of the docs in place: ``python -m diffpipe.readme_tables``.
 
 Each table sits between ``<!-- NAME:start -->`` and ``<!-- NAME:end -->``
-markers; tests check the README against the same generators.
+markers in the file ``TABLES`` names for it (relative to the repository root,
+or to the folder given as the one argument); tests check the docs against the
+same generators.
 """
 
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from diffpipe.config import reference_markdown
 from diffpipe.data.policy import policy_markdown
 from diffpipe.utils import write_text_atomic
 
-TABLES = {"config-reference": reference_markdown, "validation-reasons": policy_markdown}
+#: Table name -> (generator, file that holds the table, relative to the repository root).
+TABLES: dict[str, tuple[Callable[[], str], str]] = {
+    "config-reference": (reference_markdown, "docs/configuration.md"),
+    "validation-reasons": (policy_markdown, "docs/validation.md"),
+}
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
-def refresh(text: str) -> str:
-    for name, make in TABLES.items():
+def refresh(text: str, names: list[str] | None = None) -> str:
+    """``text`` with the tables ``names`` (default: all) regenerated between their markers."""
+    for name in TABLES if names is None else names:
+        make = TABLES[name][0]
         start, end = f"<!-- {name}:start -->\n", f"\n<!-- {name}:end -->"
         head, rest = text.split(start, 1)
         _, tail = rest.split(end, 1)
@@ -25,10 +36,14 @@ def refresh(text: str) -> str:
     return text
 
 
-def main(path: str) -> None:
-    readme = Path(path)
-    write_text_atomic(readme, refresh(readme.read_text()))
+def main(root: str | Path = REPO_ROOT) -> None:
+    by_file: dict[str, list[str]] = {}
+    for name, (_, rel) in TABLES.items():
+        by_file.setdefault(rel, []).append(name)
+    for rel, names in by_file.items():
+        path = Path(root) / rel
+        write_text_atomic(path, refresh(path.read_text(), names))
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:2])

@@ -16,7 +16,7 @@ from typing import Literal
 
 Action = Literal["error", "skip", "warn"]
 
-#: Reason code -> (default action, what it means). Order is the README's.
+#: Reason code -> (default action, what it means). Order is the table's in docs/validation.md.
 REASONS: dict[str, tuple[Action, str]] = {
     # captions
     "missing_caption": ("skip", "No caption: no same-stem caption file and no metadata row."),
@@ -133,7 +133,7 @@ def status_of(reasons: list[str], actions: dict[str, Action]) -> str:
 
 
 def policy_markdown() -> str:
-    """The README's table of reason codes and default actions (drift-tested)."""
+    """The table of reason codes and default actions in docs/validation.md (drift-tested)."""
     lines = ["| reason code | default action | meaning |", "| --- | --- | --- |"]
     lines += [f"| `{code}` | `{action}` | {desc} |" for code, (action, desc) in REASONS.items()]
     return "\n".join(lines)

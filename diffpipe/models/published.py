@@ -264,7 +264,7 @@ PUBLISHED: dict[str, Published] = {
             "Predict2 README; the 14B of its name; the transformer has 14.27B)",
             text={"prompt_embeds": (512, 1024)}, latent_channels=16,
         ),
-        # Published sizes of families without an adapter yet (README table; no estimate).
+        # Published sizes of families without an adapter yet (docs/families.md's table; no estimate).
         Published(
             "hunyuanimage-2.1", "hunyuanimage", "HunyuanImageTransformer2DModel", {"text_embed_2_dim": 1472},
             17e9, 2, "tencent/HunyuanImage-2.1 model card: 17B parameters",
