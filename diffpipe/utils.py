@@ -96,14 +96,15 @@ def fsync_tree(path: str | os.PathLike, *, missing_ok: bool = False) -> None:
 
 def _sync_under(folder: Path, missing_ok: bool = False) -> None:
     for root, _dirs, files in os.walk(folder, topdown=False):
-        for name in files:
-            if not os.path.islink(os.path.join(root, name)):
-                try:
-                    fsync_file(os.path.join(root, name))
-                except FileNotFoundError:
-                    if not missing_ok:
-                        raise
-        fsync_dir(root)
+        # With missing_ok, a file or a whole temporary folder another writer renamed away is skipped.
+        for path, sync in [(os.path.join(root, n), fsync_file) for n in files] + [(root, fsync_dir)]:
+            if os.path.islink(path):
+                continue
+            try:
+                sync(path)
+            except FileNotFoundError:
+                if not missing_ok:
+                    raise
 
 
 def _entries(folder: Path) -> set[str]:

@@ -188,6 +188,22 @@ def write_latent_shard(
 _NOT_ZARR = r".*(\.snakemake_timestamp|\.diffpipe-output\.json).*"
 
 
+def _arrays(folder: Path) -> list[str]:
+    """The arrays directly in a Zarr group folder, from their own metadata files.
+
+    Read here rather than through zarr's member listing, which also tries every
+    other file there (diffpipe's output marker) concurrently: when one array's
+    metadata is damaged, those tries are left failing unobserved and asyncio
+    prints their tracebacks.
+    """
+    out = []
+    for child in sorted(folder.iterdir()):
+        meta = child / "zarr.json"
+        if meta.is_file() and json.loads(meta.read_text()).get("node_type") == "array":
+            out.append(child.name)
+    return out
+
+
 class LatentShard:
     """Read side of a latent shard; ``load()`` reads each array in one call."""
 
@@ -204,14 +220,14 @@ class LatentShard:
                     raise ValueError(f"latent shard {self.path} is not a diffpipe latent shard (no format attr)")
                 self.dtype: str = self.attrs["dtype"]
                 self.meta: dict[str, dict[str, Any]] = {
-                    name: dict(self.group[name].attrs) for name in sorted(self.group.array_keys())
+                    name: dict(self.group[name].attrs) for name in _arrays(self.path)
                 }
                 #: Aux arrays (``mask/1x64x64``, ``control/...``) -> attrs (``ids``, ``has``).
                 self.aux_meta: dict[str, dict[str, Any]] = {
                     aux_array(role, name): dict(self.group[role][name].attrs)
                     for role in AUX_FILL
-                    if role in self.group.group_keys()
-                    for name in sorted(self.group[role].array_keys())
+                    if (self.path / role / "zarr.json").is_file()
+                    for name in _arrays(self.path / role)
                 }
         except Exception as err:  # zarr raises many types for a damaged store
             raise self._damaged(err) from None
