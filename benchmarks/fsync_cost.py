@@ -2,7 +2,7 @@
 
 Usage (figures in docs/benchmarks.md, "Benchmarks"):
 
-    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsync_cost.py [--repeat 15] [--dir /tmp/fb]
+    OMP_NUM_THREADS=1 .venv/bin/python benchmarks/fsync_cost.py [--repeat 15] [--dir /tmp]
 
 Every trusted output goes through ``diffpipe.utils.atomic_path``, which syncs
 the new file (every file of a new folder) before its rename and the folder
@@ -32,6 +32,7 @@ import argparse
 import os
 import shutil
 import statistics
+import tempfile
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -165,12 +166,14 @@ CASES = {
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeat", type=int, default=15)
-    ap.add_argument("--dir", type=Path, default=Path("/tmp/diffpipe-fsync-bench"))
+    ap.add_argument("--dir", type=Path, default=Path(tempfile.gettempdir()),
+                    help="Disk to measure: a fresh folder is made inside it and removed afterwards.")
     args = ap.parse_args()
-    shutil.rmtree(args.dir, ignore_errors=True)
+    args.dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="diffpipe-fsync-bench-", dir=args.dir))  # ours alone to delete
     print(f"{'write':30} {'size':>9} {'no sync ms':>11} {'sync ms':>9} {'+ms':>6} {'ratio':>6} {'fsyncs':>7}")
     for label, make in CASES.items():
-        root = args.dir / label.split()[0]
+        root = work / label.split()[0]
         run, size = make(root)
         plain, synced, counter, i = [], [], Counted(), 0
         for _ in range(args.repeat):  # alternate the arms: drift hits both alike
@@ -184,6 +187,7 @@ def main() -> None:
         print(f"{label:30} {size / 2**20:7.2f}MB {a:11.1f} {b:9.1f} {b - a:6.1f} {b / a:6.2f} "
               f"{counter.calls // args.repeat:7d}")
         shutil.rmtree(root, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
 
 
 if __name__ == "__main__":
