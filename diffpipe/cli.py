@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.text import Text
 
 from diffpipe import logs, runlock
-from diffpipe.config import ConfigError, load_config
+from diffpipe.config import Config, ConfigError, load_config
 from diffpipe.paths import RunPaths
 
 app = typer.Typer(
@@ -115,9 +115,12 @@ def _errors(fn):
     return wrapper
 
 
-def _setup(config: Path):
+def _setup(config: Path, stage: str):
+    """The config as ``stage`` may read it (diffpipe.stages: only what its rule reruns on) and the run's paths."""
+    from diffpipe.stages import view
+
     cfg = load_config(config)
-    return cfg, RunPaths(cfg.output_dir)
+    return view(cfg, stage), RunPaths(cfg.output_dir)
 
 
 @app.command()
@@ -159,7 +162,7 @@ def validate(
             raise ConfigError(f"{err}\n(with a FOLDER, the output_dir is --out: give one outside {folder})") from None
         paths = RunPaths(cfg.output_dir)
     else:
-        cfg, paths = _setup(config)
+        cfg, paths = _setup(config, "validate")
     result = run_validation(cfg.datasets, cfg.validation, manifest_path=paths.manifest,
                             report_json=paths.report_json, report_html=paths.report_html, rehash=rehash,
                             tokens=FamilyTokenCounter(cfg.model) if tokens else None, workers=workers,
@@ -219,7 +222,7 @@ def plan(config: ConfigOpt) -> None:
     from diffpipe.data.plan import make_plan
     from diffpipe.models import get_family
 
-    cfg, paths = _setup(config)
+    cfg, paths = _setup(config, "plan")
     family = get_family(cfg.model)
     result = make_plan(paths.manifest, cfg.datasets, cfg.cache, latent_identity=family.vae_identity(),
                        text_identity=family.text_identity(), pixel_multiple=family.pixel_multiple, paths=paths,
@@ -253,7 +256,7 @@ def cache_latents_cmd(config: ConfigOpt, shard: ShardOpt, regenerate: Regenerate
     """
     from diffpipe.data.cache import cache_latents
 
-    cfg, paths = _setup(config)
+    cfg, paths = _setup(config, "cache")
     summary = cache_latents(paths.latent_spec(shard), paths.latent_shard(shard), cfg.model, cfg.cache,
                             store=paths.cache_store(cfg.cache.dir), regenerate=regenerate, trust=trust)
     _say(f"cache latents {shard}: {json.dumps(summary)}")
@@ -268,7 +271,7 @@ def cache_text_cmd(config: ConfigOpt, shard: ShardOpt, regenerate: RegenerateOpt
     """
     from diffpipe.data.cache import cache_text
 
-    cfg, paths = _setup(config)
+    cfg, paths = _setup(config, "cache")
     summary = cache_text(paths.text_spec(shard), paths.text_shard(shard), cfg.model, cfg.cache,
                          store=paths.cache_store(cfg.cache.dir), regenerate=regenerate)
     _say(f"cache text {shard}: {json.dumps(summary)}")
@@ -283,7 +286,7 @@ def cache_empty_cmd(config: ConfigOpt, regenerate: RegenerateOpt = False) -> Non
     """
     from diffpipe.data.cache import cache_empty_text
 
-    cfg, paths = _setup(config)
+    cfg, paths = _setup(config, "cache")
     summary = cache_empty_text(paths.text_empty, cfg.model, cfg.cache, spec_path=paths.empty_spec,
                                store=paths.cache_store(cfg.cache.dir), regenerate=regenerate)
     _say(f"cache empty: {json.dumps(summary)}")
@@ -298,7 +301,7 @@ def cache_prune_cmd(config: ConfigOpt) -> None:
     """
     from diffpipe.data.store import Store, prune
 
-    cfg, paths = _setup(config)
+    cfg, paths = _setup(config, "cache")
     store = Store(paths.cache_store(cfg.cache.dir))
     for kind in ("latents", "text"):
         removed = prune(store, kind, on_wait=lambda: _say(
@@ -315,7 +318,7 @@ def cache_verify_cmd(config: ConfigOpt) -> None:
     """
     from diffpipe.data.reader import CachedDataset
 
-    _, paths = _setup(config)
+    _, paths = _setup(config, "cache")
     summary = CachedDataset.from_run(paths).summary()
     _say(f"cache verify: ok, {json.dumps(summary)}")
 
@@ -341,7 +344,7 @@ def train(
     """
     from diffpipe.training import engine
 
-    cfg, paths = _setup(config)
+    cfg, paths = _setup(config, "train")
     launched = engine.in_launched_rank()
     # One trainer per run folder, and none beside a `diffpipe run` other than the run's own
     # train job (runlock). Rank 0 holds the lock for every rank (under srun or torchrun);
@@ -395,13 +398,14 @@ def export(
     from diffpipe.export import export_lora
     from diffpipe.export.locate import locate, model_config_from_adapter
     from diffpipe.models import get_family
+    from diffpipe.stages import view
 
     if run_or_checkpoint is None and config is None:
         raise typer.BadParameter("give a run folder, an adapter folder or checkpoint, or --config",
                                  param_hint="RUN_OR_CHECKPOINT")
-    cfg = load_config(config) if config else None
+    cfg = view(load_config(config), "export") if config else None
     found = locate(run_or_checkpoint, cfg)
-    cfg = found.config
+    cfg = view(found.config, "export") if isinstance(found.config, Config) else found.config
     formats = _formats(fmt, (cfg.export if cfg else ExportConfig()).formats)
     model_cfg = cfg.model if cfg else model_config_from_adapter(found.adapter_dir)
     result = export_lora(found.adapter_dir, out or found.out_dir, get_family(model_cfg), formats,
@@ -448,7 +452,7 @@ def sample(
     """
     from diffpipe.training.sample import render_samples
 
-    cfg, paths = _setup(config)
+    cfg, paths = _setup(config, "sample")
     files = render_samples(cfg.model, cfg.sample, lora or paths.export_diffusers, out or paths.samples_dir)
     _say(f"sample: wrote {len(files)} images to {files[0].parent}")
 

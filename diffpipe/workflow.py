@@ -12,24 +12,12 @@ from typing import Any
 
 import yaml
 
-from diffpipe import paths
+from diffpipe import paths, stages
 from diffpipe.config import Config, ConfigError, parse_config
 from diffpipe.data.discover import list_dataset, run_folders
 from diffpipe.utils import digest, write_if_changed
 
 RESOLVED_CONFIG = "resolved-config.yaml"
-
-# The config sections each stage reads. A stage's params carry the digest of
-# exactly these, so editing e.g. sample prompts reruns only the sample rule.
-STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
-    "validate": ("datasets", "validation", "model"),
-    "plan": ("datasets", "validation", "cache", "model"),
-    "cache": ("model", "cache"),
-    "train": ("model", "train"),
-    "export": ("model", "export"),
-    "sample": ("model", "sample"),
-}
-
 
 def load(config: dict[str, Any]) -> Config:
     return check_snakemake_paths(parse_config(dict(config), "(Snakemake config)"))
@@ -48,8 +36,8 @@ def check_snakemake_paths(cfg: Config) -> Config:
 
 
 def stage_digest(cfg: Config, stage: str) -> str:
-    dumped = cfg.model_dump(mode="json")
-    return digest({k: dumped[k] for k in STAGE_SECTIONS[stage]})[:16]
+    """The rerun trigger of ``stage``'s rule: the digest of the config keys it declares (diffpipe.stages)."""
+    return stages.stage_digest(cfg, stage)
 
 
 def write_resolved_config(cfg: Config) -> str:

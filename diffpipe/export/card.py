@@ -80,11 +80,5 @@ def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *,
     if samples:
         lines += ["", "## Samples", "", "Rendered by `diffpipe sample` (top row: base model, bottom row: this LoRA).", ""]
         lines += [f"![sample]({p})" for p in samples]
-    cfg = info.config or {}
-    if cfg.get("sample"):
-        s = cfg["sample"]
-        lines += ["", "## Sample settings", "",
-                  f"prompts: {s.get('prompts')}, steps {s.get('steps')}, guidance {s.get('guidance_scale')}, "
-                  f"seed {s.get('seed')}, {s.get('width')}x{s.get('height')}"]
     write_text_atomic(out_file, "\n".join(lines) + "\n")
     return out_file

@@ -103,14 +103,26 @@ def _dataset_summary(run: RunPaths | None) -> dict[str, Any]:
     return summary
 
 
+def _trained_config(config: Any, run: RunPaths | None) -> dict[str, Any] | None:
+    """The config the adapter was trained with: the run's ``train/config.yaml`` when there is one.
+
+    Recorded in every file's metadata. Taken from the run (rewritten only when training
+    reruns) rather than from today's config, so the files never describe edits made
+    after training, and export need not rerun for them (diffpipe.stages).
+    """
+    if run is not None:
+        for f in (run.train_dir / "config.yaml", run.root / "resolved-config.yaml"):
+            if f.exists():
+                return load_yaml(f)
+    return config.model_dump(mode="json") if config is not None else None
+
+
 def gather_info(adapter_dir: str | Path, lora_cfg: peft.LoraConfig, family: Family, *,
                 config: Config | None = None, run: RunPaths | None = None) -> ExportInfo:
     """Collect what the exports record about ``adapter_dir`` (run files are optional)."""
     adapter_dir = Path(adapter_dir)
     header = _adapter_header(adapter_dir)
-    resolved = config.model_dump(mode="json") if config is not None else None
-    if resolved is None and run is not None and (run.root / "resolved-config.yaml").exists():
-        resolved = load_yaml(run.root / "resolved-config.yaml")
+    resolved = _trained_config(config, run)
     triggers = [d["caption_prefix"].strip() for d in (resolved or {}).get("datasets", []) if d.get("caption_prefix")]
     return ExportInfo(
         family=family.name,

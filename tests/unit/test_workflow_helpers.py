@@ -12,7 +12,7 @@ def _cfg(tmp_path, **over):
     return parse_config(data)
 
 
-def test_stage_digest_tracks_only_the_stage_sections(tmp_path):
+def test_stage_digest_tracks_only_the_stage_inputs(tmp_path):
     a = _cfg(tmp_path)
     b = _cfg(tmp_path, sample={"prompts": ["something else"]})
     assert dw.stage_digest(a, "sample") != dw.stage_digest(b, "sample")

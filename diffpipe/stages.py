@@ -1,0 +1,133 @@
+"""What each workflow stage reads from the config, declared once.
+
+A stage's Snakemake rule reruns when the digest of its declared inputs changes
+(``workflow.stage_digest``), so a stage that read a key it does not declare
+would keep a stale result after that key was edited. The CLI therefore hands
+each stage a :class:`ConfigView` that exposes only the declared keys: reading
+any other key fails at once (and in the test suite, which runs every stage),
+instead of silently leaving a result stale.
+
+Entries are a whole section (``"cache"``) or one field of it (``"train.batch_size"``).
+``output_dir`` is always readable: every output path depends on it already.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from diffpipe.config import Config
+from diffpipe.utils import digest
+
+# Rerun triggers: a stage reruns when one of these changes.
+STAGE_INPUTS: dict[str, tuple[str, ...]] = {
+    # cache.dir: the cache folder is kept out of dataset discovery.
+    "validate": ("datasets", "validation", "model", "cache.dir"),
+    # train.batch_size and grad_accum: buckets smaller than one global batch are filled by repetition.
+    "plan": ("datasets", "validation", "cache", "model", "train.batch_size", "train.grad_accum"),
+    "cache": ("model", "cache"),
+    # Training also reads `sample` (preview images during training) on purpose without
+    # rerunning for it (see TRAIN_UNTRACKED), and `datasets` through the caches it reads.
+    "train": ("model", "train"),
+    # train.lora: the adapter's settings when a checkpoint (not an adapter folder) is exported.
+    "export": ("model", "export", "train.lora"),
+    "sample": ("model", "sample"),
+}
+
+#: Keys the train stage reads without rerunning when they change, and why.
+TRAIN_UNTRACKED: dict[str, str] = {
+    "sample": "prompts for preview images during training; editing them reruns only the sample rule",
+    "datasets": "reach training through the cached shards (its inputs); recorded for resume checks",
+    "validation": "recorded with the run's config for resume checks only",
+    "cache": "recorded with the run's config for resume checks only",
+    "export": "recorded with the run's config for resume checks only",
+}
+
+
+class UndeclaredConfigRead(RuntimeError):
+    """A stage read a config key it does not declare in STAGE_INPUTS (a bug: its reruns would miss edits)."""
+
+
+def _split(entries: tuple[str, ...]) -> tuple[set[str], dict[str, set[str]]]:
+    whole = {e for e in entries if "." not in e}
+    fields: dict[str, set[str]] = {}
+    for e in entries:
+        if "." in e:
+            section, field = e.split(".", 1)
+            fields.setdefault(section, set()).add(field)
+    return whole, fields
+
+
+def declared(stage: str) -> tuple[str, ...]:
+    return STAGE_INPUTS[stage]
+
+
+def stage_digest(cfg: Config, stage: str) -> str:
+    """Digest of the config keys ``stage`` declares (its rule's rerun trigger)."""
+    dumped = cfg.model_dump(mode="json")
+    picked: dict[str, Any] = {}
+    for entry in STAGE_INPUTS[stage]:
+        section, _, field = entry.partition(".")
+        picked[entry] = dumped[section][field] if field else dumped[section]
+    return digest(picked)[:16]
+
+
+class _SectionView:
+    """One config section, restricted to the fields a stage declares."""
+
+    def __init__(self, section: Any, name: str, fields: set[str], stage: str):
+        object.__setattr__(self, "_section", section)
+        object.__setattr__(self, "_name", name)
+        object.__setattr__(self, "_fields", fields)
+        object.__setattr__(self, "_stage", stage)
+
+    def __getattr__(self, attr: str) -> Any:
+        if attr in self._fields:
+            return getattr(self._section, attr)
+        raise UndeclaredConfigRead(_message(self._stage, f"{self._name}.{attr}"))
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        raise AttributeError("a stage's config view is read-only")
+
+
+class ConfigView:
+    """The parts of a :class:`Config` one stage declares; any other read raises UndeclaredConfigRead."""
+
+    def __init__(self, cfg: Config, stage: str):
+        whole, fields = _split(STAGE_INPUTS[stage])
+        object.__setattr__(self, "_cfg", cfg)
+        object.__setattr__(self, "_stage", stage)
+        object.__setattr__(self, "_whole", whole)
+        object.__setattr__(self, "_fields", fields)
+
+    @property
+    def output_dir(self) -> Any:
+        return self._cfg.output_dir
+
+    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
+        """Only the declared keys (what the stage may record of its config)."""
+        dumped = self._cfg.model_dump(**kwargs)
+        out: dict[str, Any] = {"output_dir": dumped["output_dir"]}
+        out.update({s: dumped[s] for s in self._whole})
+        for section, fields in self._fields.items():
+            out.setdefault(section, {f: dumped[section][f] for f in fields})
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        if name in self._whole:
+            return getattr(self._cfg, name)
+        if name in self._fields:
+            return _SectionView(getattr(self._cfg, name), name, self._fields[name], self._stage)
+        raise UndeclaredConfigRead(_message(self._stage, name))
+
+    def __setattr__(self, attr: str, value: Any) -> None:
+        raise AttributeError("a stage's config view is read-only")
+
+
+def _message(stage: str, key: str) -> str:
+    return (f"internal error: the {stage} stage read config key {key!r}, which it does not declare in "
+            f"diffpipe.stages.STAGE_INPUTS, so editing it would not rerun the stage; please report this")
+
+
+def view(cfg: Config, stage: str) -> ConfigView | Config:
+    """What ``stage`` may read of ``cfg``. Training gets the whole config (see TRAIN_UNTRACKED)."""
+    return cfg if stage == "train" else ConfigView(cfg, stage)

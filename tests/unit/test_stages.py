@@ -1,0 +1,79 @@
+"""Each stage reads only the config keys it declares, and its rule reruns exactly when one of them changes."""
+
+import pytest
+
+from diffpipe import stages
+from diffpipe import workflow as dw
+from diffpipe.config import parse_config
+from diffpipe.export.api import export_lora
+from diffpipe.export.locate import locate
+from diffpipe.models import get_family
+
+
+def _cfg(tmp_path, **over):
+    data = {"output_dir": str(tmp_path / "out"), "datasets": [{"name": "d", "path": str(tmp_path / "data")}], **over}
+    return parse_config(data)
+
+
+# (edit, the stages whose rule must rerun for it); every other stage must not.
+EDITS = [
+    ({"train": {"batch_size": 3}}, {"plan", "train"}),  # plan fills small buckets up to a global batch
+    ({"train": {"grad_accum": 2}}, {"plan", "train"}),
+    ({"train": {"lr": 0.5}}, {"train"}),
+    ({"train": {"lora": {"rank": 5}}}, {"train", "export"}),  # export rebuilds an adapter from a checkpoint
+    ({"sample": {"prompts": ["something else"]}}, {"sample"}),  # the model card no longer lists them
+    ({"cache": {"dir": "elsewhere"}}, {"validate", "plan", "cache"}),  # discovery skips the cache folder
+    ({"export": {"formats": ["diffusers", "kohya"]}}, {"export"}),
+]
+
+
+@pytest.mark.parametrize(("edit", "rerun"), EDITS, ids=[str(e) for e, _ in EDITS])
+def test_a_config_edit_reruns_exactly_the_stages_that_read_it(tmp_path, edit, rerun):
+    a, b = _cfg(tmp_path), _cfg(tmp_path, **edit)
+    changed = {s for s in stages.STAGE_INPUTS if dw.stage_digest(a, s) != dw.stage_digest(b, s)}
+    assert changed == rerun
+
+
+def test_a_stage_cannot_read_an_undeclared_key(tmp_path):
+    cfg = _cfg(tmp_path)
+    plan = stages.view(cfg, "plan")
+    assert plan.train.batch_size == cfg.train.batch_size and plan.cache == cfg.cache
+    with pytest.raises(stages.UndeclaredConfigRead, match=r"plan stage read config key 'train.lr'"):
+        _ = plan.train.lr
+    with pytest.raises(stages.UndeclaredConfigRead, match=r"'sample'"):
+        _ = stages.view(cfg, "export").sample
+    with pytest.raises(AttributeError, match="read-only"):
+        plan.cache = None
+    dumped = stages.view(cfg, "export").model_dump(mode="json")
+    assert set(dumped) == {"output_dir", "model", "export", "train"} and set(dumped["train"]) == {"lora"}
+    assert stages.view(cfg, "train") is cfg  # training records its whole config (stages.TRAIN_UNTRACKED)
+
+
+def test_export_records_the_config_training_used_not_todays(tmp_path):
+    """Export reads the run's train/config.yaml, so a later edit to any section leaves its files unchanged."""
+    import yaml
+    from safetensors import safe_open
+
+    from diffpipe.paths import RunPaths
+    from diffpipe.training.adapter import add_lora, lora_state_dict, peft_config, save_adapter
+
+    trained = _cfg(tmp_path, train={"lr": 0.001, "lora": {"rank": 2, "alpha": 2}})
+    run = RunPaths(trained.output_dir)
+    run.train_dir.mkdir(parents=True)
+    (run.train_dir / "config.yaml").write_text(yaml.safe_dump(trained.model_dump(mode="json")))
+    family = get_family(trained.model)
+    denoiser = family.load_denoiser()
+    lcfg = peft_config(trained.train.lora, family.lora_targets(None))
+    add_lora(denoiser, lcfg)
+    save_adapter(run.adapter_dir, lora_state_dict(denoiser), lcfg, {"family": "sd", "flavor": "tiny"})
+
+    edited = _cfg(tmp_path, train={"lr": 0.123, "lora": {"rank": 2, "alpha": 2}},
+                  sample={"prompts": ["edited after training"]})
+    cfg = stages.view(edited, "export")
+    found = locate(run.root, cfg)
+    result = export_lora(found.adapter_dir, tmp_path / "x", family, ["diffusers"], config=cfg, run=found.run)
+    assert "edited after training" not in result.card.read_text()
+    with safe_open(str(result.files["diffusers"]), "pt") as f:
+        recorded = f.metadata()["diffpipe.config"]
+    assert '"lr": 0.001' in recorded.replace('"lr":0.001', '"lr": 0.001')
+    assert "0.123" not in recorded and "edited after training" not in recorded
