@@ -9,9 +9,9 @@ noise level sigma; for DDPM it maps to an integer step with
 
 from __future__ import annotations
 
-import math
-
 import torch
+from diffusers.schedulers.scheduling_ddpm import rescale_zero_terminal_snr as _diffusers_zero_terminal_snr
+from diffusers.training_utils import compute_density_for_timestep_sampling, compute_loss_weighting_for_sd3
 
 
 def _expand_like(t: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -38,8 +38,8 @@ def sample_logit_normal(
     Logit-normal sampling from Esser et al. 2024 (SD3, "Scaling Rectified Flow
     Transformers"); ``mean=0, std=1`` is their recommended setting.
     """
-    u = torch.randn(n, generator=generator, device=device)
-    return torch.sigmoid(mean + std * u)
+    return compute_density_for_timestep_sampling("logit_normal", n, logit_mean=mean, logit_std=std,
+                                                 device=device, generator=generator)
 
 
 def shift_timesteps(t: torch.Tensor, shift: float) -> torch.Tensor:
@@ -227,16 +227,11 @@ def rescale_zero_terminal_snr(betas: torch.Tensor) -> torch.Tensor:
     """Betas whose last timestep has zero SNR (Lin et al. 2024, "Common Diffusion Noise Schedules
     and Sample Steps are Flawed", Algorithm 1).
 
-    ``sqrt(alphas_cumprod)`` is shifted so its last value is 0 and scaled so its
+    diffusers' own implementation. ``sqrt(alphas_cumprod)`` is shifted so its last value is 0 and scaled so its
     first is unchanged; the betas are read back from it. The last step is then
     pure noise, which only a v (or x0) prediction can train on.
     """
-    root = torch.cumprod(1.0 - betas, dim=0).sqrt()
-    first, last = root[0].clone(), root[-1].clone()
-    root = (root - last) * first / (first - last)
-    alphas_cumprod = root**2
-    alphas = torch.cat([alphas_cumprod[:1], alphas_cumprod[1:] / alphas_cumprod[:-1]])
-    return 1.0 - alphas
+    return _diffusers_zero_terminal_snr(betas)
 
 
 # -- the SD3 paper's timestep densities and loss weightings ----------------------
@@ -251,8 +246,7 @@ def sample_mode(
 
     ``s = 0`` is uniform; ``s > 0`` favours middle timesteps, ``s < 0`` the ends.
     """
-    u = torch.rand(n, generator=generator, device=device)
-    return 1 - u - scale * (torch.cos(math.pi * u / 2) ** 2 - 1 + u)
+    return compute_density_for_timestep_sampling("mode", n, mode_scale=scale, device=device, generator=generator)
 
 
 def sample_weighting_scheme(
@@ -288,9 +282,6 @@ def weighting_scheme_weights(scheme: str | None, sigma: torch.Tensor) -> torch.T
     CosMap density (eq. 21) applied as a weight on uniform draws; the other
     schemes weight by 1 (returned as None, so the loss is untouched).
     """
-    if scheme == "sigma_sqrt":
-        return sigma.float() ** -2.0
-    if scheme == "cosmap":
-        s = sigma.float()
-        return 2 / (math.pi * (1 - 2 * s + 2 * s**2))
+    if scheme in ("sigma_sqrt", "cosmap"):
+        return compute_loss_weighting_for_sd3(scheme, sigma.float())
     return None
