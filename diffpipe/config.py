@@ -474,8 +474,10 @@ class TrainConfig(_Section):
     weight_decay: Float = Field(0.0, description="Weight decay (decoupled for the AdamW variants).", ge=0)
     optimizer: Text = Field(
         "adamw",
-        description="`adamw`, `adamw_kahan` / `adamw_stochastic` (bf16 weights: Kahan summation or stochastic "
-        "rounding), `adafactor`, or any `torch.optim` class name (e.g. `SGD`, `RAdam`).",
+        description="`adamw`, `adamw_kahan` / `adamw_stochastic` (precision bf16, zero_stage 1-3: the trained "
+        "weights are kept in bf16 with no fp32 master copy, saving 4 bytes per trained parameter; Kahan "
+        "summation or stochastic rounding keeps small updates), `adafactor`, or any `torch.optim` class name "
+        "(e.g. `SGD`, `RAdam`).",
     )
     optimizer_args: dict[Text, Any] = Field(
         {}, description="Extra keyword arguments for the optimizer (e.g. `{betas: [0.9, 0.99]}`)."
@@ -586,8 +588,15 @@ class TrainConfig(_Section):
             raise ValueError("train.offload_optimizer needs train.zero_stage 1, 2 or 3")
         if self.offload_params and self.zero_stage != 3:
             raise ValueError("train.offload_params needs train.zero_stage 3")
+        if self.optimizer in BF16_OPTIMIZERS and (self.zero_stage == 0 or self.offload_optimizer):
+            raise ValueError(f"train.optimizer {self.optimizer}: the weights stay in bf16 without fp32 master "
+                             "copies, which DeepSpeed supports with train.zero_stage 1, 2 or 3 and no "
+                             "offload_optimizer; set zero_stage: 1")
         return self
 
+
+#: Optimizers that step bf16 weights themselves (diffpipe.training.optim.AdamWBF16).
+BF16_OPTIMIZERS = ("adamw_kahan", "adamw_stochastic")
 
 ExportFormat = Literal["diffusers", "peft", "comfyui", "kohya", "merged"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from diffpipe.config import TrainConfig
+from diffpipe.config import BF16_OPTIMIZERS, TrainConfig
 from diffpipe.training.precision import check as check_precision
 from diffpipe.training.precision import resolve_precision
 
@@ -116,6 +116,9 @@ def deepspeed_config(tc: TrainConfig, world_size: int) -> dict[str, Any]:
         cfg["zero_force_ds_cpu_optimizer"] = False
     if tc.grad_clip > 0:
         cfg["gradient_clipping"] = tc.grad_clip
+    if tc.optimizer in BF16_OPTIMIZERS:
+        # No fp32 master copy: the optimizer sees (and rounds into) the bf16 weights themselves.
+        cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     return cfg
 
 

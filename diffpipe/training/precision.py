@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from diffpipe.config import TrainConfig
+from diffpipe.config import BF16_OPTIMIZERS, TrainConfig
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: Backends that run without CUDA (torch SDPA and its math kernel; flex attention).
@@ -40,6 +40,10 @@ def check(tc: TrainConfig) -> None:
     cuda = torch.cuda.is_available()
     if resolve_precision(tc.precision) == "fp16" and not cuda:
         raise ValueError("train.precision fp16 needs a CUDA GPU (CPU kernels lack fp16); use bf16 or fp32")
+    if tc.optimizer in BF16_OPTIMIZERS and resolve_precision(tc.precision) != "bf16":
+        raise ValueError(f"train.optimizer {tc.optimizer} rounds updates into bf16 weights; train.precision "
+                         f"{tc.precision} resolves to {resolve_precision(tc.precision)} here: set precision: bf16 "
+                         "(or use adamw)")
     backend = tc.attention_backend.lower()
     from diffusers.models.attention_dispatch import AttentionBackendName
 

@@ -36,7 +36,7 @@ def test_build_optimizer_by_name():
     assert isinstance(build_optimizer(p, TrainConfig(optimizer="adafactor")), torch.optim.Adafactor)
     sgd = build_optimizer(p, TrainConfig(optimizer="SGD", optimizer_args={"momentum": 0.9}))
     assert isinstance(sgd, torch.optim.SGD) and sgd.defaults["momentum"] == 0.9
-    assert isinstance(build_optimizer(p, TrainConfig(optimizer="adamw_kahan")), AdamWBF16)
+    assert isinstance(build_optimizer(p, TrainConfig(optimizer="adamw_kahan", zero_stage=1)), AdamWBF16)
     with pytest.raises(ValueError, match="train.optimizer: 'Nope'"):
         build_optimizer(p, TrainConfig(optimizer="Nope"))
     with pytest.raises(ValueError, match="bad train.optimizer_args"):
@@ -65,3 +65,44 @@ def test_train_config_refuses_unsupported_combinations():
         TrainConfig(zero_stage=3, sample_every_epochs=1)
     with pytest.raises(ValueError, match="strictly between 0 and 1"):
         TrainConfig(eval={"quantiles": [0.0, 0.5]})
+
+
+def test_bf16_optimizers_need_zero_and_bf16():
+    from diffpipe.training import precision
+
+    with pytest.raises(ValueError, match="adamw_kahan.*zero_stage 1, 2 or 3"):
+        TrainConfig(optimizer="adamw_kahan")
+    with pytest.raises(ValueError, match="adamw_stochastic.*zero_stage"):
+        TrainConfig(optimizer="adamw_stochastic", zero_stage=2, offload_optimizer=True)
+    with pytest.raises(ValueError, match="set precision: bf16"):
+        precision.check(TrainConfig(optimizer="adamw_kahan", zero_stage=1, precision="fp32"))
+
+
+@pytest.mark.parametrize("name", ["adamw", "adamw_kahan"])
+def test_bf16_optimizers_step_the_bf16_weights_under_deepspeed(name, monkeypatch):
+    """Under DeepSpeed's bf16 mode plain AdamW steps fp32 master copies; the bf16 variants step the
+    bf16 weights themselves (no master copy), which is where their rounding matters."""
+    import socket
+
+    from diffpipe.training.engine import build_engine
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(k, v)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1)).to(torch.bfloat16)
+    tc = TrainConfig(precision="bf16", zero_stage=1, optimizer=name)
+    # A one-process gloo group stays up for the rest of this worker (DeepSpeed caches its groups).
+    engine = build_engine(model, build_optimizer(list(model.parameters()), tc), None, tc, 1)
+    x = torch.randn(4, 8, dtype=torch.bfloat16)
+    for _ in range(2):
+        engine.backward(engine(x).float().pow(2).mean())
+        engine.step()
+    inner = engine.optimizer.optimizer  # the torch optimizer inside DeepSpeed's ZeRO wrapper
+    stepped = {p.dtype for g in inner.param_groups for p in g["params"]}
+    assert stepped == ({torch.bfloat16} if name == "adamw_kahan" else {torch.float32})
+    if name == "adamw_kahan":
+        assert all("compensation" in st for st in inner.state.values())
