@@ -17,35 +17,20 @@ import shutil
 import pytest
 import torch
 import yaml
-from typer.testing import CliRunner
+from stage_cli import invoke as _cli
+from stage_cli import rendezvous
 
-from diffpipe.cli import app
 from diffpipe.config import load_config
 from diffpipe.models import get_family
 from diffpipe.paths import REPO_ROOT, RunPaths
 from diffpipe.training.adapter import apply_adapter
-from diffpipe.training.engine import free_port
 
 pytestmark = pytest.mark.slow
 
 
-def _cli(*args, cwd, monkeypatch):
-    # In-process through the real Typer app: the same code path as the shell
-    # command, without paying the interpreter and import start-up per stage.
-    monkeypatch.chdir(cwd)
-    result = CliRunner().invoke(app, list(args))
-    assert result.exit_code == 0, f"diffpipe {' '.join(args)} failed:\n{result.output}\n{result.exception!r}"
-    return result
-
-
 @pytest.fixture(scope="module")
 def flux_run(tmp_path_factory):
-    monkeypatch = pytest.MonkeyPatch()
-    # Single-process rendezvous for the in-process DeepSpeed run, removed again
-    # afterwards so later tests and their subprocesses do not inherit it.
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                           WORLD_SIZE="1", LOCAL_RANK="0").items():
-        monkeypatch.setenv(key, value)
+    monkeypatch = rendezvous()  # undone after the module
     root = tmp_path_factory.mktemp("flux")
     shutil.copytree(REPO_ROOT / "config" / "demo_data", root / "data")
     cfg = {

@@ -19,9 +19,9 @@ import torch
 import yaml
 from diffusers import FluxKontextPipeline
 from PIL import Image
-from typer.testing import CliRunner
+from stage_cli import invoke as _cli
+from stage_cli import rendezvous
 
-from diffpipe.cli import app
 from diffpipe.config import load_config
 from diffpipe.data.demo import write_demo_dataset
 from diffpipe.data.reader import CachedDataset
@@ -29,16 +29,8 @@ from diffpipe.models import get_family
 from diffpipe.models.flux_kontext import reference_tokens
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter
-from diffpipe.training.engine import free_port
 
 pytestmark = pytest.mark.slow
-
-
-def _cli(*args, cwd, monkeypatch):
-    monkeypatch.chdir(cwd)
-    result = CliRunner().invoke(app, list(args))
-    assert result.exit_code == 0, f"diffpipe {' '.join(args)} failed:\n{result.output}\n{result.exception!r}"
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +55,7 @@ def run(tmp_path_factory):
     config.write_text(yaml.safe_dump(cfg))
     c = str(config)
     monkeypatch = pytest.MonkeyPatch()
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                           WORLD_SIZE="1", LOCAL_RANK="0").items():
-        monkeypatch.setenv(key, value)
+    rendezvous(monkeypatch)
     try:
         for args in (["validate"], ["plan"]):
             _cli(*args, "-c", c, cwd=root, monkeypatch=monkeypatch)

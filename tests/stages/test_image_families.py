@@ -21,26 +21,18 @@ import peft
 import pytest
 import torch
 import yaml
-from typer.testing import CliRunner
+from stage_cli import invoke as _cli
+from stage_cli import rendezvous
 
-from diffpipe.cli import app
 from diffpipe.config import ModelConfig, load_config
 from diffpipe.data.reader import CachedDataset
 from diffpipe.models import get_family
 from diffpipe.paths import REPO_ROOT, RunPaths
 from diffpipe.training.adapter import apply_adapter
-from diffpipe.training.engine import free_port
 
 pytestmark = pytest.mark.slow
 
 FAMILIES = ["sdxl", "sd3", "chroma", "lumina2", "qwenimage", "hidream", "cogview4", "cosmos2"]
-
-
-def _cli(*args, cwd, monkeypatch):
-    monkeypatch.chdir(cwd)
-    result = CliRunner().invoke(app, list(args))
-    assert result.exit_code == 0, f"diffpipe {' '.join(args)} failed:\n{result.output}\n{result.exception!r}"
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -54,9 +46,7 @@ def demo_data(tmp_path_factory):
 def run(request, demo_data, tmp_path_factory):
     name = request.param
     monkeypatch = pytest.MonkeyPatch()
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
-                           WORLD_SIZE="1", LOCAL_RANK="0").items():
-        monkeypatch.setenv(key, value)
+    rendezvous(monkeypatch)
     root = tmp_path_factory.mktemp(name)
     cfg = {
         "output_dir": "run",

@@ -21,6 +21,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from stage_cli import rendezvous
 from typer.testing import CliRunner
 
 from diffpipe.cli import app
@@ -33,7 +34,6 @@ from diffpipe.data.reader import CachedDataset
 from diffpipe.data.validate import run_validation
 from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
-from diffpipe.training.engine import free_port
 from diffpipe.training.loop import DataOrder
 
 MODEL = ModelConfig(family="sd")
@@ -346,9 +346,7 @@ def test_two_deepspeed_steps_train_on_the_masked_loss(run, tmp_path, monkeypatch
     cfg = other.config(objective={"mask_min_weight": 0.1})
     config = tmp_path / "masked.yaml"
     config.write_text(yaml.safe_dump(cfg))
-    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1",
-                           LOCAL_RANK="0").items():
-        monkeypatch.setenv(key, value)
+    rendezvous(monkeypatch)
     result = CliRunner().invoke(app, ["train", "-c", str(config)])
     assert result.exit_code == 0, f"{result.output}\n{result.exception!r}"
     assert "control latents are not used" in result.output  # sd ignores them, and says so

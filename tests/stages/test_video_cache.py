@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from stage_cli import invoke as _cli
 from typer.testing import CliRunner
 
 from diffpipe.cli import app
@@ -62,13 +63,6 @@ def test_load_video_array_keeps_the_planned_frames(tmp_path):
     np.testing.assert_allclose(levels, [20, 60, 60, 160], atol=4)
     with pytest.raises(ValueError, match="ended after"):
         load_video_array(clip, (16, 16), [0, 12])
-
-
-def _cli(*args, cwd, monkeypatch):
-    monkeypatch.chdir(cwd)
-    result = CliRunner().invoke(app, list(args))
-    assert result.exit_code == 0, f"diffpipe {' '.join(args)} failed:\n{result.output}\n{result.exception!r}"
-    return result
 
 
 def test_cache_latents_encodes_clips_and_images(tmp_path, monkeypatch):

@@ -30,9 +30,9 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from typer.testing import CliRunner
+from stage_cli import invoke as _cli
+from stage_cli import rendezvous
 
-from diffpipe.cli import app
 from diffpipe.config import ModelConfig, ObjectiveConfig, load_config
 from diffpipe.data.cache import _decode
 from diffpipe.data.demo_video import write_demo_clips
@@ -41,7 +41,6 @@ from diffpipe.data.reader import CachedDataset
 from diffpipe.models import get_family, wan_i2v
 from diffpipe.paths import REPO_ROOT, RunPaths
 from diffpipe.training.adapter import apply_adapter
-from diffpipe.training.engine import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning")]  # Mochi's rope
 
@@ -53,13 +52,6 @@ SPECS = {
     "mochi": (7, (2, 4, 6), 7),  # 30 fps: 16 available, bucket 7 (6k+1)
     "cosmos2-video": (9, (3, 4, 6), 9),  # 16 fps: the 9 demo frames (4k+1)
 }
-
-
-def _cli(*args, cwd, monkeypatch):
-    monkeypatch.chdir(cwd)
-    result = CliRunner().invoke(app, list(args))
-    assert result.exit_code == 0, f"diffpipe {' '.join(args)} failed:\n{result.output}\n{result.exception!r}"
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -75,10 +67,7 @@ def run(request, demo_clips, tmp_path_factory):
     name = request.param
     bucket, _, frames = SPECS[name]
     monkeypatch = pytest.MonkeyPatch()
-    for key, value in dict(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-    ).items():
-        monkeypatch.setenv(key, value)
+    rendezvous(monkeypatch)
     root = tmp_path_factory.mktemp(name)
     data = demo_clips / ("eight_fps" if name == "cogvideox" else "demo")
     cfg = {

@@ -20,9 +20,9 @@ import pytest
 import torch
 import yaml
 from diffusers import WanTransformer3DModel
-from typer.testing import CliRunner
+from stage_cli import invoke as _cli
+from stage_cli import rendezvous
 
-from diffpipe.cli import app
 from diffpipe.config import ModelConfig, ObjectiveConfig, SampleConfig, load_config
 from diffpipe.data.demo import write_demo_dataset
 from diffpipe.data.demo_video import write_demo_clips
@@ -33,25 +33,14 @@ from diffpipe.models.published import PUBLISHED
 from diffpipe.models.wan import detect_variant
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter, load_adapter
-from diffpipe.training.engine import free_port
 
 pytestmark = pytest.mark.slow
-
-
-def _cli(*args, cwd, monkeypatch):
-    monkeypatch.chdir(cwd)
-    result = CliRunner().invoke(app, list(args))
-    assert result.exit_code == 0, f"diffpipe {' '.join(args)} failed:\n{result.output}\n{result.exception!r}"
-    return result
 
 
 def _run_stages(root, model: dict, dataset: dict, export: list[str], sample_steps: int = 2, train: dict | None = None):
     """Every stage of one tiny run under ``root`` (data already written to ``root/data``); ``train`` adds settings."""
     monkeypatch = pytest.MonkeyPatch()
-    for key, value in dict(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
-    ).items():
-        monkeypatch.setenv(key, value)
+    rendezvous(monkeypatch)
     cfg = {
         "output_dir": "run",
         "model": model,

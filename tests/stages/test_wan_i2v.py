@@ -21,9 +21,9 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from typer.testing import CliRunner
+from stage_cli import invoke as _cli
+from stage_cli import rendezvous
 
-from diffpipe.cli import app
 from diffpipe.config import DatasetConfig, ModelConfig, SampleConfig
 from diffpipe.data.cache import _decode
 from diffpipe.data.demo_video import write_demo_clips
@@ -33,16 +33,8 @@ from diffpipe.models import get_family, wan_i2v
 from diffpipe.models.published import PUBLISHED
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter
-from diffpipe.training.engine import free_port
 
 pytestmark = pytest.mark.slow
-
-
-def _cli(*args, cwd, monkeypatch):
-    monkeypatch.chdir(cwd)
-    result = CliRunner().invoke(app, list(args))
-    assert result.exit_code == 0, f"diffpipe {' '.join(args)} failed:\n{result.output}\n{result.exception!r}"
-    return result
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +64,7 @@ def i2v_run(tmp_path_factory):
     config.write_text(yaml.safe_dump(cfg))
     c = str(config)
     mp = pytest.MonkeyPatch()
-    env = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
-    for key, value in env.items():
-        mp.setenv(key, value)
+    rendezvous(mp)
     paths = RunPaths(root / "run")
     try:
         _cli("validate", "-c", c, cwd=root, monkeypatch=mp)

@@ -1,0 +1,34 @@
+"""Running diffpipe's stages in-process in the tests: the real Typer app, one process.
+
+Shared by the per-family end-to-end modules (``from stage_cli import invoke, rendezvous``).
+"""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from diffpipe.cli import app
+from diffpipe.training.engine import free_port
+
+
+def invoke(*args, cwd, monkeypatch):
+    """``diffpipe ARGS`` in ``cwd`` through the real Typer app: the shell command's code path,
+    without paying the interpreter and import start-up per stage; fails the test on a non-zero exit."""
+    monkeypatch.chdir(cwd)
+    result = CliRunner().invoke(app, list(args))
+    assert result.exit_code == 0, f"diffpipe {' '.join(args)} failed:\n{result.output}\n{result.exception!r}"
+    return result
+
+
+def rendezvous(monkeypatch: pytest.MonkeyPatch | None = None) -> pytest.MonkeyPatch:
+    """A one-process DeepSpeed rendezvous (a free port) in the environment, for in-process training.
+
+    Set through ``monkeypatch`` (a new one when None: undo it after a module fixture), so later
+    tests and their subprocesses do not inherit it.
+    """
+    monkeypatch = monkeypatch or pytest.MonkeyPatch()
+    for key, value in dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0",
+                           WORLD_SIZE="1", LOCAL_RANK="0").items():
+        monkeypatch.setenv(key, value)
+    return monkeypatch
