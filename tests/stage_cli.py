@@ -32,3 +32,22 @@ def rendezvous(monkeypatch: pytest.MonkeyPatch | None = None) -> pytest.MonkeyPa
                            WORLD_SIZE="1", LOCAL_RANK="0").items():
         monkeypatch.setenv(key, value)
     return monkeypatch
+
+
+def run_stages(config, *, cwd, monkeypatch, empty_caption: bool = False,
+               then: tuple[str, ...] = ("train", "export", "sample")) -> None:
+    """validate, plan, every latent and text shard (and the empty caption), then ``then``, as a run does."""
+    from diffpipe.config import load_config
+    from diffpipe.paths import RunPaths
+
+    c = str(config)
+    invoke("validate", "-c", c, cwd=cwd, monkeypatch=monkeypatch)
+    invoke("plan", "-c", c, cwd=cwd, monkeypatch=monkeypatch)
+    paths = RunPaths(load_config(config).output_dir)  # relative to cwd, where invoke just moved
+    for shard in paths.shard_names("latents"):
+        invoke("cache", "latents", "-c", c, "--shard", shard, cwd=cwd, monkeypatch=monkeypatch)
+        invoke("cache", "text", "-c", c, "--shard", shard, cwd=cwd, monkeypatch=monkeypatch)
+    if empty_caption:
+        invoke("cache", "empty", "-c", c, cwd=cwd, monkeypatch=monkeypatch)
+    for stage in then:
+        invoke(stage, "-c", c, cwd=cwd, monkeypatch=monkeypatch)

@@ -17,8 +17,7 @@ import shutil
 import pytest
 import torch
 import yaml
-from stage_cli import invoke as _cli
-from stage_cli import rendezvous
+from stage_cli import rendezvous, run_stages
 
 from diffpipe.config import load_config
 from diffpipe.models import get_family
@@ -44,15 +43,8 @@ def flux_run(tmp_path_factory):
     config = root / "flux.yaml"
     config.write_text(yaml.safe_dump(cfg))
     c = str(config)
-    _cli("validate", "-c", c, cwd=root, monkeypatch=monkeypatch)
-    _cli("plan", "-c", c, cwd=root, monkeypatch=monkeypatch)
     paths = RunPaths(root / "run")
-    for shard in paths.shard_names("latents"):
-        _cli("cache", "latents", "-c", c, "--shard", shard, cwd=root, monkeypatch=monkeypatch)
-        _cli("cache", "text", "-c", c, "--shard", shard, cwd=root, monkeypatch=monkeypatch)
-    _cli("train", "-c", c, cwd=root, monkeypatch=monkeypatch)
-    _cli("export", "-c", c, cwd=root, monkeypatch=monkeypatch)
-    _cli("sample", "-c", c, cwd=root, monkeypatch=monkeypatch)
+    run_stages(c, cwd=root, monkeypatch=monkeypatch)
     monkeypatch.undo()
     return load_config(config), paths
 

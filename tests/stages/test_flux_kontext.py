@@ -19,8 +19,7 @@ import torch
 import yaml
 from diffusers import FluxKontextPipeline
 from PIL import Image
-from stage_cli import invoke as _cli
-from stage_cli import rendezvous
+from stage_cli import rendezvous, run_stages
 
 from diffpipe.config import load_config
 from diffpipe.data.demo import write_demo_dataset
@@ -54,17 +53,10 @@ def run(tmp_path_factory):
     config = root / "kontext.yaml"
     config.write_text(yaml.safe_dump(cfg))
     c = str(config)
-    monkeypatch = pytest.MonkeyPatch()
-    rendezvous(monkeypatch)
+    monkeypatch = rendezvous()
     try:
-        for args in (["validate"], ["plan"]):
-            _cli(*args, "-c", c, cwd=root, monkeypatch=monkeypatch)
         paths = RunPaths(root / "run")
-        for shard in paths.shard_names("latents"):
-            _cli("cache", "latents", "-c", c, "--shard", shard, cwd=root, monkeypatch=monkeypatch)
-            _cli("cache", "text", "-c", c, "--shard", shard, cwd=root, monkeypatch=monkeypatch)
-        for stage in ("train", "export", "sample"):
-            _cli(stage, "-c", c, cwd=root, monkeypatch=monkeypatch)
+        run_stages(c, cwd=root, monkeypatch=monkeypatch)
     finally:
         monkeypatch.undo()
     return load_config(config), paths

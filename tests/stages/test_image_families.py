@@ -21,8 +21,7 @@ import peft
 import pytest
 import torch
 import yaml
-from stage_cli import invoke as _cli
-from stage_cli import rendezvous
+from stage_cli import rendezvous, run_stages
 
 from diffpipe.config import ModelConfig, load_config
 from diffpipe.data.reader import CachedDataset
@@ -45,8 +44,7 @@ def demo_data(tmp_path_factory):
 @pytest.fixture(scope="module", params=FAMILIES)
 def run(request, demo_data, tmp_path_factory):
     name = request.param
-    monkeypatch = pytest.MonkeyPatch()
-    rendezvous(monkeypatch)
+    monkeypatch = rendezvous()
     root = tmp_path_factory.mktemp(name)
     cfg = {
         "output_dir": "run",
@@ -62,15 +60,8 @@ def run(request, demo_data, tmp_path_factory):
     config.write_text(yaml.safe_dump(cfg))
     c = str(config)
     try:
-        _cli("validate", "-c", c, cwd=root, monkeypatch=monkeypatch)
-        _cli("plan", "-c", c, cwd=root, monkeypatch=monkeypatch)
         paths = RunPaths(root / "run")
-        for shard in paths.shard_names("latents"):
-            _cli("cache", "latents", "-c", c, "--shard", shard, cwd=root, monkeypatch=monkeypatch)
-            _cli("cache", "text", "-c", c, "--shard", shard, cwd=root, monkeypatch=monkeypatch)
-        _cli("train", "-c", c, cwd=root, monkeypatch=monkeypatch)
-        _cli("export", "-c", c, cwd=root, monkeypatch=monkeypatch)
-        _cli("sample", "-c", c, cwd=root, monkeypatch=monkeypatch)
+        run_stages(c, cwd=root, monkeypatch=monkeypatch)
     finally:
         monkeypatch.undo()
     return load_config(config), paths

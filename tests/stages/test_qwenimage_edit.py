@@ -21,8 +21,7 @@ import yaml
 from diffusers import QwenImageEditPipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 from PIL import Image
-from stage_cli import invoke as _cli
-from stage_cli import rendezvous
+from stage_cli import rendezvous, run_stages
 
 from diffpipe.config import load_config
 from diffpipe.data.plan import read_spec
@@ -60,19 +59,12 @@ def run(tmp_path_factory):
     config = root / "qwenedit.yaml"
     config.write_text(yaml.safe_dump(cfg))
     c = str(config)
-    monkeypatch = pytest.MonkeyPatch()
-    rendezvous(monkeypatch)
+    monkeypatch = rendezvous()
     try:
-        for args in (["validate"], ["plan"]):
-            _cli(*args, "-c", c, cwd=root, monkeypatch=monkeypatch)
         paths = RunPaths(root / "run")
-        for shard in paths.shard_names("latents"):
-            _cli("cache", "latents", "-c", c, "--shard", shard, cwd=root, monkeypatch=monkeypatch)
-            _cli("cache", "text", "-c", c, "--shard", shard, cwd=root, monkeypatch=monkeypatch)
         # No sample stage: the edit pipeline encodes its reference image at about 1024x1024 whatever the
         # output size (77 s on this CPU); `diffpipe sample` with `sample.images` was run by hand.
-        for stage in ("train", "export"):
-            _cli(stage, "-c", c, cwd=root, monkeypatch=monkeypatch)
+        run_stages(c, cwd=root, monkeypatch=monkeypatch, then=("train", "export"))
     finally:
         monkeypatch.undo()
     return load_config(config), paths

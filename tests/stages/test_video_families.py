@@ -30,8 +30,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
-from stage_cli import invoke as _cli
-from stage_cli import rendezvous
+from stage_cli import rendezvous, run_stages
 
 from diffpipe.config import ModelConfig, ObjectiveConfig, load_config
 from diffpipe.data.cache import _decode
@@ -66,8 +65,7 @@ def demo_clips(tmp_path_factory):
 def run(request, demo_clips, tmp_path_factory):
     name = request.param
     bucket, _, frames = SPECS[name]
-    monkeypatch = pytest.MonkeyPatch()
-    rendezvous(monkeypatch)
+    monkeypatch = rendezvous()
     root = tmp_path_factory.mktemp(name)
     data = demo_clips / ("eight_fps" if name == "cogvideox" else "demo")
     cfg = {
@@ -92,15 +90,8 @@ def run(request, demo_clips, tmp_path_factory):
     config.write_text(yaml.safe_dump(cfg))
     c = str(config)
     try:
-        _cli("validate", "-c", c, cwd=root, monkeypatch=monkeypatch)
-        _cli("plan", "-c", c, cwd=root, monkeypatch=monkeypatch)
         paths = RunPaths(root / "run")
-        for shard in paths.shard_names("latents"):
-            _cli("cache", "latents", "-c", c, "--shard", shard, cwd=root, monkeypatch=monkeypatch)
-            _cli("cache", "text", "-c", c, "--shard", shard, cwd=root, monkeypatch=monkeypatch)
-        _cli("train", "-c", c, cwd=root, monkeypatch=monkeypatch)
-        _cli("export", "-c", c, cwd=root, monkeypatch=monkeypatch)
-        _cli("sample", "-c", c, cwd=root, monkeypatch=monkeypatch)
+        run_stages(c, cwd=root, monkeypatch=monkeypatch)
     finally:
         monkeypatch.undo()
     return load_config(config), paths

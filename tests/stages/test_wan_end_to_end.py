@@ -20,8 +20,7 @@ import pytest
 import torch
 import yaml
 from diffusers import WanTransformer3DModel
-from stage_cli import invoke as _cli
-from stage_cli import rendezvous
+from stage_cli import rendezvous, run_stages
 
 from diffpipe.config import ModelConfig, ObjectiveConfig, SampleConfig, load_config
 from diffpipe.data.demo import write_demo_dataset
@@ -39,8 +38,7 @@ pytestmark = pytest.mark.slow
 
 def _run_stages(root, model: dict, dataset: dict, export: list[str], sample_steps: int = 2, train: dict | None = None):
     """Every stage of one tiny run under ``root`` (data already written to ``root/data``); ``train`` adds settings."""
-    monkeypatch = pytest.MonkeyPatch()
-    rendezvous(monkeypatch)
+    monkeypatch = rendezvous()
     cfg = {
         "output_dir": "run",
         "model": model,
@@ -67,16 +65,8 @@ def _run_stages(root, model: dict, dataset: dict, export: list[str], sample_step
     config.write_text(yaml.safe_dump(cfg))
     c = str(config)
     try:
-        _cli("validate", "-c", c, cwd=root, monkeypatch=monkeypatch)
-        _cli("plan", "-c", c, cwd=root, monkeypatch=monkeypatch)
         paths = RunPaths(root / "run")
-        for shard in paths.shard_names("latents"):
-            _cli("cache", "latents", "-c", c, "--shard", shard, cwd=root, monkeypatch=monkeypatch)
-            _cli("cache", "text", "-c", c, "--shard", shard, cwd=root, monkeypatch=monkeypatch)
-        _cli("cache", "empty", "-c", c, cwd=root, monkeypatch=monkeypatch)
-        _cli("train", "-c", c, cwd=root, monkeypatch=monkeypatch)
-        _cli("export", "-c", c, cwd=root, monkeypatch=monkeypatch)
-        _cli("sample", "-c", c, cwd=root, monkeypatch=monkeypatch)
+        run_stages(c, cwd=root, monkeypatch=monkeypatch, empty_caption=True)
     finally:
         monkeypatch.undo()
     return load_config(config), paths

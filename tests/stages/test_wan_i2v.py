@@ -22,7 +22,7 @@ import torch
 import yaml
 from PIL import Image
 from stage_cli import invoke as _cli
-from stage_cli import rendezvous
+from stage_cli import rendezvous, run_stages
 
 from diffpipe.config import DatasetConfig, ModelConfig, SampleConfig
 from diffpipe.data.cache import _decode
@@ -67,15 +67,7 @@ def i2v_run(tmp_path_factory):
     rendezvous(mp)
     paths = RunPaths(root / "run")
     try:
-        _cli("validate", "-c", c, cwd=root, monkeypatch=mp)
-        _cli("plan", "-c", c, cwd=root, monkeypatch=mp)
-        for shard in paths.shard_names("latents"):
-            _cli("cache", "latents", "-c", c, "--shard", shard, cwd=root, monkeypatch=mp)
-            _cli("cache", "text", "-c", c, "--shard", shard, cwd=root, monkeypatch=mp)
-        _cli("cache", "empty", "-c", c, cwd=root, monkeypatch=mp)
-        _cli("train", "-c", c, cwd=root, monkeypatch=mp)
-        _cli("export", "-c", c, cwd=root, monkeypatch=mp)
-        _cli("sample", "-c", c, cwd=root, monkeypatch=mp)
+        run_stages(c, cwd=root, monkeypatch=mp, empty_caption=True)
         # A second cache run encodes nothing: the first-frame controls come from the store.
         _cli("cache", "latents", "-c", c, "--shard", "s0000", cwd=root, monkeypatch=mp)
     finally:
