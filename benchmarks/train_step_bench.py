@@ -67,22 +67,14 @@ def bare_loop(steps: int, warmup: int) -> float:
 
 def prepare_run(root: Path) -> Path:
     """A cached 16-image run (64 px images -> 32x32 latents) and its config."""
-    from diffpipe.data.cache import cache_latents, cache_text
+    from diffpipe import stages
     from diffpipe.data.demo import write_demo_dataset
-    from diffpipe.data.plan import make_plan
-    from diffpipe.data.validate import run_validation
 
     cfg = base_config(root, steps=1)
-    paths, family = RunPaths(cfg.output_dir), get_family(cfg.model)
+    paths = RunPaths(cfg.output_dir)
     if not paths.shard_names():
         write_demo_dataset(root / "data", n=16, size=64)
-        run_validation(cfg.datasets, cfg.validation, manifest_path=paths.manifest,
-                       report_json=paths.report_json, report_html=paths.report_html)
-        make_plan(paths.manifest, cfg.datasets, cfg.cache, latent_identity=family.vae_identity(),
-                  text_identity=family.text_identity(), pixel_multiple=family.pixel_multiple, paths=paths)
-        for s in paths.shard_names():
-            cache_latents(paths.latent_spec(s), paths.latent_shard(s), cfg.model, cfg.cache)
-            cache_text(paths.text_spec(s), paths.text_shard(s), cfg.model, cfg.cache)
+        stages.prepare_data(cfg, paths, empty_caption=False)
     return root
 
 

@@ -20,7 +20,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from diffpipe import logs, runlock
+from diffpipe import logs, runlock, stages
 from diffpipe.config import Config, ConfigError, load_config
 from diffpipe.paths import RunPaths
 
@@ -117,10 +117,8 @@ def _errors(fn):
 
 def _setup(config: Path, stage: str):
     """The config as ``stage`` may read it (diffpipe.stages: only what its rule reruns on) and the run's paths."""
-    from diffpipe.stages import view
-
     cfg = load_config(config)
-    return view(cfg, stage), RunPaths(cfg.output_dir)
+    return stages.view(cfg, stage), RunPaths(cfg.output_dir)
 
 
 @app.command()
@@ -146,8 +144,7 @@ def validate(
     Example: diffpipe validate my_images/
     """
     from diffpipe.config import parse_config
-    from diffpipe.data.discover import run_folders
-    from diffpipe.data.validate import FamilyTokenCounter, kept_copy, print_summary, run_validation
+    from diffpipe.data.validate import kept_copy, print_summary
 
     if (folder is None) == (config is None):
         raise typer.BadParameter("give a dataset FOLDER or --config, one of them", param_hint="FOLDER")
@@ -163,10 +160,7 @@ def validate(
         paths = RunPaths(cfg.output_dir)
     else:
         cfg, paths = _setup(config, "validate")
-    result = run_validation(cfg.datasets, cfg.validation, manifest_path=paths.manifest,
-                            report_json=paths.report_json, report_html=paths.report_html, rehash=rehash,
-                            tokens=FamilyTokenCounter(cfg.model) if tokens else None, workers=workers,
-                            console=console, exclude=run_folders(cfg.output_dir, cfg.cache.dir))
+    result = stages.validate(cfg, paths, rehash=rehash, workers=workers, tokens=tokens, console=console)
     print_summary(result, console=console, report=kept_copy(paths.report_html) if result.errors else paths.report_html)
     if result.errors:
         raise typer.Exit(1)
@@ -219,15 +213,8 @@ def plan(config: ConfigOpt) -> None:
 
     Example: diffpipe plan -c config/demo.yaml
     """
-    from diffpipe.data.plan import make_plan
-    from diffpipe.models import get_family
-
     cfg, paths = _setup(config, "plan")
-    family = get_family(cfg.model)
-    result = make_plan(paths.manifest, cfg.datasets, cfg.cache, latent_identity=family.vae_identity(),
-                       text_identity=family.text_identity(), pixel_multiple=family.pixel_multiple, paths=paths,
-                       global_batch=cfg.train.batch_size * cfg.train.grad_accum,
-                       fps=family.fps, frame_rule=family.frame_rule, text_control=family.text_uses_control)
+    result = stages.plan(cfg, paths)
     _say(f"plan: {result.items} items, {result.entries} entries in {len(result.shards)} shards; "
                   f"buckets {result.buckets}; {len(result.written)} spec files rewritten")
     for bucket, n in result.underfilled.items():
@@ -254,11 +241,8 @@ def cache_latents_cmd(config: ConfigOpt, shard: ShardOpt, regenerate: Regenerate
 
     Example: diffpipe cache latents -c config/demo.yaml --shard s0000
     """
-    from diffpipe.data.cache import cache_latents
-
     cfg, paths = _setup(config, "cache")
-    summary = cache_latents(paths.latent_spec(shard), paths.latent_shard(shard), cfg.model, cfg.cache,
-                            store=paths.cache_store(cfg.cache.dir), regenerate=regenerate, trust=trust)
+    summary = stages.cache_latents(cfg, paths, shard, regenerate=regenerate, trust=trust)
     _say(f"cache latents {shard}: {json.dumps(summary)}")
 
 
@@ -269,11 +253,8 @@ def cache_text_cmd(config: ConfigOpt, shard: ShardOpt, regenerate: RegenerateOpt
 
     Example: diffpipe cache text -c config/demo.yaml --shard s0000
     """
-    from diffpipe.data.cache import cache_text
-
     cfg, paths = _setup(config, "cache")
-    summary = cache_text(paths.text_spec(shard), paths.text_shard(shard), cfg.model, cfg.cache,
-                         store=paths.cache_store(cfg.cache.dir), regenerate=regenerate)
+    summary = stages.cache_text(cfg, paths, shard, regenerate=regenerate)
     _say(f"cache text {shard}: {json.dumps(summary)}")
 
 
@@ -284,11 +265,8 @@ def cache_empty_cmd(config: ConfigOpt, regenerate: RegenerateOpt = False) -> Non
 
     Example: diffpipe cache empty -c config/demo.yaml
     """
-    from diffpipe.data.cache import cache_empty_text
-
     cfg, paths = _setup(config, "cache")
-    summary = cache_empty_text(paths.text_empty, cfg.model, cfg.cache, spec_path=paths.empty_spec,
-                               store=paths.cache_store(cfg.cache.dir), regenerate=regenerate)
+    summary = stages.cache_empty(cfg, paths, regenerate=regenerate)
     _say(f"cache empty: {json.dumps(summary)}")
 
 
@@ -398,14 +376,13 @@ def export(
     from diffpipe.export import export_lora
     from diffpipe.export.locate import locate, model_config_from_adapter
     from diffpipe.models import get_family
-    from diffpipe.stages import view
 
     if run_or_checkpoint is None and config is None:
         raise typer.BadParameter("give a run folder, an adapter folder or checkpoint, or --config",
                                  param_hint="RUN_OR_CHECKPOINT")
-    cfg = view(load_config(config), "export") if config else None
+    cfg = stages.view(load_config(config), "export") if config else None
     found = locate(run_or_checkpoint, cfg)
-    cfg = view(found.config, "export") if isinstance(found.config, Config) else found.config
+    cfg = stages.view(found.config, "export") if isinstance(found.config, Config) else found.config
     formats = _formats(fmt, (cfg.export if cfg else ExportConfig()).formats)
     model_cfg = cfg.model if cfg else model_config_from_adapter(found.adapter_dir)
     result = export_lora(found.adapter_dir, out or found.out_dir, get_family(model_cfg), formats,

@@ -131,3 +131,78 @@ def _message(stage: str, key: str) -> str:
 def view(cfg: Config, stage: str) -> ConfigView | Config:
     """What ``stage`` may read of ``cfg``. Training gets the whole config (see TRAIN_UNTRACKED)."""
     return cfg if stage == "train" else ConfigView(cfg, stage)
+
+
+# -- the stages as functions ---------------------------------------------------------
+# The CLI, the tests' helpers and the benchmarks call these, so each stage is wired
+# once (arguments included) and reads its config only through its view.
+def _as(cfg: Config | ConfigView, stage: str) -> Any:
+    return cfg if isinstance(cfg, ConfigView) and cfg._stage == stage else view(
+        cfg._cfg if isinstance(cfg, ConfigView) else cfg, stage)
+
+
+def validate(cfg: Config, paths: Any, *, rehash: bool = False, workers: int | None = None, tokens: bool = True,
+             console: Any = None) -> Any:
+    """Check every dataset file; write the manifest and the reports (``diffpipe validate``)."""
+    from diffpipe.data.discover import run_folders
+    from diffpipe.data.validate import FamilyTokenCounter, run_validation
+
+    cfg = _as(cfg, "validate")
+    return run_validation(cfg.datasets, cfg.validation, manifest_path=paths.manifest,
+                          report_json=paths.report_json, report_html=paths.report_html, rehash=rehash,
+                          tokens=FamilyTokenCounter(cfg.model) if tokens else None, workers=workers,
+                          console=console, exclude=run_folders(cfg.output_dir, cfg.cache.dir))
+
+
+def plan(cfg: Config, paths: Any) -> Any:
+    """Assign the manifest's items to shards and write the shard specs (``diffpipe plan``)."""
+    from diffpipe.data.plan import make_plan
+    from diffpipe.models import get_family
+
+    cfg = _as(cfg, "plan")
+    family = get_family(cfg.model)
+    return make_plan(paths.manifest, cfg.datasets, cfg.cache, latent_identity=family.vae_identity(),
+                     text_identity=family.text_identity(), pixel_multiple=family.pixel_multiple, paths=paths,
+                     global_batch=cfg.train.batch_size * cfg.train.grad_accum,
+                     fps=family.fps, frame_rule=family.frame_rule, text_control=family.text_uses_control)
+
+
+def cache_latents(cfg: Config, paths: Any, shard: str, *, regenerate: bool = False, trust: bool = False) -> Any:
+    """Build one latent shard (``diffpipe cache latents``)."""
+    from diffpipe.data.cache import cache_latents as build
+
+    cfg = _as(cfg, "cache")
+    return build(paths.latent_spec(shard), paths.latent_shard(shard), cfg.model, cfg.cache,
+                 store=paths.cache_store(cfg.cache.dir), regenerate=regenerate, trust=trust)
+
+
+def cache_text(cfg: Config, paths: Any, shard: str, *, regenerate: bool = False) -> Any:
+    """Build one text shard (``diffpipe cache text``)."""
+    from diffpipe.data.cache import cache_text as build
+
+    cfg = _as(cfg, "cache")
+    return build(paths.text_spec(shard), paths.text_shard(shard), cfg.model, cfg.cache,
+                 store=paths.cache_store(cfg.cache.dir), regenerate=regenerate)
+
+
+def cache_empty(cfg: Config, paths: Any, *, regenerate: bool = False) -> Any:
+    """Encode the empty caption (``diffpipe cache empty``)."""
+    from diffpipe.data.cache import cache_empty_text
+
+    cfg = _as(cfg, "cache")
+    return cache_empty_text(paths.text_empty, cfg.model, cfg.cache, spec_path=paths.empty_spec,
+                            store=paths.cache_store(cfg.cache.dir), regenerate=regenerate)
+
+
+def prepare_data(cfg: Config, paths: Any, *, empty_caption: bool = True) -> None:
+    """validate, plan and every cache shard, in order, as the workflow runs them (tests, benchmarks)."""
+    result = validate(cfg, paths, tokens=False)
+    if result.errors:
+        raise ValueError(f"validation found errors; see {paths.report_html}")
+    plan(cfg, paths)
+    for shard in paths.shard_names("latents"):
+        cache_latents(cfg, paths, shard)
+    for shard in paths.shard_names("text"):
+        cache_text(cfg, paths, shard)
+    if empty_caption:
+        cache_empty(cfg, paths)

@@ -79,27 +79,16 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subpro
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> TinyRun:
+    from diffpipe import stages
     from diffpipe.config import parse_config
-    from diffpipe.data.cache import cache_empty_text, cache_latents, cache_text
     from diffpipe.data.demo import write_demo_dataset
-    from diffpipe.data.plan import make_plan
-    from diffpipe.data.validate import run_validation
-    from diffpipe.models import get_family
     from diffpipe.paths import RunPaths
 
     root = tmp_path_factory.mktemp("tiny-run")
     run = TinyRun(root)
     write_demo_dataset(root / "data", n=8, size=32)
     cfg = parse_config(run.config(root / "run"))
-    paths, family = RunPaths(cfg.output_dir), get_family(cfg.model)
-    run_validation(cfg.datasets, cfg.validation, manifest_path=paths.manifest,
-                   report_json=paths.report_json, report_html=paths.report_html)
-    make_plan(paths.manifest, cfg.datasets, cfg.cache, latent_identity=family.vae_identity(),
-              text_identity=family.text_identity(), pixel_multiple=family.pixel_multiple, paths=paths)
-    for s in paths.shard_names():
-        cache_latents(paths.latent_spec(s), paths.latent_shard(s), cfg.model, cfg.cache)
-        cache_text(paths.text_spec(s), paths.text_shard(s), cfg.model, cfg.cache)
-    cache_empty_text(paths.text_empty, cfg.model, cfg.cache)
+    stages.prepare_data(cfg, RunPaths(cfg.output_dir))
     return run
 
 

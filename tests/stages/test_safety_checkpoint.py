@@ -193,21 +193,11 @@ def test_export_of_a_diffpipe_checkpoint_reads_no_pickle(trained, tmp_path):
 # -- item 13: resume sees the data's content --------------------------------------------
 def _recache(cfg_file: Path) -> None:
     """validate, plan and cache again (what `diffpipe run` does after a dataset edit)."""
+    from diffpipe import stages
     from diffpipe.config import load_config
-    from diffpipe.data.cache import cache_latents, cache_text
-    from diffpipe.data.plan import make_plan
-    from diffpipe.data.validate import run_validation
-    from diffpipe.models import get_family
 
     cfg = load_config(cfg_file)
-    paths, family = RunPaths(cfg.output_dir), get_family(cfg.model)
-    run_validation(cfg.datasets, cfg.validation, manifest_path=paths.manifest, report_json=paths.report_json,
-                   report_html=paths.report_html)
-    make_plan(paths.manifest, cfg.datasets, cfg.cache, latent_identity=family.vae_identity(),
-              text_identity=family.text_identity(), pixel_multiple=family.pixel_multiple, paths=paths)
-    for s in paths.shard_names():
-        cache_latents(paths.latent_spec(s), paths.latent_shard(s), cfg.model, cfg.cache)
-        cache_text(paths.text_spec(s), paths.text_shard(s), cfg.model, cfg.cache)
+    stages.prepare_data(cfg, RunPaths(cfg.output_dir), empty_caption=False)
 
 
 def test_resume_refuses_edited_captions_and_images(trained, cli, tmp_path):
