@@ -9,7 +9,7 @@ from pathlib import Path
 from diffpipe.config import Config
 from diffpipe.export.card import CardFile, write_card
 from diffpipe.export.comfyui import export_comfyui
-from diffpipe.export.convert import module_loras
+from diffpipe.export.convert import fold_scale, module_loras
 from diffpipe.export.diffusers_format import export_diffusers
 from diffpipe.export.keymaps import denoiser_skeleton, keymap_for_model
 from diffpipe.export.kohya import export_kohya, kohya_metadata
@@ -110,6 +110,8 @@ def export_lora(
 def _export_part(fmt: str, state_dict, lora_cfg, target: Path, family: Family, header: dict[str, str]) -> Path:
     """One trained part's LoRA as a diffusers file (``transformer.`` keys) or a PEFT folder."""
     if fmt == "diffusers":
+        # Scale folded in: ComfyUI and other header-blind readers then apply the trained strength too.
+        state_dict, lora_cfg = fold_scale(state_dict, lora_cfg)
         prefixed = {f"{family.denoiser_name}.{k}": v for k, v in state_dict.items()}
         meta = {**header, "diffpipe.tensors_sha256": tensors_digest(prefixed)}
         return export_diffusers(state_dict, lora_cfg, target, family, meta)

@@ -92,8 +92,11 @@ def _diffusers_loras(source: Path, family: Family) -> dict[str, Lora]:
 def _original_loras(source: Path, keymap: KeyMap, fmt: str) -> dict[str, Lora]:
     named, layout, _ = read_original(source)
     # kohya SD files name layers either by our path (sd-scripts SD 1.x) or by the original path (SDXL).
-    index = ({COMFY_PREFIX + layer.original: layer for layer in keymap.layers} if fmt == "comfyui" else
-             {**{kohya_name(layer.original): layer for layer in keymap.layers}, **keymap.by_kohya})
+    # Both the original names and ComfyUI's own where they differ (files written before or elsewhere).
+    if fmt == "comfyui":
+        index = {COMFY_PREFIX + name: layer for layer in keymap.layers for name in (layer.original, layer.comfy_name)}
+    else:
+        index = {**{kohya_name(layer.original): layer for layer in keymap.layers}, **keymap.by_kohya}
     unmapped = sorted(set(named) - set(index))
     if unmapped:
         raise ValueError(f"{source}: {len(unmapped)} layer(s) are not in the {keymap.family} key map "

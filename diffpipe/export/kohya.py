@@ -52,6 +52,9 @@ def base_model_version(family: str, denoiser_config: dict[str, Any]) -> tuple[st
     """The sd-scripts base model version and modelspec architecture of a denoiser."""
     if family in _BY_FAMILY:
         return _BY_FAMILY[family]
+    if family not in ("sd", "sdxl"):  # a guess would label the file as another model's LoRA
+        raise ValueError(f"kohya format: no sd-scripts base model version for family {family!r} "
+                         "(diffpipe/export/kohya.py _BY_FAMILY needs one)")
     if denoiser_config.get("addition_embed_type") == "text_time":
         return _SDXL
     return _SD2 if denoiser_config.get("cross_attention_dim") == 1024 else _SD1
