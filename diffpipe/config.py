@@ -346,10 +346,28 @@ class CacheConfig(_Section):
     )
 
 
+LoraKind = Literal["lora", "dora", "lokr", "loha"]
+
+
 class LoraConfig(_Section):
-    rank: Int = Field(8, description="LoRA rank.", ge=1, le=4096)
+    kind: LoraKind = Field(
+        "lora",
+        description="Adapter type, trained through PEFT: `lora`; `dora` (LoRA plus a learned magnitude per "
+        "output row); `lokr` (Kronecker product, LyCORIS LoKr); `loha` (Hadamard product of two rank-`rank` "
+        "pairs, LyCORIS LoHa). Which tools read each: docs/formats.md.",
+    )
+    rank: Int = Field(8, description="LoRA rank (LoHa: of each pair; LoKr: of the factored matrices).", ge=1, le=4096)
     alpha: Float = Field(8.0, description="LoRA alpha; the update is scaled by alpha / rank.", gt=0)
-    dropout: Float = Field(0.0, description="LoRA dropout.", ge=0, lt=1)
+    dropout: Float = Field(0.0, description="LoRA dropout (LoKr/LoHa: rank dropout).", ge=0, lt=1)
+    lokr_factor: Int = Field(
+        -1,
+        description="LoKr only: each dimension is split as factor x (dim / factor) for the Kronecker product; "
+        "-1: as square as possible.",
+        ge=-1,
+    )
+    lokr_decompose_both: bool = Field(
+        False, description="LoKr only: factor the left Kronecker matrix into two rank-`rank` matrices too."
+    )
     targets: list[Text] | None = Field(
         None, description="Module names to adapt (PEFT target_modules); null = the family's defaults.", min_length=1
     )
@@ -377,6 +395,14 @@ class LoraConfig(_Section):
             except re.error as err:
                 raise ValueError(f"{b!r} is not a regular expression: {err}") from None
         return blocks
+
+    @model_validator(mode="after")
+    def _lokr_options(self) -> LoraConfig:
+        if self.kind != "lokr" and (self.lokr_factor != -1 or self.lokr_decompose_both):
+            raise ValueError(f"lokr_factor / lokr_decompose_both apply to kind lokr, not {self.kind}")
+        if self.lokr_factor == 0:
+            raise ValueError("lokr_factor 0: use -1 (as square as possible) or a factor >= 1")
+        return self
 
 
 class EvalConfig(_Section):

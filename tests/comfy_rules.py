@@ -86,3 +86,40 @@ def lora_patches(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
                 delta = up.flatten(1).double() @ down.flatten(1).double() * scale
                 out[name] = delta.reshape(up.shape[0], *down.shape[1:]).float()
     return out
+
+
+def lycoris_patches(tensors: dict[str, torch.Tensor]) -> dict[str, object]:
+    """Layer name -> ``make(weight_shape)``: the delta ComfyUI adds for a LoKr or LoHa layer at strength 1.
+
+    LoKr: ``kron(w1, w2)`` (each given whole or as ``_a @ _b``); ``alpha / dim`` only when the
+    file has alpha and a factored matrix (dim: the rank of ``w2_b``, else of ``w1_b``), else 1.0.
+    LoHa: ``(w1_a @ w1_b) * (w2_a @ w2_b)``; ``alpha / rank(w1_b)`` when the file has alpha, else 1.0.
+    """
+    names = {key.rsplit(".", 1)[0] for key in tensors if key.rsplit(".", 1)[-1].startswith(("lokr_", "hada_"))}
+    out = {}
+    for name in names:
+        t = {k.rsplit(".", 1)[-1]: v.double() for k, v in tensors.items() if k.rsplit(".", 1)[0] == name}
+        alpha = t.get("alpha")
+        if "hada_w1_a" in t:
+            scale = alpha.item() / t["hada_w1_b"].shape[0] if alpha is not None else 1.0
+            diff = (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"])
+        else:
+            dim = None
+            w1 = t.get("lokr_w1")
+            if w1 is None:
+                dim = t["lokr_w1_b"].shape[0]
+                w1 = t["lokr_w1_a"] @ t["lokr_w1_b"]
+            w2 = t.get("lokr_w2")
+            if w2 is None:
+                dim = t["lokr_w2_b"].shape[0]
+                w2 = t["lokr_w2_a"] @ t["lokr_w2_b"]
+            if w2.dim() == 4:
+                w1 = w1[:, :, None, None]
+            scale = alpha.item() / dim if alpha is not None and dim is not None else 1.0
+            diff = torch.kron(w1, w2)
+
+        def make(shape, diff=diff, scale=scale):
+            return (scale * diff).reshape(shape).float()
+
+        out[name] = make
+    return out

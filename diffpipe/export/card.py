@@ -56,6 +56,9 @@ def how_to_load(fmt: str, family: str) -> str:
     return HOW_TO_LOAD[fmt]
 
 
+_KIND_NAMES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}
+
+
 @dataclass(frozen=True)
 class CardFile:
     """One exported file (or folder) as the card lists it."""
@@ -78,7 +81,7 @@ def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *,
         "",
         f"- family: `{info.family}`, flavor: `{info.flavor}`, base weights sha256: `{info.weights[:16]}...`",
         f"- trigger words: {', '.join(f'`{w}`' for w in info.trigger_words) or '(none)'}",
-        f"- rank {info.rank}, alpha {info.alpha:g} (scale {info.scale:g}), "
+        f"- {_KIND_NAMES[info.kind]}, rank {info.rank}, alpha {info.alpha:g} (scale {info.scale:g}), "
         f"trained steps: {info.training.get('step', '?')}, epochs: {info.training.get('epoch', '?')}",
         f"- targets: {', '.join(f'`{t}`' for t in info.targets)}",
         f"- dataset: {info.dataset.get('items', '?')} items",

@@ -15,14 +15,18 @@ from pathlib import Path
 
 from diffpipe.export.convert import Lora, to_original
 from diffpipe.export.keymaps import KeyMap
+from diffpipe.export.lycoris import Product, refuse_restructured, write_products
 from diffpipe.export.original_io import write_original
 
 PREFIX = "diffusion_model."
 
 
-def export_comfyui(mods: dict[str, Lora], keymap: KeyMap, out_file: str | Path,
+def export_comfyui(mods: dict[str, Lora] | dict[str, Product], keymap: KeyMap, out_file: str | Path,
                    metadata: dict[str, str] | None = None) -> Path:
     """Write our per-module LoRAs as a ComfyUI LoRA file."""
+    if mods and isinstance(next(iter(mods.values())), Product):  # LoKr / LoHa: LyCORIS tensors
+        layers = refuse_restructured(mods, keymap, "comfyui", next(iter(mods.values())).kind)
+        return write_products(mods, {m: PREFIX + layer.comfy_name for m, layer in layers.items()}, out_file, metadata)
     loras, layout = to_original(mods, keymap)
     named = {PREFIX + layer.comfy_name: lora for layer, lora in loras.items()}
     bare = frozenset(PREFIX + layer.comfy_name for layer in loras if not layer.alpha_key)

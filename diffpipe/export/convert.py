@@ -95,7 +95,8 @@ def fold_scale(state_dict: dict[str, torch.Tensor], cfg: peft.LoraConfig,
     finds alpha = rank, scale 1, so nothing is scaled twice. DoRA's magnitude is
     unchanged by this (it normalises ``W + scale * B @ A``, the same matrix).
     """
-    scales = {m: lora.scale for m, lora in module_loras(state_dict, cfg).items()}
+    plain = {k: v for k, v in state_dict.items() if not k.endswith(".lora_magnitude_vector")}  # DoRA's
+    scales = {m: lora.scale for m, lora in module_loras(plain, cfg).items()}
     folded = {k: (v * scales[k.removesuffix(".lora_B.weight")] if k.endswith(".lora_B.weight") else v)
               for k, v in state_dict.items()}
     # alpha = rank per module: the same patterns for both, so every module resolves them alike.
