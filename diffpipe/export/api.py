@@ -111,14 +111,15 @@ def export_lora(
     return ExportResult(files, card)
 
 
+_DORA_SCALE = ("PEFT's DoRA divides W + dW by its row norms; ComfyUI divides by the base weight's row norms "
+               "(or W + dW's column norms) and A1111/Forge by W + dW's column norms, so no dora_scale "
+               "reproduces the trained weights")
 #: Formats whose readers cannot hold a kind, and why (checked before anything is written).
 _UNREADABLE = {
     ("lokr", "diffusers"): "diffusers' load_lora_weights reads LoRA and DoRA only",
     ("loha", "diffusers"): "diffusers' load_lora_weights reads LoRA and DoRA only",
-    ("dora", "comfyui"): "ComfyUI normalises a dora_scale by the base weight's row norms and A1111 by column "
-                         "norms, neither as PEFT's DoRA does, so no dora_scale file reproduces the trained weights",
-    ("dora", "kohya"): "A1111/Forge normalise a dora_scale by column norms and ComfyUI by the base weight's row "
-                       "norms, neither as PEFT's DoRA does, so no dora_scale file reproduces the trained weights",
+    ("dora", "comfyui"): _DORA_SCALE,
+    ("dora", "kohya"): _DORA_SCALE,
 }
 
 

@@ -145,6 +145,11 @@ def test_refusals(variant, tmp_path):
     with pytest.raises(ValueError, match="diffusers.*lokr.*LoRA and DoRA only"):
         export_lora(adapter, tmp_path / "a", family, ["diffusers"])
     assert not (tmp_path / "a").exists()
+    # ...as diffusers' own loader says when handed LoKr tensors under diffusers names.
+    pipe = family.load_pipeline()
+    lokr = {f"transformer.{k}": v for k, v in load_file(str(adapter / "adapter_model.safetensors")).items()}
+    with pytest.raises(ValueError, match="Invalid LoRA checkpoint"):
+        pipe.load_lora_weights({k.replace("base_model.model.", ""): v for k, v in lokr.items()})
     # LoKr on Flux's q, k, v: the original fuses them into one qkv layer.
     fused = family.load_denoiser()
     cfg = peft_config(LoraConfig(kind="loha", rank=2, targets=["to_q"]), ["to_q"])
