@@ -10,6 +10,7 @@ that lists it, never a silently dropped layer.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +18,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from diffpipe.export.convert import Lora, adapter_from_loras, from_original, module_loras
+from diffpipe.export.convert import Lora, _pattern_value, adapter_from_loras, from_original, module_loras
 from diffpipe.export.keymaps import KeyMap, denoiser_skeleton, keymap_for_model
 from diffpipe.export.keymaps.base import LORA_LAYERS, kohya_name
 from diffpipe.export.lycoris import Product, adapter_from_products, read_products
@@ -86,7 +87,10 @@ def _diffusers_loras(source: Path, family: Family) -> tuple[dict[str, Lora], dic
         rank = down.shape[0]
         alpha = alphas.get(module)
         if alpha is None:
-            alpha = float(cfg.get("alpha_pattern", {}).get(module, cfg.get("lora_alpha", rank)))
+            # PEFT's rule: patterns match a module name or its dotted suffix; rsLoRA scales by sqrt(rank).
+            alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", rank)))
+            if cfg.get("use_rslora"):
+                alpha *= math.sqrt(rank)
         loras[module] = Lora(down.float(), up.float(), alpha)
     # DoRA: the learned magnitude per output row, beside its LoRA.
     magnitudes = {k.removesuffix(".lora_magnitude_vector"): v.float() for k, v in tensors.items()

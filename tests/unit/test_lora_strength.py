@@ -43,3 +43,26 @@ def test_hunyuanvideo_full_size_names_all_land_in_comfyui():
     names = {la.kohya for la in keymap.layers}
     assert "lora_unet_double_blocks_0_img_mlp_0" in names and "lora_unet_single_blocks_0_modulation_lin" in names
     assert {la.comfy_name for la in keymap.layers} >= {"time_in.in_layer", "txt_in.t_embedder.in_layer"}
+
+
+def test_diffusers_file_with_rank_pattern_imports_at_its_strength(tmp_path):
+    """A diffusers file whose modules differ in rank (an imported adapter's rank_pattern): the
+    folded file's alpha_pattern holds each module's rank, and import reads it back exactly."""
+    from diffpipe.config import ModelConfig
+    from diffpipe.export.convert import Lora, adapter_from_loras, fold_scale
+    from diffpipe.export.diffusers_format import export_diffusers
+    from diffpipe.export.import_lora import _diffusers_loras
+    from diffpipe.models import get_family
+
+    family = get_family(ModelConfig(family="sd", flavor="tiny"))
+    g = torch.Generator().manual_seed(0)
+    names = ["down_blocks.1.attentions.0.proj_in", "down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_q"]
+    mods = {names[0]: Lora(torch.randn(2, 32, 1, 1, generator=g), torch.randn(32, 2, 1, 1, generator=g), 5.0),
+            names[1]: Lora(torch.randn(4, 32, generator=g), torch.randn(32, 4, generator=g), 3.0)}
+    sd, cfg = adapter_from_loras(mods)
+    assert cfg.rank_pattern, "the two modules differ in rank"
+    folded, folded_cfg = fold_scale(sd, cfg)
+    path = export_diffusers(folded, folded_cfg, tmp_path / "f.safetensors", family)
+    loras, _ = _diffusers_loras(path, family)
+    for name, lora in mods.items():
+        torch.testing.assert_close(loras[name].delta(), lora.delta(), rtol=1e-5, atol=1e-5)
