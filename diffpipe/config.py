@@ -622,7 +622,7 @@ class ExportConfig(_Section):
     formats: list[ExportFormat] = Field(
         ["diffusers"],
         description="Export formats to write: `diffusers`, `peft`, `comfyui`, `kohya`, `merged` (the workflow "
-        "always adds `diffusers`: samples read it).",
+        "always adds the one samples read: `diffusers`, or `peft` for LoKr/LoHa, whose default is `[peft]`).",
         min_length=1,
     )
 
@@ -670,6 +670,19 @@ class Config(_Section):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"datasets: duplicate name(s) {dupes}")
+        return self
+
+    @model_validator(mode="after")
+    def _export_holds_the_lora_kind(self) -> Config:
+        """A format that cannot hold ``train.lora.kind`` is a config error, before training
+        (``diffpipe.export.api`` says why per format); LoKr/LoHa default to the peft export."""
+        kind, formats = self.train.lora.kind, self.export.formats
+        cannot = {"lokr": {"diffusers"}, "loha": {"diffusers"}, "dora": {"comfyui", "kohya"}}.get(kind, set())
+        if kind in ("lokr", "loha") and "formats" not in self.export.model_fields_set:
+            object.__setattr__(self.export, "formats", ["peft"])
+        elif bad := sorted(cannot & set(formats)):
+            raise ValueError(f"export.formats {bad}: cannot hold a train.lora.kind {kind} adapter exactly "
+                             "(docs/formats.md, LoRA variants); drop them")
         return self
 
     @model_validator(mode="after")

@@ -13,6 +13,7 @@ from __future__ import annotations
 import comfy_rules
 import pytest
 import torch
+import yaml
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
 from test_export_formats import _forward_inputs, _out
@@ -184,6 +185,15 @@ def test_train_lokr_end_to_end(tiny_run, cli, tmp_path):
     comfy = files["comfyui"]
     assert any(".lokr_w1" in k for k in load_file(str(comfy)))
     expected = _adapter_deltas(apply_adapter(family.load_denoiser(), paths.adapter_dir))
+    # The workflow's samples read the PEFT folder for LoKr (diffusers cannot load it).
+    from diffpipe import workflow
+    from diffpipe.config import SampleConfig, parse_config
+    from diffpipe.training.sample import render_samples
+
+    assert workflow.export_formats(parse_config(yaml.safe_load(cfg.read_text())))[0] == "peft"
+    grid = render_samples(family.cfg, SampleConfig(prompts=["a red circle"], steps=1, width=32, height=32),
+                          files["peft"], tmp_path / "samples")
+    assert [p.name for p in grid] == ["grid.png", "sample-00.png"]
     import_lora(comfy, tmp_path / "imported", family)
     got = _adapter_deltas(apply_adapter(family.load_denoiser(), tmp_path / "imported"))
     assert set(got) == set(expected)

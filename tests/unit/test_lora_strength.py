@@ -66,3 +66,18 @@ def test_diffusers_file_with_rank_pattern_imports_at_its_strength(tmp_path):
     loras, _ = _diffusers_loras(path, family)
     for name, lora in mods.items():
         torch.testing.assert_close(loras[name].delta(), lora.delta(), rtol=1e-5, atol=1e-5)
+
+
+def test_config_export_formats_follow_the_lora_kind(tmp_path):
+    from diffpipe.config import ConfigError, parse_config
+
+    base = {"output_dir": str(tmp_path / "run"), "datasets": [{"name": "d", "path": str(tmp_path / "data")}]}
+    lokr = parse_config({**base, "train": {"lora": {"kind": "lokr"}}})
+    assert lokr.export.formats == ["peft"]  # the default: diffusers cannot hold LoKr
+    with pytest.raises(ConfigError, match="diffusers.*lokr"):
+        parse_config({**base, "train": {"lora": {"kind": "lokr"}}, "export": {"formats": ["diffusers", "kohya"]}})
+    with pytest.raises(ConfigError, match="kohya.*dora"):
+        parse_config({**base, "train": {"lora": {"kind": "dora"}}, "export": {"formats": ["kohya"]}})
+    with pytest.raises(ConfigError, match="lokr_factor"):
+        parse_config({**base, "train": {"lora": {"kind": "loha", "lokr_factor": 4}}})
+    assert parse_config(base).export.formats == ["diffusers"]
