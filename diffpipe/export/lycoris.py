@@ -51,17 +51,6 @@ class Product:
         left = next(n for n in LEFT[self.kind] if n in self.tensors)
         return {**self.tensors, left: self.tensors[left] * self.scale}
 
-    def delta(self, shape: torch.Size) -> torch.Tensor:
-        """The weight update, shaped ``shape`` (the layer's weight)."""
-        t = {k: v.double() for k, v in self.tensors.items()}
-        if self.kind == "loha":
-            d = (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"])
-        else:
-            w1 = t["lokr_w1"] if "lokr_w1" in t else t["lokr_w1_a"] @ t["lokr_w1_b"]
-            w2 = t["lokr_w2"] if "lokr_w2" in t else t["lokr_w2_a"] @ t["lokr_w2_b"]
-            d = torch.kron(w1, w2.flatten(1))
-        return (self.scale * d).reshape(shape).float()
-
 
 def module_products(state_dict: dict[str, torch.Tensor], cfg: peft.PeftConfig) -> dict[str, Product]:
     """A LoKr or LoHa adapter's tensors (PEFT keys relative to the denoiser) as one ``Product`` per module."""
