@@ -420,7 +420,8 @@ def import_lora_cmd(
 @_errors
 def sample(
     config: ConfigOpt,
-    lora: Annotated[Path | None, typer.Option(help="LoRA file (default: the run's diffusers export).")] = None,
+    lora: Annotated[Path | None, typer.Option(help="LoRA file or PEFT folder (default: the run's diffusers "
+                                                   "export; LoKr/LoHa: its peft export).")] = None,
     out: Annotated[Path | None, typer.Option(help="Output folder (default: the run's samples folder).")] = None,
 ) -> None:
     """Render the config's sample prompts with the LoRA in the stock diffusers pipeline.
@@ -430,7 +431,11 @@ def sample(
     from diffpipe.training.sample import render_samples
 
     cfg, paths = _setup(config, "sample")
-    files = render_samples(cfg.model, cfg.sample, lora or paths.export_diffusers, out or paths.samples_dir)
+    from diffpipe.workflow import sample_format
+
+    # LoKr/LoHa: the PEFT folder (diffusers' loader reads neither); otherwise the diffusers file.
+    default = paths.export_file(sample_format(cfg))
+    files = render_samples(cfg.model, cfg.sample, lora or default, out or paths.samples_dir)
     _say(f"sample: wrote {len(files)} images to {files[0].parent}")
 
 

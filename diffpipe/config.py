@@ -346,10 +346,28 @@ class CacheConfig(_Section):
     )
 
 
+LoraKind = Literal["lora", "dora", "lokr", "loha"]
+
+
 class LoraConfig(_Section):
-    rank: Int = Field(8, description="LoRA rank.", ge=1, le=4096)
+    kind: LoraKind = Field(
+        "lora",
+        description="Adapter type, trained through PEFT: `lora`; `dora` (LoRA plus a learned magnitude per "
+        "output row); `lokr` (Kronecker product, LyCORIS LoKr); `loha` (Hadamard product of two rank-`rank` "
+        "pairs, LyCORIS LoHa). Which tools read each: docs/formats.md.",
+    )
+    rank: Int = Field(8, description="LoRA rank (LoHa: of each pair; LoKr: of the factored matrices).", ge=1, le=4096)
     alpha: Float = Field(8.0, description="LoRA alpha; the update is scaled by alpha / rank.", gt=0)
-    dropout: Float = Field(0.0, description="LoRA dropout.", ge=0, lt=1)
+    dropout: Float = Field(0.0, description="LoRA dropout (LoKr/LoHa: rank dropout).", ge=0, lt=1)
+    lokr_factor: Int = Field(
+        -1,
+        description="LoKr only: each dimension is split as factor x (dim / factor) for the Kronecker product; "
+        "-1: as square as possible.",
+        ge=-1,
+    )
+    lokr_decompose_both: bool = Field(
+        False, description="LoKr only: factor the left Kronecker matrix into two rank-`rank` matrices too."
+    )
     targets: list[Text] | None = Field(
         None, description="Module names to adapt (PEFT target_modules); null = the family's defaults.", min_length=1
     )
@@ -377,6 +395,14 @@ class LoraConfig(_Section):
             except re.error as err:
                 raise ValueError(f"{b!r} is not a regular expression: {err}") from None
         return blocks
+
+    @model_validator(mode="after")
+    def _lokr_options(self) -> LoraConfig:
+        if self.kind != "lokr" and (self.lokr_factor != -1 or self.lokr_decompose_both):
+            raise ValueError(f"lokr_factor / lokr_decompose_both apply to kind lokr, not {self.kind}")
+        if self.lokr_factor == 0:
+            raise ValueError("lokr_factor 0: use -1 (as square as possible) or a factor >= 1")
+        return self
 
 
 class EvalConfig(_Section):
@@ -605,7 +631,7 @@ class ExportConfig(_Section):
     formats: list[ExportFormat] = Field(
         ["diffusers"],
         description="Export formats to write: `diffusers`, `peft`, `comfyui`, `kohya`, `merged` (the workflow "
-        "always adds `diffusers`: samples read it).",
+        "always adds the one samples read: `diffusers`, or `peft` for LoKr/LoHa, whose default is `[peft]`).",
         min_length=1,
     )
 
@@ -653,6 +679,19 @@ class Config(_Section):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"datasets: duplicate name(s) {dupes}")
+        return self
+
+    @model_validator(mode="after")
+    def _export_holds_the_lora_kind(self) -> Config:
+        """A format that cannot hold ``train.lora.kind`` is a config error, before training
+        (``diffpipe.export.api`` says why per format); LoKr/LoHa default to the peft export."""
+        kind, formats = self.train.lora.kind, self.export.formats
+        cannot = {"lokr": {"diffusers"}, "loha": {"diffusers"}, "dora": {"comfyui", "kohya"}}.get(kind, set())
+        if kind in ("lokr", "loha") and "formats" not in self.export.model_fields_set:
+            object.__setattr__(self.export, "formats", ["peft"])
+        elif bad := sorted(cannot & set(formats)):
+            raise ValueError(f"export.formats {bad}: cannot hold a train.lora.kind {kind} adapter exactly "
+                             "(docs/formats.md, LoRA variants); drop them")
         return self
 
     @model_validator(mode="after")

@@ -30,7 +30,8 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     "train": ("model", "train"),
     # train.lora: the adapter's settings when a checkpoint (not an adapter folder) is exported.
     "export": ("model", "export", "train.lora"),
-    "sample": ("model", "sample"),
+    # train.lora: its kind picks the export samples load (LoKr/LoHa: the PEFT folder).
+    "sample": ("model", "sample", "train.lora"),
 }
 
 #: Keys the train stage reads without rerunning when they change, and why.

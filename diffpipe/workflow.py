@@ -92,9 +92,15 @@ EXPORT_OUTPUTS = {
 }
 
 
+def sample_format(cfg: Config) -> str:
+    """The export the sample rule reads: the diffusers file, or the PEFT folder for LoKr/LoHa
+    (diffusers' ``load_lora_weights`` reads neither)."""
+    return "diffusers" if cfg.train.lora.kind in ("lora", "dora") else "peft"
+
+
 def export_formats(cfg: Config) -> list[str]:
-    """The configured formats, plus ``diffusers`` (the sample rule reads it), in config order."""
-    return list(dict.fromkeys(["diffusers", *cfg.export.formats]))
+    """The configured formats, plus the one the sample rule reads (``sample_format``), in config order."""
+    return list(dict.fromkeys([sample_format(cfg), *cfg.export.formats]))
 
 
 def export_outputs(cfg: Config) -> dict[str, str]:

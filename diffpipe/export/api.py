@@ -9,16 +9,17 @@ from pathlib import Path
 from diffpipe.config import Config
 from diffpipe.export.card import CardFile, write_card
 from diffpipe.export.comfyui import export_comfyui
-from diffpipe.export.convert import module_loras
+from diffpipe.export.convert import fold_scale, module_loras
 from diffpipe.export.diffusers_format import export_diffusers
 from diffpipe.export.keymaps import denoiser_skeleton, keymap_for_model
 from diffpipe.export.kohya import export_kohya, kohya_metadata
+from diffpipe.export.lycoris import module_products
 from diffpipe.export.merged import export_merged
 from diffpipe.export.metadata import gather_info, tensors_digest
 from diffpipe.export.peft_format import export_peft
 from diffpipe.models.base import Family, split_parts
 from diffpipe.paths import EXPORT_CARD, EXPORT_NAMES, FORMATS, RunPaths, export_name
-from diffpipe.training.adapter import PEFT_PREFIX, load_adapter
+from diffpipe.training.adapter import PEFT_PREFIX, adapter_kind, load_adapter
 from diffpipe.utils import claim_files
 
 
@@ -65,13 +66,16 @@ def export_lora(
                          "and these formats hold one model's LoRA; export diffusers, peft or merged")
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     state_dict, lora_cfg = load_adapter(adapter_dir)
+    kind = adapter_kind(lora_cfg)
+    _check_formats_read(kind, formats)
     # out_dir may be a user's folder (--out): refuse before writing if a name we write is theirs.
     claim_files(out_dir, [EXPORT_CARD] + [export_name(fmt, part.suffix) if fmt in ("diffusers", "peft")
                                           else EXPORT_NAMES[fmt] for fmt in formats for part in parts])
     by_part = split_parts(state_dict, parts)
     info = gather_info(adapter_dir, lora_cfg, family, config=config, run=run)
     header = {**info.header(), "diffpipe.adapter_sha256": tensors_digest(state_dict)}
-    mods = module_loras(state_dict, lora_cfg)
+    mods = (module_loras(state_dict, lora_cfg) if kind == "lora" else
+            module_products(state_dict, lora_cfg) if kind in ("lokr", "loha") else {})
     skeleton = denoiser_skeleton(family) if {"comfyui", "kohya"} & set(formats) else None
     files: dict[str, Path] = {}
     card_files: list[CardFile] = []
@@ -90,7 +94,7 @@ def export_lora(
         if fmt == "comfyui":
             files[fmt] = export_comfyui(mods, keymap_for_model(family.name, skeleton), target, header)
         elif fmt == "kohya":
-            title = f"{out_dir.parent.name or 'diffpipe'}-{family.name}-lora"
+            title = f"{out_dir.parent.name or 'diffpipe'}-{family.name}-{kind}"
             started = _started_at(run)
             meta = {**header, **kohya_metadata(info, dict(skeleton.config), title=title, started_at=started)}
             files[fmt] = export_kohya(mods, keymap_for_model(family.name, skeleton), target, meta)
@@ -107,9 +111,31 @@ def export_lora(
     return ExportResult(files, card)
 
 
+_DORA_SCALE = ("PEFT's DoRA divides W + dW by its row norms; ComfyUI divides by the base weight's row norms "
+               "(or W + dW's column norms) and A1111/Forge by W + dW's column norms, so no dora_scale "
+               "reproduces the trained weights")
+#: Formats whose readers cannot hold a kind, and why (checked before anything is written).
+_UNREADABLE = {
+    ("lokr", "diffusers"): "diffusers' load_lora_weights reads LoRA and DoRA only",
+    ("loha", "diffusers"): "diffusers' load_lora_weights reads LoRA and DoRA only",
+    ("dora", "comfyui"): _DORA_SCALE,
+    ("dora", "kohya"): _DORA_SCALE,
+}
+
+
+def _check_formats_read(kind: str, formats: list[str]) -> None:
+    for fmt in formats:
+        if (kind, fmt) in _UNREADABLE:
+            ok = [f for f in FORMATS if (kind, f) not in _UNREADABLE]
+            raise ValueError(f"export format {fmt}: a {kind} adapter cannot be written there ({_UNREADABLE[kind, fmt]}); "
+                             f"formats for {kind}: {', '.join(ok)}")
+
+
 def _export_part(fmt: str, state_dict, lora_cfg, target: Path, family: Family, header: dict[str, str]) -> Path:
     """One trained part's LoRA as a diffusers file (``transformer.`` keys) or a PEFT folder."""
     if fmt == "diffusers":
+        # Scale folded in: ComfyUI and other header-blind readers then apply the trained strength too.
+        state_dict, lora_cfg = fold_scale(state_dict, lora_cfg)
         prefixed = {f"{family.denoiser_name}.{k}": v for k, v in state_dict.items()}
         meta = {**header, "diffpipe.tensors_sha256": tensors_digest(prefixed)}
         return export_diffusers(state_dict, lora_cfg, target, family, meta)

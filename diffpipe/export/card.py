@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffpipe.export.metadata import ExportInfo
+from diffpipe.paths import EXPORT_NAMES
 from diffpipe.utils import write_text_atomic
 
 HOW_TO_LOAD = {
@@ -26,13 +27,36 @@ _A1111 = {"sd", "sdxl", "flux", "flux-kontext"}
 _KOHYA_ELSEWHERE = "copy to `ComfyUI/models/loras/` (A1111/Forge do not run this model), or kohya/musubi tooling"
 
 
+#: ComfyUI's reading of the diffusers file (it maps ``transformer.`` names for these families only,
+#: and for SD/SDXL ``unet.`` names outside the attention layers); the scale is folded into the
+#: tensors, so what it reads loads at the trained strength.
+COMFY_READS_DIFFUSERS = {"flux", "flux-kontext", "chroma", "sd3", "qwenimage", "qwenimage-edit", "hidream"}
+_COMFY_PART = {"sd", "sdxl"}
+_NO_COMFY_MODEL = {"cogview4"}
+
+
+def comfy_diffusers_note(family: str) -> str:
+    """What ComfyUI makes of this family's diffusers file, for the card and docs."""
+    if family in COMFY_READS_DIFFUSERS:
+        return "; ComfyUI reads it too"
+    if family in _NO_COMFY_MODEL:
+        return ""
+    part = "loads only its non-attention layers" if family in _COMFY_PART else "loads none of it"
+    return f"; ComfyUI {part}: use `{EXPORT_NAMES['comfyui']}` there"
+
+
 def how_to_load(fmt: str, family: str) -> str:
     """The card's "how to load" line of one format for one family (``{path}`` etc. still to fill)."""
+    if fmt == "diffusers":
+        return HOW_TO_LOAD[fmt] + comfy_diffusers_note(family)
     if (family, fmt) in HOW_TO_LOAD_FAMILY:
         return HOW_TO_LOAD_FAMILY[family, fmt]
     if fmt == "kohya" and family not in _A1111:
         return _KOHYA_ELSEWHERE
     return HOW_TO_LOAD[fmt]
+
+
+_KIND_NAMES = {"lora": "LoRA", "dora": "DoRA", "lokr": "LoKr", "loha": "LoHa"}
 
 
 @dataclass(frozen=True)
@@ -57,7 +81,7 @@ def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *,
         "",
         f"- family: `{info.family}`, flavor: `{info.flavor}`, base weights sha256: `{info.weights[:16]}...`",
         f"- trigger words: {', '.join(f'`{w}`' for w in info.trigger_words) or '(none)'}",
-        f"- rank {info.rank}, alpha {info.alpha:g} (scale {info.scale:g}), "
+        f"- {_KIND_NAMES[info.kind]}, rank {info.rank}, alpha {info.alpha:g} (scale {info.scale:g}), "
         f"trained steps: {info.training.get('step', '?')}, epochs: {info.training.get('epoch', '?')}",
         f"- targets: {', '.join(f'`{t}`' for t in info.targets)}",
         f"- dataset: {info.dataset.get('items', '?')} items",

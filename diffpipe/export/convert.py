@@ -17,6 +17,7 @@ alpha), or, for a fused LoRA made elsewhere, gives each part the whole
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from collections import Counter
@@ -82,6 +83,31 @@ def module_loras(state_dict: dict[str, torch.Tensor], cfg: peft.LoraConfig) -> d
     if other:
         raise ValueError(f"adapter holds tensors that are not plain LoRA (DoRA, biases?): {other[:3]}")
     return mods
+
+
+def fold_scale(state_dict: dict[str, torch.Tensor], cfg: peft.LoraConfig,
+               ) -> tuple[dict[str, torch.Tensor], peft.LoraConfig]:
+    """The same adapter with each module's scale multiplied into ``lora_B`` and alpha = rank.
+
+    For files whose readers may ignore the alpha kept in a header (ComfyUI reads a
+    diffusers file's tensors only, scale 1.0): every reader then applies the trained
+    delta, and a reader that does read the header (diffusers' ``load_lora_weights``)
+    finds alpha = rank, scale 1, so nothing is scaled twice. DoRA's magnitude is
+    unchanged by this (it normalises ``W + scale * B @ A``, the same matrix).
+    """
+    plain = {k: v for k, v in state_dict.items() if not k.endswith(".lora_magnitude_vector")}  # DoRA's
+    scales = {m: lora.scale for m, lora in module_loras(plain, cfg).items()}
+    folded = {k: (v * scales[k.removesuffix(".lora_B.weight")] if k.endswith(".lora_B.weight") else v)
+              for k, v in state_dict.items()}
+    # alpha = rank per module: the same patterns for both, so every module resolves them alike.
+    config = peft.LoraConfig(**{**config_fields(cfg), "lora_alpha": cfg.r, "alpha_pattern": dict(cfg.rank_pattern or {}),
+                                "use_rslora": False})
+    return folded, config
+
+
+def config_fields(cfg: peft.LoraConfig) -> dict:
+    """The constructor arguments of a PEFT config (its fields that ``__init__`` takes)."""
+    return {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init}
 
 
 def _exact(name: str) -> str:

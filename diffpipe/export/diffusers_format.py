@@ -28,7 +28,9 @@ def export_diffusers(
 
     The stock saver adds the component prefix (``unet.`` / ``transformer.``) and
     stores the PEFT config (rank, alpha, targets) as ``lora_adapter_metadata`` in
-    the header, so ``load_lora_weights`` restores the trained scale exactly.
+    the header. ``api`` passes the adapter with its scale folded into ``lora_B`` and
+    alpha = rank (``convert.fold_scale``), so ``load_lora_weights`` and readers that
+    ignore the header (ComfyUI) both apply the trained strength.
     ``metadata`` (our ``diffpipe.*`` keys) is added to that header.
     """
     out_file = Path(out_file)

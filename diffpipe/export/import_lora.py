@@ -10,18 +10,21 @@ that lists it, never a silently dropped layer.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from diffpipe.export.convert import Lora, adapter_from_loras, from_original, module_loras
+from diffpipe.export.convert import Lora, _pattern_value, adapter_from_loras, from_original, module_loras
 from diffpipe.export.keymaps import KeyMap, denoiser_skeleton, keymap_for_model
 from diffpipe.export.keymaps.base import LORA_LAYERS, kohya_name
+from diffpipe.export.lycoris import Product, adapter_from_products, read_products
 from diffpipe.export.original_io import read_original
 from diffpipe.models.base import Family
-from diffpipe.training.adapter import CONFIG_NAME, load_adapter, save_adapter
+from diffpipe.training.adapter import CONFIG_NAME, adapter_kind, load_adapter, save_adapter
 
 COMFY_PREFIX = "diffusion_model."
 KOHYA_PREFIX = "lora_unet_"
@@ -63,7 +66,7 @@ def detect_format(source: Path, family: Family) -> str:
                      f"(expected {family.denoiser_name}.*, diffusion_model.* or lora_unet_*), e.g. {keys[:3]}")
 
 
-def _diffusers_loras(source: Path, family: Family) -> dict[str, Lora]:
+def _diffusers_loras(source: Path, family: Family) -> tuple[dict[str, Lora], dict[str, torch.Tensor]]:
     prefix = f"{family.denoiser_name}."
     tensors = {k.removeprefix(prefix): v for k, v in load_file(str(source)).items()}
     with safe_open(str(source), framework="pt") as f:
@@ -84,16 +87,33 @@ def _diffusers_loras(source: Path, family: Family) -> dict[str, Lora]:
         rank = down.shape[0]
         alpha = alphas.get(module)
         if alpha is None:
-            alpha = float(cfg.get("alpha_pattern", {}).get(module, cfg.get("lora_alpha", rank)))
+            # PEFT's rule: patterns match a module name or its dotted suffix; rsLoRA scales by sqrt(rank).
+            alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", rank)))
+            if cfg.get("use_rslora"):
+                alpha *= math.sqrt(rank)
         loras[module] = Lora(down.float(), up.float(), alpha)
-    return loras
+    # DoRA: the learned magnitude per output row, beside its LoRA.
+    magnitudes = {k.removesuffix(".lora_magnitude_vector"): v.float() for k, v in tensors.items()
+                  if k.endswith(".lora_magnitude_vector")}
+    other = sorted(set(magnitudes) - set(loras))
+    if other:
+        raise ValueError(f"{source}: DoRA magnitude without a LoRA for {other[:3]}")
+    return loras, magnitudes
+
+
+def _original_index(keymap: KeyMap, fmt: str) -> dict:
+    # kohya SD files name layers either by our path (sd-scripts SD 1.x) or by the original path (SDXL).
+    # Both the original names and ComfyUI's own where they differ (files written before or elsewhere).
+    if fmt == "comfyui":
+        index = {COMFY_PREFIX + name: layer for layer in keymap.layers for name in (layer.original, layer.comfy_name)}
+    else:
+        index = {**{kohya_name(layer.original): layer for layer in keymap.layers}, **keymap.by_kohya}
+    return index
 
 
 def _original_loras(source: Path, keymap: KeyMap, fmt: str) -> dict[str, Lora]:
     named, layout, _ = read_original(source)
-    # kohya SD files name layers either by our path (sd-scripts SD 1.x) or by the original path (SDXL).
-    index = ({COMFY_PREFIX + layer.original: layer for layer in keymap.layers} if fmt == "comfyui" else
-             {**{kohya_name(layer.original): layer for layer in keymap.layers}, **keymap.by_kohya})
+    index = _original_index(keymap, fmt)
     unmapped = sorted(set(named) - set(index))
     if unmapped:
         raise ValueError(f"{source}: {len(unmapped)} layer(s) are not in the {keymap.family} key map "
@@ -101,25 +121,58 @@ def _original_loras(source: Path, keymap: KeyMap, fmt: str) -> dict[str, Lora]:
     return from_original({index[name]: lora for name, lora in named.items()}, layout)
 
 
+def _original_products(source: Path, keymap: KeyMap, fmt: str) -> dict[str, Product]:
+    """A comfyui/kohya file's LoKr or LoHa layers, by our module (each layer one whole module)."""
+    named = read_products(load_file(str(source)), str(source))
+    index = _original_index(keymap, fmt)
+    unmapped = sorted(set(named) - set(index))
+    if unmapped:
+        raise ValueError(f"{source}: {len(unmapped)} layer(s) are not in the {keymap.family} key map "
+                         f"(wrong family or model?), e.g. {unmapped[:5]}")
+    layers = {name: index[name] for name in named}
+    fused = sorted(la.original for la in layers.values() if not la.is_plain)
+    if fused:
+        raise ValueError(f"{source}: a LoKr/LoHa on the fused or reordered layer(s) {fused[:3]} cannot be split "
+                         "into our modules exactly")
+    return {layers[name].segments[0].module: p for name, p in named.items()}
+
+
+def _is_lycoris(source: Path) -> bool:
+    with safe_open(str(source), framework="pt") as f:
+        return any(k.rpartition(".")[2].startswith(("lokr_", "hada_")) for k in f.keys())
+
+
 def import_lora(source: str | Path, out_dir: str | Path, family: Family, *, fmt: str | None = None) -> ImportResult:
     """Convert ``source`` into a PEFT adapter folder at ``out_dir`` that training can continue from."""
     source, out_dir = Path(source), Path(out_dir)
     fmt = fmt or detect_format(source, family)
     skeleton = denoiser_skeleton(family)
+    magnitudes: dict[str, torch.Tensor] = {}
+    sd = cfg = None
     if fmt == "peft":
         sd, cfg = load_adapter(source)
-        mods = module_loras(sd, cfg)
+        kind = adapter_kind(cfg)
+        mods = module_loras(sd, cfg) if kind == "lora" else {k.rsplit(".", 1)[0].removesuffix(".lora_A")
+                                                            .removesuffix(".lora_B"): None for k in sd}
     elif fmt == "diffusers":
-        mods = _diffusers_loras(source, family)
+        mods, magnitudes = _diffusers_loras(source, family)
     elif fmt in ("comfyui", "kohya"):
-        mods = _original_loras(source, keymap_for_model(family.name, skeleton), fmt)
+        keymap = keymap_for_model(family.name, skeleton)
+        if _is_lycoris(source):
+            sd, cfg = adapter_from_products(mods := _original_products(source, keymap, fmt))
+        else:
+            mods = _original_loras(source, keymap, fmt)
     else:
         raise ValueError(f"unknown LoRA format {fmt!r}; choose from peft, diffusers, comfyui, kohya")
     lora_able = {n for n, m in skeleton.named_modules() if isinstance(m, LORA_LAYERS)}
     missing = sorted(set(mods) - lora_able)
     if missing:
         raise ValueError(f"{source}: {len(missing)} module(s) do not exist in the {family.name} denoiser, e.g. {missing[:3]}")
-    sd, cfg = adapter_from_loras(mods)
+    if sd is None or (fmt == "peft" and adapter_kind(cfg) == "lora"):
+        sd, cfg = adapter_from_loras(mods)
+        if magnitudes:  # DoRA
+            cfg.use_dora = True
+            sd |= {f"{m}.lora_magnitude_vector": v.contiguous() for m, v in sorted(magnitudes.items())}
     save_adapter(out_dir, sd, cfg, {"imported_from": str(source), "format": fmt, "family": family.name})
     return ImportResult(fmt, len(mods), out_dir)
 

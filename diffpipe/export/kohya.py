@@ -17,6 +17,7 @@ from typing import Any
 
 from diffpipe.export.convert import Lora, to_original
 from diffpipe.export.keymaps import KeyMap
+from diffpipe.export.lycoris import Product, refuse_restructured, write_products
 from diffpipe.export.metadata import ExportInfo
 from diffpipe.export.original_io import write_original
 
@@ -52,9 +53,20 @@ def base_model_version(family: str, denoiser_config: dict[str, Any]) -> tuple[st
     """The sd-scripts base model version and modelspec architecture of a denoiser."""
     if family in _BY_FAMILY:
         return _BY_FAMILY[family]
+    if family not in ("sd", "sdxl"):  # a guess would label the file as another model's LoRA
+        raise ValueError(f"kohya format: no sd-scripts base model version for family {family!r} "
+                         "(diffpipe/export/kohya.py _BY_FAMILY needs one)")
     if denoiser_config.get("addition_embed_type") == "text_time":
         return _SDXL
     return _SD2 if denoiser_config.get("cross_attention_dim") == 1024 else _SD1
+
+
+def _network(info: ExportInfo) -> dict[str, str]:
+    """``ss_network_module`` / ``ss_network_args``: sd-scripts' LoRA, or LyCORIS' module with its algorithm."""
+    args: dict[str, Any] = {"conv_dim": info.rank, "conv_alpha": info.alpha}
+    if info.kind in ("lokr", "loha"):
+        return {"ss_network_module": "lycoris.kohya", "ss_network_args": json.dumps({**args, "algo": info.kind})}
+    return {"ss_network_module": "networks.lora", "ss_network_args": json.dumps(args)}
 
 
 def kohya_metadata(
@@ -69,10 +81,9 @@ def kohya_metadata(
     items = info.dataset.get("items_per_dataset", {})
     now = time.time()
     meta = {
-        "ss_network_module": "networks.lora",
+        **_network(info),
         "ss_network_dim": str(info.rank),
         "ss_network_alpha": str(info.alpha),
-        "ss_network_args": json.dumps({"conv_dim": info.rank, "conv_alpha": info.alpha}),
         "ss_network_train_unet_only": "True",
         "ss_base_model_version": version,
         "ss_sd_model_name": info.model_path or f"{info.family}-{info.flavor}",
@@ -107,9 +118,12 @@ def kohya_metadata(
 
 
 def export_kohya(
-    mods: dict[str, Lora], keymap: KeyMap, out_file: str | Path, metadata: dict[str, str] | None = None
+    mods: dict[str, Lora] | dict[str, Product], keymap: KeyMap, out_file: str | Path, metadata: dict[str, str] | None = None
 ) -> Path:
     """Write our per-module LoRAs as a kohya / A1111 LoRA file."""
+    if mods and isinstance(next(iter(mods.values())), Product):  # LoKr / LoHa: LyCORIS tensors
+        layers = refuse_restructured(mods, keymap, "kohya", next(iter(mods.values())).kind)
+        return write_products(mods, {m: layer.kohya for m, layer in layers.items()}, out_file, metadata)
     loras, layout = to_original(mods, keymap)
     named = {layer.kohya: lora for layer, lora in loras.items()}
     bare = frozenset(layer.kohya for layer in loras if not layer.alpha_key)

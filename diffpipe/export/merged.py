@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from peft.tuners.tuners_utils import BaseTunerLayer
+
 from diffpipe.models.base import Family, split_parts
 from diffpipe.training.adapter import apply_state, load_adapter
 from diffpipe.utils import atomic_path
@@ -14,7 +16,7 @@ INFO_NAME = "diffpipe_lora.json"
 
 def export_merged(adapter_dir: str | Path, out_dir: str | Path, family: Family,
                   metadata: dict[str, str] | None = None) -> Path:
-    """Load the family pipeline, fuse the adapter at its trained scale, ``save_pretrained`` atomically.
+    """Load the family pipeline, merge the adapter at its trained scale, ``save_pretrained`` atomically.
 
     Each trained part (both Wan 2.2 A14B experts with ``model.expert: both``) gets its
     own LoRA fused in. The folder loads with ``<Pipeline>.from_pretrained`` and needs
@@ -25,8 +27,10 @@ def export_merged(adapter_dir: str | Path, out_dir: str | Path, family: Family,
     for attr, part_state in split_parts(state_dict, family.denoiser_parts).items():
         denoiser = getattr(pipe, attr)
         apply_state(denoiser, part_state, lora_cfg, source=f"{adapter_dir} ({attr})")
-        denoiser.fuse_lora(lora_scale=1.0)  # W += alpha / rank * B @ A, in place
-        denoiser.unload_lora()  # drop the LoRA layers, keep the fused weights
+        for module in denoiser.modules():  # PEFT's own merge: LoRA, DoRA, LoKr and LoHa alike
+            if isinstance(module, BaseTunerLayer):
+                module.merge()
+        denoiser.unload_lora()  # drop the adapter layers, keep the merged weights
     out_dir = Path(out_dir)
     with atomic_path(out_dir, is_dir=True) as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)

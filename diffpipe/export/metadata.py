@@ -20,7 +20,7 @@ from diffpipe.config import Config, load_yaml
 from diffpipe.models import _common as common
 from diffpipe.models.base import Family
 from diffpipe.paths import RunPaths
-from diffpipe.training.adapter import WEIGHTS_NAME
+from diffpipe.training.adapter import WEIGHTS_NAME, adapter_kind
 from diffpipe.utils import stable_json
 
 
@@ -39,6 +39,7 @@ class ExportInfo:
     dataset: dict[str, Any] = field(default_factory=dict)  # item counts, buckets
     config: dict[str, Any] | None = None  # the resolved experiment config
     trigger_words: list[str] = field(default_factory=list)
+    kind: str = "lora"  # train.lora.kind: lora, dora, lokr, loha
 
     @property
     def scale(self) -> float:
@@ -49,7 +50,8 @@ class ExportInfo:
         return {
             "diffpipe.base_model": stable_json({"family": self.family, "flavor": self.flavor,
                                                 "path": self.model_path, "weights_sha256": self.weights}),
-            "diffpipe.lora": stable_json({"rank": self.rank, "alpha": self.alpha, "targets": self.targets}),
+            "diffpipe.lora": stable_json({"rank": self.rank, "alpha": self.alpha, "targets": self.targets,
+                                         "kind": self.kind}),
             "diffpipe.training": stable_json(self.training),
             "diffpipe.dataset": stable_json(self.dataset),
             "diffpipe.config": stable_json(self.config or {}),
@@ -130,7 +132,8 @@ def gather_info(adapter_dir: str | Path, lora_cfg: peft.LoraConfig, family: Fami
         model_path=family.cfg.path,
         weights=denoiser_fingerprint(family),
         rank=int(lora_cfg.r),
-        alpha=float(lora_cfg.lora_alpha),
+        alpha=float(lora_cfg.lora_alpha if adapter_kind(lora_cfg) in ("lora", "dora") else lora_cfg.alpha),
+        kind=adapter_kind(lora_cfg),
         targets=[lora_cfg.target_modules] if isinstance(lora_cfg.target_modules, str) else sorted(lora_cfg.target_modules),
         training={k: header[k] for k in ("step", "epoch") if k in header},
         dataset=_dataset_summary(run),

@@ -21,19 +21,42 @@ from diffpipe.config import LoraConfig
 from diffpipe.utils import atomic_path, stable_json
 
 PEFT_PREFIX = "base_model.model."
+_CONFIGS = {"LORA": peft.LoraConfig, "LOKR": peft.LoKrConfig, "LOHA": peft.LoHaConfig}
 WEIGHTS_NAME = "adapter_model.safetensors"
 CONFIG_NAME = "adapter_config.json"
 
 
-def peft_config(lcfg: LoraConfig, targets: list[str]) -> peft.LoraConfig:
-    """PEFT LoraConfig from ours. Alpha is independent of rank (scale = alpha / rank)."""
+def peft_config(lcfg: LoraConfig, targets: list[str]) -> peft.PeftConfig:
+    """PEFT config from ours (``kind``: LoraConfig, with DoRA; LoKrConfig; LoHaConfig).
+
+    Alpha is independent of rank (scale = alpha / rank) for every kind.
+    """
+    target_modules = target_pattern(targets, lcfg.blocks) if lcfg.blocks else targets
+    if lcfg.kind == "lokr":
+        return peft.LoKrConfig(r=lcfg.rank, alpha=lcfg.alpha, rank_dropout=lcfg.dropout, target_modules=target_modules,
+                               decompose_both=lcfg.lokr_decompose_both, decompose_factor=lcfg.lokr_factor)
+    if lcfg.kind == "loha":
+        return peft.LoHaConfig(r=lcfg.rank, alpha=lcfg.alpha, rank_dropout=lcfg.dropout, target_modules=target_modules)
+    extra = {"use_dora": True} if lcfg.kind == "dora" else {}  # the default config stays as it always was
     return peft.LoraConfig(
         r=lcfg.rank,
         lora_alpha=lcfg.alpha,
         lora_dropout=lcfg.dropout,
-        target_modules=target_pattern(targets, lcfg.blocks) if lcfg.blocks else targets,
+        target_modules=target_modules,
         init_lora_weights="gaussian" if lcfg.init == "gaussian" else True,
+        **extra,
     )
+
+
+def adapter_kind(config: peft.PeftConfig) -> str:
+    """``lora``, ``dora``, ``lokr`` or ``loha``: the ``train.lora.kind`` of a PEFT config."""
+    if isinstance(config, peft.LoKrConfig):
+        return "lokr"
+    if isinstance(config, peft.LoHaConfig):
+        return "loha"
+    if isinstance(config, peft.LoraConfig):
+        return "dora" if config.use_dora else "lora"
+    raise ValueError(f"unsupported PEFT adapter type {config.peft_type} (diffpipe trains LoRA, DoRA, LoKr, LoHa)")
 
 
 def target_pattern(targets: list[str], blocks: list[str]) -> str:
@@ -124,8 +147,11 @@ def load_adapter(directory: str | Path) -> tuple[dict[str, torch.Tensor], peft.L
             raise FileNotFoundError(f"adapter file missing: {f}")
     raw = load_file(str(weights))
     sd = {k.removeprefix(PEFT_PREFIX): v for k, v in raw.items()}
-    cfg = peft.LoraConfig(**{k: v for k, v in json.loads(cfg_file.read_text()).items() if k != "peft_type"})
-    return sd, cfg
+    fields = json.loads(cfg_file.read_text())
+    kind = str(fields.pop("peft_type", "LORA")).upper()
+    if kind not in _CONFIGS:
+        raise ValueError(f"{cfg_file}: peft_type {kind} is not one diffpipe reads ({', '.join(_CONFIGS)})")
+    return sd, _CONFIGS[kind](**fields)
 
 
 def apply_adapter(denoiser: torch.nn.Module, directory: str | Path) -> torch.nn.Module:

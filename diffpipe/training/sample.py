@@ -16,6 +16,7 @@ from diffpipe.data.media import DEFAULT_MAX_PIXELS, open_image
 from diffpipe.data.video import write_mp4
 from diffpipe.models import get_family
 from diffpipe.paths import EXPORT_NAMES, export_name
+from diffpipe.training.adapter import apply_adapter
 from diffpipe.utils import atomic_path
 
 
@@ -69,8 +70,14 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
         pipe.set_progress_bar_config(disable=True)
         kwargs = family.sample_kwargs(cfg)
         base = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video, cfg.images)
-        for file, load_kwargs in _part_files(family, Path(lora_file)):
-            pipe.load_lora_weights(str(file), **load_kwargs)  # each into its expert, if several
+        if Path(lora_file).is_dir():  # a PEFT folder: LoKr and LoHa, which load_lora_weights cannot read
+            if len(family.denoiser_parts) > 1:
+                raise ValueError(f"sample: {lora_file} is one PEFT folder; a run with several trained parts "
+                                 "samples from its diffusers files")
+            apply_adapter(getattr(pipe, family.denoiser_attr), lora_file)
+        else:
+            for file, load_kwargs in _part_files(family, Path(lora_file)):
+                pipe.load_lora_weights(str(file), **load_kwargs)  # each into its expert, if several
         tuned = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video, cfg.images)
         for i, sample in enumerate(tuned):
             _save(sample, tmp / f"sample-{i:02d}", family)

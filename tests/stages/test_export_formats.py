@@ -14,6 +14,7 @@ import contextlib
 import json
 import re
 
+import comfy_rules
 import peft
 import pytest
 import torch
@@ -31,9 +32,9 @@ from safetensors.torch import load_file
 
 from diffpipe.config import LoraConfig, ModelConfig
 from diffpipe.export import export_lora, import_lora
+from diffpipe.export.card import COMFY_READS_DIFFUSERS
 from diffpipe.export.convert import to_original
 from diffpipe.export.keymaps import keymap_for_model, mapped_families
-from diffpipe.export.original_io import read_original
 from diffpipe.models import get_family
 from diffpipe.paths import FORMATS
 from diffpipe.training.adapter import (
@@ -464,6 +465,9 @@ def test_every_format_written_with_metadata_and_card(trained):
     name = trained["family"].name
     assert ("<lora:kohya_lora:1>" in card) == (name in ("sd", "sdxl", "flux", "flux-kontext"))
     assert ("import-lora comfyui_lora.safetensors" in card) == (name == "cogview4")
+    # The diffusers file in ComfyUI: read whole, in part, or not at all (then the card names the file to use).
+    assert ("ComfyUI reads it too" in card) == (name in COMFY_READS_DIFFUSERS)
+    assert ("use `comfyui_lora.safetensors` there" in card) == (name not in COMFY_READS_DIFFUSERS | {"cogview4"})
 
 
 def test_diffusers_file_loads_in_pipeline_at_trained_strength(trained):
@@ -481,28 +485,47 @@ def test_peft_folder_loads_with_peft(trained):
     )
 
 
-def _comfy_keys(keymap) -> set[str]:
-    """Layer names ComfyUI's loader maps for a model: ``diffusion_model.<original>`` and ``lora_unet_<original>``."""
-    names = set()
-    for layer in keymap.layers:
-        names |= {f"diffusion_model.{layer.original}", "lora_unet_" + layer.original.replace(".", "_")}
-        if keymap.family == "sd":  # ComfyUI also maps kohya's diffusers-path names for SD
-            names.add(layer.kohya)
-    return names
+def _split_rows(layer, delta: torch.Tensor) -> dict[str, torch.Tensor]:
+    """An original layer's delta as its modules' deltas (rows by the table's segments)."""
+    parts: dict[str, list[tuple[int, torch.Tensor]]] = {}
+    row = 0
+    for seg in layer.segments:
+        parts.setdefault(seg.module, []).append((seg.start, delta[row : row + seg.size]))
+        row += seg.size
+    return {m: torch.cat([t for _, t in sorted(p, key=lambda x: x[0])]) for m, p in parts.items()}
 
 
 @pytest.mark.parametrize("fmt", ["comfyui", "kohya"])
-def test_original_name_formats_map_every_key(trained, fmt):
-    keymap = keymap_for_model(trained["family"].name, trained["family"].load_denoiser())
-    named, _, _ = read_original(trained["files"][fmt])
-    assert set(named) <= _comfy_keys(keymap), sorted(set(named) - _comfy_keys(keymap))[:5]
-    tensors = load_file(str(trained["files"][fmt]))
-    layers = {(f"diffusion_model.{la.original}" if fmt == "comfyui" else la.kohya): la for la in keymap.layers}
-    for name, lora in named.items():
-        if layers[name].alpha_key:
-            assert f"{name}.alpha" in tensors, f"{name} carries no alpha"
-        else:  # no alpha key: the scale is in ``up``, as every loader reads a missing alpha
-            assert f"{name}.alpha" not in tensors and lora.alpha == lora.rank, name
+def test_original_name_formats_place_every_layer_at_trained_strength_in_comfyui(trained, fmt):
+    """ComfyUI's key map and LoRA arithmetic (``tests/comfy_rules.py``): every layer lands on
+    the model weight of its original layer, at PEFT's delta (header ignored, missing alpha = 1.0)."""
+    name = trained["family"].name
+    if name == "cogview4":
+        pytest.skip("ComfyUI has no CogView4 model")
+    keymap = keymap_for_model(name, trained["family"].load_denoiser())
+    weight_of = {comfy_rules.model_weight(name, la.original): la for la in keymap.layers}
+    key_map = comfy_rules.lora_key_map(name, list(weight_of))
+    if name == "sd":  # ComfyUI also maps sd-scripts' diffusers-path names for SD (``unet_to_diffusers``)
+        key_map |= {la.kohya: comfy_rules.model_weight(name, la.original) for la in keymap.layers}
+    patches = comfy_rules.lora_patches(load_file(str(trained["files"][fmt])))
+    unplaced = sorted(set(patches) - set(key_map))
+    assert not unplaced, f"ComfyUI would not load {len(unplaced)} layer(s), e.g. {unplaced[:3]}"
+    got: dict[str, torch.Tensor] = {}
+    for layer_name, delta in patches.items():
+        layer = weight_of[key_map[layer_name]]
+        for module, d in _split_rows(layer, delta).items():
+            got[module] = d.reshape(trained["deltas"].get(module, d).shape)
+    _assert_deltas(got, trained["deltas"], f"{fmt}/ComfyUI rules")
+
+
+def test_diffusers_file_needs_no_alpha(trained):
+    """Readers that ignore the header (ComfyUI, which maps ``transformer.`` names for Flux, Chroma,
+    SD3, Qwen-Image, HiDream) read ``lora_B @ lora_A`` at scale 1: that must be the trained delta."""
+    prefix = trained["family"].denoiser_name + "."
+    tensors = {k.removeprefix(prefix): v for k, v in load_file(str(trained["files"]["diffusers"])).items()}
+    assert not any(k.endswith(".alpha") for k in tensors)
+    got = {k: v.reshape(trained["deltas"][k].shape) for k, v in comfy_rules.lora_patches(tensors).items()}
+    _assert_deltas(got, trained["deltas"], "diffusers file without its header")
 
 
 def _comfy_as_kohya(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -539,11 +562,14 @@ def _ltx_renamed(key: str) -> bool:  # diffusers' LTX converter does not rename 
 def _hunyuan_tiny(key: str) -> bool:
     """What diffusers' HunyuanVideo converter reads at tiny size: not ``linear1`` (sizes hard-coded,
     checked at full size below), the final modulation or the refiner's ``self_attn_qkv`` (it splits
-    ``down`` as it splits ``up``: a LoRA there does not load from any file)."""
+    ``down`` as it splits ``up``: a LoRA there does not load from any file), nor the embedders the
+    ComfyUI file names by ComfyUI's names (``time_in.in_layer``; diffusers reads ``time_in.mlp.0``)."""
     return not (
         (key.startswith("diffusion_model.single_blocks.") and ".linear1." in key)
         or key.startswith("diffusion_model.final_layer.adaLN_modulation.1.")
         or ".self_attn_qkv." in key
+        or ".in_layer." in key and not key.startswith("diffusion_model.vector_in.")
+        or ".out_layer." in key and not key.startswith("diffusion_model.vector_in.")
     )
 
 
@@ -576,7 +602,7 @@ def test_original_name_formats_load_in_stock_pipeline(trained, fmt):
     if keep is not None:
         tensors = {k: v for k, v in tensors.items() if keep(k)}
     layers = {
-        (f"diffusion_model.{la.original}" if fmt == "comfyui" else la.kohya): la
+        (f"diffusion_model.{la.comfy_name}" if fmt == "comfyui" else la.kohya): la
         for la in keymap_for_model(family.name, family.load_denoiser()).layers
     }
     names = {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.removesuffix(".alpha") for k in tensors}
@@ -747,7 +773,8 @@ def test_full_size_export_reads_back_with_diffusers_converter(family, fmt):
         sd |= {f"{name}.{down}.weight": lora.down, f"{name}.{up}.weight": lora.up}
         if layer.alpha_key:
             sd[f"{name}.alpha"] = torch.tensor(lora.alpha)
-    assert all(layer.kohya == kohya_name(layer.original) for layer in keymap.layers)
+    if fmt == "kohya":
+        assert all(layer.kohya == kohya_name(layer.original) for layer in keymap.layers)
     if family == "lumina2":
         converted = _convert_non_diffusers_lumina2_lora_to_diffusers(sd)
     elif family == "hunyuanvideo":

@@ -20,7 +20,8 @@ EDITS = [
     ({"train": {"batch_size": 3}}, {"plan", "train"}),  # plan fills small buckets up to a global batch
     ({"train": {"grad_accum": 2}}, {"plan", "train"}),
     ({"train": {"lr": 0.5}}, {"train"}),
-    ({"train": {"lora": {"rank": 5}}}, {"train", "export"}),  # export rebuilds an adapter from a checkpoint
+    # export rebuilds an adapter from a checkpoint; sample loads the export its kind allows
+    ({"train": {"lora": {"rank": 5}}}, {"train", "export", "sample"}),
     ({"sample": {"prompts": ["something else"]}}, {"sample"}),  # the model card no longer lists them
     ({"cache": {"dir": "elsewhere"}}, {"validate", "plan", "cache"}),  # discovery skips the cache folder
     ({"export": {"formats": ["diffusers", "kohya"]}}, {"export"}),

@@ -1,4 +1,4 @@
-# One output per configured format (diffusers always: sample reads it), plus the model card.
+# One output per configured format (and the one sample reads: dw.sample_format), plus the model card.
 # params.formats is already a shell-quoted argument list (dw.export_format_args): no :q.
 
 

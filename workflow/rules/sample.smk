@@ -1,6 +1,6 @@
 rule sample:
     input:
-        out(paths.EXPORT_DIFFUSERS),
+        out(dw.EXPORT_OUTPUTS[dw.sample_format(CFG)]),
     output:
         directory(out(paths.SAMPLES_DIR)),
     params:

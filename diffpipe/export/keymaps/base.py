@@ -39,6 +39,14 @@ class Layer:
     #: Write no ``.alpha`` (only with ``fold_scale``): a reference loader rejects one here.
     #: Every loader reads a missing alpha as alpha = rank, which ``fold_scale`` writes anyway.
     alpha_key: bool = True
+    #: The name ComfyUI maps under ``diffusion_model.`` where it is not ``original`` (ComfyUI
+    #: renames some layers of a checkpoint on load and maps LoRA names back for only some).
+    comfy: str = ""
+
+    @property
+    def comfy_name(self) -> str:
+        """The layer's name in the ComfyUI file (after ``diffusion_model.``)."""
+        return self.comfy or self.original
 
     @property
     def modules(self) -> list[str]:

@@ -19,11 +19,16 @@ HunyuanVideo's inner size (3072) for ``linear1``, and cannot read a LoRA on
 the final modulation or the token refiner's ``self_attn_qkv`` (it splits
 ``down`` like ``up``).
 
-ComfyUI renames four embedders on load (``time_in``, ``guidance_in``,
-``txt_in.t_embedder``: ``mlp.0`` / ``mlp.2`` -> ``in_layer`` / ``out_layer``;
-``txt_in.c_embedder``: ``linear_1`` / ``linear_2`` -> the same) and maps LoRA
-names back for the blocks only: a LoRA on those embedders (not a default
-target) loads in diffusers and ``diffpipe import-lora``, not in ComfyUI.
+ComfyUI builds HunyuanVideo from Flux's layers and renames the checkpoint on load
+(``img_mod.linear`` -> ``img_mod.lin``, ``img_attn_qkv`` -> ``img_attn.qkv``, MLPs
+``fc1`` / ``fc2`` -> ``0`` / ``2``, the embedders' ``mlp.0`` / ``linear_1`` ->
+``in_layer``, ...: ``COMFY_BLOCK`` / ``COMFY_TOP``). Its LoRA loader maps
+``diffusion_model.<name>`` back to the original names for the block layers only,
+and ``lora_unet_<name>`` only from its own names. So the ComfyUI file names the
+embedders by ComfyUI's names (``Layer.comfy``; diffusers' converter reads the
+original ones: use the diffusers file there), and kohya names are ``lora_unet_`` +
+ComfyUI's name (musubi-tuner's own files use the original names, which ComfyUI
+does not place for the MLPs and modulations; ``diffpipe import-lora`` reads both).
 """
 
 from __future__ import annotations
@@ -78,8 +83,50 @@ SINGLE_PLAIN = {"linear2": "proj_out", "modulation.linear": "norm.linear"}
 SINGLE_FUSED = {"linear1": ("attn.to_q", "attn.to_k", "attn.to_v", "proj_mlp")}
 
 
+# ComfyUI's names for the layers it renames: per block (original suffix -> ComfyUI's), top level.
+COMFY_BLOCK = {
+    "img_mod.linear": "img_mod.lin",
+    "txt_mod.linear": "txt_mod.lin",
+    "img_attn_qkv": "img_attn.qkv",
+    "txt_attn_qkv": "txt_attn.qkv",
+    "img_attn_proj": "img_attn.proj",
+    "txt_attn_proj": "txt_attn.proj",
+    "img_mlp.fc1": "img_mlp.0",
+    "img_mlp.fc2": "img_mlp.2",
+    "txt_mlp.fc1": "txt_mlp.0",
+    "txt_mlp.fc2": "txt_mlp.2",
+    "modulation.linear": "modulation.lin",
+    "self_attn_qkv": "self_attn.qkv",
+    "self_attn_proj": "self_attn.proj",
+    "mlp.fc1": "mlp.0",
+    "mlp.fc2": "mlp.2",
+}
+COMFY_TOP = {
+    "time_in.mlp.0": "time_in.in_layer",
+    "time_in.mlp.2": "time_in.out_layer",
+    "guidance_in.mlp.0": "guidance_in.in_layer",
+    "guidance_in.mlp.2": "guidance_in.out_layer",
+    "txt_in.t_embedder.mlp.0": "txt_in.t_embedder.in_layer",
+    "txt_in.t_embedder.mlp.2": "txt_in.t_embedder.out_layer",
+    "txt_in.c_embedder.linear_1": "txt_in.c_embedder.in_layer",
+    "txt_in.c_embedder.linear_2": "txt_in.c_embedder.out_layer",
+}
+
+
+def comfy_model_name(original: str) -> str:
+    """The layer's name in ComfyUI's HunyuanVideo model."""
+    if original in COMFY_TOP:
+        return COMFY_TOP[original]
+    for suffix, renamed in COMFY_BLOCK.items():
+        if original.endswith("." + suffix):
+            return original.removesuffix(suffix) + renamed
+    return original
+
+
 def _layer(original: str, segments: list[Segment]) -> Layer:
-    return Layer(original, kohya_name(original), tuple(segments), fold_scale=True, alpha_key=False)
+    comfy = comfy_model_name(original)
+    return Layer(original, kohya_name(comfy), tuple(segments), fold_scale=True, alpha_key=False,
+                 comfy=comfy if original in COMFY_TOP else "")
 
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:

@@ -1,0 +1,125 @@
+"""How ComfyUI reads a LoRA file, restated from its published loader as a test reference.
+
+No ComfyUI checkout exists here, so its rules are restated (not imported) from its
+public source: ``comfy/lora.py`` (``model_lora_keys_unet``: which file names map to
+which model weight; ``load_lora``: which tensors make a patch), ``comfy/weight_adapter``
+(the patch arithmetic) and ``comfy/supported_models.py`` (the renames applied to a
+HunyuanVideo checkpoint on load). Export code is checked against these rules, never
+against its own tables: a name ComfyUI does not map is a LoRA that silently does nothing,
+a missing alpha is scale 1.0 and the safetensors header is never read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# ComfyUI's HunyuanVideo model is built from Flux's layers: on load it renames the
+# original checkpoint's weights by these substring replacements, in this order.
+HUNYUAN_LOAD_RENAMES = [
+    ("txt_in.t_embedder.mlp.0.", "txt_in.t_embedder.in_layer."),
+    ("txt_in.t_embedder.mlp.2.", "txt_in.t_embedder.out_layer."),
+    ("txt_in.c_embedder.linear_1.", "txt_in.c_embedder.in_layer."),
+    ("txt_in.c_embedder.linear_2.", "txt_in.c_embedder.out_layer."),
+    ("_mod.linear.", "_mod.lin."),
+    ("_attn_qkv.", "_attn.qkv."),
+    ("mlp.fc1.", "mlp.0."),
+    ("mlp.fc2.", "mlp.2."),
+    ("_attn_proj.", "_attn.proj."),
+    (".modulation.linear.", ".modulation.lin."),
+    ("_in.mlp.2.", "_in.out_layer."),
+    ("_in.mlp.0.", "_in.in_layer."),
+]
+# ...and its LoRA key map gives every model weight one more file name, by these replacements
+# (the block layers' original names; the embedders keep ComfyUI's names).
+HUNYUAN_LORA_RENAMES = [
+    ("_mod.lin.", "_mod.linear."),
+    ("_attn.qkv.", "_attn_qkv."),
+    ("_attn.proj.", "_attn_proj."),
+    ("mlp.0.", "mlp.fc1."),
+    ("mlp.2.", "mlp.fc2."),
+    (".modulation.lin.", ".modulation.linear."),
+]
+
+
+def _replace_all(name: str, rules: list[tuple[str, str]]) -> str:
+    for old, new in rules:
+        name = name.replace(old, new)
+    return name
+
+
+def model_weight(family: str, original: str) -> str:
+    """The name of an original checkpoint layer's weight in ComfyUI's model (``diffusion_model.`` + ...)."""
+    key = f"diffusion_model.{original}.weight"
+    if family == "hunyuanvideo":
+        key = _replace_all(key, HUNYUAN_LOAD_RENAMES)
+    return key
+
+
+def lora_key_map(family: str, weights: list[str]) -> dict[str, str]:
+    """File layer name -> ComfyUI model weight, for these model weights (``model_lora_keys_unet``)."""
+    key_map = {}
+    for w in weights:
+        bare = w.removeprefix("diffusion_model.").removesuffix(".weight")
+        key_map["lora_unet_" + bare.replace(".", "_")] = w
+        key_map[f"diffusion_model.{bare}"] = w  # "generic lora format"
+        if family == "hunyuanvideo":
+            renamed = _replace_all(w, HUNYUAN_LORA_RENAMES).removeprefix("diffusion_model.").removesuffix(".weight")
+            key_map[f"diffusion_model.{renamed}"] = w
+            key_map[f"transformer.{renamed}"] = w
+    return key_map
+
+
+def lora_patches(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Layer name -> the weight delta ComfyUI adds at strength 1 (plain LoRA tensors).
+
+    ``alpha / rank`` when the file has ``.alpha``, else 1.0; down/up under the kohya
+    (``lora_down``/``lora_up``) or PEFT (``lora_A``/``lora_B``) names.
+    """
+    out = {}
+    for key, up in tensors.items():
+        for up_suffix, down_suffix in ((".lora_up.weight", ".lora_down.weight"), (".lora_B.weight", ".lora_A.weight")):
+            if key.endswith(up_suffix):
+                name = key.removesuffix(up_suffix)
+                down = tensors[name + down_suffix]
+                alpha = tensors.get(name + ".alpha")
+                scale = alpha.item() / down.shape[0] if alpha is not None else 1.0
+                delta = up.flatten(1).double() @ down.flatten(1).double() * scale
+                out[name] = delta.reshape(up.shape[0], *down.shape[1:]).float()
+    return out
+
+
+def lycoris_patches(tensors: dict[str, torch.Tensor]) -> dict[str, object]:
+    """Layer name -> ``make(weight_shape)``: the delta ComfyUI adds for a LoKr or LoHa layer at strength 1.
+
+    LoKr: ``kron(w1, w2)`` (each given whole or as ``_a @ _b``); ``alpha / dim`` only when the
+    file has alpha and a factored matrix (dim: the rank of ``w2_b``, else of ``w1_b``), else 1.0.
+    LoHa: ``(w1_a @ w1_b) * (w2_a @ w2_b)``; ``alpha / rank(w1_b)`` when the file has alpha, else 1.0.
+    """
+    names = {key.rsplit(".", 1)[0] for key in tensors if key.rsplit(".", 1)[-1].startswith(("lokr_", "hada_"))}
+    out = {}
+    for name in names:
+        t = {k.rsplit(".", 1)[-1]: v.double() for k, v in tensors.items() if k.rsplit(".", 1)[0] == name}
+        alpha = t.get("alpha")
+        if "hada_w1_a" in t:
+            scale = alpha.item() / t["hada_w1_b"].shape[0] if alpha is not None else 1.0
+            diff = (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"])
+        else:
+            dim = None
+            w1 = t.get("lokr_w1")
+            if w1 is None:
+                dim = t["lokr_w1_b"].shape[0]
+                w1 = t["lokr_w1_a"] @ t["lokr_w1_b"]
+            w2 = t.get("lokr_w2")
+            if w2 is None:
+                dim = t["lokr_w2_b"].shape[0]
+                w2 = t["lokr_w2_a"] @ t["lokr_w2_b"]
+            if w2.dim() == 4:
+                w1 = w1[:, :, None, None]
+            scale = alpha.item() / dim if alpha is not None and dim is not None else 1.0
+            diff = torch.kron(w1, w2)
+
+        def make(shape, diff=diff, scale=scale):
+            return (scale * diff).reshape(shape).float()
+
+        out[name] = make
+    return out
