@@ -212,7 +212,8 @@ def assign_split(ds: DatasetConfig, rows: list[dict[str, Any]], issue: Any, root
         rel = row["relpath"]
         held = rel in wanted
         if not held and ds.eval_fraction > 0:
-            held = int(digest([ds.eval_seed, rel])[:15], 16) / 16**15 < ds.eval_fraction
+            # A table row draws by its content key (``_draw``): reordering rows keeps the split.
+            held = int(digest([ds.eval_seed, row.get("_draw", rel)])[:15], 16) / 16**15 < ds.eval_fraction
         row["split"] = "eval" if held else "train"
 
 

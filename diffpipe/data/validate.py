@@ -31,7 +31,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from diffpipe.config import DatasetConfig, ValidationConfig
-from diffpipe.data import aux_images
+from diffpipe.data import aux_images, table_items
 from diffpipe.data import captions as cap
 from diffpipe.data.checks import (  # noqa: F401  (FamilyTokenCounter: used through this module)
     FamilyTokenCounter,
@@ -408,11 +408,20 @@ def run_validation(
 
         listing = list_dataset(ds, vcfg, with_stats=True, exclude=exclude)
         if not listing.root_ok:
-            issue(
-                str(listing.root),
+            reason, note = listing.error or (
                 "missing_dataset",
                 f"dataset folder {listing.root} does not exist or is not a folder",
             )
+            issue(str(listing.root), reason, note)
+            continue
+        if listing.table:
+            rows, ds_jobs = table_items.collect(ds, listing.table, listing.root, prev_rows, reuse_probe, issue)
+            for row in rows:
+                row.update({f"{role}_{col}": None for role in AUX_ROLES for col in aux_images.COLUMNS})
+            if not rows:
+                issue(str(listing.root), "no_media", f"split {listing.table.split!r} of {listing.root} holds no rows")
+            jobs += [(rows, i, p, k) for i, p, k in ds_jobs]
+            per_ds.append((ds, listing, MetadataTable(), rows))
             continue
         for found in listing.problems:
             issue(str(listing.root / found.rel), found.reason, found.note)
@@ -460,16 +469,17 @@ def run_validation(
     all_rows: list[dict[str, Any]] = []
     for ds, listing, meta, rows in per_ds:
         same_key = not rehash and prev_caption_keys.get(ds.name) == caption_keys[ds.name]
-        _captions(
-            ds,
-            listing,
-            meta,
-            rows,
-            prev_rows,
-            same_key,
-            result,
-            lambda p, r, n, d=ds.name: extra.append((d, p, r, n)),
-        )
+        if listing.table is None:  # table rows have theirs already (table_items)
+            _captions(
+                ds,
+                listing,
+                meta,
+                rows,
+                prev_rows,
+                same_key,
+                result,
+                lambda p, r, n, d=ds.name: extra.append((d, p, r, n)),
+            )
         for row in rows:
             check_geometry(ds, vcfg, row)
             aux_images.check_geometry(row)
@@ -480,6 +490,7 @@ def run_validation(
 
     for row in all_rows:
         result.reused += row.pop("_reused", False)
+        row.pop("_draw", None)
         row["status"] = status_of(row["reasons"], actions)
         for reason, note in zip(row["reasons"], row["notes"], strict=True):
             result.issues.append(
