@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
 
-from diffpipe.data.metadata import DEFAULT_NAMES
+from diffpipe.data.metadata import DEFAULT_NAMES, relative_path
 
 SCHEMES = ("parquet", "arrow")
 _LOCATOR = re.compile(r"^(parquet|arrow):(.+)#row=(\d+)&column=([^#&]+)$")
@@ -173,18 +173,22 @@ def _parquet_group(file: str, size: int, mtime: int, group: int, column: str) ->
 
 
 # -- layouts -------------------------------------------------------------------------------------
-def _json(path: Path) -> Any:
+def _json(path: Path) -> dict[str, Any]:
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError) as err:
         raise TableError(f"{path} cannot be read as JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise TableError(f"{path} holds no JSON object; it was not written by the datasets library")
+    return value
 
 
 def _saved_dataset(folder: Path, split: str) -> Tables:
     state = _json(folder / "state.json")
-    files = [str(folder / f["filename"]) for f in state.get("_data_files", []) if isinstance(f, dict)]
-    if not files:
-        raise TableError(f"{folder / 'state.json'} lists no data files (`_data_files`)")
+    names = [f.get("filename") for f in state.get("_data_files") or [] if isinstance(f, dict)]
+    if not names or not all(isinstance(n, str) and relative_path(folder, n) == n for n in names):
+        raise TableError(f"{folder / 'state.json'} lists no data files (`_data_files`) inside {folder}")
+    files = [str(folder / n) for n in names]
     extra = [str(folder / n) for n in ("state.json", "dataset_info.json") if (folder / n).is_file()]
     return Tables("arrow", files, state.get("_split") or split, extra)
 
@@ -220,7 +224,7 @@ def find_tables(root: Path, split: str, *, parquet: bool) -> Tables | None:
     """
     if (root / "dataset_dict.json").is_file():
         splits = _json(root / "dataset_dict.json").get("splits") or []
-        if split not in splits:
+        if split not in splits or relative_path(root, split) != split:
             raise TableError(f"{root / 'dataset_dict.json'} has splits {splits}, not {split!r}; set datasets[].split")
         tables = _saved_dataset(root / split, split)
         tables.extra.append(str(root / "dataset_dict.json"))

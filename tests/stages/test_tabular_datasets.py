@@ -269,3 +269,36 @@ def test_absent_hub_id_offline_is_a_clear_error(tmp_path, monkeypatch):
     flat = " ".join(result.output.split())
     assert "missing_dataset" in flat and "'some-org/absent'" in flat and str(cache) in flat.replace(" ", "")
     assert "HF_HUB_OFFLINE" in flat and "Traceback" not in result.output
+
+
+def test_video_column_rows_are_probed_and_decoded_from_memory(tmp_path):
+    from diffpipe.data.demo_video import demo_clip, write_clip
+
+    clips = []
+    for i in range(2):
+        frames, _ = demo_clip(i)
+        clips.append(write_clip(frames, tmp_path / f"c{i}.mp4", fps=16).read_bytes())
+    table = pa.table({"video": pa.array(clips, pa.binary()), "prompt": ["a clip", "another clip"]})
+    (tmp_path / "v").mkdir()
+    pq.write_table(table, tmp_path / "v" / "train-00000-of-00001.parquet")
+    p = RunPaths(tmp_path / "run")
+    result = run_validation([DatasetConfig(name="v", path=str(tmp_path / "v"), video_column="video", resolution=32)],
+                            ValidationConfig(), manifest_path=p.manifest, report_json=p.report_json,
+                            report_html=p.report_html, workers=1)
+    assert (result.items, result.kept, result.errors) == (2, 2, 0)
+    rows = sorted(pq.read_table(p.manifest).to_pylist(), key=lambda r: r["relpath"])
+    assert [(r["kind"], r["frames"], r["caption"]) for r in rows] == [("video", 9, "a clip"), ("video", 9, "another clip")]
+    item = {"path": rows[0]["path"], "sha256": rows[0]["sha256"], "bucket": [5, 32, 48], "frames": [0, 1, 2, 3, 4]}
+    from_cell = _decode((item, False))["pixels"]
+    from_file = _decode(({**item, "path": str(tmp_path / "c0.mp4")}, False))["pixels"]
+    assert from_cell.shape == (3, 5, 32, 48) and np.array_equal(from_cell, from_file)
+
+
+@pytest.mark.parametrize("file", ["/data/a#row=1&column=x/train.parquet", "/data/with space/d.arrow"])
+@pytest.mark.parametrize("column", ["image", "a&b#c=d", "bild ü"])
+def test_locator_round_trip(file, column):
+    from diffpipe.data.tables import Cell, locator
+
+    cell = Cell("arrow" if file.endswith(".arrow") else "parquet", file, 7, column)
+    assert parse_locator(locator(cell)) == cell
+    assert parse_locator(file) is None and parse_locator("/data/parquet:x.png") is None
