@@ -52,6 +52,9 @@ class Listing:
     #: Why the dataset cannot be read at all: (reason code, sentence); a hub id not found, a table
     #: split missing.
     error: tuple[str, str] | None = None
+    #: Where the dataset's symbolic links may lead: the root, or for a hub snapshot its repository
+    #: folder (the snapshot's files are links into ``blobs/``).
+    link_root: Path | None = None
 
 
 def norm_ext(ext: str) -> str:
@@ -273,6 +276,8 @@ def list_dataset(
                 return _table_listing(root, table, with_stats)
         except TableError as err:
             return Listing(root, {}, [], False, error=("bad_metadata", str(err)))
+    if ds.hub:
+        listing.link_root = root.parent.parent  # <cache>/datasets--org--name/snapshots/<commit>
     for role, folder in folders.items():
         if os.path.isdir(folder):
             listing.aux_roots[role] = folder

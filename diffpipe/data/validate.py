@@ -427,7 +427,9 @@ def run_validation(
             issue(str(listing.root / found.rel), found.reason, found.note)
         meta_files = [ds.metadata] if ds.metadata else listing.metadata
         aux_columns = {r: c for r in AUX_ROLES if (c := getattr(ds, f"{r}_column", None))}
-        meta = read_metadata(listing.root, meta_files, ds.file_column, ds.caption_column, aux_columns)
+        meta = read_metadata(
+            listing.root, meta_files, ds.file_column, ds.caption_column, aux_columns, link_root=listing.link_root
+        )
         for prob in meta.problems:
             path = prob.where if os.path.isabs(prob.where) else str(listing.root / prob.where)
             issue(path, prob.reason, prob.note)

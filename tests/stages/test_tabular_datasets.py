@@ -302,3 +302,20 @@ def test_locator_round_trip(file, column):
     cell = Cell("arrow" if file.endswith(".arrow") else "parquet", file, 7, column)
     assert parse_locator(locator(cell)) == cell
     assert parse_locator(file) is None and parse_locator("/data/parquet:x.png") is None
+
+
+def test_hub_snapshot_of_files_reads_as_a_folder(tmp_path, monkeypatch):
+    """A hub repo of image files with a ``metadata.jsonl`` (imagefolder): its links lead into ``blobs/``."""
+    rows = [{"file_name": f"train/{i}.png", "text": f"picture {i}"} for i in range(3)]
+    files = {f"train/{i}.png": _png(i) for i in range(3)}
+    files["train/metadata.jsonl"] = "".join(json.dumps({**r, "file_name": f"{i}.png"}) + "\n"
+                                            for i, r in enumerate(rows)).encode()
+    _hub_cache(tmp_path / "hf", "org/files", files)
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    p = RunPaths(tmp_path / "run")
+    result = run_validation([DatasetConfig(name="f", hub="org/files", resolution=32)], ValidationConfig(),
+                            manifest_path=p.manifest, report_json=p.report_json, report_html=p.report_html,
+                            workers=1)
+    assert (result.items, result.kept, result.errors) == (3, 3, 0), result.issues
+    assert sorted(r["caption"] for r in pq.read_table(p.manifest).to_pylist()) == [r["text"] for r in rows]
