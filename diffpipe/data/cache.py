@@ -123,6 +123,12 @@ def _read_checked(path: str, sha256: str, trust: bool, *, stream: bool = False) 
     return data
 
 
+def _source_order(item: dict[str, Any]) -> tuple[str, int]:
+    """Where an item's bytes are: (file, row) for a table cell, (path, 0) for a file."""
+    cell = parse_locator(item["path"])
+    return (cell.file, cell.row) if cell else (item["path"], 0)
+
+
 def _decode(job: tuple[dict[str, Any], bool] | tuple[dict[str, Any], bool, int]) -> dict[str, np.ndarray]:
     """Read one item (and its aux images), check them against the planned sha256s, decode them.
 
@@ -301,6 +307,9 @@ def cache_latents(
             del values[key]
     reused = len(values)
     missing = [item for key, item in first.items() if key not in values]
+    if any(parse_locator(item["path"]) for item in missing):
+        # Table rows in table order: a Parquet row group is read once, not once per item.
+        missing.sort(key=_source_order)
 
     by_bucket: dict[tuple[int, ...], list[dict[str, Any]]] = {}
     for item in missing:
