@@ -21,6 +21,12 @@ from diffpipe.data.metadata import relative_path
 from diffpipe.data.policy import Action
 from diffpipe.utils import digest
 
+#: Reasons found by reading media content: reused with the hash while the content is unchanged
+#: (a file's size and mtime, a table row's bytes).
+PROBE_REASONS = frozenset(
+    {"zero_byte", "corrupt_media", "extension_mismatch", "decompression_bomb", "large_media", "no_frames"}
+)
+
 
 class TokenCounter(Protocol):
     """Counts caption tokens with a model's real tokenizers."""

@@ -24,12 +24,12 @@ from typing import Any
 
 from diffpipe.config import DatasetConfig
 from diffpipe.data import captions as cap
-from diffpipe.data.checks import add_reason
+from diffpipe.data.checks import PROBE_REASONS, add_reason
 from diffpipe.data.metadata import CAPTION_COLUMNS, pick_column
 from diffpipe.data.tables import Cell, TableError, Tables, cell_bytes, iter_rows, locator, schema_of
 from diffpipe.utils import digest
 
-#: Reasons found by reading media content (validate's ``_PROBE_REASONS``), reused with the hash.
+#: Manifest fields a probe fills, reused with the hash.
 PROBE_KEYS = ("sha256", "kind", "width", "height", "frames", "fps")
 
 
@@ -96,34 +96,28 @@ def collect(
     copies: Counter[str] = Counter()
     try:
         for n, (file, index, values) in enumerate(iter_rows(tables, [media, cap_col])):
-            rows.append(_row(ds, tables, n, file, index, values, media, cap_col, kind, copies, previous,
-                             reuse_probe, jobs, len(rows)))
+            loc = locator(Cell(tables.fmt, file, index, media))
+            where = f"row {index} of {os.path.basename(file)}"
+            row, sha = _row(ds, f"{tables.split}/{n}", loc, where, values[media], kind, copies)
+            _caption(ds, row, values[cap_col], f"{where}, column {cap_col!r},")
+            prev = previous.get(row["id"])
+            if sha is None:
+                pass  # no bytes: nothing to probe (missing_file)
+            elif reuse_probe and prev and prev["sha256"] == sha:
+                _reuse(row, prev)
+            else:
+                jobs.append((len(rows), loc, kind))
+            rows.append(row)
     except TableError as err:
         issue(str(root), "bad_metadata", str(err))
     return rows, jobs
 
 
 def _row(
-    ds: DatasetConfig,
-    tables: Tables,
-    n: int,
-    file: str,
-    index: int,
-    values: dict[str, Any],
-    media: str,
-    cap_col: str,
-    kind: str,
-    copies: Counter[str],
-    previous: dict[str, dict[str, Any]],
-    reuse_probe: bool,
-    jobs: list[tuple[int, str, str]],
-    position: int,
-) -> dict[str, Any]:
-    """One manifest row; appends a probe job to ``jobs`` when its content is new."""
-    loc = locator(Cell(tables.fmt, file, index, media))
-    where = f"row {index} of {os.path.basename(file)}"
-    rel = f"{tables.split}/{n}"
-    data = cell_bytes(values[media])
+    ds: DatasetConfig, rel: str, loc: str, where: str, cell: Any, kind: str, copies: Counter[str]
+) -> tuple[dict[str, Any], str | None]:
+    """A row's manifest fields before probing, and the SHA-256 of its media bytes (None: no bytes)."""
+    data = cell_bytes(cell)
     sha = hashlib.sha256(data).hexdigest() if data is not None else None
     if sha is not None:
         key = item_key(sha, copies[sha])
@@ -138,40 +132,33 @@ def _row(
         "kind": kind,
         "size": len(data) if data is not None else 0,
         "mtime_ns": None,
-        "sha256": None,
-        "width": None,
-        "height": None,
-        "frames": None,
-        "fps": None,
+        **dict.fromkeys(("sha256", "width", "height", "frames", "fps")),
         "reasons": [],
         "notes": [],
-        "caption_file": None,
-        "caption_size": None,
-        "caption_mtime_ns": None,
+        **dict.fromkeys(("caption_file", "caption_size", "caption_mtime_ns")),
         "_draw": key,  # the eval_fraction draw follows the content, not the row's position
     }
     if data is None:
-        cell = values[media]
         named = cell.get("path") if isinstance(cell, dict) else None
         only = f" (only a path, {named!r}: store the {kind} bytes in the table)" if named else ""
-        add_reason(row, "missing_file", f"{where}: column {media!r} holds no {kind} bytes{only}")
-    else:
-        prev = previous.get(row["id"])
-        if reuse_probe and prev and prev["sha256"] == sha:
-            from diffpipe.data.validate import _PROBE_REASONS
+        add_reason(row, "missing_file", f"{where}: the cell holds no {kind} bytes{only}")
+    return row, sha
 
-            for k in PROBE_KEYS:
-                row[k] = prev[k]
-            for reason, note in zip(prev["reasons"], prev["notes"], strict=True):
-                if reason in _PROBE_REASONS:
-                    add_reason(row, reason, note)
-            row["_reused"] = True
-        else:
-            jobs.append((position, loc, kind))
-    c = cap.from_metadata(values[cap_col], where=f"{where}, column {cap_col!r},", lines=ds.caption_lines,
-                          style=ds.caption_style)
+
+def _reuse(row: dict[str, Any], prev: dict[str, Any]) -> None:
+    """Take the probe results of the same content from the previous manifest."""
+    for k in PROBE_KEYS:
+        row[k] = prev[k]
+    for reason, note in zip(prev["reasons"], prev["notes"], strict=True):
+        if reason in PROBE_REASONS:
+            add_reason(row, reason, note)
+    row["_reused"] = True
+
+
+def _caption(ds: DatasetConfig, row: dict[str, Any], cell: Any, where: str) -> None:
+    """Attach the caption cell's alternatives (or its reason) to the row, as for a metadata cell."""
+    c = cap.from_metadata(cell, where=where, lines=ds.caption_lines, style=ds.caption_style)
     if c.reason:
         add_reason(row, c.reason, c.note)
     texts = list(c.texts)
     row.update(captions=texts, caption=texts[0] if texts else "", caption_sha256=cap.caption_hash(texts))
-    return row

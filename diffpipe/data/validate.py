@@ -34,6 +34,7 @@ from diffpipe.config import DatasetConfig, ValidationConfig
 from diffpipe.data import aux_images, table_items
 from diffpipe.data import captions as cap
 from diffpipe.data.checks import (  # noqa: F401  (FamilyTokenCounter: used through this module)
+    PROBE_REASONS,
     FamilyTokenCounter,
     TokenCounter,
     add_reason,
@@ -52,15 +53,6 @@ from diffpipe.utils import atomic_path, digest
 #: Bump when probing changes, so a new version re-probes every file.
 #: 4: declared sizes checked from headers (GIF frames, video streams); ``large_media``.
 PROBE_VERSION = 4
-#: Reasons found by reading media content, reused while size and mtime are unchanged.
-_PROBE_REASONS = {
-    "zero_byte",
-    "corrupt_media",
-    "extension_mismatch",
-    "decompression_bomb",
-    "large_media",
-    "no_frames",
-}
 #: Reasons found by reading a caption file, reused likewise.
 _CAPTION_REASONS = {"empty_caption", "caption_not_utf8"}
 #: Per-item auxiliary images (:mod:`diffpipe.data.aux_images`).
@@ -265,7 +257,7 @@ def _collect(
             for k in ("sha256", "kind", "width", "height", "frames", "fps"):
                 row[k] = prev[k]
             for reason, note in zip(prev["reasons"], prev["notes"], strict=True):
-                if reason in _PROBE_REASONS:
+                if reason in PROBE_REASONS:
                     add_reason(row, reason, note)
             row["_reused"] = True
         else:
