@@ -314,7 +314,7 @@ def test_hub_snapshot_of_files_reads_as_a_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hf"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     p = RunPaths(tmp_path / "run")
-    result = run_validation([DatasetConfig(name="f", hub="org/files", resolution=32)], ValidationConfig(),
+    result = run_validation([DatasetConfig(name="f", hub="org/files", revision=COMMIT, resolution=32)], ValidationConfig(),
                             manifest_path=p.manifest, report_json=p.report_json, report_html=p.report_html,
                             workers=1)
     assert (result.items, result.kept, result.errors) == (3, 3, 0), result.issues
