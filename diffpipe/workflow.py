@@ -84,8 +84,8 @@ def dataset_fingerprint(cfg: Config) -> str:
         for rel in listing.metadata:  # few files; not in the listing's stats
             st = os.stat(os.path.join(listing.root, rel))
             stats[rel] = (st.st_size, st.st_mtime_ns)
-        entries.append([ds.name, str(listing.root), sorted(stats.items()), listing.error,
-                        sorted((p.rel, p.reason) for p in listing.problems)])
+        entry = [ds.name, str(listing.root), sorted(stats.items()), sorted((p.rel, p.reason) for p in listing.problems)]
+        entries.append(entry + ([listing.error] if listing.error else []))  # folders keep their digest
     target = Path(cfg.output_dir) / DATASET_FINGERPRINT
     write_if_changed(target, digest(entries) + "\n")
     return str(target)

@@ -15,8 +15,8 @@ bytes, for files and cells alike: validation's probes, the cache jobs and
 the report's thumbnails all go through it, so a cell is hashed, checked for
 decompression bombs and decoded exactly like a file.
 
-Layouts (:func:`find_tables`): ``state.json`` (a saved ``Dataset``: Arrow IPC
-stream files listed in it), ``dataset_dict.json`` (a saved ``DatasetDict``:
+Layouts (:func:`find_tables`): ``state.json`` beside ``dataset_info.json`` (a
+saved ``Dataset``: Arrow IPC stream files listed in it), ``dataset_dict.json`` (a saved ``DatasetDict``:
 one such folder per split), else every ``*.parquet`` below the folder
 (metadata files aside) whose split, read from the hub's names
 (``data/train-00000-of-00002.parquet``, ``train/0000.parquet``), is the
@@ -229,7 +229,7 @@ def find_tables(root: Path, split: str, *, parquet: bool) -> Tables | None:
         tables = _saved_dataset(root / split, split)
         tables.extra.append(str(root / "dataset_dict.json"))
         return tables
-    if (root / "state.json").is_file():
+    if (root / "state.json").is_file() and (root / "dataset_info.json").is_file():  # both: a saved Dataset
         return _saved_dataset(root, split)
     if not parquet:
         return None
