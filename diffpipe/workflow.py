@@ -77,9 +77,10 @@ def dataset_fingerprint(cfg: Config) -> str:
     for ds in cfg.datasets:
         if ds.path is not None and not Path(ds.path).is_dir():
             raise FileNotFoundError(f"datasets[{ds.name}].path: folder not found: {ds.path}")
-        # A hub id resolves to its snapshot folder (the commit is in its name); one that cannot be
-        # resolved lists nothing, and the validate step reports why.
+        # A hub id resolves to its snapshot folder (the commit is in its name).
         listing = list_dataset(ds, cfg.validation, with_stats=True, exclude=run_folders(cfg.output_dir, cfg.cache.dir))
+        if listing.error and listing.error[0] == "missing_dataset":  # a hub id not found, as a missing folder
+            raise FileNotFoundError(listing.error[1])
         stats = dict(listing.stats)
         for rel in listing.metadata:  # few files; not in the listing's stats
             st = os.stat(os.path.join(listing.root, rel))

@@ -269,6 +269,12 @@ def test_absent_hub_id_offline_is_a_clear_error(tmp_path, monkeypatch):
     flat = " ".join(result.output.split())
     assert "missing_dataset" in flat and "'some-org/absent'" in flat and str(cache) in flat.replace(" ", "")
     assert "HF_HUB_OFFLINE" in flat and "Traceback" not in result.output
+    # `diffpipe run` stops while Snakemake builds its DAG, as for a dataset folder that does not exist.
+    from diffpipe.config import load_config
+    from diffpipe.workflow import dataset_fingerprint
+
+    with pytest.raises(FileNotFoundError, match=r"dataset 'some-org/absent' is not in the Hugging Face cache"):
+        dataset_fingerprint(load_config(tmp_path / "c.yaml"))
 
 
 def test_video_column_rows_are_probed_and_decoded_from_memory(tmp_path):
