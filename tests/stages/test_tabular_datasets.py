@@ -215,6 +215,10 @@ def test_cache_decoder_reads_a_cell_like_its_file(tmp_path):
     assert np.array_equal(from_cell, from_file)
     with pytest.raises(ValueError, match="changed since validation"):
         _decode(({**item, "path": loc, "sha256": "0" * 64}, False))
+    # A cell whose header declares too many pixels is refused before decoding, even when trusted.
+    _parquet(tmp_path / "pq/train.parquet", [_png(1), _bomb_png()], ["x", "y"])
+    with pytest.raises(ValueError, match=r"100000x100000 = .* pixels, over validation.max_pixels"):
+        _decode(({**item, "path": loc}, True))
 
 
 def test_layouts_and_splits(tmp_path):
