@@ -211,7 +211,7 @@ class DatasetConfig(_Section):
         "(`file_name`, `file`, `filename`, `path`, `image`, `video`, ...)."
     )
     caption_column: Text | None = Field(
-        None, description="Metadata column holding the caption (text or list of alternatives); null: "
+        None, description="Metadata (or table dataset) column holding the caption (text or list of alternatives); null: "
         "auto-detect (`caption`, `captions`, `text`, `prompt`, `tags`, ...)."
     )
     caption_lines: Literal["alternatives", "join"] = Field(

@@ -109,7 +109,7 @@ def read_media(path: str) -> bytes:
         value = _cell_value(cell)
     except OSError:
         raise
-    except Exception as err:  # pyarrow errors on a damaged or changed table
+    except Exception as err:  # pyarrow's errors on a damaged or rewritten table, a missing column
         raise OSError(f"cannot read row {cell.row} of {cell.file}: {err}") from None
     data = cell_bytes(value)
     if data is None:
