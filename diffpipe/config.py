@@ -47,6 +47,8 @@ Bool = StrictBool
 Text = Annotated[str, StringConstraints(min_length=1)]
 #: A file or folder: not empty, not only spaces, no NUL character.
 PathText = Annotated[str, StringConstraints(pattern=r"^[^\x00]*[^\s\x00][^\x00]*$")]
+#: A Hugging Face repo id: ``name`` or ``org/name`` (letters, digits, ``-``, ``_``, ``.``).
+HubId = Annotated[str, StringConstraints(pattern=r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$", max_length=96)]
 #: A random seed (torch and NumPy both take it).
 Seed = Annotated[int, Strict(), Field(ge=0, le=2**32 - 1)]
 LoadDtype = Literal["auto", "float32", "bfloat16", "float16"]
@@ -161,7 +163,31 @@ class ModelConfig(_Section):
 
 class DatasetConfig(_Section):
     name: Text = Field(..., description="Dataset name (used in item ids and reports).")
-    path: PathText = Field(..., description="Folder of media with same-stem caption files.")
+    path: PathText | None = Field(
+        None,
+        description="Folder of media with same-stem caption files or a metadata file; or a folder saved by the "
+        "`datasets` library (`save_to_disk`), or of Parquet shards with media bytes (docs/validation.md, "
+        "table datasets). Set `path` or `hub`.",
+    )
+    hub: HubId | None = Field(
+        None,
+        description="Hugging Face dataset id (`org/name`), resolved through the hub cache (`HF_HUB_OFFLINE=1`: "
+        "the cache only) and read like `path`. Set `path` or `hub`.",
+    )
+    revision: Text | None = Field(
+        None, description="With `hub`: branch, tag or commit of the dataset; null = `main`."
+    )
+    split: Text = Field(
+        "train", description="Table datasets (`hub`, a saved `datasets` folder, Parquet shards): the split read."
+    )
+    image_column: Text | None = Field(
+        None, description="Table datasets: the column of image bytes (`{bytes, path}` struct or binary); null: "
+        "`image`, else the only such column."
+    )
+    video_column: Text | None = Field(
+        None, description="Table datasets: the column of video bytes (an MP4 or WebM per row), instead of "
+        "`image_column`."
+    )
     caption_ext: Text = Field(".txt", description="Caption file extension.")
     resolution: Int = Field(
         64, description="Training resolution in pixels (bucket area = resolution²).", gt=0, le=MAX_SIDE
@@ -185,7 +211,7 @@ class DatasetConfig(_Section):
         "(`file_name`, `file`, `filename`, `path`, `image`, `video`, ...)."
     )
     caption_column: Text | None = Field(
-        None, description="Metadata column holding the caption (text or list of alternatives); null: "
+        None, description="Metadata (or table dataset) column holding the caption (text or list of alternatives); null: "
         "auto-detect (`caption`, `captions`, `text`, `prompt`, `tags`, ...)."
     )
     caption_lines: Literal["alternatives", "join"] = Field(
@@ -276,6 +302,16 @@ class DatasetConfig(_Section):
     def _check_buckets(self) -> DatasetConfig:
         if self.min_ar > self.max_ar:
             raise ValueError(f"min_ar ({self.min_ar}) must not exceed max_ar ({self.max_ar})")
+        return self
+
+    @model_validator(mode="after")
+    def _check_source(self) -> DatasetConfig:
+        if (self.path is None) == (self.hub is None):
+            raise ValueError("set path (a local folder) or hub (a Hugging Face dataset id), one of them")
+        if self.revision and not self.hub:
+            raise ValueError("revision applies to hub datasets only; set hub, or remove revision")
+        if self.image_column and self.video_column:
+            raise ValueError("set image_column or video_column, not both")
         return self
 
     @model_validator(mode="after")

@@ -118,6 +118,8 @@ def _inside_dataset_problems(cfg: Config, base: Path) -> list[str]:
     """``eval_files`` and ``metadata`` name files of the dataset: refuse ones outside its folder."""
     problems = []
     for i, ds in enumerate(cfg.datasets):
+        if ds.path is None:  # a hub dataset: its files are the snapshot's
+            continue
         root, real_root = Path(os.path.abspath(base / ds.path)), resolve(ds.path, base)
         named = [(f"datasets[{i}].eval_files[{j}]", f) for j, f in enumerate(ds.eval_files)]
         named += [(f"datasets[{i}].metadata", ds.metadata)] if ds.metadata else []

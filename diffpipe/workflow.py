@@ -63,15 +63,18 @@ def dataset_fingerprint(cfg: Config) -> str:
     """
     entries = []
     for ds in cfg.datasets:
-        if not Path(ds.path).is_dir():
+        if ds.path is not None and not Path(ds.path).is_dir():
             raise FileNotFoundError(f"datasets[{ds.name}].path: folder not found: {ds.path}")
+        # A hub id resolves to its snapshot folder (the commit is in its name).
         listing = list_dataset(ds, cfg.validation, with_stats=True, exclude=run_folders(cfg.output_dir, cfg.cache.dir))
+        if listing.error and listing.error[0] == "missing_dataset":  # a hub id not found, as a missing folder
+            raise FileNotFoundError(listing.error[1])
         stats = dict(listing.stats)
         for rel in listing.metadata:  # few files; not in the listing's stats
             st = os.stat(os.path.join(listing.root, rel))
             stats[rel] = (st.st_size, st.st_mtime_ns)
-        entries.append([ds.name, str(listing.root), sorted(stats.items()),
-                        sorted((p.rel, p.reason) for p in listing.problems)])
+        entry = [ds.name, str(listing.root), sorted(stats.items()), sorted((p.rel, p.reason) for p in listing.problems)]
+        entries.append(entry + ([listing.error] if listing.error else []))  # folders keep their digest
     target = Path(cfg.output_dir) / DATASET_FINGERPRINT
     write_if_changed(target, digest(entries) + "\n")
     return str(target)

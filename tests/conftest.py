@@ -26,6 +26,7 @@ LONGEST_FIRST = (
     "tests/multiprocess/test_data_parallel.py",  # 145 s
     "tests/stages/test_train_resume.py",  # 108 s
     "tests/stages/test_export_formats.py",  # 58 s
+    "tests/stages/test_tabular_datasets.py",  # one `diffpipe run`: 47 s CPU alone, 60-120 s wall on a busy machine
     "tests/workflow/test_sbatch_preview.py",  # 41 s
     "tests/stages/test_full_finetune.py",  # 37 s
     "tests/unit/test_estimate.py",  # 30 s

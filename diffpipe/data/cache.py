@@ -55,13 +55,14 @@ from diffpipe.data.latents import (
     storage_to_tensor,
     write_latent_shard,
 )
-from diffpipe.data.media import DEFAULT_MAX_PIXELS
+from diffpipe.data.media import DEFAULT_MAX_PIXELS, sha256_media
 from diffpipe.data.plan import EMPTY_ID, read_spec, text_key
 from diffpipe.data.store import (
     Store,
     StoreRow,
     shard_content_name,
 )
+from diffpipe.data.tables import parse_locator, read_media
 from diffpipe.data.text import TextShard, write_text_shard
 from diffpipe.data.video import load_video_array
 from diffpipe.utils import write_text_atomic
@@ -104,25 +105,28 @@ def _prefetched(batches: Iterable[list[T]], fn: Callable[[T], R], pool: Executor
     return drain()
 
 
-def _sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 20):
-            h.update(block)
-    return h.hexdigest()
-
-
 def _read_checked(path: str, sha256: str, trust: bool, *, stream: bool = False) -> bytes | None:
-    """A file's bytes (None when ``stream``), after checking its planned sha256 unless trusted."""
+    """A file's (or table cell's) bytes, after checking its planned sha256 unless trusted.
+
+    ``stream``: a file is only hashed (None comes back) and its decoder reads it from
+    disk; a table cell is always read into memory.
+    """
+    stream = stream and parse_locator(path) is None
     try:
-        data = None if stream else Path(path).read_bytes()
-        sha = _sha256_of(Path(path)) if data is None else hashlib.sha256(data).hexdigest()
+        data = None if stream else read_media(path)
+        sha = sha256_media(path) if data is None else hashlib.sha256(data).hexdigest()
     except OSError as err:
         raise ValueError(f"cannot read {path}: {err}; rerun the validate step") from err
     if not trust and sha != sha256:
         # Encoding it would store new pixels under the old content's key.
         raise ValueError(f"{path} changed since validation (sha256 differs); rerun the workflow")
     return data
+
+
+def _source_order(item: dict[str, Any]) -> tuple[str, int]:
+    """Where an item's bytes are: (file, row) for a table cell, (path, 0) for a file."""
+    cell = parse_locator(item["path"])
+    return (cell.file, cell.row) if cell else (item["path"], 0)
 
 
 def _decode(job: tuple[dict[str, Any], bool] | tuple[dict[str, Any], bool, int]) -> dict[str, np.ndarray]:
@@ -144,7 +148,8 @@ def _decode(job: tuple[dict[str, Any], bool] | tuple[dict[str, Any], bool, int])
     out: dict[str, np.ndarray] = {}
     try:
         if frames:
-            out["pixels"] = load_video_array(Path(path), (h, w), frames, crop=crop, flip=flip, max_pixels=max_pixels)
+            src = Path(path) if data is None else io.BytesIO(data)
+            out["pixels"] = load_video_array(src, (h, w), frames, crop=crop, flip=flip, max_pixels=max_pixels)
         else:
             out["pixels"] = load_image_array(io.BytesIO(data), (h, w), crop=crop, flip=flip, max_pixels=max_pixels)
     except Exception as err:
@@ -302,6 +307,9 @@ def cache_latents(
             del values[key]
     reused = len(values)
     missing = [item for key, item in first.items() if key not in values]
+    if any(parse_locator(item["path"]) for item in missing):
+        # Table rows in table order: a Parquet row group is read once, not once per item.
+        missing.sort(key=_source_order)
 
     by_bucket: dict[tuple[int, ...], list[dict[str, Any]]] = {}
     for item in missing:

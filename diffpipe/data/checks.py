@@ -21,6 +21,12 @@ from diffpipe.data.metadata import relative_path
 from diffpipe.data.policy import Action
 from diffpipe.utils import digest
 
+#: Reasons found by reading media content: reused with the hash while the content is unchanged
+#: (a file's size and mtime, a table row's bytes).
+PROBE_REASONS = frozenset(
+    {"zero_byte", "corrupt_media", "extension_mismatch", "decompression_bomb", "large_media", "no_frames"}
+)
+
 
 class TokenCounter(Protocol):
     """Counts caption tokens with a model's real tokenizers."""
@@ -212,7 +218,8 @@ def assign_split(ds: DatasetConfig, rows: list[dict[str, Any]], issue: Any, root
         rel = row["relpath"]
         held = rel in wanted
         if not held and ds.eval_fraction > 0:
-            held = int(digest([ds.eval_seed, rel])[:15], 16) / 16**15 < ds.eval_fraction
+            # A table row draws by its content key (``_draw``): reordering rows keeps the split.
+            held = int(digest([ds.eval_seed, row.get("_draw", rel)])[:15], 16) / 16**15 < ds.eval_fraction
         row["split"] = "eval" if held else "train"
 
 

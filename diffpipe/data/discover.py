@@ -17,6 +17,7 @@ from pathlib import Path
 
 from diffpipe.config import DatasetConfig, ValidationConfig
 from diffpipe.data.metadata import DEFAULT_NAMES
+from diffpipe.data.tables import TableError, Tables, find_tables
 
 
 @dataclass(frozen=True)
@@ -46,6 +47,14 @@ class Listing:
     aux: dict[str, dict[str, str]] = field(default_factory=dict)
     #: The aux folders that exist (role -> absolute folder).
     aux_roots: dict[str, Path] = field(default_factory=dict)
+    #: A table dataset (``datasets`` folder, Parquet shards, hub snapshot): its files; media is empty.
+    table: Tables | None = None
+    #: Why the dataset cannot be read at all: (reason code, sentence); a hub id not found, a table
+    #: split missing.
+    error: tuple[str, str] | None = None
+    #: Where the dataset's symbolic links may lead: the root, or for a hub snapshot its repository
+    #: folder (the snapshot's files are links into ``blobs/``).
+    link_root: Path | None = None
 
 
 def norm_ext(ext: str) -> str:
@@ -237,7 +246,15 @@ def list_dataset(
     ``exclude``: the run's own folders (:func:`run_folders`); a symbolic link into one
     is reported as ``run_folder`` and not followed (the config refuses direct overlaps).
     """
-    root = Path(ds.path).absolute()
+    root, error = dataset_root(ds)
+    if error:
+        return Listing(root, {}, [], False, error=error)
+    if os.path.isdir(root):
+        try:  # a folder saved by the datasets library: no walk needed
+            if table := find_tables(root, ds.split, parquet=False):
+                return _table_listing(root, table, with_stats)
+        except TableError as err:
+            return Listing(root, {}, [], False, error=("bad_metadata", str(err)))
     kinds = {norm_ext(e): "video" for e in vcfg.video_exts}
     kinds.update({norm_ext(e): "image" for e in vcfg.image_exts})
     # A configured metadata file by its path; else the default names in any folder
@@ -253,10 +270,44 @@ def list_dataset(
         except ValueError:
             pass
     listing = _walk(str(root), kinds, norm_ext(ds.caption_ext), meta_names, with_stats, frozenset(skip), exclude)
+    if not listing.media and not listing.metadata:  # Parquet shards holding the media bytes
+        try:
+            if table := find_tables(root, ds.split, parquet=True):
+                return _table_listing(root, table, with_stats)
+        except TableError as err:
+            return Listing(root, {}, [], False, error=("bad_metadata", str(err)))
+    if ds.hub:
+        listing.link_root = root.parent.parent  # <cache>/datasets--org--name/snapshots/<commit>
     for role, folder in folders.items():
         if os.path.isdir(folder):
             listing.aux_roots[role] = folder
             listing.aux[role] = _aux_files(folder, vcfg.image_exts, with_stats, listing, exclude)
+    return listing
+
+
+def dataset_root(ds: DatasetConfig) -> tuple[Path, tuple[str, str] | None]:
+    """The folder a dataset is read from (``path``, or the hub snapshot of ``hub``), and why not when
+    it cannot be had (never raises: Snakemake calls this while building its DAG)."""
+    if ds.hub is None:
+        return Path(ds.path or ".").absolute(), None
+    from diffpipe.data import hub
+
+    try:
+        return hub.resolve(ds.hub, ds.revision), None
+    except hub.HubError as err:
+        return hub.cache_folder(), ("missing_dataset", f"datasets[{ds.name}].hub: {err}")
+
+
+def _table_listing(root: Path, table: Tables, with_stats: bool) -> Listing:
+    """A table dataset's listing: no media files; its table files (with stats) describe it."""
+    listing = Listing(root, {}, [], True, table=table)
+    if with_stats:
+        for path in (*table.files, *table.extra):
+            try:
+                st = os.stat(path)
+            except OSError:
+                continue
+            listing.stats[os.path.relpath(path, root)] = (st.st_size, st.st_mtime_ns)
     return listing
 
 
@@ -270,4 +321,6 @@ def dataset_files(ds: DatasetConfig, vcfg: ValidationConfig, exclude: tuple[str,
     root = str(listing.root)
     paths = [os.path.join(root, rel) for rel in (*listing.media, *listing.captions, *listing.metadata)]
     paths += [p for files in listing.aux.values() for p in files.values()]
+    if listing.table:
+        paths += [*listing.table.files, *listing.table.extra]
     return sorted(Path(p) for p in paths if os.access(p, os.R_OK))

@@ -32,6 +32,7 @@ import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
 from diffpipe.data.headers import declared_size, sniff  # noqa: F401  (sniff: part of this module's API)
+from diffpipe.data.tables import parse_locator, read_media
 
 _INT_MODES = {"I", "I;16", "I;16L", "I;16B", "I;16N"}
 #: Pillow's own limit (``Image.MAX_IMAGE_PIXELS``) and ``validation.max_pixels``'s default: the
@@ -103,8 +104,23 @@ class Probe:
         return self.__dict__.copy()
 
 
+def media_input(path: str) -> str | BinaryIO:
+    """What a decoder opens for a manifest path: the file path, or a table cell's bytes in memory."""
+    return io.BytesIO(read_media(path)) if parse_locator(path) else path
+
+
+def sha256_media(path: str) -> str:
+    """SHA-256 of a media file or table cell (a file is hashed in blocks)."""
+    if parse_locator(path):
+        return hashlib.sha256(read_media(path)).hexdigest()
+    return _read(path, _IN_MEMORY + 1)[1]
+
+
 def _read(path: str, size_hint: int) -> tuple[bytes | None, str]:
     """(content or None when large, sha256)."""
+    if parse_locator(path):  # a table cell: in memory already
+        data = read_media(path)
+        return data, hashlib.sha256(data).hexdigest()
     if size_hint <= _IN_MEMORY:
         with open(path, "rb") as f:
             data = f.read()
@@ -296,9 +312,11 @@ def _reason(err: Exception) -> str:
 def probe(path: str, ext_kind: str, max_pixels: int) -> Probe:
     """Hash and check one media file; ``ext_kind`` is the kind its extension says."""
     p = Probe()
+    cell = parse_locator(path)
     try:
-        size = os.stat(path).st_size
+        size = 0 if cell else os.stat(path).st_size
         data, p.sha256 = _read(path, size)
+        size = len(data) if cell and data is not None else size
     except OSError as err:
         p.problems.append(("unreadable", f"cannot read the file: {err.strerror or err}"))
         return p
@@ -311,7 +329,7 @@ def probe(path: str, ext_kind: str, max_pixels: int) -> Probe:
         with open(path, "rb") as f:
             head = f.read(32)
     found = sniff(head)
-    expected = EXT_FORMAT.get(os.path.splitext(path)[1].lower())
+    expected = None if cell else EXT_FORMAT.get(os.path.splitext(path)[1].lower())
     if found and expected and found != expected:
         p.problems.append(
             (
@@ -352,10 +370,10 @@ def thumbnail(path: str, kind: str | None, size: int, max_pixels: int = DEFAULT_
     """
     try:
         if kind == "video":
-            with open_video(path, max_pixels) as (container, stream):
+            with open_video(media_input(path), max_pixels) as (container, stream):
                 img = next(decoded_frames(container, stream, max_pixels)).to_image()
         else:
-            with open_image(path, max_pixels) as src:
+            with open_image(media_input(path), max_pixels) as src:
                 src.draft("RGB", (size, size))
                 src.load()
                 img = to_rgb(ImageOps.exif_transpose(src))

@@ -209,19 +209,23 @@ def read_metadata(
     file_column: str | None,
     caption_column: str | None,
     aux_columns: dict[str, str] | None = None,
+    *,
+    link_root: Path | None = None,
 ) -> MetadataTable:
     """Parse a dataset's metadata files (paths relative to ``root``) into one table.
 
     A file's paths are relative to the folder holding it (``test/metadata.jsonl``
     names files in ``test/``, as in the ``imagefolder`` layout). ``aux_columns``
     (role -> column, e.g. ``{"mask": "mask_file"}``) name columns of per-item
-    auxiliary image paths, relative like the file column.
+    auxiliary image paths, relative like the file column. ``link_root``: where
+    symbolic links may lead (default ``root``; a hub snapshot's links lead into
+    its repository's ``blobs`` folder).
     """
     table = MetadataTable(list(files))
     table.aux = {role: {} for role in aux_columns or {}}
     for rel in files:
         try:
-            _read_one(root, rel, file_column, caption_column, table, aux_columns or {})
+            _read_one(root, rel, file_column, caption_column, table, aux_columns or {}, link_root or root)
         except Exception as err:  # a case not foreseen above still names the file, never a traceback
             msg = f"metadata file {rel} cannot be read: {type(err).__name__}: {err}"
             table.problems.append(Problem("bad_metadata", str(root / rel), msg))
@@ -252,6 +256,7 @@ def _read_one(
     caption_column: str | None,
     table: MetadataTable,
     aux_columns: dict[str, str],
+    link_root: Path,
 ) -> None:
     path = root / meta_rel
     name = meta_rel
@@ -302,7 +307,7 @@ def _read_one(
             table.problems.append(Problem("bad_metadata", str(path), msg))
     if fcol is None or ccol is None:
         return
-    real_root = root.resolve()
+    real_root = link_root.resolve()
     base = os.path.dirname(meta_rel)
     for n, rec in enumerate(records.rows, 1):
         if rec is None:  # malformed: reported above

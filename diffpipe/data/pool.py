@@ -82,10 +82,10 @@ def _probe_isolated(path: str, kind: str, max_pixels: int, ctx: Any) -> dict[str
             return pool.submit(probe_many, [(path, kind)], max_pixels).result()[0]
         except BrokenProcessPool:
             pass
-    from diffpipe.utils import sha256_file
+    from diffpipe.data.media import sha256_media
 
     try:
-        sha = sha256_file(path)
+        sha = sha256_media(path)
     except OSError:
         sha = None
     problem = ("corrupt_media", "the decoder crashed on this file")

@@ -31,9 +31,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from diffpipe.config import DatasetConfig, ValidationConfig
-from diffpipe.data import aux_images
+from diffpipe.data import aux_images, table_items
 from diffpipe.data import captions as cap
 from diffpipe.data.checks import (  # noqa: F401  (FamilyTokenCounter: used through this module)
+    PROBE_REASONS,
     FamilyTokenCounter,
     TokenCounter,
     add_reason,
@@ -52,15 +53,6 @@ from diffpipe.utils import atomic_path, digest
 #: Bump when probing changes, so a new version re-probes every file.
 #: 4: declared sizes checked from headers (GIF frames, video streams); ``large_media``.
 PROBE_VERSION = 4
-#: Reasons found by reading media content, reused while size and mtime are unchanged.
-_PROBE_REASONS = {
-    "zero_byte",
-    "corrupt_media",
-    "extension_mismatch",
-    "decompression_bomb",
-    "large_media",
-    "no_frames",
-}
 #: Reasons found by reading a caption file, reused likewise.
 _CAPTION_REASONS = {"empty_caption", "caption_not_utf8"}
 #: Per-item auxiliary images (:mod:`diffpipe.data.aux_images`).
@@ -265,7 +257,7 @@ def _collect(
             for k in ("sha256", "kind", "width", "height", "frames", "fps"):
                 row[k] = prev[k]
             for reason, note in zip(prev["reasons"], prev["notes"], strict=True):
-                if reason in _PROBE_REASONS:
+                if reason in PROBE_REASONS:
                     add_reason(row, reason, note)
             row["_reused"] = True
         else:
@@ -408,17 +400,28 @@ def run_validation(
 
         listing = list_dataset(ds, vcfg, with_stats=True, exclude=exclude)
         if not listing.root_ok:
-            issue(
-                str(listing.root),
+            reason, note = listing.error or (
                 "missing_dataset",
                 f"dataset folder {listing.root} does not exist or is not a folder",
             )
+            issue(str(listing.root), reason, note)
+            continue
+        if listing.table:
+            rows, ds_jobs = table_items.collect(ds, listing.table, listing.root, prev_rows, reuse_probe, issue)
+            for row in rows:
+                row.update({f"{role}_{col}": None for role in AUX_ROLES for col in aux_images.COLUMNS})
+            if not rows:
+                issue(str(listing.root), "no_media", f"split {listing.table.split!r} of {listing.root} holds no rows")
+            jobs += [(rows, i, p, k) for i, p, k in ds_jobs]
+            per_ds.append((ds, listing, MetadataTable(), rows))
             continue
         for found in listing.problems:
             issue(str(listing.root / found.rel), found.reason, found.note)
         meta_files = [ds.metadata] if ds.metadata else listing.metadata
         aux_columns = {r: c for r in AUX_ROLES if (c := getattr(ds, f"{r}_column", None))}
-        meta = read_metadata(listing.root, meta_files, ds.file_column, ds.caption_column, aux_columns)
+        meta = read_metadata(
+            listing.root, meta_files, ds.file_column, ds.caption_column, aux_columns, link_root=listing.link_root
+        )
         for prob in meta.problems:
             path = prob.where if os.path.isabs(prob.where) else str(listing.root / prob.where)
             issue(path, prob.reason, prob.note)
@@ -460,16 +463,17 @@ def run_validation(
     all_rows: list[dict[str, Any]] = []
     for ds, listing, meta, rows in per_ds:
         same_key = not rehash and prev_caption_keys.get(ds.name) == caption_keys[ds.name]
-        _captions(
-            ds,
-            listing,
-            meta,
-            rows,
-            prev_rows,
-            same_key,
-            result,
-            lambda p, r, n, d=ds.name: extra.append((d, p, r, n)),
-        )
+        if listing.table is None:  # table rows have theirs already (table_items)
+            _captions(
+                ds,
+                listing,
+                meta,
+                rows,
+                prev_rows,
+                same_key,
+                result,
+                lambda p, r, n, d=ds.name: extra.append((d, p, r, n)),
+            )
         for row in rows:
             check_geometry(ds, vcfg, row)
             aux_images.check_geometry(row)
@@ -480,6 +484,7 @@ def run_validation(
 
     for row in all_rows:
         result.reused += row.pop("_reused", False)
+        row.pop("_draw", None)
         row["status"] = status_of(row["reasons"], actions)
         for reason, note in zip(row["reasons"], row["notes"], strict=True):
             result.issues.append(

@@ -1,0 +1,164 @@
+"""Manifest rows of a table dataset (:mod:`diffpipe.data.tables`): one per table row.
+
+A row's item id is a digest of the dataset name and the SHA-256 of its media
+bytes (``#k`` for the k-th repeat of the same bytes), not of its position: rows
+reordered, inserted or spread over other shards keep their ids, so their
+probe results, shard and cache entries stay; a row whose image changes is a new
+item (its old entry leaves its shard). Editing a caption keeps the id, so it
+re-encodes one text entry and no latent. The media bytes are hashed on every
+validation (that is how a change is seen: tables have no per-row mtime);
+decoding, the costly part, runs only for content not validated before.
+
+The manifest row's ``path`` is the cell's locator (file, row, column), its
+``relpath`` ``<split>/<n>`` (n-th row of the split: what ``eval_files`` names).
+The captions come from the caption column, read like a metadata cell.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from diffpipe.config import DatasetConfig
+from diffpipe.data import captions as cap
+from diffpipe.data.checks import PROBE_REASONS, add_reason
+from diffpipe.data.metadata import CAPTION_COLUMNS, pick_column
+from diffpipe.data.tables import Cell, TableError, Tables, cell_bytes, iter_rows, locator, schema_of
+from diffpipe.utils import digest
+
+#: Manifest fields a probe fills, reused with the hash.
+PROBE_KEYS = ("sha256", "kind", "width", "height", "frames", "fps")
+
+
+def item_key(sha256: str, repeat: int) -> str:
+    """What a table row's item id is a digest of: its media content and which copy of it it is."""
+    return f"sha256:{sha256}" + (f"#{repeat}" if repeat else "")
+
+
+def media_column(ds: DatasetConfig, columns: list[str], types: dict[str, Any]) -> str | None:
+    """The configured media column, else ``image`` (``video``), else the only column of media bytes."""
+    if want := ds.video_column or ds.image_column:
+        return want if want in columns else None
+    default = "image"
+    if default in columns:
+        return default
+    media = [c for c in columns if _holds_bytes(types[c])]
+    return media[0] if len(media) == 1 else None
+
+
+def _holds_bytes(typ: Any) -> bool:
+    import pyarrow as pa
+
+    if pa.types.is_struct(typ):
+        return any(typ.field(i).name == "bytes" for i in range(typ.num_fields))
+    return pa.types.is_binary(typ) or pa.types.is_large_binary(typ)
+
+
+def collect(
+    ds: DatasetConfig,
+    tables: Tables,
+    root: Path,
+    previous: dict[str, dict[str, Any]],
+    reuse_probe: bool,
+    issue: Any,
+) -> tuple[list[dict[str, Any]], list[tuple[int, str, str]]]:
+    """Manifest rows (captions attached, probe results reused by content) and the cells to probe."""
+    try:
+        types = schema_of(tables)
+    except TableError as err:
+        issue(str(root), "bad_metadata", str(err))
+        return [], []
+    columns = list(types)
+    kind = "video" if ds.video_column else "image"
+    media = media_column(ds, columns, types)
+    cap_col = pick_column(columns, ds.caption_column, CAPTION_COLUMNS)
+    have = ", ".join(columns) or "none"
+    first = tables.files[0]
+    if media is None:
+        key = f"{kind}_column"
+        wanted = repr(getattr(ds, key)) if getattr(ds, key) else "'image' or a single column of media bytes"
+        issue(first, "bad_metadata", f"table {first} has no {kind} column {wanted} (columns: {have}); "
+              f"set datasets[{ds.name}].{key}")
+    if cap_col is None:
+        wanted = repr(ds.caption_column) if ds.caption_column else f"one of {', '.join(CAPTION_COLUMNS)}"
+        issue(first, "bad_metadata", f"table {first} has no caption column {wanted} (columns: {have}); "
+              f"set datasets[{ds.name}].caption_column")
+    if ds.aux_roles():
+        issue(str(root), "bad_metadata", f"datasets[{ds.name}]: masks and control images are read from folders "
+              "or metadata files only, not from table columns; remove mask_*/control_* or use a folder of files")
+    if media is None or cap_col is None:
+        return [], []
+    rows: list[dict[str, Any]] = []
+    jobs: list[tuple[int, str, str]] = []
+    copies: Counter[str] = Counter()
+    try:
+        for n, (file, index, values) in enumerate(iter_rows(tables, [media, cap_col])):
+            loc = locator(Cell(tables.fmt, file, index, media))
+            where = f"row {index} of {os.path.basename(file)}"
+            row, sha = _row(ds, f"{tables.split}/{n}", loc, where, values[media], kind, copies)
+            _caption(ds, row, values[cap_col], f"{where}, column {cap_col!r},")
+            prev = previous.get(row["id"])
+            if sha is None:
+                pass  # no bytes: nothing to probe (missing_file)
+            elif reuse_probe and prev and prev["sha256"] == sha:
+                _reuse(row, prev)
+            else:
+                jobs.append((len(rows), loc, kind))
+            rows.append(row)
+    except TableError as err:
+        issue(str(root), "bad_metadata", str(err))
+    return rows, jobs
+
+
+def _row(
+    ds: DatasetConfig, rel: str, loc: str, where: str, cell: Any, kind: str, copies: Counter[str]
+) -> tuple[dict[str, Any], str | None]:
+    """A row's manifest fields before probing, and the SHA-256 of its media bytes (None: no bytes)."""
+    data = cell_bytes(cell)
+    sha = hashlib.sha256(data).hexdigest() if data is not None else None
+    if sha is not None:
+        key = item_key(sha, copies[sha])
+        copies[sha] += 1
+    else:
+        key = f"row:{rel}"
+    row: dict[str, Any] = {
+        "id": digest([ds.name, key])[:16],
+        "dataset": ds.name,
+        "path": loc,
+        "relpath": rel,
+        "kind": kind,
+        "size": len(data) if data is not None else 0,
+        "mtime_ns": None,
+        **dict.fromkeys(("sha256", "width", "height", "frames", "fps")),
+        "reasons": [],
+        "notes": [],
+        **dict.fromkeys(("caption_file", "caption_size", "caption_mtime_ns")),
+        "_draw": key,  # the eval_fraction draw follows the content, not the row's position
+    }
+    if data is None:
+        named = cell.get("path") if isinstance(cell, dict) else None
+        only = f" (only a path, {named!r}: store the {kind} bytes in the table)" if named else ""
+        add_reason(row, "missing_file", f"{where}: the cell holds no {kind} bytes{only}")
+    return row, sha
+
+
+def _reuse(row: dict[str, Any], prev: dict[str, Any]) -> None:
+    """Take the probe results of the same content from the previous manifest."""
+    for k in PROBE_KEYS:
+        row[k] = prev[k]
+    for reason, note in zip(prev["reasons"], prev["notes"], strict=True):
+        if reason in PROBE_REASONS:
+            add_reason(row, reason, note)
+    row["_reused"] = True
+
+
+def _caption(ds: DatasetConfig, row: dict[str, Any], cell: Any, where: str) -> None:
+    """Attach the caption cell's alternatives (or its reason) to the row, as for a metadata cell."""
+    c = cap.from_metadata(cell, where=where, lines=ds.caption_lines, style=ds.caption_style)
+    if c.reason:
+        add_reason(row, c.reason, c.note)
+    texts = list(c.texts)
+    row.update(captions=texts, caption=texts[0] if texts else "", caption_sha256=cap.caption_hash(texts))
