@@ -28,6 +28,7 @@ STAGE_SECTIONS: dict[str, tuple[str, ...]] = {
     "train": ("model", "train"),
     "export": ("model", "export"),
     "sample": ("model", "sample"),
+    "bench": ("model", "datasets", "train", "bench"),
 }
 
 
