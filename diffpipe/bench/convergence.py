@@ -33,7 +33,7 @@ def run_convergence(cfg: Config, out_dir: Path, *, console: Console | None = Non
     b = cfg.bench
     pts = [PRECISIONS[p] for p in b.convergence_precisions]
     rows = sweep(cfg, pts, prepare_out(out_dir / "convergence"), steps=b.convergence_steps, warmup=0,
-                 console=console, label="convergence")
+                 console=console, label="convergence", profile=True)  # losses only: a profile may run
     curves: dict[str, list[float]] = {}
     for name, row in zip(b.convergence_precisions, rows, strict=True):
         row["name"] = name

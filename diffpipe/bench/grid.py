@@ -64,9 +64,11 @@ def data_shape(cfg: Config, point: dict[str, Any], video: bool) -> tuple[int, in
     return res, frames
 
 
-def point_config(cfg: Config, point: dict[str, Any], *, output_dir: str, steps: int) -> Config:
+def point_config(cfg: Config, point: dict[str, Any], *, output_dir: str, steps: int,
+                 profile: bool = False) -> Config:
     """The config a point trains with: the user's, the point's train settings, ``steps`` steps, and no
-    eval, sampling or intermediate saves (they would run between the measured steps)."""
+    eval, sampling or intermediate saves (they would run between the measured steps); ``train.profile``
+    kept only with ``profile`` (a run whose speed is not measured)."""
     data = cfg.model_dump(mode="json")
     train = data["train"]
     for key, value in point.items():
@@ -85,7 +87,9 @@ def point_config(cfg: Config, point: dict[str, Any], *, output_dir: str, steps: 
             raise ConfigError(f"bench axis {key!r}: no config key {target}")
         node[leaf] = value
     train.update(max_steps=steps, sample_every_steps=0, sample_every_epochs=0, save_every_epochs=0,
-                 checkpoint_every_steps=0, checkpoint_every_minutes=0, keep_checkpoints=1, profile={"steps": 0})
+                 checkpoint_every_steps=0, checkpoint_every_minutes=0, keep_checkpoints=1)
+    if not profile:
+        train["profile"] = {"steps": 0}
     train["eval"].update(every_steps=0, quantiles=[])
     data["output_dir"] = output_dir
     return parse_config(data, f"bench point {point}")

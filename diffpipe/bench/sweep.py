@@ -106,7 +106,7 @@ def measure(metrics: Path, warmup: int) -> dict[str, Any]:
     return out
 
 
-def _specs(cfg: Config, pts: list[dict[str, Any]], out_dir: Path, steps: int):
+def _specs(cfg: Config, pts: list[dict[str, Any]], out_dir: Path, steps: int, profile: bool):
     """(point, its config, (resolution, frames)) of every point; config errors before anything runs."""
     video = get_family(cfg.model).is_video
     specs = []
@@ -115,15 +115,17 @@ def _specs(cfg: Config, pts: list[dict[str, Any]], out_dir: Path, steps: int):
         if cfg.bench.data == "cache" and ("resolution" in point or "frames" in point):
             raise ConfigError("bench axes resolution and frames shape synthetic batches; with bench.data: cache "
                               "the caches fix them (remove the axes or use bench.data: synthetic)")
-        pcfg = g.point_config(cfg, point, output_dir=str(out_dir / "points" / f"p{i:03d}"), steps=steps)
+        pcfg = g.point_config(cfg, point, output_dir=str(out_dir / "points" / f"p{i:03d}"), steps=steps,
+                              profile=profile)
         specs.append((point, pcfg, shape))
     return specs
 
 
 def sweep(cfg: Config, pts: list[dict[str, Any]], out_dir: Path, *, steps: int, warmup: int,
-          console: Console | None, label: str = "bench") -> list[dict[str, Any]]:
-    """Run every point; one row per point: its settings, measures and status."""
-    specs = _specs(cfg, pts, out_dir, steps)
+          console: Console | None, label: str = "bench", profile: bool = False) -> list[dict[str, Any]]:
+    """Run every point; one row per point: its settings, measures and status (``profile``: keep
+    ``train.profile``, for runs whose speed is not measured)."""
+    specs = _specs(cfg, pts, out_dir, steps, profile)
     inputs: dict[tuple[int, int], Path] = {}
     if cfg.bench.data == "synthetic":
         from diffpipe.bench.synthetic import encode_inputs
