@@ -524,7 +524,7 @@ class TrainConfig(_Section):
     zero_stage: Int = Field(0, description="DeepSpeed ZeRO stage.", ge=0, le=3)
     count_flops: Bool = Field(
         True, description="Log model FLOPs per step, TFLOPS per device and MFU (`metrics.jsonl`, TensorBoard): "
-        "counted with torch's FLOP counter on the first step of each batch shape, then reused.",
+        "counted with torch's FLOP formulas on the first step of each batch shape, then reused.",
     )
     peak_tflops: Float | None = Field(
         None, description="The device's dense peak TFLOPS at the training precision, for MFU; null = from the "

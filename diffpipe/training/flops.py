@@ -1,7 +1,7 @@
 """Model FLOPs per training step, TFLOPS per device and MFU (model FLOPs utilisation).
 
-The FLOPs of a step are counted by torch's own FLOP counter
-(``torch.utils.flop_counter.FlopCounterMode``) around the real forward and
+The FLOPs of a step are counted with torch's own FLOP formulas
+(``torch.utils.flop_counter``'s registry, as ``FlopCounterMode`` uses them) around the real forward and
 backward of the first step of each batch shape (buckets and micro-batch size),
 LoRA or full fine-tuning alike; later steps of that shape reuse the count, so
 counting costs one slower step per shape. The counter sees matrix products,
@@ -21,7 +21,8 @@ from collections.abc import Hashable, Iterator
 from contextlib import contextmanager
 
 import torch
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop, sdpa_flop
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop, sdpa_flop
 
 from diffpipe.config import TrainConfig
 from diffpipe.training.precision import resolve_precision
@@ -71,19 +72,42 @@ def peak_for_name(name: str, precision: str) -> float | None:
 
 _aten = torch.ops.aten
 #: torch's counter knows the CUDA attention kernels; CPU's fused attention has the same arguments and work.
-#: (torch exports the formulas already wrapped to take shapes; the counter wraps custom ones itself.)
-_CPU_ATTENTION = {
-    _aten._scaled_dot_product_flash_attention_for_cpu: getattr(sdpa_flop, "__wrapped__", sdpa_flop),
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward: getattr(sdpa_backward_flop, "__wrapped__",
-                                                                        sdpa_backward_flop),
+#: (torch exports the formulas already wrapped to take shapes.)
+_FORMULAS = {
+    **flop_registry,
+    _aten._scaled_dot_product_flash_attention_for_cpu: sdpa_flop,
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward: sdpa_backward_flop,
 }
 
 
+class _Counter(TorchDispatchMode):
+    """Sums torch's FLOP formulas over the ops that run inside.
+
+    Not ``FlopCounterMode`` itself: its per-module breakdown hooks every module's
+    backward, which reorders gradient sums and so changes the trained weights in
+    the last bits; counting must leave training bit for bit as it is.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.total = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        formula = _FORMULAS.get(func._overloadpacket)
+        if formula is not None:
+            self.total += formula(*args, **kwargs, out_val=out)
+        return out
+
+    def get_total_flops(self) -> int:
+        return self.total
+
+
 @contextmanager
-def counted() -> Iterator[FlopCounterMode]:
+def counted() -> Iterator[_Counter]:
     """Count the FLOPs of what runs inside (forward and backward); ``get_total_flops()`` after."""
-    mode = FlopCounterMode(display=False, custom_mapping=_CPU_ATTENTION)
-    with mode:
+    with _Counter() as mode:
         yield mode
 
 
