@@ -126,6 +126,9 @@ def sweep(cfg: Config, pts: list[dict[str, Any]], out_dir: Path, *, steps: int, 
     """Run every point; one row per point: its settings, measures and status (``profile``: keep
     ``train.profile``, for runs whose speed is not measured)."""
     specs = _specs(cfg, pts, out_dir, steps, profile)
+    if cfg.bench.memory_limit_mb and _cuda():
+        raise ConfigError("bench.memory_limit_mb caps a process's address space, which CUDA needs far more of "
+                          "than memory; on a GPU leave it null (the GPU's memory is the cap)")
     inputs: dict[tuple[int, int], Path] = {}
     if cfg.bench.data == "synthetic":
         from diffpipe.bench.synthetic import encode_inputs
@@ -184,3 +187,9 @@ def run_bench(cfg: Config, out_dir: Path, *, grid: dict[str, list[Any]] | None =
 def _label(row: dict[str, Any]) -> str:
     """A point's axis values, e.g. ``2,bf16`` (the point's name where no axis is swept)."""
     return ",".join(f"{v}" for v in row["_point"].values()) or row["point"]
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
