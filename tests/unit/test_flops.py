@@ -131,3 +131,17 @@ def test_measure_skips_warmup_and_takes_percentiles(tmp_path):
     assert m["samples_per_s_per_device"] == pytest.approx(16 / 10)
     assert (m["step_time_p50_s"], m["step_time_p95_s"], m["peak_memory_mb"]) == (2.5, 4.0, 104.0)
     assert m["tflops_per_device"] == pytest.approx(8 / 2.5) and "mfu" not in m
+
+
+def test_bench_refuses_an_out_folder_it_did_not_make(tmp_path):
+    from diffpipe.bench.sweep import MARKER, prepare_out
+
+    user = tmp_path / "mine"
+    user.mkdir()
+    (user / "notes.txt").write_text("keep")
+    with pytest.raises(ConfigError, match="not made by diffpipe bench"):
+        prepare_out(user)
+    assert sorted(p.name for p in user.iterdir()) == ["notes.txt"]
+    ours = prepare_out(tmp_path / "bench")
+    (ours / "runs_summary.csv").write_text("old")
+    assert prepare_out(ours) == ours and (ours / MARKER).is_file()  # a sweep's own folder is reused
