@@ -94,4 +94,4 @@ def test_convergence_overlays_the_loss_curves_and_training_logs_flops_and_a_prof
     trace = list((profile / "trace").glob("*.pt.trace.json"))
     assert len(trace) == 1 and json.loads(trace[0].read_text())["traceEvents"]
     ops = list(csv.DictReader((profile / "ops.csv").open()))
-    assert any(r["op"] == "aten::convolution" for r in ops)
+    assert len(ops) >= 10 and any("convolution" in r["op"] for r in ops)  # the UNet's convolutions
