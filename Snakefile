@@ -24,6 +24,7 @@ include: "workflow/rules/cache.smk"
 include: "workflow/rules/train.smk"
 include: "workflow/rules/export.smk"
 include: "workflow/rules/sample.smk"
+include: "workflow/rules/bench.smk"
 
 
 # The target rule only collects files: never a cluster job.

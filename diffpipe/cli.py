@@ -543,6 +543,62 @@ def estimate(
 
 @app.command()
 @_errors
+def bench(
+    config: ConfigOpt,
+    grid: Annotated[list[str] | None, typer.Option(
+        "--grid", help="An axis KEY=V1,V2 (repeatable), added to or replacing the config's bench.grid; axes: "
+        "batch_size, precision, base_weights, activation_checkpointing, compile, attention_backend, "
+        "zero_stage, resolution, frames, or any train. key.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Output folder (default: OUTPUT_DIR/bench).")] = None,
+    convergence: Annotated[bool, typer.Option(
+        "--convergence", help="Instead: train the same data and seed at each of bench.convergence_precisions "
+        "and overlay the loss curves.")] = False,
+) -> None:
+    """Sweep training speed and memory over a grid of settings on this machine.
+
+    Each point trains warm-up plus measured steps of the configured model in
+    its own process; an out-of-memory point is recorded as oom and the sweep
+    goes on. Writes runs_summary.csv and throughput_vs_memory.png and prints the
+    fastest point with the config lines that select it.
+
+    Example: diffpipe bench -c config/demo.yaml --grid batch_size=1,2,4 --grid precision=fp32,bf16
+    """
+    from diffpipe.bench import parse_grid_args, run_bench, run_convergence
+
+    cfg = load_config(config)
+    out_dir = out or Path(cfg.output_dir) / "bench"
+    if convergence:
+        if grid:
+            raise typer.BadParameter("--grid sweeps speed; --convergence compares precisions: give one", param_hint="--grid")
+        result = run_convergence(cfg, out_dir, console=console)
+        for r in result.rows:
+            diff = r["final_loss_diff"]
+            _say(f"convergence: {r['name']:5s} {r['status']:7s} final loss "
+                 + (f"{r['final_loss']:.5f} ({diff:+.5f} vs {result.extra['reference']})" if diff != "" else "-")
+                 + (f"  {r['error']}" if r["error"] else ""))
+        _say(f"convergence: wrote {result.csv} and {result.plot}")
+        raise typer.Exit(0 if all(r["status"] == "ok" for r in result.rows) else 1)
+    result = run_bench(cfg, out_dir, grid=parse_grid_args(grid or []), console=console)
+    for r in result.rows:
+        setting = ", ".join(f"{k}={v}" for k, v in r["_point"].items()) or "config as is"
+        if r["status"] == "ok":
+            mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") not in (None, "") else ""
+            tflops = f", {r['tflops_per_device']:.3g} TFLOPS" if r.get("tflops_per_device") not in (None, "") else ""
+            _say(f"bench: {r['point']} {setting}: {r['samples_per_s_per_device']:.3g} samples/s, step "
+                 f"{r['step_time_p50_s']:.3g} s (p95 {r['step_time_p95_s']:.3g}), {r['peak_memory_mb']:.0f} MiB"
+                 f"{tflops}{mfu}")
+        else:
+            _say(f"bench: {r['point']} {setting}: {r['status']} ({r['error']})")
+    _say(f"bench: wrote {result.csv} and {result.plot}")
+    if result.best is None:
+        _fail("error", "no point trained; see the point logs under " + str(out_dir / "points"), 1)
+    _say(f"bench: fastest point that fits: {result.best['point']} "
+         f"({result.best['samples_per_s_per_device']:.3g} samples/s per device); config lines:")
+    _say(result.best_config.rstrip() or "(the config as it is)")
+
+
+@app.command()
+@_errors
 def doctor(
     config: Annotated[Path | None, typer.Option("--config", "-c", help="Experiment config to check against.")] = None,
     profile: Annotated[Path | None, typer.Option(help="Snakemake profile the run will use (SLURM: its tools).")] = None,

@@ -523,6 +523,14 @@ class ObjectiveConfig(_Section):
         return self
 
 
+class ProfileConfig(_Section):
+    skip: Int = Field(
+        2, description="Optimizer steps trained before the profiler records (the first steps are slower: "
+        "allocation, compilation).", ge=0, le=MAX_STEPS,
+    )
+    steps: Int = Field(0, description="Optimizer steps the profiler records (0: no profiling).", ge=0, le=1_000)
+
+
 class TrainConfig(_Section):
     epochs: Int = Field(10, description="Passes over the training data.", ge=1, le=MAX_EPOCHS)
     max_steps: Int | None = Field(
@@ -578,6 +586,18 @@ class TrainConfig(_Section):
         False, description="Recompute block activations in the backward pass: less memory, about 30% more compute."
     )
     zero_stage: Int = Field(0, description="DeepSpeed ZeRO stage.", ge=0, le=3)
+    count_flops: Bool = Field(
+        True, description="Log model FLOPs per step, TFLOPS per device and MFU (`metrics.jsonl`, TensorBoard): "
+        "counted with torch's FLOP formulas on the first step of each batch shape, then reused.",
+    )
+    peak_tflops: Float | None = Field(
+        None, description="The device's dense peak TFLOPS at the training precision, for MFU; null = from the "
+        "table of known GPUs in diffpipe/training/flops.py (no MFU on an unknown device or on CPU).", gt=0,
+    )
+    profile: ProfileConfig = Field(
+        default_factory=ProfileConfig, description="Profile a window of steps, e.g. `{skip: 2, steps: 3}`: a "
+        "torch profiler trace (TensorBoard plugin format) and a per-operator summary under `train/profile`.",
+    )
     pipeline_stages: Int = Field(
         1,
         description="Pipeline parallel: split the denoiser's layers over this many processes (the process count "
@@ -699,6 +719,56 @@ class SampleConfig(_Section):
         return self
 
 
+#: Grid axes of ``diffpipe bench`` and the config key each one sets (``data`` axes shape the synthetic batches).
+BENCH_AXES: dict[str, str] = {
+    "batch_size": "train.batch_size",
+    "precision": "train.precision",
+    "base_weights": "train.base_weights",
+    "activation_checkpointing": "train.activation_checkpointing",
+    "compile": "train.compile",
+    "attention_backend": "train.attention_backend",
+    "zero_stage": "train.zero_stage",
+    "resolution": "data.resolution",
+    "frames": "data.frames",
+}
+GridValue = Annotated[bool, Strict()] | Annotated[int, Strict()] | Float | Text
+
+
+class BenchConfig(_Section):
+    grid: dict[Text, Annotated[list[GridValue], Field(min_length=1, max_length=1_000)]] = Field(
+        {}, description="Axes of the sweep, each a list of values; every combination is one point. Axes: "
+        + ", ".join(f"`{a}`" for a in BENCH_AXES) + ", or any `train.` key (e.g. `train.grad_accum`). "
+        "`diffpipe bench --grid KEY=V1,V2` adds or replaces an axis.",
+    )
+    warmup_steps: Int = Field(2, description="Steps each point trains before measuring (not counted).", ge=0,
+                              le=10_000)
+    steps: Int = Field(5, description="Measured steps per point.", ge=1, le=100_000)
+    data: Literal["synthetic", "cache"] = Field(
+        "synthetic", description="What points train on: `synthetic` = random latents (and one encoded caption) "
+        "of a square bucket at each resolution, no cache needed; `cache` = the run's caches.",
+    )
+    memory_limit_mb: Int | None = Field(
+        None, description="Cap on each point's address space (RLIMIT_AS) in MiB, so a CPU point that needs more "
+        "fails as `oom` instead of swapping; null = no cap. On a GPU the device's memory is the cap.", ge=64,
+    )
+    timeout_minutes: Float = Field(30.0, description="A point running longer is stopped and recorded as "
+                                   "`timeout`.", gt=0)
+    convergence_precisions: list[Literal["fp32", "bf16", "fp16", "fp8"]] = Field(
+        ["fp32", "bf16", "fp8"], description="`diffpipe bench --convergence`: the precisions compared (`fp8` = "
+        "fp8 base weights, computing in bf16).", min_length=1,
+    )
+    convergence_steps: Int = Field(50, description="`diffpipe bench --convergence`: steps per precision.", ge=1,
+                                   le=1_000_000)
+
+    @field_validator("grid")
+    @classmethod
+    def _known_axes(cls, grid: dict[str, list[Any]]) -> dict[str, list[Any]]:
+        for key in grid:
+            if key not in BENCH_AXES and not key.startswith("train."):
+                raise ValueError(f"unknown axis {key!r}; axes: {', '.join(BENCH_AXES)} or a `train.` key")
+        return grid
+
+
 class Config(_Section):
     output_dir: PathText = Field("runs/demo", description="Folder that receives every output of the run.")
     model: ModelConfig = Field(default_factory=ModelConfig, description="Which model to fine-tune.")
@@ -708,6 +778,7 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig, description="Training.")
     export: ExportConfig = Field(default_factory=ExportConfig, description="LoRA export.")
     sample: SampleConfig = Field(default_factory=SampleConfig, description="Sample images.")
+    bench: BenchConfig = Field(default_factory=BenchConfig, description="`diffpipe bench`: speed and memory sweeps.")
 
     @model_validator(mode="after")
     def _unique_dataset_names(self) -> Config:

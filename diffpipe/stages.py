@@ -32,6 +32,8 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     "export": ("model", "export", "train.lora"),
     # train.lora: its kind picks the export samples load (LoKr/LoHa: the PEFT folder).
     "sample": ("model", "sample", "train.lora"),
+    # The speed sweep trains the configured model on the datasets' bucket shapes (not part of `all`).
+    "bench": ("model", "datasets", "train", "bench"),
 }
 
 #: Keys the train stage reads without rerunning when they change, and why.

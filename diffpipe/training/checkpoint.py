@@ -74,6 +74,11 @@ RESUME_SAFE_KEYS = (
     "train.eval",
     "train.sample_every_steps",
     "train.sample_every_epochs",
+    # What is measured and logged, never what is trained:
+    "train.count_flops",
+    "train.peak_tflops",
+    "train.profile",
+    "bench",
 )
 
 

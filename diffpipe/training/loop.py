@@ -20,8 +20,10 @@ from diffpipe.paths import RunPaths
 from diffpipe.training import checkpoint as ckpt
 from diffpipe.training import engine, pipeline, precision
 from diffpipe.training.eval import Evaluator, aux_inputs, eval_dataset
+from diffpipe.training.flops import StepFlops
 from diffpipe.training.metrics import MetricsWriter, peak_memory_mb, plot_loss, read_metrics
 from diffpipe.training.optim import build_optimizer
+from diffpipe.training.profiling import StepProfiler
 from diffpipe.training.sample import TrainingSampler
 from diffpipe.training.schedules import lr_lambda
 from diffpipe.training.trainable import Trainable
@@ -67,18 +69,20 @@ class DataOrder:
 
 
 def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str | None = None,
-          log=print) -> TrainResult:
+          log=print, data: CachedDataset | None = None) -> TrainResult:
     """Train a LoRA (or, with ``train.mode: full``, the whole denoiser) on the caches of ``paths``.
 
     ``resume`` continues from the latest checkpoint (or ``checkpoint``, a
     name under ``train/checkpoints`` or a path) with identical results.
+    ``data`` trains on that dataset instead of the run's caches (``diffpipe bench``'s synthetic batches).
     """
     tc = cfg.train
     precision.check(tc)
     dist = engine.setup_distributed()
     torch.manual_seed(tc.seed)
     family = get_family(cfg.model)
-    data = CachedDataset.from_run(paths)
+    own_data = data is None
+    data = CachedDataset.from_run(paths) if own_data else data
     if dist.world_size % tc.pipeline_stages:
         raise ValueError(f"train.pipeline_stages {tc.pipeline_stages} does not divide the {dist.world_size} processes")
     # Pipeline stages of one replica see the same data; replicas (data parallel) differ.
@@ -143,22 +147,25 @@ def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str
 
     metrics = MetricsWriter(paths.metrics, paths.tensorboard, enabled=dist.is_main, append=start > 0,
                             purge_step=start + 1 if start else None)
-    evaluate = Evaluator(family, eval_dataset(paths, data), tc.eval, batch_size=tc.batch_size, device=model.device)
+    evaluate = Evaluator(family, eval_dataset(paths, data) if own_data else data, tc.eval, batch_size=tc.batch_size, device=model.device)
     if start == 0:  # the baseline later evals compare with (TensorBoard only: rows are steps)
         metrics.log(0, jsonl=False, **evaluate(model))
     trigger = _CheckpointTrigger(tc, paths, dist.world_size, dist.is_main)
     sampler = TrainingSampler(family, cfg.sample, denoiser, paths.train_dir / "samples")
     samples_per_step = tc.batch_size * tc.grad_accum * dist.world_size
+    flops = StepFlops(tc, model.device)
+    profiler = StepProfiler(tc.profile, paths.train_dir / "profile", enabled=dist.is_main, rank=dist.rank)
     last_saved, t_start, losses = start, time.perf_counter(), []
     for step in range(start, order.total):
         done, epoch = step + 1, step // order.steps_per_epoch
         t0 = time.perf_counter()
-        if tc.pipeline_stages > 1:
-            loss, grad_norm = _pipeline_step(model, family, data, order.micro_batches(step), gen,
-                                             tc.caption_dropout, tc.objective)
-        else:
-            loss, grad_norm = _train_step(model, family, data, order.micro_batches(step), gen, params,
-                                          tc.caption_dropout, tc.objective)
+        micro = order.micro_batches(step)
+        with flops.step(tuple(data.items[idx[0]].bucket for idx in micro)):  # counted once per shape
+            if tc.pipeline_stages > 1:
+                loss, grad_norm = _pipeline_step(model, family, data, micro, gen, tc.caption_dropout, tc.objective)
+            else:
+                loss, grad_norm = _train_step(model, family, data, micro, gen, params, tc.caption_dropout,
+                                              tc.objective)
         step_loss = engine.mean_over_ranks(loss, dist.world_size)
         dt = time.perf_counter() - t0
         losses.append(step_loss)
@@ -166,7 +173,9 @@ def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str
         evals = evaluate(model) if due else {}
         metrics.log(done, epoch=epoch, loss=step_loss, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
                     samples_per_s=samples_per_step / dt, step_time=dt,
-                    peak_memory_mb=peak_memory_mb(model.device), elapsed_s=time.perf_counter() - t_start, **evals)
+                    peak_memory_mb=peak_memory_mb(model.device), elapsed_s=time.perf_counter() - t_start,
+                    **flops.fields(dt), **evals)
+        profiler.step()
         epoch_end = done % order.steps_per_epoch == 0
         if epoch_end and not trained.full and tc.save_every_epochs and (epoch + 1) % tc.save_every_epochs == 0:
             trained.save(paths.epoch_loras / f"epoch-{epoch + 1:04d}", step=done, epoch=epoch + 1)
@@ -178,6 +187,7 @@ def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str
             trigger.saved()
             last_saved = done
 
+    profiler.close()
     if last_saved != order.total or not ckpt.list_checkpoints(paths.checkpoints):
         save_checkpoint(order.total)
     metrics.close()

@@ -1,0 +1,60 @@
+"""One bench point in its own process: ``python -m diffpipe.bench.point SPEC.json``.
+
+It trains through ``diffpipe.training.loop.train`` (the code ``diffpipe
+train`` runs) with the point's config, on synthetic batches or the run's
+caches, and writes ``status.json`` beside the spec: ``ok``, ``oom`` (CUDA out
+of memory, or a failed CPU allocation under the sweep's memory cap) or
+``error`` with the message. The step times and memory are in the point's
+``train/metrics.jsonl``. Exit code 0 ok, 3 oom, 1 error.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+#: Messages of a failed CPU allocation (torch's allocator raises RuntimeError, NumPy and Python MemoryError).
+_CPU_OOM = ("can't allocate memory", "cannot allocate memory", "defaultcpuallocator")
+
+
+def is_oom(err: BaseException) -> bool:
+    """CUDA out of memory, or an allocation the process's memory cap refused."""
+    if isinstance(err, MemoryError):
+        return True
+    name = type(err).__name__
+    return name == "OutOfMemoryError" or (isinstance(err, RuntimeError) and any(m in str(err).lower() for m in _CPU_OOM))
+
+
+def run(spec_file: Path) -> int:
+    spec = json.loads(spec_file.read_text())
+    status = spec_file.parent / "status.json"
+    try:
+        from diffpipe.config import parse_config
+        from diffpipe.paths import RunPaths
+        from diffpipe.training.loop import train
+
+        cfg = parse_config(spec["config"], str(spec_file))
+        if spec["data"] == "synthetic":
+            from diffpipe.bench.synthetic import synthetic_dataset
+
+            data = synthetic_dataset(Path(spec["inputs"]), cfg.train.batch_size * cfg.train.grad_accum)
+        else:
+            from diffpipe.data.reader import CachedDataset
+
+            data = CachedDataset.from_run(RunPaths(spec["cache_run"]))
+        train(cfg, RunPaths(cfg.output_dir), data=data, log=print)
+    except BaseException as err:  # noqa: BLE001  (every failure is reported to the sweep)
+        oom = is_oom(err)
+        status.write_text(json.dumps({"status": "oom" if oom else "error", "error": f"{type(err).__name__}: {err}"}))
+        if not oom:
+            import traceback
+
+            traceback.print_exc()
+        return 3 if oom else 1
+    status.write_text(json.dumps({"status": "ok"}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(run(Path(sys.argv[1])))
