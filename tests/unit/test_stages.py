@@ -17,11 +17,11 @@ def _cfg(tmp_path, **over):
 
 # (edit, the stages whose rule must rerun for it); every other stage must not.
 EDITS = [
-    ({"train": {"batch_size": 3}}, {"plan", "train"}),  # plan fills small buckets up to a global batch
-    ({"train": {"grad_accum": 2}}, {"plan", "train"}),
-    ({"train": {"lr": 0.5}}, {"train"}),
+    ({"train": {"batch_size": 3}}, {"plan", "train", "bench"}),  # plan fills small buckets up to a global batch
+    ({"train": {"grad_accum": 2}}, {"plan", "train", "bench"}),
+    ({"train": {"lr": 0.5}}, {"train", "bench"}),
     # export rebuilds an adapter from a checkpoint; sample loads the export its kind allows
-    ({"train": {"lora": {"rank": 5}}}, {"train", "export", "sample"}),
+    ({"train": {"lora": {"rank": 5}}}, {"train", "export", "sample", "bench"}),
     ({"sample": {"prompts": ["something else"]}}, {"sample"}),  # the model card no longer lists them
     ({"cache": {"dir": "elsewhere"}}, {"validate", "plan", "cache"}),  # discovery skips the cache folder
     ({"export": {"formats": ["diffusers", "kohya"]}}, {"export"}),
