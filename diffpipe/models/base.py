@@ -251,6 +251,7 @@ class Family(ABC):
         """Token count of each caption per encoder, with the real tokenizers."""
 
     # -- training: one input path --------------------------------------------
+    @abstractmethod
     def prepare(
         self,
         latents: torch.Tensor,
@@ -272,14 +273,20 @@ class Family(ABC):
         otherwise both are drawn from ``generator``. Inputs are cast to ``dtype`` (the denoiser's).
         Families with ``uses_control`` also take ``control`` (and ``control_embeds``), SDXL ``sizes``.
         """
-        raise NotImplementedError(f"model family {self.name!r} prepares no training inputs")
 
     def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
         """The denoiser's prediction laid out like ``prepared.target``: a forward on ``prepared.inputs``.
 
-        Families whose forward needs the module (its config) or maps its output override it.
+        A transformer without guidance embedding (``config.guidance_embeds`` false) is given no
+        ``guidance``, as the stock pipelines do. Families whose forward needs more of the module
+        (its config) or maps its output override it.
         """
-        return denoiser(**prepared.inputs, return_dict=False)[0]
+        from diffpipe.models import _common as common
+
+        inputs = prepared.inputs
+        if "guidance" in inputs and not getattr(common.unwrap(denoiser).config, "guidance_embeds", True):
+            inputs = {**inputs, "guidance": None}
+        return denoiser(**inputs, return_dict=False)[0]
 
     def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
         """The first pipeline layer's tuple: ``prepared.inputs`` in order."""

@@ -22,7 +22,7 @@ from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
-from diffpipe.models.base import Family, Prepared, register
+from diffpipe.models.base import Prepared, register
 from diffpipe.models.flux import TINY_T5, TINY_T5_LENGTH, FluxFamily
 from diffpipe.models.tokenizers import t5_tokenizer, tokenizer_fingerprint
 from diffpipe.training import objectives as obj
@@ -165,9 +165,6 @@ class ChromaFamily(FluxFamily):
                                          torch.ones(b, seq, device=device, dtype=dtype)], dim=1),
         }
         return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=self.loss_mask(mask, x0, o, pack))
-
-    #: Flux's forward drops guidance on a transformer without it; Chroma's inputs have none.
-    predict = Family.predict
 
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """Embedding, one layer per double and single block, output.

@@ -362,13 +362,6 @@ class FluxFamily(Family):
         }
         return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=self.loss_mask(mask, x0, o, pack))
 
-    def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
-        """The forward; a transformer without guidance embedding (Flux schnell) is given no guidance."""
-        inputs = prepared.inputs
-        if not common.unwrap(denoiser).config.guidance_embeds:
-            inputs = {**inputs, "guidance": None}
-        return denoiser(**inputs, return_dict=False)[0]
-
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         return {**super().sample_kwargs(cfg), "max_sequence_length": self.max_sequence_length}
