@@ -1,9 +1,10 @@
-"""The image families' timestep and noise draws, for ``loss`` and ``pipeline_inputs`` alike.
+"""The image families' timestep and noise draws, made in their ``Family.prepare``.
 
-A pipeline run must see the timesteps and noise a 1-process run sees, so
-both paths draw through this one function, in the same order: ``t`` (then its limits), then the noise (then offset noise, for the
-DDPM families). ``tests/stages/test_pipeline_layers.py`` checks each family's
-pair against its loss from the same generator state.
+A pipeline run must see the timesteps and noise a 1-process run sees; both build
+their inputs through ``prepare``, which draws here in a fixed order: ``t`` (then its
+limits), then the noise (then offset noise, for the DDPM families).
+``tests/stages/test_pipeline_layers.py`` checks each family's pipeline inputs
+against its loss from the same generator state.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 ``ltxvideo``, ``cogvideox`` and ``mochi`` all condition on one T5 encoder
 (sequence output, optionally with its padding mask); ``hunyuanvideo`` uses
 the draws only. Draw order is fixed (t, then noise) so a seeded generator
-replays a run, in ``loss`` and ``pipeline_inputs`` alike.
+replays a run (the families' ``prepare`` draws here, for the loss and the pipeline alike).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The model-family interface every family implements, and the registry.
 
 A family knows how to build or load its components, encode media and text
-for the caches, compute the training loss from cached tensors, and which
-stock diffusers pipeline samples and loads its LoRAs. Adding a family is one
+for the caches, prepare a batch's training inputs from cached tensors (one
+path, :meth:`Family.prepare`, for the loss, evaluation and pipeline-parallel
+training), and which stock diffusers pipeline samples and loads its LoRAs. Adding a family is one
 new module plus one ``register`` line; nothing else changes.
 
 Tensor conventions (every family):
