@@ -1,4 +1,4 @@
-"""The image families' timestep and noise draws, made in their ``Family.prepare``.
+"""Timestep and noise draws the families make in ``Family.prepare``, and the DDPM families' noising.
 
 A pipeline run must see the timesteps and noise a 1-process run sees; both build
 their inputs through ``prepare``, which draws here in a fixed order: ``t`` (then its
@@ -54,3 +54,20 @@ def draw_image(
     elif noise.ndim == 5:
         noise = common.single_frame(noise, family)
     return t.to(x0.device).float(), noise.to(x0.device).float()
+
+
+def ddpm_parts(
+    o: ObjectiveConfig, x0: torch.Tensor, noise: torch.Tensor, t: torch.Tensor, schedule: torch.Tensor,
+    prediction_type: str,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """A DDPM family's ``(noisy, steps, target, weights)`` from drawn ``t`` and ``noise``.
+
+    ``schedule``: the family's ``alphas_cumprod``; ``weights``: Min-SNR (``objective.min_snr_gamma``)
+    per sample, None when unset.
+    """
+    steps = obj.ddpm_timesteps(t, len(schedule))
+    weights = None
+    if o.min_snr_gamma:
+        weights = obj.min_snr_weights(schedule, steps, gamma=o.min_snr_gamma, prediction_type=prediction_type)
+    noisy = obj.ddpm_add_noise(x0, noise, schedule, steps)
+    return noisy, steps, obj.ddpm_target(x0, noise, schedule, steps, prediction_type), weights

@@ -38,8 +38,8 @@ from diffpipe.config import SampleConfig
 from diffpipe.data.frames import snap_frames
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
+from diffpipe.models._draws import ddpm_parts
 from diffpipe.models.base import Family, Prepared, register
-from diffpipe.training import objectives as obj
 
 TINY_VAE = {
     "in_channels": 3,
@@ -220,19 +220,14 @@ class CogVideoXFamily(video.T5TextFamily, Family):
                 f"family 'cogvideox': {f} latent frames do not divide into temporal patches of {pt}; "
                 f"use clips of {self.frame_rule[0]}k+{self.frame_rule[1]} frames"
             )
-        schedule = self._alphas_cumprod
-        steps = obj.ddpm_timesteps(t, len(schedule))
-        weights = None
-        if o.min_snr_gamma:
-            weights = obj.min_snr_weights(schedule, steps, gamma=o.min_snr_gamma, prediction_type=self.prediction_type)
-        inputs = {
-            "hidden_states": obj.ddpm_add_noise(x0, noise, schedule, steps).transpose(1, 2).to(dtype),
+        noisy, steps, target, weights = ddpm_parts(o, x0, noise, t, self._alphas_cumprod, self.prediction_type)
+        inputs = {  # the model reads [B,F,C,h,w]
+            "hidden_states": noisy.transpose(1, 2).to(dtype),
             "encoder_hidden_states": text["prompt_embeds"].to(device=x0.device, dtype=dtype),
             "timestep": steps,
             "image_rotary_emb": self.rotary_embeddings(f, h, w, x0.device, c),
         }
-        target = obj.ddpm_target(x0, noise, schedule, steps, self.prediction_type).transpose(1, 2)
-        return Prepared(inputs, target, weights, self.loss_mask(mask, x0, o, lambda m: m.transpose(1, 2)))
+        return Prepared(inputs, target.transpose(1, 2), weights, self.loss_mask(mask, x0, o, lambda m: m.transpose(1, 2)))
 
     def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
         """``(noisy, prompt_embeds, steps, rope cos, rope sin)``, empty rope tensors for sin-cos positions."""

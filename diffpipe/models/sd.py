@@ -26,7 +26,7 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from diffpipe.config import ObjectiveConfig
 from diffpipe.models import _common as common
-from diffpipe.models._draws import draw_image
+from diffpipe.models._draws import ddpm_parts, draw_image
 from diffpipe.models.base import Family, Prepared, register
 from diffpipe.models.tokenizers import clip_tokenizer, tokenizer_fingerprint
 from diffpipe.training import objectives as obj
@@ -272,17 +272,12 @@ class SDFamily(Family):
         self._check_objective(o)
         x0 = common.single_frame(latents, self.name).float()
         t, noise = draw_image(o, x0, generator, t, noise, family=self.name, default="uniform", offset_noise=True)
-        schedule = self._alphas_cumprod
-        steps = obj.ddpm_timesteps(t, len(schedule))
-        weights = None
-        if o.min_snr_gamma:
-            weights = obj.min_snr_weights(schedule, steps, gamma=o.min_snr_gamma, prediction_type=self.prediction_type)
+        noisy, steps, target, weights = ddpm_parts(o, x0, noise, t, self._alphas_cumprod, self.prediction_type)
         inputs = {
-            "sample": obj.ddpm_add_noise(x0, noise, schedule, steps).to(dtype),
+            "sample": noisy.to(dtype),
             "timestep": steps,
             "encoder_hidden_states": text["prompt_embeds"].to(device=x0.device, dtype=dtype),
         }
-        target = obj.ddpm_target(x0, noise, schedule, steps, self.prediction_type)
         return Prepared(inputs, target, weights, self.loss_mask(mask, x0, o))
 
     @cached_property
