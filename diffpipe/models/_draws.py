@@ -18,6 +18,25 @@ from diffpipe.models import _common as common
 from diffpipe.training import objectives as obj
 
 
+def draw_t(
+    o: ObjectiveConfig,
+    b: int,
+    generator: torch.Generator,
+    *,
+    default: str = "logit_normal",
+    sample_t: Callable[[ObjectiveConfig, int, torch.Generator], torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``b`` timestep fractions drawn from ``generator`` (``sample_t``, else ``objective.timestep_sampling``,
+    else ``default``), within ``objective.min_timestep``/``max_timestep``."""
+    if sample_t is not None:
+        t = sample_t(o, b, generator)
+    elif (o.timestep_sampling or default) == "uniform":
+        t = obj.sample_uniform(b, generator, device=generator.device)
+    else:
+        t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
+    return obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
+
+
 def draw_image(
     o: ObjectiveConfig,
     x0: torch.Tensor,
@@ -38,15 +57,8 @@ def draw_image(
     ``sample_t``: a family's own draw (SD3's weighting-scheme densities);
     ``offset_noise``: whether the family's loss adds ``objective.offset_noise``.
     """
-    b = x0.shape[0]
     if t is None:
-        if sample_t is not None:
-            t = sample_t(o, b, generator)
-        elif (o.timestep_sampling or default) == "uniform":
-            t = obj.sample_uniform(b, generator, device=generator.device)
-        else:
-            t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
-        t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
+        t = draw_t(o, x0.shape[0], generator, default=default, sample_t=sample_t)
     if noise is None:
         noise = torch.randn(x0.shape, generator=generator, device=generator.device)
         if offset_noise and o.offset_noise:
