@@ -3,7 +3,7 @@
 ``ltxvideo``, ``cogvideox`` and ``mochi`` all condition on one T5 encoder
 (sequence output, optionally with its padding mask); ``hunyuanvideo`` uses
 the draws only. Draw order is fixed (t, then noise) so a seeded generator
-replays a run, in ``loss`` and ``pipeline_inputs`` alike.
+replays a run (the families' ``prepare`` draws here, for the loss and the pipeline alike).
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 
 from diffpipe.config import ObjectiveConfig
 from diffpipe.models import _common as common
+from diffpipe.models._draws import draw_t
 from diffpipe.models.tokenizers import t5_tokenizer, tokenizer_fingerprint
 from diffpipe.training import objectives as obj
 from diffpipe.utils import digest
@@ -45,13 +46,8 @@ def draw(
     ``default``: the sampling used when ``objective.timestep_sampling`` is unset
     (logit-normal for flow models, uniform for DDPM-style ones).
     """
-    b = x0.shape[0]
     if t is None:
-        if (o.timestep_sampling or default) == "uniform":
-            t = obj.sample_uniform(b, generator, device=generator.device)
-        else:
-            t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
-        t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
+        t = draw_t(o, x0.shape[0], generator, default=default)
     if noise is None:
         noise = torch.randn(x0.shape, generator=generator, device=generator.device)
         if o.offset_noise:

@@ -1,8 +1,9 @@
 """The model-family interface every family implements, and the registry.
 
 A family knows how to build or load its components, encode media and text
-for the caches, compute the training loss from cached tensors, and which
-stock diffusers pipeline samples and loads its LoRAs. Adding a family is one
+for the caches, prepare a batch's training inputs from cached tensors (one
+path, :meth:`Family.prepare`, for the loss, evaluation and pipeline-parallel
+training), and which stock diffusers pipeline samples and loads its LoRAs. Adding a family is one
 new module plus one ``register`` line; nothing else changes.
 
 Tensor conventions (every family):
@@ -67,6 +68,27 @@ def split_parts(state_dict: dict[str, torch.Tensor], parts: tuple[DenoiserPart, 
     if empty:
         raise ValueError(f"the adapter has no tensors for {', '.join(empty)}; was it trained with every part?")
     return out
+
+
+@dataclass
+class Prepared:
+    """One batch's training inputs, built once by :meth:`Family.prepare`.
+
+    The loss forwards the denoiser on ``inputs`` (:meth:`Family.predict`) and compares
+    with ``target``; pipeline-parallel training sends ``inputs`` (:meth:`Family.layer_inputs`)
+    into the first layer and ``(target, weights)`` to the last stage's loss.
+    """
+
+    #: The denoiser's forward keyword arguments, in the order of the first pipeline layer's tuple.
+    inputs: dict[str, Any]
+    #: What the prediction is compared with, laid out like it (packed into tokens where the family packs).
+    target: torch.Tensor
+    #: Per-sample loss weights ``[B]`` (Min-SNR, SD3's weighting schemes); None: unweighted.
+    weights: torch.Tensor | None = None
+    #: Per-element loss weights laid out like ``target`` (:meth:`Family.loss_mask`); None: unmasked.
+    mask: torch.Tensor | None = None
+    #: What else the family's ``predict`` reads (reference tokens, the latent grid to unpack to, ...).
+    extra: dict[str, Any] = field(default_factory=dict)
 
 
 class Family(ABC):
@@ -229,8 +251,48 @@ class Family(ABC):
     def count_tokens(self, encoders: Any, captions: list[str]) -> dict[str, list[int]]:
         """Token count of each caption per encoder, with the real tokenizers."""
 
-    # -- training ----------------------------------------------------------
+    # -- training: one input path --------------------------------------------
     @abstractmethod
+    def prepare(
+        self,
+        latents: torch.Tensor,
+        text: dict[str, torch.Tensor],
+        generator: torch.Generator,
+        *,
+        objective: ObjectiveConfig,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        dtype: torch.dtype = torch.float32,
+    ) -> Prepared:
+        """A batch's denoiser inputs, target and weights (see :class:`Prepared`), drawn once.
+
+        The one place a family builds its training inputs: :meth:`loss`, evaluation (through
+        ``loss`` and ``pipeline_inputs`` with fixed ``t`` and ``noise``) and pipeline-parallel
+        training (:meth:`pipeline_inputs`) all call it, so they see the same draws in the same order.
+        ``t`` (fractions in (0, 1), one per sample) and ``noise`` fix the timestep and noise;
+        otherwise both are drawn from ``generator``. Inputs are cast to ``dtype`` (the denoiser's).
+        Families with ``uses_control`` also take ``control`` (and ``control_embeds``), SDXL ``sizes``.
+        """
+
+    def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
+        """The denoiser's prediction laid out like ``prepared.target``: a forward on ``prepared.inputs``.
+
+        A transformer without guidance embedding (``config.guidance_embeds`` false) is given no
+        ``guidance``, as the stock pipelines do. Families whose forward needs more of the module
+        (its config) or maps its output override it.
+        """
+        from diffpipe.models import _common as common
+
+        inputs = prepared.inputs
+        if "guidance" in inputs and not getattr(common.unwrap(denoiser).config, "guidance_embeds", True):
+            inputs = {**inputs, "guidance": None}
+        return denoiser(**inputs, return_dict=False)[0]
+
+    def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
+        """The first pipeline layer's tuple: ``prepared.inputs`` in order."""
+        return tuple(prepared.inputs.values())
+
     def loss(
         self,
         denoiser: torch.nn.Module,
@@ -242,21 +304,27 @@ class Family(ABC):
         noise: torch.Tensor | None = None,
         objective: ObjectiveConfig | None = None,
         mask: torch.Tensor | None = None,
+        **aux: Any,
     ) -> torch.Tensor:
-        """Per-sample training loss ``[B]`` (float32).
+        """Per-sample training loss ``[B]`` (float32): :meth:`prepare`, :meth:`predict`, the shared loss.
 
         ``objective`` (``train.objective``) picks the timestep sampling, limits,
-        loss and weighting; None = the family's defaults with MSE.
-
-        ``t`` (fractions in (0, 1), one per sample) and ``noise`` fix the
-        timestep and noise, for evaluation at fixed quantiles; otherwise both
-        are drawn from ``generator``. Inputs are cast to the denoiser's dtype.
+        loss and weighting; None = the family's defaults with MSE. ``t`` and
+        ``noise`` fix the draws (evaluation, see :meth:`prepare`).
 
         ``mask`` (``[B, 1, F', h, w]`` in [0, 1], or None) weights the loss per
         latent element: the per-sample loss is ``sum(w l) / sum(w)`` with ``w``
-        from :meth:`loss_mask`. Families with ``uses_control`` also take
-        ``control`` (conditioning latents like ``latents``).
+        from :meth:`loss_mask`. ``aux``: the family's extra inputs (``control``, ``sizes``, ...).
         """
+        from diffpipe.models import _common as common
+        from diffpipe.training.objectives import per_sample_loss
+
+        o = objective or ObjectiveConfig()
+        # No denoiser: a caller checking the inputs alone (the errors prepare raises).
+        dtype = torch.float32 if denoiser is None else common.param_dtype(denoiser)
+        p = self.prepare(latents, text, generator, objective=o, t=t, noise=noise, mask=mask, dtype=dtype, **aux)
+        return per_sample_loss(self.predict(denoiser, p), p.target, p.weights, kind=o.loss, huber_c=o.huber_c,
+                               mask=p.mask)
 
     def reference_image(self, control: torch.Tensor | None, latents: torch.Tensor) -> torch.Tensor:
         """An edit family's control latents ``[B,C,1,h,w]`` as ``[B,C,h,w]`` float on the latents' device;
@@ -321,12 +389,19 @@ class Family(ABC):
         generator: torch.Generator,
         objective: ObjectiveConfig | None = None,
         dtype: torch.dtype = torch.float32,
+        *,
+        t: torch.Tensor | None = None,
+        noise: torch.Tensor | None = None,
+        **aux: Any,
     ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        """``(first-layer inputs, (target, per-sample weights))``, drawing what ``loss`` draws."""
-        raise ValueError(
-            f"model family {self.name!r} cannot train pipeline parallel yet (no pipeline_inputs); "
-            "set train.pipeline_stages: 1"
-        )
+        """``(first-layer inputs, (target, per-sample weights))`` from :meth:`prepare`, as ``loss`` builds them.
+
+        Loss masks are refused under pipeline stages (the last stage's loss sees no mask).
+        """
+        p = self.prepare(latents, text, generator, objective=objective or ObjectiveConfig(), t=t, noise=noise,
+                         dtype=dtype, **aux)
+        weights = torch.ones(p.target.shape[0]) if p.weights is None else p.weights
+        return self.layer_inputs(p), (p.target, weights.to(p.target.device))
 
 
 _REGISTRY: dict[str, type[Family]] = {}

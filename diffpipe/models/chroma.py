@@ -20,10 +20,9 @@ import torch
 from diffusers import ChromaPipeline, ChromaTransformer2DModel, FluxPipeline
 from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 
-from diffpipe.config import ObjectiveConfig
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
-from diffpipe.models.base import register
+from diffpipe.models.base import Prepared, register
 from diffpipe.models.flux import TINY_T5, TINY_T5_LENGTH, FluxFamily
 from diffpipe.models.tokenizers import t5_tokenizer, tokenizer_fingerprint
 from diffpipe.training import objectives as obj
@@ -141,43 +140,31 @@ class ChromaFamily(FluxFamily):
         return {"t5": [len(x) for x in encoders.tokenizer(list(captions)).input_ids]}
 
     # -- training ----------------------------------------------------------------
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        o = objective or ObjectiveConfig()
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Flux's packed inputs without guidance or pooled text, with the text-and-image attention mask."""
+        o = objective
         x0 = common.single_frame(latents, self.name).float()
         device, (b, c, h, w) = x0.device, x0.shape
         t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-
         seq = (h // 2) * (w // 2)
         sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(seq))
-        noisy = obj.flow_interpolate(x0, noise, sigma)
-        target = FluxPipeline._pack_latents(obj.flow_target(x0, noise), b, c, h, w)
-        dtype = common.param_dtype(denoiser)
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            return FluxPipeline._pack_latents(x, b, c, h, w)
+
         embeds = text["prompt_embeds"].to(device=device, dtype=dtype)
-        # ChromaPipeline._prepare_attention_mask: text mask, then every image token.
-        attn_mask = torch.cat([text["prompt_attention_mask"].to(device=device, dtype=dtype),
-                               torch.ones(b, seq, device=device, dtype=dtype)], dim=1)
-        pred = denoiser(
-            hidden_states=FluxPipeline._pack_latents(noisy, b, c, h, w).to(dtype),
-            timestep=sigma.to(dtype),
-            encoder_hidden_states=embeds,
-            txt_ids=torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),
-            img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
-            attention_mask=attn_mask,
-            return_dict=False,
-        )[0]
-        weights = self.loss_mask(mask, x0, o, lambda m: FluxPipeline._pack_latents(m, b, c, h, w))
-        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c, mask=weights)
+        inputs = {
+            "hidden_states": pack(obj.flow_interpolate(x0, noise, sigma)).to(dtype),
+            "timestep": sigma.to(dtype),
+            "encoder_hidden_states": embeds,
+            "txt_ids": torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),
+            "img_ids": FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
+            # ChromaPipeline._prepare_attention_mask: text mask, then every image token.
+            "attention_mask": torch.cat([text["prompt_attention_mask"].to(device=device, dtype=dtype),
+                                         torch.ones(b, seq, device=device, dtype=dtype)], dim=1),
+        }
+        return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=self.loss_mask(mask, x0, o, pack))
 
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """Embedding, one layer per double and single block, output.
@@ -188,40 +175,3 @@ class ChromaFamily(FluxFamily):
         from diffpipe.models.pipeline_layers_more import chroma_layers
 
         return chroma_layers(common.unwrap(denoiser))
-
-    def pipeline_inputs(
-        self,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        objective: ObjectiveConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        """``((packed_noisy, sigma, prompt_embeds, txt_ids, img_ids, attention_mask), (target, weights))``.
-
-        Draws exactly what ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval).
-        """
-
-        o = objective or ObjectiveConfig()
-        x0 = common.single_frame(latents, self.name).float()
-        device, (b, c, h, w) = x0.device, x0.shape
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-        seq = (h // 2) * (w // 2)
-        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(seq))
-        noisy = obj.flow_interpolate(x0, noise, sigma)
-        embeds = text["prompt_embeds"].to(device=device, dtype=dtype)
-        attn_mask = torch.cat([text["prompt_attention_mask"].to(device=device, dtype=dtype),
-                               torch.ones(b, seq, device=device, dtype=dtype)], dim=1)
-        inputs = (
-            FluxPipeline._pack_latents(noisy, b, c, h, w).to(dtype),
-            sigma.to(dtype),
-            embeds,
-            torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),
-            FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
-            attn_mask,
-        )
-        target = FluxPipeline._pack_latents(obj.flow_target(x0, noise), b, c, h, w)
-        return inputs, (target, torch.ones(b, device=device))

@@ -34,12 +34,12 @@ from diffusers import AutoencoderKLCogVideoX, CogVideoXDDIMScheduler, CogVideoXP
 from diffusers.models.embeddings import get_3d_rotary_pos_embed
 from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
 
-from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.config import SampleConfig
 from diffpipe.data.frames import snap_frames
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
-from diffpipe.models.base import Family, register
-from diffpipe.training import objectives as obj
+from diffpipe.models._draws import ddpm_parts
+from diffpipe.models.base import Family, Prepared, register
 
 TINY_VAE = {
     "in_channels": 3,
@@ -205,9 +205,12 @@ class CogVideoXFamily(video.T5TextFamily, Family):
             device=device,
         )
 
-    def _prepare(self, latents, text, generator, t, noise, objective, dtype, config=None):
-        o = objective or ObjectiveConfig()
-        c = config or self._transformer_config
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """DDPM inputs laid out as the model reads them (``[B,F,C,h,w]``), the text, the steps and the
+        rotary embedding (None for sin-cos positions); Min-SNR ``weights``."""
+        o = objective
+        c = self._transformer_config
         x0 = video.check_video_latents(latents, self.name)
         t, noise = video.draw(o, x0, generator, t, noise, default="uniform")
         _, _, f, h, w = x0.shape
@@ -217,48 +220,21 @@ class CogVideoXFamily(video.T5TextFamily, Family):
                 f"family 'cogvideox': {f} latent frames do not divide into temporal patches of {pt}; "
                 f"use clips of {self.frame_rule[0]}k+{self.frame_rule[1]} frames"
             )
-        schedule = self._alphas_cumprod
-        steps = obj.ddpm_timesteps(t, len(schedule))
-        noisy = obj.ddpm_add_noise(x0, noise, schedule, steps).transpose(1, 2)  # the model reads [B,F,C,h,w]
-        target = obj.ddpm_target(x0, noise, schedule, steps, self.prediction_type).transpose(1, 2)
-        weights = None
-        if o.min_snr_gamma:
-            weights = obj.min_snr_weights(schedule, steps, gamma=o.min_snr_gamma, prediction_type=self.prediction_type)
-        rope = self.rotary_embeddings(f, h, w, x0.device, c)
-        empty = torch.empty(0, device=x0.device)
-        inputs = (
-            noisy.to(dtype),
-            text["prompt_embeds"].to(device=x0.device, dtype=dtype),
-            steps,
-            *(rope if rope is not None else (empty, empty)),
-        )
-        return inputs, target, weights
+        noisy, steps, target, weights = ddpm_parts(o, x0, noise, t, self._alphas_cumprod, self.prediction_type)
+        inputs = {  # the model reads [B,F,C,h,w]
+            "hidden_states": noisy.transpose(1, 2).to(dtype),
+            "encoder_hidden_states": text["prompt_embeds"].to(device=x0.device, dtype=dtype),
+            "timestep": steps,
+            "image_rotary_emb": self.rotary_embeddings(f, h, w, x0.device, c),
+        }
+        return Prepared(inputs, target.transpose(1, 2), weights, self.loss_mask(mask, x0, o, lambda m: m.transpose(1, 2)))
 
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        o = objective or ObjectiveConfig()
-        (noisy, context, steps, cos, sin), target, weights = self._prepare(
-            latents, text, generator, t, noise, o, common.param_dtype(denoiser), common.unwrap(denoiser).config
-        )
-        pred = denoiser(
-            hidden_states=noisy,
-            encoder_hidden_states=context,
-            timestep=steps,
-            image_rotary_emb=(cos, sin) if cos.numel() else None,
-            return_dict=False,
-        )[0]
-        mask = self.loss_mask(mask, latents, o, lambda m: m.transpose(1, 2))  # laid out like the target
-        return obj.per_sample_loss(pred, target, weights, kind=o.loss, huber_c=o.huber_c, mask=mask)
+    def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
+        """``(noisy, prompt_embeds, steps, rope cos, rope sin)``, empty rope tensors for sin-cos positions."""
+        i = prepared.inputs
+        empty = torch.empty(0, device=i["hidden_states"].device)
+        rope = i["image_rotary_emb"] or (empty, empty)
+        return (i["hidden_states"], i["encoder_hidden_states"], i["timestep"], *rope)
 
     # -- sampling ------------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
@@ -280,17 +256,3 @@ class CogVideoXFamily(video.T5TextFamily, Family):
         from diffpipe.models.pipeline_layers_video import cogvideox_layers
 
         return cogvideox_layers(common.unwrap(denoiser))
-
-    def pipeline_inputs(
-        self,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        objective: ObjectiveConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        inputs, target, weights = self._prepare(latents, text, generator, t, noise, objective, dtype)
-        return inputs, (target, torch.ones(target.shape[0], device=target.device) if weights is None else weights)

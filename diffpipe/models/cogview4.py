@@ -36,10 +36,10 @@ from diffusers import AutoencoderKL, CogView4Pipeline, CogView4Transformer2DMode
 from diffusers.pipelines.cogview4.pipeline_cogview4 import calculate_shift
 from transformers import AutoTokenizer, GlmConfig, GlmModel, PreTrainedTokenizerBase
 
-from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.config import SampleConfig
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
-from diffpipe.models.base import Family, register
+from diffpipe.models.base import Family, Prepared, register
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 from diffpipe.models.tokenizers import tokenizer_fingerprint
 from diffpipe.training import objectives as obj
@@ -303,69 +303,74 @@ class CogView4Family(Family):
         return {"glm": [len(x) for x in encoders.tokenizer(list(captions)).input_ids]}
 
     # -- training ----------------------------------------------------------------
-    def predict(
-        self, denoiser: torch.nn.Module, noisy: torch.Tensor, timestep: torch.Tensor, text: dict[str, torch.Tensor]
-    ) -> torch.Tensor:
-        """The transformer's output on ``noisy`` ``[B,C,h,w]``, each item on its own prompt length.
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Flow-matching inputs; ``extra["lengths"]``: each item's prompt token count.
 
-        ``timestep``: the scheduler's timestep (``sigma * 1000``). Size conditioning as
-        the pipeline samples: original = target = the image size, crop at (0, 0).
+        The pipeline passes the scheduler's timesteps, sigma * 1000, and steps with the velocity.
+        Size conditioning as the pipeline samples: original = target = the image size, crop at (0, 0).
         """
+        o = objective
+        x0 = common.single_frame(latents, self.name).float()
+        device, (b, _, h, w) = x0.device, x0.shape
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
+        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(h * w // self.patch_size**2))
         embeds, keep = text["prompt_embeds"], text["prompt_embeds_mask"]
-        device, dtype, (b, _, h, w) = noisy.device, common.param_dtype(denoiser), noisy.shape
         if embeds.device.type == "meta":  # memory estimates: every prompt at full length
             lengths = [embeds.shape[1]] * b
         else:
             lengths = [int(n) for n in keep.sum(dim=1).round().long().tolist()]
         if min(lengths) <= 0:
             raise ValueError("text prompt_embeds_mask: an item has no prompt tokens; rerun the text cache step")
+        size = torch.tensor([[h * self.vae_factor, w * self.vae_factor]], device=device, dtype=dtype).repeat(b, 1)
+        inputs = {
+            "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
+            "timestep": (sigma * 1000).to(dtype),
+            "encoder_hidden_states": embeds.to(device=device, dtype=dtype),  # left-padded to the longest
+            "original_size": size,
+            "target_size": size.clone(),
+            "crop_coords": torch.zeros_like(size),
+        }
+        return Prepared(inputs, obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o),
+                        extra={"lengths": lengths})
+
+    def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
+        """The transformer's output, each item on its own prompt length (it cannot mask text)."""
+        inputs, lengths = prepared.inputs, prepared.extra["lengths"]
+        embeds = inputs["encoder_hidden_states"]
+        device = embeds.device
         groups: dict[int, list[int]] = {}
         for i, n in enumerate(lengths):
             groups.setdefault(n, []).append(i)
-        size = torch.tensor([[h * self.vae_factor, w * self.vae_factor]], device=device, dtype=dtype).expand(b, 2)
         outs, order = [], []
         for n, idx in sorted(groups.items()):
             rows = torch.tensor(idx, device=device) if len(groups) > 1 else slice(None)
-            outs.append(
-                denoiser(
-                    hidden_states=noisy[rows].to(dtype),
-                    encoder_hidden_states=embeds[rows, embeds.shape[1] - n :].to(device=device, dtype=dtype),
-                    timestep=timestep[rows].to(dtype),
-                    original_size=size[rows],
-                    target_size=size[rows],
-                    crop_coords=torch.zeros_like(size[rows]),
-                    return_dict=False,
-                )[0]
-            )
+            part = {k: v[rows] for k, v in inputs.items()}
+            part["encoder_hidden_states"] = embeds[rows, embeds.shape[1] - n :]
+            outs.append(denoiser(**part, return_dict=False)[0])
             order += idx
         if len(outs) == 1:
             return outs[0]
         return torch.cat(outs)[torch.argsort(torch.tensor(order, device=device))]
 
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        o = objective or ObjectiveConfig()
-        x0 = common.single_frame(latents, self.name).float()
-        h, w = x0.shape[-2:]
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
+    def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
+        """``(noisy, sigma * 1000, prompt_embeds, original_size, target_size, crop_coords)``.
 
-        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(h * w // self.patch_size**2))
-        noisy = obj.flow_interpolate(x0, noise, sigma)
-        # The pipeline passes the scheduler's timesteps, sigma * 1000, and steps with the velocity.
-        pred = self.predict(denoiser, noisy, sigma * 1000, text)
-        return obj.per_sample_loss(
-            pred, obj.flow_target(x0, noise), kind=o.loss, huber_c=o.huber_c, mask=self.loss_mask(mask, x0, o)
-        )
+        ``loss`` runs each prompt length as its own forward, which a pipeline (one tensor per
+        micro-batch) cannot; here every prompt of the micro-batch must have the same token
+        count (always so with ``train.batch_size: 1``).
+        """
+        lengths = sorted(set(prepared.extra["lengths"]))
+        if len(lengths) != 1:
+            raise ValueError(
+                f"cogview4 with train.pipeline_stages > 1: the prompts of a micro-batch have {lengths} tokens, "
+                "but a pipeline needs one prompt length per micro-batch (the transformer cannot mask text); "
+                "set train.batch_size: 1 or train.pipeline_stages: 1"
+            )
+        i = prepared.inputs
+        embeds = i["encoder_hidden_states"]
+        return (i["hidden_states"], i["timestep"], embeds[:, embeds.shape[1] - lengths[0] :], i["original_size"],
+                i["target_size"], i["crop_coords"])
 
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
@@ -380,47 +385,3 @@ class CogView4Family(Family):
         from diffpipe.models.pipeline_layers_more import cogview4_layers
 
         return cogview4_layers(common.unwrap(denoiser))
-
-    def pipeline_inputs(
-        self,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        objective: ObjectiveConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        """``((noisy, sigma * 1000, prompt_embeds, original_size, target_size, crop_coords), (target, weights))``.
-
-        The transformer cannot mask text: ``loss`` runs each prompt length as its own
-        forward, which a pipeline (one tensor per micro-batch) cannot; here every prompt
-        of the micro-batch must have the same token count (always so with
-        ``train.batch_size: 1``). Draws exactly what ``loss`` draws, in the same order;
-        ``t`` and ``noise`` fix them (eval).
-        """
-
-        embeds, keep = text["prompt_embeds"], text["prompt_embeds_mask"]
-        lengths = sorted({int(n) for n in keep.sum(dim=1).round().long().tolist()})
-        if len(lengths) != 1 or lengths[0] <= 0:
-            raise ValueError(
-                f"cogview4 with train.pipeline_stages > 1: the prompts of a micro-batch have {lengths} tokens, "
-                "but a pipeline needs one prompt length per micro-batch (the transformer cannot mask text); "
-                "set train.batch_size: 1 or train.pipeline_stages: 1"
-            )
-        o = objective or ObjectiveConfig()
-        x0 = common.single_frame(latents, self.name).float()
-        device, (b, _, h, w) = x0.device, x0.shape
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(h * w // self.patch_size**2))
-        size = torch.tensor([[h * self.vae_factor, w * self.vae_factor]], device=device, dtype=dtype).repeat(b, 1)
-        inputs = (
-            obj.flow_interpolate(x0, noise, sigma).to(dtype),
-            (sigma * 1000).to(dtype),
-            embeds[:, embeds.shape[1] - lengths[0] :].to(device=device, dtype=dtype),
-            size,
-            size.clone(),
-            torch.zeros_like(size),
-        )
-        return inputs, (obj.flow_target(x0, noise), torch.ones(b, device=device))

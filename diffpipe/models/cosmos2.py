@@ -51,12 +51,12 @@ from diffusers import Cosmos2TextToImagePipeline as StockCosmos2TextToImagePipel
 from diffusers.loaders import CosmosLoraLoaderMixin
 from diffusers.utils import is_cosmos_guardrail_available, is_torchvision_available
 
-from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.config import SampleConfig
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models._draws import draw_image
 from diffpipe.models._video import T5Text
-from diffpipe.models.base import Family, register
+from diffpipe.models.base import Family, Prepared, register
 from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 512  # the pipeline's max_sequence_length
@@ -233,55 +233,33 @@ class Cosmos2Family(video.T5TextFamily, Family):
         return {"prompt_embeds": embeds * mask[..., None]}
 
     # -- training ----------------------------------------------------------------
-    def predict(
-        self, denoiser: torch.nn.Module, noisy: torch.Tensor, t: torch.Tensor, prompt_embeds: torch.Tensor
-    ) -> torch.Tensor:
-        """The transformer's output ``F`` on ``c_in x`` (``[B,C,1,h,w]``) at ``t = sigma / (sigma + 1)``,
-        with the pipeline's all-zero padding mask."""
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """``c_in x`` (``[B,C,1,h,w]``: the transformer reads 5-D) at ``t = sigma / (sigma + 1)``, the text,
+        the pipeline's all-zero padding mask; EDM ``weights``."""
+        o = objective
+        x0 = common.single_frame(latents, self.name).float()
+        # Logit-normal t is log-normal sigma: Cosmos-Predict2's sample_sigma at (0, 1).
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
+        x0, noise = x0[:, :, None], noise[:, :, None]
+        if o.shift:
+            t = obj.shift_timesteps(t, o.shift)
+        inputs = {
+            "hidden_states": obj.flow_interpolate(x0, noise, t).to(dtype),
+            "timestep": t.to(dtype),
+            "encoder_hidden_states": text["prompt_embeds"].to(device=x0.device, dtype=dtype),
+            "padding_mask": x0.new_zeros(1, 1, *x0.shape[-2:], dtype=dtype),
+        }
+        return Prepared(inputs, obj.flow_target(x0, noise), edm_weight(t), self.loss_mask(mask, x0, o))
+
+    def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
+        """The transformer's output ``F``; a clear error where it needs torchvision and it is missing."""
         if common.unwrap(denoiser).config.concat_padding_mask and not is_torchvision_available():
             raise RuntimeError(
                 "CosmosTransformer3DModel (concat_padding_mask: true, as Cosmos-Predict2) resizes "
                 "its padding mask with torchvision: pip install torchvision (the build matching torch)"
             )
-        dtype = common.param_dtype(denoiser)
-        padding_mask = noisy.new_zeros(1, 1, *noisy.shape[-2:], dtype=dtype)
-        return denoiser(
-            hidden_states=noisy.to(dtype),
-            timestep=t.to(dtype),
-            encoder_hidden_states=prompt_embeds.to(device=noisy.device, dtype=dtype),
-            padding_mask=padding_mask,
-            return_dict=False,
-        )[0]
-
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        o = objective or ObjectiveConfig()
-        x0 = common.single_frame(latents, self.name).float()
-        # Logit-normal t is log-normal sigma: Cosmos-Predict2's sample_sigma at (0, 1).
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-        x0, noise = x0[:, :, None], noise[:, :, None]  # the transformer reads 5-D
-        if o.shift:
-            t = obj.shift_timesteps(t, o.shift)
-
-        pred = self.predict(denoiser, obj.flow_interpolate(x0, noise, t), t, text["prompt_embeds"])
-        return obj.per_sample_loss(
-            pred,
-            obj.flow_target(x0, noise),
-            edm_weight(t),
-            kind=o.loss,
-            huber_c=o.huber_c,
-            mask=self.loss_mask(mask, x0, o),
-        )
+        return super().predict(denoiser, prepared)
 
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
@@ -296,33 +274,3 @@ class Cosmos2Family(video.T5TextFamily, Family):
         from diffpipe.models.pipeline_layers_more import cosmos_layers
 
         return cosmos_layers(common.unwrap(denoiser))
-
-    def pipeline_inputs(
-        self,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        objective: ObjectiveConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        """``((noisy [B,C,1,h,w], t, prompt_embeds, padding_mask), (target, EDM weights))``.
-
-        Draws exactly what ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval).
-        """
-
-        o = objective or ObjectiveConfig()
-        x0 = common.single_frame(latents, self.name).float()
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-        x0, noise = x0[:, :, None], noise[:, :, None]  # the transformer reads 5-D
-        if o.shift:
-            t = obj.shift_timesteps(t, o.shift)
-        inputs = (
-            obj.flow_interpolate(x0, noise, t).to(dtype),
-            t.to(dtype),
-            text["prompt_embeds"].to(device=x0.device, dtype=dtype),
-            x0.new_zeros(1, 1, *x0.shape[-2:], dtype=dtype),  # the pipeline's all-zero padding mask
-        )
-        return inputs, (obj.flow_target(x0, noise), edm_weight(t))

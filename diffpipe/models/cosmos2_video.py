@@ -49,13 +49,12 @@ import torch
 from diffusers import Cosmos2VideoToWorldPipeline as StockCosmos2VideoToWorldPipeline
 from diffusers import CosmosTransformer3DModel
 from diffusers.loaders import CosmosLoraLoaderMixin
-from diffusers.utils import is_torchvision_available
 
-from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.config import SampleConfig
 from diffpipe.data.frames import snap_frames
 from diffpipe.models import _common as common
 from diffpipe.models import _video
-from diffpipe.models.base import register
+from diffpipe.models.base import Prepared, register
 from diffpipe.models.cosmos2 import SIGMA_DATA, TINY_TRANSFORMER, Cosmos2Family, edm_weight
 from diffpipe.training import objectives as obj
 
@@ -179,51 +178,15 @@ class Cosmos2VideoFamily(Cosmos2Family):
             k = torch.randint(lo, hi + 1, (b,), generator=generator, device=generator.device).cpu()
         return k.clamp(max=frames - 1)
 
-    def predict(  # type: ignore[override]
-        self,
-        denoiser: torch.nn.Module,
-        hidden: torch.Tensor,
-        timestep: torch.Tensor,
-        prompt_embeds: torch.Tensor,
-        condition_mask: torch.Tensor,
-    ) -> torch.Tensor:
-        """The transformer's output ``F`` as the pipeline calls it (per-frame timestep, condition mask,
-        the family's fps, an all-zero padding mask)."""
-        if common.unwrap(denoiser).config.concat_padding_mask and not is_torchvision_available():
-            raise RuntimeError(
-                "CosmosTransformer3DModel (concat_padding_mask: true, as Cosmos-Predict2) resizes "
-                "its padding mask with torchvision: pip install torchvision (the build matching torch)"
-            )
-        dtype = common.param_dtype(denoiser)
-        return denoiser(
-            hidden_states=hidden.to(dtype),
-            timestep=timestep.to(dtype),
-            encoder_hidden_states=prompt_embeds.to(device=hidden.device, dtype=dtype),
-            fps=int(self.fps),
-            condition_mask=condition_mask.to(dtype),
-            padding_mask=hidden.new_zeros(1, 1, *hidden.shape[-2:], dtype=dtype),
-            return_dict=False,
-        )[0]
-
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-        conditional_frames: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The EDM loss on the generated frames of each clip, its first frames given (see the module doc).
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32, conditional_frames: torch.Tensor | None = None) -> Prepared:
+        """The transformer's inputs as the pipeline builds them (per-frame timestep, condition mask,
+        the family's fps, an all-zero padding mask), the clip's first frames given (see the module doc).
 
         ``conditional_frames`` (``[B]`` latent frames given) fixes ``k``; otherwise it
         is drawn after ``t`` and noise, or 1 when ``t`` is given (evaluation).
         """
-        o = objective or ObjectiveConfig()
+        o = objective
         x0 = _video.check_video_latents(latents, self.name)
         b, _, f = x0.shape[:3]
         fixed = t is not None
@@ -233,13 +196,22 @@ class Cosmos2VideoFamily(Cosmos2Family):
             conditional_frames = self.conditional_frames(b, f, None if fixed else generator)
         indicator = condition_indicator(conditional_frames.to(x0.device), f)
         hidden, timestep, condition_mask = transformer_inputs(obj.flow_interpolate(x0, noise, t), x0, t, indicator)
-        pred = self.predict(denoiser, hidden, timestep, text["prompt_embeds"], condition_mask).float()
-        target = obj.flow_target(x0, noise)
-        # The pipeline replaces the output on the given frames by their clean latents: no error there.
-        pred = torch.where(indicator.bool(), target, pred)
-        return obj.per_sample_loss(
-            pred, target, edm_weight(t), kind=o.loss, huber_c=o.huber_c, mask=self.loss_mask(mask, x0, o)
-        )
+        inputs = {
+            "hidden_states": hidden.to(dtype),
+            "timestep": timestep.to(dtype),
+            "encoder_hidden_states": text["prompt_embeds"].to(device=x0.device, dtype=dtype),
+            "fps": int(self.fps),
+            "condition_mask": condition_mask.to(dtype),
+            "padding_mask": hidden.new_zeros(1, 1, *hidden.shape[-2:], dtype=dtype),
+        }
+        return Prepared(inputs, obj.flow_target(x0, noise), edm_weight(t), self.loss_mask(mask, x0, o),
+                        extra={"indicator": indicator})
+
+    def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
+        """The transformer's output, replaced on the given frames by their clean latents (as the pipeline
+        does): no error there."""
+        pred = super().predict(denoiser, prepared).float()
+        return torch.where(prepared.extra["indicator"].bool(), prepared.target, pred)
 
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:

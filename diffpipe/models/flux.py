@@ -34,10 +34,10 @@ from transformers import (
     T5TokenizerFast,
 )
 
-from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.config import SampleConfig
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
-from diffpipe.models.base import Family, register
+from diffpipe.models.base import Family, Prepared, register
 from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer, tokenizer_fingerprint
 from diffpipe.training import objectives as obj
 from diffpipe.utils import digest
@@ -337,46 +337,30 @@ class FluxFamily(Family):
         }
 
     # -- training ----------------------------------------------------------------
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        o = objective or ObjectiveConfig()
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Packed noisy latents, sigma, guidance, pooled and T5 text, text and image ids; a packed target."""
+        o = objective
         x0 = common.single_frame(latents, self.name).float()
         device, (b, c, h, w) = x0.device, x0.shape
         t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
+        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift((h // 2) * (w // 2)))
 
-        shift = o.shift or self.timestep_shift((h // 2) * (w // 2))
-        sigma = obj.shift_timesteps(t, shift)
-        noisy = obj.flow_interpolate(x0, noise, sigma)
-        target = FluxPipeline._pack_latents(obj.flow_target(x0, noise), b, c, h, w)
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            return FluxPipeline._pack_latents(x, b, c, h, w)
 
-        dtype = common.param_dtype(denoiser)
         prompt_embeds = text["prompt_embeds"].to(device=device, dtype=dtype)
-        guidance = None
-        if common.unwrap(denoiser).config.guidance_embeds:
-            guidance = torch.full((b,), self.train_guidance, device=device, dtype=torch.float32)
-        pred = denoiser(
-            hidden_states=FluxPipeline._pack_latents(noisy, b, c, h, w).to(dtype),
+        inputs = {
+            "hidden_states": pack(obj.flow_interpolate(x0, noise, sigma)).to(dtype),
             # FluxPipeline passes sigma (its timestep / 1000) in the latents' dtype.
-            timestep=sigma.to(dtype),
-            guidance=guidance,
-            pooled_projections=text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
-            encoder_hidden_states=prompt_embeds,
-            txt_ids=torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
-            img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
-            return_dict=False,
-        )[0]
-        mask = self.loss_mask(mask, x0, o, lambda m: FluxPipeline._pack_latents(m, b, c, h, w))
-        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c, mask=mask)
+            "timestep": sigma.to(dtype),
+            "guidance": torch.full((b,), self.train_guidance, device=device, dtype=torch.float32),
+            "pooled_projections": text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+            "encoder_hidden_states": prompt_embeds,
+            "txt_ids": torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
+            "img_ids": FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
+        }
+        return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=self.loss_mask(mask, x0, o, pack))
 
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
@@ -392,37 +376,3 @@ class FluxFamily(Family):
         from diffpipe.models.pipeline_layers import flux_layers
 
         return flux_layers(common.unwrap(denoiser))
-
-    def pipeline_inputs(
-        self,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        objective: ObjectiveConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        """``((packed_noisy, sigma, guidance, pooled, prompt_embeds, txt_ids, img_ids), (target, weights))``.
-
-        Draws exactly what ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval).
-        """
-        o = objective or ObjectiveConfig()
-        x0 = common.single_frame(latents, self.name).float()
-        device, (b, c, h, w) = x0.device, x0.shape
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift((h // 2) * (w // 2)))
-        noisy = obj.flow_interpolate(x0, noise, sigma)
-        target = FluxPipeline._pack_latents(obj.flow_target(x0, noise), b, c, h, w)
-        prompt_embeds = text["prompt_embeds"].to(device=device, dtype=dtype)
-        inputs = (
-            FluxPipeline._pack_latents(noisy, b, c, h, w).to(dtype),
-            sigma.to(dtype),
-            torch.full((b,), self.train_guidance, device=device, dtype=torch.float32),
-            text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
-            prompt_embeds,
-            torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
-            FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
-        )
-        return inputs, (target, torch.ones(b, device=device))

@@ -14,14 +14,14 @@ around the transformer call.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
 from diffusers import FluxKontextPipeline, FluxPipeline
 
-from diffpipe.config import ObjectiveConfig, SampleConfig
-from diffpipe.models import _common as common
-from diffpipe.models.base import register
+from diffpipe.config import SampleConfig
+from diffpipe.models.base import Prepared, register
 from diffpipe.models.flux import FluxFamily
 
 
@@ -36,31 +36,6 @@ def reference_tokens(control: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, control.device, control.dtype)
     ids[..., 0] = 1
     return tokens, ids
-
-
-class _WithReference:
-    """The denoiser called with reference tokens appended; returns the target tokens' output.
-
-    Stands in for the denoiser inside ``FluxFamily.loss`` (it only reads the
-    parameters' dtype, the config and calls it), so the Flux loss, its draws
-    and its mask handling are shared, not copied.
-    """
-
-    def __init__(self, denoiser: Any, tokens: torch.Tensor, ids: torch.Tensor):
-        self.denoiser, self.tokens, self.ids = denoiser, tokens, ids
-        self.module = common.unwrap(denoiser)
-
-    def parameters(self):
-        return self.module.parameters()
-
-    def __call__(self, *, hidden_states: torch.Tensor, img_ids: torch.Tensor, **kwargs: Any):
-        n = hidden_states.shape[1]
-        out = self.denoiser(
-            hidden_states=torch.cat([hidden_states, self.tokens.to(hidden_states)], dim=1),
-            img_ids=torch.cat([img_ids, self.ids.to(img_ids)], dim=0),
-            **kwargs,
-        )
-        return (out[0][:, :n],)
 
 
 @register
@@ -89,32 +64,21 @@ class FluxKontextFamily(FluxFamily):
         # height and width say: keep the configured size.
         return {**super().sample_kwargs(cfg), "max_area": cfg.width * cfg.height}
 
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-        control: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Flux's loss on the target tokens, with the control latents as reference tokens."""
-        ref = self.reference_image(control, latents)
-        tokens, ids = reference_tokens(ref)
-        return super().loss(
-            _WithReference(denoiser, tokens, ids),
-            latents,
-            text,
-            generator,
-            t=t,
-            noise=noise,
-            objective=objective,
-            mask=mask,
-        )
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32, control: torch.Tensor | None = None) -> Prepared:
+        """Flux's inputs, with the control latents as reference tokens (``extra["reference"]``)."""
+        reference = reference_tokens(self.reference_image(control, latents))
+        p = super().prepare(latents, text, generator, objective=objective, t=t, noise=noise, mask=mask, dtype=dtype)
+        p.extra["reference"] = reference
+        return p
+
+    def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
+        """Flux's forward with the reference tokens appended; the target tokens' output."""
+        tokens, ids = prepared.extra["reference"]
+        x, img_ids = prepared.inputs["hidden_states"], prepared.inputs["img_ids"]
+        inputs = {**prepared.inputs, "hidden_states": torch.cat([x, tokens.to(x)], dim=1),
+                  "img_ids": torch.cat([img_ids, ids.to(img_ids)], dim=0)}
+        return super().predict(denoiser, replace(prepared, inputs=inputs))[:, : x.shape[1]]
 
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         raise ValueError("flux-kontext: pipeline parallelism is not implemented; set train.pipeline_stages: 1")

@@ -39,10 +39,10 @@ from transformers import (
     T5TokenizerFast,
 )
 
-from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.config import SampleConfig
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
-from diffpipe.models.base import Family, register
+from diffpipe.models.base import Family, Prepared, register
 from diffpipe.models.flux import TINY_VAE as FLUX_VAE
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 from diffpipe.models.sd3 import _tiny_clip
@@ -243,39 +243,32 @@ class HiDreamFamily(Family):
                 for name, s in (("clip_l", ""), ("clip_g", "_2"), ("t5", "_3"), ("llama", "_4"))}
 
     # -- training ----------------------------------------------------------------
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        o = objective or ObjectiveConfig()
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Flow-matching inputs with the four text encoders' embeddings (Llama's ``[layers, B, L, D]``).
+
+        The target is ``x0 - noise``: the pipeline steps with ``-pred`` as the velocity ``noise - x0``.
+        """
+        o = objective
         x0 = common.single_frame(latents, self.name).float()
         device = x0.device
         t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-
         sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 1.0)))
-        noisy = obj.flow_interpolate(x0, noise, sigma)
-        dtype = common.param_dtype(denoiser)
-        pred = denoiser(
-            hidden_states=noisy.to(dtype),
-            timesteps=(sigma * 1000).to(dtype),
-            encoder_hidden_states_t5=text["prompt_embeds_t5"].to(device=device, dtype=dtype),
-            encoder_hidden_states_llama3=text["prompt_embeds_llama3"].to(device=device, dtype=dtype).transpose(0, 1),
-            pooled_embeds=text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
-            return_dict=False,
-        )[0]
-        if pred.shape != x0.shape:  # train mode returns patches [B, C, S, p*p] (S padded to max_seq)
-            pred = unpatchify(pred, x0.shape, common.unwrap(denoiser).config.patch_size)
-        # The pipeline steps with ``-pred`` as the velocity ``noise - x0``.
-        return obj.per_sample_loss(pred, -obj.flow_target(x0, noise), kind=o.loss, huber_c=o.huber_c,
-                                   mask=self.loss_mask(mask, x0, o))
+        inputs = {
+            "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
+            "timesteps": (sigma * 1000).to(dtype),
+            "encoder_hidden_states_t5": text["prompt_embeds_t5"].to(device=device, dtype=dtype),
+            "encoder_hidden_states_llama3": text["prompt_embeds_llama3"].to(device=device, dtype=dtype).transpose(0, 1),
+            "pooled_embeds": text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+        }
+        return Prepared(inputs, -obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o))
+
+    def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
+        """The forward in the image layout (train mode returns patches ``[B, C, S, p*p]``, S padded)."""
+        pred = super().predict(denoiser, prepared)
+        if pred.shape != prepared.target.shape:
+            pred = unpatchify(pred, prepared.target.shape, common.unwrap(denoiser).config.patch_size)
+        return pred
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         return {**super().sample_kwargs(cfg), "max_sequence_length": self.max_sequence_length}
@@ -289,34 +282,3 @@ class HiDreamFamily(Family):
         from diffpipe.models.pipeline_layers_more import hidream_layers
 
         return hidream_layers(common.unwrap(denoiser))
-
-    def pipeline_inputs(
-        self,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        objective: ObjectiveConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        """``((noisy, sigma * 1000, t5, llama [layers, B, L, D], pooled), (target, weights))``.
-
-        The target is ``x0 - noise``: the pipeline steps with ``-pred`` as the velocity. Draws
-        exactly what ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval).
-        """
-
-        o = objective or ObjectiveConfig()
-        x0 = common.single_frame(latents, self.name).float()
-        device, b = x0.device, x0.shape[0]
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-        sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 1.0)))
-        inputs = (
-            obj.flow_interpolate(x0, noise, sigma).to(dtype),
-            (sigma * 1000).to(dtype),
-            text["prompt_embeds_t5"].to(device=device, dtype=dtype),
-            text["prompt_embeds_llama3"].to(device=device, dtype=dtype).transpose(0, 1),
-            text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
-        )
-        return inputs, (-obj.flow_target(x0, noise), torch.ones(b, device=device))

@@ -40,10 +40,10 @@ from transformers import (
     T5EncoderModel,
 )
 
-from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.config import SampleConfig
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
-from diffpipe.models.base import Family, register
+from diffpipe.models.base import Family, Prepared, register
 from diffpipe.models.qwenimage import tiny_qwen_tokenizer, tiny_qwen_vl
 from diffpipe.models.tokenizers import tokenizer_fingerprint
 from diffpipe.training import objectives as obj
@@ -214,40 +214,24 @@ class HunyuanImageFamily(Family):
         return {"qwen": [len(x) - 34 for x in encoders.tokenizer([template.format(c) for c in captions]).input_ids]}
 
     # -- training ----------------------------------------------------------------
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        o = objective or ObjectiveConfig()
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Flow-matching inputs with both text encoders' embeddings and masks, and the guidance (1000)."""
+        o = objective
         x0 = common.single_frame(latents, self.name).float()
         device, b = x0.device, x0.shape[0]
         t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-
         sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 1.0)))
-        noisy = obj.flow_interpolate(x0, noise, sigma)
-        dtype = common.param_dtype(denoiser)
-        config = common.unwrap(denoiser).config
-        guidance = torch.full((b,), 1000.0, device=device, dtype=dtype) if config.guidance_embeds else None
-        pred = denoiser(
-            hidden_states=noisy.to(dtype),
-            timestep=(sigma * 1000).to(dtype),
-            guidance=guidance,
-            encoder_hidden_states=text["prompt_embeds"].to(device=device, dtype=dtype),
-            encoder_attention_mask=text["prompt_embeds_mask"].to(device=device, dtype=torch.long),
-            encoder_hidden_states_2=text["prompt_embeds_2"].to(device=device, dtype=dtype),
-            encoder_attention_mask_2=text["prompt_embeds_mask_2"].to(device=device, dtype=torch.long),
-            return_dict=False,
-        )[0]
-        return obj.per_sample_loss(pred, obj.flow_target(x0, noise), kind=o.loss, huber_c=o.huber_c,
-                                   mask=self.loss_mask(mask, x0, o))
+        inputs = {
+            "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
+            "timestep": (sigma * 1000).to(dtype),
+            "guidance": torch.full((b,), 1000.0, device=device, dtype=dtype),
+            "encoder_hidden_states": text["prompt_embeds"].to(device=device, dtype=dtype),
+            "encoder_attention_mask": text["prompt_embeds_mask"].to(device=device, dtype=torch.long),
+            "encoder_hidden_states_2": text["prompt_embeds_2"].to(device=device, dtype=dtype),
+            "encoder_attention_mask_2": text["prompt_embeds_mask_2"].to(device=device, dtype=torch.long),
+        }
+        return Prepared(inputs, obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o))
 
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         raise NotImplementedError("hunyuanimage: pipeline-parallel layers are not implemented yet")

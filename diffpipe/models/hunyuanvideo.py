@@ -54,11 +54,11 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.config import SampleConfig
 from diffpipe.data.frames import snap_frames
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
-from diffpipe.models.base import Family, register
+from diffpipe.models.base import Family, Prepared, register
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 from diffpipe.models.tokenizers import clip_tokenizer, tokenizer_fingerprint
 from diffpipe.training import objectives as obj
@@ -325,48 +325,23 @@ class HunyuanVideoFamily(Family):
         }
 
     # -- training ------------------------------------------------------------------
-    def _prepare(self, latents, text, generator, t, noise, objective, dtype):
-        o = objective or ObjectiveConfig()
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Flow-matching inputs: noisy clip, ``sigma * 1000``, Llama text and mask, pooled CLIP, guidance x 1000."""
+        o = objective
         x0 = video.check_video_latents(latents, self.name)
         t, noise = video.draw(o, x0, generator, t, noise)
         sigma = obj.shift_timesteps(t, o.shift or self.flow_shift)
         device, b = x0.device, x0.shape[0]
-        inputs = (
-            obj.flow_interpolate(x0, noise, sigma).to(dtype),
-            (sigma * self._scheduler_config.get("num_train_timesteps", 1000)).to(dtype),
-            text["prompt_embeds"].to(device=device, dtype=dtype),
-            text["prompt_attention_mask"].to(device=device, dtype=dtype),
-            text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
-            torch.full((b,), self.train_guidance * 1000.0, device=device, dtype=dtype),
-        )
-        return inputs, obj.flow_target(x0, noise)
-
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        o = objective or ObjectiveConfig()
-        (noisy, timestep, context, text_mask, pooled, guidance), target = self._prepare(
-            latents, text, generator, t, noise, o, common.param_dtype(denoiser)
-        )
-        pred = denoiser(
-            hidden_states=noisy,
-            timestep=timestep,
-            encoder_hidden_states=context,
-            encoder_attention_mask=text_mask,
-            pooled_projections=pooled,
-            guidance=guidance if common.unwrap(denoiser).config.guidance_embeds else None,
-            return_dict=False,
-        )[0]
-        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c, mask=self.loss_mask(mask, latents, o))
+        inputs = {
+            "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
+            "timestep": (sigma * self._scheduler_config.get("num_train_timesteps", 1000)).to(dtype),
+            "encoder_hidden_states": text["prompt_embeds"].to(device=device, dtype=dtype),
+            "encoder_attention_mask": text["prompt_attention_mask"].to(device=device, dtype=dtype),
+            "pooled_projections": text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+            "guidance": torch.full((b,), self.train_guidance * 1000.0, device=device, dtype=dtype),
+        }
+        return Prepared(inputs, obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o))
 
     # -- sampling ------------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
@@ -390,17 +365,3 @@ class HunyuanVideoFamily(Family):
         from diffpipe.models.pipeline_layers_video import hunyuan_video_layers
 
         return hunyuan_video_layers(common.unwrap(denoiser))
-
-    def pipeline_inputs(
-        self,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        objective: ObjectiveConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        inputs, target = self._prepare(latents, text, generator, t, noise, objective, dtype)
-        return inputs, (target, torch.ones(target.shape[0], device=target.device))

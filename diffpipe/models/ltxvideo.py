@@ -30,11 +30,11 @@ import torch
 from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
 from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 
-from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.config import SampleConfig
 from diffpipe.data.frames import snap_frames
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
-from diffpipe.models.base import Family, register
+from diffpipe.models.base import Family, Prepared, register
 from diffpipe.training import objectives as obj
 
 # Three spatio-temporal downsamplings without the 4x4 pixel patching: 8x spatial, 8x temporal.
@@ -172,66 +172,45 @@ class LTXVideoFamily(video.T5TextFamily, Family):
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
 
     # -- training ------------------------------------------------------------------
-    def _prepare(self, latents, text, generator, t, noise, objective, dtype, config=None):
-        """``(first-layer inputs, target)``: what ``loss`` and ``pipeline_inputs`` both feed.
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Packed flow-matching inputs, the text and its mask, the packed grid and the rope scale.
 
-        ``config``: the transformer's (patch sizes), default the flavor's.
+        The grid and scale are plain numbers (from shapes, not tensors): the loss also runs on the
+        meta device (estimate); :meth:`layer_inputs` makes them tensors.
         """
-        o = objective or ObjectiveConfig()
+        o = objective
         x0 = video.check_video_latents(latents, self.name)
         t, noise = video.draw(o, x0, generator, t, noise)
         _, _, f, h, w = x0.shape
         sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(f * h * w))
-        c = config or self._transformer_config
+        c = self._transformer_config
         p, pt = int(c.get("patch_size", 1)), int(c.get("patch_size_t", 1))
-        noisy = LTXPipeline._pack_latents(obj.flow_interpolate(x0, noise, sigma), p, pt)
-        target = LTXPipeline._pack_latents(obj.flow_target(x0, noise), p, pt)
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            return LTXPipeline._pack_latents(x, p, pt)
+
         temporal, spatial = self.compression
         device = x0.device
-        inputs = (
-            noisy.to(dtype),
-            text["prompt_embeds"].to(device=device, dtype=dtype),
-            sigma * self._scheduler_config.get("num_train_timesteps", 1000),  # the scheduler's timesteps
-            text["prompt_attention_mask"].to(device=device),
-            torch.tensor([f // pt, h // p, w // p], device=device),
-            torch.tensor([temporal / self.fps, spatial, spatial], device=device),
-        )
-        return inputs, target
+        inputs = {
+            "hidden_states": pack(obj.flow_interpolate(x0, noise, sigma)).to(dtype),
+            "encoder_hidden_states": text["prompt_embeds"].to(device=device, dtype=dtype),
+            "timestep": sigma * self._scheduler_config.get("num_train_timesteps", 1000),  # the scheduler's
+            "encoder_attention_mask": text["prompt_attention_mask"].to(device=device),
+            "num_frames": f // pt,
+            "height": h // p,
+            "width": w // p,
+            "rope_interpolation_scale": (temporal / self.fps, spatial, spatial),
+        }
+        return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=self.loss_mask(mask, x0, o, pack))
 
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        o = objective or ObjectiveConfig()
-        c = common.unwrap(denoiser).config
-        (noisy, context, timestep, text_mask, _, _), target = self._prepare(
-            latents, text, generator, t, noise, o, common.param_dtype(denoiser), c
-        )
-        # Sizes from shapes, not from the tensors above: the loss also runs on the meta device (estimate).
-        p, pt = int(c.get("patch_size", 1)), int(c.get("patch_size_t", 1))
-        f, h, w = latents.shape[2] // pt, latents.shape[3] // p, latents.shape[4] // p
-        temporal, spatial = self.compression
-        pred = denoiser(
-            hidden_states=noisy,
-            encoder_hidden_states=context,
-            timestep=timestep,
-            encoder_attention_mask=text_mask,
-            num_frames=f,
-            height=h,
-            width=w,
-            rope_interpolation_scale=(temporal / self.fps, spatial, spatial),
-            return_dict=False,
-        )[0]
-        mask = self.loss_mask(mask, latents, o, lambda m: LTXPipeline._pack_latents(m, p, pt))
-        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c, mask=mask)
+    def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
+        """``(packed noisy, prompt_embeds, sigma * 1000, text mask, (F, h, w), rope scale)``."""
+        i = prepared.inputs
+        device = i["hidden_states"].device
+        return (i["hidden_states"], i["encoder_hidden_states"], i["timestep"], i["encoder_attention_mask"],
+                torch.tensor([i["num_frames"], i["height"], i["width"]], device=device),
+                torch.tensor(i["rope_interpolation_scale"], device=device))
 
     # -- sampling ------------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
@@ -254,17 +233,3 @@ class LTXVideoFamily(video.T5TextFamily, Family):
         from diffpipe.models.pipeline_layers_video import ltx_layers
 
         return ltx_layers(common.unwrap(denoiser))
-
-    def pipeline_inputs(
-        self,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        objective: ObjectiveConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        inputs, target = self._prepare(latents, text, generator, t, noise, objective, dtype)
-        return inputs, (target, torch.ones(target.shape[0], device=target.device))

@@ -25,10 +25,10 @@ from diffusers import (
 )
 from transformers import AutoTokenizer, Gemma2Config, Gemma2Model, PreTrainedTokenizerBase
 
-from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.config import SampleConfig
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
-from diffpipe.models.base import Family, register
+from diffpipe.models.base import Family, Prepared, register
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 from diffpipe.models.tokenizers import tokenizer_fingerprint
 from diffpipe.training import objectives as obj
@@ -208,38 +208,24 @@ class Lumina2Family(Family):
         return {"gemma": [len(x) for x in encoders.tokenizer(self._prompts(list(captions))).input_ids]}
 
     # -- training ----------------------------------------------------------------
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        o = objective or ObjectiveConfig()
-        inputs, x0, target = self._draw(latents, text, generator, o, common.param_dtype(denoiser), t, noise)
-        pred = denoiser(*inputs, return_dict=False)[0]
-        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c, mask=self.loss_mask(mask, x0, o))
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Flow-matching inputs with Lumina's timestep (0 = noise, 1 = image) and the text mask.
 
-    def _draw(self, latents, text, generator, o, dtype, t, noise):
-        """``(noisy, timestep, prompt_embeds, prompt_attention_mask)`` (the transformer's arguments),
-        the clean latents and the target: what ``loss`` and ``pipeline_inputs`` both draw."""
+        The target is ``x0 - noise``: the pipeline steps with ``-pred`` as the velocity ``noise - x0``.
+        """
+        o = objective
         x0 = common.single_frame(latents, self.name).float()
         device = x0.device
         t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
         sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 1.0)))
-        inputs = (
-            obj.flow_interpolate(x0, noise, sigma).to(dtype),
-            (1 - sigma).to(dtype),  # Lumina: 0 = noise, 1 = image
-            text["prompt_embeds"].to(device=device, dtype=dtype),
-            text["prompt_attention_mask"].to(device=device, dtype=torch.long),
-        )
-        # The pipeline steps with ``-pred`` as the velocity ``noise - x0``.
-        return inputs, x0, -obj.flow_target(x0, noise)
+        inputs = {
+            "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
+            "timestep": (1 - sigma).to(dtype),
+            "encoder_hidden_states": text["prompt_embeds"].to(device=device, dtype=dtype),
+            "encoder_attention_mask": text["prompt_attention_mask"].to(device=device, dtype=torch.long),
+        }
+        return Prepared(inputs, -obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o))
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         return {**super().sample_kwargs(cfg), "max_sequence_length": self.max_sequence_length}
@@ -253,19 +239,3 @@ class Lumina2Family(Family):
         from diffpipe.models.pipeline_layers_more import lumina2_layers
 
         return lumina2_layers(common.unwrap(denoiser))
-
-    def pipeline_inputs(
-        self,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        objective: ObjectiveConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        """``((noisy, timestep, prompt_embeds, prompt_attention_mask), (target, weights))``: exactly what
-        ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval)."""
-        inputs, x0, target = self._draw(latents, text, generator, objective or ObjectiveConfig(), dtype, t, noise)
-        return inputs, (target, torch.ones(x0.shape[0], device=x0.device))

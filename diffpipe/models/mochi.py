@@ -31,11 +31,11 @@ from typing import Any, ClassVar
 import torch
 from diffusers import AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, MochiPipeline, MochiTransformer3DModel
 
-from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.config import SampleConfig
 from diffpipe.data.frames import snap_frames
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
-from diffpipe.models.base import Family, register
+from diffpipe.models.base import Family, Prepared, register
 from diffpipe.training import objectives as obj
 
 TINY_VAE = {
@@ -133,44 +133,22 @@ class MochiFamily(video.T5TextFamily, Family):
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask}
 
     # -- training ------------------------------------------------------------------
-    def _prepare(self, latents, text, generator, t, noise, objective, dtype):
-        o = objective or ObjectiveConfig()
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Flow-matching inputs with Mochi's timestep ``(1 - sigma) * 1000`` and the boolean text mask;
+        the target is ``x0 - noise``."""
+        o = objective
         x0 = video.check_video_latents(latents, self.name)
         t, noise = video.draw(o, x0, generator, t, noise)
         sigma = obj.shift_timesteps(t, o.shift or self.flow_shift)
         device = x0.device
-        inputs = (
-            obj.flow_interpolate(x0, noise, sigma).to(dtype),
-            ((1 - sigma) * self._scheduler_config.get("num_train_timesteps", 1000)).to(dtype),
-            text["prompt_embeds"].to(device=device, dtype=dtype),
-            text["prompt_attention_mask"].to(device=device).bool(),
-        )
-        return inputs, -obj.flow_target(x0, noise)  # x0 - noise
-
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        o = objective or ObjectiveConfig()
-        (noisy, timestep, context, text_mask), target = self._prepare(
-            latents, text, generator, t, noise, o, common.param_dtype(denoiser)
-        )
-        pred = denoiser(
-            hidden_states=noisy,
-            encoder_hidden_states=context,
-            timestep=timestep,
-            encoder_attention_mask=text_mask,
-            return_dict=False,
-        )[0]
-        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c, mask=self.loss_mask(mask, latents, o))
+        inputs = {
+            "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
+            "timestep": ((1 - sigma) * self._scheduler_config.get("num_train_timesteps", 1000)).to(dtype),
+            "encoder_hidden_states": text["prompt_embeds"].to(device=device, dtype=dtype),
+            "encoder_attention_mask": text["prompt_attention_mask"].to(device=device).bool(),
+        }
+        return Prepared(inputs, -obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o))
 
     # -- sampling ------------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
@@ -191,17 +169,3 @@ class MochiFamily(video.T5TextFamily, Family):
         from diffpipe.models.pipeline_layers_video import mochi_layers
 
         return mochi_layers(common.unwrap(denoiser))
-
-    def pipeline_inputs(
-        self,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        objective: ObjectiveConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        inputs, target = self._prepare(latents, text, generator, t, noise, objective, dtype)
-        return inputs, (target, torch.ones(target.shape[0], device=target.device))

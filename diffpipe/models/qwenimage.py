@@ -34,10 +34,10 @@ from transformers import (
     Qwen2_5_VLForConditionalGeneration,
 )
 
-from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.config import SampleConfig
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
-from diffpipe.models.base import Family, register
+from diffpipe.models.base import Family, Prepared, register
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 from diffpipe.models.tokenizers import tokenizer_fingerprint
 from diffpipe.training import objectives as obj
@@ -231,38 +231,32 @@ class QwenImageFamily(Family):
         return {"qwen": [len(x) - DROP for x in ids]}
 
     # -- training ----------------------------------------------------------------
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        o = objective or ObjectiveConfig()
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Packed noisy latents, sigma, text and its mask, and each item's packed grid ``img_shapes``."""
+        o = objective
         x0 = common.single_frame(latents, self.name).float()
         device, (b, c, h, w) = x0.device, x0.shape
         t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-
         sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift((h // 2) * (w // 2)))
-        noisy = obj.flow_interpolate(x0, noise, sigma)
-        pack = QwenImagePipeline._pack_latents
-        target = pack(obj.flow_target(x0, noise), b, c, h, w)
-        dtype = common.param_dtype(denoiser)
-        pred = denoiser(
-            hidden_states=pack(noisy, b, c, h, w).to(dtype),
-            timestep=sigma.to(dtype),  # the pipeline passes timestep / 1000
-            encoder_hidden_states=text["prompt_embeds"].to(device=device, dtype=dtype),
-            encoder_hidden_states_mask=text["prompt_embeds_mask"].to(device=device, dtype=torch.long),
-            img_shapes=[[(1, h // 2, w // 2)]] * b,
-            return_dict=False,
-        )[0]
-        mask = self.loss_mask(mask, x0, o, lambda m: pack(m, b, c, h, w))
-        return obj.per_sample_loss(pred, target, kind=o.loss, huber_c=o.huber_c, mask=mask)
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            return QwenImagePipeline._pack_latents(x, b, c, h, w)
+
+        inputs = {
+            "hidden_states": pack(obj.flow_interpolate(x0, noise, sigma)).to(dtype),
+            "timestep": sigma.to(dtype),  # the pipeline passes timestep / 1000
+            "encoder_hidden_states": text["prompt_embeds"].to(device=device, dtype=dtype),
+            "encoder_hidden_states_mask": text["prompt_embeds_mask"].to(device=device, dtype=torch.long),
+            "img_shapes": [[(1, h // 2, w // 2)]] * b,
+        }
+        return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=self.loss_mask(mask, x0, o, pack))
+
+    def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
+        """``(packed_noisy, sigma, prompt_embeds, prompt_embeds_mask, fhw)``: ``img_shapes`` as one tensor."""
+        i = prepared.inputs
+        fhw = torch.tensor(i["img_shapes"][0][0], device=i["hidden_states"].device)
+        return (i["hidden_states"], i["timestep"], i["encoder_hidden_states"], i["encoder_hidden_states_mask"], fhw)
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         # Qwen-Image uses "true" CFG (a negative prompt); guidance_scale is for guidance-distilled models.
@@ -278,34 +272,3 @@ class QwenImageFamily(Family):
         from diffpipe.models.pipeline_layers_more import qwen_layers
 
         return qwen_layers(common.unwrap(denoiser))
-
-    def pipeline_inputs(
-        self,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        objective: ObjectiveConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        """``((packed_noisy, sigma, prompt_embeds, prompt_embeds_mask, fhw), (target, weights))``.
-
-        Draws exactly what ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval).
-        """
-
-        o = objective or ObjectiveConfig()
-        x0 = common.single_frame(latents, self.name).float()
-        device, (b, c, h, w) = x0.device, x0.shape
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift((h // 2) * (w // 2)))
-        pack = QwenImagePipeline._pack_latents
-        inputs = (
-            pack(obj.flow_interpolate(x0, noise, sigma), b, c, h, w).to(dtype),
-            sigma.to(dtype),
-            text["prompt_embeds"].to(device=device, dtype=dtype),
-            text["prompt_embeds_mask"].to(device=device, dtype=torch.long),
-            torch.tensor([1, h // 2, w // 2], device=device),
-        )
-        return inputs, (pack(obj.flow_target(x0, noise), b, c, h, w), torch.ones(b, device=device))

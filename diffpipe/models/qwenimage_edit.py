@@ -26,7 +26,7 @@ image); the sample stage does not pass a control image yet, so it refuses too.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -44,9 +44,9 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 from transformers.processing_utils import ProcessorMixin
 
-from diffpipe.config import ObjectiveConfig, SampleConfig
+from diffpipe.config import SampleConfig
 from diffpipe.models import _common as common
-from diffpipe.models.base import register
+from diffpipe.models.base import Prepared, register
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 from diffpipe.models.qwenimage import MAX_LENGTH, TINY_TEXT, TINY_VISION, QwenImageFamily
 from diffpipe.models.tokenizers import tokenizer_fingerprint
@@ -133,31 +133,6 @@ def vision_token_bound(image_processor: Any) -> int:
         h, w = smart_resize(max(height, factor), max(width, factor), factor, lo, hi)
         most = max(most, (h // factor) * (w // factor))
     return most
-
-
-class _WithReference:
-    """The denoiser called with the control tokens appended; returns the target tokens' output.
-
-    Stands in for the denoiser inside ``QwenImageFamily.loss`` (which reads the
-    parameters' dtype and calls it), so Qwen-Image's loss, draws and mask
-    handling are shared, not copied.
-    """
-
-    def __init__(self, denoiser: Any, tokens: torch.Tensor, shape: tuple[int, int, int]):
-        self.denoiser, self.tokens, self.shape = denoiser, tokens, shape
-        self.module = common.unwrap(denoiser)
-
-    def parameters(self):
-        return self.module.parameters()
-
-    def __call__(self, *, hidden_states: torch.Tensor, img_shapes: list, **kwargs: Any):
-        n = hidden_states.shape[1]
-        out = self.denoiser(
-            hidden_states=torch.cat([hidden_states, self.tokens.to(hidden_states)], dim=1),
-            img_shapes=[[*shapes, self.shape] for shapes in img_shapes],
-            **kwargs,
-        )
-        return (out[0][:, :n],)
 
 
 def reference_tokens(control: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
@@ -310,32 +285,22 @@ class QwenImageEditFamily(QwenImageFamily):
         return {"qwen": [len(x) - DROP - 1 for x in ids]}
 
     # -- training ----------------------------------------------------------------
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-        control: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """Qwen-Image's loss on the target tokens, with the control latents as reference tokens."""
-        ref = self.reference_image(control, latents)
-        tokens, shape = reference_tokens(ref)
-        return super().loss(
-            _WithReference(denoiser, tokens, shape),
-            latents,
-            text,
-            generator,
-            t=t,
-            noise=noise,
-            objective=objective,
-            mask=mask,
-        )
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32, control: torch.Tensor | None = None) -> Prepared:
+        """Qwen-Image's inputs, with the control latents as reference tokens (``extra["reference"]``)."""
+        reference = reference_tokens(self.reference_image(control, latents))
+        p = super().prepare(latents, text, generator, objective=objective, t=t, noise=noise, mask=mask, dtype=dtype)
+        p.extra["reference"] = reference
+        return p
+
+    def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
+        """The forward with the reference tokens appended (and their grid in ``img_shapes``); the target
+        tokens' output."""
+        tokens, shape = prepared.extra["reference"]
+        x = prepared.inputs["hidden_states"]
+        inputs = {**prepared.inputs, "hidden_states": torch.cat([x, tokens.to(x)], dim=1),
+                  "img_shapes": [[*shapes, shape] for shapes in prepared.inputs["img_shapes"]]}
+        return super().predict(denoiser, replace(prepared, inputs=inputs))[:, : x.shape[1]]
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         if cfg.prompts and not cfg.images:

@@ -26,7 +26,8 @@ from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from diffpipe.config import ObjectiveConfig
 from diffpipe.models import _common as common
-from diffpipe.models.base import Family, register
+from diffpipe.models._draws import ddpm_parts, draw_image
+from diffpipe.models.base import Family, Prepared, register
 from diffpipe.models.tokenizers import clip_tokenizer, tokenizer_fingerprint
 from diffpipe.training import objectives as obj
 from diffpipe.utils import digest
@@ -264,56 +265,20 @@ class SDFamily(Family):
         return {"clip": [len(x) for x in ids]}
 
     # -- training ----------------------------------------------------------------
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        o = objective or ObjectiveConfig()
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """``inputs`` = ``(sample, timestep, encoder_hidden_states)``: the noisy latents, DDPM steps, text."""
+        o = objective
         self._check_objective(o)
         x0 = common.single_frame(latents, self.name).float()
-        device, b = x0.device, x0.shape[0]
-        # Draw order is fixed (t, then noise, then offset) so a seeded generator replays a run.
-        if t is None:
-            if o.timestep_sampling == "logit_normal":
-                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std,
-                                            device=generator.device)
-            else:
-                t = obj.sample_uniform(b, generator, device=generator.device)
-            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
-        if noise is None:
-            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
-            if o.offset_noise:
-                noise = obj.add_offset_noise(noise, o.offset_noise, generator)
-        elif noise.ndim == 5:  # given like the latents, [B,C,1,h,w]
-            noise = common.single_frame(noise, self.name)
-        t, noise = t.to(device), noise.to(device).float()
-
-        schedule = self._alphas_cumprod
-        steps = obj.ddpm_timesteps(t, len(schedule))
-        noisy = obj.ddpm_add_noise(x0, noise, schedule, steps)
-        target = obj.ddpm_target(x0, noise, schedule, steps, self.prediction_type)
-
-        dtype = common.param_dtype(denoiser)
-        pred = denoiser(
-            noisy.to(dtype),
-            steps,
-            encoder_hidden_states=text["prompt_embeds"].to(device=device, dtype=dtype),
-            return_dict=False,
-        )[0]
-        weights = None
-        if o.min_snr_gamma:
-            weights = obj.min_snr_weights(schedule, steps, gamma=o.min_snr_gamma,
-                                          prediction_type=self.prediction_type)
-        return obj.per_sample_loss(pred, target, weights, kind=o.loss, huber_c=o.huber_c,
-                                   mask=self.loss_mask(mask, x0, o))
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name, default="uniform", offset_noise=True)
+        noisy, steps, target, weights = ddpm_parts(o, x0, noise, t, self._alphas_cumprod, self.prediction_type)
+        inputs = {
+            "sample": noisy.to(dtype),
+            "timestep": steps,
+            "encoder_hidden_states": text["prompt_embeds"].to(device=x0.device, dtype=dtype),
+        }
+        return Prepared(inputs, target, weights, self.loss_mask(mask, x0, o))
 
     @cached_property
     def _alphas_cumprod(self) -> torch.Tensor:
@@ -342,47 +307,3 @@ class SDFamily(Family):
         from diffpipe.models.pipeline_layers import unet_layers
 
         return unet_layers(common.unwrap(denoiser))
-
-    def pipeline_inputs(
-        self,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        objective: ObjectiveConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        """``((noisy, timesteps, prompt_embeds), (target, weights))`` for the pipeline layers.
-
-        Draws exactly what ``loss`` draws, in the same order, so a pipeline run
-        sees the same timesteps and noise as a data-parallel one; ``t`` and
-        ``noise`` fix them (eval).
-        """
-        o = objective or ObjectiveConfig()
-        self._check_objective(o)
-        x0 = common.single_frame(latents, self.name).float()
-        b = x0.shape[0]
-        if t is None:
-            if o.timestep_sampling == "logit_normal":
-                t = obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std,
-                                            device=generator.device)
-            else:
-                t = obj.sample_uniform(b, generator, device=generator.device)
-            t = obj.limit_timesteps(t, o.min_timestep, o.max_timestep)
-        if noise is None:
-            noise = torch.randn(x0.shape, generator=generator, device=generator.device)
-            if o.offset_noise:
-                noise = obj.add_offset_noise(noise, o.offset_noise, generator)
-        elif noise.ndim == 5:  # given like the latents (eval)
-            noise = common.single_frame(noise, self.name)
-        t, noise = t.to(x0.device), noise.to(x0.device).float()
-        schedule = self._alphas_cumprod
-        steps = obj.ddpm_timesteps(t, len(schedule))
-        noisy = obj.ddpm_add_noise(x0, noise, schedule, steps)
-        target = obj.ddpm_target(x0, noise, schedule, steps, self.prediction_type)
-        weights = torch.ones(b)
-        if o.min_snr_gamma:
-            weights = obj.min_snr_weights(schedule, steps, gamma=o.min_snr_gamma, prediction_type=self.prediction_type)
-        return (noisy.to(dtype), steps, text["prompt_embeds"].to(dtype)), (target, weights.to(x0.device))

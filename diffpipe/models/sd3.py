@@ -40,7 +40,7 @@ from transformers import (
 from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
-from diffpipe.models.base import Family, register
+from diffpipe.models.base import Family, Prepared, register
 from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer, tokenizer_fingerprint
 from diffpipe.training import objectives as obj
 from diffpipe.utils import digest
@@ -288,38 +288,23 @@ class SD3Family(Family):
             return obj.sample_uniform(b, generator, device=generator.device)
         return obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
 
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        o = objective or ObjectiveConfig()
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Flow-matching inputs; ``weights`` by ``train.objective.weighting_scheme`` (None: unweighted)."""
+        o = objective
         x0 = common.single_frame(latents, self.name).float()
         device = x0.device
         t, noise = draw_image(o, x0, generator, t, noise, family=self.name, sample_t=self.sample_t)
-
         sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 3.0)))
-        noisy = obj.flow_interpolate(x0, noise, sigma)
-        target = obj.flow_target(x0, noise)
-        dtype = common.param_dtype(denoiser)
-        pred = denoiser(
-            hidden_states=noisy.to(dtype),
+        inputs = {
+            "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
             # The pipeline passes the scheduler's timesteps: sigma * 1000.
-            timestep=(sigma * 1000).to(dtype),
-            encoder_hidden_states=text["prompt_embeds"].to(device=device, dtype=dtype),
-            pooled_projections=text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
-            return_dict=False,
-        )[0]
-        weights = obj.weighting_scheme_weights(o.weighting_scheme, sigma)
-        return obj.per_sample_loss(pred, target, weights, kind=o.loss, huber_c=o.huber_c,
-                                   mask=self.loss_mask(mask, x0, o))
+            "timestep": (sigma * 1000).to(dtype),
+            "pooled_projections": text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+            "encoder_hidden_states": text["prompt_embeds"].to(device=device, dtype=dtype),
+        }
+        return Prepared(inputs, obj.flow_target(x0, noise), obj.weighting_scheme_weights(o.weighting_scheme, sigma),
+                        self.loss_mask(mask, x0, o))
 
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
@@ -330,33 +315,3 @@ class SD3Family(Family):
         from diffpipe.models.pipeline_layers_more import sd3_layers
 
         return sd3_layers(common.unwrap(denoiser))
-
-    def pipeline_inputs(
-        self,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        objective: ObjectiveConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        """``((noisy, sigma * 1000, pooled, prompt_embeds), (target, weights))``, weights by the weighting scheme.
-
-        Draws exactly what ``loss`` draws, in the same order; ``t`` and ``noise`` fix them (eval).
-        """
-
-        o = objective or ObjectiveConfig()
-        x0 = common.single_frame(latents, self.name).float()
-        device, b = x0.device, x0.shape[0]
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name, sample_t=self.sample_t)
-        sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 3.0)))
-        weights = obj.weighting_scheme_weights(o.weighting_scheme, sigma)
-        inputs = (
-            obj.flow_interpolate(x0, noise, sigma).to(dtype),
-            (sigma * 1000).to(dtype),
-            text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
-            text["prompt_embeds"].to(device=device, dtype=dtype),
-        )
-        return inputs, (obj.flow_target(x0, noise), torch.ones(b, device=device) if weights is None else weights)

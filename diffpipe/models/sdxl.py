@@ -32,13 +32,10 @@ from transformers import (
     CLIPTokenizer,
 )
 
-from diffpipe.config import ObjectiveConfig
 from diffpipe.models import _common as common
-from diffpipe.models._draws import draw_image
-from diffpipe.models.base import register
+from diffpipe.models.base import Prepared, register
 from diffpipe.models.sd import TINY_SCHEDULER, TINY_VAE, SDFamily
 from diffpipe.models.tokenizers import clip_tokenizer, tokenizer_fingerprint
-from diffpipe.training import objectives as obj
 from diffpipe.utils import digest
 
 # As diffusers' own SDXL pipeline tests: two 32-wide CLIPs -> 64-wide context.
@@ -212,55 +209,30 @@ class SDXLFamily(SDFamily):
                 "clip_g": [len(x) for x in encoders.tokenizer_2(captions).input_ids]}
 
     # -- training ----------------------------------------------------------------
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        sizes: dict[str, torch.Tensor] | None = None,
-        mask: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """As ``sd``'s loss, with SDXL's pooled text and ``add_time_ids``.
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32, sizes: dict[str, torch.Tensor] | None = None) -> Prepared:
+        """As ``sd``'s inputs, with SDXL's pooled text and ``add_time_ids`` (``added_cond_kwargs``).
 
         ``sizes`` (the batch's ``sizes``, optional): ``original_size`` and
         ``crop_top_left``, ``[B, 2]`` pixels (height, width / top, left). Without
         it the item is taken as resized to the bucket with no crop (original =
         target, crop 0, 0), as for caches planned before the plan recorded them.
         """
-        o = objective or ObjectiveConfig()
-        self._check_objective(o)
-        x0 = common.single_frame(latents, self.name).float()
-        device, (b, _, h, w) = x0.device, x0.shape
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name, default="uniform", offset_noise=True)
-
-        schedule = self._alphas_cumprod
-        steps = obj.ddpm_timesteps(t, len(schedule))
-        noisy = obj.ddpm_add_noise(x0, noise, schedule, steps)
-        target = obj.ddpm_target(x0, noise, schedule, steps, self.prediction_type)
-
+        p = super().prepare(latents, text, generator, objective=objective, t=t, noise=noise, mask=mask, dtype=dtype)
+        (b, _, h, w), device = p.target.shape, p.target.device
         target_hw = torch.tensor([[h * self.vae_factor, w * self.vae_factor]], device=device).expand(b, 2)
         sizes = sizes or {}
         ids = time_ids(sizes.get("original_size", target_hw).to(device),
                        sizes.get("crop_top_left", torch.zeros_like(target_hw)).to(device), target_hw)
-        dtype = common.param_dtype(denoiser)
-        pred = denoiser(
-            noisy.to(dtype),
-            steps,
-            encoder_hidden_states=text["prompt_embeds"].to(device=device, dtype=dtype),
-            added_cond_kwargs={"text_embeds": text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
-                               "time_ids": ids.to(dtype)},
-            return_dict=False,
-        )[0]
-        weights = None
-        if o.min_snr_gamma:
-            weights = obj.min_snr_weights(schedule, steps, gamma=o.min_snr_gamma, prediction_type=self.prediction_type)
-        return obj.per_sample_loss(pred, target, weights, kind=o.loss, huber_c=o.huber_c,
-                                   mask=self.loss_mask(mask, x0, o))
+        p.inputs["added_cond_kwargs"] = {"text_embeds": text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+                                         "time_ids": ids.to(dtype)}
+        return p
+
+    def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
+        """``(noisy, timesteps, prompt_embeds, pooled_prompt_embeds, add_time_ids)``."""
+        i = prepared.inputs
+        return (i["sample"], i["timestep"], i["encoder_hidden_states"], i["added_cond_kwargs"]["text_embeds"],
+                i["added_cond_kwargs"]["time_ids"])
 
     # -- pipeline parallelism ------------------------------------------------------
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
@@ -272,41 +244,3 @@ class SDXLFamily(SDFamily):
         from diffpipe.models.pipeline_layers import unet_layers
 
         return unet_layers(common.unwrap(denoiser))
-
-    def pipeline_inputs(
-        self,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        objective: ObjectiveConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        sizes: dict[str, torch.Tensor] | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        """``((noisy, timesteps, prompt_embeds, pooled, add_time_ids), (target, weights))``.
-
-        Draws exactly what ``loss`` draws, in the same order; ``t`` and ``noise``
-        fix them (eval); ``sizes`` as in ``loss``.
-        """
-
-        o = objective or ObjectiveConfig()
-        self._check_objective(o)
-        x0 = common.single_frame(latents, self.name).float()
-        device, (b, _, h, w) = x0.device, x0.shape
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name, default="uniform", offset_noise=True)
-        schedule = self._alphas_cumprod
-        steps = obj.ddpm_timesteps(t, len(schedule))
-        noisy = obj.ddpm_add_noise(x0, noise, schedule, steps)
-        target = obj.ddpm_target(x0, noise, schedule, steps, self.prediction_type)
-        target_hw = torch.tensor([[h * self.vae_factor, w * self.vae_factor]], device=device).expand(b, 2)
-        sizes = sizes or {}
-        ids = time_ids(sizes.get("original_size", target_hw).to(device),
-                       sizes.get("crop_top_left", torch.zeros_like(target_hw)).to(device), target_hw)
-        weights = torch.ones(b, device=device)
-        if o.min_snr_gamma:
-            weights = obj.min_snr_weights(schedule, steps, gamma=o.min_snr_gamma, prediction_type=self.prediction_type)
-        inputs = (noisy.to(dtype), steps, text["prompt_embeds"].to(device=device, dtype=dtype),
-                  text["pooled_prompt_embeds"].to(device=device, dtype=dtype), ids.to(dtype))
-        return inputs, (target, weights.to(device))

@@ -61,7 +61,7 @@ from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.data.frames import snap_frames
 from diffpipe.models import _common as common
 from diffpipe.models import wan_i2v
-from diffpipe.models.base import DenoiserPart, Family, register
+from diffpipe.models.base import DenoiserPart, Family, Prepared, register
 from diffpipe.models.tokenizers import t5_tokenizer, tokenizer_fingerprint
 from diffpipe.models.wan_experts import WanExperts
 from diffpipe.paths import LOW_NOISE_SUFFIX
@@ -532,15 +532,6 @@ class WanFamily(Family):
             sigma = sigma.clamp(max=float(torch.nextafter(torch.tensor(self.boundary_ratio), torch.tensor(0.0))))
         return sigma
 
-    def _timestep(self, denoiser: torch.nn.Module, sigma: torch.Tensor, x0: torch.Tensor) -> torch.Tensor:
-        """What the pipeline passes: ``sigma x 1000``, per sample, or per latent token (``expand_timesteps``)."""
-        timestep = sigma * self._scheduler_config.get("num_train_timesteps", 1000)
-        if not self.expand_timesteps:
-            return timestep
-        pt, ph, pw = common.unwrap(denoiser).config.patch_size
-        _, _, f, h, w = x0.shape
-        return timestep[:, None].expand(x0.shape[0], (f // pt) * (h // ph) * (w // pw))
-
     def _draw(self, latents, generator, t, noise, o):
         x0 = latents.float()
         if x0.ndim != 5:
@@ -554,48 +545,43 @@ class WanFamily(Family):
             noise = noise[:, :, None]
         return x0, sigma.to(device), noise.to(device).float()
 
-    def loss(
-        self,
-        denoiser: torch.nn.Module,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-        objective: ObjectiveConfig | None = None,
-        mask: torch.Tensor | None = None,
-        control: torch.Tensor | None = None,
-        control_embeds: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """The flow-matching loss; Wan 2.1 I2V adds its first-frame condition as the pipeline does.
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32, control: torch.Tensor | None = None,
+                control_embeds: torch.Tensor | None = None) -> Prepared:
+        """Flow-matching inputs; Wan 2.1 I2V adds its first-frame condition as the pipeline does.
 
-        ``control`` (condition latents, like ``latents``) and ``control_embeds``
-        (CLIP hidden states) are the cached control of each item (2.1-i2v only).
+        ``timestep`` is what the pipeline passes, ``sigma x 1000`` per sample (:meth:`predict`
+        expands it per latent token under ``expand_timesteps``). ``control`` (condition latents,
+        like ``latents``) and ``control_embeds`` (CLIP hidden states) are the cached control of
+        each item (2.1-i2v only).
         """
         if self.spec.image_to_video and (control is None or control_embeds is None):
             raise ValueError(
                 "model.variant 2.1-i2v needs a control image per item (its conditioning first frame): set "
                 "datasets[].control_path / control_column, or control_from_first_frame: true"
             )
-        o = objective or ObjectiveConfig()
+        o = objective
         x0, sigma, noise = self._draw(latents, generator, t, noise, o)
         noisy = obj.flow_interpolate(x0, noise, sigma)
-        dtype = common.param_dtype(denoiser)
-        extra = {}
         if self.spec.image_to_video:
             noisy = wan_i2v.transformer_input(noisy, control.to(x0.device).float(), self.frame_rule[0])
-            extra["encoder_hidden_states_image"] = control_embeds.to(device=x0.device, dtype=dtype)
-        pred = denoiser(
-            hidden_states=noisy.to(dtype),
-            timestep=self._timestep(denoiser, sigma, x0),
-            encoder_hidden_states=text["prompt_embeds"].to(device=x0.device, dtype=dtype),
-            return_dict=False,
-            **extra,
-        )[0]
-        return obj.per_sample_loss(
-            pred, obj.flow_target(x0, noise), kind=o.loss, huber_c=o.huber_c, mask=self.loss_mask(mask, x0, o)
-        )
+        inputs = {
+            "hidden_states": noisy.to(dtype),
+            "timestep": sigma * self._scheduler_config.get("num_train_timesteps", 1000),
+            "encoder_hidden_states": text["prompt_embeds"].to(device=x0.device, dtype=dtype),
+        }
+        if self.spec.image_to_video:
+            inputs["encoder_hidden_states_image"] = control_embeds.to(device=x0.device, dtype=dtype)
+        return Prepared(inputs, obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o))
+
+    def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
+        """The forward, with a timestep per latent token under ``expand_timesteps`` (as the pipeline)."""
+        inputs = prepared.inputs
+        if self.expand_timesteps:
+            pt, ph, pw = common.unwrap(denoiser).config.patch_size
+            b, _, f, h, w = prepared.target.shape
+            inputs = {**inputs, "timestep": inputs["timestep"][:, None].expand(b, (f // pt) * (h // ph) * (w // pw))}
+        return denoiser(**inputs, return_dict=False)[0]
 
     # -- pipeline parallelism ------------------------------------------------------
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
@@ -610,31 +596,6 @@ class WanFamily(Family):
                 "sample; set train.pipeline_stages: 1 (or train one expert per run)"
             )
         return wan_layers(common.unwrap(denoiser), expand_timesteps=self.expand_timesteps)
-
-    def pipeline_inputs(
-        self,
-        latents: torch.Tensor,
-        text: dict[str, torch.Tensor],
-        generator: torch.Generator,
-        objective: ObjectiveConfig | None = None,
-        dtype: torch.dtype = torch.float32,
-        *,
-        t: torch.Tensor | None = None,
-        noise: torch.Tensor | None = None,
-    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        """``((noisy, timestep, prompt_embeds), (target, weights))``, drawn exactly as ``loss`` draws.
-
-        ``timestep`` is ``[B]``; the embedding layer expands it per token when ``expand_timesteps``.
-        """
-        o = objective or ObjectiveConfig()
-        x0, sigma, noise = self._draw(latents, generator, t, noise, o)
-        timestep = sigma * self._scheduler_config.get("num_train_timesteps", 1000)
-        inputs = (
-            obj.flow_interpolate(x0, noise, sigma).to(dtype),
-            timestep.float(),
-            text["prompt_embeds"].to(device=x0.device, dtype=dtype),
-        )
-        return inputs, (obj.flow_target(x0, noise), torch.ones(x0.shape[0], device=x0.device))
 
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import math
 import time
 from dataclasses import dataclass
@@ -235,9 +234,6 @@ def _check_aux(family, data: CachedDataset, tc: TrainConfig, log) -> None:
     """Refuse aux data the run cannot use; say when cached control images go unused."""
     if data.has_masks and tc.pipeline_stages > 1:
         raise ValueError("loss masks (datasets[].mask_path / mask_column) need train.pipeline_stages: 1")
-    if data.has_masks and "mask" not in inspect.signature(family.loss).parameters:
-        raise ValueError(f"model family {family.name!r} cannot train with loss masks yet (its loss takes no "
-                         "mask); remove datasets[].mask_path / mask_column")
     if family.uses_control and not data.has_controls:
         raise ValueError(f"model family {family.name!r} needs a control image per item: set "
                          "datasets[].control_path or control_column")
