@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from diffpipe import runlock
+from diffpipe import hub, runlock
 from diffpipe.config import load_config
 from diffpipe.paths import REPO_ROOT, SNAKEFILE, RunPaths
 from diffpipe.workflow import check_snakemake_paths
@@ -93,6 +93,9 @@ def run_workflow(
                             targets=list(targets), extra=list(extra), workdir=workdir)
     # Rules call `diffpipe ...`: make sure it is this installation's.
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if not dry_run and hub.prefetch(cfg.model):
+        # A Hugging Face id is downloaded here, once; the jobs read that snapshot from the cache.
+        env["HF_HUB_OFFLINE"] = "1"
     if regenerate:
         # The cache jobs read this and encode every entry again; Snakemake must rerun them.
         env["DIFFPIPE_REGENERATE"] = "1"
