@@ -605,6 +605,29 @@ class TrainConfig(_Section):
         0, description="Render the `sample` prompts every N epochs (0: off); PNGs under `train/samples/`.", ge=0,
         le=MAX_EPOCHS,
     )
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        ["tensorboard"],
+        description="Where rank 0 logs the numeric fields of each `metrics.jsonl` row (as `train/<field>`, "
+        "`eval/<name>`), the in-training sample grids and the resolved config: `tensorboard` "
+        "(`train/tensorboard/`), `wandb` (`train/wandb/`; `WANDB_MODE=offline` needs no account), `mlflow` (file "
+        "store `train/mlruns/`, or the server `MLFLOW_TRACKING_URI` names). wandb and mlflow are optional "
+        "packages: `pip install 'diffpipe[trackers]'`; a missing one stops `diffpipe train` and `diffpipe run` "
+        "before any work, naming it. Empty: `metrics.jsonl` only.",
+        max_length=3,
+    )
+    tracker_project: Text = Field(
+        "diffpipe", description="W&B project and MLflow experiment the run logs to (TensorBoard ignores it)."
+    )
+    run_name: Text | None = Field(
+        None, description="Name of the run in W&B and MLflow; null: the name of `output_dir`'s folder."
+    )
+
+    @field_validator("trackers")
+    @classmethod
+    def _unique_trackers(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"train.trackers names a tracker twice: {value}")
+        return value
 
     @model_validator(mode="after")
     def _check_base_weights(self) -> TrainConfig:

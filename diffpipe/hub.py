@@ -88,48 +88,39 @@ def _errors():
     return fatal, errors.LocalEntryNotFoundError
 
 
+def _fetch(download, what: str, **kwargs) -> Path:
+    """``download(**kwargs)`` online, else (or without a network) from the cache only; a HubError naming ``what``."""
+    fatal, absent = _errors()
+    repo_id, revision = kwargs["repo_id"], kwargs["revision"]
+    if not offline():
+        try:
+            return Path(download(**kwargs))
+        except absent:  # no network: use the cache if it holds the files
+            pass
+        except fatal as err:
+            raise _missing(repo_id, what, revision, type(err).__name__) from None
+        except OSError:
+            pass
+    try:
+        return Path(download(**kwargs, local_files_only=True))
+    except (absent, OSError):
+        raise _missing(repo_id, what, revision, "not in the hub cache" + (" and offline" if offline() else
+                                                                          " and not downloadable")) from None
+
+
 def snapshot(repo_id: str, revision: str | None = None) -> Path:
     """The local snapshot folder of ``repo_id`` at ``revision`` (default ``main``), downloaded if needed."""
     from huggingface_hub import snapshot_download
 
-    fatal, absent = _errors()
-    kwargs = {"repo_id": repo_id, "revision": revision, "cache_dir": str(cache_dir())}
-    if not offline():
-        try:
-            return Path(snapshot_download(**kwargs))
-        except absent:  # no network: use the cache if it holds the snapshot
-            pass
-        except fatal as err:
-            raise _missing(repo_id, repr(repo_id), revision, type(err).__name__) from None
-        except OSError:
-            pass
-    try:
-        return Path(snapshot_download(**kwargs, local_files_only=True))
-    except (absent, OSError):
-        raise _missing(repo_id, repr(repo_id), revision, "not in the hub cache" + (" and offline" if offline() else
-                                                                            " and not downloadable")) from None
+    return _fetch(snapshot_download, repr(repo_id), repo_id=repo_id, revision=revision, cache_dir=str(cache_dir()))
 
 
 def file(repo_id: str, filename: str, revision: str | None = None) -> Path:
     """One file of ``repo_id`` from the hub cache, downloaded if needed."""
     from huggingface_hub import hf_hub_download
 
-    fatal, absent = _errors()
-    kwargs = {"repo_id": repo_id, "filename": filename, "revision": revision, "cache_dir": str(cache_dir())}
-    what = f"{repo_id}/{filename}"
-    if not offline():
-        try:
-            return Path(hf_hub_download(**kwargs))
-        except absent:
-            pass
-        except fatal as err:
-            raise _missing(repo_id, repr(what), revision, type(err).__name__) from None
-        except OSError:
-            pass
-    try:
-        return Path(hf_hub_download(**kwargs, local_files_only=True))
-    except (absent, OSError):
-        raise _missing(repo_id, repr(what), revision, "not in the hub cache") from None
+    return _fetch(hf_hub_download, repr(f"{repo_id}/{filename}"), repo_id=repo_id, filename=filename,
+                  revision=revision, cache_dir=str(cache_dir()))
 
 
 def model_index(path: str, revision: str | None = None, base: Path | None = None) -> Path:

@@ -17,7 +17,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from diffpipe import hub, runlock
-from diffpipe.config import load_config
+from diffpipe.config import ConfigError, load_config
 from diffpipe.paths import REPO_ROOT, SNAKEFILE, RunPaths
 from diffpipe.workflow import check_snakemake_paths
 
@@ -88,6 +88,10 @@ def run_workflow(
     workdir = Path(workdir).resolve()
     cfg = load_config(config, base=workdir)  # fail fast with our own error before Snakemake starts
     check_snakemake_paths(cfg)
+    from diffpipe.training.trackers import missing_packages
+
+    if problems := missing_packages(cfg.train.trackers):  # before the cache jobs, not after them
+        raise ConfigError("\n".join(problems))
     run_paths = RunPaths(workdir / cfg.output_dir)
     cmd = snakemake_command(config, profile=Path(profile) if profile else None, cores=cores, dry_run=dry_run,
                             targets=list(targets), extra=list(extra), workdir=workdir)

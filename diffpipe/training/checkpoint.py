@@ -74,6 +74,9 @@ RESUME_SAFE_KEYS = (
     "train.eval",
     "train.sample_every_steps",
     "train.sample_every_epochs",
+    "train.trackers",
+    "train.tracker_project",
+    "train.run_name",
 )
 
 
