@@ -78,7 +78,7 @@ class ModelConfig(_Section):
         "sd",
         description="Model family, a name from the family table in docs/families.md (`sd`, `sdxl`, `flux`, `wan`, ...; "
         "an unknown name is an error that lists them all). Not given with a `path`: detected from the model's "
-        "`model_index.json` (`_class_name`); given, it must match it.",
+        "`model_index.json` (`_class_name`); given with a Hugging Face id, it must match that file.",
     )
     flavor: Text = Field(
         "tiny",
