@@ -108,11 +108,19 @@ def _fetch(download, what: str, **kwargs) -> Path:
                                                                           " and not downloadable")) from None
 
 
+#: Snapshots resolved online by this process: the hub is asked once per id, not once per component loaded.
+_RESOLVED: dict[tuple[str, str | None, Path], Path] = {}
+
+
 def snapshot(repo_id: str, revision: str | None = None) -> Path:
     """The local snapshot folder of ``repo_id`` at ``revision`` (default ``main``), downloaded if needed."""
     from huggingface_hub import snapshot_download
 
-    return _fetch(snapshot_download, repr(repo_id), repo_id=repo_id, revision=revision, cache_dir=str(cache_dir()))
+    key = (repo_id, revision, cache_dir())
+    if key not in _RESOLVED or offline():
+        _RESOLVED[key] = _fetch(snapshot_download, repr(repo_id), repo_id=repo_id, revision=revision,
+                                cache_dir=str(cache_dir()))
+    return _RESOLVED[key]
 
 
 def file(repo_id: str, filename: str, revision: str | None = None) -> Path:
