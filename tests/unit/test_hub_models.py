@@ -5,11 +5,15 @@ from __future__ import annotations
 import shutil
 
 import pytest
+import yaml
 from hubcache import add_snapshot
 from safetensors.torch import load_file, save_file
+from typer.testing import CliRunner
 
 from diffpipe import hub
+from diffpipe.cli import app
 from diffpipe.config import ConfigError, ModelConfig, parse_config
+from diffpipe.data.demo import write_demo_dataset
 from diffpipe.init import resolve_model
 from diffpipe.models import get_family
 
@@ -98,7 +102,12 @@ def test_single_files_by_id(hub_cache):
     assert family.vae_weights_identity() == get_family(ModelConfig(path=REPO)).vae_weights_identity()
 
 
-def test_init_accepts_an_id(hub_cache):
+def test_init_accepts_an_id(hub_cache, tmp_path, monkeypatch):
     assert resolve_model(REPO) == ModelConfig(family="sd", flavor="local", path=REPO)
+    write_demo_dataset(tmp_path / "shapes", n=2, size=32)
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(app, ["init", "shapes", "--model", REPO, "-o", "c.yaml", "--no-estimate"])
+    assert result.exit_code == 0, result.output
+    assert yaml.safe_load((tmp_path / "c.yaml").read_text())["model"] == {"family": "sd", "path": REPO}
     with pytest.raises(ConfigError, match="holds a sd model"):
         resolve_model(REPO, family="flux")
