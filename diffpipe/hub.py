@@ -88,11 +88,11 @@ def _errors():
     return fatal, errors.LocalEntryNotFoundError
 
 
-def _fetch(download, what: str, **kwargs) -> Path:
+def _fetch(download, what: str, *, online: bool = True, **kwargs) -> Path:
     """``download(**kwargs)`` online, else (or without a network) from the cache only; a HubError naming ``what``."""
     fatal, absent = _errors()
     repo_id, revision = kwargs["repo_id"], kwargs["revision"]
-    if not offline():
+    if online and not offline():
         try:
             return Path(download(**kwargs))
         except absent:  # no network: use the cache if it holds the files
@@ -112,15 +112,50 @@ def _fetch(download, what: str, **kwargs) -> Path:
 _RESOLVED: dict[tuple[str, str | None, Path], Path] = {}
 
 
+#: Files of a component folder a load never reads: other frameworks' weights, weight-file variants.
+_UNREAD = re.compile(r"\.(msgpack|h5|onnx|onnx_data|ckpt|pb)$|\.(fp16|bf16|fp32|non_ema|ema)\.[^/]+$")
+
+
+def download_files(index: dict, files: list[str]) -> list[str]:
+    """The files of a repository (``files``) that loading its pipeline reads: ``model_index.json`` and the
+    component folders it names, without the weight files no load reads (variants, other frameworks, ``.bin``
+    where a folder has ``.safetensors``), and without files at the top (a repository's single-file copy)."""
+    folders = {name for name, value in index.items() if not name.startswith("_") and isinstance(value, list)
+               and value and value[0] is not None}
+    kept = [f for f in files if f.split("/")[0] in folders and "/" in f and not _UNREAD.search(f)]
+    safe = {f.rsplit("/", 1)[0] for f in kept if f.endswith(".safetensors")}
+    return ["model_index.json"] + [f for f in kept if not (f.endswith(".bin") and f.rsplit("/", 1)[0] in safe)]
+
+
 def snapshot(repo_id: str, revision: str | None = None) -> Path:
-    """The local snapshot folder of ``repo_id`` at ``revision`` (default ``main``), downloaded if needed."""
+    """The local snapshot folder of ``repo_id`` at ``revision`` (default ``main``), downloaded if needed.
+
+    Online, only the files :func:`download_files` picks are fetched (FLUX.1-dev holds its transformer twice:
+    as a folder and as one file at the top; SD 1.5 holds fp16, EMA and ``.bin`` copies).
+    """
     from huggingface_hub import snapshot_download
 
     key = (repo_id, revision, cache_dir())
     if key not in _RESOLVED or offline():
-        _RESOLVED[key] = _fetch(snapshot_download, repr(repo_id), repo_id=repo_id, revision=revision,
-                                cache_dir=str(cache_dir()))
+        wanted = None if offline() else _online_files(repo_id, revision)
+        _RESOLVED[key] = _fetch(snapshot_download, repr(repo_id), online=wanted is not None, repo_id=repo_id,
+                                revision=revision, cache_dir=str(cache_dir()), allow_patterns=wanted)
     return _RESOLVED[key]
+
+
+def _online_files(repo_id: str, revision: str | None) -> list[str] | None:
+    """:func:`download_files` for a repository, asking the hub for its file list (None: the hub did not answer)."""
+    from huggingface_hub import HfApi
+
+    fatal, _ = _errors()
+    try:
+        files = HfApi().list_repo_files(repo_id, revision=revision)
+    except fatal as err:  # gated without a token, no such repository or revision
+        raise _missing(repo_id, repr(repo_id), revision, type(err).__name__) from None
+    except Exception:  # noqa: BLE001 - no network (whichever HTTP client's error): read the cache
+        return None
+    index = json.loads(file(repo_id, "model_index.json", revision).read_text())
+    return download_files(index, files)
 
 
 def file(repo_id: str, filename: str, revision: str | None = None) -> Path:

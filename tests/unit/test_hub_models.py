@@ -111,3 +111,19 @@ def test_init_accepts_an_id(hub_cache, tmp_path, monkeypatch):
     assert yaml.safe_load((tmp_path / "c.yaml").read_text())["model"] == {"family": "sd", "path": REPO}
     with pytest.raises(ConfigError, match="holds a sd model"):
         resolve_model(REPO, family="flux")
+
+
+def test_only_the_files_a_load_reads_are_downloaded():
+    index = {"_class_name": "FluxPipeline", "transformer": ["diffusers", "FluxTransformer2DModel"],
+             "vae": ["diffusers", "AutoencoderKL"], "tokenizer": ["transformers", "CLIPTokenizer"],
+             "feature_extractor": [None, None]}
+    files = ["model_index.json", "flux1-dev.safetensors", "README.md", "transformer/config.json",
+             "transformer/diffusion_pytorch_model-00001-of-00003.safetensors",
+             "transformer/diffusion_pytorch_model.safetensors.index.json", "vae/config.json",
+             "vae/diffusion_pytorch_model.safetensors", "vae/diffusion_pytorch_model.bin",
+             "vae/diffusion_pytorch_model.fp16.safetensors", "vae/diffusion_pytorch_model.msgpack",
+             "tokenizer/vocab.json", "tokenizer/pytorch_model.bin", "feature_extractor/preprocessor_config.json"]
+    assert hub.download_files(index, files) == [
+        "model_index.json", "transformer/config.json", "transformer/diffusion_pytorch_model-00001-of-00003.safetensors",
+        "transformer/diffusion_pytorch_model.safetensors.index.json", "vae/config.json",
+        "vae/diffusion_pytorch_model.safetensors", "tokenizer/vocab.json", "tokenizer/pytorch_model.bin"]
