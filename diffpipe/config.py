@@ -74,16 +74,19 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    family: Text = Field(
-        "sd",
+    # family and flavor default to null in the schema: Snakemake's validation fills schema defaults into
+    # the config, and a filled-in `tiny` or `sd` would hide that only a path was given (see below).
+    family: Text | None = Field(
+        None,
         description="Model family, a name from the family table in docs/families.md (`sd`, `sdxl`, `flux`, `wan`, ...; "
-        "an unknown name is an error that lists them all). Not given with a `path`: detected from the model's "
-        "`model_index.json` (`_class_name`); given with a Hugging Face id, it must match that file.",
+        "an unknown name is an error that lists them all). null: detected from the `model_index.json` "
+        "(`_class_name`) of the model at `path`, `sd` without a path. Given with a Hugging Face id, it must match "
+        "that file.",
     )
-    flavor: Text = Field(
-        "tiny",
+    flavor: Text | None = Field(
+        None,
         description="`tiny`: small random-weight model built offline from `seed`; `local`: load the "
-        "diffusers model at `path`. Not given: `local` when `path` is set, else `tiny`.",
+        "diffusers model at `path`. null: `local` when `path` is set, else `tiny`.",
     )
     path: PathText | None = Field(
         None,
@@ -118,9 +121,12 @@ class ModelConfig(_Section):
     @classmethod
     def _default_flavor_and_family(cls, data: Any, info: ValidationInfo) -> Any:
         """A path alone means a diffusers model (flavor local) whose family its ``model_index.json`` names."""
-        if not isinstance(data, dict) or not isinstance(data.get("path"), str) or data.get("flavor") == "tiny":
+        if not isinstance(data, dict):
             return data
-        data = {"flavor": "local", **data}
+        path = data.get("path") if isinstance(data.get("path"), str) else None
+        data = {**data, "flavor": data.get("flavor") or ("local" if path else "tiny")}
+        if path is None or data["flavor"] != "local":
+            return {**data, "family": data.get("family") or "sd"}
         from diffpipe import hub
 
         base = Path((info.context or {}).get("base") or ".").absolute()

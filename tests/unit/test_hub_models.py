@@ -127,3 +127,19 @@ def test_only_the_files_a_load_reads_are_downloaded():
         "model_index.json", "transformer/config.json", "transformer/diffusion_pytorch_model-00001-of-00003.safetensors",
         "transformer/diffusion_pytorch_model.safetensors.index.json", "vae/config.json",
         "vae/diffusion_pytorch_model.safetensors", "tokenizer/vocab.json", "tokenizer/pytorch_model.bin"]
+
+
+def test_snakemake_schema_defaults_leave_an_id_alone(hub_cache):
+    """Snakemake fills the schema's defaults into the config before diffpipe reads it: a path given alone must
+    still mean that model (no filled-in `flavor: tiny`, no filled-in `family: sd` to contradict it)."""
+    from snakemake.utils import validate
+
+    from diffpipe.paths import SCHEMA_FILE
+
+    config = {"model": {"path": REPO}, "datasets": [{"name": "d", "path": "x"}]}
+    validate(config, str(SCHEMA_FILE))
+    model = parse_config(config).model
+    assert (model.flavor, model.family, model.path) == ("local", "sd", REPO)
+    config = {"datasets": [{"name": "d", "path": "x"}]}
+    validate(config, str(SCHEMA_FILE))
+    assert (parse_config(config).model.flavor, parse_config(config).model.family) == ("tiny", "sd")
