@@ -143,3 +143,10 @@ def test_snakemake_schema_defaults_leave_an_id_alone(hub_cache):
     config = {"datasets": [{"name": "d", "path": "x"}]}
     validate(config, str(SCHEMA_FILE))
     assert (parse_config(config).model.flavor, parse_config(config).model.family) == ("tiny", "sd")
+
+
+def test_doctor_names_the_snapshot(hub_cache):
+    from diffpipe.doctor import _model_checks
+
+    (check,) = _model_checks(parse_config({"model": {"path": REPO}, "datasets": [{"name": "d", "path": "x"}]}))
+    assert check.ok and REV_A in check.line() and "revision main" in check.line()
