@@ -80,7 +80,7 @@ class ModelConfig(_Section):
         None,
         description="Model family, a name from the family table in docs/families.md (`sd`, `sdxl`, `flux`, `wan`, ...; "
         "an unknown name is an error that lists them all). null: detected from the `model_index.json` "
-        "(`_class_name`) of the model at `path`, `sd` without a path. Given with a Hugging Face id, it must match "
+        "(`_class_name`) of the model at `path`; `sd` without a path (or a local folder without that file). Given with a Hugging Face id, it must match "
         "that file.",
     )
     flavor: Text | None = Field(
@@ -138,7 +138,9 @@ class ModelConfig(_Section):
             except ConfigError as err:
                 raise ValueError(f"model.path {data['path']!r}: {err}") from None
             detected = hub.detect_family(index)
-            if given is None:
+            if given is None and detected is None and not index.is_file():
+                data["family"] = "sd"  # a local folder without an index: the default before detection existed
+            elif given is None:
                 if detected is None:
                     raise ValueError(
                         f"model.family is not given and cannot be detected from {index} (missing, or a pipeline "
