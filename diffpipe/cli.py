@@ -320,9 +320,11 @@ def train(
 
     Example: diffpipe train -c config/demo.yaml --processes 2 --resume
     """
-    from diffpipe.training import engine
+    from diffpipe.training import engine, trackers
 
     cfg, paths = _setup(config, "train")
+    if problems := trackers.missing_packages(cfg.train.trackers):  # before any model loads
+        raise ConfigError("\n".join(problems))
     launched = engine.in_launched_rank()
     # One trainer per run folder, and none beside a `diffpipe run` other than the run's own
     # train job (runlock). Rank 0 holds the lock for every rank (under srun or torchrun);

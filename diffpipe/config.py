@@ -17,6 +17,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PrivateAttr,
     Strict,
     StrictBool,
     StringConstraints,
@@ -75,17 +76,31 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    family: Text = Field(
-        "sd",
+    # family and flavor default to null in the schema: Snakemake's validation fills schema defaults into
+    # the config, and a filled-in `tiny` or `sd` would hide that only a path was given (see below).
+    family: Text | None = Field(
+        None,
         description="Model family, a name from the family table in docs/families.md (`sd`, `sdxl`, `flux`, `wan`, ...; "
-        "an unknown name is an error that lists them all).",
+        "an unknown name is an error that lists them all). null: detected from the `model_index.json` "
+        "(`_class_name`) of the model at `path`; `sd` without a path (or a local folder without that file). Given with a Hugging Face id, it must match "
+        "that file.",
     )
-    flavor: Text = Field(
-        "tiny",
+    flavor: Text | None = Field(
+        None,
         description="`tiny`: small random-weight model built offline from `seed`; `local`: load the "
-        "diffusers folder at `path`.",
+        "diffusers model at `path`. null: `local` when `path` is set, else `tiny`.",
     )
-    path: PathText | None = Field(None, description="Local diffusers model folder (needed when flavor is `local`).")
+    path: PathText | None = Field(
+        None,
+        description="The diffusers model: a local folder, or a Hugging Face id (`org/name`, when no such local "
+        "folder exists) resolved through the Hugging Face cache (downloaded once; `HF_HUB_OFFLINE=1` reads only "
+        "the cache; `HF_TOKEN` or `huggingface-cli login` for gated models).",
+    )
+    revision: Text | None = Field(
+        None,
+        description="Hugging Face id only: branch, tag or commit of `path` (null: `main`). Cache keys follow the "
+        "weights themselves, so a revision with other weights re-encodes and one with the same weights does not.",
+    )
     seed: Seed = Field(0, description="Seed of the tiny flavor's random weights.")
     single_files: dict[Text, PathText] = Field(
         {},
@@ -93,8 +108,51 @@ class ModelConfig(_Section):
         "that ComfyUI and A1111 load, or in diffusers naming) that replace components of the folder at `path`, "
         "by subfolder: `{transformer: flux1-dev.safetensors}`, `{unet: sd15.safetensors, vae: vae.safetensors}`. "
         "The component's config still comes from `path/<subfolder>/config.json`; its weights may be absent there. "
-        "The denoiser and the VAE can come from single files (Wan 2.2 A14B: also `transformer_2`).",
+        "The denoiser and the VAE can come from single files (Wan 2.2 A14B: also `transformer_2`). A value "
+        "`org/name/file.safetensors` (when no such local file exists) is that file of a Hugging Face repository "
+        "(its `main` revision), read through the Hugging Face cache.",
     )
+    _origin: str | None = PrivateAttr(None)
+
+    @property
+    def origin(self) -> str | None:
+        """``path`` as the config wrote it (a Hugging Face id stays an id after :func:`diffpipe.hub.resolved`)."""
+        return self._origin or self.path
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_flavor_and_family(cls, data: Any, info: ValidationInfo) -> Any:
+        """A path alone means a diffusers model (flavor local) whose family its ``model_index.json`` names."""
+        if not isinstance(data, dict):
+            return data
+        path = data.get("path") if isinstance(data.get("path"), str) else None
+        data = {**data, "flavor": data.get("flavor") or ("local" if path else "tiny")}
+        if path is None or data["flavor"] != "local":
+            return {**data, "family": data.get("family") or "sd"}
+        from diffpipe import hub
+
+        base = Path((info.context or {}).get("base") or ".").absolute()
+        revision = data.get("revision") if isinstance(data.get("revision"), str) else None
+        given = data.get("family")
+        if given is None or hub.is_model_id(data["path"], base):
+            try:
+                index = hub.model_index(data["path"], revision, base)
+            except ConfigError as err:
+                raise ValueError(f"model.path {data['path']!r}: {err}") from None
+            detected = hub.detect_family(index)
+            if given is None and detected is None and not index.is_file():
+                data["family"] = "sd"  # a local folder without an index: the default before detection existed
+            elif given is None:
+                if detected is None:
+                    raise ValueError(
+                        f"model.family is not given and cannot be detected from {index} (missing, or a pipeline "
+                        "no family loads): set model.family"
+                    )
+                data["family"] = detected
+            elif detected is not None and detected != given:
+                raise ValueError(f"model.family {given!r} does not match the model at model.path {data['path']!r}: "
+                                 f"its {index} names a {detected} pipeline; set model.family: {detected} or remove it")
+        return data
     dtype: LoadDtype = Field(
         "auto",
         description="dtype the denoiser loads in (straight from the weight files, no float32 copy first): `auto` = "
@@ -639,6 +697,29 @@ class TrainConfig(_Section):
         0, description="Render the `sample` prompts every N epochs (0: off); PNGs under `train/samples/`.", ge=0,
         le=MAX_EPOCHS,
     )
+    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+        ["tensorboard"],
+        description="Where rank 0 logs the numeric fields of each `metrics.jsonl` row (as `train/<field>`, "
+        "`eval/<name>`), the in-training sample grids and the resolved config: `tensorboard` "
+        "(`train/tensorboard/`), `wandb` (`train/wandb/`; `WANDB_MODE=offline` needs no account), `mlflow` (file "
+        "store `train/mlruns/`, or the server `MLFLOW_TRACKING_URI` names). wandb and mlflow are optional "
+        "packages: `pip install 'diffpipe[trackers]'`; a missing one stops `diffpipe train` and `diffpipe run` "
+        "before any work, naming it. Empty: `metrics.jsonl` only.",
+        max_length=3,
+    )
+    tracker_project: Text = Field(
+        "diffpipe", description="W&B project and MLflow experiment the run logs to (TensorBoard ignores it)."
+    )
+    run_name: Text | None = Field(
+        None, description="Name of the run in W&B and MLflow; null: the name of `output_dir`'s folder."
+    )
+
+    @field_validator("trackers")
+    @classmethod
+    def _unique_trackers(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"train.trackers names a tracker twice: {value}")
+        return value
 
     @model_validator(mode="after")
     def _check_base_weights(self) -> TrainConfig:

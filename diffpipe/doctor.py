@@ -90,6 +90,20 @@ def _existing(path: Path) -> Path:
     return path
 
 
+def _model_checks(cfg: Config) -> list[Check]:
+    """A Hugging Face id in ``model.path``: the snapshot it resolves to (the one every stage reads)."""
+    from diffpipe import hub
+
+    if not cfg.model.path or not hub.is_model_id(cfg.model.path):
+        return []
+    try:
+        snap = hub.snapshot(cfg.model.path, cfg.model.revision)
+    except hub.HubError as err:
+        return [Check("model", False, str(err), "see the message")]
+    return [Check("model", True, f"{cfg.model.path} (revision {cfg.model.revision or 'main'}) is snapshot "
+                  f"{snap.name} in {snap.parent.parent}")]
+
+
 def _disk_checks(cfg: Config, base: Path, min_free: int) -> list[Check]:
     folders = {"output_dir": base / cfg.output_dir}
     if cfg.cache.dir:
@@ -124,7 +138,7 @@ def run_checks(cfg: Config | None = None, *, base: Path = Path("."), profile: Pa
         estimate = estimate_memory(cfg)
     checks = _torch_checks(cfg, estimate) + _library_checks()
     if cfg is not None:
-        checks += _disk_checks(cfg, base, min_free)
+        checks += _model_checks(cfg) + _disk_checks(cfg, base, min_free)
     if profile is not None:
         checks += _slurm_checks(profile)
     return checks

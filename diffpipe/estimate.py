@@ -110,7 +110,7 @@ def _model_spec(cfg: Config, model: str | None) -> Published:
 
     fam = get_family(cfg.model)
     cls = getattr(diffusers, specs[0].cls)
-    config = dict(cls.load_config(cfg.model.path, subfolder=fam.denoiser_attr))
+    config = dict(cls.load_config(fam.cfg.path, subfolder=fam.denoiser_attr))  # a hub id: its snapshot
     config = {k: v for k, v in config.items() if not k.startswith("_")}
     # Text shapes and latent geometry come from the published model the folder's config is
     # closest to (e.g. SD 2.1 rather than 1.5 for a 1024-wide cross-attention UNet).

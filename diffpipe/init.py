@@ -15,7 +15,6 @@ What it decides, and from what:
 
 from __future__ import annotations
 
-import functools
 import json
 import math
 import os
@@ -25,6 +24,7 @@ from pathlib import Path
 
 from PIL import Image
 
+from diffpipe import hub
 from diffpipe.config import ConfigError, ModelConfig, ValidationConfig, parse_config
 
 #: Training side (pixels) a family's published models are usually trained at.
@@ -49,27 +49,10 @@ class Scan:
         return all(w == h for w, h in self.sides)
 
 
-@functools.cache
-def pipeline_families() -> dict[str, str]:
-    """diffusers pipeline class name -> family name, from the registered families themselves."""
-    from diffpipe.models import family_names, get_family
-
-    table: dict[str, str] = {}
-    for name in family_names():
-        family = get_family(ModelConfig(family=name))
-        for variant in getattr(family, "variants", ()) or (None,):
-            try:
-                one = get_family(ModelConfig(family=name, variant=variant)) if variant else family
-            except ValueError:  # a variant that needs more settings (Wan 2.2 A14B: an expert)
-                continue
-            table.setdefault(one.pipeline_class.__name__, name)
-    return table
-
-
 def resolve_model(model: str, family: str | None = None) -> ModelConfig:
-    """``tiny:<family>``, ``tiny`` (with ``family``) or a local diffusers folder -> the model section.
+    """``tiny:<family>``, ``tiny`` (with ``family``), a local diffusers folder or a Hugging Face id -> the model section.
 
-    A Hugging Face id is refused with what to do instead (this release loads local folders only).
+    An id is resolved like ``model.path`` (see :mod:`diffpipe.hub`): only its ``model_index.json`` is read here.
     """
     from diffpipe.models import family_names
 
@@ -81,32 +64,23 @@ def resolve_model(model: str, family: str | None = None) -> ModelConfig:
             raise ConfigError(f"--model {model}: unknown family {name!r}; choose from {', '.join(family_names())}")
         return ModelConfig(family=name, flavor="tiny")
     folder = Path(model).expanduser()
-    if not folder.is_dir():
+    is_id = hub.is_model_id(model)
+    if not is_id and not folder.is_dir():
         if folder.exists():
             raise ConfigError(f"--model {model} is a file; give a diffusers model folder (holding model_index.json)")
-        looks_like_id = model.count("/") == 1 and not model.startswith((".", "/", "~"))
-        raise ConfigError(
-            f"--model {model}: no such folder. "
-            + ("Hugging Face ids are not fetched by this release: download the model first (e.g. "
-               f"`huggingface-cli download {model} --local-dir models/{model.split('/')[1]}`) and pass that folder"
-               if looks_like_id else "Pass a local diffusers model folder, or tiny:<family> for the offline tiny model")
-        )
-    index_file = folder / "model_index.json"
-    detected = None
-    if index_file.is_file():
-        try:
-            class_name = json.loads(index_file.read_text()).get("_class_name")
-        except (ValueError, AttributeError) as err:
-            raise ConfigError(f"{index_file}: not a diffusers model index ({err})") from None
-        detected = pipeline_families().get(class_name)
-        if detected is None and family is None:
-            raise ConfigError(f"{index_file}: pipeline {class_name!r} is not a family diffpipe trains; pass "
-                              f"--family (one of {', '.join(family_names())}) if it is one of them")
-    elif family is None:
+        raise ConfigError(f"--model {model}: no such folder. Pass a local diffusers model folder, a Hugging Face "
+                          "id (org/name), or tiny:<family> for the offline tiny model")
+    index_file = hub.model_index(model)
+    class_name = hub.pipeline_class(index_file)
+    detected = hub.pipeline_families().get(class_name) if class_name else None
+    if class_name is not None and detected is None and family is None:
+        raise ConfigError(f"{index_file}: pipeline {class_name!r} is not a family diffpipe trains; pass "
+                          f"--family (one of {', '.join(family_names())}) if it is one of them")
+    if class_name is None and family is None:
         raise ConfigError(f"--model {model}: {index_file} is missing, so the family cannot be detected; "
                           "pass a diffusers model folder, or --family")
     if family and detected and family != detected:
-        raise ConfigError(f"--family {family}: the folder {folder} holds a {detected} model ({index_file})")
+        raise ConfigError(f"--family {family}: the model {model} holds a {detected} model ({index_file})")
     name = family or detected
     if name not in family_names():
         raise ConfigError(f"--family {name}: unknown family; choose from {', '.join(family_names())}")
@@ -186,6 +160,9 @@ def init_config(dataset: str | Path, model: str, *, family: str | None = None, t
     out = output_dir or f"runs/{name}"
     model_lines = (f"  family: {mcfg.family}\n  flavor: tiny        # random weights built offline: for trying the "
                    "workflow, learns nothing useful\n" if tiny else
+                   f"  family: {mcfg.family}   # detected from the model's model_index.json\n"
+                   f"  path: {_q(mcfg.path)}   # Hugging Face id, read through the Hugging Face cache\n"
+                   if hub.is_model_id(mcfg.path) else
                    f"  family: {mcfg.family}   # detected from {mcfg.path}/model_index.json\n  flavor: local\n"
                    f"  path: {_q(mcfg.path)}\n")
     buckets = ("    aspect_ratios: [1.0]   # every image found is square\n" if scan.all_square else

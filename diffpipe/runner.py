@@ -16,8 +16,8 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from diffpipe import runlock
-from diffpipe.config import load_config
+from diffpipe import hub, runlock
+from diffpipe.config import ConfigError, load_config
 from diffpipe.paths import REPO_ROOT, SNAKEFILE, RunPaths
 from diffpipe.workflow import check_snakemake_paths
 
@@ -88,11 +88,18 @@ def run_workflow(
     workdir = Path(workdir).resolve()
     cfg = load_config(config, base=workdir)  # fail fast with our own error before Snakemake starts
     check_snakemake_paths(cfg)
+    from diffpipe.training.trackers import missing_packages
+
+    if problems := missing_packages(cfg.train.trackers):  # before the cache jobs, not after them
+        raise ConfigError("\n".join(problems))
     run_paths = RunPaths(workdir / cfg.output_dir)
     cmd = snakemake_command(config, profile=Path(profile) if profile else None, cores=cores, dry_run=dry_run,
                             targets=list(targets), extra=list(extra), workdir=workdir)
     # Rules call `diffpipe ...`: make sure it is this installation's.
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    if not dry_run and hub.prefetch(cfg.model):
+        # A Hugging Face id is downloaded here, once; the jobs read that snapshot from the cache.
+        env["HF_HUB_OFFLINE"] = "1"
     if regenerate:
         # The cache jobs read this and encode every entry again; Snakemake must rerun them.
         env["DIFFPIPE_REGENERATE"] = "1"

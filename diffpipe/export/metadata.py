@@ -129,7 +129,7 @@ def gather_info(adapter_dir: str | Path, lora_cfg: peft.LoraConfig, family: Fami
     return ExportInfo(
         family=family.name,
         flavor=family.cfg.flavor,
-        model_path=family.cfg.path,
+        model_path=family.cfg.origin,
         weights=denoiser_fingerprint(family),
         rank=int(lora_cfg.r),
         alpha=float(lora_cfg.lora_alpha if adapter_kind(lora_cfg) in ("lora", "dora") else lora_cfg.alpha),

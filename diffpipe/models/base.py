@@ -427,4 +427,6 @@ def get_family(cfg: ModelConfig) -> Family:
         raise ValueError(f"model.family: unknown family {cfg.family!r}; known: {', '.join(family_names())}")
     if cfg.family not in _REGISTRY:
         importlib.import_module(FAMILY_MODULES[cfg.family])  # its @register line adds it
-    return _REGISTRY[cfg.family](cfg)
+    from diffpipe import hub
+
+    return _REGISTRY[cfg.family](hub.resolved(cfg))  # a Hugging Face id becomes its cached snapshot folder

@@ -79,6 +79,9 @@ RESUME_SAFE_KEYS = (
     "train.peak_tflops",
     "train.profile",
     "bench",
+    "train.trackers",
+    "train.tracker_project",
+    "train.run_name",
 )
 
 

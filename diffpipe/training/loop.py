@@ -145,7 +145,8 @@ def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str
             f"{n_params:,} trainable parameters ({trained.kind}), world size {dist.world_size}")
 
     metrics = MetricsWriter(paths.metrics, paths.tensorboard, enabled=dist.is_main, append=start > 0,
-                            purge_step=start + 1 if start else None)
+                            purge_step=start + 1 if start else None, trackers=tc.trackers,
+                            project=tc.tracker_project, run_name=tc.run_name, config=cfg.model_dump(mode="json"))
     evaluate = Evaluator(family, eval_dataset(paths, data) if own_data else data, tc.eval, batch_size=tc.batch_size, device=model.device)
     if start == 0:  # the baseline later evals compare with (TensorBoard only: rows are steps)
         metrics.log(0, jsonl=False, **evaluate(model))

@@ -1,4 +1,4 @@
-"""Training metrics: one JSON line per optimizer step, TensorBoard scalars, a loss plot."""
+"""Training metrics: one JSON line per optimizer step, the same scalars to the trackers, a loss plot."""
 
 from __future__ import annotations
 
@@ -10,47 +10,46 @@ from typing import Any
 import torch
 from PIL import Image, ImageDraw
 
+from diffpipe.training.trackers import Tracker, open_trackers, scalars
+
 
 class MetricsWriter:
-    """Appends to ``metrics.jsonl`` and TensorBoard; a no-op on non-main ranks."""
+    """Appends to ``metrics.jsonl`` and logs to the trackers (``train.trackers``); a no-op on non-main ranks."""
 
     def __init__(self, jsonl: Path, tensorboard_dir: Path, *, enabled: bool = True, append: bool = False,
-                 purge_step: int | None = None):
+                 purge_step: int | None = None, trackers: list[str] = ("tensorboard",),
+                 project: str = "diffpipe", run_name: str | None = None, config: dict[str, Any] | None = None):
         self.enabled = enabled
         self._file = None
-        self._tb = None
+        self._trackers: list[Tracker] = []
         if not enabled:
             return
         jsonl.parent.mkdir(parents=True, exist_ok=True)
+        self._trackers = open_trackers(list(trackers), jsonl.parent, tensorboard_dir=tensorboard_dir,
+                                       purge_step=purge_step, project=project, run_name=run_name, config=config)
         self._file = open(jsonl, "a" if append else "w")
-        from torch.utils.tensorboard import SummaryWriter
 
-        # ``purge_step`` hides events a killed run logged past its resume point.
-        self._tb = SummaryWriter(str(tensorboard_dir), purge_step=purge_step)
-
-    def log(self, step: int, *, jsonl: bool = True, **scalars: Any) -> None:
-        """One row of ``metrics.jsonl`` per step (``jsonl=False``: TensorBoard only)."""
+    def log(self, step: int, *, jsonl: bool = True, **fields: Any) -> None:
+        """One row of ``metrics.jsonl`` per step (``jsonl=False``: the trackers only)."""
         if not self.enabled:
             return
         if jsonl:
-            self._file.write(json.dumps({"step": step, **scalars}) + "\n")
+            self._file.write(json.dumps({"step": step, **fields}) + "\n")
             self._file.flush()
-        for name, value in scalars.items():
-            if isinstance(value, int | float) and name != "epoch":
-                tag = name.replace("eval_", "eval/", 1) if name.startswith("eval_") else f"train/{name}"
-                self._tb.add_scalar(tag, value, step)
+        values = scalars(fields)
+        for tracker in self._trackers:
+            tracker.log(step, values)
 
     def image(self, tag: str, image: Image.Image, step: int) -> None:
-        """A PIL image into TensorBoard (e.g. the samples rendered during training)."""
-        if self.enabled:
-            import numpy as np
-
-            self._tb.add_image(tag, np.asarray(image.convert("RGB")), step, dataformats="HWC")
+        """A PIL image into every tracker (e.g. the samples rendered during training)."""
+        for tracker in self._trackers:
+            tracker.image(tag, image, step)
 
     def close(self) -> None:
         if self._file:
             self._file.close()
-            self._tb.close()
+        for tracker in self._trackers:
+            tracker.close()
 
 
 def peak_memory_mb(device: torch.device) -> float:

@@ -57,9 +57,12 @@ def test_init_detects_the_family_of_a_local_folder(images, tmp_path, pipeline, f
     assert m == {"family": family, "flavor": "local", "path": str(model)}
 
 
-@pytest.mark.parametrize("model, says", [("stabilityai/sdxl-turbo", "Hugging Face ids"),
+@pytest.mark.parametrize("model, says", [("stabilityai/sdxl-turbo", "'stabilityai/sdxl-turbo/model_index.json'"
+                                                                   ": not in the hub cache"),
                                          ("tiny:nosuch", "unknown family 'nosuch'")])
-def test_init_refuses_a_model_it_cannot_load(images, tmp_path, model, says):
+def test_init_refuses_a_model_it_cannot_load(images, tmp_path, model, says, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # an id absent from an empty hub cache, never the network
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     result = runner.invoke(app, ["init", str(images), "--model", model, "-o", str(tmp_path / "c.yaml")])
     assert result.exit_code == 2 and says in result.output, result.output
     assert not (tmp_path / "c.yaml").exists()

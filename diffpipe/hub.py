@@ -1,0 +1,239 @@
+"""Models named by Hugging Face id: ``model.path: org/name`` and ``model.single_files: {vae: org/name/file}``.
+
+Every place that reads a model goes through :func:`resolved`, which turns an id into the local
+snapshot folder of the Hugging Face hub cache (``huggingface_hub``: ``HF_HUB_CACHE``, ``HF_HOME``,
+a token from ``HF_TOKEN`` or ``huggingface-cli login`` for gated models). Online, the snapshot is
+downloaded once (with the hub's progress bars) and later calls only check it; with
+``HF_HUB_OFFLINE=1`` only the cache is read, and a model absent from it is a :class:`HubError`
+naming the id and the cache folder.
+
+Cache keys need no id: the family fingerprints the snapshot's configs and weight tensors exactly
+as it does a local folder's, so another revision with other weights re-encodes and the same
+weights under any revision do not.
+
+A value is an id when no file or folder of that name exists (relative paths start at the working
+folder, where every stage runs) and it has the hub's ``org/name`` shape.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from diffpipe.config import ConfigError
+
+if TYPE_CHECKING:
+    from diffpipe.config import ModelConfig
+
+_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
+_REPO_ID = re.compile(rf"^{_NAME}/{_NAME}$")
+_REPO_FILE = re.compile(rf"^({_NAME}/{_NAME})/(.+)$")
+_TRUE = {"1", "true", "yes", "on"}
+
+
+class HubError(ConfigError):
+    """A model id that cannot be resolved: the message names the id, the revision and the cache folder."""
+
+
+def cache_dir() -> Path:
+    """The hub cache folder, read from the environment at each call (as ``huggingface_hub`` reads it at import)."""
+    if value := os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE"):
+        return Path(value).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface")
+    return Path(home).expanduser() / "hub"
+
+
+def offline() -> bool:
+    """Whether ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) forbids the network."""
+    return any(os.environ.get(k, "").strip().lower() in _TRUE for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
+
+
+def _local(value: str, base: Path | None) -> bool:
+    path = Path(value).expanduser()
+    return (path if path.is_absolute() or base is None else base / path).exists()
+
+
+def is_model_id(value: str, base: Path | None = None) -> bool:
+    """``org/name`` that is not an existing local file or folder."""
+    return bool(_REPO_ID.match(value)) and not _local(value, base)
+
+
+def split_file_id(value: str, base: Path | None = None) -> tuple[str, str] | None:
+    """``org/name/file.safetensors`` -> ``(org/name, file.safetensors)``; None for a local file."""
+    match = _REPO_FILE.match(value)
+    if not match or _local(value, base):
+        return None
+    return match.group(1), match.group(2)
+
+
+def _missing(repo_id: str, what: str, revision: str | None, why: str) -> HubError:
+    rev = f" at revision {revision!r}" if revision else ""
+    fix = ("unset HF_HUB_OFFLINE to download it, or download it where there is a network "
+           f"(`huggingface-cli download {repo_id}" + (f" --revision {revision}" if revision else "") + "`) into "
+           "this cache"
+           if offline() else "check the id, the revision and your network; for a gated model accept its licence "
+           "on huggingface.co and log in (`huggingface-cli login`, or set HF_TOKEN)")
+    return HubError(f"Hugging Face model {what}{rev}: {why} (hub cache {cache_dir()}); {fix}")
+
+
+def _errors():
+    from huggingface_hub import errors
+
+    fatal = (errors.GatedRepoError, errors.RepositoryNotFoundError, errors.RevisionNotFoundError,
+             errors.EntryNotFoundError)
+    return fatal, errors.LocalEntryNotFoundError
+
+
+def _fetch(download, what: str, *, online: bool = True, **kwargs) -> Path:
+    """``download(**kwargs)`` online, else (or without a network) from the cache only; a HubError naming ``what``."""
+    fatal, absent = _errors()
+    repo_id, revision = kwargs["repo_id"], kwargs["revision"]
+    if online and not offline():
+        try:
+            return Path(download(**kwargs))
+        except absent:  # no network: use the cache if it holds the files
+            pass
+        except fatal as err:
+            raise _missing(repo_id, what, revision, type(err).__name__) from None
+        except OSError:
+            pass
+    try:
+        return Path(download(**kwargs, local_files_only=True))
+    except (absent, OSError):
+        raise _missing(repo_id, what, revision, "not in the hub cache" + (" and offline" if offline() else
+                                                                          " and not downloadable")) from None
+
+
+#: Snapshots resolved online by this process: the hub is asked once per id, not once per component loaded.
+_RESOLVED: dict[tuple[str, str | None, Path], Path] = {}
+
+
+#: Files of a component folder a load never reads: other frameworks' weights, weight-file variants.
+_UNREAD = re.compile(r"\.(msgpack|h5|onnx|onnx_data|ckpt|pb)$|\.(fp16|bf16|fp32|non_ema|ema)\.[^/]+$")
+
+
+def download_files(index: dict, files: list[str]) -> list[str]:
+    """The files of a repository (``files``) that loading its pipeline reads: ``model_index.json`` and the
+    component folders it names, without the weight files no load reads (variants, other frameworks, ``.bin``
+    where a folder has ``.safetensors``), and without files at the top (a repository's single-file copy)."""
+    folders = {name for name, value in index.items() if not name.startswith("_") and isinstance(value, list)
+               and value and value[0] is not None}
+    kept = [f for f in files if f.split("/")[0] in folders and "/" in f and not _UNREAD.search(f)]
+    safe = {f.rsplit("/", 1)[0] for f in kept if f.endswith(".safetensors")}
+    return ["model_index.json"] + [f for f in kept if not (f.endswith(".bin") and f.rsplit("/", 1)[0] in safe)]
+
+
+def snapshot(repo_id: str, revision: str | None = None) -> Path:
+    """The local snapshot folder of ``repo_id`` at ``revision`` (default ``main``), downloaded if needed.
+
+    Online, only the files :func:`download_files` picks are fetched (FLUX.1-dev holds its transformer twice:
+    as a folder and as one file at the top; SD 1.5 holds fp16, EMA and ``.bin`` copies).
+    """
+    from huggingface_hub import snapshot_download
+
+    key = (repo_id, revision, cache_dir())
+    if key not in _RESOLVED or offline():
+        wanted = None if offline() else _online_files(repo_id, revision)
+        _RESOLVED[key] = _fetch(snapshot_download, repr(repo_id), online=wanted is not None, repo_id=repo_id,
+                                revision=revision, cache_dir=str(cache_dir()), allow_patterns=wanted)
+    return _RESOLVED[key]
+
+
+def _online_files(repo_id: str, revision: str | None) -> list[str] | None:
+    """:func:`download_files` for a repository, asking the hub for its file list (None: the hub did not answer)."""
+    from huggingface_hub import HfApi
+
+    fatal, _ = _errors()
+    try:
+        files = HfApi().list_repo_files(repo_id, revision=revision)
+    except fatal as err:  # gated without a token, no such repository or revision
+        raise _missing(repo_id, repr(repo_id), revision, type(err).__name__) from None
+    except Exception:  # noqa: BLE001 - no network (whichever HTTP client's error): read the cache
+        return None
+    index = json.loads(file(repo_id, "model_index.json", revision).read_text())
+    return download_files(index, files)
+
+
+def file(repo_id: str, filename: str, revision: str | None = None) -> Path:
+    """One file of ``repo_id`` from the hub cache, downloaded if needed."""
+    from huggingface_hub import hf_hub_download
+
+    return _fetch(hf_hub_download, repr(f"{repo_id}/{filename}"), repo_id=repo_id, filename=filename,
+                  revision=revision, cache_dir=str(cache_dir()))
+
+
+def model_index(path: str, revision: str | None = None, base: Path | None = None) -> Path:
+    """``model_index.json`` of a local folder or an id (only that file is fetched for an id)."""
+    if is_model_id(path, base):
+        return file(path, "model_index.json", revision)
+    folder = Path(path).expanduser()
+    return (folder if folder.is_absolute() or base is None else base / folder) / "model_index.json"
+
+
+def pipeline_class(index_file: Path) -> str | None:
+    """The ``_class_name`` a ``model_index.json`` names (None when the file is absent)."""
+    if not index_file.is_file():
+        return None
+    try:
+        name = json.loads(index_file.read_text()).get("_class_name")
+    except (ValueError, AttributeError) as err:
+        raise ConfigError(f"{index_file}: not a diffusers model index ({err})") from None
+    return name if isinstance(name, str) else None
+
+
+@functools.cache
+def pipeline_families() -> dict[str, str]:
+    """diffusers pipeline class name -> family name, from the registered families themselves."""
+    from diffpipe.config import ModelConfig
+    from diffpipe.models import family_names, get_family
+
+    table: dict[str, str] = {}
+    for name in family_names():
+        family = get_family(ModelConfig(family=name))
+        for variant in getattr(family, "variants", ()) or (None,):
+            try:
+                one = get_family(ModelConfig(family=name, variant=variant)) if variant else family
+            except ValueError:  # a variant that needs more settings (Wan 2.2 A14B: an expert)
+                continue
+            table.setdefault(one.pipeline_class.__name__, name)
+    return table
+
+
+def detect_family(index_file: Path) -> str | None:
+    """The family whose pipeline a ``model_index.json`` names (None: absent, or no family's pipeline)."""
+    name = pipeline_class(index_file)
+    return pipeline_families().get(name) if name else None
+
+
+def resolved(cfg: ModelConfig) -> ModelConfig:
+    """``cfg`` with an id in ``path`` or ``single_files`` replaced by its local snapshot path.
+
+    The written value stays readable as ``cfg.origin`` (export metadata names the id, not the cache).
+    """
+    update: dict = {}
+    if cfg.path and is_model_id(cfg.path):
+        update["path"] = str(snapshot(cfg.path, cfg.revision))
+    files = {}
+    for key, value in cfg.single_files.items():
+        parts = split_file_id(value)
+        files[key] = str(file(*parts)) if parts else value
+    if files != cfg.single_files:
+        update["single_files"] = files
+    if not update:
+        return cfg
+    out = cfg.model_copy(update=update)
+    out._origin = cfg.origin
+    return out
+
+
+def prefetch(cfg: ModelConfig) -> bool:
+    """Resolve (download once) every id of ``cfg``; whether there was one.
+
+    ``diffpipe run`` calls this before Snakemake starts and then runs the jobs with ``HF_HUB_OFFLINE=1``,
+    so every job reads the same snapshot from the cache instead of asking the hub again.
+    """
+    return resolved(cfg) is not cfg
