@@ -101,6 +101,13 @@ class ModelConfig(_Section):
         description="Hugging Face id only: branch, tag or commit of `path` (null: `main`). Cache keys follow the "
         "weights themselves, so a revision with other weights re-encodes and one with the same weights does not.",
     )
+    weight_variant: Text | None = Field(
+        None,
+        description="Local flavor or Hugging Face id: load the weight files of this variant "
+        "(`diffusion_pytorch_model.<variant>.safetensors`, `model.<variant>.safetensors`), e.g. `fp16` for a "
+        "repository's half-size copies; null: the plain files. (`model.variant` names a family's model "
+        "version, e.g. Wan's `2.2-5b`.)",
+    )
     seed: Seed = Field(0, description="Seed of the tiny flavor's random weights.")
     single_files: dict[Text, PathText] = Field(
         {},

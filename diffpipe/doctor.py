@@ -97,7 +97,7 @@ def _model_checks(cfg: Config) -> list[Check]:
     if not cfg.model.path or not hub.is_model_id(cfg.model.path):
         return []
     try:
-        snap = hub.snapshot(cfg.model.path, cfg.model.revision)
+        snap = hub.snapshot(cfg.model.path, cfg.model.revision, cfg.model.weight_variant)
     except hub.HubError as err:
         return [Check("model", False, str(err), "see the message")]
     return [Check("model", True, f"{cfg.model.path} (revision {cfg.model.revision or 'main'}) is snapshot "

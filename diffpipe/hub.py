@@ -109,25 +109,32 @@ def _fetch(download, what: str, *, online: bool = True, **kwargs) -> Path:
 
 
 #: Snapshots resolved online by this process: the hub is asked once per id, not once per component loaded.
-_RESOLVED: dict[tuple[str, str | None, Path], Path] = {}
+_RESOLVED: dict[tuple[str, str | None, str | None, Path], Path] = {}
 
 
 #: Files of a component folder a load never reads: other frameworks' weights, weight-file variants.
 _UNREAD = re.compile(r"\.(msgpack|h5|onnx|onnx_data|ckpt|pb)$|\.(fp16|bf16|fp32|non_ema|ema)\.[^/]+$")
 
 
-def download_files(index: dict, files: list[str]) -> list[str]:
+def download_files(index: dict, files: list[str], variant: str | None = None) -> list[str]:
     """The files of a repository (``files``) that loading its pipeline reads: ``model_index.json`` and the
     component folders it names, without the weight files no load reads (variants, other frameworks, ``.bin``
     where a folder has ``.safetensors``), and without files at the top (a repository's single-file copy)."""
     folders = {name for name, value in index.items() if not name.startswith("_") and isinstance(value, list)
                and value and value[0] is not None}
-    kept = [f for f in files if f.split("/")[0] in folders and "/" in f and not _UNREAD.search(f)]
+    def read(f: str) -> bool:  # with a weight variant, its weight files (and index) instead of the plain ones
+        name = f.rsplit("/", 1)[1]
+        weights = name.startswith(("diffusion_pytorch_model", "model")) and (".safetensors" in name or ".bin" in name)
+        if variant is not None and weights:
+            return re.search(rf"\.{re.escape(variant)}[.-]", name) is not None
+        return not _UNREAD.search(f)
+
+    kept = [f for f in files if f.split("/")[0] in folders and "/" in f and read(f)]
     safe = {f.rsplit("/", 1)[0] for f in kept if f.endswith(".safetensors")}
     return ["model_index.json"] + [f for f in kept if not (f.endswith(".bin") and f.rsplit("/", 1)[0] in safe)]
 
 
-def snapshot(repo_id: str, revision: str | None = None) -> Path:
+def snapshot(repo_id: str, revision: str | None = None, variant: str | None = None) -> Path:
     """The local snapshot folder of ``repo_id`` at ``revision`` (default ``main``), downloaded if needed.
 
     Online, only the files :func:`download_files` picks are fetched (FLUX.1-dev holds its transformer twice:
@@ -135,15 +142,15 @@ def snapshot(repo_id: str, revision: str | None = None) -> Path:
     """
     from huggingface_hub import snapshot_download
 
-    key = (repo_id, revision, cache_dir())
+    key = (repo_id, revision, variant, cache_dir())
     if key not in _RESOLVED or offline():
-        wanted = None if offline() else _online_files(repo_id, revision)
+        wanted = None if offline() else _online_files(repo_id, revision, variant)
         _RESOLVED[key] = _fetch(snapshot_download, repr(repo_id), online=wanted is not None, repo_id=repo_id,
                                 revision=revision, cache_dir=str(cache_dir()), allow_patterns=wanted)
     return _RESOLVED[key]
 
 
-def _online_files(repo_id: str, revision: str | None) -> list[str] | None:
+def _online_files(repo_id: str, revision: str | None, variant: str | None = None) -> list[str] | None:
     """:func:`download_files` for a repository, asking the hub for its file list (None: the hub did not answer)."""
     from huggingface_hub import HfApi
 
@@ -155,7 +162,7 @@ def _online_files(repo_id: str, revision: str | None) -> list[str] | None:
     except Exception:  # noqa: BLE001 - no network (whichever HTTP client's error): read the cache
         return None
     index = json.loads(file(repo_id, "model_index.json", revision).read_text())
-    return download_files(index, files)
+    return download_files(index, files, variant)
 
 
 def file(repo_id: str, filename: str, revision: str | None = None) -> Path:
@@ -216,7 +223,7 @@ def resolved(cfg: ModelConfig) -> ModelConfig:
     """
     update: dict = {}
     if cfg.path and is_model_id(cfg.path):
-        update["path"] = str(snapshot(cfg.path, cfg.revision))
+        update["path"] = str(snapshot(cfg.path, cfg.revision, cfg.weight_variant))
     files = {}
     for key, value in cfg.single_files.items():
         parts = split_file_id(value)

@@ -105,14 +105,16 @@ def local_component(cls: type, cfg: Any, subfolder: str, dtype: torch.dtype | No
     dtype = dtype or load_dtype(cfg, "vae" if subfolder == "vae" else "denoiser")
     file = cfg.single_files.get(subfolder)
     if file is None:
-        return cls.from_pretrained(cfg.path, subfolder=subfolder, torch_dtype=dtype).eval()
+        return cls.from_pretrained(cfg.path, subfolder=subfolder, torch_dtype=dtype,
+                                   variant=cfg.weight_variant).eval()
     return single_file_component(cls, file, cfg.path, subfolder, dtype)
 
 
 def pretrained_text_encoder(cls: type, cfg: Any, subfolder: str) -> torch.nn.Module:
     """A transformers text encoder from the local folder's ``subfolder``, loaded straight in
     ``model.text_encoder_dtype`` (transformers 5 names the argument ``dtype``), in eval mode."""
-    return cls.from_pretrained(cfg.path, subfolder=subfolder, dtype=load_dtype(cfg, "text_encoder")).eval()
+    return cls.from_pretrained(cfg.path, subfolder=subfolder, dtype=load_dtype(cfg, "text_encoder"),
+                               variant=cfg.weight_variant).eval()
 
 
 def single_file_component(cls: type, file: str, folder: str, subfolder: str,
@@ -200,13 +202,16 @@ def module_fingerprint(module: torch.nn.Module) -> str:
     return _combine(_tensor_hash(t) for t in module.state_dict().values())
 
 
-def weight_files(folder: str | Path) -> list[Path]:
+def weight_files(folder: str | Path, variant: str | None = None) -> list[Path]:
     """The weight files ``from_pretrained`` reads in a component folder.
 
-    Safetensors when present (as the loaders prefer), else ``.bin``; variant
-    files such as ``*.fp16.safetensors`` are not what a plain load reads.
+    Safetensors when present (as the loaders prefer), else ``.bin``; with
+    ``variant`` (``model.weight_variant``) the files named ``*.<variant>.*``,
+    which a plain load never reads.
     """
-    files = sorted(p for p in Path(folder).iterdir() if _WEIGHT_FILE.match(p.name))
+    pattern = _WEIGHT_FILE if variant is None else re.compile(
+        r"^(diffusion_pytorch_model|model)\." + re.escape(variant) + r"(-\d+-of-\d+)?\.(safetensors|bin)$")
+    files = sorted(p for p in Path(folder).iterdir() if pattern.match(p.name))
     safe = [p for p in files if p.suffix == ".safetensors"]
     chosen = safe or files
     if not chosen:
@@ -237,15 +242,16 @@ def _read_memo() -> dict[str, list[str]]:
         return {}
 
 
-def folder_fingerprint(folder: str | Path) -> str:
-    """Fingerprint of a component folder's weight files, memoised on disk."""
-    return files_fingerprint(weight_files(folder))
+def folder_fingerprint(folder: str | Path, variant: str | None = None) -> str:
+    """Fingerprint of a component folder's weight files (of ``variant``), memoised on disk."""
+    return files_fingerprint(weight_files(folder, variant))
 
 
 def weights_fingerprint(cfg: Any, subfolder: str) -> str:
     """Fingerprint of a local component's weights: its single file (``model.single_files``) or its folder."""
     file = cfg.single_files.get(subfolder)
-    return files_fingerprint([Path(file)]) if file else folder_fingerprint(Path(cfg.path) / subfolder)
+    return files_fingerprint([Path(file)]) if file else folder_fingerprint(Path(cfg.path) / subfolder,
+                                                                          cfg.weight_variant)
 
 
 def files_fingerprint(files: Iterable[Path]) -> str:
@@ -296,10 +302,11 @@ def diffusers_component_identity(cls: type, cfg: Any, subfolder: str) -> dict[st
     return identity(cls.__name__, config, weights_fingerprint(cfg, subfolder))
 
 
-def transformers_folder_identity(model_cls: type, config_cls: type, path: str, subfolder: str):
-    """Identity of a transformers model folder, without loading the weights."""
+def transformers_folder_identity(model_cls: type, config_cls: type, path: str, subfolder: str,
+                                 variant: str | None = None):
+    """Identity of a transformers model folder (its ``variant`` weight files), without loading the weights."""
     config = config_cls.from_pretrained(path, subfolder=subfolder).to_dict()
-    return identity(model_cls.__name__, config, folder_fingerprint(Path(path) / subfolder))
+    return identity(model_cls.__name__, config, folder_fingerprint(Path(path) / subfolder, variant))
 
 
 # -- tensors -----------------------------------------------------------------

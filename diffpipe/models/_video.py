@@ -81,7 +81,7 @@ def t5_tokenizers(flavor: str, path: str | None, max_length: int, tiny_length: i
 
 def t5_text(
     flavor: str, path: str | None, max_length: int, seed: int, component: str, tiny_length: int = TINY_LENGTH,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, variant: str | None = None,
 ) -> T5Text:
     """Tokenizer and encoder: random tiny weights from ``seed``, or a folder's ``text_encoder/``."""
     enc = t5_tokenizers(flavor, path, max_length, tiny_length)
@@ -97,7 +97,8 @@ def t5_text(
         with common.seeded(seed, component):
             enc.text_encoder = T5EncoderModel(config).eval()
     else:
-        enc.text_encoder = T5EncoderModel.from_pretrained(path, subfolder="text_encoder", dtype=dtype).eval()
+        enc.text_encoder = T5EncoderModel.from_pretrained(path, subfolder="text_encoder", dtype=dtype,
+                                                          variant=variant).eval()
     return enc
 
 
@@ -112,13 +113,13 @@ def t5_identity(enc: T5Text) -> str:
     )
 
 
-def t5_folder_identity(path: str, max_length: int) -> str:
+def t5_folder_identity(path: str, max_length: int, variant: str | None = None) -> str:
     """Identity of a local folder's ``tokenizer/`` and ``text_encoder/`` without loading the weights."""
     enc = t5_tokenizers("local", path, max_length)
     return digest(
         {
             "tokenizer": tokenizer_fingerprint(enc.tokenizer),
-            "text_encoder": common.transformers_folder_identity(T5EncoderModel, T5Config, path, "text_encoder"),
+            "text_encoder": common.transformers_folder_identity(T5EncoderModel, T5Config, path, "text_encoder", variant=variant),
             "max_sequence_length": enc.max_sequence_length,
         }
     )
@@ -165,14 +166,15 @@ class T5TextFamily:
 
     def load_text_encoders(self) -> T5Text:
         return t5_text(self.cfg.flavor, self.cfg.path, self.t5_max_length, self.cfg.seed,
-                       f"{self.name}.text_encoder", self.t5_tiny_length, dtype=common.load_dtype(self.cfg, "text_encoder"))
+                       f"{self.name}.text_encoder", self.t5_tiny_length, dtype=common.load_dtype(self.cfg, "text_encoder"),
+                       variant=self.cfg.weight_variant)
 
     def encoders_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity(
                 (self.name, self.cfg.seed, "text"), lambda: t5_identity(self.load_text_encoders())
             )
-        return t5_folder_identity(self.cfg.path, self.t5_max_length)
+        return t5_folder_identity(self.cfg.path, self.t5_max_length, variant=self.cfg.weight_variant)
 
     def token_limits(self, encoders: T5Text) -> dict[str, int]:
         return {"t5": encoders.max_sequence_length}

@@ -108,7 +108,7 @@ class ChromaFamily(FluxFamily):
         return digest({
             "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
             "text_encoder": common.transformers_folder_identity(T5EncoderModel, T5Config, self.cfg.path,
-                                                                "text_encoder"),
+                                                                "text_encoder", variant=self.cfg.weight_variant),
             "max_sequence_length": self.max_sequence_length,
         })
 

@@ -242,7 +242,7 @@ class CogView4Family(Family):
         return digest(
             {
                 "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
-                "text_encoder": common.transformers_folder_identity(GlmModel, GlmConfig, self.cfg.path, "text_encoder"),
+                "text_encoder": common.transformers_folder_identity(GlmModel, GlmConfig, self.cfg.path, "text_encoder", variant=self.cfg.weight_variant),
                 "max_sequence_length": self.max_sequence_length,
             }
         )

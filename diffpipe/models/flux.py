@@ -265,13 +265,13 @@ class FluxFamily(Family):
                     CLIPTokenizer.from_pretrained(path, subfolder="tokenizer")
                 ),
                 "text_encoder": common.transformers_folder_identity(
-                    CLIPTextModel, CLIPTextConfig, path, "text_encoder"
+                    CLIPTextModel, CLIPTextConfig, path, "text_encoder", variant=self.cfg.weight_variant,
                 ),
                 "tokenizer_2": tokenizer_fingerprint(
                     T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_2")
                 ),
                 "text_encoder_2": common.transformers_folder_identity(
-                    T5EncoderModel, T5Config, path, "text_encoder_2"
+                    T5EncoderModel, T5Config, path, "text_encoder_2", variant=self.cfg.weight_variant,
                 ),
                 "max_sequence_length": self.max_sequence_length,
             }

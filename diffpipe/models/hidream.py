@@ -195,11 +195,11 @@ class HiDreamFamily(Family):
         return digest({
             **{f"tokenizer{s}": tokenizer_fingerprint(getattr(tok, f"tokenizer{s}")) for s in ("", "_2", "_3", "_4")},
             "text_encoder": common.transformers_folder_identity(
-                CLIPTextModelWithProjection, CLIPTextConfig, p, "text_encoder"),
+                CLIPTextModelWithProjection, CLIPTextConfig, p, "text_encoder", variant=self.cfg.weight_variant),
             "text_encoder_2": common.transformers_folder_identity(
-                CLIPTextModelWithProjection, CLIPTextConfig, p, "text_encoder_2"),
-            "text_encoder_3": common.transformers_folder_identity(T5EncoderModel, T5Config, p, "text_encoder_3"),
-            "text_encoder_4": common.transformers_folder_identity(LlamaForCausalLM, LlamaConfig, p, "text_encoder_4"),
+                CLIPTextModelWithProjection, CLIPTextConfig, p, "text_encoder_2", variant=self.cfg.weight_variant),
+            "text_encoder_3": common.transformers_folder_identity(T5EncoderModel, T5Config, p, "text_encoder_3", variant=self.cfg.weight_variant),
+            "text_encoder_4": common.transformers_folder_identity(LlamaForCausalLM, LlamaConfig, p, "text_encoder_4", variant=self.cfg.weight_variant),
             "max_sequence_length": self.max_sequence_length,
         })
 

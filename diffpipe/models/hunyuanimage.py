@@ -177,8 +177,8 @@ class HunyuanImageFamily(Family):
             "tokenizer": tokenizer_fingerprint(tok.tokenizer),
             "tokenizer_2": type(tok.tokenizer_2).__name__,  # byte-level: no vocabulary to hash
             "text_encoder": common.transformers_folder_identity(
-                Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig, p, "text_encoder"),
-            "text_encoder_2": common.transformers_folder_identity(T5EncoderModel, T5Config, p, "text_encoder_2"),
+                Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig, p, "text_encoder", variant=self.cfg.weight_variant),
+            "text_encoder_2": common.transformers_folder_identity(T5EncoderModel, T5Config, p, "text_encoder_2", variant=self.cfg.weight_variant),
             "max_lengths": tok.max_lengths,
         })
 

@@ -270,9 +270,9 @@ class HunyuanVideoFamily(Family):
             {
                 "tokenizer": tokenizer_fingerprint(e.tokenizer),
                 "tokenizer_2": tokenizer_fingerprint(e.tokenizer_2),
-                "text_encoder": common.transformers_folder_identity(LlamaModel, LlamaConfig, p, "text_encoder"),
+                "text_encoder": common.transformers_folder_identity(LlamaModel, LlamaConfig, p, "text_encoder", variant=self.cfg.weight_variant),
                 "text_encoder_2": common.transformers_folder_identity(
-                    CLIPTextModel, CLIPTextConfig, p, "text_encoder_2"
+                    CLIPTextModel, CLIPTextConfig, p, "text_encoder_2", variant=self.cfg.weight_variant,
                 ),
                 "max_sequence_length": e.max_sequence_length,
                 "prompt_template": e.prompt_template,

@@ -167,7 +167,7 @@ class Lumina2Family(Family):
         return digest({
             "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
             "text_encoder": common.transformers_folder_identity(Gemma2Model, Gemma2Config, self.cfg.path,
-                                                                "text_encoder"),
+                                                                "text_encoder", variant=self.cfg.weight_variant),
             "max_sequence_length": self.max_sequence_length, "system_prompt": SYSTEM_PROMPT,
         })
 

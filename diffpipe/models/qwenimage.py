@@ -181,7 +181,7 @@ class QwenImageFamily(Family):
         return digest({
             "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
             "text_encoder": common.transformers_folder_identity(
-                Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig, self.cfg.path, "text_encoder"),
+                Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig, self.cfg.path, "text_encoder", variant=self.cfg.weight_variant),
             "max_sequence_length": self.max_sequence_length, "template": TEMPLATE,
         })
 

@@ -207,7 +207,7 @@ class QwenImageEditFamily(QwenImageFamily):
                 (self.name, self.cfg.seed, "text"), lambda: self._edit_identity(self.load_text_encoders(), None)
             )
         encoder = common.transformers_folder_identity(
-            Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig, self.cfg.path, "text_encoder"
+            Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig, self.cfg.path, "text_encoder", variant=self.cfg.weight_variant,
         )
         return self._edit_identity(self.load_tokenizers(), encoder)
 

@@ -215,7 +215,7 @@ class SDFamily(Family):
             )
         tokenizer = CLIPTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
         encoder = common.transformers_folder_identity(
-            CLIPTextModel, CLIPTextConfig, self.cfg.path, "text_encoder"
+            CLIPTextModel, CLIPTextConfig, self.cfg.path, "text_encoder", variant=self.cfg.weight_variant,
         )
         return digest({"tokenizer": tokenizer_fingerprint(tokenizer), "text_encoder": encoder})
 

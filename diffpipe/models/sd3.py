@@ -214,10 +214,10 @@ class SD3Family(Family):
             "tokenizer_2": tokenizer_fingerprint(tok.tokenizer_2),
             "tokenizer_3": tokenizer_fingerprint(tok.tokenizer_3),
             "text_encoder": common.transformers_folder_identity(
-                CLIPTextModelWithProjection, CLIPTextConfig, p, "text_encoder"),
+                CLIPTextModelWithProjection, CLIPTextConfig, p, "text_encoder", variant=self.cfg.weight_variant),
             "text_encoder_2": common.transformers_folder_identity(
-                CLIPTextModelWithProjection, CLIPTextConfig, p, "text_encoder_2"),
-            "text_encoder_3": common.transformers_folder_identity(T5EncoderModel, T5Config, p, "text_encoder_3"),
+                CLIPTextModelWithProjection, CLIPTextConfig, p, "text_encoder_2", variant=self.cfg.weight_variant),
+            "text_encoder_3": common.transformers_folder_identity(T5EncoderModel, T5Config, p, "text_encoder_3", variant=self.cfg.weight_variant),
             "max_sequence_length": self.max_sequence_length,
         })
 

@@ -168,10 +168,10 @@ class SDXLFamily(SDFamily):
         path, tok = self.cfg.path, self.load_tokenizers()
         return digest({
             "tokenizer": tokenizer_fingerprint(tok.tokenizer),
-            "text_encoder": common.transformers_folder_identity(CLIPTextModel, CLIPTextConfig, path, "text_encoder"),
+            "text_encoder": common.transformers_folder_identity(CLIPTextModel, CLIPTextConfig, path, "text_encoder", variant=self.cfg.weight_variant),
             "tokenizer_2": tokenizer_fingerprint(tok.tokenizer_2),
             "text_encoder_2": common.transformers_folder_identity(
-                CLIPTextModelWithProjection, CLIPTextConfig, path, "text_encoder_2"),
+                CLIPTextModelWithProjection, CLIPTextConfig, path, "text_encoder_2", variant=self.cfg.weight_variant),
         })
 
     @staticmethod

@@ -375,7 +375,7 @@ class WanFamily(Family):
         """Wan 2.1 I2V's CLIP vision encoder and its image processor."""
         if self.cfg.flavor == "tiny":
             return wan_i2v.tiny_image_encoder(self.cfg.seed, self.spec.seed_prefix)
-        return wan_i2v.load_image_encoder(self.cfg.path)
+        return wan_i2v.load_image_encoder(self.cfg.path, self.cfg.weight_variant)
 
     @cached_property
     def _image_encoder(self):
@@ -431,7 +431,7 @@ class WanFamily(Family):
             {
                 "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
                 "text_encoder": common.transformers_folder_identity(
-                    UMT5EncoderModel, UMT5Config, self.cfg.path, "text_encoder"
+                    UMT5EncoderModel, UMT5Config, self.cfg.path, "text_encoder", variant=self.cfg.weight_variant,
                 ),
                 "max_sequence_length": self.max_sequence_length,
             }

@@ -48,9 +48,9 @@ def tiny_image_encoder(seed: int, prefix: str) -> tuple[CLIPVisionModel, CLIPIma
         return CLIPVisionModel(CLIPVisionConfig(**TINY_CLIP_VISION)).eval(), processor
 
 
-def load_image_encoder(path: str | Path) -> tuple[CLIPVisionModel, CLIPImageProcessor]:
-    """A diffusers folder's ``image_encoder`` and ``image_processor``."""
-    encoder = CLIPVisionModel.from_pretrained(path, subfolder="image_encoder").eval()
+def load_image_encoder(path: str | Path, variant: str | None = None) -> tuple[CLIPVisionModel, CLIPImageProcessor]:
+    """A diffusers folder's ``image_encoder`` (its ``variant`` weight files) and ``image_processor``."""
+    encoder = CLIPVisionModel.from_pretrained(path, subfolder="image_encoder", variant=variant).eval()
     return encoder, CLIPImageProcessor.from_pretrained(path, subfolder="image_processor")
 
 
@@ -58,11 +58,11 @@ def image_encoder_identity(encoder: CLIPVisionModel, processor: CLIPImageProcess
     return {"image_encoder": common.module_identity(encoder), "image_processor": processor.to_dict()}
 
 
-def folder_image_encoder_identity(path: str | Path) -> dict[str, Any]:
+def folder_image_encoder_identity(path: str | Path, variant: str | None = None) -> dict[str, Any]:
     """Like :func:`image_encoder_identity`, from a folder without loading the weights."""
     return {
         "image_encoder": common.transformers_folder_identity(
-            CLIPVisionModel, CLIPVisionConfig, str(path), "image_encoder"
+            CLIPVisionModel, CLIPVisionConfig, str(path), "image_encoder", variant=variant,
         ),
         "image_processor": CLIPImageProcessor.from_pretrained(path, subfolder="image_processor").to_dict(),
     }
@@ -84,7 +84,7 @@ def latent_identity(family: Any) -> str:
     return digest(
         {
             "vae": common.diffusers_component_identity(family.vae_class, cfg, "vae"),
-            **folder_image_encoder_identity(cfg.path),
+            **folder_image_encoder_identity(cfg.path, cfg.weight_variant),
         }
     )
 

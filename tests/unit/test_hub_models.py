@@ -127,6 +127,14 @@ def test_only_the_files_a_load_reads_are_downloaded():
         "model_index.json", "transformer/config.json", "transformer/diffusion_pytorch_model-00001-of-00003.safetensors",
         "transformer/diffusion_pytorch_model.safetensors.index.json", "vae/config.json",
         "vae/diffusion_pytorch_model.safetensors", "tokenizer/vocab.json", "tokenizer/pytorch_model.bin"]
+    # model.weight_variant: that variant's weight files (shards and index included) instead of the plain ones
+    files += ["transformer/diffusion_pytorch_model.fp16-00001-of-00002.safetensors",
+              "transformer/diffusion_pytorch_model.safetensors.index.fp16.json"]
+    assert hub.download_files(index, files, "fp16") == [
+        "model_index.json", "transformer/config.json", "vae/config.json", "vae/diffusion_pytorch_model.fp16.safetensors",
+        "tokenizer/vocab.json", "tokenizer/pytorch_model.bin",
+        "transformer/diffusion_pytorch_model.fp16-00001-of-00002.safetensors",
+        "transformer/diffusion_pytorch_model.safetensors.index.fp16.json"]
 
 
 def test_snakemake_schema_defaults_leave_an_id_alone(hub_cache):
@@ -150,3 +158,26 @@ def test_doctor_names_the_snapshot(hub_cache):
 
     (check,) = _model_checks(parse_config({"model": {"path": REPO}, "datasets": [{"name": "d", "path": "x"}]}))
     assert check.ok and REV_A in check.line() and "revision main" in check.line()
+
+
+def test_weight_variant_loads_and_keys_the_variant_files(tmp_path, monkeypatch):
+    """model.weight_variant: a folder saved with only `fp16` weight files loads from them, its cache keys come
+    from them, and without the option the same folder has no plain weights to read (a clear error)."""
+    import torch
+
+    monkeypatch.setenv("DIFFPIPE_CACHE", str(tmp_path / "store"))
+    tiny = get_family(ModelConfig(family="sd", flavor="tiny"))
+    pipe = tiny.load_pipeline()
+    pipe.save_pretrained(tmp_path / "m", variant="fp16")
+    assert not list((tmp_path / "m" / "unet").glob("diffusion_pytorch_model.safetensors"))
+    fam = get_family(ModelConfig(family="sd", flavor="local", path=str(tmp_path / "m"), weight_variant="fp16"))
+    unet = fam.load_denoiser()
+    for name, t in pipe.unet.state_dict().items():
+        torch.testing.assert_close(unet.state_dict()[name], t, rtol=0, atol=0, msg=name)
+    assert fam.vae_identity() and fam.text_identity()
+    (tmp_path / "m2").mkdir()
+    pipe.save_pretrained(tmp_path / "m2")  # the same weights as plain files: the same cache keys
+    plain = get_family(ModelConfig(family="sd", flavor="local", path=str(tmp_path / "m2")))
+    assert plain.vae_identity() == fam.vae_identity() and plain.text_identity() == fam.text_identity()
+    with pytest.raises((OSError, FileNotFoundError)):
+        get_family(ModelConfig(family="sd", flavor="local", path=str(tmp_path / "m"))).vae_identity()
