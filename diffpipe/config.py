@@ -82,7 +82,7 @@ class ModelConfig(_Section):
         None,
         description="Model family, a name from the family table in docs/families.md (`sd`, `sdxl`, `flux`, `wan`, ...; "
         "an unknown name is an error that lists them all). null: detected from the `model_index.json` "
-        "(`_class_name`) of the model at `path`; `sd` without a path (or a local folder without that file). Given with a Hugging Face id, it must match "
+        "(`_class_name`) of the model at `path`; `sd` without a path (or a local folder without that file). Given, it must match "
         "that file.",
     )
     flavor: Text | None = Field(
@@ -141,24 +141,24 @@ class ModelConfig(_Section):
         base = Path((info.context or {}).get("base") or ".").absolute()
         revision = data.get("revision") if isinstance(data.get("revision"), str) else None
         given = data.get("family")
-        if given is None or hub.is_model_id(data["path"], base):
-            try:
-                index = hub.model_index(data["path"], revision, base)
-            except ConfigError as err:
-                raise ValueError(f"model.path {data['path']!r}: {err}") from None
-            detected = hub.detect_family(index)
-            if given is None and detected is None and not index.is_file():
-                data["family"] = "sd"  # a local folder without an index: the default before detection existed
-            elif given is None:
-                if detected is None:
-                    raise ValueError(
-                        f"model.family is not given and cannot be detected from {index} (missing, or a pipeline "
-                        "no family loads): set model.family"
-                    )
-                data["family"] = detected
-            elif detected is not None and detected != given:
-                raise ValueError(f"model.family {given!r} does not match the model at model.path {data['path']!r}: "
-                                 f"its {index} names a {detected} pipeline; set model.family: {detected} or remove it")
+        # A local folder or an id: its model_index.json names the family (or contradicts the given one).
+        try:
+            index = hub.model_index(data["path"], revision, base)
+        except ConfigError as err:
+            raise ValueError(f"model.path {data['path']!r}: {err}") from None
+        detected = hub.detect_family(index)
+        if given is None and detected is None and not index.is_file():
+            data["family"] = "sd"  # a local folder without an index: the default before detection existed
+        elif given is None:
+            if detected is None:
+                raise ValueError(
+                    f"model.family is not given and cannot be detected from {index} (missing, or a pipeline "
+                    "no family loads): set model.family"
+                )
+            data["family"] = detected
+        elif detected is not None and detected != given:
+            raise ValueError(f"model.family {given!r} does not match the model at model.path {data['path']!r}: "
+                             f"its {index} names a {detected} pipeline; set model.family: {detected} or remove it")
         return data
     dtype: LoadDtype = Field(
         "auto",

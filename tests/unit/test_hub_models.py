@@ -72,6 +72,11 @@ def test_a_family_that_does_not_match_the_model_is_an_error(hub_cache):
     with pytest.raises(ConfigError) as err:
         parse_config({"model": {"family": "flux", "path": REPO}, "datasets": [{"name": "d", "path": "x"}]})
     assert "model.family 'flux'" in str(err.value) and "sd pipeline" in str(err.value) and REPO in str(err.value)
+    # A local folder too (its model_index.json), with the right family still accepted.
+    folder = str(hub_cache / "tiny-sd")
+    with pytest.raises(ConfigError, match=r"model.family 'wan' does not match .*names a sd pipeline"):
+        parse_config({"model": {"family": "wan", "path": folder}, "datasets": [{"name": "d", "path": "x"}]})
+    assert parse_config({"model": {"family": "sd", "path": folder}, "datasets": [{"name": "d", "path": "x"}]})
 
 
 def test_cache_keys_follow_the_snapshot_content(hub_cache):
