@@ -650,6 +650,11 @@ class TrainConfig(_Section):
     activation_checkpointing: Bool = Field(
         False, description="Recompute block activations in the backward pass: less memory, about 30% more compute."
     )
+    checkpoint_fraction: Float = Field(
+        1.0, description="With activation_checkpointing: the share of the denoiser's blocks checkpointed, the first "
+        "ones in forward order (e.g. 0.5); the others keep their activations: faster, more memory. 1: every block. "
+        "Single-process and data-parallel training (pipeline stages checkpoint every layer).", gt=0, le=1,
+    )
     zero_stage: Int = Field(0, description="DeepSpeed ZeRO stage.", ge=0, le=3)
     count_flops: Bool = Field(
         True, description="Log model FLOPs per step, TFLOPS per device and MFU (`metrics.jsonl`, TensorBoard): "
@@ -750,6 +755,13 @@ class TrainConfig(_Section):
     def _check_sampling(self) -> TrainConfig:
         if (self.sample_every_steps or self.sample_every_epochs) and self.zero_stage == 3:
             raise ValueError("sampling during training (train.sample_every_*) needs train.zero_stage below 3")
+        return self
+
+    @model_validator(mode="after")
+    def _check_checkpoint_fraction(self) -> TrainConfig:
+        if self.checkpoint_fraction < 1 and self.pipeline_stages > 1:
+            raise ValueError("train.checkpoint_fraction below 1 needs train.pipeline_stages: 1 (pipeline stages "
+                             "checkpoint every layer)")
         return self
 
     @model_validator(mode="after")

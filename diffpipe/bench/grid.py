@@ -36,19 +36,16 @@ def points(grid: dict[str, list[Any]]) -> list[dict[str, Any]]:
     return [dict(zip(keys, combo, strict=True)) for combo in itertools.product(*(grid[k] for k in keys))]
 
 
-def _checkpointing(value: Any) -> bool:
-    """``on``/``off``/``true``/``false``/1/0; a fraction of the blocks is refused (not supported by training)."""
-    if isinstance(value, bool):
-        return value
+def _checkpointing(value: Any) -> dict[str, Any]:
+    """``on``/``off``/``true``/``false``/1/0, or a fraction of the blocks (``0.5``): the train keys it sets."""
     if isinstance(value, str) and value.lower() in ("on", "off", "true", "false"):
-        return value.lower() in ("on", "true")
-    if value in (0, 1):
-        return bool(value)
+        value = value.lower() in ("on", "true")
+    if isinstance(value, bool) or value in (0, 1):
+        return {"activation_checkpointing": bool(value), "checkpoint_fraction": 1.0}
     if isinstance(value, float) and 0 < value < 1:
-        raise ConfigError(f"bench axis activation_checkpointing {value}: training checkpoints every block or "
-                          "none (train.activation_checkpointing is true or false); fractions of the blocks are "
-                          "not supported: use off, on")
-    raise ConfigError(f"bench axis activation_checkpointing {value!r}: use off or on")
+        return {"activation_checkpointing": True, "checkpoint_fraction": value}
+    raise ConfigError(f"bench axis activation_checkpointing {value!r}: use off, on or a fraction of the blocks "
+                      "in (0, 1)")
 
 
 def data_shape(cfg: Config, point: dict[str, Any], video: bool) -> tuple[int, int]:
@@ -76,7 +73,8 @@ def point_config(cfg: Config, point: dict[str, Any], *, output_dir: str, steps: 
         if not target.startswith("train."):
             continue  # data axes shape the batches, not the config
         if key == "activation_checkpointing":
-            value = _checkpointing(value)
+            train.update(_checkpointing(value))
+            continue
         node = data
         *parents, leaf = target.split(".")
         for part in parents:
@@ -100,7 +98,8 @@ def settings(cfg: Config, point: dict[str, Any], shape: tuple[int, int]) -> dict
     tc = cfg.train
     row: dict[str, Any] = {
         "batch_size": tc.batch_size, "precision": tc.precision, "base_weights": tc.base_weights,
-        "activation_checkpointing": tc.activation_checkpointing, "compile": tc.compile,
+        "activation_checkpointing": tc.checkpoint_fraction if tc.activation_checkpointing and
+        tc.checkpoint_fraction < 1 else tc.activation_checkpointing, "compile": tc.compile,
         "attention_backend": tc.attention_backend, "zero_stage": tc.zero_stage,
         "resolution": shape[0], "frames": shape[1],
     }
@@ -115,7 +114,10 @@ def config_lines(point: dict[str, Any]) -> str:
     for key, value in point.items():
         target = BENCH_AXES.get(key, key)
         if key == "activation_checkpointing":
-            value = _checkpointing(value)
+            keys = _checkpointing(value)
+            nested.setdefault("train", {}).update(
+                keys if keys["checkpoint_fraction"] < 1 else {"activation_checkpointing": keys["activation_checkpointing"]})
+            continue
         if not target.startswith("train."):
             notes.append(f"# {key}: {value} (datasets[].{'resolution' if key == 'resolution' else 'frame_buckets'})")
             continue

@@ -15,7 +15,7 @@ import torch
 
 from diffpipe.config import Config
 from diffpipe.paths import RunPaths
-from diffpipe.training import adapter, engine
+from diffpipe.training import adapter, checkpointing, engine
 from diffpipe.training.pipeline import stage_lora_state
 from diffpipe.utils import atomic_path
 
@@ -45,7 +45,7 @@ class Trainable:
             if tc.lora.init_from and continue_lora:
                 adapter.init_from(denoiser, tc.lora.init_from, family.denoiser_name)
         if tc.activation_checkpointing:
-            denoiser.enable_gradient_checkpointing()
+            checkpointing.enable(denoiser, tc.checkpoint_fraction)
         denoiser.train()
 
     @property

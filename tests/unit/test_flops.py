@@ -115,8 +115,11 @@ def test_grid_arguments_points_and_config_lines():
     assert g.point_config(profiled, {}, output_dir="/tmp/x/p", steps=3, profile=True).train.profile.steps == 2
     assert g.data_shape(cfg, {}, video=False) == (48, 1)
     assert "batch_size: 1" in g.config_lines(pts[1]) and "grad_accum: 2" in g.config_lines(pts[1])
-    with pytest.raises(ConfigError, match="fractions of the blocks are not supported"):
-        g.point_config(cfg, {"activation_checkpointing": 0.5}, output_dir="/tmp/x/p", steps=1)
+    half = g.point_config(cfg, {"activation_checkpointing": 0.5}, output_dir="/tmp/x/p", steps=1).train
+    assert (half.activation_checkpointing, half.checkpoint_fraction) == (True, 0.5)
+    assert "checkpoint_fraction: 0.5" in g.config_lines({"activation_checkpointing": 0.5})
+    with pytest.raises(ConfigError, match="a fraction of the blocks"):
+        g.point_config(cfg, {"activation_checkpointing": 1.5}, output_dir="/tmp/x/p", steps=1)
     with pytest.raises(ConfigError, match="train.batch_size"):  # the point's config is validated
         g.point_config(cfg, {"batch_size": 0}, output_dir="/tmp/x/p", steps=1)
 
