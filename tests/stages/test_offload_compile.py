@@ -112,19 +112,19 @@ def flux_tiny_run(tmp_path_factory):
     return run
 
 
-def test_block_swap_trains_like_plain_checkpointing_and_resumes_exactly(flux_tiny_run, cli, tmp_path):
-    train = {"precision": "bf16", "max_steps": 3, "checkpoint_every_steps": 1, "keep_checkpoints": 0,
-             "activation_checkpointing": True, "base_weights": "fp8"}
-    losses = {}
-    for swap in (0, 2):
-        cfg = flux_tiny_run.clone(tmp_path / str(swap), **train, block_swap=swap)
-        result = cli("train", "-c", str(cfg))
-        assert result.returncode == 0, result.stderr[-3000:]
-        losses[swap] = [r["loss"] for r in read_metrics(RunPaths(tmp_path / str(swap) / "run").metrics)]
-    assert len(losses[2]) == 3 and losses[2] == losses[0]  # the same tensors, only moved: bit-identical
-    resumed = cli("train", "-c", str(tmp_path / "2" / "config.yaml"), "--checkpoint", "step-000001")
+def test_block_swap_trains_through_diffpipe_train_and_resumes_exactly(flux_tiny_run, cli, tmp_path):
+    # Losses equal to a run without swapping are proven bit for bit in-process above; here the real
+    # command, with fp8 storage and DeepSpeed bf16, trains and resumes with the hooks installed.
+    train = {"precision": "bf16", "max_steps": 2, "checkpoint_every_steps": 1, "keep_checkpoints": 0,
+             "activation_checkpointing": True, "base_weights": "fp8", "block_swap": 2}
+    cfg = flux_tiny_run.clone(tmp_path, **train)
+    result = cli("train", "-c", str(cfg))
+    assert result.returncode == 0, result.stderr[-3000:]
+    losses = [r["loss"] for r in read_metrics(RunPaths(tmp_path / "run").metrics)]
+    assert len(losses) == 2 and all(x == x for x in losses)
+    resumed = cli("train", "-c", str(cfg), "--checkpoint", "step-000001")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert [r["loss"] for r in read_metrics(RunPaths(tmp_path / "2" / "run").metrics)] == losses[2]
+    assert [r["loss"] for r in read_metrics(RunPaths(tmp_path / "run").metrics)] == losses
 
 
 def test_regional_compile_trains_close_to_eager():
