@@ -9,7 +9,8 @@ adds the LoRA the config asks for, and counts:
   layerwise casting is applied to the meta model, so exactly the layers it
   casts count); ZeRO-3 divides them over the GPUs. ``train.block_swap: N``
   moves the frozen weights of the last N blocks to CPU memory: they count
-  as ``cpu_bytes``, and one block of them as resident (the block that runs);
+  as ``cpu_bytes``, and the largest of them as resident (the block that
+  runs; see ``diffpipe.training.offload``);
 - **gradients**: one per trainable parameter in the training dtype (ZeRO-2
   and 3 divide them);
 - **optimizer state**: float32 moments (AdamW: two per trainable parameter)
@@ -41,7 +42,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import peft
 import torch
@@ -84,6 +85,23 @@ class MemoryEstimate:
     block_swap: int = 0
     #: System RAM holding the swapped blocks' frozen weights (``train.block_swap``).
     cpu_bytes: int = 0
+    #: Frozen bytes of each repeated block in call order (what block swap can move), before swapping.
+    block_bytes: tuple[int, ...] = ()
+
+    def swapped(self, n: int) -> MemoryEstimate:
+        """This estimate with the last ``n`` blocks swapped (all if fewer): their frozen weights move to
+        CPU memory, and the largest of them counts once, resident while it runs."""
+        moved = self.block_bytes[len(self.block_bytes) - min(n, len(self.block_bytes)):] if n else ()
+        gpus = self.gpus if self.zero_stage == 3 else 1
+        return replace(self, block_swap=n, cpu_bytes=sum(moved),
+                       param_bytes=self.param_bytes - (sum(moved) - max(moved, default=0)) // gpus)
+
+    def swap_to_fit(self, budget: int) -> int | None:
+        """The fewest blocks to swap for ``total_bytes <= budget``; None if swapping all is not enough."""
+        for n in range(len(self.block_bytes) + 1):
+            if self.swapped(n).total_bytes <= budget:
+                return n
+        return None
 
     @property
     def total_bytes(self) -> int:
@@ -91,7 +109,9 @@ class MemoryEstimate:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + (self.activation_bytes or 0)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "total_bytes": self.total_bytes}
+        out = {**asdict(self), "total_bytes": self.total_bytes}
+        out.pop("block_bytes")
+        return out
 
     def table(self) -> str:
         """A plain-text summary, one line per part, in GiB."""
@@ -307,14 +327,10 @@ def estimate_for(
     trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
     frozen_bytes = sum(p.nbytes for p in denoiser.parameters() if not p.requires_grad)
 
-    # Block swap: the swapped blocks' frozen weights live in CPU memory, one block at a time on the GPU.
-    swapped = [sum(t.nbytes for t in offload.frozen_tensors(b)) for b in offload.swap_blocks(denoiser)]
-    swapped = swapped[len(swapped) - min(tc.block_swap, len(swapped)):] if tc.block_swap else []
-    cpu_bytes = sum(swapped)
-    resident = frozen_bytes - cpu_bytes + max(swapped, default=0)
+    block_bytes = tuple(sum(t.nbytes for t in offload.frozen_tensors(b)) for b in offload.swap_blocks(denoiser))
 
     z = tc.zero_stage
-    param_bytes = (resident + trainable * width) // (gpus if z == 3 else 1)
+    param_bytes = (frozen_bytes + trainable * width) // (gpus if z == 3 else 1)
     grad_bytes = trainable * width // (gpus if z >= 2 else 1)
     state = _STATE_BYTES.get(tc.optimizer.lower(), 8) + (4 if precision == "bf16" else 0)
     optimizer_bytes = 0 if tc.offload_optimizer else trainable * state // (gpus if z >= 1 else 1)
@@ -354,5 +370,64 @@ def estimate_for(
         batch_size=tc.batch_size, rank=rank, params=params, trainable=trainable, param_bytes=param_bytes,
         grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, activation_bytes=activation_bytes,
         activation_upper_bound=upper_bound, frames=frames, base_weights=tc.base_weights,
-        activation_checkpointing=bool(ckpt), block_swap=tc.block_swap, cpu_bytes=cpu_bytes, height=height,
-    )
+        activation_checkpointing=bool(ckpt), height=height, block_bytes=block_bytes,
+    ).swapped(tc.block_swap)
+
+
+#: The families the fits table covers: (label, published model, family, width, height, frames,
+#: published figures of other trainers for the same model, as their documentation gives them).
+FITS_MODELS = (
+    ("FLUX.1-dev", "flux1-dev", "flux", 1024, 1024, 1,
+     "SimpleTuner, rank-16 LoRA: >30 GB bf16, 18 int8, 13 int4, 9 nf4 base weights"),
+    ("Qwen-Image", "qwen-image", "qwenimage", 1024, 1024, 1,
+     "musubi-tuner, 1024 px: 42 GB bf16, 30 fp8, 24 fp8 + 16 blocks swapped, 12 with 45 swapped"),
+    ("Wan 2.1 T2V 14B", "wan2.2-t2v-a14b", "wan", 832, 480, 81,
+     "musubi-tuner users report ~96 GB of system RAM for Wan 2.2 with offloading"),
+    ("Wan 2.1 T2V 14B", "wan2.2-t2v-a14b", "wan", 832, 480, 33, ""),
+)
+#: What the CUDA context and the allocator's fragmentation add to an estimate (module docstring).
+CONTEXT_BYTES = 3 * GiB // 2
+CARDS_GIB = (24, 16, 12)
+
+
+def _fits_config(family: str, **train) -> Config:
+    return Config.model_validate(
+        {"model": {"family": family}, "datasets": [{"name": "d", "path": "data", "resolution": 1024}],
+         "train": {"batch_size": 1, "precision": "bf16", "lora": {"rank": 16}, **train}})
+
+
+def fits_row(entry: tuple, bf16: MemoryEstimate, fp8: MemoryEstimate, ckpt: MemoryEstimate) -> str:
+    """One row of :func:`fits_markdown` for a ``FITS_MODELS`` entry from its three estimates."""
+    label, _, _, width, height, frames, peers = entry
+    everything = ckpt.swapped(len(ckpt.block_bytes))
+    size = f"{width}x{height}" + (f" x {frames} frames" if frames > 1 else "")
+    cells = [f"{label} ({size})"] + [f"{e.total_bytes / GiB:.1f} GiB" for e in (bf16, fp8, ckpt)]
+    cells.append(f"{everything.total_bytes / GiB:.1f} GiB ({everything.cpu_bytes / GiB:.1f} GiB)")
+    for card in CARDS_GIB:
+        budget = card * GiB - CONTEXT_BYTES
+        if bf16.total_bytes <= budget:
+            cells.append("bf16")
+        elif fp8.total_bytes <= budget:
+            cells.append("fp8")
+        else:
+            n = ckpt.swap_to_fit(budget)
+            cells.append("no" if n is None else "fp8 + checkpointing" + (f" + block_swap {n}" if n else ""))
+    return "| " + " | ".join([*cells, peers]) + " |"
+
+
+FITS_OPTIONS = ({}, {"base_weights": "fp8"}, {"base_weights": "fp8", "activation_checkpointing": True})
+
+
+def fits_markdown() -> str:
+    """The docs table: each flagship's estimate at rank 16 under each memory option, and the
+    cheapest setting that fits 24 / 16 / 12 GiB cards (estimate + 1.5 GiB of CUDA context)."""
+    rows = [
+        "| model (size) | bf16 | fp8 | fp8 + checkpointing | + every block swapped (system RAM) | "
+        + " | ".join(f"fits {c} GiB" for c in CARDS_GIB) + " | other trainers' published figures |",
+        "| --- " * (6 + len(CARDS_GIB)) + "|",
+    ]
+    for entry in FITS_MODELS:
+        _, model, family, width, height, frames, _ = entry
+        kw = {"model": model, "resolution": width, "height": height, "frames": frames}
+        rows.append(fits_row(entry, *(estimate_memory(_fits_config(family, **o), **kw) for o in FITS_OPTIONS)))
+    return "\n".join(rows)
