@@ -32,9 +32,11 @@ adds the LoRA the config asks for, and counts:
   Video: ``frames`` pixel frames become ``(frames - 1) / s + 1`` latent
   frames (``s``: the family's temporal compression).
 
-Not counted: the CUDA context and allocator fragmentation (add 1-2 GiB),
-temporaries of the backward pass (about one block's activations), the VAE and
-text encoders (not loaded while training: the caches hold their outputs).
+The backward pass of a block holds the gradients of its activations besides
+what it saved: the largest block's saved bytes count once more (the
+"working set"; weight copies apart: frozen weights get no gradient). Not counted: the CUDA context and allocator fragmentation
+(add 1-2 GiB), the VAE and text encoders (not loaded while training: the
+caches hold their outputs).
 """
 
 from __future__ import annotations
@@ -204,46 +206,69 @@ def _storage_key(t: torch.Tensor) -> int:
 def saved_activation_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False) -> int:
     """Bytes autograd saves for backward while ``run()`` does a forward (weights excluded).
 
-    ``checkpointing``: the peak under diffusers' activation checkpointing (see the module docstring);
-    the denoiser's checkpointing is switched on for the call. Storages are told apart by address,
-    so every storage seen is held until the end: a freed one's address could be reused (layerwise
-    casting replaces the weights' storages at every forward).
+    ``checkpointing``: the peak under diffusers' activation checkpointing (see the module docstring).
+    """
+    return _saved_bytes(denoiser, run, checkpointing=checkpointing)[0]
+
+
+def _is_weight(t: torch.Tensor) -> bool:
+    """A parameter or a view of one (a Linear saves ``weight.t()``), whatever storage it holds now
+    (layerwise casting gives it a compute-dtype copy during the layer's forward)."""
+    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
+
+
+def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False) -> tuple[int, int]:
+    """(bytes saved for backward at the peak, the largest checkpointable block's own saved activations,
+    weight copies left out).
+
+    The blocks are those diffusers hands its checkpointing function: it is switched on for the call
+    with a function that runs each block under its own count (recomputing nothing). Storages are told
+    apart by address, so every storage seen is held until the end: a freed one's address could be
+    reused (layerwise casting replaces the weights' storages at every forward).
     """
     weights = {_storage_key(p): p.untyped_storage() for p in denoiser.parameters()}
     kept: dict[int, torch.UntypedStorage] = {}  # held until the backward pass
-    peak_inner = 0
+    copies: set[int] = set()  # compute-dtype copies of weights (fp8 layerwise casting)
+    largest_saved = largest_act = 0
 
     def keep(into: dict[int, torch.UntypedStorage]):
         def pack(t: torch.Tensor) -> torch.Tensor:
             key = _storage_key(t)
             if key not in weights and key not in kept:
                 into[key] = t.untyped_storage()
+                if _is_weight(t):
+                    copies.add(key)
             return t
         return pack
 
     def unit(module, *args, **kwargs):
-        # What a checkpointed block receives stays referenced by the recomputation until backward.
-        nonlocal peak_inner
-        for arg in [*args, *kwargs.values()]:
-            for t in arg if isinstance(arg, (tuple, list)) else (arg,):
-                if isinstance(t, torch.Tensor) and _storage_key(t) not in weights:
-                    kept[_storage_key(t)] = t.untyped_storage()
+        nonlocal largest_saved, largest_act
+        if checkpointing:
+            # What a checkpointed block receives stays referenced by the recomputation until backward.
+            for arg in [*args, *kwargs.values()]:
+                for t in arg if isinstance(arg, (tuple, list)) else (arg,):
+                    if isinstance(t, torch.Tensor) and _storage_key(t) not in weights:
+                        kept[_storage_key(t)] = t.untyped_storage()
         inner: dict[int, torch.UntypedStorage] = {}
         with torch.autograd.graph.saved_tensors_hooks(keep(inner), lambda t: t):
             out = module(*args, **kwargs)
-        peak_inner = max(peak_inner, sum(st.nbytes() for st in inner.values()))
-        weights.update(inner)  # held (see above); counted once, as this block's
+        largest_saved = max(largest_saved, sum(st.nbytes() for st in inner.values()))
+        largest_act = max(largest_act, sum(st.nbytes() for k, st in inner.items() if k not in copies))
+        # Checkpointed: held only while recomputed, counted once, as this block's; else kept.
+        (weights if checkpointing else kept).update(inner)
         return out
 
-    if checkpointing:
+    blocks = getattr(denoiser, "_supports_gradient_checkpointing", False)
+    if blocks:
         denoiser.enable_gradient_checkpointing(gradient_checkpointing_func=unit)
     try:
         with torch.autograd.graph.saved_tensors_hooks(keep(kept), lambda t: t), _fused_attention():
             run()
     finally:
-        if checkpointing:
+        if blocks:
             denoiser.disable_gradient_checkpointing()
-    return sum(st.nbytes() for st in kept.values()) + peak_inner
+    saved = sum(st.nbytes() for st in kept.values())
+    return saved + (largest_saved if checkpointing else 0), largest_act
 
 
 def _meta_inputs(spec: Published, batch: int, width: int, height: int, latent_frames: int, dtype: torch.dtype):
@@ -347,7 +372,10 @@ def estimate_for(
     ckpt = tc.activation_checkpointing and getattr(denoiser, "_supports_gradient_checkpointing", False)
 
     def measure() -> int:
-        return saved_activation_bytes(denoiser, forward, checkpointing=ckpt)
+        # The backward pass of a block holds, besides what was saved, the gradients of its activations
+        # (about as large again): the largest block's saved activations once more.
+        saved, largest = _saved_bytes(denoiser, forward, checkpointing=ckpt)
+        return saved + largest
 
     activation_bytes, upper_bound = None, False
     try:
