@@ -62,7 +62,7 @@ def test_block_swap_leaves_one_block_resident(flux):
     assert swap.cpu_bytes > 0.9 * (fp8.param_bytes - 0.5 * GiB)  # nearly every weight is in a block
     assert swap.param_bytes == fp8.param_bytes - swap.cpu_bytes + max(
         sum(t.nbytes for t in offload.frozen_tensors(b)) for b in offload.swap_blocks(_fp8_model()))
-    assert swap.total_bytes < 4 * GiB and "blocks swapped" in swap.table()
+    assert swap.total_bytes < 5 * GiB and "blocks swapped" in swap.table()
 
 
 def _fp8_model():
