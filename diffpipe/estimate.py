@@ -32,11 +32,12 @@ adds the LoRA the config asks for, and counts:
   Video: ``frames`` pixel frames become ``(frames - 1) / s + 1`` latent
   frames (``s``: the family's temporal compression).
 
-The backward pass of a block holds the gradients of its activations besides
-what it saved: the largest block's saved bytes count once more (the
-"working set"; weight copies apart: frozen weights get no gradient). Not counted: the CUDA context and allocator fragmentation
-(add 1-2 GiB), the VAE and text encoders (not loaded while training: the
-caches hold their outputs).
+No separate term for the backward pass: it frees each saved tensor once its
+node has run while it creates the gradients, and the CPU measurements
+(``benchmarks/real_width_memory.py``, docs/training.md) put the peak within
+15% of the forward's saved tensors with and without checkpointing. Not
+counted: the CUDA context and allocator fragmentation (add 1-2 GiB), the VAE
+and text encoders (not loaded while training: the caches hold their outputs).
 """
 
 from __future__ import annotations
@@ -208,18 +209,11 @@ def saved_activation_bytes(denoiser: torch.nn.Module, run, *, checkpointing: boo
 
     ``checkpointing``: the peak under diffusers' activation checkpointing (see the module docstring).
     """
-    return _saved_bytes(denoiser, run, checkpointing=checkpointing)[0]
+    return _saved_bytes(denoiser, run, checkpointing=checkpointing)
 
 
-def _is_weight(t: torch.Tensor) -> bool:
-    """A parameter or a view of one (a Linear saves ``weight.t()``), whatever storage it holds now
-    (layerwise casting gives it a compute-dtype copy during the layer's forward)."""
-    return isinstance(t, torch.nn.Parameter) or isinstance(t._base, torch.nn.Parameter)
-
-
-def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False) -> tuple[int, int]:
-    """(bytes saved for backward at the peak, the largest checkpointable block's own saved activations,
-    weight copies left out).
+def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False) -> int:
+    """Bytes saved for backward at the peak.
 
     The blocks are those diffusers hands its checkpointing function: it is switched on for the call
     with a function that runs each block under its own count (recomputing nothing). Storages are told
@@ -228,21 +222,18 @@ def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False)
     """
     weights = {_storage_key(p): p.untyped_storage() for p in denoiser.parameters()}
     kept: dict[int, torch.UntypedStorage] = {}  # held until the backward pass
-    copies: set[int] = set()  # compute-dtype copies of weights (fp8 layerwise casting)
-    largest_saved = largest_act = 0
+    largest = 0  # the largest checkpointed block's own saves (held while it is recomputed)
 
     def keep(into: dict[int, torch.UntypedStorage]):
         def pack(t: torch.Tensor) -> torch.Tensor:
             key = _storage_key(t)
             if key not in weights and key not in kept:
                 into[key] = t.untyped_storage()
-                if _is_weight(t):
-                    copies.add(key)
             return t
         return pack
 
     def unit(module, *args, **kwargs):
-        nonlocal largest_saved, largest_act
+        nonlocal largest
         if checkpointing:
             # What a checkpointed block receives stays referenced by the recomputation until backward.
             for arg in [*args, *kwargs.values()]:
@@ -252,8 +243,7 @@ def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False)
         inner: dict[int, torch.UntypedStorage] = {}
         with torch.autograd.graph.saved_tensors_hooks(keep(inner), lambda t: t):
             out = module(*args, **kwargs)
-        largest_saved = max(largest_saved, sum(st.nbytes() for st in inner.values()))
-        largest_act = max(largest_act, sum(st.nbytes() for k, st in inner.items() if k not in copies))
+        largest = max(largest, sum(st.nbytes() for st in inner.values()))
         # Checkpointed: held only while recomputed, counted once, as this block's; else kept.
         (weights if checkpointing else kept).update(inner)
         return out
@@ -268,7 +258,7 @@ def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False)
         if blocks:
             denoiser.disable_gradient_checkpointing()
     saved = sum(st.nbytes() for st in kept.values())
-    return saved + (largest_saved if checkpointing else 0), largest_act
+    return saved + (largest if checkpointing else 0)
 
 
 def _meta_inputs(spec: Published, batch: int, width: int, height: int, latent_frames: int, dtype: torch.dtype):
@@ -372,10 +362,7 @@ def estimate_for(
     ckpt = tc.activation_checkpointing and getattr(denoiser, "_supports_gradient_checkpointing", False)
 
     def measure() -> int:
-        # The backward pass of a block holds, besides what was saved, the gradients of its activations
-        # (about as large again): the largest block's saved activations once more.
-        saved, largest = _saved_bytes(denoiser, forward, checkpointing=ckpt)
-        return saved + largest
+        return saved_activation_bytes(denoiser, forward, checkpointing=ckpt)
 
     activation_bytes, upper_bound = None, False
     try:
