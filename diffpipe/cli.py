@@ -527,6 +527,8 @@ def estimate(
     resolution: Annotated[int | None, typer.Option(help="Image side in pixels (default: the largest dataset resolution).")] = None,
     rank: Annotated[int | None, typer.Option(help="LoRA rank (default: train.lora.rank).")] = None,
     model: Annotated[str | None, typer.Option(help="Published model to size, e.g. flux1-dev (default: the local folder, else the family's flagship).")] = None,
+    frames: Annotated[int | None, typer.Option(help="Video: pixel frames per clip (default: the largest frame bucket).")] = None,
+    height: Annotated[int | None, typer.Option(help="Image height in pixels; --resolution is then the width (default: square).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON (bytes).")] = False,
 ) -> None:
     """Memory per GPU (parameters, gradients, optimizer state, activations) for a config, before any GPU is used.
@@ -539,7 +541,8 @@ def estimate(
     from diffpipe.estimate import estimate_memory
 
     cfg = load_config(config)
-    result = estimate_memory(cfg, gpus=gpus, resolution=resolution, rank=rank, model=model)
+    result = estimate_memory(cfg, gpus=gpus, resolution=resolution, rank=rank, model=model, frames=frames,
+                             height=height)
     sys.stdout.write((json.dumps(result.as_dict(), indent=2) if as_json else result.table()) + "\n")
 
 

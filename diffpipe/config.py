@@ -655,6 +655,16 @@ class TrainConfig(_Section):
         "ones in forward order (e.g. 0.5); the others keep their activations: faster, more memory. 1: every block. "
         "Single-process and data-parallel training (pipeline stages checkpoint every layer).", gt=0, le=1,
     )
+    block_swap: Int = Field(
+        0,
+        description="Block swap for one GPU: the frozen weights of the denoiser's last N repeated blocks stay in "
+        "CPU memory and each block is copied to the GPU for its forward and for its recomputation in the backward "
+        "pass (0: off; more than the block count: every block). Costs their size in (pinned) system RAM and one "
+        "transfer per block per forward and per recomputation. Needs activation_checkpointing, LoRA, ZeRO 0-2, "
+        "one pipeline stage.",
+        ge=0,
+        le=100_000,
+    )
     zero_stage: Int = Field(0, description="DeepSpeed ZeRO stage.", ge=0, le=3)
     count_flops: Bool = Field(
         True, description="Log model FLOPs per step, TFLOPS per device and MFU (`metrics.jsonl`, TensorBoard): "
@@ -740,6 +750,22 @@ class TrainConfig(_Section):
                              "weight: use train.mode lora or base_weights auto")
         if self.base_weights == "fp8" and self.pipeline_stages > 1:
             raise ValueError("train.base_weights: fp8 needs train.pipeline_stages: 1")
+        return self
+
+    @model_validator(mode="after")
+    def _check_block_swap(self) -> TrainConfig:
+        if not self.block_swap:
+            return self
+        if not self.activation_checkpointing:
+            raise ValueError("train.block_swap needs train.activation_checkpointing: true (without recomputation "
+                             "autograd keeps every block's weights on the GPU until the backward pass)")
+        if self.mode != "lora":
+            raise ValueError("train.block_swap moves frozen weights: it needs train.mode lora")
+        if self.zero_stage == 3:
+            raise ValueError("train.block_swap works with train.zero_stage 0-2 (ZeRO-3 partitions the weights; "
+                             "use train.offload_params there)")
+        if self.pipeline_stages > 1:
+            raise ValueError("train.block_swap needs train.pipeline_stages: 1")
         return self
 
     @model_validator(mode="after")

@@ -4,8 +4,13 @@
 device (no memory, no weights: the published config, or the local folder's),
 adds the LoRA the config asks for, and counts:
 
-- **parameters**: every denoiser weight in the training dtype (ZeRO-3
-  divides them over the GPUs);
+- **parameters**: every denoiser weight in the training dtype, or at one
+  byte where ``train.base_weights: fp8`` stores it in float8 (diffusers'
+  layerwise casting is applied to the meta model, so exactly the layers it
+  casts count); ZeRO-3 divides them over the GPUs. ``train.block_swap: N``
+  moves the frozen weights of the last N blocks to CPU memory: they count
+  as ``cpu_bytes``, and the largest of them as resident (the block that
+  runs; see ``diffpipe.training.offload``);
 - **gradients**: one per trainable parameter in the training dtype (ZeRO-2
   and 3 divide them);
 - **optimizer state**: float32 moments (AdamW: two per trainable parameter)
@@ -17,10 +22,22 @@ adds the LoRA the config asks for, and counts:
   counted once (by storage), weights excluded. Attention is counted as a
   fused kernel (flash / memory-efficient attention, as on a GPU) keeps it:
   query, key, value, output and the log-sum-exp, never the score matrix.
+  Under fp8 the layer's compute-dtype copy of its weight is saved too (a
+  frozen Linear's backward needs it), so fp8 without checkpointing saves
+  no memory at the peak. With ``train.activation_checkpointing`` the same
+  forward runs with diffusers' checkpointing switched on and every
+  checkpointed block counted apart: what the block receives is kept for
+  the whole step, what it saves internally only while it is recomputed,
+  so the peak is everything kept plus the largest block's internal saves.
+  Video: ``frames`` pixel frames become ``(frames - 1) / s + 1`` latent
+  frames (``s``: the family's temporal compression).
 
-Not counted: the CUDA context and allocator fragmentation (add 1-2 GiB),
-temporaries of the backward pass (about one block's activations), the VAE and
-text encoders (not loaded while training: the caches hold their outputs).
+No separate term for the backward pass: it frees each saved tensor once its
+node has run while it creates the gradients, and the CPU measurements
+(``benchmarks/real_width_memory.py``, docs/training.md) put the peak within
+15% of the forward's saved tensors with and without checkpointing. Not
+counted: the CUDA context and allocator fragmentation (add 1-2 GiB), the VAE
+and text encoders (not loaded while training: the caches hold their outputs).
 """
 
 from __future__ import annotations
@@ -28,7 +45,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import peft
 import torch
@@ -36,7 +53,8 @@ import torch
 from diffpipe.config import Config
 from diffpipe.models import get_family
 from diffpipe.models.published import PUBLISHED, Published, for_family
-from diffpipe.training.precision import resolve_precision
+from diffpipe.training import offload
+from diffpipe.training.precision import enable_fp8_base_weights, resolve_precision
 
 GiB = 2**30
 # float32 optimizer-state bytes per trainable parameter, by ``train.optimizer``.
@@ -63,6 +81,30 @@ class MemoryEstimate:
     activation_bytes: int | None
     #: True where activations are an upper bound (mixture-of-experts routing assumed to keep every token).
     activation_upper_bound: bool = False
+    frames: int = 1
+    height: int = 0  # 0: square (``resolution``)
+    base_weights: str = "auto"
+    activation_checkpointing: bool = False
+    block_swap: int = 0
+    #: System RAM holding the swapped blocks' frozen weights (``train.block_swap``).
+    cpu_bytes: int = 0
+    #: Frozen bytes of each repeated block in call order (what block swap can move), before swapping.
+    block_bytes: tuple[int, ...] = ()
+
+    def swapped(self, n: int) -> MemoryEstimate:
+        """This estimate with the last ``n`` blocks swapped (all if fewer): their frozen weights move to
+        CPU memory, and the largest of them counts once, resident while it runs."""
+        moved = self.block_bytes[len(self.block_bytes) - min(n, len(self.block_bytes)):] if n else ()
+        gpus = self.gpus if self.zero_stage == 3 else 1
+        return replace(self, block_swap=n, cpu_bytes=sum(moved),
+                       param_bytes=self.param_bytes - (sum(moved) - max(moved, default=0)) // gpus)
+
+    def swap_to_fit(self, budget: int) -> int | None:
+        """The fewest blocks to swap for ``total_bytes <= budget``; None if swapping all is not enough."""
+        for n in range(len(self.block_bytes) + 1):
+            if self.swapped(n).total_bytes <= budget:
+                return n
+        return None
 
     @property
     def total_bytes(self) -> int:
@@ -70,7 +112,9 @@ class MemoryEstimate:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + (self.activation_bytes or 0)
 
     def as_dict(self) -> dict:
-        return {**asdict(self), "total_bytes": self.total_bytes}
+        out = {**asdict(self), "total_bytes": self.total_bytes}
+        out.pop("block_bytes")
+        return out
 
     def table(self) -> str:
         """A plain-text summary, one line per part, in GiB."""
@@ -78,7 +122,10 @@ class MemoryEstimate:
         rows = [
             f"model {self.model}: {self.params / 1e9:.3f}B parameters, {self.trainable / 1e6:.2f}M trainable ({what})",
             f"{self.gpus} GPU(s), ZeRO {self.zero_stage}, {self.precision}, batch {self.batch_size} per GPU "
-            f"at {self.resolution}x{self.resolution} px",
+            f"at {self.resolution}x{self.height or self.resolution} px" + (f" x {self.frames} frames" if self.frames > 1 else ""),
+            f"base weights {self.base_weights}, activation checkpointing {'on' if self.activation_checkpointing else 'off'}"
+            + (f", {self.block_swap} blocks swapped ({self.cpu_bytes / GiB:.2f} GiB in CPU memory)"
+               if self.block_swap else ""),
             f"  parameters       {self.param_bytes / GiB:8.2f} GiB",
             f"  gradients        {self.grad_bytes / GiB:8.2f} GiB",
             f"  optimizer state  {self.optimizer_bytes / GiB:8.2f} GiB",
@@ -153,29 +200,74 @@ def _fused_attention() -> Iterator[None]:
         torch.nn.functional.scaled_dot_product_attention = original
 
 
-def saved_activation_bytes(denoiser: torch.nn.Module, run) -> int:
-    """Bytes autograd saves for backward while ``run()`` does a forward (weights excluded)."""
-    weights = {p.untyped_storage()._cdata for p in denoiser.parameters()}
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in weights:
-            saved[storage._cdata] = storage.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), _fused_attention():
-        run()
-    return sum(saved.values())
+def _storage_key(t: torch.Tensor) -> int:
+    return t.untyped_storage()._cdata
 
 
-def _meta_inputs(spec: Published, batch: int, resolution: int, dtype: torch.dtype):
-    side = resolution // spec.vae_factor
+def saved_activation_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False) -> int:
+    """Bytes autograd saves for backward while ``run()`` does a forward (weights excluded).
+
+    ``checkpointing``: the peak under diffusers' activation checkpointing (see the module docstring).
+    """
+    return _saved_bytes(denoiser, run, checkpointing=checkpointing)
+
+
+def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False) -> int:
+    """Bytes saved for backward at the peak.
+
+    The blocks are those diffusers hands its checkpointing function: it is switched on for the call
+    with a function that runs each block under its own count (recomputing nothing). Storages are told
+    apart by address, so every storage seen is held until the end: a freed one's address could be
+    reused (layerwise casting replaces the weights' storages at every forward).
+    """
+    weights = {_storage_key(p): p.untyped_storage() for p in denoiser.parameters()}
+    kept: dict[int, torch.UntypedStorage] = {}  # held until the backward pass
+    largest = 0  # the largest checkpointed block's own saves (held while it is recomputed)
+
+    def keep(into: dict[int, torch.UntypedStorage]):
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = _storage_key(t)
+            if key not in weights and key not in kept:
+                into[key] = t.untyped_storage()
+            return t
+        return pack
+
+    def unit(module, *args, **kwargs):
+        nonlocal largest
+        if checkpointing:
+            # What a checkpointed block receives stays referenced by the recomputation until backward.
+            for arg in [*args, *kwargs.values()]:
+                for t in arg if isinstance(arg, (tuple, list)) else (arg,):
+                    if isinstance(t, torch.Tensor) and _storage_key(t) not in weights:
+                        kept[_storage_key(t)] = t.untyped_storage()
+        inner: dict[int, torch.UntypedStorage] = {}
+        with torch.autograd.graph.saved_tensors_hooks(keep(inner), lambda t: t):
+            out = module(*args, **kwargs)
+        largest = max(largest, sum(st.nbytes() for st in inner.values()))
+        # Checkpointed: held only while recomputed, counted once, as this block's; else kept.
+        (weights if checkpointing else kept).update(inner)
+        return out
+
+    blocks = getattr(denoiser, "_supports_gradient_checkpointing", False)
+    if blocks:
+        denoiser.enable_gradient_checkpointing(gradient_checkpointing_func=unit)
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(keep(kept), lambda t: t), _fused_attention():
+            run()
+    finally:
+        if blocks:
+            denoiser.disable_gradient_checkpointing()
+    saved = sum(st.nbytes() for st in kept.values())
+    return saved + (largest if checkpointing else 0)
+
+
+def _meta_inputs(spec: Published, batch: int, width: int, height: int, latent_frames: int, dtype: torch.dtype):
+    w, h = width // spec.vae_factor, height // spec.vae_factor
     with torch.device("meta"):
-        latents = torch.empty(batch, spec.latent_channels, 1, side, side)
+        latents = torch.empty(batch, spec.latent_channels, latent_frames, h, w)
         text = {k: torch.empty(batch, *shape, dtype=dtype) for k, shape in spec.text.items()}
         t = torch.full((batch,), 0.5)
-        noise = torch.empty(batch, spec.latent_channels, side, side)
+        noise = latents.clone() if latent_frames > 1 else torch.empty(batch, spec.latent_channels, h, w)
     return latents, text, t, noise
 
 
@@ -186,23 +278,49 @@ def estimate_memory(
     resolution: int | None = None,
     rank: int | None = None,
     model: str | None = None,
+    frames: int | None = None,
+    height: int | None = None,
 ) -> MemoryEstimate:
     """Memory per GPU to train ``cfg`` on ``gpus`` data-parallel GPUs (see the module docstring).
 
     ``resolution`` (pixels; default: the largest dataset resolution), ``rank``
-    (default: ``train.lora.rank``) and ``model`` (a name in
+    (default: ``train.lora.rank``), ``model`` (a name in
     ``diffpipe.models.published``; default: the local folder's config, else the
-    family's flagship) override the config.
+    family's flagship), ``frames`` (video families; default: the largest
+    dataset frame bucket, else 1) and ``height`` (default: ``resolution``,
+    square; ``resolution`` is then the width) override the config.
     """
+    return estimate_for(cfg, _model_spec(cfg, model), gpus=gpus, resolution=resolution, rank=rank, frames=frames,
+                        height=height)
+
+
+def estimate_for(
+    cfg: Config,
+    spec: Published,
+    *,
+    gpus: int = 1,
+    resolution: int | None = None,
+    rank: int | None = None,
+    frames: int | None = None,
+    height: int | None = None,
+) -> MemoryEstimate:
+    """:func:`estimate_memory` for a given denoiser configuration (e.g. a published one at reduced depth)."""
     if gpus < 1:
         raise ValueError(f"--gpus must be at least 1, got {gpus}")
     tc = cfg.train
-    spec = _model_spec(cfg, model)
     # The tiny scheduler's prediction type need not suit the folder's zero-terminal-SNR schedule.
     family = get_family(cfg.model.model_copy(update={"flavor": "tiny", "path": None, "zero_terminal_snr": None}))
     resolution = resolution or max(max(d.resolutions or [d.resolution]) for d in cfg.datasets)
-    if resolution % family.pixel_multiple and resolution % (spec.vae_factor * 2):
-        raise ValueError(f"resolution {resolution} is not a multiple of {spec.vae_factor * 2}")
+    height = height or resolution
+    for side in (resolution, height):
+        if side % family.pixel_multiple and side % (spec.vae_factor * 2):
+            raise ValueError(f"resolution {side} is not a multiple of {spec.vae_factor * 2}")
+    if family.is_video:
+        frames = frames or max((max(d.frame_buckets or [1]) for d in cfg.datasets), default=1)
+    frames = frames or 1
+    step = family.frame_rule[0] if family.is_video else 1
+    if (frames - 1) % step:
+        raise ValueError(f"--frames {frames}: family {family.name!r} takes {step}k+1 frames")
     precision = resolve_precision(tc.precision, cuda=True)  # the estimate is for a GPU: auto = bf16
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     width = 2 if precision == "bf16" else 4
@@ -219,16 +337,21 @@ def estimate_memory(
         targets = family.lora_targets(tc.lora.targets)
         denoiser.add_adapter(peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=targets))
         denoiser.to(dtype)
+        if tc.base_weights == "fp8":
+            enable_fp8_base_weights(denoiser, dtype)
     trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
-    frozen = sum(p.numel() for p in denoiser.parameters() if not p.requires_grad)
+    frozen_bytes = sum(p.nbytes for p in denoiser.parameters() if not p.requires_grad)
+
+    block_bytes = tuple(sum(t.nbytes for t in offload.frozen_tensors(b)) for b in offload.swap_blocks(denoiser))
 
     z = tc.zero_stage
-    param_bytes = (frozen + trainable) * width // (gpus if z == 3 else 1)
+    param_bytes = (frozen_bytes + trainable * width) // (gpus if z == 3 else 1)
     grad_bytes = trainable * width // (gpus if z >= 2 else 1)
     state = _STATE_BYTES.get(tc.optimizer.lower(), 8) + (4 if precision == "bf16" else 0)
     optimizer_bytes = 0 if tc.offload_optimizer else trainable * state // (gpus if z >= 1 else 1)
 
-    latents, text, t, noise = _meta_inputs(spec, tc.batch_size, resolution, dtype)
+    latent_frames = (frames - 1) // step + 1
+    latents, text, t, noise = _meta_inputs(spec, tc.batch_size, resolution, height, latent_frames, dtype)
     generator = torch.Generator()
     # Edit families: a reference image the size of the target (the usual case), as conditioning latents.
     extra = {"control": latents.clone()} if family.uses_control else {}
@@ -236,9 +359,14 @@ def estimate_memory(
     def forward() -> torch.Tensor:
         return family.loss(denoiser, latents, text, generator, t=t, noise=noise, objective=tc.objective, **extra)
 
+    ckpt = tc.activation_checkpointing and getattr(denoiser, "_supports_gradient_checkpointing", False)
+
+    def measure() -> int:
+        return saved_activation_bytes(denoiser, forward, checkpointing=ckpt)
+
     activation_bytes, upper_bound = None, False
     try:
-        activation_bytes = saved_activation_bytes(denoiser, forward)
+        activation_bytes = measure()
     except NotImplementedError as err:
         if "nonzero" in str(err):
             # Mixture-of-experts routing (HiDream) selects tokens with ``nonzero``: on meta, assume
@@ -246,7 +374,7 @@ def estimate_memory(
             import torch.fx.experimental._config as fx_config
 
             with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
-                activation_bytes, upper_bound = saved_activation_bytes(denoiser, forward), True
+                activation_bytes, upper_bound = measure(), True
         # else: "Cannot copy out of meta tensor": the forward reads tensor values (Lumina 2's mask)
     except RuntimeError as err:
         # Mochi's rotary embedding opens torch.autocast on its tensors' device: not on meta.
@@ -256,5 +384,65 @@ def estimate_memory(
         model=spec.name, gpus=gpus, zero_stage=z, precision=precision, resolution=resolution,
         batch_size=tc.batch_size, rank=rank, params=params, trainable=trainable, param_bytes=param_bytes,
         grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, activation_bytes=activation_bytes,
-        activation_upper_bound=upper_bound,
-    )
+        activation_upper_bound=upper_bound, frames=frames, base_weights=tc.base_weights,
+        activation_checkpointing=bool(ckpt), height=height, block_bytes=block_bytes,
+    ).swapped(tc.block_swap)
+
+
+#: The families the fits table covers: (label, published model, family, width, height, frames,
+#: published figures of other trainers for the same model, as their documentation gives them).
+FITS_MODELS = (
+    ("FLUX.1-dev", "flux1-dev", "flux", 1024, 1024, 1,
+     "SimpleTuner, rank-16 LoRA: >30 GB bf16, 18 int8, 13 int4, 9 nf4 base weights"),
+    ("Qwen-Image", "qwen-image", "qwenimage", 1024, 1024, 1,
+     "musubi-tuner, 1024 px: 42 GB bf16, 30 fp8, 24 fp8 + 16 blocks swapped, 12 with 45 swapped"),
+    ("Wan 2.1 T2V 14B", "wan2.2-t2v-a14b", "wan", 832, 480, 81,
+     "musubi-tuner users report ~96 GB of system RAM for Wan 2.2 with offloading"),
+    ("Wan 2.1 T2V 14B", "wan2.2-t2v-a14b", "wan", 832, 480, 33, ""),
+)
+#: What the CUDA context and the allocator's fragmentation add to an estimate (module docstring).
+CONTEXT_BYTES = 3 * GiB // 2
+CARDS_GIB = (24, 16, 12)
+
+
+def _fits_config(family: str, **train) -> Config:
+    return Config.model_validate(
+        {"model": {"family": family}, "datasets": [{"name": "d", "path": "data", "resolution": 1024}],
+         "train": {"batch_size": 1, "precision": "bf16", "lora": {"rank": 16}, **train}})
+
+
+def fits_row(entry: tuple, bf16: MemoryEstimate, fp8: MemoryEstimate, ckpt: MemoryEstimate) -> str:
+    """One row of :func:`fits_markdown` for a ``FITS_MODELS`` entry from its three estimates."""
+    label, _, _, width, height, frames, peers = entry
+    everything = ckpt.swapped(len(ckpt.block_bytes))
+    size = f"{width}x{height}" + (f" x {frames} frames" if frames > 1 else "")
+    cells = [f"{label} ({size})"] + [f"{e.total_bytes / GiB:.1f} GiB" for e in (bf16, fp8, ckpt)]
+    cells.append(f"{everything.total_bytes / GiB:.1f} GiB ({everything.cpu_bytes / GiB:.1f} GiB)")
+    for card in CARDS_GIB:
+        budget = card * GiB - CONTEXT_BYTES
+        if bf16.total_bytes <= budget:
+            cells.append("bf16")
+        elif fp8.total_bytes <= budget:
+            cells.append("fp8")
+        else:
+            n = ckpt.swap_to_fit(budget)
+            cells.append("no" if n is None else "fp8 + checkpointing" + (f" + block_swap {n}" if n else ""))
+    return "| " + " | ".join([*cells, peers]) + " |"
+
+
+FITS_OPTIONS = ({}, {"base_weights": "fp8"}, {"base_weights": "fp8", "activation_checkpointing": True})
+
+
+def fits_markdown() -> str:
+    """The docs table: each flagship's estimate at rank 16 under each memory option, and the
+    cheapest setting that fits 24 / 16 / 12 GiB cards (estimate + 1.5 GiB of CUDA context)."""
+    rows = [
+        "| model (size) | bf16 | fp8 | fp8 + checkpointing | + every block swapped (system RAM) | "
+        + " | ".join(f"fits {c} GiB" for c in CARDS_GIB) + " | other trainers' published figures |",
+        "| --- " * (6 + len(CARDS_GIB)) + "|",
+    ]
+    for entry in FITS_MODELS:
+        _, model, family, width, height, frames, _ = entry
+        kw = {"model": model, "resolution": width, "height": height, "frames": frames}
+        rows.append(fits_row(entry, *(estimate_memory(_fits_config(family, **o), **kw) for o in FITS_OPTIONS)))
+    return "\n".join(rows)

@@ -17,7 +17,7 @@ from diffpipe.data.reader import CachedDataset
 from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training import checkpoint as ckpt
-from diffpipe.training import engine, pipeline, precision
+from diffpipe.training import engine, offload, pipeline, precision
 from diffpipe.training.eval import Evaluator, aux_inputs, eval_dataset
 from diffpipe.training.flops import StepFlops
 from diffpipe.training.metrics import MetricsWriter, peak_memory_mb, plot_loss, read_metrics
@@ -118,6 +118,7 @@ def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str
     else:
         optimizer = build_optimizer(params, tc)
         model = engine.build_engine(denoiser, optimizer, make_scheduler(optimizer), tc, dist.world_size)
+        offload.install(denoiser, tc.block_swap, engine.device())  # after DeepSpeed moved and cast the module
     scheduler = model.lr_scheduler
     # Noise and timesteps differ per replica but are reproducible per (seed, replica).
     gen = torch.Generator(device=engine.device()).manual_seed(tc.seed * 1000 + dp_rank)

@@ -93,15 +93,18 @@ def enable_fp8_base_weights(denoiser: torch.nn.Module, compute: torch.dtype) -> 
                          "check train.lora.targets")
 
 
-def compile_blocks(denoiser: torch.nn.Module) -> None:
+def compile_blocks(denoiser: torch.nn.Module, **compile_kwargs) -> None:
     """Regional compilation: each repeated block compiled once (diffusers' ``compile_repeated_blocks``
-    where the model declares ``_repeated_blocks``), else each block of its top-level ``ModuleList``s."""
+    where the model declares ``_repeated_blocks``), else each block of its top-level ``ModuleList``s.
+
+    ``compile_kwargs`` go to ``torch.compile`` (tests pass ``backend="aot_eager"``, which needs no C++
+    compiler; training uses the default inductor backend, which on CPU needs one)."""
     if getattr(denoiser, "_repeated_blocks", None):
-        denoiser.compile_repeated_blocks()
+        denoiser.compile_repeated_blocks(**compile_kwargs)
         return
     lists = [m for m in denoiser.children() if isinstance(m, torch.nn.ModuleList)]
     if not lists:
         raise ValueError(f"train.compile: {type(denoiser).__name__} has no repeated blocks to compile")
     for blocks in lists:
         for block in blocks:
-            block.compile()
+            block.compile(**compile_kwargs)

@@ -1,0 +1,90 @@
+"""``diffpipe estimate`` accounts for fp8 storage, activation checkpointing, block swap and frames."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffpipe.config import Config
+from diffpipe.estimate import FITS_MODELS, GiB, estimate_memory, fits_row
+from diffpipe.models.published import PUBLISHED
+from diffpipe.readme_tables import REPO_ROOT
+from diffpipe.training import offload
+
+
+def _cfg(family: str, resolution: int = 256, **train) -> Config:
+    return Config.model_validate(
+        {"model": {"family": family}, "datasets": [{"name": "d", "path": "data", "resolution": resolution}],
+         "train": {"batch_size": 1, "precision": "bf16", **train}}
+    )
+
+
+@pytest.fixture(scope="module")
+def flux():
+    """FLUX.1-dev at 1024 px, rank 16, under each option."""
+    options = {"bf16": {}, "fp8": {"base_weights": "fp8"}, "ckpt": {"activation_checkpointing": True},
+               "fp8+ckpt": {"base_weights": "fp8", "activation_checkpointing": True},
+               "swap": {"base_weights": "fp8", "activation_checkpointing": True, "block_swap": 1000}}
+    return {k: estimate_memory(_cfg("flux", 1024, **v), model="flux1-dev", rank=16) for k, v in options.items()}
+
+
+def test_the_docs_fits_table_holds_the_flux_estimate(flux):
+    # The table is refreshed by `make docs` (too slow for every test run); its FLUX.1-dev row must be current.
+    row = fits_row(FITS_MODELS[0], flux["bf16"], flux["fp8"], flux["fp8+ckpt"])
+    assert row in (REPO_ROOT / "docs" / "training.md").read_text(), "run `make docs`"
+
+
+def test_checkpointing_keeps_block_inputs_and_one_block(flux):
+    full, ckpt = flux["bf16"].activation_bytes, flux["ckpt"].activation_bytes
+    assert ckpt < full / 5, (ckpt / GiB, full / GiB)
+    # At least each of the 57 blocks' input hidden states (4096 image + 512 text tokens x 3072, bf16).
+    assert ckpt > 57 * 4096 * 3072 * 2
+    assert flux["ckpt"].activation_checkpointing and not flux["bf16"].activation_checkpointing
+
+
+def test_fp8_counts_one_byte_per_cast_weight(flux):
+    meta = _fp8_model()
+    cast = sum(p.numel() for p in meta.parameters() if p.dtype == torch.float8_e4m3fn)
+    saved = flux["bf16"].param_bytes - flux["fp8"].param_bytes  # one byte per float8 weight
+    # diffusers' default skip patterns keep the AdaLN modulations (``norm*.linear``) in bf16: 27% of Flux.
+    assert saved == cast and 0.7 * flux["bf16"].params < cast < 0.8 * flux["bf16"].params
+    # Without recomputation each layer's bf16 copy of its weight is saved for backward: no gain there.
+    assert flux["fp8"].activation_bytes > flux["bf16"].activation_bytes + 0.9 * saved
+    # With it, one block's copies at a time.
+    assert flux["fp8+ckpt"].activation_bytes < flux["ckpt"].activation_bytes + 2 * GiB
+    assert flux["fp8+ckpt"].total_bytes < 0.55 * flux["bf16"].total_bytes
+
+
+def test_block_swap_leaves_one_block_resident(flux):
+    fp8, swap = flux["fp8+ckpt"], flux["swap"]
+    blocks = offload.swap_blocks(_fp8_model())
+    assert swap.cpu_bytes == sum(t.nbytes for b in blocks for t in offload.frozen_tensors(b))
+    assert swap.cpu_bytes > 0.9 * (fp8.param_bytes - 0.5 * GiB)  # nearly every weight is in a block
+    assert swap.param_bytes == fp8.param_bytes - swap.cpu_bytes + max(
+        sum(t.nbytes for t in offload.frozen_tensors(b)) for b in offload.swap_blocks(_fp8_model()))
+    assert swap.total_bytes < 5 * GiB and "blocks swapped" in swap.table()
+
+
+def _fp8_model():
+    import peft
+
+    from diffpipe.models import get_family
+    from diffpipe.training.precision import enable_fp8_base_weights
+
+    meta = PUBLISHED["flux1-dev"].build_meta().to(torch.bfloat16).requires_grad_(False)
+    family = get_family(_cfg("flux").model)
+    meta.add_adapter(peft.LoraConfig(r=16, lora_alpha=16, target_modules=family.lora_targets(None)))
+    enable_fp8_base_weights(meta.to(torch.bfloat16), torch.bfloat16)
+    return meta
+
+
+def test_video_frames_and_height_scale_activations():
+    cfg = _cfg("wan", 256)
+    one = estimate_memory(cfg, model="wan2.1-t2v-1.3b", rank=16, frames=1)
+    nine = estimate_memory(cfg, model="wan2.1-t2v-1.3b", rank=16, frames=9)  # 3 latent frames
+    assert 2.5 * one.activation_bytes < nine.activation_bytes < 3.5 * one.activation_bytes
+    wide = estimate_memory(cfg, model="wan2.1-t2v-1.3b", rank=16, frames=1, resolution=512, height=256)
+    assert 1.7 * one.activation_bytes < wide.activation_bytes < 2.3 * one.activation_bytes
+    assert "x 9 frames" in nine.table() and "512x256" in wide.table()
+    with pytest.raises(ValueError, match="4k\\+1"):
+        estimate_memory(cfg, model="wan2.1-t2v-1.3b", frames=8)
