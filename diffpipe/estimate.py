@@ -43,6 +43,7 @@ and text encoders (not loaded while training: the caches hold their outputs).
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
@@ -50,7 +51,7 @@ from dataclasses import asdict, dataclass, replace
 import peft
 import torch
 
-from diffpipe.config import Config
+from diffpipe.config import BF16_OPTIMIZERS, Config
 from diffpipe.models import get_family
 from diffpipe.models.published import PUBLISHED, Published, for_family
 from diffpipe.training import offload
@@ -58,7 +59,7 @@ from diffpipe.training.precision import enable_fp8_base_weights, resolve_precisi
 
 GiB = 2**30
 # float32 optimizer-state bytes per trainable parameter, by ``train.optimizer``.
-_STATE_BYTES = {"adamw": 8, "adamw_kahan": 8, "adamw_stochastic": 8, "adafactor": 0, "sgd": 4}
+_STATE_BYTES = {"adamw": 8, "adamw_kahan": 10, "adamw_stochastic": 8, "adafactor": 0, "sgd": 4}  # kahan: bf16 compensation
 
 
 @dataclass(frozen=True)
@@ -204,16 +205,21 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
-def saved_activation_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False) -> int:
+def saved_activation_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False,
+                           fraction: float = 1.0) -> int:
     """Bytes autograd saves for backward while ``run()`` does a forward (weights excluded).
 
     ``checkpointing``: the peak under diffusers' activation checkpointing (see the module docstring).
     """
-    return _saved_bytes(denoiser, run, checkpointing=checkpointing)
+    return _saved_bytes(denoiser, run, checkpointing=checkpointing, fraction=fraction)
 
 
-def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False) -> int:
+def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False, fraction: float = 1.0) -> int:
     """Bytes saved for backward at the peak.
+
+    ``fraction`` < 1 (``train.checkpoint_fraction``): only the first ``ceil(fraction * N)`` blocks in
+    forward order are checkpointed (their inputs kept, the largest one's saves while recomputed); the
+    others keep their own saves, as training does (diffpipe.training.checkpointing).
 
     The blocks are those diffusers hands its checkpointing function: it is switched on for the call
     with a function that runs each block under its own count (recomputing nothing). Storages are told
@@ -223,6 +229,8 @@ def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False)
     weights = {_storage_key(p): p.untyped_storage() for p in denoiser.parameters()}
     kept: dict[int, torch.UntypedStorage] = {}  # held until the backward pass
     largest = 0  # the largest checkpointed block's own saves (held while it is recomputed)
+    partial = checkpointing and fraction < 1
+    blocks_seen: list[tuple[dict[int, torch.UntypedStorage], dict[int, torch.UntypedStorage]]] = []
 
     def keep(into: dict[int, torch.UntypedStorage]):
         def pack(t: torch.Tensor) -> torch.Tensor:
@@ -234,15 +242,20 @@ def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False)
 
     def unit(module, *args, **kwargs):
         nonlocal largest
+        inputs: dict[int, torch.UntypedStorage] = {}
         if checkpointing:
             # What a checkpointed block receives stays referenced by the recomputation until backward.
             for arg in [*args, *kwargs.values()]:
                 for t in arg if isinstance(arg, (tuple, list)) else (arg,):
                     if isinstance(t, torch.Tensor) and _storage_key(t) not in weights:
-                        kept[_storage_key(t)] = t.untyped_storage()
+                        inputs[_storage_key(t)] = t.untyped_storage()
+            if not partial:
+                kept.update(inputs)
         inner: dict[int, torch.UntypedStorage] = {}
         with torch.autograd.graph.saved_tensors_hooks(keep(inner), lambda t: t):
             out = module(*args, **kwargs)
+        if partial:
+            blocks_seen.append((inputs, inner))
         largest = max(largest, sum(st.nbytes() for st in inner.values()))
         # Checkpointed: held only while recomputed, counted once, as this block's; else kept.
         (weights if checkpointing else kept).update(inner)
@@ -257,6 +270,12 @@ def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False)
     finally:
         if blocks:
             denoiser.disable_gradient_checkpointing()
+    if partial:  # the first share checkpointed (inputs kept), the rest holding their own saves
+        chosen = math.ceil(fraction * len(blocks_seen))
+        for i, (inputs, inner) in enumerate(blocks_seen):
+            kept.update(inputs if i < chosen else inner)
+        largest = max((sum(st.nbytes() for st in inner.values()) for inner in
+                       (b[1] for b in blocks_seen[:chosen])), default=0)
     saved = sum(st.nbytes() for st in kept.values())
     return saved + (largest if checkpointing else 0)
 
@@ -347,7 +366,9 @@ def estimate_for(
     z = tc.zero_stage
     param_bytes = (frozen_bytes + trainable * width) // (gpus if z == 3 else 1)
     grad_bytes = trainable * width // (gpus if z >= 2 else 1)
-    state = _STATE_BYTES.get(tc.optimizer.lower(), 8) + (4 if precision == "bf16" else 0)
+    # bf16: DeepSpeed's float32 master copy, except for the optimizers that step the bf16 weights themselves.
+    master = 4 if precision == "bf16" and tc.optimizer not in BF16_OPTIMIZERS else 0
+    state = _STATE_BYTES.get(tc.optimizer.lower(), 8) + master
     optimizer_bytes = 0 if tc.offload_optimizer else trainable * state // (gpus if z >= 1 else 1)
 
     latent_frames = (frames - 1) // step + 1
@@ -362,7 +383,7 @@ def estimate_for(
     ckpt = tc.activation_checkpointing and getattr(denoiser, "_supports_gradient_checkpointing", False)
 
     def measure() -> int:
-        return saved_activation_bytes(denoiser, forward, checkpointing=ckpt)
+        return saved_activation_bytes(denoiser, forward, checkpointing=ckpt, fraction=tc.checkpoint_fraction)
 
     activation_bytes, upper_bound = None, False
     try:

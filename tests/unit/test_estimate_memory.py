@@ -24,7 +24,8 @@ def flux():
     """FLUX.1-dev at 1024 px, rank 16, under each option."""
     options = {"bf16": {}, "fp8": {"base_weights": "fp8"}, "ckpt": {"activation_checkpointing": True},
                "fp8+ckpt": {"base_weights": "fp8", "activation_checkpointing": True},
-               "swap": {"base_weights": "fp8", "activation_checkpointing": True, "block_swap": 1000}}
+               "swap": {"base_weights": "fp8", "activation_checkpointing": True, "block_swap": 1000},
+               "half": {"activation_checkpointing": True, "checkpoint_fraction": 0.5}}
     return {k: estimate_memory(_cfg("flux", 1024, **v), model="flux1-dev", rank=16) for k, v in options.items()}
 
 
@@ -88,3 +89,17 @@ def test_video_frames_and_height_scale_activations():
     assert "x 9 frames" in nine.table() and "512x256" in wide.table()
     with pytest.raises(ValueError, match="4k\\+1"):
         estimate_memory(cfg, model="wan2.1-t2v-1.3b", frames=8)
+
+
+def test_a_share_of_checkpointed_blocks_lies_between_none_and_all(flux):
+    none, half, every = (flux[k].activation_bytes for k in ("bf16", "half", "ckpt"))
+    assert every < half < none
+    # Half of Flux's 57 blocks keep their saves: about half of what checkpointing every block saves.
+    assert 0.3 < (none - half) / (none - every) < 0.7, ((none - half) / GiB, (none - every) / GiB)
+
+
+def test_bf16_optimizers_have_no_float32_master_copy(flux):
+    plain = flux["bf16"]  # optimizer state does not depend on the resolution: a small one suffices here
+    kahan = estimate_memory(_cfg("flux", 64, optimizer="adamw_kahan", zero_stage=1), model="flux1-dev", rank=16)
+    trainable = (plain.optimizer_bytes) // 12  # AdamW under bf16: m, v and the float32 master, 4 bytes each
+    assert kahan.optimizer_bytes == trainable * 10  # m, v (float32) and the bf16 Kahan compensation
