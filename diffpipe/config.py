@@ -465,6 +465,7 @@ class LoraConfig(_Section):
         description="LoKr only: each dimension is split as factor x (dim / factor) for the Kronecker product; "
         "-1: as square as possible.",
         ge=-1,
+        le=65536,
     )
     lokr_decompose_both: bool = Field(
         False, description="LoKr only: factor the left Kronecker matrix into two rank-`rank` matrices too."
@@ -876,6 +877,7 @@ class BenchConfig(_Section):
     memory_limit_mb: Int | None = Field(
         None, description="Cap on each point's address space (RLIMIT_AS) in MiB, so a CPU point that needs more "
         "fails as `oom` instead of swapping; null = no cap. On a GPU the device's memory is the cap.", ge=64,
+        le=1 << 30,
     )
     timeout_minutes: Float = Field(30.0, description="A point running longer is stopped and recorded as "
                                    "`timeout`.", gt=0)
