@@ -19,14 +19,17 @@ torch.set_num_threads(1)
 # at most 2 of its tests are left. So the longest files are collected first, in the order
 # that keeps two long ones off one worker; seconds from one suite run on 2 cores, 3 workers.
 LONGEST_FIRST = (
-    "tests/workflow/test_demo_workflow.py",  # 258 s
-    "tests/multiprocess/test_pipeline_parallel.py",  # 210 s
-    "tests/cluster/test_slurm.py",  # 200 s, one test: its worker takes the next file at once
+    "tests/workflow/test_demo_workflow.py",  # 250 s
+    "tests/multiprocess/test_pipeline_parallel.py",  # 260 s
+    "tests/cluster/test_slurm.py",  # 280 s, one test: its worker takes the next file at once
+    "tests/stages/test_bench.py",  # 145 s: every bench point is a process
+    "tests/stages/test_tabular_datasets.py",  # 125 s: one `diffpipe run` from a hub dataset
+    "tests/multiprocess/test_data_parallel.py",  # 100 s
+    "tests/workflow/test_safety_workflow.py",  # 95 s
     "tests/stages/test_video_families.py",  # 73 s
-    "tests/multiprocess/test_data_parallel.py",  # 145 s
-    "tests/stages/test_train_resume.py",  # 108 s
+    "tests/stages/test_fp8_base_weights.py",  # 70 s
+    "tests/stages/test_train_resume.py",  # 70 s
     "tests/stages/test_export_formats.py",  # 58 s
-    "tests/stages/test_tabular_datasets.py",  # one `diffpipe run`: 47 s CPU alone, 60-120 s wall on a busy machine
     "tests/workflow/test_sbatch_preview.py",  # 41 s
     "tests/stages/test_full_finetune.py",  # 37 s
     "tests/unit/test_estimate.py",  # 30 s
@@ -43,32 +46,11 @@ def pytest_collection_modifyitems(config, items):
 
 
 # -- a cached tiny run shared by the training tests ------------------------------------
-import shutil  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-import yaml  # noqa: E402
-
-
-class TinyRun:
-    """A validated, planned and cached tiny-SD run (8 images, 32 px); ``clone`` copies it."""
-
-    def __init__(self, root: Path):
-        self.root = root
-
-    def config(self, out: Path, **train) -> dict:
-        train = {"epochs": 2, "batch_size": 2, "lora": {"rank": 4, "alpha": 4}, **train}
-        return {"output_dir": str(out), "datasets": [{"name": "d", "path": str(self.root / "data"), "resolution": 32}],
-                "cache": {"shards": 1}, "train": train}
-
-    def clone(self, dest: Path, **train) -> Path:
-        """A new run folder holding the caches; returns its config file."""
-        shutil.copytree(self.root / "run", dest / "run", ignore=shutil.ignore_patterns("train"))
-        cfg = dest / "config.yaml"
-        cfg.write_text(yaml.safe_dump(self.config(dest / "run", **train)))
-        return cfg
+from tiny_runs import TinyRun, make_tiny_run  # noqa: E402  (tests/tiny_runs.py)
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -80,17 +62,8 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subpro
 
 @pytest.fixture(scope="session")
 def tiny_run(tmp_path_factory) -> TinyRun:
-    from diffpipe import stages
-    from diffpipe.config import parse_config
-    from diffpipe.data.demo import write_demo_dataset
-    from diffpipe.paths import RunPaths
-
-    root = tmp_path_factory.mktemp("tiny-run")
-    run = TinyRun(root)
-    write_demo_dataset(root / "data", n=8, size=32)
-    cfg = parse_config(run.config(root / "run"))
-    stages.prepare_data(cfg, RunPaths(cfg.output_dir))
-    return run
+    """A validated, planned and cached tiny-SD run (8 images, 32 px), shared by the session."""
+    return make_tiny_run(tmp_path_factory.mktemp("tiny-run"))
 
 
 @pytest.fixture(scope="session")

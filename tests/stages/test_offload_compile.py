@@ -85,31 +85,9 @@ def test_block_swap_settings_are_checked():
 @pytest.fixture(scope="module")
 def flux_tiny_run(tmp_path_factory):
     """The tiny run of ``tiny_run`` for the tiny Flux model (block swap needs transformer blocks)."""
-    from conftest import TinyRun
+    from tiny_runs import make_tiny_run
 
-    from diffpipe.config import parse_config
-    from diffpipe.data.cache import cache_latents, cache_text
-    from diffpipe.data.demo import write_demo_dataset
-    from diffpipe.data.plan import make_plan
-    from diffpipe.data.validate import run_validation
-
-    class FluxRun(TinyRun):
-        def config(self, out, **train):
-            return {**super().config(out, **train), "model": {"family": "flux", "flavor": "tiny"}}
-
-    root = tmp_path_factory.mktemp("flux-tiny")
-    run = FluxRun(root)
-    write_demo_dataset(root / "data", n=4, size=32)
-    cfg = parse_config(run.config(root / "run"))
-    paths, family = RunPaths(cfg.output_dir), get_family(cfg.model)
-    run_validation(cfg.datasets, cfg.validation, manifest_path=paths.manifest,
-                   report_json=paths.report_json, report_html=paths.report_html)
-    make_plan(paths.manifest, cfg.datasets, cfg.cache, latent_identity=family.vae_identity(),
-              text_identity=family.text_identity(), pixel_multiple=family.pixel_multiple, paths=paths)
-    for s in paths.shard_names():
-        cache_latents(paths.latent_spec(s), paths.latent_shard(s), cfg.model, cfg.cache)
-        cache_text(paths.text_spec(s), paths.text_shard(s), cfg.model, cfg.cache)
-    return run
+    return make_tiny_run(tmp_path_factory.mktemp("flux-tiny"), "flux", images=4)
 
 
 def test_block_swap_trains_through_diffpipe_train_and_resumes_exactly(flux_tiny_run, cli, tmp_path):
