@@ -70,11 +70,25 @@ def prepare_denoiser(denoiser: torch.nn.Module, tc: TrainConfig) -> torch.nn.Mod
         torch.backends.cudnn.allow_tf32 = True
     if tc.base_weights == "fp8":
         enable_fp8_base_weights(denoiser, compute_dtype(tc))
+        if tc.activation_checkpointing:
+            _refuse_fp8_convolutions(denoiser)
     if tc.attention_backend.lower() != "native":
         denoiser.set_attention_backend(tc.attention_backend.lower())
     if tc.compile:
         compile_blocks(denoiser)
     return denoiser
+
+
+def _refuse_fp8_convolutions(denoiser: torch.nn.Module) -> None:
+    """fp8 storage + activation checkpointing: a convolution saves its own (cast) weight for backward, and
+    the float8 storage under it no longer matches when the block is recomputed (torch's CheckpointError).
+    Transformer denoisers keep their convolutions (patch embeddings) in bf16; UNets cannot train so."""
+    convs = [n for n, m in denoiser.named_modules() if isinstance(m, torch.nn.Conv2d | torch.nn.Conv3d)
+             and getattr(m, "weight", None) is not None and m.weight.dtype == torch.float8_e4m3fn]
+    if convs:
+        raise ValueError(f"train.base_weights fp8 with train.activation_checkpointing: {type(denoiser).__name__} "
+                         f"stores {len(convs)} convolutions in float8 (e.g. {convs[0]}), whose saved weights "
+                         "cannot be recomputed under checkpointing; turn one of the two off for this family")
 
 
 def enable_fp8_base_weights(denoiser: torch.nn.Module, compute: torch.dtype) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 import peft
+import pytest
 import torch
 
 from diffpipe.config import ModelConfig, TrainConfig
@@ -36,6 +37,22 @@ def test_fp8_stores_frozen_weights_in_float8_and_keeps_the_lora():
     assert all(p.requires_grad and p.dtype == torch.float32 for p in lora)
     assert {n for n, p in unet.named_parameters() if p.requires_grad} == {n for n, _ in unet.named_parameters()
                                                                           if "lora_" in n}
+
+
+def test_fp8_with_checkpointing_refuses_a_unet_and_keeps_transformers():
+    """A UNet's float8 convolutions cannot be recomputed under checkpointing (torch's CheckpointError at
+    the first backward): refused by name before training; a transformer's patch embeddings stay bf16."""
+    tc = TrainConfig(precision="bf16", base_weights="fp8", activation_checkpointing=True)
+    for name, refused in (("sd", True), ("flux", False)):
+        family = get_family(ModelConfig(family=name))
+        denoiser = family.load_denoiser()
+        adapter.add_lora(denoiser, peft.LoraConfig(r=2, lora_alpha=2, target_modules=family.lora_targets(None)))
+        if refused:
+            with pytest.raises(ValueError, match="convolutions in float8 .*activation_checkpointing|"
+                               "activation_checkpointing: UNet2DConditionModel stores"):
+                precision.prepare_denoiser(denoiser, tc)
+        else:
+            precision.prepare_denoiser(denoiser, tc)
 
 
 def test_fp8_trains_close_to_bf16_and_resumes_exactly(tiny_run, cli, tmp_path):
