@@ -344,6 +344,14 @@ def train(
         from diffpipe.training.loop import train as run_training
 
         run_training(cfg, paths, resume=resume, checkpoint=checkpoint, log=_say)
+        if launched and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            # A rank of several: close the process group before exit, or gloo's threads may still run at
+            # interpreter shutdown and abort the process ("terminate called without an active exception").
+            import torch.distributed as torch_dist
+
+            if torch_dist.is_initialized():
+                torch_dist.barrier()
+                torch_dist.destroy_process_group()
 
 
 FORMATS_HELP = "diffusers, peft, comfyui, kohya, merged (repeatable or comma-separated; default: the config's)."
