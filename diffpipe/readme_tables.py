@@ -14,6 +14,7 @@ from pathlib import Path
 
 from diffpipe.config import reference_markdown
 from diffpipe.data.policy import policy_markdown
+from diffpipe.models.tables import families_markdown, formats_markdown, pipeline_markdown
 from diffpipe.utils import write_text_atomic
 
 
@@ -27,6 +28,9 @@ def _memory_fits() -> str:
 TABLES: dict[str, tuple[Callable[[], str], str]] = {
     "config-reference": (reference_markdown, "docs/configuration.md"),
     "validation-reasons": (policy_markdown, "docs/validation.md"),
+    "families": (families_markdown, "docs/families.md"),
+    "family-formats": (formats_markdown, "docs/formats.md"),
+    "pipeline-families": (pipeline_markdown, "docs/training.md"),
 }
 #: Tables too slow to rebuild in every test run (the memory table sizes 12 published models on the
 #: meta device, about a minute): ``make docs`` refreshes them; tests/unit/test_estimate_memory.py

@@ -16,42 +16,35 @@ HOW_TO_LOAD = {
     "kohya": "copy to A1111/Forge `models/Lora/`, prompt `<lora:{stem}:1>`",
     "merged": "`{pipeline}.from_pretrained(\"{path}\")` (no LoRA support needed)",
 }
-_IMPORT = "`diffpipe import-lora {path}` (to continue training); elsewhere use the diffusers file"
-#: Where the generic line above is wrong for a family: A1111/Forge run only SD 1.x/2.x, SDXL and
-#: (Forge) Flux; ComfyUI has no CogView4 model.
-HOW_TO_LOAD_FAMILY = {
-    ("cogview4", "comfyui"): _IMPORT + " (ComfyUI has no CogView4 model)",
-    ("cogview4", "kohya"): _IMPORT + " (no A1111, Forge or ComfyUI model reads CogView4)",
-}
-_A1111 = {"sd", "sdxl", "flux", "flux-kontext"}
 _KOHYA_ELSEWHERE = "copy to `ComfyUI/models/loras/` (A1111/Forge do not run this model), or kohya/musubi tooling"
 
 
-#: ComfyUI's reading of the diffusers file (it maps ``transformer.`` names for these families only,
-#: and for SD/SDXL ``unet.`` names outside the attention layers); the scale is folded into the
-#: tensors, so what it reads loads at the trained strength.
-COMFY_READS_DIFFUSERS = {"flux", "flux-kontext", "chroma", "sd3", "qwenimage", "qwenimage-edit", "hidream"}
-_COMFY_PART = {"sd", "sdxl"}
-_NO_COMFY_MODEL = {"cogview4"}
-
-
 def comfy_diffusers_note(family: str) -> str:
-    """What ComfyUI makes of this family's diffusers file, for the card and docs."""
-    if family in COMFY_READS_DIFFUSERS:
+    """What ComfyUI makes of this family's diffusers file (its spec's ``comfy_reads_diffusers``), for the
+    card and docs. It maps ``transformer.`` names for some families and, for SD/SDXL, ``unet.`` names
+    outside the attention layers; the scale is folded into the tensors, so what it reads loads at the
+    trained strength."""
+    from diffpipe.families import spec
+
+    reads = spec(family).comfy_reads_diffusers
+    if reads == "all":
         return "; ComfyUI reads it too"
-    if family in _NO_COMFY_MODEL:
+    if reads == "no-model":
         return ""
-    part = "loads only its non-attention layers" if family in _COMFY_PART else "loads none of it"
+    part = "loads only its non-attention layers" if reads == "part" else "loads none of it"
     return f"; ComfyUI {part}: use `{EXPORT_NAMES['comfyui']}` there"
 
 
 def how_to_load(fmt: str, family: str) -> str:
     """The card's "how to load" line of one format for one family (``{path}`` etc. still to fill)."""
+    from diffpipe.families import spec
+
+    s = spec(family)
     if fmt == "diffusers":
         return HOW_TO_LOAD[fmt] + comfy_diffusers_note(family)
-    if (family, fmt) in HOW_TO_LOAD_FAMILY:
-        return HOW_TO_LOAD_FAMILY[family, fmt]
-    if fmt == "kohya" and family not in _A1111:
+    if fmt in s.how_to_load:
+        return s.how_to_load[fmt]
+    if fmt == "kohya" and not s.a1111:
         return _KOHYA_ELSEWHERE
     return HOW_TO_LOAD[fmt]
 

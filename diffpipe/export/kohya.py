@@ -21,44 +21,16 @@ from diffpipe.export.lycoris import Product, refuse_restructured, write_products
 from diffpipe.export.metadata import ExportInfo
 from diffpipe.export.original_io import write_original
 
-# (ss_base_model_version, modelspec.architecture, modelspec.implementation)
-_SD1 = ("sd_v1", "stable-diffusion-v1/lora", "https://github.com/Stability-AI/generative-models")
-_SD2 = ("sd_v2", "stable-diffusion-v2-512/lora", "https://github.com/Stability-AI/generative-models")
-_SDXL = ("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora", "https://github.com/Stability-AI/generative-models")
-# Transformer families: the names sd-scripts (SD3, Chroma, Lumina 2) or musubi-tuner
-# (Qwen-Image, Wan, HunyuanVideo) write; the edit models keep their base model's version,
-# and families no kohya trainer covers (HiDream, LTX-Video, Mochi, Cosmos, CogVideoX,
-# CogView4) get their own.
-_BY_FAMILY = {
-    "flux": ("flux1", "flux-1-dev/lora", "https://github.com/black-forest-labs/flux"),
-    "chroma": ("chroma", "chroma/lora", "https://huggingface.co/lodestones/Chroma"),
-    "sd3": ("sd3", "stable-diffusion-3/lora", "https://github.com/Stability-AI/sd3.5"),
-    "lumina2": ("lumina2", "lumina-2/lora", "https://github.com/Alpha-VLLM/Lumina-Image-2.0"),
-    "qwenimage": ("qwen_image", "Qwen-Image/lora", "https://github.com/QwenLM/Qwen-Image"),
-    "hidream": ("hidream", "hidream-i1/lora", "https://github.com/HiDream-ai/HiDream-I1"),
-    "wan": ("wan", "wan2.1/lora", "https://github.com/Wan-Video/Wan2.1"),
-    "flux-kontext": ("flux1", "flux-1-kontext-dev/lora", "https://github.com/black-forest-labs/flux"),
-    "qwenimage-edit": ("qwen_image", "Qwen-Image-Edit/lora", "https://github.com/QwenLM/Qwen-Image"),
-    "hunyuanvideo": ("hunyuan_video", "hunyuan-video/lora", "https://github.com/Tencent/HunyuanVideo"),
-    "ltxvideo": ("ltx_video", "ltx-video/lora", "https://github.com/Lightricks/LTX-Video"),
-    "mochi": ("mochi", "mochi-1/lora", "https://github.com/genmoai/mochi"),
-    "cosmos2": ("cosmos_predict2", "cosmos-predict2/lora", "https://github.com/nvidia-cosmos/cosmos-predict2"),
-    "cosmos2-video": ("cosmos_predict2", "cosmos-predict2/lora", "https://github.com/nvidia-cosmos/cosmos-predict2"),
-    "cogvideox": ("cogvideox", "cogvideox/lora", "https://github.com/THUDM/CogVideo"),
-    "cogview4": ("cogview4", "cogview4/lora", "https://github.com/THUDM/CogView4"),
-}
-
 
 def base_model_version(family: str, denoiser_config: dict[str, Any]) -> tuple[str, str, str]:
-    """The sd-scripts base model version and modelspec architecture of a denoiser."""
-    if family in _BY_FAMILY:
-        return _BY_FAMILY[family]
-    if family not in ("sd", "sdxl"):  # a guess would label the file as another model's LoRA
-        raise ValueError(f"kohya format: no sd-scripts base model version for family {family!r} "
-                         "(diffpipe/export/kohya.py _BY_FAMILY needs one)")
-    if denoiser_config.get("addition_embed_type") == "text_time":
-        return _SDXL
-    return _SD2 if denoiser_config.get("cross_attention_dim") == 1024 else _SD1
+    """The sd-scripts base model version and modelspec architecture of a denoiser (its family's spec:
+    the names sd-scripts or musubi-tuner write, or the family's own where no kohya trainer covers it).
+
+    An unknown family is an error: a guess would label the file as another model's LoRA."""
+    from diffpipe.families import spec
+
+    k = spec(family).kohya_for(denoiser_config)
+    return k.base_model_version, k.architecture, k.implementation
 
 
 def _network(info: ExportInfo) -> dict[str, str]:

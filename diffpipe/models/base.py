@@ -3,8 +3,8 @@
 A family knows how to build or load its components, encode media and text
 for the caches, prepare a batch's training inputs from cached tensors (one
 path, :meth:`Family.prepare`, for the loss, evaluation and pipeline-parallel
-training), and which stock diffusers pipeline samples and loads its LoRAs. Adding a family is one
-new module plus one ``register`` line; nothing else changes.
+training), and which stock diffusers pipeline samples and loads its LoRAs. Each family lives in its
+own folder under ``diffpipe/families/`` (see ``diffpipe.models.spec``).
 
 Tensor conventions (every family):
 - pixels: float32 ``[B, 3, F, H, W]`` in [-1, 1] (F = 1 for images);
@@ -21,7 +21,6 @@ Tensor conventions (every family):
 
 from __future__ import annotations
 
-import importlib
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
@@ -379,8 +378,15 @@ class Family(ABC):
 
     # -- pipeline parallelism (train.pipeline_stages > 1) ---------------------------
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
-        """The denoiser as layers passing tuples of tensors: embedding, one per block, output."""
-        raise ValueError(f"model family {self.name!r} has no pipeline layer list yet; set train.pipeline_stages: 1")
+        """The denoiser as layers passing tuples of tensors: embedding, one per block, output.
+
+        Families with layers (their folder's ``layers.py``) override this; the others' spec says why not.
+        """
+        from diffpipe.families import Absent, spec
+
+        layers = spec(self.name).layers
+        why = f"is {layers.reason}" if isinstance(layers, Absent) else "has no layer list"
+        raise ValueError(f"{self.name}: pipeline parallelism {why}; set train.pipeline_stages: 1")
 
     def pipeline_inputs(
         self,
@@ -404,29 +410,16 @@ class Family(ABC):
         return self.layer_inputs(p), (p.target, weights.to(p.target.device))
 
 
-_REGISTRY: dict[str, type[Family]] = {}
-
-
-def register(cls: type[Family]) -> type[Family]:
-    """Class decorator: make a family available by its ``name``."""
-    _REGISTRY[cls.name] = cls
-    return cls
-
-
 def family_names() -> list[str]:
-    from diffpipe.models._load_all import FAMILY_MODULES
+    from diffpipe.families import family_names as names
 
-    return sorted(FAMILY_MODULES)
+    return names()
 
 
 def get_family(cfg: ModelConfig) -> Family:
     """The family instance for a model config; a clear error for an unknown name."""
-    from diffpipe.models._load_all import FAMILY_MODULES
-
-    if cfg.family not in FAMILY_MODULES:
-        raise ValueError(f"model.family: unknown family {cfg.family!r}; known: {', '.join(family_names())}")
-    if cfg.family not in _REGISTRY:
-        importlib.import_module(FAMILY_MODULES[cfg.family])  # its @register line adds it
     from diffpipe import hub
+    from diffpipe.families import spec
 
-    return _REGISTRY[cfg.family](hub.resolved(cfg))  # a Hugging Face id becomes its cached snapshot folder
+    cls = spec(cfg.family).family_type()
+    return cls(hub.resolved(cfg))  # a Hugging Face id becomes its cached snapshot folder

@@ -103,7 +103,7 @@ class _StageEdge(torch.nn.Module):
         self.layer, self.entry, self.exit = layer, entry, exit
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        from diffpipe.models.pipeline_layers import _pipe_ready
+        from diffpipe.models.layers import _pipe_ready
 
         out = self.layer(inputs)
         if self.entry and torch.is_grad_enabled():

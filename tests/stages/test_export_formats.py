@@ -32,7 +32,6 @@ from safetensors.torch import load_file
 
 from diffpipe.config import LoraConfig, ModelConfig
 from diffpipe.export import export_lora, import_lora
-from diffpipe.export.card import COMFY_READS_DIFFUSERS
 from diffpipe.export.convert import to_original
 from diffpipe.export.keymaps import keymap_for_model, mapped_families
 from diffpipe.models import get_family
@@ -413,6 +412,9 @@ def test_key_map_matches_original_naming_facts(case):
 
 
 # -- per format: every key maps, reference loader reproduces the delta and the output -------------
+#: Families whose diffusers file ComfyUI reads whole (it maps their ``transformer.`` names); written out
+#: here, independent of the specs the model card reads.
+COMFY_READS_DIFFUSERS = {"flux", "flux-kontext", "chroma", "sd3", "qwenimage", "qwenimage-edit", "hidream"}
 BASE_MODEL_VERSION = {
     "sd": "sd_v1",
     "sdxl": "sdxl_base_v1-0",
@@ -631,7 +633,7 @@ def test_import_round_trip(trained, fmt, tmp_path):
 
 def test_merged_pipeline_equals_base_plus_lora(trained):
     family = trained["family"]
-    # Cosmos2: the stock pipeline's safety checker is passed explicitly (see diffpipe.models.cosmos2).
+    # Cosmos2: the stock pipeline's safety checker is passed explicitly (see diffpipe.families.cosmos2.family).
     extra = {"safety_checker": family.safety_checker()} if family.name.startswith("cosmos2") else {}
     merged = family.pipeline_class.from_pretrained(str(trained["files"]["merged"]), **extra)
     denoiser = getattr(merged, family.denoiser_attr)

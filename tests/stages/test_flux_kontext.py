@@ -24,8 +24,8 @@ from stage_cli import rendezvous, run_stages
 from diffpipe.config import load_config
 from diffpipe.data.demo import write_demo_dataset
 from diffpipe.data.reader import CachedDataset
+from diffpipe.families.flux_kontext.family import reference_tokens
 from diffpipe.models import get_family
-from diffpipe.models.flux_kontext import reference_tokens
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter
 

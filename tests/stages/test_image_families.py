@@ -111,7 +111,7 @@ def test_lora_loads_in_stock_pipeline_and_matches_training(run):
     peft_denoiser = family.load_denoiser()
     peft.PeftModel.from_pretrained(peft_denoiser, str(p.export_file("peft")))  # injects into peft_denoiser
     torch.testing.assert_close(_denoiser_output(family, peft_denoiser, batch), expected, rtol=1e-5, atol=1e-5)
-    # Cosmos2: the stock pipeline's safety checker is passed explicitly (see diffpipe.models.cosmos2).
+    # Cosmos2: the stock pipeline's safety checker is passed explicitly (see diffpipe.families.cosmos2.family).
     extra = {"safety_checker": family.safety_checker()} if family.name == "cosmos2" else {}
     merged = family.pipeline_class.from_pretrained(str(p.export_file("merged")), **extra)
     torch.testing.assert_close(_denoiser_output(family, getattr(merged, family.denoiser_name), batch), expected,

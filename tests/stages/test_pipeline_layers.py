@@ -6,7 +6,7 @@ from diffusers import FluxPipeline
 
 from diffpipe.config import LoraConfig, ModelConfig
 from diffpipe.models import get_family
-from diffpipe.models.pipeline_layers import run_layers
+from diffpipe.models.layers import run_layers
 from diffpipe.training import adapter
 from diffpipe.training.pipeline import balanced_split, layer_sizes, manual_split
 
@@ -147,7 +147,7 @@ def test_cogvideox_layers_with_sincos_positions():
     """CogVideoX-2b-style models (sin-cos positions, no rotary embedding) through the same layers."""
     from diffusers import CogVideoXTransformer3DModel
 
-    from diffpipe.models.cogvideox import TINY_TRANSFORMER
+    from diffpipe.families.cogvideox.family import TINY_TRANSFORMER
 
     family = get_family(ModelConfig(family="cogvideox"))
     torch.manual_seed(0)
@@ -182,7 +182,7 @@ def test_cosmos2_layers_equal_forward(extra_pos):
     """Cosmos-Predict2 (no learnable positions) and the learnable-position variant: layers equal forward."""
     from diffusers import CosmosTransformer3DModel
 
-    from diffpipe.models.cosmos2 import TINY_TRANSFORMER
+    from diffpipe.families.cosmos2.family import TINY_TRANSFORMER
 
     family = get_family(ModelConfig(family="cosmos2"))
     torch.manual_seed(0)
@@ -249,7 +249,7 @@ def test_image_family_pipeline_inputs_reproduce_the_loss(name):
     assert labels[0].shape == got_pred.shape and labels[1].shape == (2,)
     want_pred = preds[0] if preds[0].shape == got_pred.shape else None
     if name == "hidream":
-        from diffpipe.models.hidream import unpatchify
+        from diffpipe.families.hidream.family import unpatchify
 
         want_pred = unpatchify(preds[0], got_pred.shape, den.config.patch_size)
     torch.testing.assert_close(got_pred, want_pred, rtol=1e-5, atol=1e-5)

@@ -27,8 +27,8 @@ from diffpipe.config import load_config
 from diffpipe.data.plan import read_spec
 from diffpipe.data.reader import CachedDataset
 from diffpipe.data.text import TextShard
+from diffpipe.families.qwenimage_edit.family import reference_tokens
 from diffpipe.models import get_family
-from diffpipe.models.qwenimage_edit import reference_tokens
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter
 

@@ -27,9 +27,9 @@ from diffpipe.data.demo import write_demo_dataset
 from diffpipe.data.demo_video import write_demo_clips
 from diffpipe.data.plan import read_spec
 from diffpipe.data.reader import CachedDataset
+from diffpipe.families.wan.family import detect_variant
 from diffpipe.models import get_family
 from diffpipe.models.published import PUBLISHED
-from diffpipe.models.wan import detect_variant
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter, load_adapter
 

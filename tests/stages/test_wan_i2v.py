@@ -29,7 +29,8 @@ from diffpipe.data.cache import _decode
 from diffpipe.data.demo_video import write_demo_clips
 from diffpipe.data.plan import _entries, read_spec
 from diffpipe.data.reader import CachedDataset
-from diffpipe.models import get_family, wan_i2v
+from diffpipe.families.wan import i2v as wan_i2v
+from diffpipe.models import get_family
 from diffpipe.models.published import PUBLISHED
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter

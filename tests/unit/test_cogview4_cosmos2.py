@@ -11,9 +11,9 @@ from peft.utils import get_peft_model_state_dict
 
 from diffpipe.config import ModelConfig
 from diffpipe.export.diffusers_format import export_diffusers
+from diffpipe.families.cogview4.family import padded_length
+from diffpipe.families.cosmos2.family import PassThroughSafetyChecker
 from diffpipe.models import get_family
-from diffpipe.models.cogview4 import padded_length
-from diffpipe.models.cosmos2 import PassThroughSafetyChecker
 from diffpipe.training import objectives as obj
 
 CAPTIONS = ["a white circle on a black background", "x", "", "a white triangle " * 8]
@@ -175,6 +175,6 @@ def test_cosmos2_safety_checker_stand_in_is_for_the_tiny_flavor_only(monkeypatch
     frames = np.zeros((1, 8, 8, 3), dtype=np.uint8)
     assert checker.check_text_safety("anything") and checker.check_video_safety(frames) is frames
     local = get_family(ModelConfig(family="cosmos2", flavor="local", path=str(tmp_path)))
-    monkeypatch.setattr("diffpipe.models.cosmos2.is_cosmos_guardrail_available", lambda: False)
+    monkeypatch.setattr("diffpipe.families.cosmos2.family.is_cosmos_guardrail_available", lambda: False)
     with pytest.raises(ValueError, match="pip install cosmos_guardrail"):
         local.safety_checker()

@@ -9,7 +9,7 @@ from safetensors.torch import load_file
 from diffpipe.config import ExportFormat
 from diffpipe.export.convert import Lora, from_original, to_original
 from diffpipe.export.keymaps import KeyMap, Layer, Segment
-from diffpipe.export.keymaps.sd import module_pairs
+from diffpipe.families.sd.keymap import module_pairs
 from diffpipe.paths import FORMATS
 
 
@@ -124,14 +124,14 @@ def test_every_mapped_family_names_its_denoiser():
 
 def test_dashed_family_names_find_their_module():
     from diffpipe.export.keymaps import _table
-    from diffpipe.export.keymaps.flux_kontext import build
+    from diffpipe.families.flux_kontext.keymap import build
 
     sizes = _sizes(["single_transformer_blocks.0.attn.to_q", "single_transformer_blocks.0.proj_out"])
     denoiser, builder = _table("flux-kontext")
     assert denoiser.__name__ == "FluxTransformer2DModel" and builder is build
     km = builder({"num_layers": 0, "num_single_layers": 0, "num_attention_heads": 1, "attention_head_dim": 8}, sizes)
     assert km.family == "flux-kontext"
-    with pytest.raises(ValueError, match="no LoRA key map for family 'no-such-family'"):
+    with pytest.raises(ValueError, match="unknown family 'no-such-family'"):
         _table("no-such-family")
 
 
@@ -140,7 +140,7 @@ def _sizes(names: list[str], n: int = 8) -> dict[str, int]:
 
 
 def test_sd3_table_fuses_qkv_and_swaps_the_last_context_modulation():
-    from diffpipe.export.keymaps.sd3 import build
+    from diffpipe.families.sd3.keymap import build
 
     block = [
         "attn.to_q",
@@ -166,7 +166,7 @@ def test_sd3_table_fuses_qkv_and_swaps_the_last_context_modulation():
 
 
 def test_wan_table_writes_no_alpha_outside_the_blocks():
-    from diffpipe.export.keymaps.wan import build
+    from diffpipe.families.wan.keymap import build
 
     sizes = _sizes(
         [
@@ -189,7 +189,7 @@ def test_wan_table_writes_no_alpha_outside_the_blocks():
 
 
 def test_lumina2_qkv_splits_by_module_size():
-    from diffpipe.export.keymaps.lumina2 import build
+    from diffpipe.families.lumina2.keymap import build
 
     sizes = {"layers.0.attn.to_q": 12, "layers.0.attn.to_k": 4, "layers.0.attn.to_v": 4}
     km = build({"num_layers": 1, "num_refiner_layers": 0}, sizes)
@@ -213,7 +213,9 @@ def test_layer_without_alpha_key_is_written_bare_and_read_back_at_scale_one(tmp_
 
 
 def test_video_tables_rename_and_swap_as_the_original_checkpoints():
-    from diffpipe.export.keymaps import hunyuanvideo, ltxvideo, mochi
+    from diffpipe.families.hunyuanvideo import keymap as hunyuanvideo
+    from diffpipe.families.ltxvideo import keymap as ltxvideo
+    from diffpipe.families.mochi import keymap as mochi
 
     ltx = ltxvideo.build({}, _sizes(["proj_in", "time_embed.linear", "transformer_blocks.0.attn1.to_q"]))
     assert ltx.by_module["proj_in"].original == "patchify_proj"

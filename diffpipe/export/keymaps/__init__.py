@@ -1,16 +1,12 @@
 """Per-family key maps between our module names and the original checkpoint's.
 
-One module per family, named after it (``sd.py``, ``flux.py``, ``flux_kontext.py``
-for ``flux-kontext``: ``-`` becomes ``_``), holding
-``DENOISER`` (the diffusers denoiser class) and ``build(config, out_features)``
-(the table). Export and import (``diffpipe import-lora``) read the same table;
-adding a family's map is adding its module.
+Each family's folder has a ``keymap.py`` (unless its spec says the key map is absent) holding
+``DENOISER`` (the diffusers denoiser class) and ``build(config, out_features)`` (the table).
+Export and import (``diffpipe import-lora``) read the same table.
 """
 
 from __future__ import annotations
 
-import importlib
-import pkgutil
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -20,7 +16,6 @@ from diffpipe.export.keymaps.base import LORA_LAYERS, KeyMap, Layer, Segment
 from diffpipe.models.base import Family
 
 Builder = Callable[[Mapping[str, Any], Mapping[str, int]], KeyMap]
-_NOT_FAMILIES = {"base"}
 
 __all__ = [
     "KeyMap",
@@ -46,17 +41,16 @@ def out_features(model: torch.nn.Module) -> dict[str, int]:
 
 def mapped_families() -> list[str]:
     """Families that have a key map (and so the comfyui and kohya formats)."""
-    return sorted(m.name.replace("_", "-") for m in pkgutil.iter_modules(__path__) if m.name not in _NOT_FAMILIES)
+    from diffpipe.families import Absent, specs
+
+    return sorted(s.name for s in specs() if not isinstance(s.keymap, Absent))
 
 
 def _table(family_name: str) -> tuple[type, Builder]:
     """``(denoiser class, table builder)`` of a family."""
-    if family_name not in mapped_families():
-        raise ValueError(
-            f"no LoRA key map for family {family_name!r} (formats comfyui and kohya need one); "
-            f"families with one: {', '.join(mapped_families())}"
-        )
-    module = importlib.import_module(f"{__name__}.{family_name.replace('-', '_')}")
+    from diffpipe.families import spec
+
+    module = spec(family_name).keymap_module()
     return module.DENOISER, module.build
 
 

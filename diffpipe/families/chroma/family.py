@@ -1,0 +1,163 @@
+"""Family ``chroma``: Chroma (a Flux.1-schnell derivative), T5 text with an attention mask.
+
+Components and names follow ``ChromaPipeline``: ``vae`` (Flux's),
+``text_encoder`` (T5EncoderModel) + ``tokenizer``, ``transformer``
+(ChromaTransformer2DModel: Flux blocks, modulation from a small
+"approximator" network instead of CLIP pooled text and guidance),
+``scheduler``. Unlike Flux, Chroma masks the T5 padding: every token but
+the first pad is masked, in the encoder and in the transformer, so the mask
+is cached next to the embeddings (``prompt_attention_mask``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import torch
+from diffusers import ChromaPipeline, ChromaTransformer2DModel, FluxPipeline
+from transformers import T5Config, T5EncoderModel, T5TokenizerFast
+
+from diffpipe.families.chroma.flavors import TINY_TRANSFORMER
+from diffpipe.families.flux.family import TINY_T5, TINY_T5_LENGTH, FluxFamily
+from diffpipe.models import _common as common
+from diffpipe.models._draws import draw_image
+from diffpipe.models.base import Prepared
+from diffpipe.models.tokenizers import t5_tokenizer, tokenizer_fingerprint
+from diffpipe.training import objectives as obj
+from diffpipe.utils import digest
+
+
+@dataclass
+class ChromaTextEncoders:
+    tokenizer: T5TokenizerFast
+    text_encoder: T5EncoderModel
+    max_sequence_length: int
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ChromaTextEncoders:
+        self.text_encoder.to(device=device, dtype=dtype)
+        return self
+
+
+class ChromaFamily(FluxFamily):
+    name = "chroma"
+    denoiser_name = "transformer"
+    #: Flux's targets (the blocks are Flux's), which also hit the single blocks' q/k/v.
+    default_lora_targets: ClassVar[list[str]] = FluxFamily.default_lora_targets
+
+    # -- components ------------------------------------------------------------
+    def load_tokenizers(self) -> ChromaTextEncoders:
+        msl = self.max_sequence_length
+        if self.cfg.flavor == "tiny":
+            return ChromaTextEncoders(t5_tokenizer(TINY_T5_LENGTH), None, msl)
+        return ChromaTextEncoders(T5TokenizerFast.from_pretrained(self.cfg.path, subfolder="tokenizer"), None, msl)
+
+    def load_text_encoders(self) -> ChromaTextEncoders:
+        enc = self.load_tokenizers()
+        if self.cfg.flavor == "tiny":
+            tok = enc.tokenizer
+            config = T5Config(**TINY_T5, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                              eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id)
+            with common.seeded(self.cfg.seed, "chroma.text_encoder"):
+                enc.text_encoder = T5EncoderModel(config).eval()
+        else:
+            enc.text_encoder = common.pretrained_text_encoder(T5EncoderModel, self.cfg, "text_encoder")
+        return enc
+
+    @property
+    def max_sequence_length(self) -> int:  # type: ignore[override]
+        if self.cfg.flavor == "tiny":
+            return TINY_T5_LENGTH
+        config = json.loads((Path(self.cfg.path) / "tokenizer" / "tokenizer_config.json").read_text())
+        return min(int(config.get("model_max_length", 512)), 512)
+
+    def load_denoiser(self) -> ChromaTransformer2DModel:
+        return common.component(ChromaTransformer2DModel, self.cfg, "chroma", "transformer", TINY_TRANSFORMER)
+
+    def load_pipeline(self) -> ChromaPipeline:
+        enc = self.load_text_encoders()
+        return ChromaPipeline(scheduler=self.inference_scheduler(), vae=self.load_vae(),
+                              text_encoder=enc.text_encoder, tokenizer=enc.tokenizer,
+                              transformer=self.load_denoiser())
+
+    @property
+    def pipeline_class(self) -> type:
+        return ChromaPipeline
+
+    # -- identities ------------------------------------------------------------
+    def encoders_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity((self.name, self.cfg.seed, "text"),
+                                        lambda: self._text_identity(self.load_text_encoders()))
+        return digest({
+            "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
+            "text_encoder": common.transformers_folder_identity(T5EncoderModel, T5Config, self.cfg.path,
+                                                                "text_encoder", variant=self.cfg.weight_variant),
+            "max_sequence_length": self.max_sequence_length,
+        })
+
+    @staticmethod
+    def _text_identity(enc: ChromaTextEncoders) -> str:
+        return digest({"tokenizer": tokenizer_fingerprint(enc.tokenizer),
+                       "text_encoder": common.module_identity(enc.text_encoder),
+                       "max_sequence_length": enc.max_sequence_length})
+
+    # -- encoding --------------------------------------------------------------
+    def encode_text(self, encoders: ChromaTextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
+        # Exactly ChromaPipeline._get_t5_prompt_embeds.
+        tok = encoders.tokenizer(captions, padding="max_length", max_length=encoders.max_sequence_length,
+                                 truncation=True, return_tensors="pt")
+        device = next(encoders.text_encoder.parameters()).device
+        mask = tok.attention_mask.to(device)
+        with torch.no_grad():
+            embeds = encoders.text_encoder(tok.input_ids.to(device), output_hidden_states=False,
+                                           attention_mask=mask)[0]
+        # Every token up to and including the first pad is attended to.
+        positions = torch.arange(mask.shape[1], device=device).unsqueeze(0)
+        keep = (positions <= mask.sum(dim=1, keepdim=True)).float()
+        return {"prompt_embeds": embeds.float(), "prompt_attention_mask": keep}
+
+    def token_limits(self, encoders: ChromaTextEncoders) -> dict[str, int]:
+        return {"t5": encoders.max_sequence_length}
+
+    def count_tokens(self, encoders: ChromaTextEncoders, captions: list[str]) -> dict[str, list[int]]:
+        return {"t5": [len(x) for x in encoders.tokenizer(list(captions)).input_ids]}
+
+    # -- training ----------------------------------------------------------------
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Flux's packed inputs without guidance or pooled text, with the text-and-image attention mask."""
+        o = objective
+        x0 = common.single_frame(latents, self.name).float()
+        device, (b, c, h, w) = x0.device, x0.shape
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
+        seq = (h // 2) * (w // 2)
+        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(seq))
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            return FluxPipeline._pack_latents(x, b, c, h, w)
+
+        embeds = text["prompt_embeds"].to(device=device, dtype=dtype)
+        inputs = {
+            "hidden_states": pack(obj.flow_interpolate(x0, noise, sigma)).to(dtype),
+            "timestep": sigma.to(dtype),
+            "encoder_hidden_states": embeds,
+            "txt_ids": torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),
+            "img_ids": FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
+            # ChromaPipeline._prepare_attention_mask: text mask, then every image token.
+            "attention_mask": torch.cat([text["prompt_attention_mask"].to(device=device, dtype=dtype),
+                                         torch.ones(b, seq, device=device, dtype=dtype)], dim=1),
+        }
+        return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=self.loss_mask(mask, x0, o, pack))
+
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Embedding, one layer per double and single block, output.
+
+        Input tuple ``(packed_noisy, sigma, prompt_embeds, txt_ids, img_ids, attention_mask)``
+        (the mask over text and image tokens); output ``(packed prediction,)``.
+        """
+        from diffpipe.families.chroma.layers import chroma_layers
+
+        return chroma_layers(common.unwrap(denoiser))

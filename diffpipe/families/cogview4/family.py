@@ -1,0 +1,342 @@
+"""Family ``cogview4``: CogView4 (6B DiT), GLM-4 text, flow matching with a resolution-dependent shift.
+
+Components and names follow ``CogView4Pipeline``: ``vae`` (AutoencoderKL, 16
+channels, factor 8; the pipeline decodes ``latents / scaling_factor`` and
+ignores ``shift_factor``, so the cache does too), ``text_encoder`` (GlmModel:
+hidden states second from the top, no attention mask) + ``tokenizer``,
+``transformer`` (CogView4Transformer2DModel), ``scheduler`` (flow matching;
+the shift ``mu`` grows with the square root of the image's token count and is
+applied linearly, ``time_shift_type: linear``).
+
+Prompts have their own length. The pipeline tokenizes a prompt without
+padding, pads it on the left with the pad token to a multiple of 16 and
+encodes that without a mask, so the pad tokens are part of what the
+transformer reads. The cache holds each caption encoded exactly so (as the
+pipeline encodes one prompt; the sample stage renders prompt by prompt):
+right-aligned in a row of ``max_sequence_length`` (rounded up to 16) with
+zeros before it, and ``prompt_embeds_mask`` marking its tokens, the
+fixed-width-plus-mask layout the qwenimage family uses. A batch is assembled
+as the pipeline does it: each prompt's last ``L`` columns, ``L`` its padded
+length. The transformer cannot mask text (its attention processor turns a
+mask into an additive 0/1 bias, not a mask), so prompts of different lengths
+cannot share one padded call without changing what they condition on: the
+loss runs the transformer once per distinct length in the batch, and every
+item sees exactly the embedding the pipeline gives its prompt.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+from diffusers import AutoencoderKL, CogView4Pipeline, CogView4Transformer2DModel, FlowMatchEulerDiscreteScheduler
+from diffusers.pipelines.cogview4.pipeline_cogview4 import calculate_shift
+from transformers import AutoTokenizer, GlmConfig, GlmModel, PreTrainedTokenizerBase
+
+from diffpipe.config import SampleConfig
+from diffpipe.families.cogview4.flavors import TINY_GLM, TINY_LENGTH, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
+from diffpipe.models import _common as common
+from diffpipe.models._draws import draw_image
+from diffpipe.models.base import Family, Prepared
+from diffpipe.models.llm_tokenizers import llm_tokenizer
+from diffpipe.models.tokenizers import tokenizer_fingerprint
+from diffpipe.training import objectives as obj
+from diffpipe.utils import digest
+
+PAD_MULTIPLE = 16  # the pipeline pads every prompt on the left to a multiple of this
+MAX_LENGTH = 512  # tokens kept per prompt (the pipeline allows up to 1024; the cache row is this wide)
+
+
+def padded_length(n: int) -> int:
+    """Prompt tokens after the pipeline's left padding to a multiple of 16."""
+    return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
+
+
+@dataclass
+class GlmText:
+    tokenizer: PreTrainedTokenizerBase
+    text_encoder: GlmModel
+    max_sequence_length: int
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> GlmText:
+        self.text_encoder.to(device=device, dtype=dtype)
+        return self
+
+
+def tiny_glm_tokenizer(max_length: int) -> PreTrainedTokenizerBase:
+    """GLM-4-like: ``[gMASK]`` before every prompt, ``<|endoftext|>`` pads, padding on the left."""
+    return llm_tokenizer(
+        max_length, bos="[gMASK]", eos="<|user|>", pad="<|endoftext|>", extra=("<sop>",), padding_side="left"
+    )
+
+
+class CogView4Family(Family):
+    name = "cogview4"
+    vae_class = AutoencoderKL
+    denoiser_name = "transformer"
+    #: The attention projections of every block (one joint attention over text
+    #: and image tokens) and the feed-forward both streams share.
+    default_lora_targets: ClassVar[list[str]] = [
+        "attn1.to_q",
+        "attn1.to_k",
+        "attn1.to_v",
+        "attn1.to_out.0",
+        "ff.net.0.proj",
+        "ff.net.2",
+    ]
+
+    @cached_property
+    def _vae_config(self) -> dict[str, Any]:
+        return (
+            dict(TINY_VAE)
+            if self.cfg.flavor == "tiny"
+            else dict(AutoencoderKL.load_config(self.cfg.path, subfolder="vae"))
+        )
+
+    @cached_property
+    def _transformer_config(self) -> dict[str, Any]:
+        return (
+            dict(TINY_TRANSFORMER)
+            if self.cfg.flavor == "tiny"
+            else dict(CogView4Transformer2DModel.load_config(self.cfg.path, subfolder="transformer"))
+        )
+
+    @cached_property
+    def _scheduler_config(self) -> dict[str, Any]:
+        return (
+            dict(TINY_SCHEDULER)
+            if self.cfg.flavor == "tiny"
+            else dict(FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
+        )
+
+    @property
+    def vae_factor(self) -> int:
+        return 2 ** (len(self._vae_config["block_out_channels"]) - 1)  # as the pipeline computes it
+
+    @property
+    def patch_size(self) -> int:
+        return int(self._transformer_config.get("patch_size", 2))
+
+    @property
+    def pixel_multiple(self) -> int:
+        return max(self.vae_factor * self.patch_size, 16)  # the pipeline refuses sides not divisible by 16
+
+    @cached_property
+    def max_sequence_length(self) -> int:
+        return self.load_tokenizers().max_sequence_length
+
+    def timestep_shift(self, image_seq_len: int) -> float:
+        """The pipeline scheduler's shift ``s`` at this many image tokens (``sigma' = s t / (1 + (s-1) t)``).
+
+        ``mu`` as ``CogView4Pipeline`` computes it; linear time shift: ``s = mu``; exponential: ``exp(mu)``.
+        """
+        c = self._scheduler_config
+        if not c.get("use_dynamic_shifting", False):
+            return float(c.get("shift", 1.0))
+        mu = calculate_shift(
+            image_seq_len, c.get("base_image_seq_len", 256), c.get("base_shift", 0.25), c.get("max_shift", 0.75)
+        )
+        return mu if c.get("time_shift_type", "exponential") == "linear" else math.exp(mu)
+
+    # -- components ------------------------------------------------------------
+    def load_vae(self) -> AutoencoderKL:
+        return common.component(AutoencoderKL, self.cfg, self.name, "vae", TINY_VAE)
+
+    def load_tokenizers(self) -> GlmText:
+        if self.cfg.flavor == "tiny":
+            return GlmText(tiny_glm_tokenizer(TINY_LENGTH), None, TINY_LENGTH)
+        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
+        return GlmText(tok, None, min(int(tok.model_max_length), MAX_LENGTH))
+
+    def load_text_encoders(self) -> GlmText:
+        enc = self.load_tokenizers()
+        if self.cfg.flavor == "tiny":
+            tok = enc.tokenizer
+            config = GlmConfig(
+                **TINY_GLM,
+                vocab_size=len(tok),
+                pad_token_id=tok.pad_token_id,
+                bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+            with common.seeded(self.cfg.seed, f"{self.name}.text_encoder"):
+                enc.text_encoder = GlmModel(config).eval()
+        else:
+            enc.text_encoder = common.pretrained_text_encoder(GlmModel, self.cfg, "text_encoder")
+        return enc
+
+    def load_denoiser(self) -> CogView4Transformer2DModel:
+        return common.component(CogView4Transformer2DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
+
+    def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
+
+    def load_pipeline(self) -> CogView4Pipeline:
+        enc = self.load_text_encoders()
+        return CogView4Pipeline(
+            tokenizer=enc.tokenizer,
+            text_encoder=enc.text_encoder,
+            vae=self.load_vae(),
+            transformer=self.load_denoiser(),
+            scheduler=self.inference_scheduler(),
+        )
+
+    @property
+    def pipeline_class(self) -> type:
+        return CogView4Pipeline  # its LoRA loader: CogView4LoraLoaderMixin
+
+    # -- identities ------------------------------------------------------------
+    def encoders_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity(
+                (self.name, self.cfg.seed, "text"), lambda: self._text_identity(self.load_text_encoders())
+            )
+        return digest(
+            {
+                "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
+                "text_encoder": common.transformers_folder_identity(GlmModel, GlmConfig, self.cfg.path, "text_encoder", variant=self.cfg.weight_variant),
+                "max_sequence_length": self.max_sequence_length,
+            }
+        )
+
+    @staticmethod
+    def _text_identity(enc: GlmText) -> str:
+        return digest(
+            {
+                "tokenizer": tokenizer_fingerprint(enc.tokenizer),
+                "text_encoder": common.module_identity(enc.text_encoder),
+                "max_sequence_length": enc.max_sequence_length,
+            }
+        )
+
+    # -- encoding --------------------------------------------------------------
+    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        frames = pixels.shape[2]
+        param = next(vae.parameters())
+        with torch.no_grad():
+            x = common.frames_to_batch(pixels).to(device=param.device, dtype=param.dtype)
+            latents = vae.encode(x).latent_dist.mode()
+        # Inverse of the pipeline's decode ``latents / scaling_factor`` (it applies no shift_factor).
+        return common.batch_to_frames(latents.float() * vae.config.scaling_factor, frames)
+
+    def encode_text(self, encoders: GlmText, captions: list[str]) -> dict[str, torch.Tensor]:
+        """Each caption as ``CogView4Pipeline._get_glm_embeds`` encodes it alone, right-aligned in a fixed row.
+
+        Captions of the same padded length are encoded together: left-padded with
+        the pad token to that length and unmasked, their ids are exactly the
+        pipeline's for each one alone.
+        """
+        tok, enc = encoders.tokenizer, encoders.text_encoder
+        width = padded_length(encoders.max_sequence_length)
+        rows = [
+            tok(c, truncation=True, max_length=encoders.max_sequence_length, add_special_tokens=True).input_ids
+            for c in captions
+        ]
+        groups: dict[int, list[int]] = {}
+        for i, ids in enumerate(rows):
+            groups.setdefault(padded_length(len(ids)), []).append(i)
+        param = next(enc.parameters())
+        embeds = torch.zeros(len(captions), width, enc.config.hidden_size, device=param.device)
+        keep = torch.zeros(len(captions), width, device=param.device)
+        for length, idx in groups.items():
+            ids = torch.full((len(idx), length), tok.pad_token_id, dtype=torch.long)
+            for j, i in enumerate(idx):
+                ids[j, length - len(rows[i]) :] = torch.tensor(rows[i])
+            with torch.no_grad():
+                hidden = enc(ids.to(param.device), output_hidden_states=True).hidden_states[-2]
+            embeds[idx, width - length :] = hidden.float()
+            keep[idx, width - length :] = 1
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": keep}
+
+    def token_limits(self, encoders: GlmText) -> dict[str, int]:
+        return {"glm": encoders.max_sequence_length}
+
+    def count_tokens(self, encoders: GlmText, captions: list[str]) -> dict[str, list[int]]:
+        return {"glm": [len(x) for x in encoders.tokenizer(list(captions)).input_ids]}
+
+    # -- training ----------------------------------------------------------------
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Flow-matching inputs; ``extra["lengths"]``: each item's prompt token count.
+
+        The pipeline passes the scheduler's timesteps, sigma * 1000, and steps with the velocity.
+        Size conditioning as the pipeline samples: original = target = the image size, crop at (0, 0).
+        """
+        o = objective
+        x0 = common.single_frame(latents, self.name).float()
+        device, (b, _, h, w) = x0.device, x0.shape
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
+        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(h * w // self.patch_size**2))
+        embeds, keep = text["prompt_embeds"], text["prompt_embeds_mask"]
+        if embeds.device.type == "meta":  # memory estimates: every prompt at full length
+            lengths = [embeds.shape[1]] * b
+        else:
+            lengths = [int(n) for n in keep.sum(dim=1).round().long().tolist()]
+        if min(lengths) <= 0:
+            raise ValueError("text prompt_embeds_mask: an item has no prompt tokens; rerun the text cache step")
+        size = torch.tensor([[h * self.vae_factor, w * self.vae_factor]], device=device, dtype=dtype).repeat(b, 1)
+        inputs = {
+            "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
+            "timestep": (sigma * 1000).to(dtype),
+            "encoder_hidden_states": embeds.to(device=device, dtype=dtype),  # left-padded to the longest
+            "original_size": size,
+            "target_size": size.clone(),
+            "crop_coords": torch.zeros_like(size),
+        }
+        return Prepared(inputs, obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o),
+                        extra={"lengths": lengths})
+
+    def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
+        """The transformer's output, each item on its own prompt length (it cannot mask text)."""
+        inputs, lengths = prepared.inputs, prepared.extra["lengths"]
+        embeds = inputs["encoder_hidden_states"]
+        device = embeds.device
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(lengths):
+            groups.setdefault(n, []).append(i)
+        outs, order = [], []
+        for n, idx in sorted(groups.items()):
+            rows = torch.tensor(idx, device=device) if len(groups) > 1 else slice(None)
+            part = {k: v[rows] for k, v in inputs.items()}
+            part["encoder_hidden_states"] = embeds[rows, embeds.shape[1] - n :]
+            outs.append(denoiser(**part, return_dict=False)[0])
+            order += idx
+        if len(outs) == 1:
+            return outs[0]
+        return torch.cat(outs)[torch.argsort(torch.tensor(order, device=device))]
+
+    def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
+        """``(noisy, sigma * 1000, prompt_embeds, original_size, target_size, crop_coords)``.
+
+        ``loss`` runs each prompt length as its own forward, which a pipeline (one tensor per
+        micro-batch) cannot; here every prompt of the micro-batch must have the same token
+        count (always so with ``train.batch_size: 1``).
+        """
+        lengths = sorted(set(prepared.extra["lengths"]))
+        if len(lengths) != 1:
+            raise ValueError(
+                f"cogview4 with train.pipeline_stages > 1: the prompts of a micro-batch have {lengths} tokens, "
+                "but a pipeline needs one prompt length per micro-batch (the transformer cannot mask text); "
+                "set train.batch_size: 1 or train.pipeline_stages: 1"
+            )
+        i = prepared.inputs
+        embeds = i["encoder_hidden_states"]
+        return (i["hidden_states"], i["timestep"], embeds[:, embeds.shape[1] - lengths[0] :], i["original_size"],
+                i["target_size"], i["crop_coords"])
+
+    # -- sampling ----------------------------------------------------------------
+    def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        return {**super().sample_kwargs(cfg), "max_sequence_length": self.max_sequence_length}
+
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Embedding, one layer per block, output (``layers.py``).
+
+        Input tuple ``(noisy, timestep, prompt_embeds, original_size, target_size, crop_coords)``,
+        every prompt of the micro-batch at the same length; output ``(prediction,)``.
+        """
+        from diffpipe.families.cogview4.layers import cogview4_layers
+
+        return cogview4_layers(common.unwrap(denoiser))

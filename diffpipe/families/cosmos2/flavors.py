@@ -1,0 +1,65 @@
+"""Flavors of family ``cosmos2``: the tiny configs (built offline from the real classes) and the
+published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
+
+
+from __future__ import annotations
+
+from diffpipe.models.spec import Published
+
+# -- tiny flavor --------------------------------------------------------------------------------
+TINY_LENGTH = 32
+
+TINY_VAE = {
+    "base_dim": 3,
+    "z_dim": 16,
+    "dim_mult": [1, 1, 1, 1],
+    "num_res_blocks": 1,
+    "temperal_downsample": [False, True, True],
+}
+
+TINY_T5 = {"d_model": 32, "d_kv": 8, "d_ff": 37, "num_layers": 2, "num_heads": 4, "relative_attention_num_buckets": 8}
+
+# Cosmos-Predict2's layout (rope scale, no learnable position embedding), tiny widths. One
+# difference: the published models concatenate the padding mask (``concat_padding_mask``), which
+# diffusers resizes with torchvision; torchvision has no build for this CPU torch here, so the
+# tiny model leaves it out (the pipeline still passes the mask; the transformer ignores it).
+TINY_TRANSFORMER = {
+    "in_channels": 16,
+    "out_channels": 16,
+    "num_attention_heads": 2,
+    "attention_head_dim": 16,
+    "num_layers": 2,
+    "mlp_ratio": 2.0,
+    "text_embed_dim": 32,
+    "adaln_lora_dim": 4,
+    "max_size": (4, 32, 32),
+    "patch_size": (1, 2, 2),
+    "rope_scale": (1.0, 4.0, 4.0),
+    "concat_padding_mask": False,
+    "extra_pos_embed_type": None,
+}
+
+TINY_SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_karras_sigmas": True}
+
+
+#: Published models, the flagship first.
+PUBLISHED: list[Published] = [
+    Published(
+            "cosmos-predict2-2b-t2i", "cosmos2", "CosmosTransformer3DModel",
+            {"num_attention_heads": 16, "num_layers": 28, "rope_scale": (1.0, 4.0, 4.0),
+             "extra_pos_embed_type": None},
+            2e9, 1,
+            "nvidia/Cosmos-Predict2-2B-Text2Image: 'text to image generation (2 billion parameters)' (Cosmos "
+            "Predict2 model matrix; a one-digit headline, the transformer has 1.96B)",
+            text={"prompt_embeds": (512, 1024)}, latent_channels=16,
+        ),
+    Published(
+            "cosmos-predict2-14b-t2i", "cosmos2", "CosmosTransformer3DModel",
+            {"num_attention_heads": 40, "num_layers": 36, "rope_scale": (1.0, 4.0, 4.0),
+             "extra_pos_embed_type": None},
+            14e9, 2,
+            "nvidia/Cosmos-Predict2-14B-Text2Image: 'text to image generation (14 billion parameters)' (Cosmos "
+            "Predict2 model matrix; the transformer has 14.27B)",
+            text={"prompt_embeds": (512, 1024)}, latent_channels=16,
+        ),
+]

@@ -1,0 +1,330 @@
+"""Family ``flux``: Flux-style transformer, flow matching, CLIP pooled + T5 sequence text.
+
+Components and names follow ``FluxPipeline``: ``vae`` (AutoencoderKL),
+``text_encoder`` (CLIPTextModel, pooled output) + ``tokenizer``,
+``text_encoder_2`` (T5EncoderModel, sequence output) + ``tokenizer_2``,
+``transformer`` (FluxTransformer2DModel), ``scheduler``
+(FlowMatchEulerDiscreteScheduler). Latents are packed into 2x2 patches with
+the pipeline's own helpers, so training sees exactly what inference sees.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    FlowMatchEulerDiscreteScheduler,
+    FluxPipeline,
+    FluxTransformer2DModel,
+)
+from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTokenizer,
+    T5Config,
+    T5EncoderModel,
+    T5TokenizerFast,
+)
+
+from diffpipe.config import SampleConfig
+from diffpipe.families.flux.flavors import TINY_SCHEDULER, TINY_T5, TINY_T5_LENGTH, TINY_TRANSFORMER, TINY_VAE
+from diffpipe.models import _common as common
+from diffpipe.models._draws import draw_image
+from diffpipe.models.base import Family, Prepared
+from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer, tokenizer_fingerprint
+from diffpipe.training import objectives as obj
+from diffpipe.utils import digest
+
+# FluxPipeline refuses longer T5 prompts.
+MAX_T5_LENGTH = 512
+
+
+@dataclass
+class FluxTextEncoders:
+    """What ``encode_text`` needs: both tokenizers and encoders, and the T5 length."""
+
+    tokenizer: CLIPTokenizer
+    text_encoder: CLIPTextModel
+    tokenizer_2: T5TokenizerFast
+    text_encoder_2: T5EncoderModel
+    max_sequence_length: int
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> FluxTextEncoders:
+        self.text_encoder.to(device=device, dtype=dtype)
+        self.text_encoder_2.to(device=device, dtype=dtype)
+        return self
+
+
+def _tiny_t5(tokenizer: T5TokenizerFast, seed: int) -> T5EncoderModel:
+    config = T5Config(
+        **TINY_T5,
+        vocab_size=len(tokenizer),
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )
+    with common.seeded(seed, "flux.text_encoder_2"):
+        return T5EncoderModel(config).eval()
+
+
+class FluxFamily(Family):
+    name = "flux"
+    vae_class = AutoencoderKL
+    denoiser_name = "transformer"
+    # As in diffusers' Flux DreamBooth LoRA example: attention projections of
+    # both streams (image: to_*, text: add_*_proj / to_add_out; the names
+    # also match the single blocks' q/k/v) and the feed-forward linears of
+    # both streams in the double blocks.
+    default_lora_targets: ClassVar[list[str]] = [
+        "attn.to_k",
+        "attn.to_q",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_k_proj",
+        "attn.add_q_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+    ]
+    #: Distilled guidance fed to guidance-embedding models while training
+    #: (1.0 is the common choice for LoRAs on FLUX.1-dev).
+    train_guidance: ClassVar[float] = 1.0
+
+    # -- configs -------------------------------------------------------------
+    @cached_property
+    def _vae_config(self) -> dict[str, Any]:
+        if self.cfg.flavor == "tiny":
+            return dict(TINY_VAE)
+        return dict(AutoencoderKL.load_config(self.cfg.path, subfolder="vae"))
+
+    @cached_property
+    def _scheduler_config(self) -> dict[str, Any]:
+        if self.cfg.flavor == "tiny":
+            return dict(TINY_SCHEDULER)
+        return dict(
+            FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler")
+        )
+
+    @cached_property
+    def max_sequence_length(self) -> int:
+        """T5 tokens per prompt, in training caches and in sampling alike."""
+        if self.cfg.flavor == "tiny":
+            return TINY_T5_LENGTH
+        config_file = Path(self.cfg.path) / "tokenizer_2" / "tokenizer_config.json"
+        length = json.loads(config_file.read_text()).get("model_max_length", MAX_T5_LENGTH)
+        return min(int(length), MAX_T5_LENGTH)
+
+    @property
+    def pixel_multiple(self) -> int:
+        # VAE downsampling x the 2x2 latent packing.
+        return 2 ** (len(self._vae_config["block_out_channels"]) - 1) * 2
+
+    def timestep_shift(self, image_seq_len: int) -> float:
+        """The shift ``s`` that FluxPipeline's scheduler applies at this token count.
+
+        With dynamic shifting the scheduler maps ``t -> e^mu / (e^mu + 1/t - 1)``,
+        which is ``shift_timesteps(t, e^mu)``; ``mu`` grows with the image size.
+        """
+        c = self._scheduler_config
+        if not c.get("use_dynamic_shifting", False):
+            return float(c.get("shift", 1.0))
+        mu = calculate_shift(
+            image_seq_len,
+            c.get("base_image_seq_len", 256),
+            c.get("max_image_seq_len", 4096),
+            c.get("base_shift", 0.5),
+            c.get("max_shift", 1.15),
+        )
+        return math.exp(mu) if c.get("time_shift_type", "exponential") == "exponential" else mu
+
+    # -- components ------------------------------------------------------------
+    def load_vae(self) -> AutoencoderKL:
+        return common.component(AutoencoderKL, self.cfg, "lux", "vae", TINY_VAE)
+
+    def load_tokenizers(self) -> FluxTextEncoders:
+        """Both tokenizers only (no encoder weights): enough to count tokens."""
+        msl = self.max_sequence_length
+        if self.cfg.flavor == "tiny":
+            return FluxTextEncoders(clip_tokenizer(), None, t5_tokenizer(TINY_T5_LENGTH), None, msl)
+        path = self.cfg.path
+        return FluxTextEncoders(
+            CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
+            None,
+            T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_2"),
+            None,
+            msl,
+        )
+
+    def load_text_encoders(self) -> FluxTextEncoders:
+        msl = self.max_sequence_length
+        if self.cfg.flavor == "tiny":
+            tok, tok2 = clip_tokenizer(), t5_tokenizer(TINY_T5_LENGTH)
+            clip = common.tiny_clip_text_encoder(tok, self.cfg.seed, "flux.text_encoder")
+            return FluxTextEncoders(tok, clip, tok2, _tiny_t5(tok2, self.cfg.seed), msl)
+        path = self.cfg.path
+        return FluxTextEncoders(
+            CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
+            common.pretrained_text_encoder(CLIPTextModel, self.cfg, "text_encoder"),
+            T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_2"),
+            common.pretrained_text_encoder(T5EncoderModel, self.cfg, "text_encoder_2"),
+            msl,
+        )
+
+    def load_denoiser(self) -> FluxTransformer2DModel:
+        return common.component(FluxTransformer2DModel, self.cfg, "lux", "transformer", TINY_TRANSFORMER)
+
+    def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
+
+    def load_pipeline(self) -> FluxPipeline:
+        enc = self.load_text_encoders()
+        return FluxPipeline(
+            scheduler=self.inference_scheduler(),
+            vae=self.load_vae(),
+            text_encoder=enc.text_encoder,
+            tokenizer=enc.tokenizer,
+            text_encoder_2=enc.text_encoder_2,
+            tokenizer_2=enc.tokenizer_2,
+            transformer=self.load_denoiser(),
+        )
+
+    @property
+    def pipeline_class(self) -> type:
+        return FluxPipeline
+
+    # -- identities ------------------------------------------------------------
+    def encoders_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity(
+                (self.name, self.cfg.seed, "text"),
+                lambda: self._text_identity(self.load_text_encoders()),
+            )
+        path = self.cfg.path
+        return digest(
+            {
+                "tokenizer": tokenizer_fingerprint(
+                    CLIPTokenizer.from_pretrained(path, subfolder="tokenizer")
+                ),
+                "text_encoder": common.transformers_folder_identity(
+                    CLIPTextModel, CLIPTextConfig, path, "text_encoder", variant=self.cfg.weight_variant,
+                ),
+                "tokenizer_2": tokenizer_fingerprint(
+                    T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_2")
+                ),
+                "text_encoder_2": common.transformers_folder_identity(
+                    T5EncoderModel, T5Config, path, "text_encoder_2", variant=self.cfg.weight_variant,
+                ),
+                "max_sequence_length": self.max_sequence_length,
+            }
+        )
+
+    @staticmethod
+    def _text_identity(enc: FluxTextEncoders) -> str:
+        return digest(
+            {
+                "tokenizer": tokenizer_fingerprint(enc.tokenizer),
+                "text_encoder": common.module_identity(enc.text_encoder),
+                "tokenizer_2": tokenizer_fingerprint(enc.tokenizer_2),
+                "text_encoder_2": common.module_identity(enc.text_encoder_2),
+                "max_sequence_length": enc.max_sequence_length,
+            }
+        )
+
+    # -- encoding --------------------------------------------------------------
+    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        frames = pixels.shape[2]
+        param = next(vae.parameters())
+        with torch.no_grad():
+            x = common.frames_to_batch(pixels).to(device=param.device, dtype=param.dtype)
+            latents = vae.encode(x).latent_dist.mode()
+        # Inverse of FluxPipeline's decode: ``latents / scaling_factor + shift_factor``.
+        latents = (latents.float() - vae.config.shift_factor) * vae.config.scaling_factor
+        return common.batch_to_frames(latents, frames)
+
+    def encode_text(
+        self, encoders: FluxTextEncoders, captions: list[str]
+    ) -> dict[str, torch.Tensor]:
+        # Exactly FluxPipeline._get_clip_prompt_embeds / _get_t5_prompt_embeds.
+        enc = encoders
+        clip_ids = enc.tokenizer(
+            captions,
+            padding="max_length",
+            max_length=enc.tokenizer.model_max_length,
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids
+        t5_ids = enc.tokenizer_2(
+            captions,
+            padding="max_length",
+            max_length=enc.max_sequence_length,
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids
+        with torch.no_grad():
+            device = next(enc.text_encoder.parameters()).device
+            pooled = enc.text_encoder(clip_ids.to(device), output_hidden_states=False).pooler_output
+            device = next(enc.text_encoder_2.parameters()).device
+            embeds = enc.text_encoder_2(t5_ids.to(device), output_hidden_states=False)[0]
+        return {"prompt_embeds": embeds.float(), "pooled_prompt_embeds": pooled.float()}
+
+    def token_limits(self, encoders: FluxTextEncoders) -> dict[str, int]:
+        return {"clip": encoders.tokenizer.model_max_length, "t5": encoders.max_sequence_length}
+
+    def count_tokens(self, encoders: FluxTextEncoders, captions: list[str]) -> dict[str, list[int]]:
+        captions = list(captions)
+        return {
+            "clip": [len(x) for x in encoders.tokenizer(captions).input_ids],
+            "t5": [len(x) for x in encoders.tokenizer_2(captions).input_ids],
+        }
+
+    # -- training ----------------------------------------------------------------
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Packed noisy latents, sigma, guidance, pooled and T5 text, text and image ids; a packed target."""
+        o = objective
+        x0 = common.single_frame(latents, self.name).float()
+        device, (b, c, h, w) = x0.device, x0.shape
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
+        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift((h // 2) * (w // 2)))
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            return FluxPipeline._pack_latents(x, b, c, h, w)
+
+        prompt_embeds = text["prompt_embeds"].to(device=device, dtype=dtype)
+        inputs = {
+            "hidden_states": pack(obj.flow_interpolate(x0, noise, sigma)).to(dtype),
+            # FluxPipeline passes sigma (its timestep / 1000) in the latents' dtype.
+            "timestep": sigma.to(dtype),
+            "guidance": torch.full((b,), self.train_guidance, device=device, dtype=torch.float32),
+            "pooled_projections": text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+            "encoder_hidden_states": prompt_embeds,
+            "txt_ids": torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
+            "img_ids": FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
+        }
+        return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=self.loss_mask(mask, x0, o, pack))
+
+    # -- sampling ----------------------------------------------------------------
+    def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        return {**super().sample_kwargs(cfg), "max_sequence_length": self.max_sequence_length}
+
+    # -- pipeline parallelism ------------------------------------------------------
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """The transformer as layers: embedding, one per double and single block, output.
+
+        Input tuple ``(packed_noisy, sigma, guidance, pooled, prompt_embeds, txt_ids, img_ids)``;
+        output ``(packed prediction,)``.
+        """
+        from diffpipe.families.flux.layers import flux_layers
+
+        return flux_layers(common.unwrap(denoiser))

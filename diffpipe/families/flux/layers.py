@@ -1,0 +1,59 @@
+"""Pipeline-parallel layers of family ``flux``."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from diffpipe.models.layers import _pipe_ready
+
+
+class FluxEmbed(nn.Module):
+    """``(hidden, timestep, guidance, pooled, context, txt_ids, img_ids)`` -> ``(hidden, context, temb, cos, sin)``."""
+
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.x_embedder, self.time_text_embed = tr.x_embedder, tr.time_text_embed
+        self.context_embedder, self.pos_embed = tr.context_embedder, tr.pos_embed
+        self.guidance_embeds = tr.config.guidance_embeds
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, timestep, guidance, pooled, context, txt_ids, img_ids = inputs
+        hidden = self.x_embedder(hidden)
+        timestep = timestep.to(hidden.dtype) * 1000
+        if self.guidance_embeds:
+            temb = self.time_text_embed(timestep, guidance.to(hidden.dtype) * 1000, pooled)
+        else:
+            temb = self.time_text_embed(timestep, pooled)
+        context = self.context_embedder(context)
+        cos, sin = self.pos_embed(torch.cat((txt_ids, img_ids), dim=0))
+        return _pipe_ready((hidden, context, temb, cos, sin))
+
+
+class FluxBlock(nn.Module):
+    """A double-stream or single-stream block (both take and return both streams)."""
+
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        hidden, context, temb, cos, sin = inputs
+        context, hidden = self.block(hidden_states=hidden, encoder_hidden_states=context, temb=temb,
+                                     image_rotary_emb=(cos, sin))
+        return (hidden, context, temb, cos, sin)
+
+
+class FluxOut(nn.Module):
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.norm_out, self.proj_out = tr.norm_out, tr.proj_out
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        hidden, _, temb, _, _ = inputs
+        return (self.proj_out(self.norm_out(hidden, temb)),)
+
+
+def flux_layers(tr: nn.Module) -> list[nn.Module]:
+    blocks = [*tr.transformer_blocks, *tr.single_transformer_blocks]
+    return [FluxEmbed(tr), *(FluxBlock(b) for b in blocks), FluxOut(tr)]

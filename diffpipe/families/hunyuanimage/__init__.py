@@ -1,0 +1,1 @@
+"""HunyuanImage 2.1: not a registered family yet (see ``diffpipe.families.UNREGISTERED``)."""

@@ -1,0 +1,327 @@
+"""Family ``hunyuanvideo``: HunyuanVideo text-to-video (dual/single-stream DiT), flow matching, Llama + CLIP.
+
+Components and names follow ``HunyuanVideoPipeline``: ``vae``
+(AutoencoderKLHunyuanVideo: 8x spatial, 4x temporal compression, so clips
+have ``4k+1`` frames; latents times ``scaling_factor``), ``text_encoder``
+(a Llama model: the hidden states two layers from the top of the prompt put
+in the pipeline's video-description template, the template's tokens cropped
+off, padded with a mask) + ``tokenizer``, ``text_encoder_2`` (CLIP, pooled
+output) + ``tokenizer_2``, ``transformer`` (HunyuanVideoTransformer3DModel,
+fed ``timestep = sigma * 1000`` and the distilled guidance ``train_guidance *
+1000`` through its guidance embedding), ``scheduler``
+(FlowMatchEulerDiscreteScheduler; training shifts ``t`` by its ``shift``, 7
+for HunyuanVideo). Text is encoded by the pipeline's own ``encode_prompt``
+on a pipeline of the text components alone, so the cache equals what
+sampling computes. Clips are resampled to 24 fps (HunyuanVideo's rate).
+
+The template's ``crop_start`` (its token count before the prompt; the
+pipeline's default, 95, is the count for HunyuanVideo's Llama tokenizer) is
+measured with the folder's tokenizer and passed to the pipeline when
+encoding and sampling: the tiny flavor's tokenizers, built by our code
+(``llm_tokenizers``, ``tokenizers``), spell the template by characters.
+Prompts keep up to 256 tokens (the pipeline's default), fewer if the
+tokenizer's ``model_max_length`` is lower (the tiny flavor's 64).
+
+Default LoRA targets: attention of both streams (``attn.to_q``, ``attn.to_k``,
+``attn.to_v``, ``attn.to_out.0``, ``attn.add_q_proj``, ``attn.add_k_proj``,
+``attn.add_v_proj``, ``attn.to_add_out``), the feed-forward linears of both
+streams (``ff.net.0.proj``, ``ff.net.2``, ``ff_context.net.0.proj``,
+``ff_context.net.2``) and the single-stream blocks' MLP input (``proj_mlp``);
+the names also reach the text token refiner's attention and MLP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+from diffusers import (
+    AutoencoderKLHunyuanVideo,
+    FlowMatchEulerDiscreteScheduler,
+    HunyuanVideoPipeline,
+    HunyuanVideoTransformer3DModel,
+)
+from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
+from transformers import (
+    AutoTokenizer,
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTokenizer,
+    LlamaConfig,
+    LlamaModel,
+    PreTrainedTokenizerBase,
+)
+
+from diffpipe.config import SampleConfig
+from diffpipe.data.frames import snap_frames
+from diffpipe.families.hunyuanvideo.flavors import TINY_LENGTH, TINY_LLAMA, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
+from diffpipe.models import _common as common
+from diffpipe.models import _video as video
+from diffpipe.models.base import Family, Prepared
+from diffpipe.models.llm_tokenizers import llm_tokenizer
+from diffpipe.models.tokenizers import clip_tokenizer, tokenizer_fingerprint
+from diffpipe.training import objectives as obj
+from diffpipe.utils import digest
+
+MAX_LENGTH = 256  # HunyuanVideoPipeline's default max_sequence_length
+_LLAMA_SPECIALS = ("<|start_header_id|>", "<|end_header_id|>")
+
+
+@dataclass
+class HunyuanText:
+    tokenizer: PreTrainedTokenizerBase
+    text_encoder: LlamaModel | None
+    tokenizer_2: CLIPTokenizer
+    text_encoder_2: CLIPTextModel | None
+    max_sequence_length: int
+    prompt_template: dict[str, Any]
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> HunyuanText:
+        self.text_encoder.to(device=device, dtype=dtype)
+        self.text_encoder_2.to(device=device, dtype=dtype)
+        return self
+
+    def pipeline(self) -> HunyuanVideoPipeline:
+        """A pipeline of the text components alone, for its ``encode_prompt``."""
+        return HunyuanVideoPipeline(
+            text_encoder=self.text_encoder,
+            tokenizer=self.tokenizer,
+            transformer=None,
+            vae=None,
+            scheduler=None,
+            text_encoder_2=self.text_encoder_2,
+            tokenizer_2=self.tokenizer_2,
+        )
+
+
+def tiny_llama_tokenizer() -> PreTrainedTokenizerBase:
+    return llm_tokenizer(TINY_LENGTH, bos="<|begin_of_text|>", eos="<|eot_id|>", extra=_LLAMA_SPECIALS)
+
+
+def template_for(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
+    """The pipeline's template with ``crop_start`` measured by ``tokenizer`` (the tokens before the prompt)."""
+    prefix = DEFAULT_PROMPT_TEMPLATE["template"].split("{}")[0]
+    return {"template": DEFAULT_PROMPT_TEMPLATE["template"], "crop_start": len(tokenizer(prefix).input_ids)}
+
+
+class HunyuanVideoFamily(Family):
+    name = "hunyuanvideo"
+    vae_class = AutoencoderKLHunyuanVideo
+    denoiser_name = "transformer"
+    is_video = True
+    fps = 24.0
+    default_lora_targets: ClassVar[list[str]] = [
+        "attn.to_q",
+        "attn.to_k",
+        "attn.to_v",
+        "attn.to_out.0",
+        "attn.add_q_proj",
+        "attn.add_k_proj",
+        "attn.add_v_proj",
+        "attn.to_add_out",
+        "ff.net.0.proj",
+        "ff.net.2",
+        "ff_context.net.0.proj",
+        "ff_context.net.2",
+        "proj_mlp",
+    ]
+    #: Distilled guidance fed to the guidance embedding while training (1.0, as LoRAs on it commonly use).
+    train_guidance: ClassVar[float] = 1.0
+
+    # -- configs and geometry ------------------------------------------------------
+    @cached_property
+    def _vae_config(self) -> dict[str, Any]:
+        return (
+            dict(TINY_VAE)
+            if self.cfg.flavor == "tiny"
+            else dict(AutoencoderKLHunyuanVideo.load_config(self.cfg.path, subfolder="vae"))
+        )
+
+    @cached_property
+    def _transformer_config(self) -> dict[str, Any]:
+        return (
+            dict(TINY_TRANSFORMER)
+            if self.cfg.flavor == "tiny"
+            else dict(HunyuanVideoTransformer3DModel.load_config(self.cfg.path, subfolder="transformer"))
+        )
+
+    @cached_property
+    def _scheduler_config(self) -> dict[str, Any]:
+        return (
+            dict(TINY_SCHEDULER)
+            if self.cfg.flavor == "tiny"
+            else dict(FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
+        )
+
+    @property
+    def frame_rule(self) -> tuple[int, int]:
+        return int(self._vae_config.get("temporal_compression_ratio", 4)), 1
+
+    @property
+    def pixel_multiple(self) -> int:
+        return int(self._vae_config.get("spatial_compression_ratio", 8)) * int(self._transformer_config["patch_size"])
+
+    @property
+    def flow_shift(self) -> float:
+        return float(self._scheduler_config.get("shift", 1.0))
+
+    # -- components --------------------------------------------------------------
+    def load_vae(self) -> AutoencoderKLHunyuanVideo:
+        return common.component(AutoencoderKLHunyuanVideo, self.cfg, "hunyuanvideo", "vae", TINY_VAE)
+
+    def load_tokenizers(self) -> HunyuanText:
+        if self.cfg.flavor == "tiny":
+            tok, tok2 = tiny_llama_tokenizer(), clip_tokenizer()
+        else:
+            tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
+            tok2 = CLIPTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer_2")
+        length = min(MAX_LENGTH, int(tok.model_max_length))  # prompt tokens kept after the template
+        return HunyuanText(tok, None, tok2, None, length, template_for(tok))
+
+    def load_text_encoders(self) -> HunyuanText:
+        e = self.load_tokenizers()
+        if self.cfg.flavor == "tiny":
+            tok = e.tokenizer
+            llama = LlamaConfig(
+                **TINY_LLAMA,
+                vocab_size=len(tok),
+                pad_token_id=tok.pad_token_id,
+                bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id,
+            )
+            with common.seeded(self.cfg.seed, "hunyuanvideo.text_encoder"):
+                e.text_encoder = LlamaModel(llama).eval()
+            e.text_encoder_2 = common.tiny_clip_text_encoder(
+                e.tokenizer_2, self.cfg.seed, "hunyuanvideo.text_encoder_2"
+            )
+            return e
+        e.text_encoder = common.pretrained_text_encoder(LlamaModel, self.cfg, "text_encoder")
+        e.text_encoder_2 = common.pretrained_text_encoder(CLIPTextModel, self.cfg, "text_encoder_2")
+        return e
+
+    def load_denoiser(self) -> HunyuanVideoTransformer3DModel:
+        return common.component(HunyuanVideoTransformer3DModel, self.cfg, "hunyuanvideo", "transformer", TINY_TRANSFORMER)
+
+    def load_pipeline(self) -> HunyuanVideoPipeline:
+        e = self.load_text_encoders()
+        return HunyuanVideoPipeline(
+            text_encoder=e.text_encoder,
+            tokenizer=e.tokenizer,
+            transformer=self.load_denoiser(),
+            vae=self.load_vae(),
+            scheduler=FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config),
+            text_encoder_2=e.text_encoder_2,
+            tokenizer_2=e.tokenizer_2,
+        )
+
+    @property
+    def pipeline_class(self) -> type:
+        return HunyuanVideoPipeline
+
+    def encoders_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity(
+                (self.name, self.cfg.seed, "text"), lambda: self._identity(self.load_text_encoders())
+            )
+        p, e = self.cfg.path, self.load_tokenizers()
+        return digest(
+            {
+                "tokenizer": tokenizer_fingerprint(e.tokenizer),
+                "tokenizer_2": tokenizer_fingerprint(e.tokenizer_2),
+                "text_encoder": common.transformers_folder_identity(LlamaModel, LlamaConfig, p, "text_encoder", variant=self.cfg.weight_variant),
+                "text_encoder_2": common.transformers_folder_identity(
+                    CLIPTextModel, CLIPTextConfig, p, "text_encoder_2", variant=self.cfg.weight_variant,
+                ),
+                "max_sequence_length": e.max_sequence_length,
+                "prompt_template": e.prompt_template,
+            }
+        )
+
+    @staticmethod
+    def _identity(e: HunyuanText) -> str:
+        return digest(
+            {
+                "tokenizer": tokenizer_fingerprint(e.tokenizer),
+                "tokenizer_2": tokenizer_fingerprint(e.tokenizer_2),
+                "text_encoder": common.module_identity(e.text_encoder),
+                "text_encoder_2": common.module_identity(e.text_encoder_2),
+                "max_sequence_length": e.max_sequence_length,
+                "prompt_template": e.prompt_template,
+            }
+        )
+
+    # -- encoding ------------------------------------------------------------------
+    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        param = next(vae.parameters())
+        with torch.no_grad():
+            latents = vae.encode(pixels.to(device=param.device, dtype=param.dtype)).latent_dist.mode().float()
+        return latents * vae.config.scaling_factor  # the pipeline divides by it before decoding
+
+    def encode_text(self, encoders: HunyuanText, captions: list[str]) -> dict[str, torch.Tensor]:
+        with torch.no_grad():
+            embeds, pooled, mask = encoders.pipeline().encode_prompt(
+                prompt=list(captions),
+                prompt_template=encoders.prompt_template,
+                max_sequence_length=encoders.max_sequence_length,
+            )
+        return {
+            "prompt_embeds": embeds.float(),
+            "prompt_attention_mask": mask.float(),
+            "pooled_prompt_embeds": pooled.float(),
+        }
+
+    def token_limits(self, encoders: HunyuanText) -> dict[str, int]:
+        return {"llama": encoders.max_sequence_length, "clip": encoders.tokenizer_2.model_max_length}
+
+    def count_tokens(self, encoders: HunyuanText, captions: list[str]) -> dict[str, list[int]]:
+        # The Llama tokens the pipeline keeps: the templated prompt's, less the cropped template prefix.
+        tpl, crop = encoders.prompt_template["template"], encoders.prompt_template["crop_start"]
+        templated = encoders.tokenizer([tpl.format(c) for c in captions], verbose=False).input_ids
+        return {
+            "llama": [len(x) - crop for x in templated],
+            "clip": [len(x) for x in encoders.tokenizer_2(list(captions)).input_ids],
+        }
+
+    # -- training ------------------------------------------------------------------
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Flow-matching inputs: noisy clip, ``sigma * 1000``, Llama text and mask, pooled CLIP, guidance x 1000."""
+        o = objective
+        x0 = video.check_video_latents(latents, self.name)
+        t, noise = video.draw(o, x0, generator, t, noise)
+        sigma = obj.shift_timesteps(t, o.shift or self.flow_shift)
+        device, b = x0.device, x0.shape[0]
+        inputs = {
+            "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
+            "timestep": (sigma * self._scheduler_config.get("num_train_timesteps", 1000)).to(dtype),
+            "encoder_hidden_states": text["prompt_embeds"].to(device=device, dtype=dtype),
+            "encoder_attention_mask": text["prompt_attention_mask"].to(device=device, dtype=dtype),
+            "pooled_projections": text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+            "guidance": torch.full((b,), self.train_guidance * 1000.0, device=device, dtype=dtype),
+        }
+        return Prepared(inputs, obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o))
+
+    # -- sampling ------------------------------------------------------------------
+    def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        step, offset = self.frame_rule
+        e = self.load_tokenizers()
+        return {
+            **super().sample_kwargs(cfg),
+            "num_frames": max(offset, snap_frames(cfg.frames, step, offset)),
+            "prompt_template": e.prompt_template,
+            "max_sequence_length": e.max_sequence_length,
+            "output_type": "pil",
+        }
+
+    # -- pipeline parallelism ---------------------------------------------------------
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Embedding, one layer per dual- and single-stream block, output (``layers.py``).
+
+        Input tuple ``(noisy, sigma * 1000, prompt_embeds, mask, pooled, guidance * 1000)``; output
+        ``(prediction,)``.
+        """
+        from diffpipe.families.hunyuanvideo.layers import hunyuan_video_layers
+
+        return hunyuan_video_layers(common.unwrap(denoiser))

@@ -1,0 +1,58 @@
+"""Flavors of family ``lumina2``: the tiny configs (built offline from the real classes) and the
+published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
+
+
+from __future__ import annotations
+
+from diffpipe.models.spec import Published
+
+# -- tiny flavor --------------------------------------------------------------------------------
+TINY_LENGTH = 64
+
+# Factor 8 in four levels, few channels.
+TINY_VAE8 = {
+    "block_out_channels": (8, 16, 16, 16),
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ("DownEncoderBlock2D",) * 4,
+    "up_block_types": ("UpDecoderBlock2D",) * 4,
+    "latent_channels": 4,
+    "layers_per_block": 1,
+    "norm_num_groups": 8,
+    "sample_size": 64,
+    "use_quant_conv": False,
+    "use_post_quant_conv": False,
+    "scaling_factor": 0.3611,
+    "shift_factor": 0.1159,
+}
+
+TINY_GEMMA = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "head_dim": 8}
+
+TINY_TRANSFORMER = {
+    "sample_size": 8,
+    "patch_size": 2,
+    "in_channels": 4,
+    "hidden_size": 32,
+    "num_layers": 2,
+    "num_refiner_layers": 1,
+    "num_attention_heads": 2,
+    "num_kv_heads": 1,
+    "multiple_of": 16,
+    "axes_dim_rope": (4, 6, 6),
+    "axes_lens": (300, 64, 64),
+    "cap_feat_dim": 32,
+}
+
+# Lumina-Image-2.0's scheduler: a fixed shift of 6.
+TINY_SCHEDULER = {"num_train_timesteps": 1000, "shift": 6.0}
+
+
+#: Published models, the flagship first.
+PUBLISHED: list[Published] = [
+    Published(
+            "lumina-image-2.0", "lumina2", "Lumina2Transformer2DModel", {"cap_feat_dim": 2304}, 2.6e9, 2,
+            "Alpha-VLLM/Lumina-Image-2.0 model card: 2.6B parameters (Gemma-2-2B text, 2304 wide)",
+            text={"prompt_embeds": (256, 2304), "prompt_attention_mask": (256,)}, latent_channels=16,
+        ),
+]

@@ -1,0 +1,265 @@
+"""Family ``qwenimage``: Qwen-Image (MMDiT, 20B), Qwen2.5-VL text, a Wan-style video VAE.
+
+Components and names follow ``QwenImagePipeline``: ``vae``
+(AutoencoderKLQwenImage: 5-D latents ``[B, C, F, h, w]``, normalised by
+per-channel ``latents_mean`` / ``latents_std``), ``text_encoder``
+(Qwen2_5_VLForConditionalGeneration: last hidden states of the chat
+template, its first 34 tokens dropped) + ``tokenizer``, ``transformer``
+(QwenImageTransformer2DModel on 2x2-packed latents), ``scheduler`` (flow
+matching, resolution-dependent shift). Prompts have different lengths:
+the cache pads every one to ``max_sequence_length`` with zeros and stores
+the mask (``prompt_embeds_mask``); the transformer masks the padding, so
+the result equals the pipeline's per-batch padding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+from diffusers import (
+    AutoencoderKLQwenImage,
+    FlowMatchEulerDiscreteScheduler,
+    QwenImagePipeline,
+    QwenImageTransformer2DModel,
+)
+from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
+from transformers import (
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+)
+
+from diffpipe.config import SampleConfig
+from diffpipe.families.qwenimage.flavors import (
+    TINY_LENGTH,
+    TINY_SCHEDULER,
+    TINY_TEXT,
+    TINY_TRANSFORMER,
+    TINY_VAE,
+    TINY_VISION,
+)
+from diffpipe.models import _common as common
+from diffpipe.models._draws import draw_image
+from diffpipe.models.base import Family, Prepared
+from diffpipe.models.llm_tokenizers import llm_tokenizer
+from diffpipe.models.tokenizers import tokenizer_fingerprint
+from diffpipe.training import objectives as obj
+from diffpipe.utils import digest
+
+# The pipeline's prompt template and how many leading tokens it drops.
+TEMPLATE = (
+    "<|im_start|>system\nDescribe the image by detailing the color, shape, size, texture, quantity, text, "
+    "spatial relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+DROP = 34
+MAX_LENGTH = 512  # tokens kept per prompt (the pipeline allows up to 1024)
+
+
+@dataclass
+class QwenText:
+    tokenizer: PreTrainedTokenizerBase
+    text_encoder: Qwen2_5_VLForConditionalGeneration
+    max_sequence_length: int
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> QwenText:
+        self.text_encoder.to(device=device, dtype=dtype)
+        return self
+
+
+def tiny_qwen_tokenizer(max_length: int) -> PreTrainedTokenizerBase:
+    return llm_tokenizer(max_length, bos=None, eos="<|im_end|>", pad="<|endoftext|>", extra=("<|im_start|>",),
+                         add_bos=False)
+
+
+def tiny_qwen_vl(tok: PreTrainedTokenizerBase, seed: int, component: str,
+                 **text_overrides) -> Qwen2_5_VLForConditionalGeneration:
+    text = {**TINY_TEXT, **text_overrides, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id}
+    config = Qwen2_5_VLConfig(text_config=text,
+                              vision_config=TINY_VISION, vocab_size=len(tok))
+    with common.seeded(seed, component):
+        return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+class QwenImageFamily(Family):
+    name = "qwenimage"
+    vae_class = AutoencoderKLQwenImage
+    denoiser_name = "transformer"
+    #: diffusers' Qwen-Image LoRA examples: attention of both streams and
+    #: the image-stream MLP of every block.
+    default_lora_targets: ClassVar[list[str]] = [
+        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
+        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
+        "img_mlp.net.0.proj", "img_mlp.net.2",
+    ]
+
+    @cached_property
+    def _vae_config(self) -> dict[str, Any]:
+        return dict(TINY_VAE) if self.cfg.flavor == "tiny" else dict(
+            AutoencoderKLQwenImage.load_config(self.cfg.path, subfolder="vae"))
+
+    @cached_property
+    def _scheduler_config(self) -> dict[str, Any]:
+        return dict(TINY_SCHEDULER) if self.cfg.flavor == "tiny" else dict(
+            FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
+
+    @property
+    def vae_factor(self) -> int:
+        return 2 ** len(self._vae_config["temperal_downsample"])
+
+    @property
+    def pixel_multiple(self) -> int:
+        return self.vae_factor * 2  # 2x2 packing
+
+    @cached_property
+    def max_sequence_length(self) -> int:
+        return self.load_tokenizers().max_sequence_length
+
+    def timestep_shift(self, image_seq_len: int) -> float:
+        """The pipeline scheduler's shift at this many packed image tokens (``exp(mu)``)."""
+        c = self._scheduler_config
+        if not c.get("use_dynamic_shifting", False):
+            return float(c.get("shift", 1.0))
+        mu = calculate_shift(image_seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        return math.exp(mu) if c.get("time_shift_type", "exponential") == "exponential" else mu
+
+    # -- components ------------------------------------------------------------
+    def load_vae(self) -> AutoencoderKLQwenImage:
+        return common.component(AutoencoderKLQwenImage, self.cfg, self.name, "vae", TINY_VAE)
+
+    def load_tokenizers(self) -> QwenText:
+        if self.cfg.flavor == "tiny":
+            return QwenText(tiny_qwen_tokenizer(TINY_LENGTH + DROP), None, TINY_LENGTH)
+        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
+        # Prompt tokens after the template's dropped head: 512, or less if the tokenizer says so.
+        return QwenText(tok, None, min(int(tok.model_max_length) - DROP, MAX_LENGTH))
+
+    def load_text_encoders(self) -> QwenText:
+        enc = self.load_tokenizers()
+        if self.cfg.flavor == "tiny":
+            enc.text_encoder = tiny_qwen_vl(enc.tokenizer, self.cfg.seed, f"{self.name}.text_encoder")
+        else:
+            enc.text_encoder = common.pretrained_text_encoder(Qwen2_5_VLForConditionalGeneration, self.cfg, "text_encoder")
+        return enc
+
+    def load_denoiser(self) -> QwenImageTransformer2DModel:
+        return common.component(QwenImageTransformer2DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
+
+    def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
+        return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
+
+    def load_pipeline(self) -> QwenImagePipeline:
+        enc = self.load_text_encoders()
+        return QwenImagePipeline(scheduler=self.inference_scheduler(), vae=self.load_vae(),
+                                 text_encoder=enc.text_encoder, tokenizer=enc.tokenizer,
+                                 transformer=self.load_denoiser())
+
+    @property
+    def pipeline_class(self) -> type:
+        return QwenImagePipeline
+
+    # -- identities ------------------------------------------------------------
+    def encoders_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity((self.name, self.cfg.seed, "text"),
+                                        lambda: self._text_identity(self.load_text_encoders()))
+        return digest({
+            "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
+            "text_encoder": common.transformers_folder_identity(
+                Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig, self.cfg.path, "text_encoder", variant=self.cfg.weight_variant),
+            "max_sequence_length": self.max_sequence_length, "template": TEMPLATE,
+        })
+
+    @staticmethod
+    def _text_identity(enc: QwenText) -> str:
+        return digest({"tokenizer": tokenizer_fingerprint(enc.tokenizer),
+                       "text_encoder": common.module_identity(enc.text_encoder),
+                       "max_sequence_length": enc.max_sequence_length, "template": TEMPLATE})
+
+    # -- encoding --------------------------------------------------------------
+    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        # The VAE takes [B,3,F,H,W]; each frame is an image, encoded on its own.
+        b, _, f, _, _ = pixels.shape
+        param = next(vae.parameters())
+        x = common.frames_to_batch(pixels)[:, :, None].to(device=param.device, dtype=param.dtype)
+        with torch.no_grad():
+            latents = vae.encode(x).latent_dist.mode()[:, :, 0].float()
+        c = vae.config
+        mean = torch.tensor(c.latents_mean, device=latents.device).view(1, -1, 1, 1)
+        std = torch.tensor(c.latents_std, device=latents.device).view(1, -1, 1, 1)
+        # Inverse of the pipeline's decode: ``latents * std + mean``.
+        return common.batch_to_frames((latents - mean) / std, f)
+
+    def encode_text(self, encoders: QwenText, captions: list[str]) -> dict[str, torch.Tensor]:
+        # QwenImagePipeline._get_qwen_prompt_embeds, then padded to a fixed length.
+        tok = encoders.tokenizer([TEMPLATE.format(c) for c in captions], max_length=encoders.max_sequence_length
+                                 + DROP, padding=True, truncation=True, return_tensors="pt")
+        device = next(encoders.text_encoder.parameters()).device
+        mask = tok.attention_mask.to(device)
+        with torch.no_grad():
+            hidden = encoders.text_encoder(input_ids=tok.input_ids.to(device), attention_mask=mask,
+                                           output_hidden_states=True).hidden_states[-1]
+        length = encoders.max_sequence_length
+        embeds = hidden.new_zeros(len(captions), length, hidden.shape[-1], dtype=torch.float32)
+        keep = torch.zeros(len(captions), length)
+        for i, row in enumerate(hidden):
+            kept = row[mask[i].bool()][DROP:][:length]
+            embeds[i, : len(kept)] = kept.float()
+            keep[i, : len(kept)] = 1
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": keep}
+
+    def token_limits(self, encoders: QwenText) -> dict[str, int]:
+        return {"qwen": encoders.max_sequence_length}
+
+    def count_tokens(self, encoders: QwenText, captions: list[str]) -> dict[str, list[int]]:
+        ids = encoders.tokenizer([TEMPLATE.format(c) for c in captions]).input_ids
+        return {"qwen": [len(x) - DROP for x in ids]}
+
+    # -- training ----------------------------------------------------------------
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Packed noisy latents, sigma, text and its mask, and each item's packed grid ``img_shapes``."""
+        o = objective
+        x0 = common.single_frame(latents, self.name).float()
+        device, (b, c, h, w) = x0.device, x0.shape
+        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
+        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift((h // 2) * (w // 2)))
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            return QwenImagePipeline._pack_latents(x, b, c, h, w)
+
+        inputs = {
+            "hidden_states": pack(obj.flow_interpolate(x0, noise, sigma)).to(dtype),
+            "timestep": sigma.to(dtype),  # the pipeline passes timestep / 1000
+            "encoder_hidden_states": text["prompt_embeds"].to(device=device, dtype=dtype),
+            "encoder_hidden_states_mask": text["prompt_embeds_mask"].to(device=device, dtype=torch.long),
+            "img_shapes": [[(1, h // 2, w // 2)]] * b,
+        }
+        return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=self.loss_mask(mask, x0, o, pack))
+
+    def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
+        """``(packed_noisy, sigma, prompt_embeds, prompt_embeds_mask, fhw)``: ``img_shapes`` as one tensor."""
+        i = prepared.inputs
+        fhw = torch.tensor(i["img_shapes"][0][0], device=i["hidden_states"].device)
+        return (i["hidden_states"], i["timestep"], i["encoder_hidden_states"], i["encoder_hidden_states_mask"], fhw)
+
+    def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        # Qwen-Image uses "true" CFG (a negative prompt); guidance_scale is for guidance-distilled models.
+        return {"num_inference_steps": cfg.steps, "true_cfg_scale": cfg.guidance_scale, "negative_prompt": " ",
+                "height": cfg.height, "width": cfg.width, "max_sequence_length": self.max_sequence_length}
+
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Embedding, one layer per block, output.
+
+        Input tuple ``(packed_noisy, sigma, prompt_embeds, prompt_embeds_mask, fhw)``, ``fhw`` the
+        packed grid ``(1, h/2, w/2)``; output ``(packed prediction,)``.
+        """
+        from diffpipe.families.qwenimage.layers import qwen_layers
+
+        return qwen_layers(common.unwrap(denoiser))

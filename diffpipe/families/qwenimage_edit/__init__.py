@@ -1,0 +1,20 @@
+"""Family ``qwenimage-edit``: Qwen-Image-Edit."""
+
+from __future__ import annotations
+
+from diffpipe.families.qwenimage_edit.flavors import PUBLISHED
+from diffpipe.models.spec import Absent, FamilySpec, Kohya
+
+SPEC = FamilySpec(
+    name="qwenimage-edit",
+    family_class="QwenImageEditFamily",
+    model="Qwen-Image-Edit",
+    tasks="image editing (a control image per item; the text encoder sees it too)",
+    targets="as `qwenimage`",
+    published=tuple(PUBLISHED),
+    kohya=Kohya("qwen_image", "Qwen-Image-Edit/lora", "https://github.com/QwenLM/Qwen-Image"),
+    comfyui_readers="ComfyUI, `QwenImageEditPipeline.load_lora_weights`",
+    kohya_readers="ComfyUI, musubi-tuner names, `QwenImageEditPipeline.load_lora_weights`",
+    comfy_reads_diffusers="all",
+    layers=Absent("not implemented yet"),
+)

@@ -1,0 +1,308 @@
+"""Family ``qwenimage-edit``: Qwen-Image-Edit, Qwen-Image conditioned on a control (input) image.
+
+The components of ``qwenimage`` (the 20B MMDiT with the same config, the
+Qwen-Image VAE, Qwen2.5-VL) plus the vision-language ``processor``, in
+``QwenImageEditPipeline``. Each training item is a target image with a
+control image (``datasets[].control_path`` or ``control_column``). The
+pipeline uses the control image twice, and so does this family:
+
+- its VAE latents are packed into 2x2 tokens and appended after the target's
+  tokens, with their own ``img_shapes`` entry; the transformer's output for
+  them is dropped, so the loss (and a loss mask) covers the target only;
+- the text encoder sees it: the prompt template holds an image slot that the
+  processor fills with the image's vision tokens, so the text embeddings
+  depend on the image. The family sets ``text_uses_control``: the plan keys
+  each text entry by caption and control image, and the text cache hands the
+  whole control image to :meth:`QwenImageEditFamily.encode_text`, which
+  resizes it as the pipeline does (to about 1024² pixels at its aspect ratio)
+  before the processor sees it.
+
+The cached embeddings are padded to ``max_sequence_length`` caption tokens
+plus the most vision tokens an image can bring, masked like ``qwenimage``'s.
+Caption dropout is refused (an empty caption would still need each item's
+image); the sample stage does not pass a control image yet, so it refuses too.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
+
+import torch
+from diffusers import QwenImageEditPipeline
+from diffusers.image_processor import VaeImageProcessor
+from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
+from PIL import Image
+from transformers import (
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2VLProcessor,
+)
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
+from transformers.processing_utils import ProcessorMixin
+
+from diffpipe.config import SampleConfig
+from diffpipe.families.qwenimage.family import MAX_LENGTH, TINY_TEXT, TINY_VISION, QwenImageFamily
+from diffpipe.families.qwenimage_edit.flavors import TINY_LENGTH, TINY_PIXELS
+from diffpipe.models import _common as common
+from diffpipe.models.base import Family, Prepared
+from diffpipe.models.llm_tokenizers import llm_tokenizer
+from diffpipe.models.tokenizers import tokenizer_fingerprint
+from diffpipe.utils import digest
+
+# QwenImageEditPipeline's prompt template and how many leading tokens it drops.
+TEMPLATE = (
+    "<|im_start|>system\nDescribe the key features of the input image (color, shape, size, texture, objects, "
+    "background), then explain how the user's text instruction should alter or modify the image. Generate a new "
+    "image that meets the user's requirements while maintaining consistency with the original input where "
+    "appropriate.<|im_end|>\n<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+DROP = 64
+IMAGE_SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
+#: The pipeline resizes the input image to about this many pixels before anything sees it.
+PROMPT_IMAGE_AREA = 1024 * 1024
+VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
+
+
+class ImageOnlyQwenVLProcessor(Qwen2VLProcessor):
+    """``Qwen2VLProcessor`` without its video processor, which needs torchvision.
+
+    The edit pipeline passes images only; everything it calls (the prompt
+    expansion of ``<|image_pad|>`` and the image processor) is the stock
+    class's. Used when torchvision is not installed.
+    """
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        self.image_token, self.video_token = "<|image_pad|>", "<|video_pad|>"
+        self.image_token_id = tokenizer.convert_tokens_to_ids(self.image_token)
+        self.video_token_id = tokenizer.convert_tokens_to_ids(self.video_token)
+        ProcessorMixin.__init__(self, image_processor, tokenizer, chat_template=chat_template, **kwargs)
+
+
+@dataclass
+class EditText:
+    tokenizer: PreTrainedTokenizerBase
+    processor: Qwen2VLProcessor
+    text_encoder: Qwen2_5_VLForConditionalGeneration | None
+    #: Caption tokens allowed (what validation checks captions against).
+    max_sequence_length: int
+    #: Length every cached embedding is padded to: captions plus the most vision tokens.
+    padded_length: int
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> EditText:
+        self.text_encoder.to(device=device, dtype=dtype)
+        return self
+
+
+def tiny_edit_tokenizer() -> PreTrainedTokenizerBase:
+    return llm_tokenizer(
+        4096, bos=None, eos="<|im_end|>", pad="<|endoftext|>", extra=("<|im_start|>", *VISION_TOKENS), add_bos=False
+    )
+
+
+def _load_processor(path: str, tokenizer: PreTrainedTokenizerBase) -> Qwen2VLProcessor:
+    """The folder's ``processor/`` as the stock pipeline loads it; image-only without torchvision."""
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, subfolder="processor")
+        return ImageOnlyQwenVLProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    return Qwen2VLProcessor.from_pretrained(path, subfolder="processor")
+
+
+def vision_token_bound(image_processor: Any) -> int:
+    """The most vision tokens a prompt image can bring, over aspect ratios 1:16 to 16:1.
+
+    The pipeline resizes every image to about ``PROMPT_IMAGE_AREA`` pixels in
+    multiples of 32; the image processor then rounds each side to a multiple of
+    ``patch_size * merge_size`` within its pixel range.
+    """
+    factor = image_processor.patch_size * image_processor.merge_size
+    lo, hi = image_processor.size["shortest_edge"], image_processor.size["longest_edge"]
+    most = 0
+    for i in range(-4000, 4001):
+        width, height, _ = calculate_dimensions(PROMPT_IMAGE_AREA, math.exp(i / 4000 * math.log(16)))
+        h, w = smart_resize(max(height, factor), max(width, factor), factor, lo, hi)
+        most = max(most, (h // factor) * (w // factor))
+    return most
+
+
+def reference_tokens(control: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """Control latents ``[B, C, h, w]`` -> packed tokens ``[B, hw/4, 4C]`` and their ``img_shapes`` entry.
+
+    Exactly ``QwenImageEditPipeline.prepare_latents`` on image latents.
+    """
+    b, c, h, w = control.shape
+    return QwenImageEditPipeline._pack_latents(control, b, c, h, w), (1, h // 2, w // 2)
+
+
+class QwenImageEditFamily(QwenImageFamily):
+    #: Not the parent family's layers: this family's spec says why it has none.
+    pipeline_layers = Family.pipeline_layers
+    name = "qwenimage-edit"
+    uses_control = True
+    text_uses_control = True
+    default_lora_targets: ClassVar[list[str]] = list(QwenImageFamily.default_lora_targets)
+
+    # -- components ------------------------------------------------------------
+    def load_tokenizers(self) -> EditText:
+        if self.cfg.flavor == "tiny":
+            tok = tiny_edit_tokenizer()
+            processor = ImageOnlyQwenVLProcessor(image_processor=Qwen2VLImageProcessorPil(**TINY_PIXELS), tokenizer=tok)
+            limit = TINY_LENGTH
+        else:
+            tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
+            processor = _load_processor(self.cfg.path, tok)
+            limit = MAX_LENGTH
+        return EditText(tok, processor, None, limit, limit + vision_token_bound(processor.image_processor))
+
+    def load_text_encoders(self) -> EditText:
+        enc = self.load_tokenizers()
+        if self.cfg.flavor == "tiny":
+            tok = enc.tokenizer
+            # The model finds the image slot and its rope positions by these ids.
+            ids = {
+                key: tok.convert_tokens_to_ids(token)
+                for key, token in (
+                    ("image_token_id", "<|image_pad|>"),
+                    ("video_token_id", "<|video_pad|>"),
+                    ("vision_start_token_id", "<|vision_start|>"),
+                    ("vision_end_token_id", "<|vision_end|>"),
+                )
+            }
+            text = {**TINY_TEXT, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id}
+            config = Qwen2_5_VLConfig(text_config=text, vision_config=TINY_VISION, vocab_size=len(tok), **ids)
+            with common.seeded(self.cfg.seed, f"{self.name}.text_encoder"):
+                enc.text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+        else:
+            enc.text_encoder = common.pretrained_text_encoder(Qwen2_5_VLForConditionalGeneration, self.cfg, "text_encoder")
+        return enc
+
+    def load_pipeline(self) -> QwenImageEditPipeline:
+        enc = self.load_text_encoders()
+        return QwenImageEditPipeline(
+            scheduler=self.inference_scheduler(),
+            vae=self.load_vae(),
+            text_encoder=enc.text_encoder,
+            tokenizer=enc.tokenizer,
+            processor=enc.processor,
+            transformer=self.load_denoiser(),
+        )
+
+    @property
+    def pipeline_class(self) -> type:
+        return QwenImageEditPipeline
+
+    # -- identities ------------------------------------------------------------
+    def encoders_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity(
+                (self.name, self.cfg.seed, "text"), lambda: self._edit_identity(self.load_text_encoders(), None)
+            )
+        encoder = common.transformers_folder_identity(
+            Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig, self.cfg.path, "text_encoder", variant=self.cfg.weight_variant,
+        )
+        return self._edit_identity(self.load_tokenizers(), encoder)
+
+    def _edit_identity(self, enc: EditText, encoder: Any) -> str:
+        ip = enc.processor.image_processor
+        return digest(
+            {
+                "tokenizer": tokenizer_fingerprint(enc.tokenizer),
+                "processor": [type(enc.processor).__name__, type(ip).__name__, ip.to_dict()],
+                "text_encoder": encoder if encoder is not None else common.module_identity(enc.text_encoder),
+                "lengths": [enc.max_sequence_length, enc.padded_length],
+                "template": TEMPLATE,
+                "prompt_image": [PROMPT_IMAGE_AREA, self.vae_factor * 2],
+            }
+        )
+
+    # -- encoding --------------------------------------------------------------
+    def prompt_image(self, image: Image.Image) -> Image.Image:
+        """The control image as the pipeline's processor sees it: resized to about 1024² pixels."""
+        width, height, _ = calculate_dimensions(PROMPT_IMAGE_AREA, image.size[0] / image.size[1])
+        return VaeImageProcessor(vae_scale_factor=self.vae_factor * 2).resize(image, height, width)
+
+    def encode_text(
+        self, encoders: EditText, captions: list[str], images: list[Image.Image | None] | None = None
+    ) -> dict[str, torch.Tensor]:
+        """``QwenImageEditPipeline._get_qwen_prompt_embeds`` on each caption and its control image.
+
+        ``images`` are the whole control images (None: none, as for the empty
+        caption); every embedding is padded to ``padded_length`` with its mask.
+        """
+        images = list(images) if images is not None else [None] * len(captions)
+        length = encoders.padded_length
+        device = next(encoders.text_encoder.parameters()).device
+        embeds = torch.zeros(len(captions), length, encoders.text_encoder.config.text_config.hidden_size)
+        keep = torch.zeros(len(captions), length)
+        for has_image in (False, True):  # the processor takes a batch with images for all or none
+            idx = [i for i, im in enumerate(images) if (im is not None) == has_image]
+            if not idx:
+                continue
+            if has_image:
+                inputs = encoders.processor(
+                    text=[TEMPLATE.format(captions[i]) for i in idx],
+                    images=[self.prompt_image(images[i]) for i in idx],
+                    padding=True,
+                    return_tensors="pt",
+                ).to(device)
+            else:  # the empty-caption cache: no image, so no image slot (never trained on, see loop)
+                inputs = encoders.tokenizer(
+                    [TEMPLATE.replace(IMAGE_SLOT, "").format(captions[i]) for i in idx],
+                    padding=True,
+                    return_tensors="pt",
+                ).to(device)
+            with torch.no_grad():
+                hidden = encoders.text_encoder(
+                    input_ids=inputs["input_ids"],
+                    attention_mask=inputs["attention_mask"],
+                    pixel_values=inputs.get("pixel_values"),
+                    image_grid_thw=inputs.get("image_grid_thw"),
+                    output_hidden_states=True,
+                ).hidden_states[-1]
+            for row, i in zip(hidden, idx, strict=True):
+                kept = row[inputs["attention_mask"][idx.index(i)].bool()][DROP:]
+                if len(kept) > length:
+                    raise ValueError(
+                        f"caption {captions[i]!r} with its control image is {len(kept)} tokens, "
+                        f"more than the {length} the cache holds; shorten the caption"
+                    )
+                embeds[i, : len(kept)] = kept.float().cpu()
+                keep[i, : len(kept)] = 1
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": keep}
+
+    def count_tokens(self, encoders: EditText, captions: list[str]) -> dict[str, list[int]]:
+        # Without the image's vision tokens (the padded length leaves room for the most an image brings).
+        ids = encoders.tokenizer([TEMPLATE.format(c) for c in captions]).input_ids
+        return {"qwen": [len(x) - DROP - 1 for x in ids]}
+
+    # -- training ----------------------------------------------------------------
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32, control: torch.Tensor | None = None) -> Prepared:
+        """Qwen-Image's inputs, with the control latents as reference tokens (``extra["reference"]``)."""
+        reference = reference_tokens(self.reference_image(control, latents))
+        p = super().prepare(latents, text, generator, objective=objective, t=t, noise=noise, mask=mask, dtype=dtype)
+        p.extra["reference"] = reference
+        return p
+
+    def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
+        """The forward with the reference tokens appended (and their grid in ``img_shapes``); the target
+        tokens' output."""
+        tokens, shape = prepared.extra["reference"]
+        x = prepared.inputs["hidden_states"]
+        inputs = {**prepared.inputs, "hidden_states": torch.cat([x, tokens.to(x)], dim=1),
+                  "img_shapes": [[*shapes, shape] for shapes in prepared.inputs["img_shapes"]]}
+        return super().predict(denoiser, replace(prepared, inputs=inputs))[:, : x.shape[1]]
+
+    def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        if cfg.prompts and not cfg.images:
+            raise ValueError(
+                "model family 'qwenimage-edit' edits an image: give one per prompt in sample.images "
+                "(or leave sample.prompts empty)"
+            )
+        return super().sample_kwargs(cfg)

@@ -1,0 +1,68 @@
+"""Flavors of family ``sd``: the tiny configs (built offline from the real classes) and the
+published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
+
+
+from __future__ import annotations
+
+from diffpipe.models.spec import Published
+
+# -- tiny flavor --------------------------------------------------------------------------------
+# -- tiny flavor configs (FIELD_NOTES) ---------------------------------------
+TINY_UNET = {
+    "block_out_channels": (32, 64),
+    "layers_per_block": 2,
+    "sample_size": 32,
+    "in_channels": 4,
+    "out_channels": 4,
+    "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
+    "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
+    "cross_attention_dim": 32,
+}
+
+TINY_VAE = {
+    "block_out_channels": (32, 64),
+    "in_channels": 3,
+    "out_channels": 3,
+    "down_block_types": ("DownEncoderBlock2D", "DownEncoderBlock2D"),
+    "up_block_types": ("UpDecoderBlock2D", "UpDecoderBlock2D"),
+    "latent_channels": 4,
+    "sample_size": 64,
+}
+
+# The Stable Diffusion 1.x training schedule.
+TINY_SCHEDULER = {
+    "num_train_timesteps": 1000,
+    "beta_start": 0.00085,
+    "beta_end": 0.012,
+    "beta_schedule": "scaled_linear",
+    "prediction_type": "epsilon",
+    "clip_sample": False,
+    "set_alpha_to_one": False,
+    "steps_offset": 1,
+}
+
+
+SD_UNET = {"sample_size": 64, "cross_attention_dim": 768, "attention_head_dim": 8}
+
+
+SD2_UNET = {
+    "sample_size": 96,
+    "cross_attention_dim": 1024,
+    "attention_head_dim": [5, 10, 20, 20],
+    "use_linear_projection": True,
+}
+
+
+#: Published models, the flagship first.
+PUBLISHED: list[Published] = [
+    Published(
+            "sd15", "sd", "UNet2DConditionModel", SD_UNET, 859.52e6, 5,
+            "Stable Diffusion v1 model card / stable-diffusion-v1-5 unet (859.52M)",
+            text={"prompt_embeds": (77, 768)},
+        ),
+    Published(
+            "sd21", "sd", "UNet2DConditionModel", SD2_UNET, 865.91e6, 5,
+            "stabilityai/stable-diffusion-2-1 unet (865.91M)",
+            text={"prompt_embeds": (77, 1024)},
+        ),
+]

@@ -1,0 +1,226 @@
+"""Family ``sdxl``: the SDXL UNet, two CLIP text encoders, pooled text and size/crop conditioning.
+
+Components and names follow ``StableDiffusionXLPipeline``: ``vae``,
+``text_encoder`` (CLIPTextModel) + ``tokenizer``, ``text_encoder_2``
+(CLIPTextModelWithProjection, also the pooled embedding) + ``tokenizer_2``,
+``unet`` (UNet2DConditionModel with ``addition_embed_type="text_time"``),
+``scheduler`` (Euler on the DDPM betas). Training is DDPM as in ``sd``
+(epsilon or v), plus SDXL's micro-conditioning: ``add_time_ids`` =
+(original height, width, crop top, left, target height, width) per item
+(Podell et al. 2023, section 2.2): the source image's size and the crop the
+cache actually applied (planned per item, :func:`diffpipe.data.buckets.crop_top_left`),
+and the bucket it was trained at.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cached_property
+from typing import Any, ClassVar
+
+import torch
+from diffusers import (
+    AutoencoderKL,
+    EulerDiscreteScheduler,
+    StableDiffusionXLPipeline,
+    UNet2DConditionModel,
+)
+from transformers import (
+    CLIPTextConfig,
+    CLIPTextModel,
+    CLIPTextModelWithProjection,
+    CLIPTokenizer,
+)
+
+from diffpipe.families.sd.family import TINY_SCHEDULER, SDFamily
+from diffpipe.families.sdxl.flavors import TINY_UNET, TINY_VAE_XL
+from diffpipe.models import _common as common
+from diffpipe.models.base import Prepared
+from diffpipe.models.tokenizers import clip_tokenizer, tokenizer_fingerprint
+from diffpipe.utils import digest
+
+
+def time_ids(original_hw: torch.Tensor, crop_top_left: torch.Tensor, target_hw: torch.Tensor) -> torch.Tensor:
+    """SDXL's ``add_time_ids`` ``[B, 6]``: original (h, w), crop (top, left), target (h, w).
+
+    The same order as ``StableDiffusionXLPipeline._get_add_time_ids``.
+    """
+    return torch.cat([original_hw, crop_top_left, target_hw], dim=1).float()
+
+
+@dataclass
+class SDXLTextEncoders:
+    tokenizer: CLIPTokenizer
+    text_encoder: CLIPTextModel
+    tokenizer_2: CLIPTokenizer
+    text_encoder_2: CLIPTextModelWithProjection
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> SDXLTextEncoders:
+        self.text_encoder.to(device=device, dtype=dtype)
+        self.text_encoder_2.to(device=device, dtype=dtype)
+        return self
+
+
+class SDXLFamily(SDFamily):
+    name = "sdxl"
+    uses_sizes = True
+    denoiser_name = "unet"
+    #: The common SDXL LoRA targets (kohya / diffusers examples): attention and
+    #: feed-forward of every transformer block, plus the ResNet convolutions
+    #: as in ``sd`` so the tiny model learns within a few steps.
+    default_lora_targets: ClassVar[list[str]] = SDFamily.default_lora_targets
+
+    @cached_property
+    def _vae_config(self) -> dict[str, Any]:
+        if self.cfg.flavor == "tiny":
+            return dict(TINY_VAE_XL)
+        return dict(AutoencoderKL.load_config(self.cfg.path, subfolder="vae"))
+
+    @cached_property
+    def _unet_config(self) -> dict[str, Any]:
+        if self.cfg.flavor == "tiny":
+            return dict(TINY_UNET)
+        return dict(UNet2DConditionModel.load_config(self.cfg.path, subfolder="unet"))
+
+    @cached_property
+    def _scheduler_config(self) -> dict[str, Any]:
+        config = dict(TINY_SCHEDULER) if self.cfg.flavor == "tiny" else dict(
+            EulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
+        return self._schedule_options(config)
+
+    @property
+    def vae_factor(self) -> int:
+        return 2 ** (len(self._vae_config["block_out_channels"]) - 1)
+
+    # -- components --------------------------------------------------------------
+    def load_vae(self) -> AutoencoderKL:
+        return common.component(AutoencoderKL, self.cfg, "sdxl", "vae", TINY_VAE_XL)
+
+    def load_tokenizers(self) -> SDXLTextEncoders:
+        if self.cfg.flavor == "tiny":
+            return SDXLTextEncoders(clip_tokenizer(), None, clip_tokenizer(), None)
+        path = self.cfg.path
+        return SDXLTextEncoders(CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"), None,
+                                CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2"), None)
+
+    def load_text_encoders(self) -> SDXLTextEncoders:
+        if self.cfg.flavor == "tiny":
+            tok, tok2 = clip_tokenizer(), clip_tokenizer()
+            enc = common.tiny_clip_text_encoder(tok, self.cfg.seed, "sdxl.text_encoder")
+            config = CLIPTextConfig(**common.TINY_CLIP, vocab_size=len(tok2),
+                                    max_position_embeddings=tok2.model_max_length,
+                                    bos_token_id=tok2.bos_token_id, eos_token_id=tok2.eos_token_id,
+                                    pad_token_id=tok2.pad_token_id)
+            with common.seeded(self.cfg.seed, "sdxl.text_encoder_2"):
+                enc2 = CLIPTextModelWithProjection(config).eval()
+            return SDXLTextEncoders(tok, enc, tok2, enc2)
+        path = self.cfg.path
+        return SDXLTextEncoders(
+            CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
+            common.pretrained_text_encoder(CLIPTextModel, self.cfg, "text_encoder"),
+            CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2"),
+            common.pretrained_text_encoder(CLIPTextModelWithProjection, self.cfg, "text_encoder_2"),
+        )
+
+    def load_denoiser(self) -> UNet2DConditionModel:
+        return common.component(UNet2DConditionModel, self.cfg, "sdxl", "unet", TINY_UNET)
+
+    def inference_scheduler(self) -> EulerDiscreteScheduler:
+        return EulerDiscreteScheduler.from_config(self._scheduler_config)
+
+    def load_pipeline(self) -> StableDiffusionXLPipeline:
+        enc = self.load_text_encoders()
+        return StableDiffusionXLPipeline(
+            vae=self.load_vae(), text_encoder=enc.text_encoder, text_encoder_2=enc.text_encoder_2,
+            tokenizer=enc.tokenizer, tokenizer_2=enc.tokenizer_2, unet=self.load_denoiser(),
+            scheduler=self.inference_scheduler(), add_watermarker=False,
+        )
+
+    @property
+    def pipeline_class(self) -> type:
+        return StableDiffusionXLPipeline
+
+    # -- identities ----------------------------------------------------------------
+    def encoders_identity(self) -> str:
+        if self.cfg.flavor == "tiny":
+            return common.memo_identity((self.name, self.cfg.seed, "text"),
+                                        lambda: self._text_identity(self.load_text_encoders()))
+        path, tok = self.cfg.path, self.load_tokenizers()
+        return digest({
+            "tokenizer": tokenizer_fingerprint(tok.tokenizer),
+            "text_encoder": common.transformers_folder_identity(CLIPTextModel, CLIPTextConfig, path, "text_encoder", variant=self.cfg.weight_variant),
+            "tokenizer_2": tokenizer_fingerprint(tok.tokenizer_2),
+            "text_encoder_2": common.transformers_folder_identity(
+                CLIPTextModelWithProjection, CLIPTextConfig, path, "text_encoder_2", variant=self.cfg.weight_variant),
+        })
+
+    @staticmethod
+    def _text_identity(enc: SDXLTextEncoders) -> str:
+        return digest({
+            "tokenizer": tokenizer_fingerprint(enc.tokenizer),
+            "text_encoder": common.module_identity(enc.text_encoder),
+            "tokenizer_2": tokenizer_fingerprint(enc.tokenizer_2),
+            "text_encoder_2": common.module_identity(enc.text_encoder_2),
+        })
+
+    # -- encoding ----------------------------------------------------------------
+    def encode_text(self, encoders: SDXLTextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
+        # Exactly StableDiffusionXLPipeline.encode_prompt (no clip_skip): the
+        # penultimate hidden states of both encoders side by side, and the
+        # second encoder's projected pooled output.
+        embeds, pooled = [], None
+        pairs = [(encoders.tokenizer, encoders.text_encoder), (encoders.tokenizer_2, encoders.text_encoder_2)]
+        for tok, enc in pairs:
+            ids = tok(captions, padding="max_length", max_length=tok.model_max_length, truncation=True,
+                      return_tensors="pt").input_ids
+            with torch.no_grad():
+                out = enc(ids.to(next(enc.parameters()).device), output_hidden_states=True)
+            if out[0].ndim == 2:
+                pooled = out[0]
+            embeds.append(out.hidden_states[-2])
+        return {"prompt_embeds": torch.cat(embeds, dim=-1).float(), "pooled_prompt_embeds": pooled.float()}
+
+    def token_limits(self, encoders: SDXLTextEncoders) -> dict[str, int]:
+        return {"clip_l": encoders.tokenizer.model_max_length, "clip_g": encoders.tokenizer_2.model_max_length}
+
+    def count_tokens(self, encoders: SDXLTextEncoders, captions: list[str]) -> dict[str, list[int]]:
+        captions = list(captions)
+        return {"clip_l": [len(x) for x in encoders.tokenizer(captions).input_ids],
+                "clip_g": [len(x) for x in encoders.tokenizer_2(captions).input_ids]}
+
+    # -- training ----------------------------------------------------------------
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32, sizes: dict[str, torch.Tensor] | None = None) -> Prepared:
+        """As ``sd``'s inputs, with SDXL's pooled text and ``add_time_ids`` (``added_cond_kwargs``).
+
+        ``sizes`` (the batch's ``sizes``, optional): ``original_size`` and
+        ``crop_top_left``, ``[B, 2]`` pixels (height, width / top, left). Without
+        it the item is taken as resized to the bucket with no crop (original =
+        target, crop 0, 0), as for caches planned before the plan recorded them.
+        """
+        p = super().prepare(latents, text, generator, objective=objective, t=t, noise=noise, mask=mask, dtype=dtype)
+        (b, _, h, w), device = p.target.shape, p.target.device
+        target_hw = torch.tensor([[h * self.vae_factor, w * self.vae_factor]], device=device).expand(b, 2)
+        sizes = sizes or {}
+        ids = time_ids(sizes.get("original_size", target_hw).to(device),
+                       sizes.get("crop_top_left", torch.zeros_like(target_hw)).to(device), target_hw)
+        p.inputs["added_cond_kwargs"] = {"text_embeds": text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+                                         "time_ids": ids.to(dtype)}
+        return p
+
+    def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
+        """``(noisy, timesteps, prompt_embeds, pooled_prompt_embeds, add_time_ids)``."""
+        i = prepared.inputs
+        return (i["sample"], i["timestep"], i["encoder_hidden_states"], i["added_cond_kwargs"]["text_embeds"],
+                i["added_cond_kwargs"]["time_ids"])
+
+    # -- pipeline parallelism ------------------------------------------------------
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """The UNet as layers, as ``sd``'s, with the ``text_time`` embedding in the first.
+
+        Input tuple ``(noisy, timesteps, prompt_embeds, pooled_prompt_embeds, add_time_ids)``;
+        output ``(prediction,)``.
+        """
+        from diffpipe.families.sd.layers import unet_layers
+
+        return unet_layers(common.unwrap(denoiser))

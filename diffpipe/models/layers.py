@@ -1,0 +1,49 @@
+"""Shared pieces of the pipeline-parallel layer lists (each family's ``layers.py``).
+
+Each layer takes a tuple of tensors and returns one (what DeepSpeed's
+``PipelineModule`` passes between stages): an embedding layer first, one
+layer per UNet or transformer block, a final layer returning ``(prediction,)``.
+Running the layers in order equals the denoiser's own ``forward`` (tested).
+Layers wrap the denoiser's own submodules, so LoRA layers injected into the
+denoiser are inside them.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+def _pipe_ready(out: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """Let every float tensor between stages take part in backward.
+
+    DeepSpeed's pipeline runs backward on every float output it sent; one
+    computed only from frozen weights (the time embedding under LoRA) has no
+    graph, so it is made a grad-requiring leaf (its gradient is simply unused).
+    Outside a pipeline (no grad mode, or a tensor with a graph) nothing changes.
+    """
+    if not torch.is_grad_enabled():
+        return out
+    for t in out:
+        if t.is_floating_point() and not t.requires_grad and t.grad_fn is None:
+            t.requires_grad_(True)
+    return out
+
+
+def run_layers(layers: list[nn.Module], inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """Run the layers in order (what a pipeline does across stages); returns the prediction."""
+    x = inputs
+    for layer in layers:
+        x = layer(x)
+    return x[0]
+
+
+class _Block(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block = block
+
+
+def optional(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A tensor that travels between stages as an empty one when absent (stages pass tensors only)."""
+    return None if tensor.numel() == 0 else tensor

@@ -1,0 +1,141 @@
+"""What a model family is made of, in one place: :class:`FamilySpec`.
+
+Each family is a folder ``diffpipe/families/<name>/`` with the same file names:
+
+- ``__init__.py``: its ``SPEC`` (this class), the one object the rest of diffpipe reads;
+- ``family.py``: the :class:`~diffpipe.models.base.Family` subclass (components, encoding, training inputs,
+  sampling);
+- ``layers.py``: its pipeline-parallel layer list (or ``SPEC.layers`` is :class:`Absent` with the reason,
+  or names another family's ``layers.py`` it shares);
+- ``keymap.py``: ``DENOISER`` and ``build(config, out_features)``, the key map between our module names
+  and the original checkpoint's, behind the ComfyUI and kohya formats and ``import-lora`` (or
+  ``SPEC.keymap`` is :class:`Absent`);
+- ``flavors.py``: its tiny configs and ``PUBLISHED``, the published models' denoiser configs.
+
+``diffpipe/families/__init__.py`` is the registry (one line per family).
+``tests/unit/test_family_contract.py`` checks every registered family against this layout, and the
+family, format and pipeline-parallel tables of the docs are generated from the specs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class Absent:
+    """A spec part a family does not have, and why (shown in the docs and in errors)."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Kohya:
+    """The sd-scripts / modelspec metadata a kohya-format file of this family carries."""
+
+    #: ``ss_base_model_version`` (the names sd-scripts and musubi-tuner write).
+    base_model_version: str
+    #: ``modelspec.architecture``.
+    architecture: str
+    #: ``modelspec.implementation``.
+    implementation: str
+
+
+@dataclass(frozen=True)
+class Published:
+    """One published model: its family, denoiser class and config, and what its authors state."""
+
+    name: str
+    family: str
+    cls: str  # diffusers class name of the denoiser
+    config: dict[str, Any]
+    params: float  # the published parameter count of the denoiser
+    params_digits: int  # significant digits the figure was published with
+    source: str  # where the figure is published
+    #: Per-sample shapes of the text conditioning (without the batch axis), as the family's loss reads it.
+    text: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    #: VAE latent channels and spatial downsampling (image side / latent side).
+    latent_channels: int = 4
+    vae_factor: int = 8
+
+    def build_meta(self) -> torch.nn.Module:
+        """The denoiser at its published size, on the ``meta`` device (no memory, no weights)."""
+        import diffusers
+
+        with torch.device("meta"):
+            return getattr(diffusers, self.cls)(**self.config)
+
+    def params_match(self, count: int) -> bool:
+        """Whether ``count`` matches the published figure (see the module docstring)."""
+        rounded = float(f"{count:.{self.params_digits}g}")
+        return rounded == self.params or abs(count - self.params) <= 0.01 * self.params
+
+
+#: How ComfyUI reads the family's diffusers-format file: ``all`` (it maps the ``transformer.`` names),
+#: ``part`` (only the non-attention layers of a UNet), ``none`` (nothing: use the comfyui file),
+#: ``no-model`` (ComfyUI has no model for this family).
+ComfyReads = Literal["all", "part", "none", "no-model"]
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One model family: where its parts are, and what the docs and the model card say about it."""
+
+    #: The ``model.family`` name (``flux-kontext``); the folder is the name with ``-`` as ``_``.
+    name: str
+    #: The :class:`~diffpipe.models.base.Family` subclass's name in the folder's ``family.py``.
+    family_class: str
+    #: The models it covers, for the docs ("FLUX.1 dev / schnell").
+    model: str
+    #: What it trains, for the docs ("text-to-image"; video: frame rate and frame rule).
+    tasks: str
+    #: The default LoRA targets in words, for the docs (the list itself is ``Family.default_lora_targets``).
+    targets: str
+    #: The published models (``flavors.PUBLISHED``), flagship first.
+    published: tuple[Published, ...]
+    #: Its kohya metadata: fixed, a function of the denoiser's config (SD 1.x vs 2.x vs SDXL), or absent.
+    kohya: Kohya | Callable[[Mapping[str, Any]], Kohya] | Absent
+    #: Which tools read its ComfyUI and kohya files, for docs/formats.md.
+    comfyui_readers: str
+    kohya_readers: str
+    #: How ComfyUI reads its diffusers file (the model card's note).
+    comfy_reads_diffusers: ComfyReads = "none"
+    #: Whether A1111/Forge run this model (the model card's kohya line).
+    a1111: bool = False
+    #: Model-card "how to load" lines that replace the generic one, by format.
+    how_to_load: Mapping[str, str] = field(default_factory=dict)
+    #: Pipeline-parallel layers: "" = the folder's ``layers.py``; a module path = another family's it
+    #: shares (``diffpipe.families.flux.layers``); :class:`Absent` = none, with the reason.
+    layers: str | Absent = ""
+    #: The key map: None = the folder's ``keymap.py``; :class:`Absent` = none, with the reason.
+    keymap: Absent | None = None
+
+    @property
+    def package(self) -> str:
+        return f"diffpipe.families.{self.name.replace('-', '_')}"
+
+    def family_type(self) -> type:
+        """The Family subclass (imports the family's ``family.py`` and its diffusers classes)."""
+        import importlib
+
+        return getattr(importlib.import_module(f"{self.package}.family"), self.family_class)
+
+    def keymap_module(self) -> Any:
+        """The ``keymap.py`` module; a clear error when the family has none."""
+        import importlib
+
+        if isinstance(self.keymap, Absent):
+            raise ValueError(f"no LoRA key map for family {self.name!r} (formats comfyui and kohya need one): "
+                             f"{self.keymap.reason}")
+        return importlib.import_module(f"{self.package}.keymap")
+
+    def kohya_for(self, denoiser_config: Mapping[str, Any]) -> Kohya:
+        """Its kohya metadata for a denoiser with this config; a clear error when it has none."""
+        if isinstance(self.kohya, Absent):
+            raise ValueError(f"kohya format: no sd-scripts base model version for family {self.name!r}: "
+                             f"{self.kohya.reason}")
+        return self.kohya if isinstance(self.kohya, Kohya) else self.kohya(denoiser_config)

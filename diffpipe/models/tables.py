@@ -1,0 +1,62 @@
+"""The docs' family tables, generated from the family specs (``python -m diffpipe.readme_tables``).
+
+``docs/families.md`` (what each family trains and where its published sizes come from),
+``docs/formats.md`` (which tools read each family's ComfyUI and kohya files) and
+``docs/training.md`` (which families train pipeline parallel) hold these between markers;
+``tests/unit/test_docs.py`` checks them against the code.
+"""
+
+from __future__ import annotations
+
+from diffpipe.families import Absent, specs
+from diffpipe.paths import EXPORT_NAMES
+
+
+def _formats(s) -> str:
+    """The export formats a family writes: all five, or the ones its missing spec parts leave."""
+    have = ["diffusers", "peft", "merged"]
+    if not isinstance(s.keymap, Absent):
+        have.insert(2, "comfyui")
+        if not isinstance(s.kohya, Absent):
+            have.insert(3, "kohya")
+    return "all five" if len(have) == 5 else ", ".join(have)
+
+
+def _sizes(s) -> str:
+    def figure(p) -> str:  # the published figure, to the digits it was published with
+        scale, unit = (1e9, "B") if p.params >= 1e9 else (1e6, "M")
+        return f"{p.params / scale:.{p.params_digits}g}{unit}"
+
+    return ", ".join(f"{figure(p)} (`{p.name}`)" for p in s.published)
+
+
+def families_markdown() -> str:
+    rows = ["| family | model | tasks | default LoRA targets | export formats | published denoiser sizes |",
+            "| --- | --- | --- | --- | --- | --- |"]
+    for s in specs():
+        rows.append(f"| `{s.name}` | {s.model} | {s.tasks} | {s.targets} | {_formats(s)} | {_sizes(s)} |")
+    return "\n".join(rows)
+
+
+def formats_markdown() -> str:
+    rows = [f"| family | comfyui (`{EXPORT_NAMES['comfyui']}`, keys `diffusion_model.<original>`) | kohya "
+            f"(`{EXPORT_NAMES['kohya']}`, `lora_unet_<original>` + `ss_*`/`modelspec.*` metadata) |",
+            "| --- | --- | --- |"]
+    for s in specs():
+        if isinstance(s.keymap, Absent):
+            rows.append(f"| `{s.name}` | none: {s.keymap.reason} | none |")
+        else:
+            rows.append(f"| `{s.name}` | {s.comfyui_readers} | {s.kohya_readers} |")
+    return "\n".join(rows)
+
+
+def pipeline_markdown() -> str:
+    rows = ["| family | pipeline-parallel layers |", "| --- | --- |"]
+    for s in specs():
+        if isinstance(s.layers, Absent):
+            what = f"refused: {s.layers.reason}"
+        else:
+            module = s.layers or f"{s.package}.layers"
+            what = f"`{module.replace('.', '/')}.py`"
+        rows.append(f"| `{s.name}` | {what} |")
+    return "\n".join(rows)

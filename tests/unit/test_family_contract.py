@@ -1,0 +1,138 @@
+"""Every registered family is one folder with the same files, described by its spec.
+
+A spec part is present (its file exists and holds what the machinery reads) or explicitly absent with
+a reason, which the errors and the docs show. The last test adds a family the way the docs say (a
+folder and one registry line) and checks that every place reading family facts finds it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+import diffpipe.families as families
+from diffpipe.config import ModelConfig
+from diffpipe.families import FAMILIES, UNREGISTERED, Absent, family_names, spec
+from diffpipe.models.base import Family
+from diffpipe.models.spec import FamilySpec, Kohya
+
+FOLDER = Path(families.__file__).parent
+
+
+@pytest.mark.parametrize("name", family_names())
+def test_each_family_folder_holds_its_spec_parts(name):
+    s = spec(name)
+    folder = FOLDER / FAMILIES[name]
+    assert isinstance(s, FamilySpec) and s.name == name and folder.name == name.replace("-", "_")
+    for required in ("__init__.py", "family.py", "flavors.py"):
+        assert (folder / required).is_file(), f"{name}: {required} missing"
+    assert all((s.model, s.tasks, s.targets, s.comfyui_readers, s.kohya_readers)), f"{name}: docs lines missing"
+
+    cls = s.family_type()
+    assert issubclass(cls, Family) and cls.name == name and cls.default_lora_targets
+
+    flavors = importlib.import_module(f"{s.package}.flavors")
+    assert flavors.PUBLISHED and tuple(flavors.PUBLISHED) == s.published
+    assert {p.family for p in s.published} == {name}
+
+    if isinstance(s.layers, Absent):
+        assert s.layers.reason and not (folder / "layers.py").exists()
+        with pytest.raises(ValueError, match=s.layers.reason):
+            cls(ModelConfig(family=name)).pipeline_layers(None)
+    else:
+        module = s.layers or f"{s.package}.layers"
+        assert (Path(importlib.import_module(module).__file__)).is_file()
+        assert cls.pipeline_layers is not Family.pipeline_layers, f"{name}: layers declared, none built"
+
+    if isinstance(s.keymap, Absent):
+        assert s.keymap.reason and not (folder / "keymap.py").exists()
+    else:
+        keymap = s.keymap_module()
+        assert keymap.DENOISER.__name__ == s.published[0].cls and callable(keymap.build)
+
+    if isinstance(s.kohya, Absent):
+        assert s.kohya.reason
+    else:
+        k = s.kohya_for(s.published[0].config)
+        assert isinstance(k, Kohya) and all((k.base_model_version, k.architecture, k.implementation))
+
+
+def test_every_folder_is_registered_or_says_why():
+    folders = {p.name for p in FOLDER.iterdir() if (p / "__init__.py").is_file()}
+    assert folders == set(FAMILIES.values()) | set(UNREGISTERED)
+    assert all(UNREGISTERED.values())
+
+
+def test_an_unknown_family_is_an_error_naming_the_known_ones():
+    with pytest.raises(ValueError, match=r"unknown family 'nope'; known: chroma, "):
+        spec("nope")
+
+
+_TOY = {
+    "__init__.py": '''
+        from diffpipe.families.toy.flavors import PUBLISHED
+        from diffpipe.models.spec import Absent, FamilySpec, Kohya
+
+        SPEC = FamilySpec(
+            name="toy", family_class="ToyFamily", model="Toy 1", tasks="text-to-image", targets="as `sd`",
+            published=tuple(PUBLISHED), kohya=Kohya("toy_v1", "toy-1/lora", "https://example.org/toy"),
+            comfyui_readers="ComfyUI", kohya_readers="ComfyUI", comfy_reads_diffusers="none",
+            layers=Absent("toys do not pipeline"),
+        )
+    ''',
+    "family.py": '''
+        from diffpipe.families.sd.family import SDFamily
+        from diffpipe.models.base import Family
+
+
+        class ToyFamily(SDFamily):
+            name = "toy"
+            pipeline_layers = Family.pipeline_layers
+    ''',
+    "flavors.py": '''
+        from diffpipe.families.sd.flavors import SD_UNET
+        from diffpipe.models.spec import Published
+
+        PUBLISHED = [Published("toy-1", "toy", "UNet2DConditionModel", SD_UNET, 859.52e6, 5, "made up")]
+    ''',
+    "keymap.py": '''
+        from diffpipe.families.sd.keymap import DENOISER, build  # noqa: F401
+    ''',
+}
+
+
+def test_adding_a_family_is_one_folder_and_one_registry_line(tmp_path, monkeypatch):
+    """The family ``toy`` exists only as a folder on the package path plus its registry line; every
+    reader of family facts (lookup, docs tables, key maps, kohya metadata, model card, estimate) finds it."""
+    folder = tmp_path / "toy"
+    folder.mkdir()
+    for file, text in _TOY.items():
+        (folder / file).write_text(textwrap.dedent(text).lstrip())
+    monkeypatch.setattr(families, "__path__", [*families.__path__, str(tmp_path)])
+    monkeypatch.setitem(FAMILIES, "toy", "toy")
+    try:
+        from diffpipe.export.card import how_to_load
+        from diffpipe.export.keymaps import keymap_for, mapped_families
+        from diffpipe.export.kohya import base_model_version
+        from diffpipe.models import family_names as names
+        from diffpipe.models import get_family
+        from diffpipe.models.published import for_family
+        from diffpipe.models.tables import families_markdown, formats_markdown, pipeline_markdown
+
+        family = get_family(ModelConfig(family="toy"))
+        assert type(family).__name__ == "ToyFamily" and "toy" in names()
+        assert "toy" in mapped_families() and keymap_for(family).family == "sd"
+        assert base_model_version("toy", {}) == ("toy_v1", "toy-1/lora", "https://example.org/toy")
+        assert "A1111/Forge do not run this model" in how_to_load("kohya", "toy")
+        assert [p.name for p in for_family("toy")] == ["toy-1"]
+        assert "| `toy` | Toy 1 |" in families_markdown() and "| `toy` | ComfyUI |" in formats_markdown()
+        assert "| `toy` | refused: toys do not pipeline |" in pipeline_markdown()
+        with pytest.raises(ValueError, match="toys do not pipeline"):
+            family.pipeline_layers(None)
+    finally:
+        for mod in [m for m in sys.modules if m.startswith("diffpipe.families.toy")]:
+            del sys.modules[mod]
