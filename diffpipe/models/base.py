@@ -186,9 +186,32 @@ class Family(ABC):
             )
         return digest(common.diffusers_component_identity(self.vae_class, self.cfg, "vae"))
 
-    @abstractmethod
     def encoders_identity(self) -> str:
-        """Hash of the tokenizers' and text encoders' config and weights."""
+        """Hash of the tokenizers' and text encoders' config and weights, and the text settings.
+
+        From the declared ``text_parts``: tiny flavor = the built modules (memoised per process); local =
+        the folders' tokenizers and encoder configs and weight files, without loading the weights.
+        """
+        from diffpipe.models import _common as common
+        from diffpipe.models.components import Tokenizer
+        from diffpipe.models.tokenizers import tokenizer_fingerprint
+        from diffpipe.utils import digest
+
+        parts = self._declared("text_parts")
+        if self.cfg.flavor == "tiny":
+            def build() -> str:
+                bundle = self.load_text_encoders()
+                return digest({**{name: tokenizer_fingerprint(bundle.parts[name]) if isinstance(part, Tokenizer)
+                                  else common.module_identity(bundle.parts[name]) for name, part in parts.items()},
+                               **self.text_settings()})
+
+            return common.memo_identity((self.name, self.cfg.seed, "text"), build)
+        path, variant = self.cfg.path, self.cfg.weight_variant
+        return digest({**{name: tokenizer_fingerprint(part.cls.from_pretrained(path, subfolder=name))
+                          if isinstance(part, Tokenizer)
+                          else common.transformers_folder_identity(part.cls, part.config_cls, path, name, variant=variant)
+                          for name, part in parts.items()},
+                       **self.text_settings()})
 
     # -- geometry ----------------------------------------------------------
     @property
@@ -196,20 +219,78 @@ class Family(ABC):
     def pixel_multiple(self) -> int:
         """Image sides must be multiples of this (VAE factor x patch size)."""
 
-    # -- components --------------------------------------------------------
-    @abstractmethod
-    def load_vae(self) -> torch.nn.Module: ...
+    # -- components (declared: ``diffpipe.models.components``) ------------------------
+    #: The VAE and the denoiser, declared (class, tiny config); families that build them otherwise override
+    #: ``load_vae`` / ``load_denoiser``.
+    vae_model: ClassVar[Any] = None
+    denoiser_model: ClassVar[Any] = None
+    #: The tokenizers and text encoders by the pipeline's argument names, in the order their identities
+    #: enter the text cache key.
+    text_parts: ClassVar[dict[str, Any]] = {}
+    #: Keyword arguments the stock pipeline takes besides its components (``safety_checker=None``, ...).
+    pipeline_extras: ClassVar[dict[str, Any]] = {}
 
-    @abstractmethod
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("vae_model") is not None and "vae_class" not in cls.__dict__:
+            cls.vae_class = cls.vae_model.cls
+
+    def _declared(self, what: str) -> Any:
+        value = getattr(self, what)
+        if not value:
+            raise NotImplementedError(f"family {self.name!r} declares no {what} and does not override its loader")
+        return value
+
+    def _model(self, model: Any, subfolder: str) -> torch.nn.Module:
+        from diffpipe.models import _common as common
+
+        return common.component(model.cls, self.cfg, model.seed or self.name, subfolder, model.tiny)
+
+    def load_vae(self) -> torch.nn.Module:
+        """The declared VAE (``vae_model``), in eval mode, in ``model.vae_dtype``."""
+        return self._model(self._declared("vae_model"), "vae")
+
+    def load_denoiser(self) -> torch.nn.Module:
+        """The declared denoiser (``denoiser_model``) from the ``denoiser_name`` subfolder, in ``model.dtype``."""
+        return self._model(self._declared("denoiser_model"), self.denoiser_name)
+
+    def text_settings(self) -> dict[str, Any]:
+        """Text settings carried in the bundle and the text cache key (``max_sequence_length``, ...)."""
+        return {}
+
+    def _text_bundle(self, *, encoders: bool) -> Any:
+        from diffpipe.models import _common as common
+        from diffpipe.models.components import TextBundle, Tokenizer
+
+        parts, out = self._declared("text_parts"), {}
+        tiny = self.cfg.flavor == "tiny"
+        for name, part in parts.items():
+            if isinstance(part, Tokenizer):
+                out[name] = part.tiny() if tiny else part.cls.from_pretrained(self.cfg.path, subfolder=name)
+            elif not encoders:
+                out[name] = None
+            elif tiny:
+                out[name] = part.tiny(out[part.tokenizer or name.replace("text_encoder", "tokenizer")], self.cfg.seed)
+            else:
+                out[name] = common.pretrained_text_encoder(part.cls, self.cfg, name)
+        return TextBundle(out, **self.text_settings())
+
+    def load_tokenizers(self) -> Any:
+        """What ``token_limits`` and ``count_tokens`` need: the declared tokenizers, no encoder weights."""
+        return self._text_bundle(encoders=False)
+
     def load_text_encoders(self) -> Any:
-        """Opaque bundle of tokenizers + encoders passed back to ``encode_text``."""
+        """The declared tokenizers and text encoders (a :class:`~diffpipe.models.components.TextBundle`),
+        passed back to ``encode_text``."""
+        return self._text_bundle(encoders=True)
 
-    @abstractmethod
-    def load_denoiser(self) -> torch.nn.Module: ...
-
-    @abstractmethod
     def load_pipeline(self) -> Any:
         """The family's stock diffusers pipeline with every component, on CPU, eval mode."""
+        text = self.load_text_encoders()
+        return self.pipeline_class(
+            vae=self.load_vae(), **{self.denoiser_name: self.load_denoiser()},
+            scheduler=self.inference_scheduler(), **text.parts, **self.pipeline_extras,
+        )
 
     @property
     @abstractmethod
@@ -233,14 +314,6 @@ class Family(ABC):
     @abstractmethod
     def encode_text(self, encoders: Any, captions: list[str]) -> dict[str, torch.Tensor]:
         """Captions -> embeddings dict (float32), named like the pipeline's arguments."""
-
-    def load_tokenizers(self) -> Any:
-        """What ``token_limits`` and ``count_tokens`` need, ideally the tokenizers alone.
-
-        Validation counts caption tokens with it. The default loads the whole
-        text-encoder bundle; families override it to skip the encoder weights.
-        """
-        return self.load_text_encoders()
 
     @abstractmethod
     def token_limits(self, encoders: Any) -> dict[str, int]:

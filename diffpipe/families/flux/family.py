@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
@@ -39,28 +38,12 @@ from diffpipe.families.flux.flavors import TINY_SCHEDULER, TINY_T5, TINY_T5_LENG
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer, tokenizer_fingerprint
+from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer
 from diffpipe.training import objectives as obj
-from diffpipe.utils import digest
 
 # FluxPipeline refuses longer T5 prompts.
 MAX_T5_LENGTH = 512
-
-
-@dataclass
-class FluxTextEncoders:
-    """What ``encode_text`` needs: both tokenizers and encoders, and the T5 length."""
-
-    tokenizer: CLIPTokenizer
-    text_encoder: CLIPTextModel
-    tokenizer_2: T5TokenizerFast
-    text_encoder_2: T5EncoderModel
-    max_sequence_length: int
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> FluxTextEncoders:
-        self.text_encoder.to(device=device, dtype=dtype)
-        self.text_encoder_2.to(device=device, dtype=dtype)
-        return self
 
 
 def _tiny_t5(tokenizer: T5TokenizerFast, seed: int) -> T5EncoderModel:
@@ -77,7 +60,16 @@ def _tiny_t5(tokenizer: T5TokenizerFast, seed: int) -> T5EncoderModel:
 
 class FluxFamily(Family):
     name = "flux"
-    vae_class = AutoencoderKL
+    # Seeded as "lux.vae" / "lux.transformer" since the tiny flavor's first weights (golden losses).
+    vae_model = Model(AutoencoderKL, TINY_VAE, seed="lux")
+    denoiser_model = Model(FluxTransformer2DModel, TINY_TRANSFORMER, seed="lux")
+    text_parts: ClassVar[dict[str, TextPart]] = {
+        "tokenizer": Tokenizer(CLIPTokenizer, clip_tokenizer),
+        "text_encoder": TextEncoder(CLIPTextModel, CLIPTextConfig,
+                                    lambda tok, seed: common.tiny_clip_text_encoder(tok, seed, "flux.text_encoder")),
+        "tokenizer_2": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(TINY_T5_LENGTH)),
+        "text_encoder_2": TextEncoder(T5EncoderModel, T5Config, _tiny_t5),
+    }
     denoiser_name = "transformer"
     # As in diffusers' Flux DreamBooth LoRA example: attention projections of
     # both streams (image: to_*, text: add_*_proj / to_add_out; the names
@@ -149,98 +141,17 @@ class FluxFamily(Family):
         return math.exp(mu) if c.get("time_shift_type", "exponential") == "exponential" else mu
 
     # -- components ------------------------------------------------------------
-    def load_vae(self) -> AutoencoderKL:
-        return common.component(AutoencoderKL, self.cfg, "lux", "vae", TINY_VAE)
-
-    def load_tokenizers(self) -> FluxTextEncoders:
-        """Both tokenizers only (no encoder weights): enough to count tokens."""
-        msl = self.max_sequence_length
-        if self.cfg.flavor == "tiny":
-            return FluxTextEncoders(clip_tokenizer(), None, t5_tokenizer(TINY_T5_LENGTH), None, msl)
-        path = self.cfg.path
-        return FluxTextEncoders(
-            CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
-            None,
-            T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_2"),
-            None,
-            msl,
-        )
-
-    def load_text_encoders(self) -> FluxTextEncoders:
-        msl = self.max_sequence_length
-        if self.cfg.flavor == "tiny":
-            tok, tok2 = clip_tokenizer(), t5_tokenizer(TINY_T5_LENGTH)
-            clip = common.tiny_clip_text_encoder(tok, self.cfg.seed, "flux.text_encoder")
-            return FluxTextEncoders(tok, clip, tok2, _tiny_t5(tok2, self.cfg.seed), msl)
-        path = self.cfg.path
-        return FluxTextEncoders(
-            CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
-            common.pretrained_text_encoder(CLIPTextModel, self.cfg, "text_encoder"),
-            T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_2"),
-            common.pretrained_text_encoder(T5EncoderModel, self.cfg, "text_encoder_2"),
-            msl,
-        )
-
-    def load_denoiser(self) -> FluxTransformer2DModel:
-        return common.component(FluxTransformer2DModel, self.cfg, "lux", "transformer", TINY_TRANSFORMER)
+    def text_settings(self) -> dict[str, Any]:
+        return {"max_sequence_length": self.max_sequence_length}
 
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
-
-    def load_pipeline(self) -> FluxPipeline:
-        enc = self.load_text_encoders()
-        return FluxPipeline(
-            scheduler=self.inference_scheduler(),
-            vae=self.load_vae(),
-            text_encoder=enc.text_encoder,
-            tokenizer=enc.tokenizer,
-            text_encoder_2=enc.text_encoder_2,
-            tokenizer_2=enc.tokenizer_2,
-            transformer=self.load_denoiser(),
-        )
 
     @property
     def pipeline_class(self) -> type:
         return FluxPipeline
 
     # -- identities ------------------------------------------------------------
-    def encoders_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity(
-                (self.name, self.cfg.seed, "text"),
-                lambda: self._text_identity(self.load_text_encoders()),
-            )
-        path = self.cfg.path
-        return digest(
-            {
-                "tokenizer": tokenizer_fingerprint(
-                    CLIPTokenizer.from_pretrained(path, subfolder="tokenizer")
-                ),
-                "text_encoder": common.transformers_folder_identity(
-                    CLIPTextModel, CLIPTextConfig, path, "text_encoder", variant=self.cfg.weight_variant,
-                ),
-                "tokenizer_2": tokenizer_fingerprint(
-                    T5TokenizerFast.from_pretrained(path, subfolder="tokenizer_2")
-                ),
-                "text_encoder_2": common.transformers_folder_identity(
-                    T5EncoderModel, T5Config, path, "text_encoder_2", variant=self.cfg.weight_variant,
-                ),
-                "max_sequence_length": self.max_sequence_length,
-            }
-        )
-
-    @staticmethod
-    def _text_identity(enc: FluxTextEncoders) -> str:
-        return digest(
-            {
-                "tokenizer": tokenizer_fingerprint(enc.tokenizer),
-                "text_encoder": common.module_identity(enc.text_encoder),
-                "tokenizer_2": tokenizer_fingerprint(enc.tokenizer_2),
-                "text_encoder_2": common.module_identity(enc.text_encoder_2),
-                "max_sequence_length": enc.max_sequence_length,
-            }
-        )
-
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         frames = pixels.shape[2]
@@ -253,7 +164,7 @@ class FluxFamily(Family):
         return common.batch_to_frames(latents, frames)
 
     def encode_text(
-        self, encoders: FluxTextEncoders, captions: list[str]
+        self, encoders: TextBundle, captions: list[str]
     ) -> dict[str, torch.Tensor]:
         # Exactly FluxPipeline._get_clip_prompt_embeds / _get_t5_prompt_embeds.
         enc = encoders
@@ -278,10 +189,10 @@ class FluxFamily(Family):
             embeds = enc.text_encoder_2(t5_ids.to(device), output_hidden_states=False)[0]
         return {"prompt_embeds": embeds.float(), "pooled_prompt_embeds": pooled.float()}
 
-    def token_limits(self, encoders: FluxTextEncoders) -> dict[str, int]:
+    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
         return {"clip": encoders.tokenizer.model_max_length, "t5": encoders.max_sequence_length}
 
-    def count_tokens(self, encoders: FluxTextEncoders, captions: list[str]) -> dict[str, list[int]]:
+    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
         captions = list(captions)
         return {
             "clip": [len(x) for x in encoders.tokenizer(captions).input_ids],

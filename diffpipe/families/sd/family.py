@@ -10,7 +10,6 @@ al. 2024) for training and sampling alike, sampled with trailing timesteps.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -29,26 +28,23 @@ from diffpipe.families.sd.flavors import TINY_SCHEDULER, TINY_UNET, TINY_VAE
 from diffpipe.models import _common as common
 from diffpipe.models._draws import ddpm_parts, draw_image
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.tokenizers import clip_tokenizer, tokenizer_fingerprint
+from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.tokenizers import clip_tokenizer
 from diffpipe.training import objectives as obj
-from diffpipe.utils import digest
-
-
-@dataclass
-class SDTextEncoders:
-    """What ``encode_text`` needs: the CLIP tokenizer and text encoder."""
-
-    tokenizer: CLIPTokenizer
-    text_encoder: CLIPTextModel
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> SDTextEncoders:
-        self.text_encoder.to(device=device, dtype=dtype)
-        return self
 
 
 class SDFamily(Family):
     name = "sd"
-    vae_class = AutoencoderKL
+    vae_model = Model(AutoencoderKL, TINY_VAE)
+    denoiser_model = Model(UNet2DConditionModel, TINY_UNET)
+    text_parts: ClassVar[dict[str, TextPart]] = {
+        "tokenizer": Tokenizer(CLIPTokenizer, clip_tokenizer),
+        "text_encoder": TextEncoder(CLIPTextModel, CLIPTextConfig,
+                                    lambda tok, seed: common.tiny_clip_text_encoder(tok, seed, "sd.text_encoder")),
+    }
+    pipeline_extras: ClassVar[dict[str, Any]] = {
+        "safety_checker": None, "feature_extractor": None, "requires_safety_checker": False,
+    }
     vae_needs_fp32 = True  # fp16 overflows in its decoder; kohya and musubi keep it in float32 too
     denoiser_name = "unet"
     # Attention projections are the usual SD LoRA targets. On the tiny UNet
@@ -123,27 +119,6 @@ class SDFamily(Family):
         return vae_factor * unet_factor
 
     # -- components ------------------------------------------------------------
-    def load_vae(self) -> AutoencoderKL:
-        return common.component(AutoencoderKL, self.cfg, "sd", "vae", TINY_VAE)
-
-    def load_tokenizers(self) -> SDTextEncoders:
-        """The tokenizer only (no encoder weights): enough to count tokens."""
-        if self.cfg.flavor == "tiny":
-            return SDTextEncoders(clip_tokenizer(), None)
-        return SDTextEncoders(CLIPTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer"), None)
-
-    def load_text_encoders(self) -> SDTextEncoders:
-        if self.cfg.flavor == "tiny":
-            tokenizer = clip_tokenizer()
-            encoder = common.tiny_clip_text_encoder(tokenizer, self.cfg.seed, "sd.text_encoder")
-            return SDTextEncoders(tokenizer, encoder)
-        tokenizer = CLIPTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
-        encoder = common.pretrained_text_encoder(CLIPTextModel, self.cfg, "text_encoder")
-        return SDTextEncoders(tokenizer, encoder)
-
-    def load_denoiser(self) -> UNet2DConditionModel:
-        return common.component(UNet2DConditionModel, self.cfg, "sd", "unet", TINY_UNET)
-
     @property
     def zero_terminal_snr(self) -> bool:
         """Whether the schedule is rescaled to zero terminal SNR (``model.zero_terminal_snr`` or the scheduler's)."""
@@ -157,44 +132,9 @@ class SDFamily(Family):
         """DDIM on the training betas, with the training prediction type."""
         return DDIMScheduler.from_config(self._scheduler_config)
 
-    def load_pipeline(self) -> StableDiffusionPipeline:
-        encoders = self.load_text_encoders()
-        return StableDiffusionPipeline(
-            vae=self.load_vae(),
-            text_encoder=encoders.text_encoder,
-            tokenizer=encoders.tokenizer,
-            unet=self.load_denoiser(),
-            scheduler=self.inference_scheduler(),
-            safety_checker=None,
-            feature_extractor=None,
-            requires_safety_checker=False,
-        )
-
     @property
     def pipeline_class(self) -> type:
         return StableDiffusionPipeline
-
-    # -- identities ------------------------------------------------------------
-    def encoders_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity(
-                (self.name, self.cfg.seed, "text"),
-                lambda: self._text_identity(self.load_text_encoders()),
-            )
-        tokenizer = CLIPTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
-        encoder = common.transformers_folder_identity(
-            CLIPTextModel, CLIPTextConfig, self.cfg.path, "text_encoder", variant=self.cfg.weight_variant,
-        )
-        return digest({"tokenizer": tokenizer_fingerprint(tokenizer), "text_encoder": encoder})
-
-    @staticmethod
-    def _text_identity(encoders: SDTextEncoders) -> str:
-        return digest(
-            {
-                "tokenizer": tokenizer_fingerprint(encoders.tokenizer),
-                "text_encoder": common.module_identity(encoders.text_encoder),
-            }
-        )
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -207,7 +147,7 @@ class SDFamily(Family):
         latents = latents.float() * vae.config.scaling_factor
         return common.batch_to_frames(latents, frames)
 
-    def encode_text(self, encoders: SDTextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         tok, encoder = encoders.tokenizer, encoders.text_encoder
         # Exactly StableDiffusionPipeline.encode_prompt (no clip_skip).
         ids = tok(
@@ -225,10 +165,10 @@ class SDFamily(Family):
             embeds = encoder(ids.input_ids.to(device), attention_mask=mask)[0]
         return {"prompt_embeds": embeds.float()}
 
-    def token_limits(self, encoders: SDTextEncoders) -> dict[str, int]:
+    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
         return {"clip": encoders.tokenizer.model_max_length}
 
-    def count_tokens(self, encoders: SDTextEncoders, captions: list[str]) -> dict[str, list[int]]:
+    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
         ids = encoders.tokenizer(list(captions)).input_ids
         return {"clip": [len(x) for x in ids]}
 

@@ -1,0 +1,85 @@
+"""Declared components: what a family is built from, so that building and loading are written once.
+
+A family declares its diffusers models (:class:`Model`: the VAE and the denoiser) and its text side
+(:class:`Tokenizer` and :class:`TextEncoder` parts, named like the stock pipeline's arguments:
+``tokenizer``, ``text_encoder_2``, ...). :class:`~diffpipe.models.base.Family` then builds them for the
+tiny flavor (the declared tiny config, weights seeded from ``model.seed``), loads them from a local
+folder or a single file in the configured dtype (``diffpipe.models._common``: the one place dtypes
+are applied at load), fingerprints them for the cache keys, and assembles the stock pipeline.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class Model:
+    """A diffusers model of the family (``AutoencoderKL``, ``FluxTransformer2DModel``, ...)."""
+
+    cls: type
+    #: The tiny flavor's config (``cls(**tiny)``).
+    tiny: Mapping[str, Any]
+    #: The tiny weights are seeded from ``model.seed`` and ``<seed>.<subfolder>``; "" = the family's name.
+    seed: str = ""
+
+
+@dataclass(frozen=True)
+class Tokenizer:
+    """A tokenizer: ``cls.from_pretrained(path, subfolder=<its name>)``, or ``tiny()`` for the tiny flavor."""
+
+    cls: type
+    tiny: Callable[[], Any]
+
+
+@dataclass(frozen=True)
+class TextEncoder:
+    """A transformers text encoder, loaded in ``model.text_encoder_dtype`` from the subfolder of its name.
+
+    ``tiny(tokenizer, seed)`` builds the tiny one from its tokenizer (vocabulary size, special ids) and
+    ``model.seed``; ``config_cls`` reads a local folder's config for the cache key without the weights.
+    """
+
+    cls: type
+    config_cls: type
+    tiny: Callable[[Any, int], torch.nn.Module]
+    #: The part name of the tokenizer it reads; "" = its own name with ``text_encoder`` as ``tokenizer``
+    #: (``text_encoder_2`` reads ``tokenizer_2``).
+    tokenizer: str = ""
+
+
+TextPart = Tokenizer | TextEncoder
+
+
+class TextBundle:
+    """A family's tokenizers and text encoders by part name, plus its text settings (``max_sequence_length``).
+
+    Attribute access reads both (``bundle.tokenizer_2``, ``bundle.max_sequence_length``); encoders are
+    None when only the tokenizers were loaded (:meth:`Family.load_tokenizers`, enough to count tokens).
+    """
+
+    def __init__(self, parts: Mapping[str, Any], **settings: Any):
+        self.__dict__["parts"] = dict(parts)
+        self.__dict__["settings"] = settings
+
+    def __getattr__(self, name: str) -> Any:
+        parts, settings = self.__dict__["parts"], self.__dict__["settings"]
+        if name in parts:
+            return parts[name]
+        if name in settings:
+            return settings[name]
+        raise AttributeError(name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        (self.parts if name in self.parts else self.settings)[name] = value
+
+    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> TextBundle:
+        """Move the encoders (tokenizers stay); returns the bundle."""
+        for part in self.parts.values():
+            if isinstance(part, torch.nn.Module):
+                part.to(device=device, dtype=dtype)
+        return self
