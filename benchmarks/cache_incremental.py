@@ -32,13 +32,13 @@ from pathlib import Path
 import torch
 
 from diffpipe.config import CacheConfig, DatasetConfig, LoraConfig, ModelConfig, ValidationConfig
-from diffpipe.data.buckets import load_image
-from diffpipe.data.cache import cache_latents, cache_text
-from diffpipe.data.demo import demo_item
-from diffpipe.data.latents import LatentShard
-from diffpipe.data.plan import make_plan, read_spec
-from diffpipe.data.reader import CachedDataset
-from diffpipe.data.validate import run_validation
+from diffpipe.data.cache.buckets import load_image
+from diffpipe.data.cache.jobs import cache_latents, cache_text
+from diffpipe.data.cache.latents import LatentShard
+from diffpipe.data.cache.plan import make_plan, read_spec
+from diffpipe.data.cache.reader import CachedDataset
+from diffpipe.data.dataset.demo import demo_item
+from diffpipe.data.dataset.validate import run_validation
 from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 

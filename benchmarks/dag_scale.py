@@ -39,7 +39,7 @@ def measured(cmd: list[str], cwd: Path) -> tuple[float, float]:
 
 
 def bench(n: int, work: Path, items_per_shard: int) -> dict:
-    from diffpipe.data.demo import write_demo_dataset
+    from diffpipe.data.dataset.demo import write_demo_dataset
 
     root = work / f"n{n}"
     data = root / "data"

@@ -42,9 +42,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import torch
 
-from diffpipe.data.latents import LatentEntry, write_latent_shard
-from diffpipe.data.store import Store
-from diffpipe.data.text import write_text_shard
+from diffpipe.data.cache.latents import LatentEntry, write_latent_shard
+from diffpipe.data.cache.store import Store
+from diffpipe.data.cache.text import write_text_shard
 from diffpipe.utils import atomic_path, stable_json, write_if_changed
 
 N_ITEMS = 256

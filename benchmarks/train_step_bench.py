@@ -68,7 +68,7 @@ def bare_loop(steps: int, warmup: int) -> float:
 def prepare_run(root: Path) -> Path:
     """A cached 16-image run (64 px images -> 32x32 latents) and its config."""
     from diffpipe import stages
-    from diffpipe.data.demo import write_demo_dataset
+    from diffpipe.data.dataset.demo import write_demo_dataset
 
     cfg = base_config(root, steps=1)
     paths = RunPaths(cfg.output_dir)

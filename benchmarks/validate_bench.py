@@ -25,8 +25,8 @@ import time
 from pathlib import Path
 
 from diffpipe.config import DatasetConfig, ModelConfig, ValidationConfig
-from diffpipe.data.demo import demo_item
-from diffpipe.data.validate import FamilyTokenCounter, run_validation
+from diffpipe.data.dataset.demo import demo_item
+from diffpipe.data.dataset.validate import FamilyTokenCounter, run_validation
 
 
 def make_dataset(root: Path, n: int, size: int) -> None:

@@ -144,7 +144,7 @@ def validate(
     Example: diffpipe validate my_images/
     """
     from diffpipe.config import parse_config
-    from diffpipe.data.validate import kept_copy, print_summary
+    from diffpipe.data.dataset.validate import kept_copy, print_summary
 
     if (folder is None) == (config is None):
         raise typer.BadParameter("give a dataset FOLDER or --config, one of them", param_hint="FOLDER")
@@ -277,7 +277,7 @@ def cache_prune_cmd(config: ConfigOpt) -> None:
 
     Example: diffpipe cache prune -c config/demo.yaml
     """
-    from diffpipe.data.store import Store, prune
+    from diffpipe.data.cache.store import Store, prune
 
     cfg, paths = _setup(config, "cache")
     store = Store(paths.cache_store(cfg.cache.dir))
@@ -294,7 +294,7 @@ def cache_verify_cmd(config: ConfigOpt) -> None:
 
     Example: diffpipe cache verify -c config/demo.yaml
     """
-    from diffpipe.data.reader import CachedDataset
+    from diffpipe.data.cache.reader import CachedDataset
 
     _, paths = _setup(config, "cache")
     summary = CachedDataset.from_run(paths).summary()
@@ -517,11 +517,11 @@ def demo_data(
 
     Example: diffpipe demo-data /tmp/shapes --n 1000 --clips 8
     """
-    from diffpipe.data.demo import write_demo_dataset
+    from diffpipe.data.dataset.demo import write_demo_dataset
 
     write_demo_dataset(out, n=n, size=size, seed=seed)
     if clips:
-        from diffpipe.data.demo_video import write_demo_clips
+        from diffpipe.data.dataset.demo_video import write_demo_clips
 
         write_demo_clips(out, n=clips, frames=frames, width=size, height=size * 2 // 3 // 2 * 2, seed=seed)
     _say(f"demo-data: wrote {n} images{f' and {clips} clips' if clips else ''} to {out}")

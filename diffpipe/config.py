@@ -423,8 +423,8 @@ class ValidationConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> ValidationConfig:
-        # Imported here: diffpipe.data.policy is light, but config must import first.
-        from diffpipe.data.policy import resolve_actions
+        # Imported here: diffpipe.data.dataset.policy is light, but config must import first.
+        from diffpipe.data.dataset.policy import resolve_actions
 
         lo, hi = self.aspect_range
         if not 0 < lo <= hi:

@@ -147,8 +147,8 @@ def _as(cfg: Config | ConfigView, stage: str) -> Any:
 def validate(cfg: Config, paths: Any, *, rehash: bool = False, workers: int | None = None, tokens: bool = True,
              console: Any = None) -> Any:
     """Check every dataset file; write the manifest and the reports (``diffpipe validate``)."""
-    from diffpipe.data.discover import run_folders
-    from diffpipe.data.validate import FamilyTokenCounter, run_validation
+    from diffpipe.data.dataset.discover import run_folders
+    from diffpipe.data.dataset.validate import FamilyTokenCounter, run_validation
 
     cfg = _as(cfg, "validate")
     return run_validation(cfg.datasets, cfg.validation, manifest_path=paths.manifest,
@@ -159,7 +159,7 @@ def validate(cfg: Config, paths: Any, *, rehash: bool = False, workers: int | No
 
 def plan(cfg: Config, paths: Any) -> Any:
     """Assign the manifest's items to shards and write the shard specs (``diffpipe plan``)."""
-    from diffpipe.data.plan import make_plan
+    from diffpipe.data.cache.plan import make_plan
     from diffpipe.models import get_family
 
     cfg = _as(cfg, "plan")
@@ -172,7 +172,7 @@ def plan(cfg: Config, paths: Any) -> Any:
 
 def cache_latents(cfg: Config, paths: Any, shard: str, *, regenerate: bool = False, trust: bool = False) -> Any:
     """Build one latent shard (``diffpipe cache latents``)."""
-    from diffpipe.data.cache import cache_latents as build
+    from diffpipe.data.cache.jobs import cache_latents as build
 
     cfg = _as(cfg, "cache")
     return build(paths.latent_spec(shard), paths.latent_shard(shard), cfg.model, cfg.cache,
@@ -181,7 +181,7 @@ def cache_latents(cfg: Config, paths: Any, shard: str, *, regenerate: bool = Fal
 
 def cache_text(cfg: Config, paths: Any, shard: str, *, regenerate: bool = False) -> Any:
     """Build one text shard (``diffpipe cache text``)."""
-    from diffpipe.data.cache import cache_text as build
+    from diffpipe.data.cache.jobs import cache_text as build
 
     cfg = _as(cfg, "cache")
     return build(paths.text_spec(shard), paths.text_shard(shard), cfg.model, cfg.cache,
@@ -190,7 +190,7 @@ def cache_text(cfg: Config, paths: Any, shard: str, *, regenerate: bool = False)
 
 def cache_empty(cfg: Config, paths: Any, *, regenerate: bool = False) -> Any:
     """Encode the empty caption (``diffpipe cache empty``)."""
-    from diffpipe.data.cache import cache_empty_text
+    from diffpipe.data.cache.jobs import cache_empty_text
 
     cfg = _as(cfg, "cache")
     return cache_empty_text(paths.text_empty, cfg.model, cfg.cache, spec_path=paths.empty_spec,

@@ -14,7 +14,7 @@ import yaml
 
 from diffpipe import paths, stages
 from diffpipe.config import Config, ConfigError, parse_config
-from diffpipe.data.discover import list_dataset, run_folders
+from diffpipe.data.dataset.discover import list_dataset, run_folders
 from diffpipe.utils import digest, write_if_changed
 
 RESOLVED_CONFIG = "resolved-config.yaml"

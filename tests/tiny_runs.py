@@ -37,7 +37,7 @@ def make_tiny_run(root: Path, family: str = "sd", images: int = 8) -> TinyRun:
     """Demo images under ``root/data``, validated, planned and cached (empty caption too) for ``family``."""
     from diffpipe import stages
     from diffpipe.config import parse_config
-    from diffpipe.data.demo import write_demo_dataset
+    from diffpipe.data.dataset.demo import write_demo_dataset
     from diffpipe.paths import RunPaths
 
     run = TinyRun(root, family)

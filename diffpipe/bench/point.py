@@ -40,7 +40,7 @@ def run(spec_file: Path) -> int:
 
             data = synthetic_dataset(Path(spec["inputs"]), cfg.train.batch_size * cfg.train.grad_accum)
         else:
-            from diffpipe.data.reader import CachedDataset
+            from diffpipe.data.cache.reader import CachedDataset
 
             data = CachedDataset.from_run(RunPaths(spec["cache_run"]))
         train(cfg, RunPaths(cfg.output_dir), data=data, log=print)

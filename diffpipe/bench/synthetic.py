@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from diffpipe.config import Config, ConfigError
-from diffpipe.data.reader import CachedDataset, _Item
+from diffpipe.data.cache.reader import CachedDataset, _Item
 from diffpipe.models import get_family
 from diffpipe.utils import atomic_path
 

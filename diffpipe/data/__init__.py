@@ -1,4 +1,6 @@
-"""Data stages: discovery, validation, buckets, shard plan, cache write and read.
+"""Data stages, in two packages: ``dataset`` (discovery, captions and metadata, checks and policy,
+validation, the manifest and its report) and ``cache`` (the shard plan with its buckets and frames,
+the content-addressed store, the latent and text formats, the cache jobs, the reader).
 
 Exports resolve lazily (PEP 562): the Snakefile imports ``dataset_files``
 while building its DAG, and that must not pay for importing torch.
@@ -10,34 +12,34 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
-    "bucket_sizes": "buckets",
-    "choose_bucket": "buckets",
-    "load_image": "buckets",
-    "log_spaced_ratios": "buckets",
-    "frame_bucket": "frames",
-    "resample_indices": "frames",
-    "snap_frames": "frames",
-    "Store": "store",
-    "to_rgb": "buckets",
-    "cache_empty_text": "cache",
-    "cache_latents": "cache",
-    "cache_text": "cache",
-    "write_demo_dataset": "demo",
-    "dataset_files": "discover",
-    "LatentEntry": "latents",
-    "LatentShard": "latents",
-    "write_latent_shard": "latents",
-    "PlanResult": "plan",
-    "make_plan": "plan",
-    "read_spec": "plan",
-    "CachedDataset": "reader",
-    "print_summary": "validate",
-    "TextShard": "text",
-    "write_text_shard": "text",
-    "REASONS": "validate",
-    "Issue": "validate",
-    "ValidationResult": "validate",
-    "run_validation": "validate",
+    "bucket_sizes": "cache.buckets",
+    "choose_bucket": "cache.buckets",
+    "load_image": "cache.buckets",
+    "log_spaced_ratios": "cache.buckets",
+    "frame_bucket": "cache.frames",
+    "resample_indices": "cache.frames",
+    "snap_frames": "cache.frames",
+    "Store": "cache.store",
+    "to_rgb": "cache.buckets",
+    "cache_empty_text": "cache.jobs",
+    "cache_latents": "cache.jobs",
+    "cache_text": "cache.jobs",
+    "write_demo_dataset": "dataset.demo",
+    "dataset_files": "dataset.discover",
+    "LatentEntry": "cache.latents",
+    "LatentShard": "cache.latents",
+    "write_latent_shard": "cache.latents",
+    "PlanResult": "cache.plan",
+    "make_plan": "cache.plan",
+    "read_spec": "cache.plan",
+    "CachedDataset": "cache.reader",
+    "print_summary": "dataset.validate",
+    "TextShard": "cache.text",
+    "write_text_shard": "cache.text",
+    "REASONS": "dataset.validate",
+    "Issue": "dataset.results",
+    "ValidationResult": "dataset.results",
+    "run_validation": "dataset.validate",
 }
 
 __all__ = [
@@ -72,23 +74,23 @@ __all__ = [
 ]
 
 if TYPE_CHECKING:
-    from diffpipe.data.buckets import (
+    from diffpipe.data.cache.buckets import (
         bucket_sizes,
         choose_bucket,
         load_image,
         log_spaced_ratios,
         to_rgb,
     )
-    from diffpipe.data.cache import cache_empty_text, cache_latents, cache_text
-    from diffpipe.data.demo import write_demo_dataset
-    from diffpipe.data.discover import dataset_files
-    from diffpipe.data.frames import frame_bucket, resample_indices, snap_frames
-    from diffpipe.data.latents import LatentEntry, LatentShard, write_latent_shard
-    from diffpipe.data.plan import PlanResult, make_plan, read_spec
-    from diffpipe.data.reader import CachedDataset
-    from diffpipe.data.store import Store
-    from diffpipe.data.text import TextShard, write_text_shard
-    from diffpipe.data.validate import (
+    from diffpipe.data.cache.frames import frame_bucket, resample_indices, snap_frames
+    from diffpipe.data.cache.jobs import cache_empty_text, cache_latents, cache_text
+    from diffpipe.data.cache.latents import LatentEntry, LatentShard, write_latent_shard
+    from diffpipe.data.cache.plan import PlanResult, make_plan, read_spec
+    from diffpipe.data.cache.reader import CachedDataset
+    from diffpipe.data.cache.store import Store
+    from diffpipe.data.cache.text import TextShard, write_text_shard
+    from diffpipe.data.dataset.demo import write_demo_dataset
+    from diffpipe.data.dataset.discover import dataset_files
+    from diffpipe.data.dataset.validate import (
         REASONS,
         Issue,
         ValidationResult,

@@ -24,12 +24,13 @@ def comfy_diffusers_note(family: str) -> str:
     card and docs. It maps ``transformer.`` names for some families and, for SD/SDXL, ``unet.`` names
     outside the attention layers; the scale is folded into the tensors, so what it reads loads at the
     trained strength."""
-    from diffpipe.families import spec
+    from diffpipe.families import Absent, spec
 
-    reads = spec(family).comfy_reads_diffusers
+    s = spec(family)
+    reads = s.comfy_reads_diffusers
     if reads == "all":
         return "; ComfyUI reads it too"
-    if reads == "no-model":
+    if reads == "no-model" or isinstance(s.keymap, Absent):  # no comfyui file to point to
         return ""
     part = "loads only its non-attention layers" if reads == "part" else "loads none of it"
     return f"; ComfyUI {part}: use `{EXPORT_NAMES['comfyui']}` there"

@@ -25,7 +25,8 @@ def export_merged(adapter_dir: str | Path, out_dir: str | Path, family: Family,
     pipe = family.load_pipeline()
     state_dict, lora_cfg = load_adapter(adapter_dir)
     for attr, part_state in split_parts(state_dict, family.denoiser_parts).items():
-        denoiser = getattr(pipe, attr)
+        denoiser = family.trained_base(getattr(pipe, attr))
+        setattr(pipe, attr, denoiser)
         apply_state(denoiser, part_state, lora_cfg, source=f"{adapter_dir} ({attr})")
         for module in denoiser.modules():  # PEFT's own merge: LoRA, DoRA, LoKr and LoHa alike
             if isinstance(module, BaseTunerLayer):

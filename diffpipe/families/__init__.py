@@ -25,6 +25,7 @@ FAMILIES: dict[str, str] = {
     "sd3": "sd3",
     "flux": "flux",
     "flux-kontext": "flux_kontext",
+    "flux-control": "flux_control",
     "chroma": "chroma",
     "lumina2": "lumina2",
     "qwenimage": "qwenimage",

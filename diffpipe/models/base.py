@@ -113,6 +113,8 @@ class Family(ABC):
     #: the text cache passes the images to ``encode_text(encoders, captions, images=...)``.
     text_uses_control: ClassVar[bool] = False
 
+    #: The pipeline argument ``sample.images`` are passed as (``image``; ``control_image`` for Flux Control).
+    sample_image_arg: ClassVar[str] = "image"
     #: Versions ``model.variant`` may name (empty: the family has one).
     variants: ClassVar[tuple[str, ...]] = ()
     #: Subfolders besides ``vae`` and ``denoiser_name`` that ``model.single_files`` may replace.
@@ -253,6 +255,11 @@ class Family(ABC):
     def load_denoiser(self) -> torch.nn.Module:
         """The declared denoiser (``denoiser_model``) from the ``denoiser_name`` subfolder, in ``model.dtype``."""
         return self._model(self._declared("denoiser_model"), self.denoiser_name)
+
+    def trained_base(self, denoiser: torch.nn.Module) -> torch.nn.Module:
+        """The stock denoiser as the adapter is trained on it: itself, or changed in place by a family
+        whose LoRA also reshapes the base (Flux Control widens its input layer)."""
+        return denoiser
 
     def text_settings(self) -> dict[str, Any]:
         """Text settings carried in the bundle and the text cache key (``max_sequence_length``, ...)."""

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from diffpipe.config import EvalConfig
-from diffpipe.data.reader import CachedDataset
+from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.paths import RunPaths
 
 

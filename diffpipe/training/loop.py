@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from diffpipe.config import Config, ObjectiveConfig, TrainConfig
-from diffpipe.data.reader import CachedDataset
+from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training import checkpoint as ckpt

@@ -12,8 +12,8 @@ import torch
 from PIL import Image, ImageDraw
 
 from diffpipe.config import ModelConfig, SampleConfig
-from diffpipe.data.media import DEFAULT_MAX_PIXELS, open_image
-from diffpipe.data.video import write_mp4
+from diffpipe.data.cache.video import write_mp4
+from diffpipe.data.dataset.media import DEFAULT_MAX_PIXELS, open_image
 from diffpipe.models import get_family
 from diffpipe.paths import EXPORT_NAMES, export_name
 from diffpipe.training.adapter import apply_adapter
@@ -21,16 +21,18 @@ from diffpipe.utils import atomic_path
 
 
 def _render(
-    pipe, prompts: list[str], kwargs: dict, seed: int, video: bool = False, images: list[str] | None = None
+    pipe, prompts: list[str], kwargs: dict, seed: int, video: bool = False, images: list[str] | None = None,
+    image_arg: str = "image",
 ) -> list[list[Image.Image]]:
     """The frames of every prompt's sample (one frame for images), each from the same seed.
 
-    ``images`` (``sample.images``): each prompt's conditioning image, passed as ``image``.
+    ``images`` (``sample.images``): each prompt's conditioning image, passed as ``image_arg``
+    (the family's ``sample_image_arg``).
     """
     out = []
     for i, prompt in enumerate(prompts):
         gen = torch.Generator().manual_seed(seed)
-        extra = {"image": _open_image(images[i])} if images else {}
+        extra = {image_arg: _open_image(images[i])} if images else {}
         result = pipe(prompt=prompt, generator=gen, **kwargs, **extra)  # by name: edit pipelines take `image` first
         out.append(list(result.frames[0]) if video else [result.images[0]])
     return out
@@ -69,7 +71,7 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
         pipe = family.load_pipeline()
         pipe.set_progress_bar_config(disable=True)
         kwargs = family.sample_kwargs(cfg)
-        base = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video, cfg.images)
+        base = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video, cfg.images, family.sample_image_arg)
         if Path(lora_file).is_dir():  # a PEFT folder: LoKr and LoHa, which load_lora_weights cannot read
             if len(family.denoiser_parts) > 1:
                 raise ValueError(f"sample: {lora_file} is one PEFT folder; a run with several trained parts "
@@ -78,7 +80,7 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
         else:
             for file, load_kwargs in _part_files(family, Path(lora_file)):
                 pipe.load_lora_weights(str(file), **load_kwargs)  # each into its expert, if several
-        tuned = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video, cfg.images)
+        tuned = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video, cfg.images, family.sample_image_arg)
         for i, sample in enumerate(tuned):
             _save(sample, tmp / f"sample-{i:02d}", family)
         _grid([b[0] for b in base], [t[0] for t in tuned], cfg.prompts).save(tmp / "grid.png")
@@ -148,7 +150,8 @@ class TrainingSampler:
         try:
             with torch.no_grad():
                 samples = _render(self._pipeline(), self.cfg.prompts, self.family.sample_kwargs(self.cfg),
-                                  self.cfg.seed, self.family.is_video, self.cfg.images)
+                                  self.cfg.seed, self.family.is_video, self.cfg.images,
+                                  self.family.sample_image_arg)
         finally:
             self.denoiser.train(was_training)
             torch.set_rng_state(rng)

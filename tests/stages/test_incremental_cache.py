@@ -21,12 +21,12 @@ import yaml
 from PIL import Image
 
 from diffpipe.config import CacheConfig, DatasetConfig, ModelConfig, ValidationConfig
-from diffpipe.data.cache import cache_empty_text, cache_latents, cache_text
-from diffpipe.data.demo import write_demo_dataset
-from diffpipe.data.latents import LatentShard
-from diffpipe.data.plan import make_plan
-from diffpipe.data.reader import CachedDataset
-from diffpipe.data.validate import run_validation
+from diffpipe.data.cache.jobs import cache_empty_text, cache_latents, cache_text
+from diffpipe.data.cache.latents import LatentShard
+from diffpipe.data.cache.plan import make_plan
+from diffpipe.data.cache.reader import CachedDataset
+from diffpipe.data.dataset.demo import write_demo_dataset
+from diffpipe.data.dataset.validate import run_validation
 from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 

@@ -26,12 +26,12 @@ from typer.testing import CliRunner
 
 from diffpipe.cli import app
 from diffpipe.config import CacheConfig, ModelConfig, ObjectiveConfig, ValidationConfig, parse_config
-from diffpipe.data.cache import cache_latents, cache_text
-from diffpipe.data.demo import write_demo_dataset
-from diffpipe.data.discover import dataset_files
-from diffpipe.data.plan import make_plan
-from diffpipe.data.reader import CachedDataset
-from diffpipe.data.validate import run_validation
+from diffpipe.data.cache.jobs import cache_latents, cache_text
+from diffpipe.data.cache.plan import make_plan
+from diffpipe.data.cache.reader import CachedDataset
+from diffpipe.data.dataset.demo import write_demo_dataset
+from diffpipe.data.dataset.discover import dataset_files
+from diffpipe.data.dataset.validate import run_validation
 from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training.loop import DataOrder

@@ -17,7 +17,7 @@ from diffusers.training_utils import compute_density_for_timestep_sampling, comp
 from PIL import Image
 
 from diffpipe.config import ConfigError, ModelConfig, ObjectiveConfig, parse_config
-from diffpipe.data.buckets import crop_top_left, load_image_array
+from diffpipe.data.cache.buckets import crop_top_left, load_image_array
 from diffpipe.models import get_family
 from diffpipe.training import objectives as obj
 
@@ -222,10 +222,10 @@ def _stripes(w: int, h: int) -> Image.Image:
 
 @pytest.fixture(scope="module")
 def sdxl_run(tmp_path_factory):
-    from diffpipe.data.cache import cache_latents, cache_text
-    from diffpipe.data.plan import make_plan, read_spec
-    from diffpipe.data.reader import CachedDataset
-    from diffpipe.data.validate import run_validation
+    from diffpipe.data.cache.jobs import cache_latents, cache_text
+    from diffpipe.data.cache.plan import make_plan, read_spec
+    from diffpipe.data.cache.reader import CachedDataset
+    from diffpipe.data.dataset.validate import run_validation
     from diffpipe.paths import RunPaths
 
     root = tmp_path_factory.mktemp("sdxl-sizes")

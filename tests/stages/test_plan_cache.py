@@ -8,13 +8,13 @@ import torch
 from PIL import Image
 
 from diffpipe.config import CacheConfig, DatasetConfig, ModelConfig, ValidationConfig
-from diffpipe.data.buckets import choose_bucket, load_image
-from diffpipe.data.cache import cache_empty_text, cache_latents, cache_text
-from diffpipe.data.demo import write_demo_dataset
-from diffpipe.data.latents import LatentShard
-from diffpipe.data.plan import make_plan, read_spec
-from diffpipe.data.reader import CachedDataset
-from diffpipe.data.validate import run_validation
+from diffpipe.data.cache.buckets import choose_bucket, load_image
+from diffpipe.data.cache.jobs import cache_empty_text, cache_latents, cache_text
+from diffpipe.data.cache.latents import LatentShard
+from diffpipe.data.cache.plan import make_plan, read_spec
+from diffpipe.data.cache.reader import CachedDataset
+from diffpipe.data.dataset.demo import write_demo_dataset
+from diffpipe.data.dataset.validate import run_validation
 from diffpipe.paths import RunPaths, shard_name
 
 DEMO = Path(__file__).resolve().parents[2] / "config" / "demo_data"

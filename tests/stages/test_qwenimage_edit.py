@@ -24,9 +24,9 @@ from PIL import Image
 from stage_cli import rendezvous, run_stages
 
 from diffpipe.config import load_config
-from diffpipe.data.plan import read_spec
-from diffpipe.data.reader import CachedDataset
-from diffpipe.data.text import TextShard
+from diffpipe.data.cache.plan import read_spec
+from diffpipe.data.cache.reader import CachedDataset
+from diffpipe.data.cache.text import TextShard
 from diffpipe.families.qwenimage_edit.family import reference_tokens
 from diffpipe.models import get_family
 from diffpipe.paths import RunPaths

@@ -259,7 +259,7 @@ def test_stray_folders_neither_block_resume_nor_get_deleted(trained, cli, tmp_pa
 
 
 def test_damaged_array_metadata_names_the_shard_and_file(trained, cli, tmp_path):
-    from diffpipe.data.reader import CachedDataset
+    from diffpipe.data.cache.reader import CachedDataset
 
     cfg, paths = _fork(trained, tmp_path)
     shard = paths.latent_shard("s0000")

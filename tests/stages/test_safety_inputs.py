@@ -21,12 +21,13 @@ from PIL import Image
 from rich.console import Console
 
 from diffpipe.config import CacheConfig, DatasetConfig, ModelConfig, ValidationConfig
-from diffpipe.data import buckets, media, video
-from diffpipe.data.demo import write_demo_dataset
-from diffpipe.data.metadata import read_metadata
-from diffpipe.data.plan import make_plan
-from diffpipe.data.policy import REASONS, resolve_actions, status_of
-from diffpipe.data.validate import print_summary, run_validation
+from diffpipe.data.cache import buckets, video
+from diffpipe.data.cache.plan import make_plan
+from diffpipe.data.dataset import media
+from diffpipe.data.dataset.demo import write_demo_dataset
+from diffpipe.data.dataset.metadata import read_metadata
+from diffpipe.data.dataset.policy import REASONS, resolve_actions, status_of
+from diffpipe.data.dataset.validate import print_summary, run_validation
 from diffpipe.paths import RunPaths
 
 LIMIT = ValidationConfig(max_pixels=1_000_000)
@@ -77,7 +78,7 @@ _PEAK = textwrap.dedent(
     import json, resource, sys
     from pathlib import Path
     from diffpipe.config import DatasetConfig, ValidationConfig
-    from diffpipe.data.validate import run_validation
+    from diffpipe.data.dataset.validate import run_validation
     root, out = Path(sys.argv[1]), Path(sys.argv[2])
     run_validation([DatasetConfig(name="d", path=str(root), resolution=32)], ValidationConfig(max_pixels=1_000_000),
                    manifest_path=out / "m.parquet", report_json=out / "r.json", report_html=out / "r.html", workers=1)
@@ -112,7 +113,7 @@ def test_gif_bomb_is_rejected_from_its_header_without_decoding(tmp_path):
 
 def test_gif_frames_beyond_the_screen_count(tmp_path):
     """Pillow grows a GIF's canvas to hold a frame placed outside the screen: the header says so."""
-    from diffpipe.data import headers  # new in issue 14
+    from diffpipe.data.dataset import headers
 
     small = gif((64, 64), [(0, 0, 64, 64), (5000, 5000, 64, 64)])
     assert headers.declared_size(io.BytesIO(small)) == ("gif", 5064, 5064)
@@ -131,7 +132,7 @@ def _encoded(img: Image.Image, fmt: str, **kw) -> bytes:
 
 def test_every_image_format_declares_its_size_in_the_header():
     """The header reader agrees with Pillow on each format, and finds the largest page or frame."""
-    from diffpipe.data import headers  # new in issue 14
+    from diffpipe.data.dataset import headers
 
     img = Image.new("RGB", (37, 21), (9, 99, 199))
     for fmt, name in (("PNG", "png"), ("JPEG", "jpeg"), ("WEBP", "webp"), ("TIFF", "tiff"), ("BMP", "bmp"),
@@ -184,7 +185,7 @@ def test_cache_decoders_check_the_header_again(tmp_path):
 def test_a_swapped_in_bomb_stops_the_cache_job_naming_it(tmp_path):
     """validation.max_pixels reaches the cache job through the plan: a file swapped for a bomb
     after validation (and trusted, not re-hashed) is refused from its header."""
-    from diffpipe.data.cache import cache_latents
+    from diffpipe.data.cache.jobs import cache_latents
     from diffpipe.models import get_family
 
     root = tmp_path / "data"
@@ -354,8 +355,8 @@ def test_square_brackets_in_paths_and_rows_print_literally(tmp_path):
 
 def test_a_symlink_into_the_run_folder_is_never_data(tmp_path):
     """The config refuses overlapping folders; a link inside the dataset could still reach the run."""
-    from diffpipe.data.discover import dataset_files, run_folders
-    from diffpipe.data.validate import run_validation
+    from diffpipe.data.dataset.discover import dataset_files, run_folders
+    from diffpipe.data.dataset.validate import run_validation
 
     root = tmp_path / "data"
     write_demo_dataset(root, n=2, size=32)

@@ -20,22 +20,22 @@ import time
 import pytest
 
 from diffpipe.config import load_config
-from diffpipe.data import store as store_mod
-from diffpipe.data.cache import cache_latents
-from diffpipe.data.latents import LatentShard
-from diffpipe.data.store import INDEX_SUFFIX, Store, prune
+from diffpipe.data.cache import store as store_mod
+from diffpipe.data.cache.jobs import cache_latents
+from diffpipe.data.cache.latents import LatentShard
+from diffpipe.data.cache.store import INDEX_SUFFIX, Store, prune
 from diffpipe.paths import RunPaths
 
 PRUNE = """
 import sys
-from diffpipe.data.store import Store, prune
+from diffpipe.data.cache.store import Store, prune
 print("start", flush=True)
 print("removed " + ",".join(prune(Store(sys.argv[1]), "latents")), flush=True)
 """
 # Holds the store's shared lock (as a reading job does) until its stdin closes.
 READER = """
 import os, sys
-from diffpipe.data.store import Store
+from diffpipe.data.cache.store import Store
 store = Store(sys.argv[1])
 shard = store.shard_path("latents", sys.argv[2])
 with store.lock():

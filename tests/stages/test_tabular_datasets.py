@@ -28,11 +28,11 @@ from typer.testing import CliRunner
 
 from diffpipe.cli import app
 from diffpipe.config import CacheConfig, DatasetConfig, ModelConfig, ValidationConfig
-from diffpipe.data.cache import _decode, cache_latents, cache_text
-from diffpipe.data.media import probe
-from diffpipe.data.plan import make_plan
-from diffpipe.data.tables import TableError, find_tables, parse_locator
-from diffpipe.data.validate import run_validation
+from diffpipe.data.cache.jobs import _decode, cache_latents, cache_text
+from diffpipe.data.cache.plan import make_plan
+from diffpipe.data.dataset.media import probe
+from diffpipe.data.dataset.tables import TableError, find_tables, parse_locator
+from diffpipe.data.dataset.validate import run_validation
 from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 
@@ -282,7 +282,7 @@ def test_absent_hub_id_offline_is_a_clear_error(tmp_path, monkeypatch):
 
 
 def test_video_column_rows_are_probed_and_decoded_from_memory(tmp_path):
-    from diffpipe.data.demo_video import demo_clip, write_clip
+    from diffpipe.data.dataset.demo_video import demo_clip, write_clip
 
     clips = []
     for i in range(2):
@@ -307,7 +307,7 @@ def test_video_column_rows_are_probed_and_decoded_from_memory(tmp_path):
 @pytest.mark.parametrize("file", ["/data/a#row=1&column=x/train.parquet", "/data/with space/d.arrow"])
 @pytest.mark.parametrize("column", ["image", "a&b#c=d", "bild ü"])
 def test_locator_round_trip(file, column):
-    from diffpipe.data.tables import Cell, locator
+    from diffpipe.data.dataset.tables import Cell, locator
 
     cell = Cell("arrow" if file.endswith(".arrow") else "parquet", file, 7, column)
     assert parse_locator(locator(cell)) == cell

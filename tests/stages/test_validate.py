@@ -15,11 +15,11 @@ import pytest
 from PIL import Image
 
 from diffpipe.config import DatasetConfig, ModelConfig, ValidationConfig
-from diffpipe.data.demo import write_demo_dataset
-from diffpipe.data.discover import dataset_files
-from diffpipe.data.media import probe
-from diffpipe.data.policy import REASONS
-from diffpipe.data.validate import FamilyTokenCounter, item_id, run_validation
+from diffpipe.data.dataset.demo import write_demo_dataset
+from diffpipe.data.dataset.discover import dataset_files
+from diffpipe.data.dataset.media import probe
+from diffpipe.data.dataset.policy import REASONS
+from diffpipe.data.dataset.validate import FamilyTokenCounter, item_id, run_validation
 
 VCFG = ValidationConfig(min_size=16, min_frames=2, max_pixels=50_000)
 ROOT_USER = os.geteuid() == 0
@@ -467,8 +467,8 @@ def test_cli_exits_1_on_errors_with_the_summary_last(tmp_path):
 
 
 def test_a_crashing_decoder_costs_only_its_file(tmp_path, monkeypatch):
-    import diffpipe.data.media as media
-    import diffpipe.data.pool as pool
+    import diffpipe.data.dataset.media as media
+    import diffpipe.data.dataset.pool as pool
 
     data = tmp_path / "data"
     write_demo_dataset(data, n=4, size=32)

@@ -18,10 +18,10 @@ from typer.testing import CliRunner
 
 from diffpipe.cli import app
 from diffpipe.config import load_config
-from diffpipe.data.demo import write_demo_dataset
-from diffpipe.data.latents import LatentShard, storage_to_tensor
-from diffpipe.data.plan import read_spec
-from diffpipe.data.video import load_video_array, select_frames
+from diffpipe.data.cache.latents import LatentShard, storage_to_tensor
+from diffpipe.data.cache.plan import read_spec
+from diffpipe.data.cache.video import load_video_array, select_frames
+from diffpipe.data.dataset.demo import write_demo_dataset
 from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 
@@ -104,7 +104,7 @@ def test_cache_latents_encodes_clips_and_images(tmp_path, monkeypatch):
 def test_one_frame_clip_is_planned_as_video(tmp_path):
     """A one-frame clip (possible without frame buckets) is decoded by PyAV, never by the image loader."""
     from diffpipe.config import DatasetConfig
-    from diffpipe.data.plan import _entries
+    from diffpipe.data.cache.plan import _entries
 
     write_clip(tmp_path / "one.mp4", 1)
     row = {"id": "ab", "path": str(tmp_path / "one.mp4"), "sha256": "0", "width": 48, "height": 32,
@@ -120,7 +120,7 @@ def test_one_frame_clip_is_planned_as_video(tmp_path):
 
 def test_demo_video_config_and_clips(tmp_path, monkeypatch):
     """``config/demo-video.yaml`` plans its images and committed clips (9 frames, Wan's 16 fps)."""
-    from diffpipe.data.demo_video import demo_clip
+    from diffpipe.data.dataset.demo_video import demo_clip
     from diffpipe.paths import REPO_ROOT
 
     cfg = yaml.safe_load((REPO_ROOT / "config" / "demo-video.yaml").read_text())

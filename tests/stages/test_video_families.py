@@ -33,10 +33,10 @@ from PIL import Image
 from stage_cli import rendezvous, run_stages
 
 from diffpipe.config import ModelConfig, ObjectiveConfig, load_config
-from diffpipe.data.cache import _decode
-from diffpipe.data.demo_video import write_demo_clips
-from diffpipe.data.plan import read_spec
-from diffpipe.data.reader import CachedDataset
+from diffpipe.data.cache.jobs import _decode
+from diffpipe.data.cache.plan import read_spec
+from diffpipe.data.cache.reader import CachedDataset
+from diffpipe.data.dataset.demo_video import write_demo_clips
 from diffpipe.families.wan import i2v as wan_i2v
 from diffpipe.models import get_family
 from diffpipe.paths import REPO_ROOT, RunPaths

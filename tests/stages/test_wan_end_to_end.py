@@ -23,10 +23,10 @@ from diffusers import WanTransformer3DModel
 from stage_cli import rendezvous, run_stages
 
 from diffpipe.config import ModelConfig, ObjectiveConfig, SampleConfig, load_config
-from diffpipe.data.demo import write_demo_dataset
-from diffpipe.data.demo_video import write_demo_clips
-from diffpipe.data.plan import read_spec
-from diffpipe.data.reader import CachedDataset
+from diffpipe.data.cache.plan import read_spec
+from diffpipe.data.cache.reader import CachedDataset
+from diffpipe.data.dataset.demo import write_demo_dataset
+from diffpipe.data.dataset.demo_video import write_demo_clips
 from diffpipe.families.wan.family import detect_variant
 from diffpipe.models import get_family
 from diffpipe.models.published import PUBLISHED

@@ -25,10 +25,10 @@ from stage_cli import invoke as _cli
 from stage_cli import rendezvous, run_stages
 
 from diffpipe.config import DatasetConfig, ModelConfig, SampleConfig
-from diffpipe.data.cache import _decode
-from diffpipe.data.demo_video import write_demo_clips
-from diffpipe.data.plan import _entries, read_spec
-from diffpipe.data.reader import CachedDataset
+from diffpipe.data.cache.jobs import _decode
+from diffpipe.data.cache.plan import _entries, read_spec
+from diffpipe.data.cache.reader import CachedDataset
+from diffpipe.data.dataset.demo_video import write_demo_clips
 from diffpipe.families.wan import i2v as wan_i2v
 from diffpipe.models import get_family
 from diffpipe.models.published import PUBLISHED

@@ -5,8 +5,8 @@ import pytest
 import torch
 from PIL import Image
 
-from diffpipe.data.buckets import bucket_sizes, choose_bucket, load_image
-from diffpipe.data.demo import demo_item, write_demo_dataset
+from diffpipe.data.cache.buckets import bucket_sizes, choose_bucket, load_image
+from diffpipe.data.dataset.demo import demo_item, write_demo_dataset
 
 
 @pytest.mark.parametrize("resolution,multiple", [(64, 4), (64, 8), (512, 8), (1024, 16)])
@@ -105,7 +105,7 @@ def test_demo_dataset_is_deterministic(tmp_path):
 
 
 def test_log_spaced_ratios_and_explicit_buckets():
-    from diffpipe.data.buckets import log_spaced_ratios
+    from diffpipe.data.cache.buckets import log_spaced_ratios
 
     r = log_spaced_ratios(0.5, 2.0, 5)
     assert r[0] == pytest.approx(0.5) and r[-1] == pytest.approx(2.0) and r[2] == pytest.approx(1.0)
@@ -120,7 +120,7 @@ def test_log_spaced_ratios_and_explicit_buckets():
 
 
 def test_crop_offset_and_flip(tmp_path):
-    from diffpipe.data.buckets import crop_offset
+    from diffpipe.data.cache.buckets import crop_offset
 
     fy, fx = crop_offset("abc")
     assert crop_offset("abc") == (fy, fx) != crop_offset("abd") and 0 <= fy <= 1 and 0 <= fx <= 1

@@ -1,7 +1,7 @@
 import pytest
 
 from diffpipe.config import ConfigError, DatasetConfig, parse_config
-from diffpipe.data.buckets import dataset_ratios
+from diffpipe.data.cache.buckets import dataset_ratios
 from diffpipe.paths import RunPaths
 
 

@@ -10,14 +10,14 @@ import pyarrow.parquet as pq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from diffpipe.data.captions import (
+from diffpipe.data.dataset.captions import (
     caption_hash,
     decode_caption,
     from_metadata,
     normalize_tags,
 )
-from diffpipe.data.metadata import parse_records, pick_column, relative_path
-from diffpipe.data.policy import REASONS, policy_markdown, resolve_actions
+from diffpipe.data.dataset.metadata import parse_records, pick_column, relative_path
+from diffpipe.data.dataset.policy import REASONS, policy_markdown, resolve_actions
 
 line = st.text(st.characters(blacklist_categories=("Cs", "Cc", "Zl", "Zp")), max_size=30)
 SETTINGS = settings(max_examples=150, deadline=None)

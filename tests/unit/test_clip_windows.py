@@ -5,8 +5,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from diffpipe.config import CacheConfig, DatasetConfig
-from diffpipe.data.frames import clip_windows, strided_indices, window_starts
-from diffpipe.data.plan import make_plan, read_spec
+from diffpipe.data.cache.frames import clip_windows, strided_indices, window_starts
+from diffpipe.data.cache.plan import make_plan, read_spec
 from diffpipe.paths import RunPaths
 
 

@@ -1,6 +1,6 @@
 import pytest
 
-from diffpipe.data.frames import (
+from diffpipe.data.cache.frames import (
     frame_bucket,
     resample_indices,
     resampled_length,
@@ -37,7 +37,7 @@ def test_frame_bucket_picks_the_longest_fitting_valid_count():
 
 
 def test_dataset_weight_scales_repeats():
-    from diffpipe.data.plan import effective_repeats
+    from diffpipe.data.cache.plan import effective_repeats
 
     assert effective_repeats(1, 1.0) == 1
     assert effective_repeats(2, 3.0) == 6

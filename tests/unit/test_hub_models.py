@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from diffpipe import hub
 from diffpipe.cli import app
 from diffpipe.config import ConfigError, ModelConfig, parse_config
-from diffpipe.data.demo import write_demo_dataset
+from diffpipe.data.dataset.demo import write_demo_dataset
 from diffpipe.init import resolve_model
 from diffpipe.models import get_family
 

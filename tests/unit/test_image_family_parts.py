@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from diffpipe.config import ModelConfig
-from diffpipe.data.buckets import crop_top_left
+from diffpipe.data.cache.buckets import crop_top_left
 from diffpipe.families.sdxl.family import time_ids
 from diffpipe.models import get_family
 from diffpipe.training.objectives import sample_mode, weighting_scheme_weights

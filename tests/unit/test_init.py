@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from diffpipe.cli import app
 from diffpipe.config import load_config
-from diffpipe.data.demo import write_demo_dataset
+from diffpipe.data.dataset.demo import write_demo_dataset
 
 runner = CliRunner()
 

@@ -12,8 +12,8 @@ from diffusers import FluxPipeline
 from PIL import Image
 
 from diffpipe.config import ConfigError, ModelConfig, ObjectiveConfig, parse_config
-from diffpipe.data.buckets import load_mask_array
-from diffpipe.data.cache import latent_mask
+from diffpipe.data.cache.buckets import load_mask_array
+from diffpipe.data.cache.jobs import latent_mask
 from diffpipe.models import family_names, get_family
 from diffpipe.training import objectives as obj
 

@@ -5,7 +5,8 @@ import io
 import numpy as np
 from PIL import Image
 
-from diffpipe.data import buckets, media
+from diffpipe.data.cache import buckets
+from diffpipe.data.dataset import media
 
 
 def _png(img: Image.Image, fmt: str = "PNG", **kw) -> bytes:

@@ -66,14 +66,14 @@ def _config(tmp_path, output_dir):
                                               (errno.EROFS, "read-only")])
 def test_os_error_names_the_file_and_what_to_do(tmp_path, monkeypatch, code, advice):
     """A full disk cannot be made on every machine: the write raises the OSError the kernel would."""
-    import diffpipe.data.plan
+    import diffpipe.data.cache.plan
 
     target = tmp_path / "run" / "plan" / "latents" / "s0000.json"
 
     def full_disk(*args, **kwargs):
         raise OSError(code, os.strerror(code), str(target))
 
-    monkeypatch.setattr(diffpipe.data.plan, "make_plan", full_disk)
+    monkeypatch.setattr(diffpipe.data.cache.plan, "make_plan", full_disk)
     result = runner.invoke(app, ["plan", "--config", str(_config(tmp_path, tmp_path / "run"))])
     assert result.exit_code == 1, f"{result.output}\n{result.exception!r}"
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
@@ -114,12 +114,12 @@ def test_real_full_or_read_only_disk_is_a_clear_error(small_fs, options, reason,
 
 
 def test_unexpected_error_is_named_without_a_traceback(tmp_path, monkeypatch):
-    import diffpipe.data.plan
+    import diffpipe.data.cache.plan
 
     def bug(*args, **kwargs):
         raise KeyError("width")
 
-    monkeypatch.setattr(diffpipe.data.plan, "make_plan", bug)
+    monkeypatch.setattr(diffpipe.data.cache.plan, "make_plan", bug)
     result = runner.invoke(app, ["plan", "--config", str(_config(tmp_path, tmp_path / "run"))])
     assert result.exit_code == 1
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)

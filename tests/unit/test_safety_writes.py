@@ -132,7 +132,7 @@ def test_export_out_never_overwrites_a_user_file(lora, tmp_path):
 
 def test_demo_data_never_overwrites_a_user_file(tmp_path):
     """``diffpipe demo-data OUT`` into a folder of the user's: a clashing name is refused, others stay."""
-    from diffpipe.data.demo import write_demo_dataset
+    from diffpipe.data.dataset.demo import write_demo_dataset
 
     user = _user_folder(tmp_path / "mine")
     (user / "shape_001.png").write_bytes(b"my own picture")
@@ -250,11 +250,11 @@ def test_trusted_outputs_are_synced(lora, tmp_path, synced):
     import torch
 
     from diffpipe.config import parse_config
-    from diffpipe.data.demo import write_demo_dataset
-    from diffpipe.data.latents import LatentEntry, write_latent_shard
-    from diffpipe.data.plan import make_plan
-    from diffpipe.data.store import Store
-    from diffpipe.data.validate import run_validation
+    from diffpipe.data.cache.latents import LatentEntry, write_latent_shard
+    from diffpipe.data.cache.plan import make_plan
+    from diffpipe.data.cache.store import Store
+    from diffpipe.data.dataset.demo import write_demo_dataset
+    from diffpipe.data.dataset.validate import run_validation
     from diffpipe.paths import RunPaths
 
     family = get_family(ModelConfig())

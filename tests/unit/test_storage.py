@@ -4,8 +4,8 @@ import pytest
 import torch
 import zarr
 
-from diffpipe.data.latents import LatentEntry, LatentShard, write_latent_shard
-from diffpipe.data.text import TextShard, write_text_shard
+from diffpipe.data.cache.latents import LatentEntry, LatentShard, write_latent_shard
+from diffpipe.data.cache.text import TextShard, write_text_shard
 
 
 def _entries(n=5, seed=0):

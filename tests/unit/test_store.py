@@ -2,8 +2,8 @@ import os
 
 import torch
 
-from diffpipe.data.latents import LatentEntry, LatentShard, write_latent_shard
-from diffpipe.data.store import Store, clean_stale_temp, link_into_place, shard_content_name
+from diffpipe.data.cache.latents import LatentEntry, LatentShard, write_latent_shard
+from diffpipe.data.cache.store import Store, clean_stale_temp, link_into_place, shard_content_name
 
 
 def _write(store: Store, name: str, keys: list[str]) -> None:
@@ -57,7 +57,7 @@ def test_content_names_and_links(tmp_path):
 
 
 def test_shard_assignment_is_sticky_and_groups_new_items():
-    from diffpipe.data.plan import assign_shards, shard_index
+    from diffpipe.data.cache.plan import assign_shards, shard_index
 
     ids = [f"{i:016x}" for i in range(0, 4000, 37)]
     first = assign_shards(ids, 4)
@@ -77,7 +77,7 @@ def test_shard_assignment_is_sticky_and_groups_new_items():
 
 
 def test_prune_removes_only_superseded_shards(tmp_path):
-    from diffpipe.data.store import prune
+    from diffpipe.data.cache.store import prune
 
     store = Store(tmp_path)
     _write(store, "old", ["a", "b"])

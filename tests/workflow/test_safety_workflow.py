@@ -18,7 +18,7 @@ import pytest
 import yaml
 
 from diffpipe.config import load_config
-from diffpipe.data.demo import write_demo_dataset
+from diffpipe.data.dataset.demo import write_demo_dataset
 from diffpipe.paths import REPO_ROOT, RunPaths
 from diffpipe.runner import DEFAULT_PROFILE, run_workflow
 from diffpipe.sbatch import dry_run_jobs

@@ -1,13 +1,12 @@
 """Flavors of family ``chroma``: the tiny configs (built offline from the real classes) and the
 published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
 
-
 from __future__ import annotations
 
 from diffpipe.families.flux.flavors import FLUX
 from diffpipe.models.spec import Published
 
-# -- tiny flavor --------------------------------------------------------------------------------
+# -- tiny flavor ----------------------------------------
 TINY_TRANSFORMER = {
     "patch_size": 1,
     "in_channels": 4,
@@ -26,8 +25,8 @@ TINY_TRANSFORMER = {
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
     Published(
-            "chroma1-hd", "chroma", "ChromaTransformer2DModel", FLUX, 8.9e9, 2,
-            "lodestones/Chroma1-HD model card: 8.9B parameters",
-            text={"prompt_embeds": (512, 4096), "prompt_attention_mask": (512,)}, latent_channels=16,
-        ),
+        "chroma1-hd", "chroma", "ChromaTransformer2DModel", FLUX, 8.9e9, 2,
+        "lodestones/Chroma1-HD model card: 8.9B parameters",
+        text={"prompt_embeds": (512, 4096), "prompt_attention_mask": (512,)}, latent_channels=16,
+    ),
 ]

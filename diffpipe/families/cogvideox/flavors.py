@@ -1,13 +1,12 @@
 """Flavors of family ``cogvideox``: the tiny configs (built offline from the real classes) and the
 published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
 
-
 from __future__ import annotations
 
 from diffpipe.models import _video as video
 from diffpipe.models.spec import Published
 
-# -- tiny flavor --------------------------------------------------------------------------------
+# -- tiny flavor ----------------------------------------
 TINY_VAE = {
     "in_channels": 3,
     "out_channels": 3,
@@ -58,8 +57,8 @@ TINY_SCHEDULER = {
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
     Published(
-            "cogvideox-2b", "cogvideox", "CogVideoXTransformer3DModel", {}, 2e9, 1,
-            "THUDM/CogVideoX-2b model card: 'CogVideoX-2B' (a one-digit headline; the transformer has 1.69B)",
-            text={"prompt_embeds": (226, 4096)}, latent_channels=16,
-        ),
+        "cogvideox-2b", "cogvideox", "CogVideoXTransformer3DModel", {}, 2e9, 1,
+        "THUDM/CogVideoX-2b model card: 'CogVideoX-2B' (a one-digit headline; the transformer has 1.69B)",
+        text={"prompt_embeds": (226, 4096)}, latent_channels=16,
+    ),
 ]

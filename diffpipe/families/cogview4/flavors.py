@@ -1,12 +1,11 @@
 """Flavors of family ``cogview4``: the tiny configs (built offline from the real classes) and the
 published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
 
-
 from __future__ import annotations
 
 from diffpipe.models.spec import Published
 
-# -- tiny flavor --------------------------------------------------------------------------------
+# -- tiny flavor ----------------------------------------
 TINY_LENGTH = 64
 
 # Factor 8 in four levels (the pipeline reads the factor from the levels), few channels; SD-style
@@ -61,10 +60,10 @@ TINY_SCHEDULER = {
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
     Published(
-            "cogview4-6b", "cogview4", "CogView4Transformer2DModel",
-            {"num_layers": 28, "attention_head_dim": 128, "num_attention_heads": 32}, 6e9, 1,
-            "THUDM/CogView4-6B: 'CogView-4 model, which has 6B parameters' (THUDM/CogView4 README; a one-digit "
-            "headline, the transformer has 6.37B)",
-            text={"prompt_embeds": (512, 4096), "prompt_embeds_mask": (512,)}, latent_channels=16,
-        ),
+        "cogview4-6b", "cogview4", "CogView4Transformer2DModel",
+        {"num_layers": 28, "attention_head_dim": 128, "num_attention_heads": 32}, 6e9, 1,
+        "THUDM/CogView4-6B: 'CogView-4 model, which has 6B parameters' (THUDM/CogView4 README; a one-digit "
+        "headline, the transformer has 6.37B)",
+        text={"prompt_embeds": (512, 4096), "prompt_embeds_mask": (512,)}, latent_channels=16,
+    ),
 ]

@@ -51,7 +51,7 @@ from diffusers import CosmosTransformer3DModel
 from diffusers.loaders import CosmosLoraLoaderMixin
 
 from diffpipe.config import SampleConfig
-from diffpipe.data.frames import snap_frames
+from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.cosmos2.family import SIGMA_DATA, Cosmos2Family, edm_weight
 from diffpipe.families.cosmos2_video.flavors import TINY_TRANSFORMER_V2W
 from diffpipe.models import _common as common

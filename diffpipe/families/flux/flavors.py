@@ -1,12 +1,11 @@
 """Flavors of family ``flux``: the tiny configs (built offline from the real classes) and the
 published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
 
-
 from __future__ import annotations
 
 from diffpipe.models.spec import Published
 
-# -- tiny flavor --------------------------------------------------------------------------------
+# -- tiny flavor ----------------------------------------
 # -- tiny flavor configs (FIELD_NOTES) ---------------------------------------
 TINY_TRANSFORMER = {
     "patch_size": 1,
@@ -70,13 +69,13 @@ FLUX_TEXT = {"prompt_embeds": (512, 4096), "pooled_prompt_embeds": (768,)}
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
     Published(
-            "flux1-dev", "flux", "FluxTransformer2DModel", {**FLUX, "guidance_embeds": True},
-            11.90e9, 4, "black-forest-labs/FLUX.1-dev transformer (11.90B; '12 billion parameter')",
-            text=FLUX_TEXT, latent_channels=16,
-        ),
+        "flux1-dev", "flux", "FluxTransformer2DModel", {**FLUX, "guidance_embeds": True},
+        11.90e9, 4, "black-forest-labs/FLUX.1-dev transformer (11.90B; '12 billion parameter')",
+        text=FLUX_TEXT, latent_channels=16,
+    ),
     Published(
-            "flux1-schnell", "flux", "FluxTransformer2DModel", {**FLUX, "guidance_embeds": False},
-            12e9, 2, "black-forest-labs/FLUX.1-schnell model card: 12 billion parameter",
-            text=FLUX_TEXT, latent_channels=16,
-        ),
+        "flux1-schnell", "flux", "FluxTransformer2DModel", {**FLUX, "guidance_embeds": False},
+        12e9, 2, "black-forest-labs/FLUX.1-schnell model card: 12 billion parameter",
+        text=FLUX_TEXT, latent_channels=16,
+    ),
 ]

@@ -1,20 +1,16 @@
 """Flavors of family ``flux_kontext``: the tiny configs (built offline from the real classes) and the
 published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
 
-
 from __future__ import annotations
 
 from diffpipe.families.flux.flavors import FLUX, FLUX_TEXT
 from diffpipe.models.spec import Published
 
-# -- tiny flavor --------------------------------------------------------------------------------
-
-
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
     Published(
-            "flux1-kontext-dev", "flux-kontext", "FluxTransformer2DModel", {**FLUX, "guidance_embeds": True},
-            12e9, 2, "black-forest-labs/FLUX.1-Kontext-dev model card: 12 billion parameter",
-            text=FLUX_TEXT, latent_channels=16,
-        ),
+        "flux1-kontext-dev", "flux-kontext", "FluxTransformer2DModel", {**FLUX, "guidance_embeds": True},
+        12e9, 2, "black-forest-labs/FLUX.1-Kontext-dev model card: 12 billion parameter",
+        text=FLUX_TEXT, latent_channels=16,
+    ),
 ]

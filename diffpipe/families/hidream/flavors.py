@@ -1,13 +1,12 @@
 """Flavors of family ``hidream``: the tiny configs (built offline from the real classes) and the
 published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
 
-
 from __future__ import annotations
 
 from diffpipe.families.flux.flavors import TINY_VAE as FLUX_VAE
 from diffpipe.models.spec import Published
 
-# -- tiny flavor --------------------------------------------------------------------------------
+# -- tiny flavor ----------------------------------------
 TINY_LENGTH = 32
 
 TINY_VAE = {**FLUX_VAE, "latent_channels": 4}
@@ -30,11 +29,11 @@ TINY_SCHEDULER = {"num_train_timesteps": 1000, "shift": 3.0}
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
     Published(
-            "hidream-i1-full", "hidream", "HiDreamImageTransformer2DModel",
-            {"patch_size": 2, "in_channels": 16, "out_channels": 16, "caption_channels": [4096, 4096],
-             "axes_dims_rope": (64, 32, 32), "llama_layers": list(range(32)) + [31] * 16},
-            17e9, 2, "HiDream-ai/HiDream-I1-Full model card: 17B parameters",
-            text={"prompt_embeds_t5": (128, 4096), "prompt_embeds_llama3": (32, 128, 4096),
-                  "pooled_prompt_embeds": (2048,)}, latent_channels=16,
-        ),
+        "hidream-i1-full", "hidream", "HiDreamImageTransformer2DModel",
+        {"patch_size": 2, "in_channels": 16, "out_channels": 16, "caption_channels": [4096, 4096],
+         "axes_dims_rope": (64, 32, 32), "llama_layers": list(range(32)) + [31] * 16},
+        17e9, 2, "HiDream-ai/HiDream-I1-Full model card: 17B parameters",
+        text={"prompt_embeds_t5": (128, 4096), "prompt_embeds_llama3": (32, 128, 4096),
+              "pooled_prompt_embeds": (2048,)}, latent_channels=16,
+    ),
 ]

@@ -1,12 +1,11 @@
 """Flavors of family ``hunyuanimage``: the tiny configs (built offline from the real classes) and the
 published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
 
-
 from __future__ import annotations
 
 from diffpipe.models.spec import Published
 
-# -- tiny flavor --------------------------------------------------------------------------------
+# -- tiny flavor ----------------------------------------
 TINY_VAE = {"in_channels": 3, "out_channels": 3, "latent_channels": 4, "block_out_channels": (32, 32, 32),
             "layers_per_block": 1, "spatial_compression_ratio": 4, "sample_size": 64, "scaling_factor": 0.75}
 
@@ -22,7 +21,7 @@ TINY_SCHEDULER = {"num_train_timesteps": 1000, "shift": 5.0}
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
     Published(
-            "hunyuanimage-2.1", "hunyuanimage", "HunyuanImageTransformer2DModel", {"text_embed_2_dim": 1472},
-            17e9, 2, "tencent/HunyuanImage-2.1 model card: 17B parameters",
-        ),
+        "hunyuanimage-2.1", "hunyuanimage", "HunyuanImageTransformer2DModel", {"text_embed_2_dim": 1472},
+        17e9, 2, "tencent/HunyuanImage-2.1 model card: 17B parameters",
+    ),
 ]

@@ -55,7 +55,7 @@ from transformers import (
 )
 
 from diffpipe.config import SampleConfig
-from diffpipe.data.frames import snap_frames
+from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.hunyuanvideo.flavors import TINY_LENGTH, TINY_LLAMA, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video

@@ -1,13 +1,12 @@
 """Flavors of family ``hunyuanvideo``: the tiny configs (built offline from the real classes) and the
 published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
 
-
 from __future__ import annotations
 
 from diffpipe.models import _video as video
 from diffpipe.models.spec import Published
 
-# -- tiny flavor --------------------------------------------------------------------------------
+# -- tiny flavor ----------------------------------------
 TINY_VAE = {
     "in_channels": 3,
     "out_channels": 3,
@@ -57,10 +56,10 @@ TINY_LENGTH = video.TINY_LENGTH
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
     Published(
-            "hunyuanvideo", "hunyuanvideo", "HunyuanVideoTransformer3DModel", {}, 13e9, 2,
-            "tencent/HunyuanVideo (hunyuanvideo-community/HunyuanVideo): '13 billion parameters' (2 digits; "
-            "the transformer has 12.82B)",
-            text={"prompt_embeds": (256, 4096), "prompt_attention_mask": (256,), "pooled_prompt_embeds": (768,)},
-            latent_channels=16,
-        ),
+        "hunyuanvideo", "hunyuanvideo", "HunyuanVideoTransformer3DModel", {}, 13e9, 2,
+        "tencent/HunyuanVideo (hunyuanvideo-community/HunyuanVideo): '13 billion parameters' (2 digits; "
+        "the transformer has 12.82B)",
+        text={"prompt_embeds": (256, 4096), "prompt_attention_mask": (256,), "pooled_prompt_embeds": (768,)},
+        latent_channels=16,
+    ),
 ]

@@ -31,7 +31,7 @@ from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LT
 from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 
 from diffpipe.config import SampleConfig
-from diffpipe.data.frames import snap_frames
+from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.ltxvideo.flavors import TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video

@@ -1,12 +1,11 @@
 """Flavors of family ``ltxvideo``: the tiny configs (built offline from the real classes) and the
 published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
 
-
 from __future__ import annotations
 
 from diffpipe.models.spec import Published
 
-# -- tiny flavor --------------------------------------------------------------------------------
+# -- tiny flavor ----------------------------------------
 # Three spatio-temporal downsamplings without the 4x4 pixel patching: 8x spatial, 8x temporal.
 TINY_VAE = {
     "in_channels": 3,
@@ -55,10 +54,10 @@ TINY_SCHEDULER = {
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
     Published(
-            "ltx-video-2b-v0.9", "ltxvideo", "LTXVideoTransformer3DModel", {}, 1.9e9, 2,
-            "Lightricks/LTX-Video: 'a 1.9-billion-parameter' DiT (LTX-Video report, HaCohen et al. 2024; "
-            "the '2B' of ltx-video-2b-v0.9)",
-            text={"prompt_embeds": (128, 4096), "prompt_attention_mask": (128,)}, latent_channels=128,
-            vae_factor=32,
-        ),
+        "ltx-video-2b-v0.9", "ltxvideo", "LTXVideoTransformer3DModel", {}, 1.9e9, 2,
+        "Lightricks/LTX-Video: 'a 1.9-billion-parameter' DiT (LTX-Video report, HaCohen et al. 2024; "
+        "the '2B' of ltx-video-2b-v0.9)",
+        text={"prompt_embeds": (128, 4096), "prompt_attention_mask": (128,)}, latent_channels=128,
+        vae_factor=32,
+    ),
 ]

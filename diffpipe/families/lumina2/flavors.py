@@ -1,12 +1,11 @@
 """Flavors of family ``lumina2``: the tiny configs (built offline from the real classes) and the
 published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
 
-
 from __future__ import annotations
 
 from diffpipe.models.spec import Published
 
-# -- tiny flavor --------------------------------------------------------------------------------
+# -- tiny flavor ----------------------------------------
 TINY_LENGTH = 64
 
 # Factor 8 in four levels, few channels.
@@ -51,8 +50,8 @@ TINY_SCHEDULER = {"num_train_timesteps": 1000, "shift": 6.0}
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
     Published(
-            "lumina-image-2.0", "lumina2", "Lumina2Transformer2DModel", {"cap_feat_dim": 2304}, 2.6e9, 2,
-            "Alpha-VLLM/Lumina-Image-2.0 model card: 2.6B parameters (Gemma-2-2B text, 2304 wide)",
-            text={"prompt_embeds": (256, 2304), "prompt_attention_mask": (256,)}, latent_channels=16,
-        ),
+        "lumina-image-2.0", "lumina2", "Lumina2Transformer2DModel", {"cap_feat_dim": 2304}, 2.6e9, 2,
+        "Alpha-VLLM/Lumina-Image-2.0 model card: 2.6B parameters (Gemma-2-2B text, 2304 wide)",
+        text={"prompt_embeds": (256, 2304), "prompt_attention_mask": (256,)}, latent_channels=16,
+    ),
 ]

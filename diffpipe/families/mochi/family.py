@@ -32,7 +32,7 @@ import torch
 from diffusers import AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, MochiPipeline, MochiTransformer3DModel
 
 from diffpipe.config import SampleConfig
-from diffpipe.data.frames import snap_frames
+from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.mochi.flavors import TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video

@@ -1,13 +1,12 @@
 """Flavors of family ``mochi``: the tiny configs (built offline from the real classes) and the
 published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
 
-
 from __future__ import annotations
 
 from diffpipe.models import _video as video
 from diffpipe.models.spec import Published
 
-# -- tiny flavor --------------------------------------------------------------------------------
+# -- tiny flavor ----------------------------------------
 TINY_VAE = {
     "latent_channels": 12,
     "out_channels": 3,
@@ -37,8 +36,8 @@ TINY_SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "invert_sigmas": Tr
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
     Published(
-            "mochi-1-preview", "mochi", "MochiTransformer3DModel", {}, 10e9, 2,
-            "genmo/mochi-1-preview model card: '10 billion parameter diffusion model' (AsymmDiT)",
-            text={"prompt_embeds": (256, 4096), "prompt_attention_mask": (256,)}, latent_channels=12,
-        ),
+        "mochi-1-preview", "mochi", "MochiTransformer3DModel", {}, 10e9, 2,
+        "genmo/mochi-1-preview model card: '10 billion parameter diffusion model' (AsymmDiT)",
+        text={"prompt_embeds": (256, 4096), "prompt_attention_mask": (256,)}, latent_channels=12,
+    ),
 ]

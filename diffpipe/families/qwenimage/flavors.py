@@ -1,12 +1,11 @@
 """Flavors of family ``qwenimage``: the tiny configs (built offline from the real classes) and the
 published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
 
-
 from __future__ import annotations
 
 from diffpipe.models.spec import Published
 
-# -- tiny flavor --------------------------------------------------------------------------------
+# -- tiny flavor ----------------------------------------
 TINY_LENGTH = 160  # the tiny tokenizer spells the template out character by character
 
 TINY_VAE = {"base_dim": 24, "z_dim": 4, "dim_mult": [1, 2, 4], "num_res_blocks": 1,
@@ -33,8 +32,8 @@ TINY_SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifti
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
     Published(
-            "qwen-image", "qwenimage", "QwenImageTransformer2DModel", {}, 20e9, 2,
-            "Qwen/Qwen-Image model card: 20B MMDiT",
-            text={"prompt_embeds": (512, 3584), "prompt_embeds_mask": (512,)}, latent_channels=16,
-        ),
+        "qwen-image", "qwenimage", "QwenImageTransformer2DModel", {}, 20e9, 2,
+        "Qwen/Qwen-Image model card: 20B MMDiT",
+        text={"prompt_embeds": (512, 3584), "prompt_embeds_mask": (512,)}, latent_channels=16,
+    ),
 ]

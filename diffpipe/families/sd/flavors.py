@@ -1,12 +1,11 @@
 """Flavors of family ``sd``: the tiny configs (built offline from the real classes) and the
 published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
 
-
 from __future__ import annotations
 
 from diffpipe.models.spec import Published
 
-# -- tiny flavor --------------------------------------------------------------------------------
+# -- tiny flavor ----------------------------------------
 # -- tiny flavor configs (FIELD_NOTES) ---------------------------------------
 TINY_UNET = {
     "block_out_channels": (32, 64),
@@ -56,13 +55,13 @@ SD2_UNET = {
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
     Published(
-            "sd15", "sd", "UNet2DConditionModel", SD_UNET, 859.52e6, 5,
-            "Stable Diffusion v1 model card / stable-diffusion-v1-5 unet (859.52M)",
-            text={"prompt_embeds": (77, 768)},
-        ),
+        "sd15", "sd", "UNet2DConditionModel", SD_UNET, 859.52e6, 5,
+        "Stable Diffusion v1 model card / stable-diffusion-v1-5 unet (859.52M)",
+        text={"prompt_embeds": (77, 768)},
+    ),
     Published(
-            "sd21", "sd", "UNet2DConditionModel", SD2_UNET, 865.91e6, 5,
-            "stabilityai/stable-diffusion-2-1 unet (865.91M)",
-            text={"prompt_embeds": (77, 1024)},
-        ),
+        "sd21", "sd", "UNet2DConditionModel", SD2_UNET, 865.91e6, 5,
+        "stabilityai/stable-diffusion-2-1 unet (865.91M)",
+        text={"prompt_embeds": (77, 1024)},
+    ),
 ]

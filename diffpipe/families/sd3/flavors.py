@@ -1,12 +1,11 @@
 """Flavors of family ``sd3``: the tiny configs (built offline from the real classes) and the
 published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
 
-
 from __future__ import annotations
 
 from diffpipe.models.spec import Published
 
-# -- tiny flavor --------------------------------------------------------------------------------
+# -- tiny flavor ----------------------------------------
 TINY_TRANSFORMER = {
     "sample_size": 32,
     "patch_size": 2,
@@ -69,13 +68,13 @@ SD3_TEXT = {"prompt_embeds": (333, 4096), "pooled_prompt_embeds": (2048,)}
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
     Published(
-            "sd3-medium", "sd3", "SD3Transformer2DModel", SD3_MEDIUM, 2.0e9, 2,
-            "stable-diffusion-3-medium model card: 2 billion parameter MMDiT",
-            text=SD3_TEXT, latent_channels=16,
-        ),
+        "sd3-medium", "sd3", "SD3Transformer2DModel", SD3_MEDIUM, 2.0e9, 2,
+        "stable-diffusion-3-medium model card: 2 billion parameter MMDiT",
+        text=SD3_TEXT, latent_channels=16,
+    ),
     Published(
-            "sd3.5-large", "sd3", "SD3Transformer2DModel", SD35_LARGE, 8.1e9, 2,
-            "stable-diffusion-3.5-large model card: 8.1 billion parameters",
-            text=SD3_TEXT, latent_channels=16,
-        ),
+        "sd3.5-large", "sd3", "SD3Transformer2DModel", SD35_LARGE, 8.1e9, 2,
+        "stable-diffusion-3.5-large model card: 8.1 billion parameters",
+        text=SD3_TEXT, latent_channels=16,
+    ),
 ]

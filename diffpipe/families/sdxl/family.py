@@ -8,7 +8,7 @@ Components and names follow ``StableDiffusionXLPipeline``: ``vae``,
 (epsilon or v), plus SDXL's micro-conditioning: ``add_time_ids`` =
 (original height, width, crop top, left, target height, width) per item
 (Podell et al. 2023, section 2.2): the source image's size and the crop the
-cache actually applied (planned per item, :func:`diffpipe.data.buckets.crop_top_left`),
+cache actually applied (planned per item, :func:`diffpipe.data.cache.buckets.crop_top_left`),
 and the bucket it was trained at.
 """
 

@@ -1,13 +1,12 @@
 """Flavors of family ``sdxl``: the tiny configs (built offline from the real classes) and the
 published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
 
-
 from __future__ import annotations
 
 from diffpipe.families.sd.flavors import TINY_VAE
 from diffpipe.models.spec import Published
 
-# -- tiny flavor --------------------------------------------------------------------------------
+# -- tiny flavor ----------------------------------------
 # As diffusers' own SDXL pipeline tests: two 32-wide CLIPs -> 64-wide context.
 TINY_UNET = {
     "block_out_channels": (32, 64),
@@ -48,8 +47,8 @@ SDXL_UNET = {
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
     Published(
-            "sdxl-base-1.0", "sdxl", "UNet2DConditionModel", SDXL_UNET, 2.567e9, 4,
-            "SDXL report (Podell et al. 2023): 2.6B UNet; stable-diffusion-xl-base-1.0 unet 2.567B",
-            text={"prompt_embeds": (77, 2048), "pooled_prompt_embeds": (1280,)},
-        ),
+        "sdxl-base-1.0", "sdxl", "UNet2DConditionModel", SDXL_UNET, 2.567e9, 4,
+        "SDXL report (Podell et al. 2023): 2.6B UNet; stable-diffusion-xl-base-1.0 unet 2.567B",
+        text={"prompt_embeds": (77, 2048), "pooled_prompt_embeds": (1280,)},
+    ),
 ]

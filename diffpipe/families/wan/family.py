@@ -58,7 +58,7 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, UMT5Config, UMT5EncoderModel
 
 from diffpipe.config import ObjectiveConfig, SampleConfig
-from diffpipe.data.frames import snap_frames
+from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.wan import i2v as wan_i2v
 from diffpipe.families.wan.experts import WanExperts
 from diffpipe.families.wan.flavors import TINY_LENGTH, TINY_TRANSFORMER, TINY_UMT5, TINY_VAE, TINY_VAE_22

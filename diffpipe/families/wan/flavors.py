@@ -1,12 +1,11 @@
 """Flavors of family ``wan``: the tiny configs (built offline from the real classes) and the
 published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
 
-
 from __future__ import annotations
 
 from diffpipe.models.spec import Published
 
-# -- tiny flavor --------------------------------------------------------------------------------
+# -- tiny flavor ----------------------------------------
 # -- tiny flavor configs (FIELD_NOTES) ---------------------------------------
 TINY_VAE = {
     "base_dim": 3,
@@ -58,38 +57,38 @@ TINY_LENGTH = 32
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
     Published(
-            "wan2.1-t2v-1.3b", "wan", "WanTransformer3DModel",
-            {"num_attention_heads": 12, "attention_head_dim": 128, "ffn_dim": 8960, "num_layers": 30},
-            1.42e9, 3,
-            "Wan-AI/Wan2.1-T2V-1.3B(-Diffusers): dim 1536, 12 heads, ffn 8960, 30 layers; 1.42B parameters "
-            "in its transformer weights (the model card's headline: '1.3B')",
-            text={"prompt_embeds": (512, 4096)}, latent_channels=16,
-        ),
+        "wan2.1-t2v-1.3b", "wan", "WanTransformer3DModel",
+        {"num_attention_heads": 12, "attention_head_dim": 128, "ffn_dim": 8960, "num_layers": 30},
+        1.42e9, 3,
+        "Wan-AI/Wan2.1-T2V-1.3B(-Diffusers): dim 1536, 12 heads, ffn 8960, 30 layers; 1.42B parameters "
+        "in its transformer weights (the model card's headline: '1.3B')",
+        text={"prompt_embeds": (512, 4096)}, latent_channels=16,
+    ),
     Published(
-            "wan2.2-ti2v-5b", "wan", "WanTransformer3DModel",
-            {"num_attention_heads": 24, "attention_head_dim": 128, "ffn_dim": 14336, "num_layers": 30,
-             "in_channels": 48, "out_channels": 48},
-            5e9, 1,
-            "Wan-AI/Wan2.2-TI2V-5B(-Diffusers) model card: 5B dense model (dim 3072, 30 layers, 48-channel "
-            "Wan2.2-VAE with 16x16 spatial compression)",
-            text={"prompt_embeds": (512, 4096)}, latent_channels=48, vae_factor=16,
-        ),
+        "wan2.2-ti2v-5b", "wan", "WanTransformer3DModel",
+        {"num_attention_heads": 24, "attention_head_dim": 128, "ffn_dim": 14336, "num_layers": 30,
+         "in_channels": 48, "out_channels": 48},
+        5e9, 1,
+        "Wan-AI/Wan2.2-TI2V-5B(-Diffusers) model card: 5B dense model (dim 3072, 30 layers, 48-channel "
+        "Wan2.2-VAE with 16x16 spatial compression)",
+        text={"prompt_embeds": (512, 4096)}, latent_channels=48, vae_factor=16,
+    ),
     Published(
-            "wan2.2-t2v-a14b", "wan", "WanTransformer3DModel",
-            {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824, "num_layers": 40},
-            14e9, 2,
-            "Wan-AI/Wan2.2-T2V-A14B(-Diffusers) model card: two 14B experts (high and low noise), 14B active "
-            "per step; each expert (transformer, transformer_2) is this denoiser",
-            text={"prompt_embeds": (512, 4096)}, latent_channels=16,
-        ),
+        "wan2.2-t2v-a14b", "wan", "WanTransformer3DModel",
+        {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824, "num_layers": 40},
+        14e9, 2,
+        "Wan-AI/Wan2.2-T2V-A14B(-Diffusers) model card: two 14B experts (high and low noise), 14B active "
+        "per step; each expert (transformer, transformer_2) is this denoiser",
+        text={"prompt_embeds": (512, 4096)}, latent_channels=16,
+    ),
     Published(
-            "wan2.1-i2v-14b", "wan", "WanTransformer3DModel",
-            {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824, "num_layers": 40,
-             "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120},
-            16.39e9, 4,
-            "Wan-AI/Wan2.1-I2V-14B-480P(-Diffusers) transformer config (dim 5120, 40 heads, ffn 13824, 40 layers, "
-            "36 input channels, 1280-dim CLIP image embedder with image key/value projections in every block): "
-            "the 14B T2V transformer plus about 2.1B of image-conditioning weights (headline: '14B')",
-            text={"prompt_embeds": (512, 4096)}, latent_channels=16,
-        ),
+        "wan2.1-i2v-14b", "wan", "WanTransformer3DModel",
+        {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824, "num_layers": 40,
+         "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120},
+        16.39e9, 4,
+        "Wan-AI/Wan2.1-I2V-14B-480P(-Diffusers) transformer config (dim 5120, 40 heads, ffn 13824, 40 layers, "
+        "36 input channels, 1280-dim CLIP image embedder with image key/value projections in every block): "
+        "the 14B T2V transformer plus about 2.1B of image-conditioning weights (headline: '14B')",
+        text={"prompt_embeds": (512, 4096)}, latent_channels=16,
+    ),
 ]

@@ -11,8 +11,8 @@ import re
 from pathlib import Path
 from typing import Any
 
-from diffpipe.data.media import thumbnail
-from diffpipe.data.validate import Issue, ValidationResult
+from diffpipe.data.dataset.media import thumbnail
+from diffpipe.data.dataset.results import Issue, ValidationResult
 from diffpipe.utils import digest, write_text_atomic
 
 #: Bump when the page layout changes, so existing pages are rebuilt.

@@ -20,9 +20,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffpipe.data.latents import AUX_FILL, LatentShard, aux_array, bucket_name, storage_to_tensor
-from diffpipe.data.plan import read_spec
-from diffpipe.data.text import TextShard
+from diffpipe.data.cache.latents import AUX_FILL, LatentShard, aux_array, bucket_name, storage_to_tensor
+from diffpipe.data.cache.plan import read_spec
+from diffpipe.data.cache.text import TextShard
 from diffpipe.paths import RunPaths
 
 

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 import torch
 
-from diffpipe.data.latents import DTYPES, from_storage, storage_to_tensor, to_storage
+from diffpipe.data.cache.latents import DTYPES, from_storage, storage_to_tensor, to_storage
 from diffpipe.utils import atomic_path, stable_json
 
 FORMAT = "diffpipe-text"

@@ -5,7 +5,7 @@ and afterwards answers from the cache. Offline mode (``HF_HUB_OFFLINE=1``, read
 when the dataset is resolved, not when the library was imported) only looks in
 the cache (``HF_HUB_CACHE``, else ``HF_HOME/hub``, else ``~/.cache/huggingface/hub``).
 The snapshot is then read like a local ``path``: a table layout
-(:mod:`diffpipe.data.tables`) or a folder of files. Row identities come from the
+(:mod:`diffpipe.data.dataset.tables`) or a folder of files. Row identities come from the
 media bytes, so a new revision with the same rows re-encodes nothing.
 """
 

@@ -36,7 +36,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote, unquote
 
-from diffpipe.data.metadata import DEFAULT_NAMES, relative_path
+from diffpipe.data.dataset.metadata import DEFAULT_NAMES, relative_path
 
 SCHEMES = ("parquet", "arrow")
 _LOCATOR = re.compile(r"^(parquet|arrow):(.+)#row=(\d+)&column=([^#&]+)$")

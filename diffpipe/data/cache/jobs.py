@@ -1,7 +1,7 @@
 """The cache jobs: build one shard's latents or text embeddings, encoding only what is new.
 
 One Snakemake job per shard and kind. A job reads its spec, looks the keys
-up in the content-addressed store (:mod:`diffpipe.data.store`), copies the
+up in the content-addressed store (:mod:`diffpipe.data.cache.store`), copies the
 rows found there (bit-exact, after checking the store shard's checksum),
 loads its encoder once and encodes only the missing entries (latents grouped
 by bucket so a batch has one shape), then writes the complete shard into the
@@ -9,7 +9,7 @@ store and links it into the run's output, and writes a
 ``<shard>.summary.json`` beside it with ``encoded``, ``reused`` and
 ``wall_s``. Decoding runs in worker processes a few batches ahead, so it
 overlaps encoding; video clips stream only their planned frames
-(:mod:`diffpipe.data.video`). ``regenerate`` ignores the store; ``trust`` skips
+(:mod:`diffpipe.data.cache.video`). ``regenerate`` ignores the store; ``trust`` skips
 re-hashing media files against the sha256 the validate step recorded.
 
 An item with a control image gets it resized and cropped exactly like its
@@ -45,8 +45,8 @@ import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from diffpipe.config import CacheConfig, ModelConfig
-from diffpipe.data.buckets import load_image_array, load_mask_array
-from diffpipe.data.latents import (
+from diffpipe.data.cache.buckets import load_image_array, load_mask_array
+from diffpipe.data.cache.latents import (
     AUX_FILL,
     LatentEntry,
     LatentShard,
@@ -55,16 +55,16 @@ from diffpipe.data.latents import (
     storage_to_tensor,
     write_latent_shard,
 )
-from diffpipe.data.media import DEFAULT_MAX_PIXELS, sha256_media
-from diffpipe.data.plan import EMPTY_ID, read_spec, text_key
-from diffpipe.data.store import (
+from diffpipe.data.cache.plan import EMPTY_ID, read_spec, text_key
+from diffpipe.data.cache.store import (
     Store,
     StoreRow,
     shard_content_name,
 )
-from diffpipe.data.tables import parse_locator, read_media
-from diffpipe.data.text import TextShard, write_text_shard
-from diffpipe.data.video import load_video_array
+from diffpipe.data.cache.text import TextShard, write_text_shard
+from diffpipe.data.cache.video import load_video_array
+from diffpipe.data.dataset.media import DEFAULT_MAX_PIXELS, sha256_media
+from diffpipe.data.dataset.tables import parse_locator, read_media
 from diffpipe.utils import write_text_atomic
 
 T = TypeVar("T")
@@ -409,7 +409,7 @@ def _control_image(control: dict[str, str], max_pixels: int):
     """
     from PIL import ImageOps
 
-    from diffpipe.data.media import open_image, to_rgb
+    from diffpipe.data.dataset.media import open_image, to_rgb
 
     data = _read_checked(control["path"], control["sha256"], False)
     try:

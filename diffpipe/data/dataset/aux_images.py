@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 from diffpipe.config import DatasetConfig
-from diffpipe.data.checks import add_reason
-from diffpipe.data.discover import Listing
-from diffpipe.data.metadata import MetadataTable
+from diffpipe.data.dataset.checks import add_reason
+from diffpipe.data.dataset.discover import Listing
+from diffpipe.data.dataset.metadata import MetadataTable
 
 ROLES = ("mask", "control")
 #: Manifest columns per role: ``mask_path``, ``mask_sha256``, ...

@@ -1,6 +1,6 @@
 """Deterministic toy clips: a coloured shape moving across a plain background.
 
-The video counterpart of :mod:`diffpipe.data.demo`, for the mixed image+video
+The video counterpart of :mod:`diffpipe.data.dataset.demo`, for the mixed image+video
 demo (``config/demo-video.yaml``) and the video tests. Clips are written with
 PyAV (H.264 when available, else MPEG-4 Part 2) with same-stem captions.
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from diffpipe.data.demo import COLORS, SHAPES, _draw_shape
-from diffpipe.data.video import write_mp4
+from diffpipe.data.cache.video import write_mp4
+from diffpipe.data.dataset.demo import COLORS, SHAPES, _draw_shape
 from diffpipe.utils import atomic_path, claim_files, write_text_atomic
 
 DIRECTIONS = {"left to right": (1, 0), "right to left": (-1, 0), "top to bottom": (0, 1), "bottom to top": (0, -1)}
@@ -60,7 +60,7 @@ def write_demo_clips(
 ) -> list[Path]:
     """Write ``n`` MP4 clips with same-stem ``.txt`` captions; returns the clip paths.
 
-    As :func:`~diffpipe.data.demo.write_demo_dataset`: a user's file under one of
+    As :func:`~diffpipe.data.dataset.demo.write_demo_dataset`: a user's file under one of
     those names is refused, never overwritten.
     """
     out = Path(out_dir)

@@ -1,7 +1,7 @@
 """Checks over probed manifest rows: geometry, caption tokens, duplicates, eval split.
 
 Each function adds reason codes (and a sentence) to row dicts; the policy
-(:mod:`diffpipe.data.policy`) decides later what a reason does to the row.
+(:mod:`diffpipe.data.dataset.policy`) decides later what a reason does to the row.
 Token counts come from a :class:`TokenCounter`, by default the model
 family's real tokenizers, loaded only when a caption needs counting.
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from diffpipe.config import DatasetConfig, ModelConfig, ValidationConfig
-from diffpipe.data import captions as cap
-from diffpipe.data.metadata import relative_path
-from diffpipe.data.policy import Action
+from diffpipe.data.dataset import captions as cap
+from diffpipe.data.dataset.metadata import relative_path
+from diffpipe.data.dataset.policy import Action
 from diffpipe.utils import digest
 
 #: Reasons found by reading media content: reused with the hash while the content is unchanged

@@ -2,7 +2,7 @@
 
 Each media file becomes one manifest row with its content hash, size,
 geometry, captions, token counts, split and status. Problems carry a stable
-reason code (:mod:`diffpipe.data.policy`) whose action decides the row's
+reason code (:mod:`diffpipe.data.dataset.policy`) whose action decides the row's
 status: ``skip`` leaves it out of training, ``warn`` keeps it, ``error``
 stops the run. Nothing in a dataset is ever modified.
 
@@ -10,8 +10,8 @@ Incremental: a media file whose size and mtime_ns match the previous
 manifest reuses its hash and probe results without reading its content; so
 does a caption file, and token counts are reused while the captions and the
 model config are unchanged. New or changed files are probed by a pool of
-worker processes (:mod:`diffpipe.data.pool`, :func:`diffpipe.data.media.probe`);
-the checks over probed rows live in :mod:`diffpipe.data.checks`.
+worker processes (:mod:`diffpipe.data.dataset.pool`, :func:`diffpipe.data.dataset.media.probe`);
+the checks over probed rows live in :mod:`diffpipe.data.dataset.checks`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -31,9 +30,9 @@ from rich.markup import escape
 from rich.table import Table
 
 from diffpipe.config import DatasetConfig, ValidationConfig
-from diffpipe.data import aux_images, table_items
-from diffpipe.data import captions as cap
-from diffpipe.data.checks import (  # noqa: F401  (FamilyTokenCounter: used through this module)
+from diffpipe.data.dataset import aux_images, table_items
+from diffpipe.data.dataset import captions as cap
+from diffpipe.data.dataset.checks import (  # noqa: F401  (FamilyTokenCounter: used through this module)
     PROBE_REASONS,
     FamilyTokenCounter,
     TokenCounter,
@@ -44,10 +43,12 @@ from diffpipe.data.checks import (  # noqa: F401  (FamilyTokenCounter: used thro
     check_usable,
     flag_duplicates,
 )
-from diffpipe.data.discover import Listing, list_dataset, printable
-from diffpipe.data.metadata import MetadataTable, read_metadata
-from diffpipe.data.policy import REASONS, Action, resolve_actions, status_of
-from diffpipe.data.pool import probe_files
+from diffpipe.data.dataset.discover import Listing, list_dataset, printable
+from diffpipe.data.dataset.metadata import MetadataTable, read_metadata
+from diffpipe.data.dataset.policy import REASONS, resolve_actions, status_of
+from diffpipe.data.dataset.pool import probe_files
+from diffpipe.data.dataset.report import write_reports
+from diffpipe.data.dataset.results import Issue, ValidationResult
 from diffpipe.utils import atomic_path, digest
 
 #: Bump when probing changes, so a new version re-probes every file.
@@ -55,7 +56,7 @@ from diffpipe.utils import atomic_path, digest
 PROBE_VERSION = 4
 #: Reasons found by reading a caption file, reused likewise.
 _CAPTION_REASONS = {"empty_caption", "caption_not_utf8"}
-#: Per-item auxiliary images (:mod:`diffpipe.data.aux_images`).
+#: Per-item auxiliary images (:mod:`diffpipe.data.dataset.aux_images`).
 AUX_ROLES = aux_images.ROLES
 
 _TOKENS = pa.list_(pa.struct([("encoder", pa.string()), ("tokens", pa.int32()), ("limit", pa.int32())]))
@@ -100,42 +101,6 @@ MANIFEST_SCHEMA = pa.schema(
         ],
     ]
 )
-
-
-@dataclass(frozen=True)
-class Issue:
-    """One flagged file (or dataset): where, which reason, its action and a sentence for humans."""
-
-    dataset: str
-    path: str
-    reason: str
-    message: str
-    action: Action
-    sha256: str | None = None
-    kind: str | None = None
-
-
-@dataclass
-class ValidationResult:
-    """Counts of one validation run; ``errors > 0`` means the run must stop."""
-
-    items: int = 0
-    kept: int = 0
-    skipped: int = 0
-    errors: int = 0
-    warnings: int = 0
-    manifest_changed: bool = False
-    hashed: int = 0  # media and aux files whose content was read this run
-    reused: int = 0  # media files whose hash came from the previous manifest
-    captions_read: int = 0  # caption files read this run
-    issues: list[Issue] = field(default_factory=list)
-    datasets: dict[str, dict[str, int]] = field(default_factory=dict)
-    actions: dict[str, Action] = field(default_factory=dict)
-    max_pixels: int = ValidationConfig().max_pixels  # the limit files were checked against
-
-    @property
-    def counts(self) -> dict[str, int]:
-        return dict(sorted(Counter(i.reason for i in self.issues).items()))
 
 
 def kept_copy(path: Path) -> Path:
@@ -344,6 +309,27 @@ def _captions(
 
 
 # -- entry point -----------------------------------------------------------------
+@dataclass
+class _Scan:
+    """One validation run's working state, passed through its named steps."""
+
+    vcfg: ValidationConfig
+    result: ValidationResult
+    prev_rows: dict[str, dict[str, Any]]
+    reuse_probe: bool
+    #: (dataset, path, reason, note) not tied to a manifest row.
+    extra: list[tuple[str, str, str, str]] = field(default_factory=list)
+    per_ds: list[tuple[DatasetConfig, Listing, MetadataTable, list[dict[str, Any]]]] = field(default_factory=list)
+    #: Media files to probe: (rows, index, path, kind).
+    jobs: list[tuple[list[dict[str, Any]], int, str, str]] = field(default_factory=list)
+    #: Mask / control images to probe: (row, role, path).
+    aux_jobs: list[tuple[dict[str, Any], str, str]] = field(default_factory=list)
+
+    def issue_for(self, dataset: str):
+        """A callback that records a dataset-level issue ``(path, reason, note)`` of ``dataset``."""
+        return lambda path, reason, note: self.extra.append((dataset, path, reason, note))
+
+
 def run_validation(
     datasets: list[DatasetConfig],
     vcfg: ValidationConfig,
@@ -360,6 +346,10 @@ def run_validation(
 ) -> ValidationResult:
     """Scan datasets, write the manifest and both reports, return the counts.
 
+    Steps: list each dataset (:func:`_list_dataset`), probe new or changed files in parallel
+    (:func:`_probe`), check captions, geometry, splits, tokens and duplicates (:func:`_check_rows`),
+    gather the issues and counts (:func:`_tally`), write the manifest and reports (:func:`_write_outputs`).
+
     Args:
         datasets: datasets to scan (names must be unique).
         vcfg: media extensions, limits and per-reason actions.
@@ -374,77 +364,84 @@ def run_validation(
         console: where the progress bar goes (shown only on a terminal).
         exclude: the run's own folders (``discover.run_folders``), never listed as data.
     """
-    from diffpipe.data.report import write_reports  # imported here: report imports this module
-
     manifest_path = Path(manifest_path)
     prev_path = manifest_path if previous == "auto" else (Path(previous) if previous else None)
     keep = kept_copy(manifest_path)
     if previous == "auto" and not manifest_path.is_file() and keep.is_file():
         prev_path = keep  # Snakemake removed the outputs of a failed run; its results still count
     prev_rows, prev_meta = _load_previous(prev_path)
-    actions = resolve_actions(vcfg.actions)
     probe_key = digest([PROBE_VERSION, vcfg.max_pixels])[:16]
     caption_keys = {ds.name: digest([ds.caption_lines, ds.caption_style])[:16] for ds in datasets}
     prev_caption_keys = json.loads(prev_meta.get("caption_keys", "{}"))
-    reuse_probe = not rehash and prev_meta.get("probe_key") == probe_key
-    result = ValidationResult(actions=actions, max_pixels=vcfg.max_pixels)
-    extra: list[tuple[str, str, str, str]] = []  # (dataset, path, reason, note) not tied to a row
-
-    per_ds: list[tuple[DatasetConfig, Listing, MetadataTable, list[dict[str, Any]]]] = []
-    jobs: list[tuple[list[dict[str, Any]], int, str, str]] = []
-    aux_jobs: list[tuple[dict[str, Any], str, str]] = []  # (row, role, path)
+    scan = _Scan(vcfg, ValidationResult(actions=resolve_actions(vcfg.actions), max_pixels=vcfg.max_pixels),
+                 prev_rows, reuse_probe=not rehash and prev_meta.get("probe_key") == probe_key)
     for ds in datasets:
+        _list_dataset(scan, ds, exclude)
+    _probe(scan, tokens, workers, console)
+    same_captions = {ds.name: not rehash and prev_caption_keys.get(ds.name) == caption_keys[ds.name]
+                     for ds in datasets}
+    all_rows = _check_rows(scan, datasets, same_captions, tokens)
+    _tally(scan, datasets, all_rows)
+    meta = {
+        "probe_key": probe_key,
+        "caption_keys": json.dumps(caption_keys, sort_keys=True),
+        "max_pixels": str(vcfg.max_pixels),  # the plan hands it to the cache jobs' decoders
+    }
+    unchanged = prev_path == manifest_path and prev_meta == meta and _same_rows(all_rows, prev_rows)
+    _write_outputs(scan.result, all_rows, meta, unchanged, manifest_path, Path(report_json), Path(report_html))
+    return scan.result
 
-        def issue(path: str, reason: str, note: str, _ds: str = ds.name) -> None:
-            extra.append((_ds, path, reason, note))
 
-        listing = list_dataset(ds, vcfg, with_stats=True, exclude=exclude)
-        if not listing.root_ok:
-            reason, note = listing.error or (
-                "missing_dataset",
-                f"dataset folder {listing.root} does not exist or is not a folder",
-            )
-            issue(str(listing.root), reason, note)
-            continue
-        if listing.table:
-            rows, ds_jobs = table_items.collect(ds, listing.table, listing.root, prev_rows, reuse_probe, issue)
-            for row in rows:
-                row.update({f"{role}_{col}": None for role in AUX_ROLES for col in aux_images.COLUMNS})
-            if not rows:
-                issue(str(listing.root), "no_media", f"split {listing.table.split!r} of {listing.root} holds no rows")
-            jobs += [(rows, i, p, k) for i, p, k in ds_jobs]
-            per_ds.append((ds, listing, MetadataTable(), rows))
-            continue
-        for found in listing.problems:
-            issue(str(listing.root / found.rel), found.reason, found.note)
-        meta_files = [ds.metadata] if ds.metadata else listing.metadata
-        aux_columns = {r: c for r in AUX_ROLES if (c := getattr(ds, f"{r}_column", None))}
-        meta = read_metadata(
-            listing.root, meta_files, ds.file_column, ds.caption_column, aux_columns, link_root=listing.link_root
+def _list_dataset(scan: _Scan, ds: DatasetConfig, exclude: tuple[str, ...]) -> None:
+    """List one dataset (folder or table): its rows, reused or queued for probing, and its listing issues."""
+    issue = scan.issue_for(ds.name)
+    listing = list_dataset(ds, scan.vcfg, with_stats=True, exclude=exclude)
+    if not listing.root_ok:
+        reason, note = listing.error or (
+            "missing_dataset",
+            f"dataset folder {listing.root} does not exist or is not a folder",
         )
-        for prob in meta.problems:
-            path = prob.where if os.path.isabs(prob.where) else str(listing.root / prob.where)
-            issue(path, prob.reason, prob.note)
-        for rel in aux_images.referenced_files(meta):  # masks / controls are not items
-            listing.media.pop(rel, None)
-        rows, ds_jobs = _collect(ds, listing, meta, prev_rows, reuse_probe, issue)
-        aux_images.resolve(ds, listing, meta, rows, issue)
-        aux_jobs += aux_images.reuse_or_probe(rows, listing, prev_rows, reuse_probe)
+        issue(str(listing.root), reason, note)
+        return
+    if listing.table:
+        rows, ds_jobs = table_items.collect(ds, listing.table, listing.root, scan.prev_rows, scan.reuse_probe, issue)
+        for row in rows:
+            row.update({f"{role}_{col}": None for role in AUX_ROLES for col in aux_images.COLUMNS})
         if not rows:
-            exts = ", ".join([*vcfg.image_exts, *vcfg.video_exts])
-            issue(
-                str(listing.root),
-                "no_media",
-                f"dataset folder {listing.root} holds no media files ({exts})",
-            )
-        jobs += [(rows, i, p, k) for i, p, k in ds_jobs]
-        per_ds.append((ds, listing, meta, rows))
+            issue(str(listing.root), "no_media", f"split {listing.table.split!r} of {listing.root} holds no rows")
+        scan.jobs += [(rows, i, p, k) for i, p, k in ds_jobs]
+        scan.per_ds.append((ds, listing, MetadataTable(), rows))
+        return
+    for found in listing.problems:
+        issue(str(listing.root / found.rel), found.reason, found.note)
+    meta_files = [ds.metadata] if ds.metadata else listing.metadata
+    aux_columns = {r: c for r in AUX_ROLES if (c := getattr(ds, f"{r}_column", None))}
+    meta = read_metadata(
+        listing.root, meta_files, ds.file_column, ds.caption_column, aux_columns, link_root=listing.link_root
+    )
+    for prob in meta.problems:
+        path = prob.where if os.path.isabs(prob.where) else str(listing.root / prob.where)
+        issue(path, prob.reason, prob.note)
+    for rel in aux_images.referenced_files(meta):  # masks / controls are not items
+        listing.media.pop(rel, None)
+    rows, ds_jobs = _collect(ds, listing, meta, scan.prev_rows, scan.reuse_probe, issue)
+    aux_images.resolve(ds, listing, meta, rows, issue)
+    scan.aux_jobs += aux_images.reuse_or_probe(rows, listing, scan.prev_rows, scan.reuse_probe)
+    if not rows:
+        exts = ", ".join([*scan.vcfg.image_exts, *scan.vcfg.video_exts])
+        issue(str(listing.root), "no_media", f"dataset folder {listing.root} holds no media files ({exts})")
+    scan.jobs += [(rows, i, p, k) for i, p, k in ds_jobs]
+    scan.per_ds.append((ds, listing, meta, rows))
 
+
+def _probe(scan: _Scan, tokens: TokenCounter | None, workers: int | None, console: Console | None) -> None:
+    """Probe the queued media and aux files in parallel and write the results into their rows."""
+    jobs, aux_jobs = scan.jobs, scan.aux_jobs
     # New files likely bring new captions: load the tokenizers while they are probed.
     prefetch = getattr(tokens, "prefetch", None) if jobs else None
     probes = probe_files(
         [(p, k) for _, _, p, k in jobs] + [(p, "image") for _, _, p in aux_jobs],
-        vcfg.max_pixels,
+        scan.vcfg.max_pixels,
         workers,
         console,
         prefetch,
@@ -458,49 +455,41 @@ def run_validation(
         row["kind"] = probe["kind"] or row["kind"]
         for reason, note in probe["problems"]:
             add_reason(row, reason, note)
-    result.hashed = len(jobs) + len(aux_jobs)
+    scan.result.hashed = len(jobs) + len(aux_jobs)
 
+
+def _check_rows(scan: _Scan, datasets: list[DatasetConfig], same_captions: dict[str, bool],
+                tokens: TokenCounter | None) -> list[dict[str, Any]]:
+    """Captions, geometry, eval split, caption tokens and duplicates of every row; all rows."""
     all_rows: list[dict[str, Any]] = []
-    for ds, listing, meta, rows in per_ds:
-        same_key = not rehash and prev_caption_keys.get(ds.name) == caption_keys[ds.name]
+    for ds, listing, meta, rows in scan.per_ds:
+        issue = scan.issue_for(ds.name)
         if listing.table is None:  # table rows have theirs already (table_items)
-            _captions(
-                ds,
-                listing,
-                meta,
-                rows,
-                prev_rows,
-                same_key,
-                result,
-                lambda p, r, n, d=ds.name: extra.append((d, p, r, n)),
-            )
+            _captions(ds, listing, meta, rows, scan.prev_rows, same_captions[ds.name], scan.result, issue)
         for row in rows:
-            check_geometry(ds, vcfg, row)
+            check_geometry(ds, scan.vcfg, row)
             aux_images.check_geometry(row)
-        assign_split(ds, rows, lambda p, r, n, d=ds.name: extra.append((d, p, r, n)), listing.root)
+        assign_split(ds, rows, issue, listing.root)
         all_rows += rows
-    check_tokens(all_rows, {ds.name: ds.caption_prefix for ds in datasets}, tokens, prev_rows)
+    check_tokens(all_rows, {ds.name: ds.caption_prefix for ds in datasets}, tokens, scan.prev_rows)
     flag_duplicates(all_rows)
+    return all_rows
 
+
+def _tally(scan: _Scan, datasets: list[DatasetConfig], all_rows: list[dict[str, Any]]) -> None:
+    """Each row's status, every issue, and the counts per dataset and in all; sorts the rows by id."""
+    result, actions = scan.result, scan.result.actions
     for row in all_rows:
         result.reused += row.pop("_reused", False)
         row.pop("_draw", None)
         row["status"] = status_of(row["reasons"], actions)
         for reason, note in zip(row["reasons"], row["notes"], strict=True):
             result.issues.append(
-                Issue(
-                    row["dataset"],
-                    row["path"],
-                    reason,
-                    note,
-                    actions[reason],
-                    row["sha256"],
-                    row["kind"],
-                )
+                Issue(row["dataset"], row["path"], reason, note, actions[reason], row["sha256"], row["kind"])
             )
-    for ds, listing, _, rows in per_ds:
-        check_usable(ds, rows, actions, lambda p, r, n, d=ds.name: extra.append((d, p, r, n)), listing.root)
-    for ds_name, path, reason, note in extra:
+    for ds, listing, _, rows in scan.per_ds:
+        check_usable(ds, rows, actions, scan.issue_for(ds.name), listing.root)
+    for ds_name, path, reason, note in scan.extra:
         result.issues.append(Issue(ds_name, printable(path), reason, note, actions[reason]))
     for ds in datasets:
         rows = [r for r in all_rows if r["dataset"] == ds.name]
@@ -511,7 +500,6 @@ def run_validation(
             "skipped": len(rows) - kept,
             "eval": sum(r["split"] == "eval" for r in rows),
         }
-
     all_rows.sort(key=lambda r: r["id"])
     result.items = len(all_rows)
     result.kept = sum(r["status"] in ("ok", "warning") for r in all_rows)
@@ -519,12 +507,13 @@ def run_validation(
     result.errors = sum(i.action == "error" for i in result.issues)
     result.warnings = sum(i.action == "warn" for i in result.issues)
     result.issues.sort(key=lambda i: (i.dataset, i.path, i.reason))
-    meta = {
-        "probe_key": probe_key,
-        "caption_keys": json.dumps(caption_keys, sort_keys=True),
-        "max_pixels": str(vcfg.max_pixels),  # the plan hands it to the cache jobs' decoders
-    }
-    if prev_path == manifest_path and prev_meta == meta and _same_rows(all_rows, prev_rows):
+
+
+def _write_outputs(result: ValidationResult, all_rows: list[dict[str, Any]], meta: dict[str, str],
+                   unchanged: bool, manifest_path: Path, report_json: Path, report_html: Path) -> None:
+    """The manifest (left as is, only touched, when nothing changed) and both reports; on errors, kept
+    copies Snakemake does not know about."""
+    if unchanged:
         # Compared as Python values: building the Arrow table from rows imports pandas
         # (pyarrow checks for pandas types), a large share of a no-change rerun.
         os.utime(manifest_path)  # newer than its inputs for Snakemake, same content
@@ -532,16 +521,15 @@ def run_validation(
     else:
         table = pa.Table.from_pylist(all_rows, schema=MANIFEST_SCHEMA.with_metadata(meta))
         result.manifest_changed = _write_manifest(manifest_path, table)
-    write_reports(result, report_json=Path(report_json), report_html=Path(report_html))
+    write_reports(result, report_json=report_json, report_html=report_html)
     if result.errors:
         # A failed Snakemake job loses its outputs: keep copies it does not know about,
         # so the reports stay readable and the next run still skips unchanged files.
-        for src in (manifest_path, Path(report_json), Path(report_html)):
+        for src in (manifest_path, report_json, report_html):
             shutil.copyfile(src, kept_copy(src))
     else:
-        for src in (manifest_path, Path(report_json), Path(report_html)):
+        for src in (manifest_path, report_json, report_html):
             kept_copy(src).unlink(missing_ok=True)
-    return result
 
 
 def print_summary(

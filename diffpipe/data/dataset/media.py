@@ -2,7 +2,7 @@
 
 :func:`probe` is what validation's worker processes run per file: it reads
 the bytes once (SHA-256), sniffs the real format from the magic bytes,
-checks the size the header declares (:mod:`diffpipe.data.headers`; for a
+checks the size the header declares (:mod:`diffpipe.data.dataset.headers`; for a
 video, the stream's frame size) against ``validation.max_pixels`` before
 any decoder runs, and then fully decodes, because truncation only shows on
 a full decode. Videos are decoded frame by frame with PyAV: the frame count
@@ -31,8 +31,8 @@ from typing import Any, BinaryIO
 import numpy as np
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from diffpipe.data.headers import declared_size, sniff  # noqa: F401  (sniff: part of this module's API)
-from diffpipe.data.tables import parse_locator, read_media
+from diffpipe.data.dataset.headers import declared_size, sniff  # noqa: F401  (sniff: part of this module's API)
+from diffpipe.data.dataset.tables import parse_locator, read_media
 
 _INT_MODES = {"I", "I;16", "I;16L", "I;16B", "I;16N"}
 #: Pillow's own limit (``Image.MAX_IMAGE_PIXELS``) and ``validation.max_pixels``'s default: the

@@ -1,4 +1,4 @@
-"""Manifest rows of a table dataset (:mod:`diffpipe.data.tables`): one per table row.
+"""Manifest rows of a table dataset (:mod:`diffpipe.data.dataset.tables`): one per table row.
 
 A row's item id is a digest of the dataset name and the SHA-256 of its media
 bytes (``#k`` for the k-th repeat of the same bytes), not of its position: rows
@@ -23,10 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from diffpipe.config import DatasetConfig
-from diffpipe.data import captions as cap
-from diffpipe.data.checks import PROBE_REASONS, add_reason
-from diffpipe.data.metadata import CAPTION_COLUMNS, pick_column
-from diffpipe.data.tables import Cell, TableError, Tables, cell_bytes, iter_rows, locator, schema_of
+from diffpipe.data.dataset import captions as cap
+from diffpipe.data.dataset.checks import PROBE_REASONS, add_reason
+from diffpipe.data.dataset.metadata import CAPTION_COLUMNS, pick_column
+from diffpipe.data.dataset.tables import Cell, TableError, Tables, cell_bytes, iter_rows, locator, schema_of
 from diffpipe.utils import digest
 
 #: Manifest fields a probe fills, reused with the hash.

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffpipe.config import DatasetConfig, ValidationConfig
-from diffpipe.data.metadata import DEFAULT_NAMES
-from diffpipe.data.tables import TableError, Tables, find_tables
+from diffpipe.data.dataset.metadata import DEFAULT_NAMES
+from diffpipe.data.dataset.tables import TableError, Tables, find_tables
 
 
 @dataclass(frozen=True)
@@ -290,8 +290,7 @@ def dataset_root(ds: DatasetConfig) -> tuple[Path, tuple[str, str] | None]:
     it cannot be had (never raises: Snakemake calls this while building its DAG)."""
     if ds.hub is None:
         return Path(ds.path or ".").absolute(), None
-    from diffpipe.data import hub
-
+    from diffpipe.data.dataset import hub
     try:
         return hub.resolve(ds.hub, ds.revision), None
     except hub.HubError as err:

@@ -20,8 +20,8 @@ from typing import Any, BinaryIO
 import numpy as np
 from PIL import Image
 
-from diffpipe.data.buckets import cover_crop
-from diffpipe.data.media import DEFAULT_MAX_PIXELS, decoded_frames, open_video, to_rgb
+from diffpipe.data.cache.buckets import cover_crop
+from diffpipe.data.dataset.media import DEFAULT_MAX_PIXELS, decoded_frames, open_video, to_rgb
 
 
 def select_frames(frames: Iterable[Any], indices: list[int]) -> Iterator[tuple[list[int], Any]]:

@@ -21,7 +21,7 @@ import torch
 from PIL import Image, ImageOps
 
 # One RGB conversion for validation and caching; it lives with the media probes.
-from diffpipe.data.media import DEFAULT_MAX_PIXELS, open_image, to_rgb
+from diffpipe.data.dataset.media import DEFAULT_MAX_PIXELS, open_image, to_rgb
 
 #: Width:height ratios of the buckets, from portrait 1:2 to landscape 2:1.
 ASPECT_RATIOS: tuple[tuple[int, int], ...] = (

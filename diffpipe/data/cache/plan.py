@@ -41,10 +41,10 @@ from typing import Any
 import pyarrow.parquet as pq
 
 from diffpipe.config import CacheConfig, DatasetConfig
-from diffpipe.data.aux_images import ROLES, problem_reasons
-from diffpipe.data.buckets import choose_bucket, crop_offset, crop_top_left, dataset_ratios
-from diffpipe.data.frames import clip_windows
-from diffpipe.data.latents import bucket_name
+from diffpipe.data.cache.buckets import choose_bucket, crop_offset, crop_top_left, dataset_ratios
+from diffpipe.data.cache.frames import clip_windows
+from diffpipe.data.cache.latents import bucket_name
+from diffpipe.data.dataset.aux_images import ROLES, problem_reasons
 from diffpipe.paths import RunPaths, shard_name
 from diffpipe.utils import digest, stable_json, write_if_changed
 

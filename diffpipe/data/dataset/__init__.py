@@ -1,0 +1,1 @@
+"""Datasets: discovery, captions and metadata, checks and policy, validation, the manifest and its report."""
