@@ -282,35 +282,64 @@ def cache_latents(
     device: str | None = None,
     workers: int | None = None,
 ) -> dict[str, Any]:
-    """Build the Zarr shard of one latent spec, encoding only keys the store lacks; returns the summary."""
+    """Build the Zarr shard of one latent spec, encoding only keys the store lacks; returns the summary.
+
+    Steps: reuse what the store holds (:func:`_stored_latents`), decode and encode the rest
+    (:func:`_encode_latents`), publish the shard (:func:`_publish_latents`).
+    """
     from diffpipe.models import get_family  # heavy imports only when a job runs
 
     start = time.perf_counter()
     spec_path, out_path = Path(spec_path), Path(out_path)
     spec = read_spec(spec_path)
     items: list[dict[str, Any]] = spec["items"]
-    dtype = spec["dtype"]
     family = get_family(model_cfg)
     _check_spec(spec, spec_path, family.vae_identity(), cache_cfg)
     st = _store(store, cache_cfg, out_path)
-
     first: dict[str, dict[str, Any]] = {}
     for item in items:  # equal keys, equal latents: encode each key once
         first.setdefault(item["key"], item)
     damaged: list[str] = []
-    values = {}
-    if not regenerate:
-        with st.lock():  # no store shard goes while it is read
-            values = _reuse_latents(st.lookup("latents", first), dtype, damaged)
-    for key in list(values):  # a stored entry lacking an aux array the key promises: encode again
-        if any(values[key][role] is None for role in first[key].get("aux") or {}):
-            del values[key]
+    values = {} if regenerate else _stored_latents(st, first, spec["dtype"], damaged)
     reused = len(values)
     missing = [item for key, item in first.items() if key not in values]
+    timing = _encode_latents(family, spec, missing, values, cache_cfg, trust=trust, device=device, workers=workers)
+    target, counts = _publish_latents(st, spec, items, values, out_path, rewrite=regenerate or bool(missing),
+                                      damaged=damaged)
+    summary = {
+        "kind": "latents",
+        "shard": spec["shard"],
+        "items": len(items),
+        "encoded": len(missing),
+        "reused": reused,
+        "buckets": counts,
+        "dtype": spec["dtype"],
+        "store": str(target),
+        **timing,
+        "wall_s": round(time.perf_counter() - start, 3),
+    }
+    _write_summary(out_path, summary)
+    return summary
+
+
+def _stored_latents(st: Store, first: dict[str, dict[str, Any]], dtype: str, damaged: list[str]) -> dict[str, Any]:
+    """The entries the store already holds for these keys (damaged shards named in ``damaged``); an entry
+    lacking an aux array its key promises (mask, control) is left out, so it is encoded again."""
+    with st.lock():  # no store shard goes while it is read
+        values = _reuse_latents(st.lookup("latents", first), dtype, damaged)
+    for key in list(values):
+        if any(values[key][role] is None for role in first[key].get("aux") or {}):
+            del values[key]
+    return values
+
+
+def _encode_latents(family, spec: dict[str, Any], missing: list[dict[str, Any]], values: dict[str, Any],
+                    cache_cfg: CacheConfig, *, trust: bool, device: str | None, workers: int | None) -> dict[str, float]:
+    """Decode the ``missing`` items in worker processes, batched per bucket, and encode them with the VAE into
+    ``values``; returns the seconds spent waiting for decoding and encoding."""
     if any(parse_locator(item["path"]) for item in missing):
         # Table rows in table order: a Parquet row group is read once, not once per item.
-        missing.sort(key=_source_order)
-
+        missing = sorted(missing, key=_source_order)
     by_bucket: dict[tuple[int, ...], list[dict[str, Any]]] = {}
     for item in missing:
         by_bucket.setdefault(tuple(item["bucket"]), []).append(item)
@@ -344,7 +373,13 @@ def cache_latents(
                         }
                     progress.advance(task, len(jobs))
                     t0 = time.perf_counter()
+    return {"decode_wait_s": round(wait, 3), "encode_s": round(encode_s, 3)}
 
+
+def _publish_latents(st: Store, spec: dict[str, Any], items: list[dict[str, Any]], values: dict[str, Any],
+                     out_path: Path, *, rewrite: bool, damaged: list[str]) -> tuple[Path, dict[str, int]]:
+    """Write the shard of every item (in spec order) into the store and link it at ``out_path``;
+    returns where it is and its entry count per array."""
     entries = [
         LatentEntry(
             it["id"],
@@ -357,32 +392,18 @@ def cache_latents(
         )
         for it in items
     ]
-    attrs = {"identity": spec["identity"]}
+    dtype, attrs = spec["dtype"], {"identity": spec["identity"]}
     name = shard_content_name("latents", dtype, [(it["id"], it["key"]) for it in items])
     rows = _index_rows(entries)
 
     def write(path: Path) -> None:
         write_latent_shard(path, entries, dtype=dtype, attrs=attrs)
 
-    target = st.publish("latents", name, out_path, write, rows, rewrite=regenerate or bool(missing), damaged=damaged)
-    counts = {}
+    target = st.publish("latents", name, out_path, write, rows, rewrite=rewrite, damaged=damaged)
+    counts: dict[str, int] = {}
     for _, arr, _ in rows:
         counts[arr] = counts.get(arr, 0) + 1
-    summary = {
-        "kind": "latents",
-        "shard": spec["shard"],
-        "items": len(items),
-        "encoded": len(missing),
-        "reused": reused,
-        "buckets": counts,
-        "dtype": dtype,
-        "store": str(target),
-        "decode_wait_s": round(wait, 3),
-        "encode_s": round(encode_s, 3),
-        "wall_s": round(time.perf_counter() - start, 3),
-    }
-    _write_summary(out_path, summary)
-    return summary
+    return target, counts
 
 
 def _encode_controls(family, vae, decoded: list[dict[str, np.ndarray]], dev, *, frames: int) -> list[dict]:
