@@ -14,7 +14,7 @@ from pathlib import Path
 
 from diffpipe.config import reference_markdown
 from diffpipe.data.dataset.policy import policy_markdown
-from diffpipe.models.tables import families_markdown, formats_markdown, pipeline_markdown
+from diffpipe.models.tables import families_markdown, formats_markdown, not_implemented_markdown, pipeline_markdown
 from diffpipe.utils import write_text_atomic
 
 
@@ -29,6 +29,7 @@ TABLES: dict[str, tuple[Callable[[], str], str]] = {
     "config-reference": (reference_markdown, "docs/configuration.md"),
     "validation-reasons": (policy_markdown, "docs/validation.md"),
     "families": (families_markdown, "docs/families.md"),
+    "not-implemented": (not_implemented_markdown, "docs/families.md"),
     "family-formats": (formats_markdown, "docs/formats.md"),
     "pipeline-families": (pipeline_markdown, "docs/training.md"),
 }

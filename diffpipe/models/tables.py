@@ -8,7 +8,7 @@
 
 from __future__ import annotations
 
-from diffpipe.families import Absent, specs
+from diffpipe.families import NOT_IMPLEMENTED, Absent, specs
 from diffpipe.paths import EXPORT_NAMES
 
 
@@ -59,4 +59,11 @@ def pipeline_markdown() -> str:
             module = s.layers or f"{s.package}.layers"
             what = f"`{module.replace('.', '/')}.py`"
         rows.append(f"| `{s.name}` | {what} |")
+    return "\n".join(rows)
+
+
+def not_implemented_markdown() -> str:
+    rows = ["| model | diffusers LoRA loader | why it is not a family |", "| --- | --- | --- |"]
+    for name, (mixin, why) in NOT_IMPLEMENTED.items():
+        rows.append(f"| {name} | {f'`{mixin}`' if mixin else '-'} | {why} |")
     return "\n".join(rows)

@@ -136,3 +136,20 @@ def test_adding_a_family_is_one_folder_and_one_registry_line(tmp_path, monkeypat
     finally:
         for mod in [m for m in sys.modules if m.startswith("diffpipe.families.toy")]:
             del sys.modules[mod]
+
+
+def test_every_lora_loader_of_diffusers_is_a_family_or_said_not_to_be():
+    """The pinned diffusers' LoRA loader mixins: each is used by a registered family's pipeline, or the
+    not-implemented table names it with a reason (and then no family uses it)."""
+    import diffusers.loaders.lora_pipeline as lora_pipeline
+
+    from diffpipe.families import NOT_IMPLEMENTED
+
+    mixins = {n: getattr(lora_pipeline, n) for n in dir(lora_pipeline)
+              if n.endswith("LoraLoaderMixin") and n != "LoraLoaderMixin"}
+    used = {n for n, m in mixins.items() for name in family_names()
+            if issubclass(spec(name).family_type()(ModelConfig(family=name)).pipeline_class, m)}
+    listed = {mixin for mixin, _ in NOT_IMPLEMENTED.values() if mixin}
+    assert listed <= set(mixins), f"not in the pinned diffusers: {sorted(listed - set(mixins))}"
+    assert not used & listed, f"families exist for {sorted(used & listed)}: take them off NOT_IMPLEMENTED"
+    assert set(mixins) == used | listed, f"neither a family nor listed: {sorted(set(mixins) - used - listed)}"
