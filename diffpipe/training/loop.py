@@ -1,4 +1,4 @@
-"""The training loop: setup, (resume), step, log, checkpoint, save. Reads only the caches."""
+"""The training loop (:class:`Trainer`): setup, (resume), step, log, checkpoint, save. Reads only the caches."""
 
 from __future__ import annotations
 
@@ -75,135 +75,184 @@ def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str
     name under ``train/checkpoints`` or a path) with identical results.
     ``data`` trains on that dataset instead of the run's caches (``diffpipe bench``'s synthetic batches).
     """
-    tc = cfg.train
-    precision.check(tc)
-    dist = engine.setup_distributed()
-    torch.manual_seed(tc.seed)
-    family = get_family(cfg.model)
-    own_data = data is None
-    data = CachedDataset.from_run(paths) if own_data else data
-    if dist.world_size % tc.pipeline_stages:
-        raise ValueError(f"train.pipeline_stages {tc.pipeline_stages} does not divide the {dist.world_size} processes")
-    # Pipeline stages of one replica see the same data; replicas (data parallel) differ.
-    dp_world = dist.world_size // tc.pipeline_stages
-    dp_rank = dist.rank % dp_world  # DeepSpeed's pipe x data topology: data is the fastest axis
-    order = DataOrder(data, tc, dp_rank, dp_world)
-    if tc.caption_dropout and data.empty_text is None:
-        raise ValueError(f"train.caption_dropout needs the empty-caption cache {paths.text_empty}; "
-                         "run the workflow's empty-caption cache job (or set caption_dropout: 0)")
-    if tc.caption_dropout and family.text_uses_control:
-        raise ValueError(f"train.caption_dropout: model family {family.name!r} encodes each caption with its "
-                         "control image, so one cached empty caption cannot stand in; set caption_dropout: 0")
-    _check_aux(family, data, tc, log if dist.is_main else (lambda *_: None))
+    return Trainer(cfg, paths, resume=resume, checkpoint=checkpoint, log=log, data=data).run()
 
-    items = _data_items(data)
-    run_meta = {"config": cfg.model_dump(mode="json"), "world_size": dist.world_size,
-                "data_digest": ckpt.items_digest(items)}
-    resume_from = _check_resume(paths, run_meta, items, checkpoint) if resume or checkpoint else None  # refuse early
 
-    denoiser = family.load_denoiser().to(engine.device())
-    trained = Trainable(denoiser, family, cfg, is_main=dist.is_main, continue_lora=not (resume or checkpoint))
-    precision.prepare_denoiser(denoiser, tc)  # fp8 base weights, attention backend, compile
-    params = trained.params
+class Trainer:
+    """One training run: named setup steps (:meth:`setup_data`, :meth:`setup_model`, :meth:`restore`,
+    :meth:`setup_monitors`), then :meth:`step` per optimizer step and :meth:`finish`."""
 
-    def make_scheduler(optimizer):
-        return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda(total=order.total, warmup=tc.warmup_steps, kind=tc.lr_schedule))
+    def __init__(self, cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str | None = None,
+                 log=print, data: CachedDataset | None = None):
+        self.cfg, self.tc, self.paths, self.log = cfg, cfg.train, paths, log
+        self.resume, self.checkpoint, self.data, self.own_data = resume, checkpoint, data, data is None
 
-    if tc.pipeline_stages > 1:
-        layers = family.pipeline_layers(denoiser)
-        model, trained.stage_params = pipeline.build_pipeline_engine(
-            layers, pipeline.stage_bounds(layers, tc), pipeline.pipeline_loss_fn(tc.objective), tc,
-            dist.world_size, make_scheduler)
-    else:
-        optimizer = build_optimizer(params, tc)
-        model = engine.build_engine(denoiser, optimizer, make_scheduler(optimizer), tc, dist.world_size)
-        offload.install(denoiser, tc.block_swap, engine.device())  # after DeepSpeed moved and cast the module
-    scheduler = model.lr_scheduler
-    # Noise and timesteps differ per replica but are reproducible per (seed, replica).
-    gen = torch.Generator(device=engine.device()).manual_seed(tc.seed * 1000 + dp_rank)
+    def run(self) -> TrainResult:
+        self.setup_data()
+        self.setup_model()
+        start = self.restore()
+        self.setup_monitors(start)
+        self.last_saved, self.t_start, self.losses = start, time.perf_counter(), []
+        for step in range(start, self.order.total):
+            self.step(step)
+        return self.finish(start)
 
-    def save_checkpoint(step: int) -> Path:
-        epoch, in_epoch = divmod(step, order.steps_per_epoch)
+    # -- setup ---------------------------------------------------------------------------
+    def setup_data(self) -> None:
+        """Processes, the family, the dataset and each rank's batch order; the checks that need them."""
+        tc = self.tc
+        precision.check(tc)
+        self.dist = dist = engine.setup_distributed()
+        torch.manual_seed(tc.seed)
+        self.family = family = get_family(self.cfg.model)
+        self.data = data = CachedDataset.from_run(self.paths) if self.own_data else self.data
+        if dist.world_size % tc.pipeline_stages:
+            raise ValueError(f"train.pipeline_stages {tc.pipeline_stages} does not divide the {dist.world_size} "
+                             "processes")
+        # Pipeline stages of one replica see the same data; replicas (data parallel) differ.
+        dp_world = dist.world_size // tc.pipeline_stages
+        self.dp_rank = dist.rank % dp_world  # DeepSpeed's pipe x data topology: data is the fastest axis
+        self.order = DataOrder(data, tc, self.dp_rank, dp_world)
+        if tc.caption_dropout and data.empty_text is None:
+            raise ValueError(f"train.caption_dropout needs the empty-caption cache {self.paths.text_empty}; "
+                             "run the workflow's empty-caption cache job (or set caption_dropout: 0)")
+        if tc.caption_dropout and family.text_uses_control:
+            raise ValueError(f"train.caption_dropout: model family {family.name!r} encodes each caption with its "
+                             "control image, so one cached empty caption cannot stand in; set caption_dropout: 0")
+        _check_aux(family, data, tc, self.log if dist.is_main else (lambda *_: None))
+        self.items = _data_items(data)
+        self.run_meta = {"config": self.cfg.model_dump(mode="json"), "world_size": dist.world_size,
+                         "data_digest": ckpt.items_digest(self.items)}
+        resuming = self.resume or self.checkpoint
+        # Refused early, before any model is loaded.
+        self.resume_from = _check_resume(self.paths, self.run_meta, self.items, self.checkpoint) if resuming else None
+
+    def setup_model(self) -> None:
+        """The denoiser with its trainable parameters, precision options, the DeepSpeed engine (plain or
+        pipeline), block swap, and the noise generator."""
+        tc, dist, family = self.tc, self.dist, self.family
+        self.denoiser = denoiser = family.load_denoiser().to(engine.device())
+        self.trained = trained = Trainable(denoiser, family, self.cfg, is_main=dist.is_main,
+                                           continue_lora=not (self.resume or self.checkpoint))
+        precision.prepare_denoiser(denoiser, tc)  # fp8 base weights, attention backend, compile
+        self.params = trained.params
+
+        def make_scheduler(optimizer):
+            return torch.optim.lr_scheduler.LambdaLR(
+                optimizer, lr_lambda(total=self.order.total, warmup=tc.warmup_steps, kind=tc.lr_schedule))
+
+        if tc.pipeline_stages > 1:
+            layers = family.pipeline_layers(denoiser)
+            self.model, trained.stage_params = pipeline.build_pipeline_engine(
+                layers, pipeline.stage_bounds(layers, tc), pipeline.pipeline_loss_fn(tc.objective), tc,
+                dist.world_size, make_scheduler)
+        else:
+            optimizer = build_optimizer(self.params, tc)
+            self.model = engine.build_engine(denoiser, optimizer, make_scheduler(optimizer), tc, dist.world_size)
+            offload.install(denoiser, tc.block_swap, engine.device())  # after DeepSpeed moved and cast the module
+        self.scheduler = self.model.lr_scheduler
+        # Noise and timesteps differ per replica but are reproducible per (seed, replica).
+        self.gen = torch.Generator(device=engine.device()).manual_seed(tc.seed * 1000 + self.dp_rank)
+
+    def restore(self) -> int:
+        """Resume from the checkpoint asked for, or record the run's config; returns the first step."""
+        dist, paths = self.dist, self.paths
+        start = 0
+        if self.resume_from is not None:
+            start = _resume(self.model, self.gen, paths, self.resume_from, dist.rank, dist.world_size)
+            if dist.is_main:
+                self.log(f"train: resumed from step {start} ({paths.checkpoints})")
+        elif dist.is_main:
+            write_text_atomic(paths.train_dir / "config.yaml", yaml.safe_dump(self.cfg.model_dump(), sort_keys=False))
+        if dist.is_main:
+            n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.params)  # ZeRO-3 leaves p empty here
+            self.log(f"train: {len(self.data)} items, {self.order.steps_per_epoch} steps/epoch, {self.order.total} "
+                     f"steps, {n_params:,} trainable parameters ({self.trained.kind}), world size {dist.world_size}")
+        return start
+
+    def setup_monitors(self, start: int) -> None:
+        """Metrics and trackers, the evaluator (and its baseline at step 0), checkpoint trigger, sampler,
+        FLOP counter and profiler."""
+        tc, dist, paths, cfg = self.tc, self.dist, self.paths, self.cfg
+        self.metrics = MetricsWriter(paths.metrics, paths.tensorboard, enabled=dist.is_main, append=start > 0,
+                                     purge_step=start + 1 if start else None, trackers=tc.trackers,
+                                     project=tc.tracker_project, run_name=tc.run_name,
+                                     config=cfg.model_dump(mode="json"))
+        self.evaluate = Evaluator(self.family, eval_dataset(paths, self.data) if self.own_data else self.data,
+                                  tc.eval, batch_size=tc.batch_size, device=self.model.device)
+        if start == 0:  # the baseline later evals compare with (TensorBoard only: rows are steps)
+            self.metrics.log(0, jsonl=False, **self.evaluate(self.model))
+        self.trigger = _CheckpointTrigger(tc, paths, dist.world_size, dist.is_main)
+        self.sampler = TrainingSampler(self.family, cfg.sample, self.denoiser, paths.train_dir / "samples")
+        self.samples_per_step = tc.batch_size * tc.grad_accum * dist.world_size
+        self.flops = StepFlops(tc, self.model.device)
+        self.profiler = StepProfiler(tc.profile, paths.train_dir / "profile", enabled=dist.is_main, rank=dist.rank)
+
+    # -- the loop ---------------------------------------------------------------------------
+    def save_checkpoint(self, step: int) -> Path:
+        epoch, in_epoch = divmod(step, self.order.steps_per_epoch)
+        trained = self.trained
         # The LoRA goes in as an adapter folder too (for export); full weights live in DeepSpeed's files.
         write_adapter = (lambda d: None) if trained.full else (lambda d: trained.save(d, step=step, epoch=epoch))
         return ckpt.save_checkpoint(
-            model, paths.checkpoints, step=step, rank=dist.rank, keep_last=tc.keep_checkpoints,
-            meta={**run_meta, "epoch": epoch, "step_in_epoch": in_epoch},
-            rng=ckpt.rng_state(gen), write_adapter=write_adapter, data_items=items,
+            self.model, self.paths.checkpoints, step=step, rank=self.dist.rank, keep_last=self.tc.keep_checkpoints,
+            meta={**self.run_meta, "epoch": epoch, "step_in_epoch": in_epoch},
+            rng=ckpt.rng_state(self.gen), write_adapter=write_adapter, data_items=self.items,
         )
 
-    start = 0
-    if resume_from is not None:
-        start = _resume(model, gen, paths, resume_from, dist.rank, dist.world_size)
-        log_fn = log if dist.is_main else (lambda *_: None)
-        log_fn(f"train: resumed from step {start} ({paths.checkpoints})")
-    elif dist.is_main:
-        write_text_atomic(paths.train_dir / "config.yaml", yaml.safe_dump(cfg.model_dump(), sort_keys=False))
-    if dist.is_main:
-        n_params = sum(getattr(p, "ds_numel", p.numel()) for p in params)  # ZeRO-3 leaves p empty here
-        log(f"train: {len(data)} items, {order.steps_per_epoch} steps/epoch, {order.total} steps, "
-            f"{n_params:,} trainable parameters ({trained.kind}), world size {dist.world_size}")
-
-    metrics = MetricsWriter(paths.metrics, paths.tensorboard, enabled=dist.is_main, append=start > 0,
-                            purge_step=start + 1 if start else None, trackers=tc.trackers,
-                            project=tc.tracker_project, run_name=tc.run_name, config=cfg.model_dump(mode="json"))
-    evaluate = Evaluator(family, eval_dataset(paths, data) if own_data else data, tc.eval, batch_size=tc.batch_size, device=model.device)
-    if start == 0:  # the baseline later evals compare with (TensorBoard only: rows are steps)
-        metrics.log(0, jsonl=False, **evaluate(model))
-    trigger = _CheckpointTrigger(tc, paths, dist.world_size, dist.is_main)
-    sampler = TrainingSampler(family, cfg.sample, denoiser, paths.train_dir / "samples")
-    samples_per_step = tc.batch_size * tc.grad_accum * dist.world_size
-    flops = StepFlops(tc, model.device)
-    profiler = StepProfiler(tc.profile, paths.train_dir / "profile", enabled=dist.is_main, rank=dist.rank)
-    last_saved, t_start, losses = start, time.perf_counter(), []
-    for step in range(start, order.total):
+    def step(self, step: int) -> None:
+        """One optimizer step, its metrics (and evals when due), per-epoch LoRA, samples and checkpoint."""
+        tc, order, data, model = self.tc, self.order, self.data, self.model
         done, epoch = step + 1, step // order.steps_per_epoch
         t0 = time.perf_counter()
         micro = order.micro_batches(step)
-        with flops.step(tuple(data.items[idx[0]].bucket for idx in micro)):  # counted once per shape
+        with self.flops.step(tuple(data.items[idx[0]].bucket for idx in micro)):  # counted once per shape
             if tc.pipeline_stages > 1:
-                loss, grad_norm = _pipeline_step(model, family, data, micro, gen, tc.caption_dropout, tc.objective)
+                loss, grad_norm = _pipeline_step(model, self.family, data, micro, self.gen, tc.caption_dropout,
+                                                 tc.objective)
             else:
-                loss, grad_norm = _train_step(model, family, data, micro, gen, params, tc.caption_dropout,
-                                              tc.objective)
-        step_loss = engine.mean_over_ranks(loss, dist.world_size)
+                loss, grad_norm = _train_step(model, self.family, data, micro, self.gen, self.params,
+                                              tc.caption_dropout, tc.objective)
+        step_loss = engine.mean_over_ranks(loss, self.dist.world_size)
         dt = time.perf_counter() - t0
-        losses.append(step_loss)
+        self.losses.append(step_loss)
         due = done == order.total or (tc.eval.every_steps and done % tc.eval.every_steps == 0)
-        evals = evaluate(model) if due else {}
-        metrics.log(done, epoch=epoch, loss=step_loss, lr=scheduler.get_last_lr()[0], grad_norm=grad_norm,
-                    samples_per_s=samples_per_step / dt, step_time=dt,
-                    peak_memory_mb=peak_memory_mb(model.device), elapsed_s=time.perf_counter() - t_start,
-                    **flops.fields(dt), **evals)
-        profiler.step()
+        evals = self.evaluate(model) if due else {}
+        self.metrics.log(done, epoch=epoch, loss=step_loss, lr=self.scheduler.get_last_lr()[0], grad_norm=grad_norm,
+                         samples_per_s=self.samples_per_step / dt, step_time=dt,
+                         peak_memory_mb=peak_memory_mb(model.device), elapsed_s=time.perf_counter() - self.t_start,
+                         **self.flops.fields(dt), **evals)
+        self.profiler.step()
         epoch_end = done % order.steps_per_epoch == 0
-        if epoch_end and not trained.full and tc.save_every_epochs and (epoch + 1) % tc.save_every_epochs == 0:
-            trained.save(paths.epoch_loras / f"epoch-{epoch + 1:04d}", step=done, epoch=epoch + 1)
-        if dist.is_main and _sample_due(tc, done, epoch_end, epoch):
-            metrics.image("samples", sampler(done)[1], done)
+        if epoch_end and not self.trained.full and tc.save_every_epochs and (epoch + 1) % tc.save_every_epochs == 0:
+            self.trained.save(self.paths.epoch_loras / f"epoch-{epoch + 1:04d}", step=done, epoch=epoch + 1)
+        if self.dist.is_main and _sample_due(tc, done, epoch_end, epoch):
+            self.metrics.image("samples", self.sampler(done)[1], done)
         ckpt.fault_point("after-step", done)
-        if trigger.due(done):
-            save_checkpoint(done)
-            trigger.saved()
-            last_saved = done
+        if self.trigger.due(done):
+            self.save_checkpoint(done)
+            self.trigger.saved()
+            self.last_saved = done
 
-    profiler.close()
-    if last_saved != order.total or not ckpt.list_checkpoints(paths.checkpoints):
-        save_checkpoint(order.total)
-    metrics.close()
-    trained.save(trained.output_dir(paths), step=order.total, epoch=order.epochs)
-    agree = trained.ranks_agree(dist.world_size)
-    seconds = time.perf_counter() - t_start
-    if dist.is_main:
-        plot_loss(read_metrics(paths.metrics), paths.train_dir / "loss.png")
-        summary = {"steps": order.total, "resumed_from": start, "world_size": dist.world_size,
-                   "ranks_agree": agree, "seconds": seconds, "offload": engine.offload_in_effect(model)}
-        write_text_atomic(paths.train_dir / "summary.json", stable_json(summary))
-        if losses:
-            log(f"train: {len(losses)} steps in {seconds:.1f} s; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
-    first, last = (losses[0], losses[-1]) if losses else (math.nan, math.nan)
-    return TrainResult(order.total, order.epochs, first, last, trained.output_dir(paths), seconds, start)
+    def finish(self, start: int) -> TrainResult:
+        """The last checkpoint, the trained adapter (or denoiser), the loss plot and the run summary."""
+        order, dist, paths, trained, losses = self.order, self.dist, self.paths, self.trained, self.losses
+        self.profiler.close()
+        if self.last_saved != order.total or not ckpt.list_checkpoints(paths.checkpoints):
+            self.save_checkpoint(order.total)
+        self.metrics.close()
+        trained.save(trained.output_dir(paths), step=order.total, epoch=order.epochs)
+        agree = trained.ranks_agree(dist.world_size)
+        seconds = time.perf_counter() - self.t_start
+        if dist.is_main:
+            plot_loss(read_metrics(paths.metrics), paths.train_dir / "loss.png")
+            summary = {"steps": order.total, "resumed_from": start, "world_size": dist.world_size,
+                       "ranks_agree": agree, "seconds": seconds, "offload": engine.offload_in_effect(self.model)}
+            write_text_atomic(paths.train_dir / "summary.json", stable_json(summary))
+            if losses:
+                self.log(f"train: {len(losses)} steps in {seconds:.1f} s; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
+        first, last = (losses[0], losses[-1]) if losses else (math.nan, math.nan)
+        return TrainResult(order.total, order.epochs, first, last, trained.output_dir(paths), seconds, start)
 
 
 def _train_step(model, family, data: CachedDataset, micro_batches: list[list[int]], gen: torch.Generator,
