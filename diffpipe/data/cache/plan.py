@@ -299,25 +299,68 @@ def make_plan(
             or leaves no item to train on (with the counts).
     """
     manifest_path = Path(manifest_path)
+    rows, max_pixels = _read_manifest(manifest_path)
+    planned = _plan_items(rows, datasets, manifest_path, cache_cfg, latent_identity=latent_identity,
+                          text_identity=text_identity, pixel_multiple=pixel_multiple, fps=fps,
+                          frame_rule=frame_rule, text_control=text_control)
+    names = [shard_name(i) for i in range(cache_cfg.shards)]
+    assignment = assign_shards([k[0] for k in planned.kept], cache_cfg.shards,
+                               _read_state(paths.plan_state, cache_cfg.shards))
+    latents: list[list[dict[str, Any]]] = [[] for _ in names]
+    texts: list[list[dict[str, Any]]] = [[] for _ in names]
+    for item_id, entries, text in planned.kept:
+        latents[assignment[item_id]].extend(entries)
+        texts[assignment[item_id]].append(text)
+    result = PlanResult(
+        items=planned.items,
+        shards=names,
+        buckets=dict(sorted(planned.buckets.items())),
+        entries=sum(map(len, latents)),
+        underfilled={b: n for b, n in sorted(planned.samples.items()) if n < global_batch},
+        too_short=planned.too_short,
+    )
+    common: dict[str, Any] = {"version": SPEC_VERSION, "dtype": cache_cfg.dtype}
+    if max_pixels:  # the decoders' limit (manifests older than it: the decoders' default)
+        common["max_pixels"] = int(max_pixels)
+    _write_specs(paths, result, names, latents, texts, common, latent_identity, text_identity, cache_cfg.dtype)
+    _write_summary(paths, result, names, latents, texts, global_batch, cache_cfg.dtype)
+    # Outside the plan folder: Snakemake deletes a checkpoint's output before rerunning it.
+    write_if_changed(paths.plan_state, _spec_json({"shards": cache_cfg.shards, "assignment": assignment}))
+    return result
+
+
+def _read_manifest(manifest_path: Path) -> tuple[list[dict[str, Any]], bytes | None]:
+    """The manifest's rows (the columns the plan reads, older manifests' missing ones left out) and its
+    ``max_pixels``; a clear error when validation has not run."""
     if not manifest_path.is_file():
         raise ValueError(f"manifest {manifest_path} not found; run the validate step first")
-    by_name = {d.name: d for d in datasets}
     schema = pq.read_schema(manifest_path)
     schema_names = set(schema.names)
-    max_pixels = (schema.metadata or {}).get(b"max_pixels")
     cols = ["id", "dataset", "path", "sha256", "width", "height", "frames", "caption", "status"]
     newer = ["fps", "split", "kind", "reasons"]  # columns newer manifests add
     newer += [f"{role}_{col}" for role in ROLES for col in ("path", "sha256")]
     cols += [c for c in newer if c in schema_names]
-    rows = pq.ParquetFile(manifest_path).read(columns=cols).to_pylist()
-    names = [shard_name(i) for i in range(cache_cfg.shards)]
-    latents: list[list[dict[str, Any]]] = [[] for _ in names]
-    texts: list[list[dict[str, Any]]] = [[] for _ in names]
-    buckets: Counter[str] = Counter()
-    samples: Counter[str] = Counter()  # entries x repeats: what one epoch draws per bucket
-    too_short: list[str] = []
-    n_items = n_train = 0
-    kept: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = []
+    return pq.ParquetFile(manifest_path).read(columns=cols).to_pylist(), (schema.metadata or {}).get(b"max_pixels")
+
+
+@dataclass
+class _Planned:
+    """Every kept item's latent entries and text entry, with the counts the plan reports."""
+
+    kept: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = field(default_factory=list)
+    buckets: Counter[str] = field(default_factory=Counter)
+    samples: Counter[str] = field(default_factory=Counter)  # entries x repeats: what one epoch draws per bucket
+    too_short: list[str] = field(default_factory=list)
+    items: int = 0
+
+
+def _plan_items(rows: list[dict[str, Any]], datasets: list[DatasetConfig], manifest_path: Path,
+                cache_cfg: CacheConfig, *, latent_identity: str, text_identity: str, pixel_multiple: int,
+                fps: float, frame_rule: tuple[int, int], text_control: bool) -> _Planned:
+    """The latent entries (bucket, crop, frames, key) and the text entry of every item validation kept;
+    an error when a row names a dataset the config lacks or no item is left to train on."""
+    by_name = {d.name: d for d in datasets}
+    out, n_train = _Planned(), 0
     for row in sorted(rows, key=lambda r: r["id"]):
         if row["status"] == "skipped":
             continue
@@ -327,19 +370,12 @@ def make_plan(
                 f"manifest {manifest_path} lists dataset {row['dataset']!r}, which is not in the "
                 "config; rerun the validate step"
             )
-        entries = _entries(
-            row,
-            ds,
-            identity=latent_identity,
-            dtype=cache_cfg.dtype,
-            pixel_multiple=pixel_multiple,
-            fps=fps,
-            frame_rule=frame_rule,
-        )
+        entries = _entries(row, ds, identity=latent_identity, dtype=cache_cfg.dtype, pixel_multiple=pixel_multiple,
+                           fps=fps, frame_rule=frame_rule)
         if not entries:
-            too_short.append(row["path"])
+            out.too_short.append(row["path"])
             continue
-        n_items += 1
+        out.items += 1
         caption = final_caption(ds.caption_prefix, row["caption"])
         control = item_aux(row).get("control") if text_control else None
         text = {
@@ -348,51 +384,29 @@ def make_plan(
             "key": text_key(caption, text_identity, cache_cfg.dtype, control and control["sha256"]),
             **({"control": control} if control else {}),
         }
-        kept.append((row["id"], entries, text))
+        out.kept.append((row["id"], entries, text))
         n_train += any(e["split"] == "train" for e in entries)
         for e in entries:
-            buckets[bucket_name(e["bucket"])] += 1
-            samples[bucket_name(e["bucket"])] += e["repeats"]
-
+            out.buckets[bucket_name(e["bucket"])] += 1
+            out.samples[bucket_name(e["bucket"])] += e["repeats"]
     if not n_train:
         skipped = sum(r["status"] == "skipped" for r in rows)
         raise ValueError(
             f"the plan has no item to train on: {len(rows)} in the manifest {manifest_path}, {skipped} skipped "
-            f"by validation, {len(too_short)} shorter than every frame bucket, {n_items - n_train} held out for "
-            "eval; see the validation report"
+            f"by validation, {len(out.too_short)} shorter than every frame bucket, {out.items - n_train} held out "
+            "for eval; see the validation report"
         )
-    state = _read_state(paths.plan_state, cache_cfg.shards)
-    assignment = assign_shards([k[0] for k in kept], cache_cfg.shards, state)
-    for item_id, entries, text in kept:
-        latents[assignment[item_id]].extend(entries)
-        texts[assignment[item_id]].append(text)
-    underfilled = {b: n for b, n in sorted(samples.items()) if n < global_batch}
-    result = PlanResult(
-        items=n_items,
-        shards=names,
-        buckets=dict(sorted(buckets.items())),
-        entries=sum(map(len, latents)),
-        underfilled=underfilled,
-        too_short=too_short,
-    )
-    common: dict[str, Any] = {"version": SPEC_VERSION, "dtype": cache_cfg.dtype}
-    if max_pixels:  # the decoders' limit (manifests older than it: the decoders' default)
-        common["max_pixels"] = int(max_pixels)
+    return out
+
+
+def _write_specs(paths: RunPaths, result: PlanResult, names: list[str], latents: list[list[dict[str, Any]]],
+                 texts: list[list[dict[str, Any]]], common: dict[str, Any], latent_identity: str,
+                 text_identity: str, dtype: str) -> None:
+    """Each shard's latent and text spec and the empty-caption spec, written only when changed; specs of
+    shards no longer planned removed (all recorded in ``result``)."""
     for i, name in enumerate(names):
-        lspec = {
-            **common,
-            "kind": "latents",
-            "shard": name,
-            "identity": latent_identity,
-            "items": latents[i],
-        }
-        tspec = {
-            **common,
-            "kind": "text",
-            "shard": name,
-            "identity": text_identity,
-            "items": texts[i],
-        }
+        lspec = {**common, "kind": "latents", "shard": name, "identity": latent_identity, "items": latents[i]}
+        tspec = {**common, "kind": "text", "shard": name, "identity": text_identity, "items": texts[i]}
         for path, spec in ((paths.latent_spec(name), lspec), (paths.text_spec(name), tspec)):
             if write_if_changed(path, _spec_json(spec)):
                 result.written.append(path)
@@ -401,7 +415,7 @@ def make_plan(
         "kind": "text",
         "shard": "empty",
         "identity": text_identity,
-        "items": [{"id": EMPTY_ID, "caption": "", "key": text_key("", text_identity, cache_cfg.dtype)}],
+        "items": [{"id": EMPTY_ID, "caption": "", "key": text_key("", text_identity, dtype)}],
     }
     if write_if_changed(paths.empty_spec, _spec_json(empty)):
         result.written.append(paths.empty_spec)
@@ -410,14 +424,19 @@ def make_plan(
             if old.stem not in names:
                 old.unlink()
                 result.removed.append(old)
+
+
+def _write_summary(paths: RunPaths, result: PlanResult, names: list[str], latents: list[list[dict[str, Any]]],
+                   texts: list[list[dict[str, Any]]], global_batch: int, dtype: str) -> None:
+    """``plan.json``: items, entries and buckets in all and per shard, underfilled buckets, too-short clips."""
     summary = {
         "items": result.items,
         "entries": result.entries,
         "buckets": result.buckets,
         "global_batch": global_batch,
         # Filled by repeating their own items when training, never dropped.
-        "underfilled_buckets": underfilled,
-        "too_short": too_short,
+        "underfilled_buckets": result.underfilled,
+        "too_short": result.too_short,
         "shards": {
             name: {
                 "items": len(texts[i]),
@@ -426,13 +445,10 @@ def make_plan(
             }
             for i, name in enumerate(names)
         },
-        "dtype": cache_cfg.dtype,
+        "dtype": dtype,
     }
     if write_if_changed(paths.plan_summary, _spec_json(summary)):
         result.written.append(paths.plan_summary)
-    # Outside the plan folder: Snakemake deletes a checkpoint's output before rerunning it.
-    write_if_changed(paths.plan_state, _spec_json({"shards": cache_cfg.shards, "assignment": assignment}))
-    return result
 
 
 def _read_state(path: Path, shards: int) -> dict[str, int] | None:

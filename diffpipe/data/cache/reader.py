@@ -82,113 +82,13 @@ class CachedDataset:
             raise ValueError(f"no latent specs under {paths.plan_dir}; run the plan step first")
         if paths.shard_names("text") != shards:
             raise ValueError(f"latent and text specs under {paths.plan_dir} name different shards; rerun plan")
-        records: list[tuple] = []  # id, path, bucket, lat row, text row, reps, sizes, key, text key
-        lat_parts: dict[str, list[np.ndarray]] = {}
-        # role -> bucket -> one (values or None, has) per shard part of that bucket
-        aux_parts: dict[str, dict[str, list[tuple[np.ndarray | None, list[bool]]]]] = {role: {} for role in AUX_FILL}
-        text_parts: dict[str, list[np.ndarray]] = {}
-        lat_rows: dict[str, int] = {}
-        text_rows = 0
-        dtypes: set[str] = set()
-        geometry: dict[str, tuple[int, ...]] = {}
-        text_shapes: dict[str, tuple[int, ...]] | None = None
+        loader = _ShardLoader(paths, split)
         for s in shards:
-            lspec, tspec = read_spec(paths.latent_spec(s)), read_spec(paths.text_spec(s))
-            lshard = LatentShard(paths.latent_shard(s))
-            arrays = lshard.load()  # raises on a checksum mismatch
-            tshard = TextShard(paths.text_shard(s))
-            tarrays = tshard.load()  # raises on a checksum mismatch
-            dtypes |= {lshard.dtype, tshard.dtype}
-            if tspec["items"] and text_shapes is not None and tshard.shapes != text_shapes:
-                raise ValueError(f"text shard {tshard.path} has shapes {tshard.shapes}, others {text_shapes}")
-            if tspec["items"]:
-                text_shapes = tshard.shapes
-            lat_index = {
-                item_id: (name, r, key)
-                for name, meta in lshard.meta.items()
-                for r, (item_id, key) in enumerate(zip(meta["ids"], meta["keys"], strict=True))
-            }
-            text_index = {
-                item_id: (r, key) for r, (item_id, key) in enumerate(zip(tshard.ids, tshard.keys, strict=True))
-            }
-            text_by_id = {t["id"]: t for t in tspec["items"]}
-            for item in lspec["items"]:
-                name = bucket_name(item["bucket"])
-                found = lat_index.get(item["id"])
-                if found is None or found[0] != name or found[2] != item["key"]:
-                    raise ValueError(
-                        f"latent shard {lshard.path} has no entry for {item['path']} (key {item['key']}, "
-                        f"bucket {name}); rerun its cache job"
-                    )
-                source = item.get("item", item["id"])  # several latent entries share one caption
-                titem = text_by_id.get(source)
-                if titem is None:
-                    raise ValueError(f"text spec {paths.text_spec(s)} lacks {item['path']}; rerun the plan step")
-                tfound = text_index.get(source)
-                if tfound is None or tfound[1] != titem["key"]:
-                    raise ValueError(
-                        f"text shard {tshard.path} has no entry for {item['path']} (key {titem['key']}); "
-                        "rerun its cache job"
-                    )
-                geometry.setdefault(name, _check_geometry(lshard, name, arrays[name].shape, item["bucket"]))
-                if split is not None and item.get("split", "train") != split:
-                    continue
-                records.append(
-                    (
-                        item["id"],
-                        item["path"],
-                        name,
-                        lat_rows.get(name, 0) + found[1],
-                        text_rows + tfound[0],
-                        int(item.get("repeats", 1)),
-                        _sizes(item),
-                        item["key"],
-                        titem["key"],
-                    )
-                )
-            for name in lshard.names:
-                arr = arrays[name]
-                lat_parts.setdefault(name, []).append(arr)
-                lat_rows[name] = lat_rows.get(name, 0) + len(arr)
-                for role in AUX_FILL:
-                    meta = lshard.aux_meta.get(aux_array(role, name))
-                    part = (None, [False] * len(arr))
-                    if meta is not None:
-                        part = (arrays[aux_array(role, name)], list(meta["has"]))
-                    aux_parts[role].setdefault(name, []).append(part)
-            for name, arr in tarrays.items():
-                text_parts.setdefault(name, []).append(arr)
-            text_rows += len(tshard)
-        _check_channels(geometry, paths)
-        if len(dtypes) > 1:
-            raise ValueError(f"caches under {paths.root} mix dtypes {sorted(dtypes)}; rerun the cache step")
-        dtype = dtypes.pop()
-        latents = {name: _concat(parts, dtype) for name, parts in lat_parts.items()}
-        aux = {
-            role: {
-                name: joined
-                for name, parts in by_bucket.items()
-                if (joined := _join_aux(parts, AUX_FILL[role], dtype)) is not None
-            }
-            for role, by_bucket in aux_parts.items()
-        }
-        text = {name: _concat(parts, dtype) for name, parts in text_parts.items()}
-        empty = None
-        if paths.text_empty.is_file():
-            eshard = TextShard(paths.text_empty)
-            if paths.empty_spec.is_file():
-                want = read_spec(paths.empty_spec)["items"][0]["key"]
-                if eshard.keys != [want]:
-                    raise ValueError(
-                        f"text shard {eshard.path} holds another empty-caption key than the plan's ({want}); "
-                        "rerun `diffpipe cache empty`"
-                    )
-            empty = {name: t.float() for name, t in eshard.tensors().items()}
-            if text_shapes is not None and eshard.shapes != text_shapes:
-                raise ValueError(f"text shard {eshard.path} has shapes {eshard.shapes}, others {text_shapes}")
-        records.sort()
-        items = [_Item(*r) for r in records]
-        return cls(items, latents, text, empty, shards, aux)
+            loader.add(s)
+        latents, aux, text = loader.joined()
+        empty = _empty_text(paths, loader.text_shapes)
+        loader.records.sort()
+        return cls([_Item(*r) for r in loader.records], latents, text, empty, shards, aux)
 
     # -- batching -----------------------------------------------------------------
     def epoch_batches(self, epoch: int, batch_size: int, seed: int) -> list[list[int]]:
@@ -331,3 +231,121 @@ def _check_channels(geometry: dict[str, tuple[int, ...]], paths: RunPaths) -> No
         raise ValueError(
             f"latent caches under {paths.root} disagree on (channels, downscale): {geometry}; rerun the cache step"
         )
+
+
+class _ShardLoader:
+    """Reads the shards of a run one by one (:meth:`add`), checking each planned entry against them, and
+    joins their arrays per bucket (:meth:`joined`)."""
+
+    def __init__(self, paths: RunPaths, split: str | None):
+        self.paths, self.split = paths, split
+        self.records: list[tuple] = []  # id, path, bucket, lat row, text row, reps, sizes, key, text key
+        self.lat_parts: dict[str, list[np.ndarray]] = {}
+        # role -> bucket -> one (values or None, has) per shard part of that bucket
+        self.aux_parts: dict[str, dict[str, list[tuple[np.ndarray | None, list[bool]]]]] = {r: {} for r in AUX_FILL}
+        self.text_parts: dict[str, list[np.ndarray]] = {}
+        self.lat_rows: dict[str, int] = {}
+        self.text_rows = 0
+        self.dtypes: set[str] = set()
+        self.geometry: dict[str, tuple[int, ...]] = {}
+        self.text_shapes: dict[str, tuple[int, ...]] | None = None
+
+    def add(self, s: str) -> None:
+        """One shard: load both files (checksums verified), match its planned entries, keep its arrays."""
+        paths = self.paths
+        lspec, tspec = read_spec(paths.latent_spec(s)), read_spec(paths.text_spec(s))
+        lshard = LatentShard(paths.latent_shard(s))
+        arrays = lshard.load()  # raises on a checksum mismatch
+        tshard = TextShard(paths.text_shard(s))
+        tarrays = tshard.load()  # raises on a checksum mismatch
+        self.dtypes |= {lshard.dtype, tshard.dtype}
+        if tspec["items"] and self.text_shapes is not None and tshard.shapes != self.text_shapes:
+            raise ValueError(f"text shard {tshard.path} has shapes {tshard.shapes}, others {self.text_shapes}")
+        if tspec["items"]:
+            self.text_shapes = tshard.shapes
+        self._match(s, lspec, tspec, lshard, tshard, arrays)
+        for name in lshard.names:
+            arr = arrays[name]
+            self.lat_parts.setdefault(name, []).append(arr)
+            self.lat_rows[name] = self.lat_rows.get(name, 0) + len(arr)
+            for role in AUX_FILL:
+                meta = lshard.aux_meta.get(aux_array(role, name))
+                part = (None, [False] * len(arr))
+                if meta is not None:
+                    part = (arrays[aux_array(role, name)], list(meta["has"]))
+                self.aux_parts[role].setdefault(name, []).append(part)
+        for name, arr in tarrays.items():
+            self.text_parts.setdefault(name, []).append(arr)
+        self.text_rows += len(tshard)
+
+    def _match(self, s: str, lspec: dict, tspec: dict, lshard: LatentShard, tshard: TextShard,
+               arrays: dict[str, np.ndarray]) -> None:
+        """A record per planned entry of this shard's split, each checked to be in both shards under its key."""
+        lat_index = {
+            item_id: (name, r, key)
+            for name, meta in lshard.meta.items()
+            for r, (item_id, key) in enumerate(zip(meta["ids"], meta["keys"], strict=True))
+        }
+        text_index = {item_id: (r, key) for r, (item_id, key) in enumerate(zip(tshard.ids, tshard.keys, strict=True))}
+        text_by_id = {t["id"]: t for t in tspec["items"]}
+        for item in lspec["items"]:
+            name = bucket_name(item["bucket"])
+            found = lat_index.get(item["id"])
+            if found is None or found[0] != name or found[2] != item["key"]:
+                raise ValueError(
+                    f"latent shard {lshard.path} has no entry for {item['path']} (key {item['key']}, "
+                    f"bucket {name}); rerun its cache job"
+                )
+            source = item.get("item", item["id"])  # several latent entries share one caption
+            titem = text_by_id.get(source)
+            if titem is None:
+                raise ValueError(f"text spec {self.paths.text_spec(s)} lacks {item['path']}; rerun the plan step")
+            tfound = text_index.get(source)
+            if tfound is None or tfound[1] != titem["key"]:
+                raise ValueError(
+                    f"text shard {tshard.path} has no entry for {item['path']} (key {titem['key']}); "
+                    "rerun its cache job"
+                )
+            self.geometry.setdefault(name, _check_geometry(lshard, name, arrays[name].shape, item["bucket"]))
+            if self.split is not None and item.get("split", "train") != self.split:
+                continue
+            self.records.append((
+                item["id"], item["path"], name, self.lat_rows.get(name, 0) + found[1], self.text_rows + tfound[0],
+                int(item.get("repeats", 1)), _sizes(item), item["key"], titem["key"],
+            ))
+
+    def joined(self) -> tuple[dict, dict, dict]:
+        """``(latents, aux, text)``: every shard's arrays joined per bucket (text per name), as tensors."""
+        _check_channels(self.geometry, self.paths)
+        if len(self.dtypes) > 1:
+            raise ValueError(f"caches under {self.paths.root} mix dtypes {sorted(self.dtypes)}; rerun the cache step")
+        dtype = next(iter(self.dtypes))
+        latents = {name: _concat(parts, dtype) for name, parts in self.lat_parts.items()}
+        aux = {
+            role: {
+                name: joined
+                for name, parts in by_bucket.items()
+                if (joined := _join_aux(parts, AUX_FILL[role], dtype)) is not None
+            }
+            for role, by_bucket in self.aux_parts.items()
+        }
+        text = {name: _concat(parts, dtype) for name, parts in self.text_parts.items()}
+        return latents, aux, text
+
+
+def _empty_text(paths: RunPaths, text_shapes: dict[str, tuple[int, ...]] | None) -> dict[str, torch.Tensor] | None:
+    """The empty-caption embedding (caption dropout), checked against the plan's key and the text shapes;
+    None when it was not cached."""
+    if not paths.text_empty.is_file():
+        return None
+    eshard = TextShard(paths.text_empty)
+    if paths.empty_spec.is_file():
+        want = read_spec(paths.empty_spec)["items"][0]["key"]
+        if eshard.keys != [want]:
+            raise ValueError(
+                f"text shard {eshard.path} holds another empty-caption key than the plan's ({want}); "
+                "rerun `diffpipe cache empty`"
+            )
+    if text_shapes is not None and eshard.shapes != text_shapes:
+        raise ValueError(f"text shard {eshard.path} has shapes {eshard.shapes}, others {text_shapes}")
+    return {name: t.float() for name, t in eshard.tensors().items()}
