@@ -163,9 +163,10 @@ def single_file_component(cls: type, file: str, folder: str, subfolder: str,
 
 
 def tiny_clip_text_encoder(
-    tokenizer: PreTrainedTokenizerBase, seed: int, component: str
+    tokenizer: PreTrainedTokenizerBase, seed: int, component: str, cls: type = CLIPTextModel
 ) -> CLIPTextModel:
-    """The tiny CLIP text encoder; vocabulary, length and special ids match ``tokenizer``."""
+    """The tiny CLIP text encoder (``cls``: ``CLIPTextModel`` or ``CLIPTextModelWithProjection``);
+    vocabulary, length and special ids match ``tokenizer``."""
     config = CLIPTextConfig(
         **TINY_CLIP,
         vocab_size=len(tokenizer),
@@ -175,7 +176,7 @@ def tiny_clip_text_encoder(
         pad_token_id=tokenizer.pad_token_id,
     )
     with seeded(seed, component):
-        return CLIPTextModel(config).eval()
+        return cls(config).eval()
 
 
 # -- identities --------------------------------------------------------------

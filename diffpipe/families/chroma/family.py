@@ -12,7 +12,6 @@ is cached next to the embeddings (``prompt_attention_mask``).
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
 
@@ -25,20 +24,16 @@ from diffpipe.families.flux.family import TINY_T5, TINY_T5_LENGTH, FluxFamily
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Prepared
-from diffpipe.models.tokenizers import t5_tokenizer, tokenizer_fingerprint
+from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.tokenizers import t5_tokenizer
 from diffpipe.training import objectives as obj
-from diffpipe.utils import digest
 
 
-@dataclass
-class ChromaTextEncoders:
-    tokenizer: T5TokenizerFast
-    text_encoder: T5EncoderModel
-    max_sequence_length: int
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> ChromaTextEncoders:
-        self.text_encoder.to(device=device, dtype=dtype)
-        return self
+def _tiny_t5(tok: T5TokenizerFast, seed: int) -> T5EncoderModel:
+    config = T5Config(**TINY_T5, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                      decoder_start_token_id=tok.pad_token_id)
+    with common.seeded(seed, "chroma.text_encoder"):
+        return T5EncoderModel(config).eval()
 
 
 class ChromaFamily(FluxFamily):
@@ -46,25 +41,11 @@ class ChromaFamily(FluxFamily):
     denoiser_name = "transformer"
     #: Flux's targets (the blocks are Flux's), which also hit the single blocks' q/k/v.
     default_lora_targets: ClassVar[list[str]] = FluxFamily.default_lora_targets
-
-    # -- components ------------------------------------------------------------
-    def load_tokenizers(self) -> ChromaTextEncoders:
-        msl = self.max_sequence_length
-        if self.cfg.flavor == "tiny":
-            return ChromaTextEncoders(t5_tokenizer(TINY_T5_LENGTH), None, msl)
-        return ChromaTextEncoders(T5TokenizerFast.from_pretrained(self.cfg.path, subfolder="tokenizer"), None, msl)
-
-    def load_text_encoders(self) -> ChromaTextEncoders:
-        enc = self.load_tokenizers()
-        if self.cfg.flavor == "tiny":
-            tok = enc.tokenizer
-            config = T5Config(**TINY_T5, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                              eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id)
-            with common.seeded(self.cfg.seed, "chroma.text_encoder"):
-                enc.text_encoder = T5EncoderModel(config).eval()
-        else:
-            enc.text_encoder = common.pretrained_text_encoder(T5EncoderModel, self.cfg, "text_encoder")
-        return enc
+    denoiser_model = Model(ChromaTransformer2DModel, TINY_TRANSFORMER)
+    text_parts: ClassVar[dict[str, TextPart]] = {
+        "tokenizer": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(TINY_T5_LENGTH)),
+        "text_encoder": TextEncoder(T5EncoderModel, T5Config, _tiny_t5),
+    }
 
     @property
     def max_sequence_length(self) -> int:  # type: ignore[override]
@@ -73,39 +54,12 @@ class ChromaFamily(FluxFamily):
         config = json.loads((Path(self.cfg.path) / "tokenizer" / "tokenizer_config.json").read_text())
         return min(int(config.get("model_max_length", 512)), 512)
 
-    def load_denoiser(self) -> ChromaTransformer2DModel:
-        return common.component(ChromaTransformer2DModel, self.cfg, "chroma", "transformer", TINY_TRANSFORMER)
-
-    def load_pipeline(self) -> ChromaPipeline:
-        enc = self.load_text_encoders()
-        return ChromaPipeline(scheduler=self.inference_scheduler(), vae=self.load_vae(),
-                              text_encoder=enc.text_encoder, tokenizer=enc.tokenizer,
-                              transformer=self.load_denoiser())
-
     @property
     def pipeline_class(self) -> type:
         return ChromaPipeline
 
-    # -- identities ------------------------------------------------------------
-    def encoders_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity((self.name, self.cfg.seed, "text"),
-                                        lambda: self._text_identity(self.load_text_encoders()))
-        return digest({
-            "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
-            "text_encoder": common.transformers_folder_identity(T5EncoderModel, T5Config, self.cfg.path,
-                                                                "text_encoder", variant=self.cfg.weight_variant),
-            "max_sequence_length": self.max_sequence_length,
-        })
-
-    @staticmethod
-    def _text_identity(enc: ChromaTextEncoders) -> str:
-        return digest({"tokenizer": tokenizer_fingerprint(enc.tokenizer),
-                       "text_encoder": common.module_identity(enc.text_encoder),
-                       "max_sequence_length": enc.max_sequence_length})
-
     # -- encoding --------------------------------------------------------------
-    def encode_text(self, encoders: ChromaTextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         # Exactly ChromaPipeline._get_t5_prompt_embeds.
         tok = encoders.tokenizer(captions, padding="max_length", max_length=encoders.max_sequence_length,
                                  truncation=True, return_tensors="pt")
@@ -119,10 +73,10 @@ class ChromaFamily(FluxFamily):
         keep = (positions <= mask.sum(dim=1, keepdim=True)).float()
         return {"prompt_embeds": embeds.float(), "prompt_attention_mask": keep}
 
-    def token_limits(self, encoders: ChromaTextEncoders) -> dict[str, int]:
+    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
         return {"t5": encoders.max_sequence_length}
 
-    def count_tokens(self, encoders: ChromaTextEncoders, captions: list[str]) -> dict[str, list[int]]:
+    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
         return {"t5": [len(x) for x in encoders.tokenizer(list(captions)).input_ids]}
 
     # -- training ----------------------------------------------------------------

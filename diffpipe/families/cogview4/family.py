@@ -27,7 +27,6 @@ item sees exactly the embedding the pipeline gives its prompt.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -41,10 +40,9 @@ from diffpipe.families.cogview4.flavors import TINY_GLM, TINY_LENGTH, TINY_SCHED
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, Prepared
+from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.llm_tokenizers import llm_tokenizer
-from diffpipe.models.tokenizers import tokenizer_fingerprint
 from diffpipe.training import objectives as obj
-from diffpipe.utils import digest
 
 PAD_MULTIPLE = 16  # the pipeline pads every prompt on the left to a multiple of this
 MAX_LENGTH = 512  # tokens kept per prompt (the pipeline allows up to 1024; the cache row is this wide)
@@ -55,17 +53,6 @@ def padded_length(n: int) -> int:
     return -(-n // PAD_MULTIPLE) * PAD_MULTIPLE
 
 
-@dataclass
-class GlmText:
-    tokenizer: PreTrainedTokenizerBase
-    text_encoder: GlmModel
-    max_sequence_length: int
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> GlmText:
-        self.text_encoder.to(device=device, dtype=dtype)
-        return self
-
-
 def tiny_glm_tokenizer(max_length: int) -> PreTrainedTokenizerBase:
     """GLM-4-like: ``[gMASK]`` before every prompt, ``<|endoftext|>`` pads, padding on the left."""
     return llm_tokenizer(
@@ -73,9 +60,21 @@ def tiny_glm_tokenizer(max_length: int) -> PreTrainedTokenizerBase:
     )
 
 
+def _tiny_glm(tok: PreTrainedTokenizerBase, seed: int) -> GlmModel:
+    config = GlmConfig(**TINY_GLM, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    with common.seeded(seed, "cogview4.text_encoder"):
+        return GlmModel(config).eval()
+
+
 class CogView4Family(Family):
     name = "cogview4"
-    vae_class = AutoencoderKL
+    vae_model = Model(AutoencoderKL, TINY_VAE)
+    denoiser_model = Model(CogView4Transformer2DModel, TINY_TRANSFORMER)
+    text_parts: ClassVar[dict[str, TextPart]] = {
+        "tokenizer": Tokenizer(AutoTokenizer, lambda: tiny_glm_tokenizer(TINY_LENGTH)),
+        "text_encoder": TextEncoder(GlmModel, GlmConfig, _tiny_glm),
+    }
     denoiser_name = "transformer"
     #: The attention projections of every block (one joint attention over text
     #: and image tokens) and the feed-forward both streams share.
@@ -126,7 +125,14 @@ class CogView4Family(Family):
 
     @cached_property
     def max_sequence_length(self) -> int:
-        return self.load_tokenizers().max_sequence_length
+        """Tokens kept per prompt: 512, or the tokenizer's limit when lower."""
+        if self.cfg.flavor == "tiny":
+            return TINY_LENGTH
+        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
+        return min(int(tok.model_max_length), MAX_LENGTH)
+
+    def text_settings(self) -> dict[str, Any]:
+        return {"max_sequence_length": self.max_sequence_length}
 
     def timestep_shift(self, image_seq_len: int) -> float:
         """The pipeline scheduler's shift ``s`` at this many image tokens (``sigma' = s t / (1 + (s-1) t)``).
@@ -141,76 +147,12 @@ class CogView4Family(Family):
         )
         return mu if c.get("time_shift_type", "exponential") == "linear" else math.exp(mu)
 
-    # -- components ------------------------------------------------------------
-    def load_vae(self) -> AutoencoderKL:
-        return common.component(AutoencoderKL, self.cfg, self.name, "vae", TINY_VAE)
-
-    def load_tokenizers(self) -> GlmText:
-        if self.cfg.flavor == "tiny":
-            return GlmText(tiny_glm_tokenizer(TINY_LENGTH), None, TINY_LENGTH)
-        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
-        return GlmText(tok, None, min(int(tok.model_max_length), MAX_LENGTH))
-
-    def load_text_encoders(self) -> GlmText:
-        enc = self.load_tokenizers()
-        if self.cfg.flavor == "tiny":
-            tok = enc.tokenizer
-            config = GlmConfig(
-                **TINY_GLM,
-                vocab_size=len(tok),
-                pad_token_id=tok.pad_token_id,
-                bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id,
-            )
-            with common.seeded(self.cfg.seed, f"{self.name}.text_encoder"):
-                enc.text_encoder = GlmModel(config).eval()
-        else:
-            enc.text_encoder = common.pretrained_text_encoder(GlmModel, self.cfg, "text_encoder")
-        return enc
-
-    def load_denoiser(self) -> CogView4Transformer2DModel:
-        return common.component(CogView4Transformer2DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
-
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
-
-    def load_pipeline(self) -> CogView4Pipeline:
-        enc = self.load_text_encoders()
-        return CogView4Pipeline(
-            tokenizer=enc.tokenizer,
-            text_encoder=enc.text_encoder,
-            vae=self.load_vae(),
-            transformer=self.load_denoiser(),
-            scheduler=self.inference_scheduler(),
-        )
 
     @property
     def pipeline_class(self) -> type:
         return CogView4Pipeline  # its LoRA loader: CogView4LoraLoaderMixin
-
-    # -- identities ------------------------------------------------------------
-    def encoders_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity(
-                (self.name, self.cfg.seed, "text"), lambda: self._text_identity(self.load_text_encoders())
-            )
-        return digest(
-            {
-                "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
-                "text_encoder": common.transformers_folder_identity(GlmModel, GlmConfig, self.cfg.path, "text_encoder", variant=self.cfg.weight_variant),
-                "max_sequence_length": self.max_sequence_length,
-            }
-        )
-
-    @staticmethod
-    def _text_identity(enc: GlmText) -> str:
-        return digest(
-            {
-                "tokenizer": tokenizer_fingerprint(enc.tokenizer),
-                "text_encoder": common.module_identity(enc.text_encoder),
-                "max_sequence_length": enc.max_sequence_length,
-            }
-        )
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -222,7 +164,7 @@ class CogView4Family(Family):
         # Inverse of the pipeline's decode ``latents / scaling_factor`` (it applies no shift_factor).
         return common.batch_to_frames(latents.float() * vae.config.scaling_factor, frames)
 
-    def encode_text(self, encoders: GlmText, captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         """Each caption as ``CogView4Pipeline._get_glm_embeds`` encodes it alone, right-aligned in a fixed row.
 
         Captions of the same padded length are encoded together: left-padded with
@@ -251,10 +193,10 @@ class CogView4Family(Family):
             keep[idx, width - length :] = 1
         return {"prompt_embeds": embeds, "prompt_embeds_mask": keep}
 
-    def token_limits(self, encoders: GlmText) -> dict[str, int]:
+    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
         return {"glm": encoders.max_sequence_length}
 
-    def count_tokens(self, encoders: GlmText, captions: list[str]) -> dict[str, list[int]]:
+    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
         return {"glm": [len(x) for x in encoders.tokenizer(list(captions)).input_ids]}
 
     # -- training ----------------------------------------------------------------

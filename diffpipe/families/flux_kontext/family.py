@@ -44,18 +44,6 @@ class FluxKontextFamily(FluxFamily):
     name = "flux-kontext"
     uses_control = True
 
-    def load_pipeline(self) -> FluxKontextPipeline:
-        enc = self.load_text_encoders()
-        return FluxKontextPipeline(
-            scheduler=self.inference_scheduler(),
-            vae=self.load_vae(),
-            text_encoder=enc.text_encoder,
-            tokenizer=enc.tokenizer,
-            text_encoder_2=enc.text_encoder_2,
-            tokenizer_2=enc.tokenizer_2,
-            transformer=self.load_denoiser(),
-        )
-
     @property
     def pipeline_class(self) -> type:
         return FluxKontextPipeline

@@ -15,7 +15,6 @@ shows.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -52,14 +51,12 @@ from diffpipe.families.sd3.family import _tiny_clip
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, Prepared
+from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.llm_tokenizers import llm_tokenizer
-from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer, tokenizer_fingerprint
+from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer
 from diffpipe.training import objectives as obj
-from diffpipe.utils import digest
 
 MAX_LENGTH = 128  # the pipeline's default max_sequence_length
-_TEXT_PARTS = ("tokenizer", "text_encoder", "tokenizer_2", "text_encoder_2", "tokenizer_3", "text_encoder_3",
-               "tokenizer_4", "text_encoder_4")
 
 
 def unpatchify(patches: torch.Tensor, shape: torch.Size, p: int) -> torch.Tensor:
@@ -73,30 +70,36 @@ def unpatchify(patches: torch.Tensor, shape: torch.Size, p: int) -> torch.Tensor
     return x.permute(0, 1, 2, 4, 3, 5).reshape(b, c, h, w)
 
 
-@dataclass
-class HiDreamText:
-    tokenizer: CLIPTokenizer
-    text_encoder: CLIPTextModelWithProjection
-    tokenizer_2: CLIPTokenizer
-    text_encoder_2: CLIPTextModelWithProjection
-    tokenizer_3: T5TokenizerFast
-    text_encoder_3: T5EncoderModel
-    tokenizer_4: PreTrainedTokenizerBase
-    text_encoder_4: LlamaForCausalLM
-    max_sequence_length: int
+def _tiny_t5(tok: T5TokenizerFast, seed: int) -> T5EncoderModel:
+    config = T5Config(**TINY_T5, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                      decoder_start_token_id=tok.pad_token_id)
+    with common.seeded(seed, "hidream.text_encoder_3"):
+        return T5EncoderModel(config).eval()
 
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> HiDreamText:
-        for enc in (self.text_encoder, self.text_encoder_2, self.text_encoder_3, self.text_encoder_4):
-            enc.to(device=device, dtype=dtype)
-        return self
 
-    def parts(self) -> dict[str, Any]:
-        return {name: getattr(self, name) for name in _TEXT_PARTS}
+def _tiny_llama(tok: PreTrainedTokenizerBase, seed: int) -> LlamaForCausalLM:
+    config = LlamaConfig(**TINY_LLAMA, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    with common.seeded(seed, "hidream.text_encoder_4"):
+        return LlamaForCausalLM(config).eval()
 
 
 class HiDreamFamily(Family):
     name = "hidream"
-    vae_class = AutoencoderKL
+    vae_model = Model(AutoencoderKL, TINY_VAE)
+    denoiser_model = Model(HiDreamImageTransformer2DModel, TINY_TRANSFORMER)
+    text_parts: ClassVar[dict[str, TextPart]] = {
+        "tokenizer": Tokenizer(CLIPTokenizer, clip_tokenizer),
+        "text_encoder": TextEncoder(CLIPTextModelWithProjection, CLIPTextConfig, _tiny_clip("hidream.text_encoder")),
+        "tokenizer_2": Tokenizer(CLIPTokenizer, clip_tokenizer),
+        "text_encoder_2": TextEncoder(CLIPTextModelWithProjection, CLIPTextConfig,
+                                      _tiny_clip("hidream.text_encoder_2")),
+        "tokenizer_3": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(TINY_LENGTH)),
+        "text_encoder_3": TextEncoder(T5EncoderModel, T5Config, _tiny_t5),
+        "tokenizer_4": Tokenizer(AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH, bos="<|begin_of_text|>",
+                                                                      eos="<|eot_id|>")),
+        "text_encoder_4": TextEncoder(LlamaForCausalLM, LlamaConfig, _tiny_llama),
+    }
     denoiser_name = "transformer"
     #: Attention of both streams and the shared expert of every MoE feed-forward
     #: (the routed experts are left alone, as in diffusers' HiDream LoRA example).
@@ -126,50 +129,14 @@ class HiDreamFamily(Family):
         t5 = T5TokenizerFast.from_pretrained(self.cfg.path, subfolder="tokenizer_3")
         return min(int(t5.model_max_length), MAX_LENGTH)
 
-    # -- components ------------------------------------------------------------
-    def load_vae(self) -> AutoencoderKL:
-        return common.component(AutoencoderKL, self.cfg, self.name, "vae", TINY_VAE)
-
-    def load_tokenizers(self) -> HiDreamText:
-        msl = self.max_sequence_length
-        if self.cfg.flavor == "tiny":
-            return HiDreamText(clip_tokenizer(), None, clip_tokenizer(), None, t5_tokenizer(msl), None,
-                               llm_tokenizer(msl, bos="<|begin_of_text|>", eos="<|eot_id|>"), None, msl)
-        p = self.cfg.path
-        return HiDreamText(CLIPTokenizer.from_pretrained(p, subfolder="tokenizer"), None,
-                           CLIPTokenizer.from_pretrained(p, subfolder="tokenizer_2"), None,
-                           T5TokenizerFast.from_pretrained(p, subfolder="tokenizer_3"), None,
-                           AutoTokenizer.from_pretrained(p, subfolder="tokenizer_4"), None, msl)
-
-    def load_text_encoders(self) -> HiDreamText:
-        e, seed = self.load_tokenizers(), self.cfg.seed
-        if self.cfg.flavor == "tiny":
-            e.text_encoder = _tiny_clip(e.tokenizer, seed, "hidream.text_encoder")
-            e.text_encoder_2 = _tiny_clip(e.tokenizer_2, seed, "hidream.text_encoder_2")
-            t5 = T5Config(**TINY_T5, vocab_size=len(e.tokenizer_3), pad_token_id=e.tokenizer_3.pad_token_id,
-                          eos_token_id=e.tokenizer_3.eos_token_id, decoder_start_token_id=e.tokenizer_3.pad_token_id)
-            llama = LlamaConfig(**TINY_LLAMA, vocab_size=len(e.tokenizer_4), pad_token_id=e.tokenizer_4.pad_token_id,
-                                bos_token_id=e.tokenizer_4.bos_token_id, eos_token_id=e.tokenizer_4.eos_token_id)
-            with common.seeded(seed, "hidream.text_encoder_3"):
-                e.text_encoder_3 = T5EncoderModel(t5).eval()
-            with common.seeded(seed, "hidream.text_encoder_4"):
-                e.text_encoder_4 = LlamaForCausalLM(llama).eval()
-            return e
-        e.text_encoder = common.pretrained_text_encoder(CLIPTextModelWithProjection, self.cfg, "text_encoder")
-        e.text_encoder_2 = common.pretrained_text_encoder(CLIPTextModelWithProjection, self.cfg, "text_encoder_2")
-        e.text_encoder_3 = common.pretrained_text_encoder(T5EncoderModel, self.cfg, "text_encoder_3")
-        e.text_encoder_4 = common.pretrained_text_encoder(LlamaForCausalLM, self.cfg, "text_encoder_4")
-        return e
-
-    def load_denoiser(self) -> HiDreamImageTransformer2DModel:
-        return common.component(HiDreamImageTransformer2DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
+    def text_settings(self) -> dict[str, Any]:
+        return {"max_sequence_length": self.max_sequence_length}
 
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
 
     def load_pipeline(self) -> HiDreamImagePipeline:
-        pipe = HiDreamImagePipeline(scheduler=self.inference_scheduler(), vae=self.load_vae(),
-                                    transformer=self.load_denoiser(), **self.load_text_encoders().parts())
+        pipe = super().load_pipeline()
         if self.cfg.flavor == "tiny":
             # The pipeline renders every size rescaled to the area of a default_sample_size square
             # (1024 px for the real model); the tiny model's is 64 px, within its max_resolution.
@@ -179,32 +146,6 @@ class HiDreamFamily(Family):
     @property
     def pipeline_class(self) -> type:
         return HiDreamImagePipeline
-
-    # -- identities ------------------------------------------------------------
-    def encoders_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity((self.name, self.cfg.seed, "text"),
-                                        lambda: self._text_identity(self.load_text_encoders()))
-        p, tok = self.cfg.path, self.load_tokenizers()
-        return digest({
-            **{f"tokenizer{s}": tokenizer_fingerprint(getattr(tok, f"tokenizer{s}")) for s in ("", "_2", "_3", "_4")},
-            "text_encoder": common.transformers_folder_identity(
-                CLIPTextModelWithProjection, CLIPTextConfig, p, "text_encoder", variant=self.cfg.weight_variant),
-            "text_encoder_2": common.transformers_folder_identity(
-                CLIPTextModelWithProjection, CLIPTextConfig, p, "text_encoder_2", variant=self.cfg.weight_variant),
-            "text_encoder_3": common.transformers_folder_identity(T5EncoderModel, T5Config, p, "text_encoder_3", variant=self.cfg.weight_variant),
-            "text_encoder_4": common.transformers_folder_identity(LlamaForCausalLM, LlamaConfig, p, "text_encoder_4", variant=self.cfg.weight_variant),
-            "max_sequence_length": self.max_sequence_length,
-        })
-
-    @staticmethod
-    def _text_identity(e: HiDreamText) -> str:
-        return digest({
-            **{f"tokenizer{s}": tokenizer_fingerprint(getattr(e, f"tokenizer{s}")) for s in ("", "_2", "_3", "_4")},
-            **{f"text_encoder{s}": common.module_identity(getattr(e, f"text_encoder{s}"))
-               for s in ("", "_2", "_3", "_4")},
-            "max_sequence_length": e.max_sequence_length,
-        })
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -216,9 +157,9 @@ class HiDreamFamily(Family):
         latents = (latents.float() - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
         return common.batch_to_frames(latents, frames)
 
-    def encode_text(self, encoders: HiDreamText, captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         # The pipeline's own encode_prompt, on a pipeline of the text components alone.
-        pipe = HiDreamImagePipeline(scheduler=None, vae=None, transformer=None, **encoders.parts())
+        pipe = HiDreamImagePipeline(scheduler=None, vae=None, transformer=None, **encoders.parts)
         with torch.no_grad():
             t5, _, llama, _, pooled, _ = pipe.encode_prompt(
                 prompt=list(captions), do_classifier_free_guidance=False,
@@ -226,12 +167,12 @@ class HiDreamFamily(Family):
         return {"prompt_embeds_t5": t5.float(), "prompt_embeds_llama3": llama.transpose(0, 1).float(),
                 "pooled_prompt_embeds": pooled.float()}
 
-    def token_limits(self, encoders: HiDreamText) -> dict[str, int]:
+    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
         msl = encoders.max_sequence_length
         return {"clip_l": min(msl, 218), "clip_g": min(msl, 218), "t5": min(msl, encoders.tokenizer_3.model_max_length),
                 "llama": min(msl, encoders.tokenizer_4.model_max_length)}
 
-    def count_tokens(self, encoders: HiDreamText, captions: list[str]) -> dict[str, list[int]]:
+    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
         c = list(captions)
         return {name: [len(x) for x in getattr(encoders, f"tokenizer{s}")(c).input_ids]
                 for name, s in (("clip_l", ""), ("clip_g", "_2"), ("t5", "_3"), ("llama", "_4"))}

@@ -12,7 +12,6 @@ image) and the model predicts ``x0 - noise``; the loss uses that convention.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -30,10 +29,9 @@ from diffpipe.families.lumina2.flavors import TINY_GEMMA, TINY_LENGTH, TINY_SCHE
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, Prepared
+from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.llm_tokenizers import llm_tokenizer
-from diffpipe.models.tokenizers import tokenizer_fingerprint
 from diffpipe.training import objectives as obj
-from diffpipe.utils import digest
 
 #: The system prompt ``Lumina2Pipeline`` puts before every prompt.
 SYSTEM_PROMPT = (
@@ -43,20 +41,21 @@ SYSTEM_PROMPT = (
 MAX_LENGTH = 256  # the pipeline's default max_sequence_length
 
 
-@dataclass
-class GemmaText:
-    tokenizer: PreTrainedTokenizerBase
-    text_encoder: Gemma2Model
-    max_sequence_length: int
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> GemmaText:
-        self.text_encoder.to(device=device, dtype=dtype)
-        return self
+def _tiny_gemma(tok: PreTrainedTokenizerBase, seed: int) -> Gemma2Model:
+    config = Gemma2Config(**TINY_GEMMA, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    with common.seeded(seed, "lumina2.text_encoder"):
+        return Gemma2Model(config).eval()
 
 
 class Lumina2Family(Family):
     name = "lumina2"
-    vae_class = AutoencoderKL
+    vae_model = Model(AutoencoderKL, TINY_VAE8)
+    denoiser_model = Model(Lumina2Transformer2DModel, TINY_TRANSFORMER)
+    text_parts: ClassVar[dict[str, TextPart]] = {
+        "tokenizer": Tokenizer(AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH)),
+        "text_encoder": TextEncoder(Gemma2Model, Gemma2Config, _tiny_gemma),
+    }
     denoiser_name = "transformer"
     #: diffusers' Lumina2 LoRA example: the attention projections and the
     #: SwiGLU feed-forward of every block (refiners included).
@@ -87,60 +86,15 @@ class Lumina2Family(Family):
         return min(int(AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer").model_max_length),
                    MAX_LENGTH)
 
-    # -- components ------------------------------------------------------------
-    def load_vae(self) -> AutoencoderKL:
-        return common.component(AutoencoderKL, self.cfg, self.name, "vae", TINY_VAE8)
-
-    def load_tokenizers(self) -> GemmaText:
-        if self.cfg.flavor == "tiny":
-            return GemmaText(llm_tokenizer(TINY_LENGTH), None, TINY_LENGTH)
-        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
-        return GemmaText(tok, None, min(int(tok.model_max_length), MAX_LENGTH))
-
-    def load_text_encoders(self) -> GemmaText:
-        enc = self.load_tokenizers()
-        if self.cfg.flavor == "tiny":
-            tok = enc.tokenizer
-            config = Gemma2Config(**TINY_GEMMA, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                                  bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-            with common.seeded(self.cfg.seed, f"{self.name}.text_encoder"):
-                enc.text_encoder = Gemma2Model(config).eval()
-        else:
-            enc.text_encoder = common.pretrained_text_encoder(Gemma2Model, self.cfg, "text_encoder")
-        return enc
-
-    def load_denoiser(self) -> Lumina2Transformer2DModel:
-        return common.component(Lumina2Transformer2DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
+    def text_settings(self) -> dict[str, Any]:
+        return {"max_sequence_length": self.max_sequence_length, "system_prompt": SYSTEM_PROMPT}
 
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
 
-    def load_pipeline(self) -> Lumina2Pipeline:
-        enc = self.load_text_encoders()
-        return Lumina2Pipeline(transformer=self.load_denoiser(), scheduler=self.inference_scheduler(),
-                               vae=self.load_vae(), text_encoder=enc.text_encoder, tokenizer=enc.tokenizer)
-
     @property
     def pipeline_class(self) -> type:
         return Lumina2Pipeline
-
-    # -- identities ------------------------------------------------------------
-    def encoders_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity((self.name, self.cfg.seed, "text"),
-                                        lambda: self._text_identity(self.load_text_encoders()))
-        return digest({
-            "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
-            "text_encoder": common.transformers_folder_identity(Gemma2Model, Gemma2Config, self.cfg.path,
-                                                                "text_encoder", variant=self.cfg.weight_variant),
-            "max_sequence_length": self.max_sequence_length, "system_prompt": SYSTEM_PROMPT,
-        })
-
-    @staticmethod
-    def _text_identity(enc: GemmaText) -> str:
-        return digest({"tokenizer": tokenizer_fingerprint(enc.tokenizer),
-                       "text_encoder": common.module_identity(enc.text_encoder),
-                       "max_sequence_length": enc.max_sequence_length, "system_prompt": SYSTEM_PROMPT})
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -156,7 +110,7 @@ class Lumina2Family(Family):
     def _prompts(captions: list[str]) -> list[str]:
         return [SYSTEM_PROMPT + " <Prompt Start> " + c for c in captions]
 
-    def encode_text(self, encoders: GemmaText, captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         # Exactly Lumina2Pipeline.encode_prompt / _get_gemma_prompt_embeds.
         tok = encoders.tokenizer(self._prompts(captions), padding="max_length",
                                  max_length=encoders.max_sequence_length, truncation=True, return_tensors="pt")
@@ -166,10 +120,10 @@ class Lumina2Family(Family):
             out = encoders.text_encoder(tok.input_ids.to(device), attention_mask=mask, output_hidden_states=True)
         return {"prompt_embeds": out.hidden_states[-2].float(), "prompt_attention_mask": mask.float()}
 
-    def token_limits(self, encoders: GemmaText) -> dict[str, int]:
+    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
         return {"gemma": encoders.max_sequence_length}
 
-    def count_tokens(self, encoders: GemmaText, captions: list[str]) -> dict[str, list[int]]:
+    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
         return {"gemma": [len(x) for x in encoders.tokenizer(self._prompts(list(captions))).input_ids]}
 
     # -- training ----------------------------------------------------------------

@@ -15,7 +15,6 @@ the result equals the pipeline's per-batch padding.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -46,10 +45,9 @@ from diffpipe.families.qwenimage.flavors import (
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, Prepared
+from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.llm_tokenizers import llm_tokenizer
-from diffpipe.models.tokenizers import tokenizer_fingerprint
 from diffpipe.training import objectives as obj
-from diffpipe.utils import digest
 
 # The pipeline's prompt template and how many leading tokens it drops.
 TEMPLATE = (
@@ -59,17 +57,6 @@ TEMPLATE = (
 )
 DROP = 34
 MAX_LENGTH = 512  # tokens kept per prompt (the pipeline allows up to 1024)
-
-
-@dataclass
-class QwenText:
-    tokenizer: PreTrainedTokenizerBase
-    text_encoder: Qwen2_5_VLForConditionalGeneration
-    max_sequence_length: int
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> QwenText:
-        self.text_encoder.to(device=device, dtype=dtype)
-        return self
 
 
 def tiny_qwen_tokenizer(max_length: int) -> PreTrainedTokenizerBase:
@@ -88,7 +75,13 @@ def tiny_qwen_vl(tok: PreTrainedTokenizerBase, seed: int, component: str,
 
 class QwenImageFamily(Family):
     name = "qwenimage"
-    vae_class = AutoencoderKLQwenImage
+    vae_model = Model(AutoencoderKLQwenImage, TINY_VAE)
+    denoiser_model = Model(QwenImageTransformer2DModel, TINY_TRANSFORMER)
+    text_parts: ClassVar[dict[str, TextPart]] = {
+        "tokenizer": Tokenizer(AutoTokenizer, lambda: tiny_qwen_tokenizer(TINY_LENGTH + DROP)),
+        "text_encoder": TextEncoder(Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig,
+                                    lambda tok, seed: tiny_qwen_vl(tok, seed, "qwenimage.text_encoder")),
+    }
     denoiser_name = "transformer"
     #: diffusers' Qwen-Image LoRA examples: attention of both streams and
     #: the image-stream MLP of every block.
@@ -118,7 +111,14 @@ class QwenImageFamily(Family):
 
     @cached_property
     def max_sequence_length(self) -> int:
-        return self.load_tokenizers().max_sequence_length
+        """Prompt tokens after the template's dropped head: 512, or less if the tokenizer says so."""
+        if self.cfg.flavor == "tiny":
+            return TINY_LENGTH
+        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
+        return min(int(tok.model_max_length) - DROP, MAX_LENGTH)
+
+    def text_settings(self) -> dict[str, Any]:
+        return {"max_sequence_length": self.max_sequence_length, "template": TEMPLATE}
 
     def timestep_shift(self, image_seq_len: int) -> float:
         """The pipeline scheduler's shift at this many packed image tokens (``exp(mu)``)."""
@@ -129,58 +129,12 @@ class QwenImageFamily(Family):
                              c.get("base_shift", 0.5), c.get("max_shift", 1.15))
         return math.exp(mu) if c.get("time_shift_type", "exponential") == "exponential" else mu
 
-    # -- components ------------------------------------------------------------
-    def load_vae(self) -> AutoencoderKLQwenImage:
-        return common.component(AutoencoderKLQwenImage, self.cfg, self.name, "vae", TINY_VAE)
-
-    def load_tokenizers(self) -> QwenText:
-        if self.cfg.flavor == "tiny":
-            return QwenText(tiny_qwen_tokenizer(TINY_LENGTH + DROP), None, TINY_LENGTH)
-        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
-        # Prompt tokens after the template's dropped head: 512, or less if the tokenizer says so.
-        return QwenText(tok, None, min(int(tok.model_max_length) - DROP, MAX_LENGTH))
-
-    def load_text_encoders(self) -> QwenText:
-        enc = self.load_tokenizers()
-        if self.cfg.flavor == "tiny":
-            enc.text_encoder = tiny_qwen_vl(enc.tokenizer, self.cfg.seed, f"{self.name}.text_encoder")
-        else:
-            enc.text_encoder = common.pretrained_text_encoder(Qwen2_5_VLForConditionalGeneration, self.cfg, "text_encoder")
-        return enc
-
-    def load_denoiser(self) -> QwenImageTransformer2DModel:
-        return common.component(QwenImageTransformer2DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
-
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
-
-    def load_pipeline(self) -> QwenImagePipeline:
-        enc = self.load_text_encoders()
-        return QwenImagePipeline(scheduler=self.inference_scheduler(), vae=self.load_vae(),
-                                 text_encoder=enc.text_encoder, tokenizer=enc.tokenizer,
-                                 transformer=self.load_denoiser())
 
     @property
     def pipeline_class(self) -> type:
         return QwenImagePipeline
-
-    # -- identities ------------------------------------------------------------
-    def encoders_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity((self.name, self.cfg.seed, "text"),
-                                        lambda: self._text_identity(self.load_text_encoders()))
-        return digest({
-            "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
-            "text_encoder": common.transformers_folder_identity(
-                Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig, self.cfg.path, "text_encoder", variant=self.cfg.weight_variant),
-            "max_sequence_length": self.max_sequence_length, "template": TEMPLATE,
-        })
-
-    @staticmethod
-    def _text_identity(enc: QwenText) -> str:
-        return digest({"tokenizer": tokenizer_fingerprint(enc.tokenizer),
-                       "text_encoder": common.module_identity(enc.text_encoder),
-                       "max_sequence_length": enc.max_sequence_length, "template": TEMPLATE})
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -196,7 +150,7 @@ class QwenImageFamily(Family):
         # Inverse of the pipeline's decode: ``latents * std + mean``.
         return common.batch_to_frames((latents - mean) / std, f)
 
-    def encode_text(self, encoders: QwenText, captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         # QwenImagePipeline._get_qwen_prompt_embeds, then padded to a fixed length.
         tok = encoders.tokenizer([TEMPLATE.format(c) for c in captions], max_length=encoders.max_sequence_length
                                  + DROP, padding=True, truncation=True, return_tensors="pt")
@@ -214,10 +168,10 @@ class QwenImageFamily(Family):
             keep[i, : len(kept)] = 1
         return {"prompt_embeds": embeds, "prompt_embeds_mask": keep}
 
-    def token_limits(self, encoders: QwenText) -> dict[str, int]:
+    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
         return {"qwen": encoders.max_sequence_length}
 
-    def count_tokens(self, encoders: QwenText, captions: list[str]) -> dict[str, list[int]]:
+    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
         ids = encoders.tokenizer([TEMPLATE.format(c) for c in captions]).input_ids
         return {"qwen": [len(x) - DROP for x in ids]}
 

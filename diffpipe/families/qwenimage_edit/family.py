@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -149,6 +150,12 @@ class QwenImageEditFamily(QwenImageFamily):
     default_lora_targets: ClassVar[list[str]] = list(QwenImageFamily.default_lora_targets)
 
     # -- components ------------------------------------------------------------
+    # The text side is its own, not declared parts: a processor (with its image processor) beside the
+    # tokenizer, and a padded length that depends on the processor, both in the cache key.
+    @cached_property
+    def max_sequence_length(self) -> int:
+        return self.load_tokenizers().max_sequence_length
+
     def load_tokenizers(self) -> EditText:
         if self.cfg.flavor == "tiny":
             tok = tiny_edit_tokenizer()

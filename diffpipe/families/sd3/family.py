@@ -16,7 +16,6 @@ and loss weightings (Esser et al. 2024, section 3.1) through
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
@@ -42,36 +41,17 @@ from diffpipe.families.sd3.flavors import TINY_SCHEDULER, TINY_T5, TINY_T5_LENGT
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer, tokenizer_fingerprint
+from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer
 from diffpipe.training import objectives as obj
-from diffpipe.utils import digest
 
 #: StableDiffusion3Pipeline's default T5 length.
 T5_LENGTH = 256
 
 
-@dataclass
-class SD3TextEncoders:
-    tokenizer: CLIPTokenizer
-    text_encoder: CLIPTextModelWithProjection
-    tokenizer_2: CLIPTokenizer
-    text_encoder_2: CLIPTextModelWithProjection
-    tokenizer_3: T5TokenizerFast
-    text_encoder_3: T5EncoderModel
-    max_sequence_length: int
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> SD3TextEncoders:
-        for enc in (self.text_encoder, self.text_encoder_2, self.text_encoder_3):
-            enc.to(device=device, dtype=dtype)
-        return self
-
-
-def _tiny_clip(tok: CLIPTokenizer, seed: int, component: str) -> CLIPTextModelWithProjection:
-    config = CLIPTextConfig(**common.TINY_CLIP, vocab_size=len(tok), max_position_embeddings=tok.model_max_length,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id)
-    with common.seeded(seed, component):
-        return CLIPTextModelWithProjection(config).eval()
+def _tiny_clip(component: str):
+    """The tiny CLIP-with-projection encoder of ``component``, as a ``TextEncoder.tiny`` builder."""
+    return lambda tok, seed: common.tiny_clip_text_encoder(tok, seed, component, cls=CLIPTextModelWithProjection)
 
 
 def _tiny_t5(tok: T5TokenizerFast, seed: int, component: str, **overrides) -> T5EncoderModel:
@@ -83,7 +63,17 @@ def _tiny_t5(tok: T5TokenizerFast, seed: int, component: str, **overrides) -> T5
 
 class SD3Family(Family):
     name = "sd3"
-    vae_class = AutoencoderKL
+    vae_model = Model(AutoencoderKL, TINY_VAE)
+    denoiser_model = Model(SD3Transformer2DModel, TINY_TRANSFORMER)
+    text_parts: ClassVar[dict[str, TextPart]] = {
+        "tokenizer": Tokenizer(CLIPTokenizer, clip_tokenizer),
+        "text_encoder": TextEncoder(CLIPTextModelWithProjection, CLIPTextConfig, _tiny_clip("sd3.text_encoder")),
+        "tokenizer_2": Tokenizer(CLIPTokenizer, clip_tokenizer),
+        "text_encoder_2": TextEncoder(CLIPTextModelWithProjection, CLIPTextConfig, _tiny_clip("sd3.text_encoder_2")),
+        "tokenizer_3": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(TINY_T5_LENGTH)),
+        "text_encoder_3": TextEncoder(T5EncoderModel, T5Config,
+                                      lambda tok, seed: _tiny_t5(tok, seed, "sd3.text_encoder_3")),
+    }
     denoiser_name = "transformer"
     #: diffusers' SD3 DreamBooth LoRA example: attention of both streams
     #: (image ``to_*``, text ``add_*_proj`` / ``to_add_out``) and both
@@ -128,79 +118,15 @@ class SD3Family(Family):
         vae = 2 ** (len(self._vae_config["block_out_channels"]) - 1)
         return vae * self._transformer_config.get("patch_size", 2)
 
-    # -- components ------------------------------------------------------------
-    def load_vae(self) -> AutoencoderKL:
-        return common.component(AutoencoderKL, self.cfg, self.name, "vae", TINY_VAE)
-
-    def load_tokenizers(self) -> SD3TextEncoders:
-        msl = self.max_sequence_length
-        if self.cfg.flavor == "tiny":
-            return SD3TextEncoders(clip_tokenizer(), None, clip_tokenizer(), None, t5_tokenizer(msl), None, msl)
-        p = self.cfg.path
-        return SD3TextEncoders(CLIPTokenizer.from_pretrained(p, subfolder="tokenizer"), None,
-                               CLIPTokenizer.from_pretrained(p, subfolder="tokenizer_2"), None,
-                               T5TokenizerFast.from_pretrained(p, subfolder="tokenizer_3"), None, msl)
-
-    def load_text_encoders(self) -> SD3TextEncoders:
-        msl, seed = self.max_sequence_length, self.cfg.seed
-        if self.cfg.flavor == "tiny":
-            tok, tok2, tok3 = clip_tokenizer(), clip_tokenizer(), t5_tokenizer(msl)
-            return SD3TextEncoders(tok, _tiny_clip(tok, seed, "sd3.text_encoder"),
-                                   tok2, _tiny_clip(tok2, seed, "sd3.text_encoder_2"),
-                                   tok3, _tiny_t5(tok3, seed, "sd3.text_encoder_3"), msl)
-        enc = self.load_tokenizers()
-        enc.text_encoder = common.pretrained_text_encoder(CLIPTextModelWithProjection, self.cfg, "text_encoder")
-        enc.text_encoder_2 = common.pretrained_text_encoder(CLIPTextModelWithProjection, self.cfg, "text_encoder_2")
-        enc.text_encoder_3 = common.pretrained_text_encoder(T5EncoderModel, self.cfg, "text_encoder_3")
-        return enc
-
-    def load_denoiser(self) -> SD3Transformer2DModel:
-        return common.component(SD3Transformer2DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
+    def text_settings(self) -> dict[str, Any]:
+        return {"max_sequence_length": self.max_sequence_length}
 
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
 
-    def load_pipeline(self) -> StableDiffusion3Pipeline:
-        e = self.load_text_encoders()
-        return StableDiffusion3Pipeline(
-            transformer=self.load_denoiser(), scheduler=self.inference_scheduler(), vae=self.load_vae(),
-            text_encoder=e.text_encoder, tokenizer=e.tokenizer, text_encoder_2=e.text_encoder_2,
-            tokenizer_2=e.tokenizer_2, text_encoder_3=e.text_encoder_3, tokenizer_3=e.tokenizer_3,
-        )
-
     @property
     def pipeline_class(self) -> type:
         return StableDiffusion3Pipeline
-
-    # -- identities ------------------------------------------------------------
-    def encoders_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity((self.name, self.cfg.seed, "text"),
-                                        lambda: self._text_identity(self.load_text_encoders()))
-        p, tok = self.cfg.path, self.load_tokenizers()
-        return digest({
-            "tokenizer": tokenizer_fingerprint(tok.tokenizer),
-            "tokenizer_2": tokenizer_fingerprint(tok.tokenizer_2),
-            "tokenizer_3": tokenizer_fingerprint(tok.tokenizer_3),
-            "text_encoder": common.transformers_folder_identity(
-                CLIPTextModelWithProjection, CLIPTextConfig, p, "text_encoder", variant=self.cfg.weight_variant),
-            "text_encoder_2": common.transformers_folder_identity(
-                CLIPTextModelWithProjection, CLIPTextConfig, p, "text_encoder_2", variant=self.cfg.weight_variant),
-            "text_encoder_3": common.transformers_folder_identity(T5EncoderModel, T5Config, p, "text_encoder_3", variant=self.cfg.weight_variant),
-            "max_sequence_length": self.max_sequence_length,
-        })
-
-    @staticmethod
-    def _text_identity(e: SD3TextEncoders) -> str:
-        return digest({
-            "tokenizer": tokenizer_fingerprint(e.tokenizer),
-            "tokenizer_2": tokenizer_fingerprint(e.tokenizer_2),
-            "tokenizer_3": tokenizer_fingerprint(e.tokenizer_3),
-            "text_encoder": common.module_identity(e.text_encoder),
-            "text_encoder_2": common.module_identity(e.text_encoder_2),
-            "text_encoder_3": common.module_identity(e.text_encoder_3),
-            "max_sequence_length": e.max_sequence_length,
-        })
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -214,7 +140,7 @@ class SD3Family(Family):
         latents = (latents.float() - shift) * vae.config.scaling_factor
         return common.batch_to_frames(latents, frames)
 
-    def encode_text(self, encoders: SD3TextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         # Exactly StableDiffusion3Pipeline.encode_prompt (no clip_skip).
         e, clip_embeds, pooled = encoders, [], []
         with torch.no_grad():
@@ -232,11 +158,11 @@ class SD3Family(Family):
         return {"prompt_embeds": torch.cat([clip, t5], dim=-2).float(),
                 "pooled_prompt_embeds": torch.cat(pooled, dim=-1).float()}
 
-    def token_limits(self, encoders: SD3TextEncoders) -> dict[str, int]:
+    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
         return {"clip_l": encoders.tokenizer.model_max_length, "clip_g": encoders.tokenizer_2.model_max_length,
                 "t5": encoders.max_sequence_length}
 
-    def count_tokens(self, encoders: SD3TextEncoders, captions: list[str]) -> dict[str, list[int]]:
+    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
         captions = list(captions)
         return {"clip_l": [len(x) for x in encoders.tokenizer(captions).input_ids],
                 "clip_g": [len(x) for x in encoders.tokenizer_2(captions).input_ids],

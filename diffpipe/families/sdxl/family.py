@@ -14,7 +14,6 @@ and the bucket it was trained at.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -36,8 +35,8 @@ from diffpipe.families.sd.family import TINY_SCHEDULER, SDFamily
 from diffpipe.families.sdxl.flavors import TINY_UNET, TINY_VAE_XL
 from diffpipe.models import _common as common
 from diffpipe.models.base import Prepared
-from diffpipe.models.tokenizers import clip_tokenizer, tokenizer_fingerprint
-from diffpipe.utils import digest
+from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.tokenizers import clip_tokenizer
 
 
 def time_ids(original_hw: torch.Tensor, crop_top_left: torch.Tensor, target_hw: torch.Tensor) -> torch.Tensor:
@@ -48,21 +47,20 @@ def time_ids(original_hw: torch.Tensor, crop_top_left: torch.Tensor, target_hw: 
     return torch.cat([original_hw, crop_top_left, target_hw], dim=1).float()
 
 
-@dataclass
-class SDXLTextEncoders:
-    tokenizer: CLIPTokenizer
-    text_encoder: CLIPTextModel
-    tokenizer_2: CLIPTokenizer
-    text_encoder_2: CLIPTextModelWithProjection
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> SDXLTextEncoders:
-        self.text_encoder.to(device=device, dtype=dtype)
-        self.text_encoder_2.to(device=device, dtype=dtype)
-        return self
-
-
 class SDXLFamily(SDFamily):
     name = "sdxl"
+    vae_model = Model(AutoencoderKL, TINY_VAE_XL)
+    denoiser_model = Model(UNet2DConditionModel, TINY_UNET)
+    text_parts: ClassVar[dict[str, TextPart]] = {
+        "tokenizer": Tokenizer(CLIPTokenizer, clip_tokenizer),
+        "text_encoder": TextEncoder(CLIPTextModel, CLIPTextConfig,
+                                    lambda tok, seed: common.tiny_clip_text_encoder(tok, seed, "sdxl.text_encoder")),
+        "tokenizer_2": Tokenizer(CLIPTokenizer, clip_tokenizer),
+        "text_encoder_2": TextEncoder(CLIPTextModelWithProjection, CLIPTextConfig, lambda tok, seed:
+                                      common.tiny_clip_text_encoder(tok, seed, "sdxl.text_encoder_2",
+                                                                    cls=CLIPTextModelWithProjection)),
+    }
+    pipeline_extras: ClassVar[dict[str, Any]] = {"add_watermarker": False}
     uses_sizes = True
     denoiser_name = "unet"
     #: The common SDXL LoRA targets (kohya / diffusers examples): attention and
@@ -92,79 +90,15 @@ class SDXLFamily(SDFamily):
     def vae_factor(self) -> int:
         return 2 ** (len(self._vae_config["block_out_channels"]) - 1)
 
-    # -- components --------------------------------------------------------------
-    def load_vae(self) -> AutoencoderKL:
-        return common.component(AutoencoderKL, self.cfg, "sdxl", "vae", TINY_VAE_XL)
-
-    def load_tokenizers(self) -> SDXLTextEncoders:
-        if self.cfg.flavor == "tiny":
-            return SDXLTextEncoders(clip_tokenizer(), None, clip_tokenizer(), None)
-        path = self.cfg.path
-        return SDXLTextEncoders(CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"), None,
-                                CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2"), None)
-
-    def load_text_encoders(self) -> SDXLTextEncoders:
-        if self.cfg.flavor == "tiny":
-            tok, tok2 = clip_tokenizer(), clip_tokenizer()
-            enc = common.tiny_clip_text_encoder(tok, self.cfg.seed, "sdxl.text_encoder")
-            config = CLIPTextConfig(**common.TINY_CLIP, vocab_size=len(tok2),
-                                    max_position_embeddings=tok2.model_max_length,
-                                    bos_token_id=tok2.bos_token_id, eos_token_id=tok2.eos_token_id,
-                                    pad_token_id=tok2.pad_token_id)
-            with common.seeded(self.cfg.seed, "sdxl.text_encoder_2"):
-                enc2 = CLIPTextModelWithProjection(config).eval()
-            return SDXLTextEncoders(tok, enc, tok2, enc2)
-        path = self.cfg.path
-        return SDXLTextEncoders(
-            CLIPTokenizer.from_pretrained(path, subfolder="tokenizer"),
-            common.pretrained_text_encoder(CLIPTextModel, self.cfg, "text_encoder"),
-            CLIPTokenizer.from_pretrained(path, subfolder="tokenizer_2"),
-            common.pretrained_text_encoder(CLIPTextModelWithProjection, self.cfg, "text_encoder_2"),
-        )
-
-    def load_denoiser(self) -> UNet2DConditionModel:
-        return common.component(UNet2DConditionModel, self.cfg, "sdxl", "unet", TINY_UNET)
-
     def inference_scheduler(self) -> EulerDiscreteScheduler:
         return EulerDiscreteScheduler.from_config(self._scheduler_config)
-
-    def load_pipeline(self) -> StableDiffusionXLPipeline:
-        enc = self.load_text_encoders()
-        return StableDiffusionXLPipeline(
-            vae=self.load_vae(), text_encoder=enc.text_encoder, text_encoder_2=enc.text_encoder_2,
-            tokenizer=enc.tokenizer, tokenizer_2=enc.tokenizer_2, unet=self.load_denoiser(),
-            scheduler=self.inference_scheduler(), add_watermarker=False,
-        )
 
     @property
     def pipeline_class(self) -> type:
         return StableDiffusionXLPipeline
 
-    # -- identities ----------------------------------------------------------------
-    def encoders_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity((self.name, self.cfg.seed, "text"),
-                                        lambda: self._text_identity(self.load_text_encoders()))
-        path, tok = self.cfg.path, self.load_tokenizers()
-        return digest({
-            "tokenizer": tokenizer_fingerprint(tok.tokenizer),
-            "text_encoder": common.transformers_folder_identity(CLIPTextModel, CLIPTextConfig, path, "text_encoder", variant=self.cfg.weight_variant),
-            "tokenizer_2": tokenizer_fingerprint(tok.tokenizer_2),
-            "text_encoder_2": common.transformers_folder_identity(
-                CLIPTextModelWithProjection, CLIPTextConfig, path, "text_encoder_2", variant=self.cfg.weight_variant),
-        })
-
-    @staticmethod
-    def _text_identity(enc: SDXLTextEncoders) -> str:
-        return digest({
-            "tokenizer": tokenizer_fingerprint(enc.tokenizer),
-            "text_encoder": common.module_identity(enc.text_encoder),
-            "tokenizer_2": tokenizer_fingerprint(enc.tokenizer_2),
-            "text_encoder_2": common.module_identity(enc.text_encoder_2),
-        })
-
     # -- encoding ----------------------------------------------------------------
-    def encode_text(self, encoders: SDXLTextEncoders, captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         # Exactly StableDiffusionXLPipeline.encode_prompt (no clip_skip): the
         # penultimate hidden states of both encoders side by side, and the
         # second encoder's projected pooled output.
@@ -180,10 +114,10 @@ class SDXLFamily(SDFamily):
             embeds.append(out.hidden_states[-2])
         return {"prompt_embeds": torch.cat(embeds, dim=-1).float(), "pooled_prompt_embeds": pooled.float()}
 
-    def token_limits(self, encoders: SDXLTextEncoders) -> dict[str, int]:
+    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
         return {"clip_l": encoders.tokenizer.model_max_length, "clip_g": encoders.tokenizer_2.model_max_length}
 
-    def count_tokens(self, encoders: SDXLTextEncoders, captions: list[str]) -> dict[str, list[int]]:
+    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
         captions = list(captions)
         return {"clip_l": [len(x) for x in encoders.tokenizer(captions).input_ids],
                 "clip_g": [len(x) for x in encoders.tokenizer_2(captions).input_ids]}
