@@ -8,8 +8,8 @@ replays a run (the families' ``prepare`` draws here, for the loss and the pipeli
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import ClassVar
+from functools import cached_property
+from typing import Any, ClassVar
 
 import torch
 from transformers import T5Config, T5EncoderModel, T5TokenizerFast
@@ -17,9 +17,9 @@ from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 from diffpipe.config import ObjectiveConfig
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_t
-from diffpipe.models.tokenizers import t5_tokenizer, tokenizer_fingerprint
+from diffpipe.models.components import TextBundle, TextEncoder, Tokenizer
+from diffpipe.models.tokenizers import t5_tokenizer
 from diffpipe.training import objectives as obj
-from diffpipe.utils import digest
 
 TINY_T5 = {"d_model": 32, "d_kv": 8, "d_ff": 37, "num_layers": 2, "num_heads": 4, "relative_attention_num_buckets": 8}
 TINY_LENGTH = 64  # the demo captions fit (the tiny tokenizer spells most words by characters)
@@ -58,71 +58,17 @@ def draw(
 
 
 # -- one T5 encoder -------------------------------------------------------------
-@dataclass
-class T5Text:
-    """A T5 tokenizer and encoder (None while only counting tokens) and the prompt length."""
-
-    tokenizer: T5TokenizerFast
-    text_encoder: T5EncoderModel | None
-    max_sequence_length: int
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> T5Text:
-        self.text_encoder.to(device=device, dtype=dtype)
-        return self
+#: The text bundle of a one-T5 family: tokenizer, encoder (None while only counting tokens) and
+#: ``max_sequence_length``.
+T5Text = TextBundle
 
 
-def t5_tokenizers(flavor: str, path: str | None, max_length: int, tiny_length: int = TINY_LENGTH) -> T5Text:
-    """The tokenizer alone: the tiny flavor's (``tiny_length`` tokens) or a folder's ``tokenizer/``."""
-    if flavor == "tiny":
-        return T5Text(t5_tokenizer(tiny_length), None, tiny_length)
-    tok = T5TokenizerFast.from_pretrained(path, subfolder="tokenizer")
-    return T5Text(tok, None, min(int(tok.model_max_length), max_length))
-
-
-def t5_text(
-    flavor: str, path: str | None, max_length: int, seed: int, component: str, tiny_length: int = TINY_LENGTH,
-    dtype: torch.dtype = torch.float32, variant: str | None = None,
-) -> T5Text:
-    """Tokenizer and encoder: random tiny weights from ``seed``, or a folder's ``text_encoder/``."""
-    enc = t5_tokenizers(flavor, path, max_length, tiny_length)
-    if flavor == "tiny":
-        tok = enc.tokenizer
-        config = T5Config(
-            **TINY_T5,
-            vocab_size=len(tok),
-            pad_token_id=tok.pad_token_id,
-            eos_token_id=tok.eos_token_id,
-            decoder_start_token_id=tok.pad_token_id,
-        )
-        with common.seeded(seed, component):
-            enc.text_encoder = T5EncoderModel(config).eval()
-    else:
-        enc.text_encoder = T5EncoderModel.from_pretrained(path, subfolder="text_encoder", dtype=dtype,
-                                                          variant=variant).eval()
-    return enc
-
-
-def t5_identity(enc: T5Text) -> str:
-    """Identity of an in-memory bundle (tiny flavor)."""
-    return digest(
-        {
-            "tokenizer": tokenizer_fingerprint(enc.tokenizer),
-            "text_encoder": common.module_identity(enc.text_encoder),
-            "max_sequence_length": enc.max_sequence_length,
-        }
-    )
-
-
-def t5_folder_identity(path: str, max_length: int, variant: str | None = None) -> str:
-    """Identity of a local folder's ``tokenizer/`` and ``text_encoder/`` without loading the weights."""
-    enc = t5_tokenizers("local", path, max_length)
-    return digest(
-        {
-            "tokenizer": tokenizer_fingerprint(enc.tokenizer),
-            "text_encoder": common.transformers_folder_identity(T5EncoderModel, T5Config, path, "text_encoder", variant=variant),
-            "max_sequence_length": enc.max_sequence_length,
-        }
-    )
+def tiny_t5(tok: T5TokenizerFast, seed: int, component: str) -> T5EncoderModel:
+    """The tiny T5 encoder, sized to ``tok``, weights from ``seed`` and ``component``."""
+    config = T5Config(**TINY_T5, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+                      decoder_start_token_id=tok.pad_token_id)
+    with common.seeded(seed, component):
+        return T5EncoderModel(config).eval()
 
 
 def t5_embeds(enc: T5Text, captions: list[str], *, masked_encoder: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +99,9 @@ def t5_count(enc: T5Text, captions: list[str]) -> dict[str, list[int]]:
 class T5TextFamily:
     """The text side of a family with one T5 encoder; put it before ``Family`` in the bases.
 
-    The tiny encoder's weights are seeded from ``model.seed`` and ``<family>.text_encoder``.
+    Declares the parts (``tokenizer``, ``text_encoder``; the tiny encoder's weights are seeded from
+    ``model.seed`` and ``<family>.text_encoder``) and the prompt length: the pipeline's
+    ``t5_max_length``, or the tokenizer's limit when lower.
     """
 
     #: The pipeline's ``max_sequence_length``.
@@ -161,20 +109,23 @@ class T5TextFamily:
     #: Prompt length of the tiny flavor.
     t5_tiny_length: ClassVar[int] = TINY_LENGTH
 
-    def load_tokenizers(self) -> T5Text:
-        return t5_tokenizers(self.cfg.flavor, self.cfg.path, self.t5_max_length, self.t5_tiny_length)
+    @property
+    def text_parts(self) -> dict[str, Any]:
+        return {
+            "tokenizer": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(self.t5_tiny_length)),
+            "text_encoder": TextEncoder(T5EncoderModel, T5Config,
+                                        lambda tok, seed: tiny_t5(tok, seed, f"{self.name}.text_encoder")),
+        }
 
-    def load_text_encoders(self) -> T5Text:
-        return t5_text(self.cfg.flavor, self.cfg.path, self.t5_max_length, self.cfg.seed,
-                       f"{self.name}.text_encoder", self.t5_tiny_length, dtype=common.load_dtype(self.cfg, "text_encoder"),
-                       variant=self.cfg.weight_variant)
-
-    def encoders_identity(self) -> str:
+    @cached_property
+    def max_sequence_length(self) -> int:
         if self.cfg.flavor == "tiny":
-            return common.memo_identity(
-                (self.name, self.cfg.seed, "text"), lambda: t5_identity(self.load_text_encoders())
-            )
-        return t5_folder_identity(self.cfg.path, self.t5_max_length, variant=self.cfg.weight_variant)
+            return self.t5_tiny_length
+        tok = T5TokenizerFast.from_pretrained(self.cfg.path, subfolder="tokenizer")
+        return min(int(tok.model_max_length), self.t5_max_length)
+
+    def text_settings(self) -> dict[str, Any]:
+        return {"max_sequence_length": self.max_sequence_length}
 
     def token_limits(self, encoders: T5Text) -> dict[str, int]:
         return {"t5": encoders.max_sequence_length}
@@ -184,17 +135,6 @@ class T5TextFamily:
         from diffusers import FlowMatchEulerDiscreteScheduler
 
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
-
-    def load_pipeline(self):
-        """The stock pipeline (``pipeline_class``) from the T5 text side, VAE, transformer and scheduler."""
-        enc = self.load_text_encoders()
-        return self.pipeline_class(
-            tokenizer=enc.tokenizer,
-            text_encoder=enc.text_encoder,
-            vae=self.load_vae(),
-            transformer=self.load_denoiser(),
-            scheduler=self.inference_scheduler(),
-        )
 
     def count_tokens(self, encoders: T5Text, captions: list[str]) -> dict[str, list[int]]:
         return t5_count(encoders, captions)

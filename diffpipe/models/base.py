@@ -207,7 +207,8 @@ class Family(ABC):
                                   else common.module_identity(bundle.parts[name]) for name, part in parts.items()},
                                **self.text_settings()})
 
-            return common.memo_identity((self.name, self.cfg.seed, "text"), build)
+            # Variants of one family may differ in their text settings (Wan's tiny prompt lengths).
+            return common.memo_identity((self.name, self.cfg.seed, "text", digest(self.text_settings())), build)
         path, variant = self.cfg.path, self.cfg.weight_variant
         return digest({**{name: tokenizer_fingerprint(part.cls.from_pretrained(path, subfolder=name))
                           if isinstance(part, Tokenizer)

@@ -41,6 +41,7 @@ from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models._draws import ddpm_parts
 from diffpipe.models.base import Family, Prepared
+from diffpipe.models.components import Model
 
 MAX_LENGTH = 226  # CogVideoXPipeline's max_sequence_length (the transformer's max_text_seq_length)
 
@@ -48,7 +49,8 @@ MAX_LENGTH = 226  # CogVideoXPipeline's max_sequence_length (the transformer's m
 class CogVideoXFamily(video.T5TextFamily, Family):
     name = "cogvideox"
     t5_max_length = MAX_LENGTH
-    vae_class = AutoencoderKLCogVideoX
+    vae_model = Model(AutoencoderKLCogVideoX, TINY_VAE)
+    denoiser_model = Model(CogVideoXTransformer3DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
     is_video = True
     fps = 8.0
@@ -105,16 +107,9 @@ class CogVideoXFamily(video.T5TextFamily, Family):
     def _alphas_cumprod(self) -> torch.Tensor:
         return self.inference_scheduler().alphas_cumprod.clone()
 
-    @cached_property
-    def max_sequence_length(self) -> int:
-        return self.load_tokenizers().max_sequence_length
 
     # -- components --------------------------------------------------------------
-    def load_vae(self) -> AutoencoderKLCogVideoX:
-        return common.component(AutoencoderKLCogVideoX, self.cfg, "cogvideox", "vae", TINY_VAE)
 
-    def load_denoiser(self) -> CogVideoXTransformer3DModel:
-        return common.component(CogVideoXTransformer3DModel, self.cfg, "cogvideox", "transformer", TINY_TRANSFORMER)
 
     def inference_scheduler(self):
         c = self._scheduler_config

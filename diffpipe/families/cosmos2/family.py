@@ -58,6 +58,7 @@ from diffpipe.models import _video as video
 from diffpipe.models._draws import draw_image
 from diffpipe.models._video import T5Text
 from diffpipe.models.base import Family, Prepared
+from diffpipe.models.components import Model
 from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 512  # the pipeline's max_sequence_length
@@ -99,7 +100,8 @@ class Cosmos2Family(video.T5TextFamily, Family):
     name = "cosmos2"
     t5_max_length = MAX_LENGTH
     t5_tiny_length = TINY_LENGTH
-    vae_class = AutoencoderKLWan
+    vae_model = Model(AutoencoderKLWan, TINY_VAE)
+    denoiser_model = Model(CosmosTransformer3DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
     #: Cosmos-Predict2's own LoRA targets (``q_proj, k_proj, v_proj, output_proj,
     #: mlp.layer1, mlp.layer2``) in diffusers names: self- and cross-attention
@@ -139,16 +141,9 @@ class Cosmos2Family(video.T5TextFamily, Family):
         patch = int(tuple(self._transformer_config.get("patch_size", (1, 2, 2)))[1])
         return max(vae * patch, 16)  # the pipeline refuses sides not divisible by 16
 
-    @cached_property
-    def max_sequence_length(self) -> int:
-        return self.load_tokenizers().max_sequence_length
 
     # -- components ------------------------------------------------------------
-    def load_vae(self) -> AutoencoderKLWan:
-        return common.component(AutoencoderKLWan, self.cfg, self.name, "vae", TINY_VAE)
 
-    def load_denoiser(self) -> CosmosTransformer3DModel:
-        return common.component(CosmosTransformer3DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
 
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         if self.cfg.flavor == "tiny":
@@ -168,15 +163,11 @@ class Cosmos2Family(video.T5TextFamily, Family):
         return None
 
     def load_pipeline(self) -> Cosmos2TextToImagePipeline:
-        enc = self.load_text_encoders()
-        return Cosmos2TextToImagePipeline(
-            text_encoder=enc.text_encoder,
-            tokenizer=enc.tokenizer,
-            transformer=self.load_denoiser(),
-            vae=self.load_vae(),
-            scheduler=self.inference_scheduler(),
-            safety_checker=self.safety_checker(),
-        )
+        """The stock pipeline from the declared parts, with the family's safety checker stand-in."""
+        text = self.load_text_encoders()
+        return self.pipeline_class(vae=self.load_vae(), transformer=self.load_denoiser(),
+                                   scheduler=self.inference_scheduler(), safety_checker=self.safety_checker(),
+                                   **text.parts)
 
     @property
     def pipeline_class(self) -> type:

@@ -54,9 +54,9 @@ from diffpipe.config import SampleConfig
 from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.cosmos2.family import SIGMA_DATA, Cosmos2Family, edm_weight
 from diffpipe.families.cosmos2_video.flavors import TINY_TRANSFORMER_V2W
-from diffpipe.models import _common as common
 from diffpipe.models import _video
 from diffpipe.models.base import Family, Prepared
+from diffpipe.models.components import Model
 from diffpipe.training import objectives as obj
 
 #: The pipeline's ``sigma_conditioning``: the noise level the conditioned frames are read at.
@@ -109,6 +109,7 @@ def video_shift(latent_frames: int) -> float:
 class Cosmos2VideoFamily(Cosmos2Family):
     #: Not the parent family's layers: this family's spec says why it has none.
     pipeline_layers = Family.pipeline_layers
+    denoiser_model = Model(CosmosTransformer3DModel, TINY_TRANSFORMER_V2W)
     name = "cosmos2-video"
     is_video = True
     fps = 16.0
@@ -136,19 +137,6 @@ class Cosmos2VideoFamily(Cosmos2Family):
         """``(step, offset)``: the causal VAE keeps one key frame and compresses time by ``step``."""
         return 2 ** sum(bool(x) for x in self._vae_config["temperal_downsample"]), 1
 
-    def load_denoiser(self) -> CosmosTransformer3DModel:
-        return common.component(CosmosTransformer3DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER_V2W)
-
-    def load_pipeline(self) -> Cosmos2VideoToWorldPipeline:
-        enc = self.load_text_encoders()
-        return Cosmos2VideoToWorldPipeline(
-            text_encoder=enc.text_encoder,
-            tokenizer=enc.tokenizer,
-            transformer=self.load_denoiser(),
-            vae=self.load_vae(),
-            scheduler=self.inference_scheduler(),
-            safety_checker=self.safety_checker(),
-        )
 
     @property
     def pipeline_class(self) -> type:

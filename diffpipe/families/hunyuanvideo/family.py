@@ -32,7 +32,6 @@ the names also reach the text token refiner's attention and MLP.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cached_property
 from typing import Any, ClassVar
 
@@ -60,40 +59,13 @@ from diffpipe.families.hunyuanvideo.flavors import TINY_LENGTH, TINY_LLAMA, TINY
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models.base import Family, Prepared
+from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.llm_tokenizers import llm_tokenizer
-from diffpipe.models.tokenizers import clip_tokenizer, tokenizer_fingerprint
+from diffpipe.models.tokenizers import clip_tokenizer
 from diffpipe.training import objectives as obj
-from diffpipe.utils import digest
 
 MAX_LENGTH = 256  # HunyuanVideoPipeline's default max_sequence_length
 _LLAMA_SPECIALS = ("<|start_header_id|>", "<|end_header_id|>")
-
-
-@dataclass
-class HunyuanText:
-    tokenizer: PreTrainedTokenizerBase
-    text_encoder: LlamaModel | None
-    tokenizer_2: CLIPTokenizer
-    text_encoder_2: CLIPTextModel | None
-    max_sequence_length: int
-    prompt_template: dict[str, Any]
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> HunyuanText:
-        self.text_encoder.to(device=device, dtype=dtype)
-        self.text_encoder_2.to(device=device, dtype=dtype)
-        return self
-
-    def pipeline(self) -> HunyuanVideoPipeline:
-        """A pipeline of the text components alone, for its ``encode_prompt``."""
-        return HunyuanVideoPipeline(
-            text_encoder=self.text_encoder,
-            tokenizer=self.tokenizer,
-            transformer=None,
-            vae=None,
-            scheduler=None,
-            text_encoder_2=self.text_encoder_2,
-            tokenizer_2=self.tokenizer_2,
-        )
 
 
 def tiny_llama_tokenizer() -> PreTrainedTokenizerBase:
@@ -106,9 +78,24 @@ def template_for(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     return {"template": DEFAULT_PROMPT_TEMPLATE["template"], "crop_start": len(tokenizer(prefix).input_ids)}
 
 
+def _tiny_llama(tok: PreTrainedTokenizerBase, seed: int) -> LlamaModel:
+    config = LlamaConfig(**TINY_LLAMA, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
+                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    with common.seeded(seed, "hunyuanvideo.text_encoder"):
+        return LlamaModel(config).eval()
+
+
 class HunyuanVideoFamily(Family):
     name = "hunyuanvideo"
-    vae_class = AutoencoderKLHunyuanVideo
+    vae_model = Model(AutoencoderKLHunyuanVideo, TINY_VAE)
+    denoiser_model = Model(HunyuanVideoTransformer3DModel, TINY_TRANSFORMER)
+    text_parts: ClassVar[dict[str, TextPart]] = {
+        "tokenizer": Tokenizer(AutoTokenizer, tiny_llama_tokenizer),
+        "text_encoder": TextEncoder(LlamaModel, LlamaConfig, _tiny_llama),
+        "tokenizer_2": Tokenizer(CLIPTokenizer, clip_tokenizer),
+        "text_encoder_2": TextEncoder(CLIPTextModel, CLIPTextConfig, lambda tok, seed: common.tiny_clip_text_encoder(
+            tok, seed, "hunyuanvideo.text_encoder_2")),
+    }
     denoiser_name = "transformer"
     is_video = True
     fps = 24.0
@@ -167,90 +154,26 @@ class HunyuanVideoFamily(Family):
     def flow_shift(self) -> float:
         return float(self._scheduler_config.get("shift", 1.0))
 
-    # -- components --------------------------------------------------------------
-    def load_vae(self) -> AutoencoderKLHunyuanVideo:
-        return common.component(AutoencoderKLHunyuanVideo, self.cfg, "hunyuanvideo", "vae", TINY_VAE)
-
-    def load_tokenizers(self) -> HunyuanText:
-        if self.cfg.flavor == "tiny":
-            tok, tok2 = tiny_llama_tokenizer(), clip_tokenizer()
-        else:
-            tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
-            tok2 = CLIPTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer_2")
-        length = min(MAX_LENGTH, int(tok.model_max_length))  # prompt tokens kept after the template
-        return HunyuanText(tok, None, tok2, None, length, template_for(tok))
-
-    def load_text_encoders(self) -> HunyuanText:
-        e = self.load_tokenizers()
-        if self.cfg.flavor == "tiny":
-            tok = e.tokenizer
-            llama = LlamaConfig(
-                **TINY_LLAMA,
-                vocab_size=len(tok),
-                pad_token_id=tok.pad_token_id,
-                bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id,
-            )
-            with common.seeded(self.cfg.seed, "hunyuanvideo.text_encoder"):
-                e.text_encoder = LlamaModel(llama).eval()
-            e.text_encoder_2 = common.tiny_clip_text_encoder(
-                e.tokenizer_2, self.cfg.seed, "hunyuanvideo.text_encoder_2"
-            )
-            return e
-        e.text_encoder = common.pretrained_text_encoder(LlamaModel, self.cfg, "text_encoder")
-        e.text_encoder_2 = common.pretrained_text_encoder(CLIPTextModel, self.cfg, "text_encoder_2")
-        return e
-
-    def load_denoiser(self) -> HunyuanVideoTransformer3DModel:
-        return common.component(HunyuanVideoTransformer3DModel, self.cfg, "hunyuanvideo", "transformer", TINY_TRANSFORMER)
-
-    def load_pipeline(self) -> HunyuanVideoPipeline:
-        e = self.load_text_encoders()
-        return HunyuanVideoPipeline(
-            text_encoder=e.text_encoder,
-            tokenizer=e.tokenizer,
-            transformer=self.load_denoiser(),
-            vae=self.load_vae(),
-            scheduler=FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config),
-            text_encoder_2=e.text_encoder_2,
-            tokenizer_2=e.tokenizer_2,
-        )
-
     @property
     def pipeline_class(self) -> type:
         return HunyuanVideoPipeline
 
-    def encoders_identity(self) -> str:
+    @cached_property
+    def _llama_tokenizer(self) -> PreTrainedTokenizerBase:
         if self.cfg.flavor == "tiny":
-            return common.memo_identity(
-                (self.name, self.cfg.seed, "text"), lambda: self._identity(self.load_text_encoders())
-            )
-        p, e = self.cfg.path, self.load_tokenizers()
-        return digest(
-            {
-                "tokenizer": tokenizer_fingerprint(e.tokenizer),
-                "tokenizer_2": tokenizer_fingerprint(e.tokenizer_2),
-                "text_encoder": common.transformers_folder_identity(LlamaModel, LlamaConfig, p, "text_encoder", variant=self.cfg.weight_variant),
-                "text_encoder_2": common.transformers_folder_identity(
-                    CLIPTextModel, CLIPTextConfig, p, "text_encoder_2", variant=self.cfg.weight_variant,
-                ),
-                "max_sequence_length": e.max_sequence_length,
-                "prompt_template": e.prompt_template,
-            }
-        )
+            return tiny_llama_tokenizer()
+        return AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
 
-    @staticmethod
-    def _identity(e: HunyuanText) -> str:
-        return digest(
-            {
-                "tokenizer": tokenizer_fingerprint(e.tokenizer),
-                "tokenizer_2": tokenizer_fingerprint(e.tokenizer_2),
-                "text_encoder": common.module_identity(e.text_encoder),
-                "text_encoder_2": common.module_identity(e.text_encoder_2),
-                "max_sequence_length": e.max_sequence_length,
-                "prompt_template": e.prompt_template,
-            }
-        )
+    def text_settings(self) -> dict[str, Any]:
+        """Prompt tokens kept after the template, and the template with its measured ``crop_start``."""
+        tok = self._llama_tokenizer
+        return {"max_sequence_length": min(MAX_LENGTH, int(tok.model_max_length)), "prompt_template": template_for(tok)}
+
+    def load_pipeline(self) -> HunyuanVideoPipeline:
+        text = self.load_text_encoders()
+        return HunyuanVideoPipeline(vae=self.load_vae(), transformer=self.load_denoiser(),
+                                    scheduler=FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config),
+                                    **text.parts)
 
     # -- encoding ------------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -259,9 +182,10 @@ class HunyuanVideoFamily(Family):
             latents = vae.encode(pixels.to(device=param.device, dtype=param.dtype)).latent_dist.mode().float()
         return latents * vae.config.scaling_factor  # the pipeline divides by it before decoding
 
-    def encode_text(self, encoders: HunyuanText, captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         with torch.no_grad():
-            embeds, pooled, mask = encoders.pipeline().encode_prompt(
+            text_pipeline = HunyuanVideoPipeline(transformer=None, vae=None, scheduler=None, **encoders.parts)
+            embeds, pooled, mask = text_pipeline.encode_prompt(
                 prompt=list(captions),
                 prompt_template=encoders.prompt_template,
                 max_sequence_length=encoders.max_sequence_length,
@@ -272,10 +196,10 @@ class HunyuanVideoFamily(Family):
             "pooled_prompt_embeds": pooled.float(),
         }
 
-    def token_limits(self, encoders: HunyuanText) -> dict[str, int]:
+    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
         return {"llama": encoders.max_sequence_length, "clip": encoders.tokenizer_2.model_max_length}
 
-    def count_tokens(self, encoders: HunyuanText, captions: list[str]) -> dict[str, list[int]]:
+    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
         # The Llama tokens the pipeline keeps: the templated prompt's, less the cropped template prefix.
         tpl, crop = encoders.prompt_template["template"], encoders.prompt_template["crop_start"]
         templated = encoders.tokenizer([tpl.format(c) for c in captions], verbose=False).input_ids

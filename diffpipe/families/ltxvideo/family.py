@@ -36,6 +36,7 @@ from diffpipe.families.ltxvideo.flavors import TINY_SCHEDULER, TINY_TRANSFORMER,
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models.base import Family, Prepared
+from diffpipe.models.components import Model
 from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 128  # LTXPipeline's default max_sequence_length
@@ -44,7 +45,8 @@ MAX_LENGTH = 128  # LTXPipeline's default max_sequence_length
 class LTXVideoFamily(video.T5TextFamily, Family):
     name = "ltxvideo"
     t5_max_length = MAX_LENGTH
-    vae_class = AutoencoderKLLTXVideo
+    vae_model = Model(AutoencoderKLLTXVideo, TINY_VAE)
+    denoiser_model = Model(LTXVideoTransformer3DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
     is_video = True
     fps = 25.0
@@ -107,11 +109,7 @@ class LTXVideoFamily(video.T5TextFamily, Family):
         return math.exp(mu) if c.get("time_shift_type", "exponential") == "exponential" else mu
 
     # -- components --------------------------------------------------------------
-    def load_vae(self) -> AutoencoderKLLTXVideo:
-        return common.component(AutoencoderKLLTXVideo, self.cfg, "ltxvideo", "vae", TINY_VAE)
 
-    def load_denoiser(self) -> LTXVideoTransformer3DModel:
-        return common.component(LTXVideoTransformer3DModel, self.cfg, "ltxvideo", "transformer", TINY_TRANSFORMER)
 
     @property
     def pipeline_class(self) -> type:

@@ -37,6 +37,7 @@ from diffpipe.families.mochi.flavors import TINY_SCHEDULER, TINY_TRANSFORMER, TI
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models.base import Family, Prepared
+from diffpipe.models.components import Model
 from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 256  # MochiPipeline's default max_sequence_length
@@ -46,7 +47,8 @@ SPATIAL, TEMPORAL, PATCH = 8, 6, 2  # what MochiPipeline assumes
 class MochiFamily(video.T5TextFamily, Family):
     name = "mochi"
     t5_max_length = MAX_LENGTH
-    vae_class = AutoencoderKLMochi
+    vae_model = Model(AutoencoderKLMochi, TINY_VAE)
+    denoiser_model = Model(MochiTransformer3DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
     is_video = True
     fps = 30.0
@@ -83,11 +85,7 @@ class MochiFamily(video.T5TextFamily, Family):
         return float(self._scheduler_config.get("shift", 1.0))
 
     # -- components --------------------------------------------------------------
-    def load_vae(self) -> AutoencoderKLMochi:
-        return common.component(AutoencoderKLMochi, self.cfg, "mochi", "vae", TINY_VAE)
 
-    def load_denoiser(self) -> MochiTransformer3DModel:
-        return common.component(MochiTransformer3DModel, self.cfg, "mochi", "transformer", TINY_TRANSFORMER)
 
     @property
     def pipeline_class(self) -> type:

@@ -64,7 +64,8 @@ from diffpipe.families.wan.experts import WanExperts
 from diffpipe.families.wan.flavors import TINY_LENGTH, TINY_TRANSFORMER, TINY_UMT5, TINY_VAE, TINY_VAE_22
 from diffpipe.models import _common as common
 from diffpipe.models.base import DenoiserPart, Family, Prepared
-from diffpipe.models.tokenizers import t5_tokenizer, tokenizer_fingerprint
+from diffpipe.models.components import TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.tokenizers import t5_tokenizer
 from diffpipe.paths import LOW_NOISE_SUFFIX
 from diffpipe.training import objectives as obj
 from diffpipe.utils import digest
@@ -130,17 +131,6 @@ VARIANTS: dict[str, WanVariant] = {
         text_length=MAX_LENGTH,
     ),
 }
-
-
-@dataclass
-class WanText:
-    tokenizer: PreTrainedTokenizerBase
-    text_encoder: UMT5EncoderModel | None
-    max_sequence_length: int
-
-    def to(self, device: torch.device | str, dtype: torch.dtype | None = None) -> WanText:
-        self.text_encoder.to(device=device, dtype=dtype)
-        return self
 
 
 def _tiny_umt5(tok: PreTrainedTokenizerBase, seed: int) -> UMT5EncoderModel:
@@ -289,28 +279,28 @@ class WanFamily(Family):
 
     @cached_property
     def max_sequence_length(self) -> int:
-        return self.load_tokenizers().max_sequence_length
+        """Prompt tokens: the variant's tiny length, or the pipeline's 512 (less if the tokenizer says so)."""
+        if self.cfg.flavor == "tiny":
+            return self.spec.text_length
+        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
+        return min(int(tok.model_max_length), MAX_LENGTH)
+
+    @property
+    def text_parts(self) -> dict[str, TextPart]:
+        return {"tokenizer": Tokenizer(AutoTokenizer, lambda: t5_tokenizer(self.spec.text_length)),
+                "text_encoder": TextEncoder(UMT5EncoderModel, UMT5Config, _tiny_umt5)}
+
+    def text_settings(self) -> dict[str, Any]:
+        return {"max_sequence_length": self.max_sequence_length}
 
     # -- components ------------------------------------------------------------
+    # The VAE and transformers are the variant's (``self.spec``: tiny configs and seed names per
+    # version), so they are built here rather than declared; the text side is declared (text_parts).
     def load_vae(self) -> AutoencoderKLWan:
         if self.cfg.flavor == "tiny":
             with common.seeded(self.cfg.seed, self._seed("vae")):
                 return AutoencoderKLWan(**self.spec.vae).eval()
         return common.local_component(AutoencoderKLWan, self.cfg, "vae")
-
-    def load_tokenizers(self) -> WanText:
-        if self.cfg.flavor == "tiny":
-            return WanText(t5_tokenizer(self.spec.text_length), None, self.spec.text_length)
-        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
-        return WanText(tok, None, min(int(tok.model_max_length), MAX_LENGTH))
-
-    def load_text_encoders(self) -> WanText:
-        enc = self.load_tokenizers()
-        if self.cfg.flavor == "tiny":
-            enc.text_encoder = _tiny_umt5(enc.tokenizer, self.cfg.seed)
-        else:
-            enc.text_encoder = common.pretrained_text_encoder(UMT5EncoderModel, self.cfg, "text_encoder")
-        return enc
 
     def _load_transformer(self, attr: str) -> WanTransformer3DModel:
         if self.cfg.flavor == "tiny":
@@ -379,32 +369,6 @@ class WanFamily(Family):
             )
         return super().vae_weights_identity()
 
-    def encoders_identity(self) -> str:
-        if self.cfg.flavor == "tiny":
-            return common.memo_identity(
-                (self.name, self.cfg.seed, self.spec.text_length, "text"),
-                lambda: self._text_identity(self.load_text_encoders()),
-            )
-        return digest(
-            {
-                "tokenizer": tokenizer_fingerprint(self.load_tokenizers().tokenizer),
-                "text_encoder": common.transformers_folder_identity(
-                    UMT5EncoderModel, UMT5Config, self.cfg.path, "text_encoder", variant=self.cfg.weight_variant,
-                ),
-                "max_sequence_length": self.max_sequence_length,
-            }
-        )
-
-    @staticmethod
-    def _text_identity(enc: WanText) -> str:
-        return digest(
-            {
-                "tokenizer": tokenizer_fingerprint(enc.tokenizer),
-                "text_encoder": common.module_identity(enc.text_encoder),
-                "max_sequence_length": enc.max_sequence_length,
-            }
-        )
-
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         # The causal 3-D VAE encodes a clip at once: [B,3,F,H,W] -> [B,C,(F-1)/4+1,h,w].
@@ -428,7 +392,7 @@ class WanFamily(Family):
             "control_embeds": wan_i2v.embed_images(encoder, processor, wan_i2v.to_pil(control)),
         }
 
-    def encode_text(self, encoders: WanText, captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         # Exactly WanPipeline._get_t5_prompt_embeds: zeros past each prompt's tokens.
         length = encoders.max_sequence_length
         tok = encoders.tokenizer(
@@ -446,10 +410,10 @@ class WanFamily(Family):
         keep = tok.attention_mask.to(device).gt(0)
         return {"prompt_embeds": (hidden.float() * keep[..., None]).float()}
 
-    def token_limits(self, encoders: WanText) -> dict[str, int]:
+    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
         return {"umt5": encoders.max_sequence_length}
 
-    def count_tokens(self, encoders: WanText, captions: list[str]) -> dict[str, list[int]]:
+    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
         return {"umt5": [len(x) for x in encoders.tokenizer([prompt_clean(c) for c in captions]).input_ids]}
 
     # -- training ----------------------------------------------------------------
