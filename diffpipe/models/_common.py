@@ -349,3 +349,58 @@ def single_frame(latents: torch.Tensor, family: str) -> torch.Tensor:
             f"family {family!r} trains on images: latents must be [B,C,1,h,w], got {tuple(latents.shape)}"
         )
     return latents[:, :, 0]
+
+
+def vae_latents(vae: torch.nn.Module, pixels: torch.Tensor, *, per_frame: bool = True,
+                frame_axis: bool = False) -> torch.Tensor:
+    """The VAE's latent mode (float32, not yet normalised) of ``pixels`` ``[B,3,F,H,W]``, as ``[B,C,F',h,w]``.
+
+    ``per_frame``: each frame is an image of its own (an image VAE; ``frame_axis``: one that takes
+    ``[N,3,1,H,W]``, as Qwen-Image's and Wan's do); otherwise the clip is encoded at once (a video VAE,
+    ``F'`` its compressed frame count). Encoded in the VAE's device and dtype, without gradients.
+    """
+    param = next(vae.parameters())
+    with torch.no_grad():
+        if not per_frame:
+            return vae.encode(pixels.to(device=param.device, dtype=param.dtype)).latent_dist.mode().float()
+        x = frames_to_batch(pixels).to(device=param.device, dtype=param.dtype)
+        if frame_axis:
+            latents = vae.encode(x[:, :, None]).latent_dist.mode()[:, :, 0]
+        else:
+            latents = vae.encode(x).latent_dist.mode()
+    return batch_to_frames(latents.float(), pixels.shape[2])
+
+
+def scaled_latents(latents: torch.Tensor, vae: torch.nn.Module, *, shift: bool = True) -> torch.Tensor:
+    """``(latents - shift_factor) * scaling_factor``: the inverse of the pipelines' ``latents / scaling_factor
+    + shift_factor`` before decoding (``shift``: False for pipelines that apply no shift)."""
+    offset = (vae.config.get("shift_factor") or 0.0) if shift else 0.0
+    return (latents - offset) * vae.config.scaling_factor
+
+
+def latent_stats(vae: torch.nn.Module, latents: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The VAE config's per-channel ``latents_mean`` and ``latents_std``, shaped to broadcast over ``latents``
+    ``[B,C,...]``, on its device."""
+    shape = (1, -1) + (1,) * (latents.ndim - 2)
+    c = vae.config
+    return (torch.tensor(c.latents_mean, device=latents.device).view(shape),
+            torch.tensor(c.latents_std, device=latents.device).view(shape))
+
+
+#: Tokenizer ids a tiny encoder's config takes: decoder-style language models and T5-style encoders.
+LM_IDS = ("pad", "bos", "eos")
+T5_IDS = ("pad", "eos", "decoder_start")
+
+
+def tiny_text_model(model_cls: type, config_cls: type, config: Mapping[str, Any], component: str,
+                    ids: tuple[str, ...] = LM_IDS) -> Callable[[Any, int], torch.nn.Module]:
+    """A ``TextEncoder.tiny`` builder: ``model_cls(config_cls(**config, vocab_size=len(tok), <ids>))``,
+    weights seeded from ``model.seed`` and ``component``. ``decoder_start`` takes the pad id, as T5 does."""
+
+    def build(tok: Any, seed: int) -> torch.nn.Module:
+        special = {f"{k}_token_id": tok.pad_token_id if k == "decoder_start" else getattr(tok, f"{k}_token_id")
+                   for k in ids}
+        with seeded(seed, component):
+            return model_cls(config_cls(**config, vocab_size=len(tok), **special)).eval()
+
+    return build

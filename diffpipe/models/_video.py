@@ -63,13 +63,6 @@ def draw(
 T5Text = TextBundle
 
 
-def tiny_t5(tok: T5TokenizerFast, seed: int, component: str) -> T5EncoderModel:
-    """The tiny T5 encoder, sized to ``tok``, weights from ``seed`` and ``component``."""
-    config = T5Config(**TINY_T5, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                      decoder_start_token_id=tok.pad_token_id)
-    with common.seeded(seed, component):
-        return T5EncoderModel(config).eval()
-
 
 def t5_embeds(enc: T5Text, captions: list[str], *, masked_encoder: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """``(prompt_embeds, attention_mask)`` as the pipelines' ``_get_t5_prompt_embeds`` compute them.
@@ -114,7 +107,8 @@ class T5TextFamily:
         return {
             "tokenizer": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(self.t5_tiny_length)),
             "text_encoder": TextEncoder(T5EncoderModel, T5Config,
-                                        lambda tok, seed: tiny_t5(tok, seed, f"{self.name}.text_encoder")),
+                                        common.tiny_text_model(T5EncoderModel, T5Config, TINY_T5,
+                                                               f"{self.name}.text_encoder", common.T5_IDS)),
         }
 
     @cached_property

@@ -28,13 +28,7 @@ from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart,
 from diffpipe.models.tokenizers import t5_tokenizer
 from diffpipe.training import objectives as obj
 
-
-def _tiny_t5(tok: T5TokenizerFast, seed: int) -> T5EncoderModel:
-    config = T5Config(**TINY_T5, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                      decoder_start_token_id=tok.pad_token_id)
-    with common.seeded(seed, "chroma.text_encoder"):
-        return T5EncoderModel(config).eval()
-
+_tiny_t5 = common.tiny_text_model(T5EncoderModel, T5Config, TINY_T5, "chroma.text_encoder", common.T5_IDS)
 
 class ChromaFamily(FluxFamily):
     name = "chroma"

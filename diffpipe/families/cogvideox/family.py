@@ -121,10 +121,8 @@ class CogVideoXFamily(video.T5TextFamily, Family):
 
     # -- encoding ------------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        param = next(vae.parameters())
-        with torch.no_grad():
-            latents = vae.encode(pixels.to(device=param.device, dtype=param.dtype)).latent_dist.mode().float()
-        return latents * vae.config.scaling_factor  # CogVideoXPipeline.decode_latents divides by it
+        # CogVideoXPipeline.decode_latents divides by scaling_factor.
+        return common.scaled_latents(common.vae_latents(vae, pixels, per_frame=False), vae, shift=False)
 
     def encode_text(self, encoders: video.T5Text, captions: list[str]) -> dict[str, torch.Tensor]:
         return {"prompt_embeds": video.t5_embeds(encoders, captions, masked_encoder=False)[0]}

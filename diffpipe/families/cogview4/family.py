@@ -60,12 +60,7 @@ def tiny_glm_tokenizer(max_length: int) -> PreTrainedTokenizerBase:
     )
 
 
-def _tiny_glm(tok: PreTrainedTokenizerBase, seed: int) -> GlmModel:
-    config = GlmConfig(**TINY_GLM, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                       bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    with common.seeded(seed, "cogview4.text_encoder"):
-        return GlmModel(config).eval()
-
+_tiny_glm = common.tiny_text_model(GlmModel, GlmConfig, TINY_GLM, "cogview4.text_encoder")
 
 class CogView4Family(Family):
     name = "cogview4"
@@ -156,13 +151,8 @@ class CogView4Family(Family):
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        frames = pixels.shape[2]
-        param = next(vae.parameters())
-        with torch.no_grad():
-            x = common.frames_to_batch(pixels).to(device=param.device, dtype=param.dtype)
-            latents = vae.encode(x).latent_dist.mode()
         # Inverse of the pipeline's decode ``latents / scaling_factor`` (it applies no shift_factor).
-        return common.batch_to_frames(latents.float() * vae.config.scaling_factor, frames)
+        return common.scaled_latents(common.vae_latents(vae, pixels), vae, shift=False)
 
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         """Each caption as ``CogView4Pipeline._get_glm_embeds`` encodes it alone, right-aligned in a fixed row.

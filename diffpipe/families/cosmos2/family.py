@@ -176,17 +176,11 @@ class Cosmos2Family(video.T5TextFamily, Family):
     # -- identities ------------------------------------------------------------
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        # Each frame is an image of its own: [B,3,F,H,W] -> [B*F,3,1,H,W] -> [B,C,F,h,w].
-        frames = pixels.shape[2]
-        param = next(vae.parameters())
-        x = common.frames_to_batch(pixels)[:, :, None].to(device=param.device, dtype=param.dtype)
-        with torch.no_grad():
-            latents = vae.encode(x).latent_dist.mode()[:, :, 0].float()
-        c = vae.config
-        mean = torch.tensor(c.latents_mean, device=latents.device).view(1, -1, 1, 1)
-        std = torch.tensor(c.latents_std, device=latents.device).view(1, -1, 1, 1)
-        # Inverse of the pipeline's decode: ``latents * std / sigma_data + mean``.
-        return common.batch_to_frames((latents - mean) / std * SIGMA_DATA, frames)
+        # Each frame is an image of its own, through the VAE's frame axis. Inverse of the pipeline's
+        # decode: ``latents * std / sigma_data + mean``.
+        latents = common.vae_latents(vae, pixels, frame_axis=True)
+        mean, std = common.latent_stats(vae, latents)
+        return (latents - mean) / std * SIGMA_DATA
 
     def encode_text(self, encoders: T5Text, captions: list[str]) -> dict[str, torch.Tensor]:
         # Exactly Cosmos2TextToImagePipeline._get_t5_prompt_embeds: zeros past each prompt's tokens.

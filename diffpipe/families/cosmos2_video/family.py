@@ -54,6 +54,7 @@ from diffpipe.config import SampleConfig
 from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.cosmos2.family import SIGMA_DATA, Cosmos2Family, edm_weight
 from diffpipe.families.cosmos2_video.flavors import TINY_TRANSFORMER_V2W
+from diffpipe.models import _common as common
 from diffpipe.models import _video
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model
@@ -144,14 +145,10 @@ class Cosmos2VideoFamily(Cosmos2Family):
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        # The causal VAE encodes a clip at once: [B,3,F,H,W] -> [B,C,(F-1)/4+1,h,w].
-        param = next(vae.parameters())
-        with torch.no_grad():
-            latents = vae.encode(pixels.to(device=param.device, dtype=param.dtype)).latent_dist.mode().float()
-        c = vae.config
-        mean = torch.tensor(c.latents_mean, device=latents.device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(c.latents_std, device=latents.device).view(1, -1, 1, 1, 1)
-        # As prepare_latents normalises the conditioning latents: ``(latents - mean) / std * sigma_data``.
+        # The causal VAE encodes a clip at once; as prepare_latents normalises the conditioning latents:
+        # ``(latents - mean) / std * sigma_data``.
+        latents = common.vae_latents(vae, pixels, per_frame=False)
+        mean, std = common.latent_stats(vae, latents)
         return (latents - mean) / std * SIGMA_DATA
 
     # -- training ----------------------------------------------------------------

@@ -46,17 +46,7 @@ from diffpipe.training import objectives as obj
 MAX_T5_LENGTH = 512
 
 
-def _tiny_t5(tokenizer: T5TokenizerFast, seed: int) -> T5EncoderModel:
-    config = T5Config(
-        **TINY_T5,
-        vocab_size=len(tokenizer),
-        pad_token_id=tokenizer.pad_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        decoder_start_token_id=tokenizer.pad_token_id,
-    )
-    with common.seeded(seed, "flux.text_encoder_2"):
-        return T5EncoderModel(config).eval()
-
+_tiny_t5 = common.tiny_text_model(T5EncoderModel, T5Config, TINY_T5, "flux.text_encoder_2", common.T5_IDS)
 
 class FluxFamily(Family):
     name = "flux"
@@ -154,14 +144,8 @@ class FluxFamily(Family):
     # -- identities ------------------------------------------------------------
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        frames = pixels.shape[2]
-        param = next(vae.parameters())
-        with torch.no_grad():
-            x = common.frames_to_batch(pixels).to(device=param.device, dtype=param.dtype)
-            latents = vae.encode(x).latent_dist.mode()
-        # Inverse of FluxPipeline's decode: ``latents / scaling_factor + shift_factor``.
-        latents = (latents.float() - vae.config.shift_factor) * vae.config.scaling_factor
-        return common.batch_to_frames(latents, frames)
+        # Inverse of the pipeline's decode: ``latents / scaling_factor + shift_factor``.
+        return common.scaled_latents(common.vae_latents(vae, pixels), vae)
 
     def encode_text(
         self, encoders: TextBundle, captions: list[str]

@@ -32,7 +32,6 @@ from transformers import (
     CLIPTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
-    PreTrainedTokenizerBase,
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
@@ -70,19 +69,9 @@ def unpatchify(patches: torch.Tensor, shape: torch.Size, p: int) -> torch.Tensor
     return x.permute(0, 1, 2, 4, 3, 5).reshape(b, c, h, w)
 
 
-def _tiny_t5(tok: T5TokenizerFast, seed: int) -> T5EncoderModel:
-    config = T5Config(**TINY_T5, vocab_size=len(tok), pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
-                      decoder_start_token_id=tok.pad_token_id)
-    with common.seeded(seed, "hidream.text_encoder_3"):
-        return T5EncoderModel(config).eval()
+_tiny_t5 = common.tiny_text_model(T5EncoderModel, T5Config, TINY_T5, "hidream.text_encoder_3", common.T5_IDS)
 
-
-def _tiny_llama(tok: PreTrainedTokenizerBase, seed: int) -> LlamaForCausalLM:
-    config = LlamaConfig(**TINY_LLAMA, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    with common.seeded(seed, "hidream.text_encoder_4"):
-        return LlamaForCausalLM(config).eval()
-
+_tiny_llama = common.tiny_text_model(LlamaForCausalLM, LlamaConfig, TINY_LLAMA, "hidream.text_encoder_4")
 
 class HiDreamFamily(Family):
     name = "hidream"
@@ -149,13 +138,8 @@ class HiDreamFamily(Family):
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        frames = pixels.shape[2]
-        param = next(vae.parameters())
-        with torch.no_grad():
-            x = common.frames_to_batch(pixels).to(device=param.device, dtype=param.dtype)
-            latents = vae.encode(x).latent_dist.mode()
-        latents = (latents.float() - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
-        return common.batch_to_frames(latents, frames)
+        # Inverse of the pipeline's decode: ``latents / scaling_factor + shift_factor``.
+        return common.scaled_latents(common.vae_latents(vae, pixels), vae)
 
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         # The pipeline's own encode_prompt, on a pipeline of the text components alone.

@@ -183,13 +183,8 @@ class HunyuanImageFamily(Family):
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        frames = pixels.shape[2]
-        param = next(vae.parameters())
-        with torch.no_grad():
-            x = common.frames_to_batch(pixels).to(device=param.device, dtype=param.dtype)
-            latents = vae.encode(x).latent_dist.mode()
         # Inverse of the pipeline's decode: ``latents / scaling_factor``.
-        return common.batch_to_frames(latents.float() * vae.config.scaling_factor, frames)
+        return common.scaled_latents(common.vae_latents(vae, pixels), vae, shift=False)
 
     def encode_text(self, encoders: HunyuanText, captions: list[str]) -> dict[str, torch.Tensor]:
         pipe = encoders.pipeline()

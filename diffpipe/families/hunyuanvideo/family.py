@@ -78,12 +78,7 @@ def template_for(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     return {"template": DEFAULT_PROMPT_TEMPLATE["template"], "crop_start": len(tokenizer(prefix).input_ids)}
 
 
-def _tiny_llama(tok: PreTrainedTokenizerBase, seed: int) -> LlamaModel:
-    config = LlamaConfig(**TINY_LLAMA, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                         bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    with common.seeded(seed, "hunyuanvideo.text_encoder"):
-        return LlamaModel(config).eval()
-
+_tiny_llama = common.tiny_text_model(LlamaModel, LlamaConfig, TINY_LLAMA, "hunyuanvideo.text_encoder")
 
 class HunyuanVideoFamily(Family):
     name = "hunyuanvideo"
@@ -177,10 +172,8 @@ class HunyuanVideoFamily(Family):
 
     # -- encoding ------------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        param = next(vae.parameters())
-        with torch.no_grad():
-            latents = vae.encode(pixels.to(device=param.device, dtype=param.dtype)).latent_dist.mode().float()
-        return latents * vae.config.scaling_factor  # the pipeline divides by it before decoding
+        # The pipeline divides by scaling_factor before decoding.
+        return common.scaled_latents(common.vae_latents(vae, pixels, per_frame=False), vae, shift=False)
 
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         with torch.no_grad():

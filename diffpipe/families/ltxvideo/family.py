@@ -117,9 +117,7 @@ class LTXVideoFamily(video.T5TextFamily, Family):
 
     # -- encoding ------------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        param = next(vae.parameters())
-        with torch.no_grad():
-            latents = vae.encode(pixels.to(device=param.device, dtype=param.dtype)).latent_dist.mode().float()
+        latents = common.vae_latents(vae, pixels, per_frame=False)
         return LTXPipeline._normalize_latents(
             latents, vae.latents_mean.float(), vae.latents_std.float(), vae.config.scaling_factor
         )

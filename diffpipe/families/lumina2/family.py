@@ -22,7 +22,7 @@ from diffusers import (
     Lumina2Pipeline,
     Lumina2Transformer2DModel,
 )
-from transformers import AutoTokenizer, Gemma2Config, Gemma2Model, PreTrainedTokenizerBase
+from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.lumina2.flavors import TINY_GEMMA, TINY_LENGTH, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE8
@@ -41,12 +41,7 @@ SYSTEM_PROMPT = (
 MAX_LENGTH = 256  # the pipeline's default max_sequence_length
 
 
-def _tiny_gemma(tok: PreTrainedTokenizerBase, seed: int) -> Gemma2Model:
-    config = Gemma2Config(**TINY_GEMMA, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                          bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    with common.seeded(seed, "lumina2.text_encoder"):
-        return Gemma2Model(config).eval()
-
+_tiny_gemma = common.tiny_text_model(Gemma2Model, Gemma2Config, TINY_GEMMA, "lumina2.text_encoder")
 
 class Lumina2Family(Family):
     name = "lumina2"
@@ -98,13 +93,8 @@ class Lumina2Family(Family):
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        frames = pixels.shape[2]
-        param = next(vae.parameters())
-        with torch.no_grad():
-            x = common.frames_to_batch(pixels).to(device=param.device, dtype=param.dtype)
-            latents = vae.encode(x).latent_dist.mode()
-        latents = (latents.float() - (vae.config.shift_factor or 0.0)) * vae.config.scaling_factor
-        return common.batch_to_frames(latents, frames)
+        # Inverse of the pipeline's decode: ``latents / scaling_factor + shift_factor``.
+        return common.scaled_latents(common.vae_latents(vae, pixels), vae)
 
     @staticmethod
     def _prompts(captions: list[str]) -> list[str]:

@@ -93,14 +93,11 @@ class MochiFamily(video.T5TextFamily, Family):
 
     # -- encoding ------------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        param = next(vae.parameters())
-        with torch.no_grad():
-            latents = vae.encode(pixels.to(device=param.device, dtype=param.dtype)).latent_dist.mode().float()
+        latents = common.vae_latents(vae, pixels, per_frame=False)
         c = vae.config
         if c.latents_mean is None or c.latents_std is None:
             return latents * c.scaling_factor
-        mean = torch.tensor(c.latents_mean, device=latents.device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(c.latents_std, device=latents.device).view(1, -1, 1, 1, 1)
+        mean, std = common.latent_stats(vae, latents)
         # Inverse of MochiPipeline's decode: ``latents * std / scaling_factor + mean``.
         return (latents - mean) * c.scaling_factor / std
 

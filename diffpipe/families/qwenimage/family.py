@@ -138,17 +138,11 @@ class QwenImageFamily(Family):
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        # The VAE takes [B,3,F,H,W]; each frame is an image, encoded on its own.
-        b, _, f, _, _ = pixels.shape
-        param = next(vae.parameters())
-        x = common.frames_to_batch(pixels)[:, :, None].to(device=param.device, dtype=param.dtype)
-        with torch.no_grad():
-            latents = vae.encode(x).latent_dist.mode()[:, :, 0].float()
-        c = vae.config
-        mean = torch.tensor(c.latents_mean, device=latents.device).view(1, -1, 1, 1)
-        std = torch.tensor(c.latents_std, device=latents.device).view(1, -1, 1, 1)
-        # Inverse of the pipeline's decode: ``latents * std + mean``.
-        return common.batch_to_frames((latents - mean) / std, f)
+        # Each frame is an image of its own, through the VAE's frame axis. Inverse of the pipeline's
+        # decode: ``latents * std + mean``.
+        latents = common.vae_latents(vae, pixels, frame_axis=True)
+        mean, std = common.latent_stats(vae, latents)
+        return (latents - mean) / std
 
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         # QwenImagePipeline._get_qwen_prompt_embeds, then padded to a fixed length.

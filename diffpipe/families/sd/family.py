@@ -138,14 +138,8 @@ class SDFamily(Family):
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        frames = pixels.shape[2]
-        param = next(vae.parameters())
-        with torch.no_grad():
-            x = common.frames_to_batch(pixels).to(device=param.device, dtype=param.dtype)
-            latents = vae.encode(x).latent_dist.mode()
         # StableDiffusionPipeline decodes ``latents / scaling_factor``.
-        latents = latents.float() * vae.config.scaling_factor
-        return common.batch_to_frames(latents, frames)
+        return common.scaled_latents(common.vae_latents(vae, pixels), vae, shift=False)
 
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         tok, encoder = encoders.tokenizer, encoders.text_encoder

@@ -54,12 +54,6 @@ def _tiny_clip(component: str):
     return lambda tok, seed: common.tiny_clip_text_encoder(tok, seed, component, cls=CLIPTextModelWithProjection)
 
 
-def _tiny_t5(tok: T5TokenizerFast, seed: int, component: str, **overrides) -> T5EncoderModel:
-    config = T5Config(**{**TINY_T5, **overrides}, vocab_size=len(tok), pad_token_id=tok.pad_token_id,
-                      eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id)
-    with common.seeded(seed, component):
-        return T5EncoderModel(config).eval()
-
 
 class SD3Family(Family):
     name = "sd3"
@@ -72,7 +66,8 @@ class SD3Family(Family):
         "text_encoder_2": TextEncoder(CLIPTextModelWithProjection, CLIPTextConfig, _tiny_clip("sd3.text_encoder_2")),
         "tokenizer_3": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(TINY_T5_LENGTH)),
         "text_encoder_3": TextEncoder(T5EncoderModel, T5Config,
-                                      lambda tok, seed: _tiny_t5(tok, seed, "sd3.text_encoder_3")),
+                                      common.tiny_text_model(T5EncoderModel, T5Config, TINY_T5,
+                                                             "sd3.text_encoder_3", common.T5_IDS)),
     }
     denoiser_name = "transformer"
     #: diffusers' SD3 DreamBooth LoRA example: attention of both streams
@@ -130,15 +125,8 @@ class SD3Family(Family):
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        frames = pixels.shape[2]
-        param = next(vae.parameters())
-        with torch.no_grad():
-            x = common.frames_to_batch(pixels).to(device=param.device, dtype=param.dtype)
-            latents = vae.encode(x).latent_dist.mode()
         # Inverse of the pipeline's decode: ``latents / scaling_factor + shift_factor``.
-        shift = vae.config.shift_factor or 0.0
-        latents = (latents.float() - shift) * vae.config.scaling_factor
-        return common.batch_to_frames(latents, frames)
+        return common.scaled_latents(common.vae_latents(vae, pixels), vae)
 
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         # Exactly StableDiffusion3Pipeline.encode_prompt (no clip_skip).

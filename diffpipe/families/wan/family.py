@@ -55,7 +55,7 @@ from diffusers import (
     WanTransformer3DModel,
 )
 from diffusers.pipelines.wan.pipeline_wan import prompt_clean
-from transformers import AutoTokenizer, PreTrainedTokenizerBase, UMT5Config, UMT5EncoderModel
+from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
 from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.data.cache.frames import snap_frames
@@ -133,17 +133,7 @@ VARIANTS: dict[str, WanVariant] = {
 }
 
 
-def _tiny_umt5(tok: PreTrainedTokenizerBase, seed: int) -> UMT5EncoderModel:
-    config = UMT5Config(
-        **TINY_UMT5,
-        vocab_size=len(tok),
-        pad_token_id=tok.pad_token_id,
-        eos_token_id=tok.eos_token_id,
-        decoder_start_token_id=tok.pad_token_id,
-    )
-    with common.seeded(seed, "wan.text_encoder"):
-        return UMT5EncoderModel(config).eval()
-
+_tiny_umt5 = common.tiny_text_model(UMT5EncoderModel, UMT5Config, TINY_UMT5, "wan.text_encoder", common.T5_IDS)
 
 def detect_variant(path: str | Path) -> str:
     """The Wan version of a diffusers folder: a ``transformer_2`` means A14B, an ``image_encoder``
@@ -371,14 +361,10 @@ class WanFamily(Family):
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        # The causal 3-D VAE encodes a clip at once: [B,3,F,H,W] -> [B,C,(F-1)/4+1,h,w].
-        param = next(vae.parameters())
-        with torch.no_grad():
-            latents = vae.encode(pixels.to(device=param.device, dtype=param.dtype)).latent_dist.mode().float()
-        c = vae.config
-        mean = torch.tensor(c.latents_mean, device=latents.device).view(1, -1, 1, 1, 1)
-        std = torch.tensor(c.latents_std, device=latents.device).view(1, -1, 1, 1, 1)
-        # Inverse of WanPipeline's decode: ``latents * std + mean``.
+        # The causal 3-D VAE encodes a clip at once: [B,3,F,H,W] -> [B,C,(F-1)/4+1,h,w]. Inverse of
+        # WanPipeline's decode: ``latents * std + mean``.
+        latents = common.vae_latents(vae, pixels, per_frame=False)
+        mean, std = common.latent_stats(vae, latents)
         return (latents - mean) / std
 
     def encode_control(self, vae: torch.nn.Module, control: torch.Tensor, *, frames: int) -> dict[str, torch.Tensor]:
