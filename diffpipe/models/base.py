@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -227,6 +228,8 @@ class Family(ABC):
     #: ``load_vae`` / ``load_denoiser``.
     vae_model: ClassVar[Any] = None
     denoiser_model: ClassVar[Any] = None
+    #: The scheduler: its class and tiny config (a local folder's ``scheduler/`` config otherwise).
+    scheduler_model: ClassVar[Any] = None
     #: The tokenizers and text encoders by the pipeline's argument names, in the order their identities
     #: enter the text cache key.
     text_parts: ClassVar[dict[str, Any]] = {}
@@ -243,6 +246,29 @@ class Family(ABC):
         if not value:
             raise NotImplementedError(f"family {self.name!r} declares no {what} and does not override its loader")
         return value
+
+    def _config(self, what: str, subfolder: str) -> dict[str, Any]:
+        """A declared component's config: the tiny one, or the local folder's ``subfolder`` config."""
+        model = self._declared(what)
+        if self.cfg.flavor == "tiny":
+            return dict(model.tiny)
+        return dict(model.cls.load_config(self.cfg.path, subfolder=subfolder))
+
+    @cached_property
+    def _vae_config(self) -> dict[str, Any]:
+        return self._config("vae_model", "vae")
+
+    @cached_property
+    def _denoiser_config(self) -> dict[str, Any]:
+        return self._config("denoiser_model", self.denoiser_name)
+
+    @cached_property
+    def _scheduler_config(self) -> dict[str, Any]:
+        return self._config("scheduler_model", "scheduler")
+
+    def inference_scheduler(self) -> Any:
+        """The scheduler the stock pipeline samples with: the declared one, from the family's config."""
+        return self._declared("scheduler_model").cls.from_config(self._scheduler_config)
 
     def _model(self, model: Any, subfolder: str) -> torch.nn.Module:
         from diffpipe.models import _common as common

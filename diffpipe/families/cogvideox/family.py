@@ -50,6 +50,7 @@ class CogVideoXFamily(video.T5TextFamily, Family):
     name = "cogvideox"
     t5_max_length = MAX_LENGTH
     vae_model = Model(AutoencoderKLCogVideoX, TINY_VAE)
+    scheduler_model = Model(CogVideoXDDIMScheduler, TINY_SCHEDULER)
     denoiser_model = Model(CogVideoXTransformer3DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
     is_video = True
@@ -64,40 +65,16 @@ class CogVideoXFamily(video.T5TextFamily, Family):
     ]
 
     # -- configs and geometry ------------------------------------------------------
-    @cached_property
-    def _vae_config(self) -> dict[str, Any]:
-        return (
-            dict(TINY_VAE)
-            if self.cfg.flavor == "tiny"
-            else dict(AutoencoderKLCogVideoX.load_config(self.cfg.path, subfolder="vae"))
-        )
-
-    @cached_property
-    def _transformer_config(self) -> dict[str, Any]:
-        return (
-            dict(TINY_TRANSFORMER)
-            if self.cfg.flavor == "tiny"
-            else dict(CogVideoXTransformer3DModel.load_config(self.cfg.path, subfolder="transformer"))
-        )
-
-    @cached_property
-    def _scheduler_config(self) -> dict[str, Any]:
-        return (
-            dict(TINY_SCHEDULER)
-            if self.cfg.flavor == "tiny"
-            else dict(CogVideoXDDIMScheduler.load_config(self.cfg.path, subfolder="scheduler"))
-        )
-
     @property
     def frame_rule(self) -> tuple[int, int]:
         """``(4, 1)``; with temporal patches ``p_t`` the latent count must divide by it: ``(4 p_t, 4 p_t - 3)``."""
         ratio = int(self._vae_config.get("temporal_compression_ratio", 4))
-        pt = self._transformer_config.get("patch_size_t") or 1
+        pt = self._denoiser_config.get("patch_size_t") or 1
         return ratio * pt, 1 + ratio * (pt - 1)
 
     @property
     def pixel_multiple(self) -> int:
-        return 2 ** (len(self._vae_config["block_out_channels"]) - 1) * int(self._transformer_config["patch_size"])
+        return 2 ** (len(self._vae_config["block_out_channels"]) - 1) * int(self._denoiser_config["patch_size"])
 
     @property
     def prediction_type(self) -> str:
@@ -133,7 +110,7 @@ class CogVideoXFamily(video.T5TextFamily, Family):
 
         ``(cos, sin)``, or None for a model with sin-cos positions; ``config``: the transformer's.
         """
-        c = config or self._transformer_config
+        c = config or self._denoiser_config
         if not c.get("use_rotary_positional_embeddings", False):
             return None
         p, pt = int(c["patch_size"]), c.get("patch_size_t")
@@ -160,7 +137,7 @@ class CogVideoXFamily(video.T5TextFamily, Family):
         """DDPM inputs laid out as the model reads them (``[B,F,C,h,w]``), the text, the steps and the
         rotary embedding (None for sin-cos positions); Min-SNR ``weights``."""
         o = objective
-        c = self._transformer_config
+        c = self._denoiser_config
         x0 = video.check_video_latents(latents, self.name)
         t, noise = video.draw(o, x0, generator, t, noise, default="uniform")
         _, _, f, h, w = x0.shape

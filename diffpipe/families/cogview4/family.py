@@ -65,6 +65,7 @@ _tiny_glm = common.tiny_text_model(GlmModel, GlmConfig, TINY_GLM, "cogview4.text
 class CogView4Family(Family):
     name = "cogview4"
     vae_model = Model(AutoencoderKL, TINY_VAE)
+    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(CogView4Transformer2DModel, TINY_TRANSFORMER)
     text_parts: ClassVar[dict[str, TextPart]] = {
         "tokenizer": Tokenizer(AutoTokenizer, lambda: tiny_glm_tokenizer(TINY_LENGTH)),
@@ -82,37 +83,13 @@ class CogView4Family(Family):
         "ff.net.2",
     ]
 
-    @cached_property
-    def _vae_config(self) -> dict[str, Any]:
-        return (
-            dict(TINY_VAE)
-            if self.cfg.flavor == "tiny"
-            else dict(AutoencoderKL.load_config(self.cfg.path, subfolder="vae"))
-        )
-
-    @cached_property
-    def _transformer_config(self) -> dict[str, Any]:
-        return (
-            dict(TINY_TRANSFORMER)
-            if self.cfg.flavor == "tiny"
-            else dict(CogView4Transformer2DModel.load_config(self.cfg.path, subfolder="transformer"))
-        )
-
-    @cached_property
-    def _scheduler_config(self) -> dict[str, Any]:
-        return (
-            dict(TINY_SCHEDULER)
-            if self.cfg.flavor == "tiny"
-            else dict(FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
-        )
-
     @property
     def vae_factor(self) -> int:
         return 2 ** (len(self._vae_config["block_out_channels"]) - 1)  # as the pipeline computes it
 
     @property
     def patch_size(self) -> int:
-        return int(self._transformer_config.get("patch_size", 2))
+        return int(self._denoiser_config.get("patch_size", 2))
 
     @property
     def pixel_multiple(self) -> int:
@@ -142,8 +119,6 @@ class CogView4Family(Family):
         )
         return mu if c.get("time_shift_type", "exponential") == "linear" else math.exp(mu)
 
-    def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
-        return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
 
     @property
     def pipeline_class(self) -> type:

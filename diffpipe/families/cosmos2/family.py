@@ -41,7 +41,6 @@ export (without ``use_safetensors`` the header holding alpha is not read).
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Any, ClassVar
 
 import numpy as np
@@ -119,26 +118,10 @@ class Cosmos2Family(video.T5TextFamily, Family):
         "ff.net.2",
     ]
 
-    @cached_property
-    def _vae_config(self) -> dict[str, Any]:
-        return (
-            dict(TINY_VAE)
-            if self.cfg.flavor == "tiny"
-            else dict(AutoencoderKLWan.load_config(self.cfg.path, subfolder="vae"))
-        )
-
-    @cached_property
-    def _transformer_config(self) -> dict[str, Any]:
-        return (
-            dict(TINY_TRANSFORMER)
-            if self.cfg.flavor == "tiny"
-            else dict(CosmosTransformer3DModel.load_config(self.cfg.path, subfolder="transformer"))
-        )
-
     @property
     def pixel_multiple(self) -> int:
         vae = 2 ** len(self._vae_config["temperal_downsample"])  # as the pipeline computes it
-        patch = int(tuple(self._transformer_config.get("patch_size", (1, 2, 2)))[1])
+        patch = int(tuple(self._denoiser_config.get("patch_size", (1, 2, 2)))[1])
         return max(vae * patch, 16)  # the pipeline refuses sides not divisible by 16
 
 

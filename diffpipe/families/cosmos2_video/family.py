@@ -118,14 +118,12 @@ class Cosmos2VideoFamily(Cosmos2Family):
     def __init__(self, cfg):
         super().__init__(cfg)
         if cfg.flavor == "local":
-            _ = self._transformer_config  # a Text2Image folder is refused here, before anything loads
+            _ = self._denoiser_config  # a Text2Image folder is refused here, before anything loads
 
     @cached_property
-    def _transformer_config(self) -> dict[str, Any]:
-        if self.cfg.flavor == "tiny":
-            return dict(TINY_TRANSFORMER_V2W)
-        config = dict(CosmosTransformer3DModel.load_config(self.cfg.path, subfolder="transformer"))
-        if config.get("in_channels") != config.get("out_channels", 16) + 1:
+    def _denoiser_config(self) -> dict[str, Any]:
+        config = Family._denoiser_config.func(self)
+        if self.cfg.flavor == "local" and config.get("in_channels") != config.get("out_channels", 16) + 1:
             raise ValueError(
                 f"model.path {self.cfg.path}: transformer/config.json has in_channels "
                 f"{config.get('in_channels')}, not latent channels + 1 (the condition mask): this is not a "

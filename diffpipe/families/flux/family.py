@@ -85,12 +85,6 @@ class FluxFamily(Family):
 
     # -- configs -------------------------------------------------------------
     @cached_property
-    def _vae_config(self) -> dict[str, Any]:
-        if self.cfg.flavor == "tiny":
-            return dict(TINY_VAE)
-        return dict(AutoencoderKL.load_config(self.cfg.path, subfolder="vae"))
-
-    @cached_property
     def _scheduler_config(self) -> dict[str, Any]:
         if self.cfg.flavor == "tiny":
             return dict(TINY_SCHEDULER)

@@ -76,6 +76,7 @@ _tiny_llama = common.tiny_text_model(LlamaForCausalLM, LlamaConfig, TINY_LLAMA, 
 class HiDreamFamily(Family):
     name = "hidream"
     vae_model = Model(AutoencoderKL, TINY_VAE)
+    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(HiDreamImageTransformer2DModel, TINY_TRANSFORMER)
     text_parts: ClassVar[dict[str, TextPart]] = {
         "tokenizer": Tokenizer(CLIPTokenizer, clip_tokenizer),
@@ -96,16 +97,6 @@ class HiDreamFamily(Family):
                                                  "to_out_t", "shared_experts.w1", "shared_experts.w2",
                                                  "shared_experts.w3"]
 
-    @cached_property
-    def _vae_config(self) -> dict[str, Any]:
-        return dict(TINY_VAE) if self.cfg.flavor == "tiny" else dict(
-            AutoencoderKL.load_config(self.cfg.path, subfolder="vae"))
-
-    @cached_property
-    def _scheduler_config(self) -> dict[str, Any]:
-        return dict(TINY_SCHEDULER) if self.cfg.flavor == "tiny" else dict(
-            FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
-
     @property
     def pixel_multiple(self) -> int:
         return 2 ** (len(self._vae_config["block_out_channels"]) - 1) * 2
@@ -121,8 +112,6 @@ class HiDreamFamily(Family):
     def text_settings(self) -> dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length}
 
-    def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
-        return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
 
     def load_pipeline(self) -> HiDreamImagePipeline:
         pipe = super().load_pipeline()

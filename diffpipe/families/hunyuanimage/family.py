@@ -19,7 +19,6 @@ writes) and ``load_lora_weights`` cannot work. Importing this module registers i
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -46,6 +45,7 @@ from diffpipe.families.qwenimage.family import tiny_qwen_tokenizer, tiny_qwen_vl
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, Prepared
+from diffpipe.models.components import Model
 from diffpipe.models.tokenizers import tokenizer_fingerprint
 from diffpipe.training import objectives as obj
 from diffpipe.utils import digest
@@ -79,7 +79,9 @@ class HunyuanText:
 
 class HunyuanImageFamily(Family):
     name = "hunyuanimage"
-    vae_class = AutoencoderKLHunyuanImage
+    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
+    vae_model = Model(AutoencoderKLHunyuanImage, TINY_VAE)
+    denoiser_model = Model(HunyuanImageTransformer2DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
     #: Attention of both streams and the feed-forwards of the double blocks (Flux-like blocks).
     default_lora_targets: ClassVar[list[str]] = [
@@ -88,23 +90,11 @@ class HunyuanImageFamily(Family):
         "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
     ]
 
-    @cached_property
-    def _vae_config(self) -> dict[str, Any]:
-        return dict(TINY_VAE) if self.cfg.flavor == "tiny" else dict(
-            AutoencoderKLHunyuanImage.load_config(self.cfg.path, subfolder="vae"))
-
-    @cached_property
-    def _scheduler_config(self) -> dict[str, Any]:
-        return dict(TINY_SCHEDULER) if self.cfg.flavor == "tiny" else dict(
-            FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
-
     @property
     def pixel_multiple(self) -> int:
         return self._vae_config["spatial_compression_ratio"]
 
     # -- components ------------------------------------------------------------
-    def load_vae(self) -> AutoencoderKLHunyuanImage:
-        return common.component(AutoencoderKLHunyuanImage, self.cfg, self.name, "vae", TINY_VAE)
 
     def load_tokenizers(self) -> HunyuanText:
         if self.cfg.flavor == "tiny":
@@ -130,11 +120,7 @@ class HunyuanImageFamily(Family):
         e.text_encoder_2 = common.pretrained_text_encoder(T5EncoderModel, self.cfg, "text_encoder_2")
         return e
 
-    def load_denoiser(self) -> HunyuanImageTransformer2DModel:
-        return common.component(HunyuanImageTransformer2DModel, self.cfg, self.name, "transformer", TINY_TRANSFORMER)
 
-    def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
-        return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
 
     def load_pipeline(self) -> HunyuanImagePipeline:
         # Classifier-free guidance is a pipeline component here (the ``guider``): the folder's own

@@ -83,6 +83,7 @@ _tiny_llama = common.tiny_text_model(LlamaModel, LlamaConfig, TINY_LLAMA, "hunyu
 class HunyuanVideoFamily(Family):
     name = "hunyuanvideo"
     vae_model = Model(AutoencoderKLHunyuanVideo, TINY_VAE)
+    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(HunyuanVideoTransformer3DModel, TINY_TRANSFORMER)
     text_parts: ClassVar[dict[str, TextPart]] = {
         "tokenizer": Tokenizer(AutoTokenizer, tiny_llama_tokenizer),
@@ -113,37 +114,13 @@ class HunyuanVideoFamily(Family):
     train_guidance: ClassVar[float] = 1.0
 
     # -- configs and geometry ------------------------------------------------------
-    @cached_property
-    def _vae_config(self) -> dict[str, Any]:
-        return (
-            dict(TINY_VAE)
-            if self.cfg.flavor == "tiny"
-            else dict(AutoencoderKLHunyuanVideo.load_config(self.cfg.path, subfolder="vae"))
-        )
-
-    @cached_property
-    def _transformer_config(self) -> dict[str, Any]:
-        return (
-            dict(TINY_TRANSFORMER)
-            if self.cfg.flavor == "tiny"
-            else dict(HunyuanVideoTransformer3DModel.load_config(self.cfg.path, subfolder="transformer"))
-        )
-
-    @cached_property
-    def _scheduler_config(self) -> dict[str, Any]:
-        return (
-            dict(TINY_SCHEDULER)
-            if self.cfg.flavor == "tiny"
-            else dict(FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
-        )
-
     @property
     def frame_rule(self) -> tuple[int, int]:
         return int(self._vae_config.get("temporal_compression_ratio", 4)), 1
 
     @property
     def pixel_multiple(self) -> int:
-        return int(self._vae_config.get("spatial_compression_ratio", 8)) * int(self._transformer_config["patch_size"])
+        return int(self._vae_config.get("spatial_compression_ratio", 8)) * int(self._denoiser_config["patch_size"])
 
     @property
     def flow_shift(self) -> float:

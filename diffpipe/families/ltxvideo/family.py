@@ -23,7 +23,6 @@ sides that are multiples of 32 (``LTXPipeline.check_inputs``).
 from __future__ import annotations
 
 import math
-from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -46,6 +45,7 @@ class LTXVideoFamily(video.T5TextFamily, Family):
     name = "ltxvideo"
     t5_max_length = MAX_LENGTH
     vae_model = Model(AutoencoderKLLTXVideo, TINY_VAE)
+    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(LTXVideoTransformer3DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
     is_video = True
@@ -53,30 +53,6 @@ class LTXVideoFamily(video.T5TextFamily, Family):
     default_lora_targets: ClassVar[list[str]] = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]
 
     # -- configs and geometry ------------------------------------------------------
-    @cached_property
-    def _vae_config(self) -> dict[str, Any]:
-        return (
-            dict(TINY_VAE)
-            if self.cfg.flavor == "tiny"
-            else dict(AutoencoderKLLTXVideo.load_config(self.cfg.path, subfolder="vae"))
-        )
-
-    @cached_property
-    def _transformer_config(self) -> dict[str, Any]:
-        return (
-            dict(TINY_TRANSFORMER)
-            if self.cfg.flavor == "tiny"
-            else dict(LTXVideoTransformer3DModel.load_config(self.cfg.path, subfolder="transformer"))
-        )
-
-    @cached_property
-    def _scheduler_config(self) -> dict[str, Any]:
-        return (
-            dict(TINY_SCHEDULER)
-            if self.cfg.flavor == "tiny"
-            else dict(FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
-        )
-
     @property
     def compression(self) -> tuple[int, int]:
         """``(temporal, spatial)`` compression of the VAE, computed as the VAE computes it."""
@@ -92,7 +68,7 @@ class LTXVideoFamily(video.T5TextFamily, Family):
 
     @property
     def pixel_multiple(self) -> int:
-        return self.compression[1] * int(self._transformer_config.get("patch_size", 1))
+        return self.compression[1] * int(self._denoiser_config.get("patch_size", 1))
 
     def timestep_shift(self, seq_len: int) -> float:
         """The shift ``LTXPipeline`` applies at ``seq_len`` latent tokens (``exp(mu)``, or the fixed shift)."""
@@ -139,7 +115,7 @@ class LTXVideoFamily(video.T5TextFamily, Family):
         t, noise = video.draw(o, x0, generator, t, noise)
         _, _, f, h, w = x0.shape
         sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(f * h * w))
-        c = self._transformer_config
+        c = self._denoiser_config
         p, pt = int(c.get("patch_size", 1)), int(c.get("patch_size_t", 1))
 
         def pack(x: torch.Tensor) -> torch.Tensor:

@@ -46,6 +46,7 @@ _tiny_gemma = common.tiny_text_model(Gemma2Model, Gemma2Config, TINY_GEMMA, "lum
 class Lumina2Family(Family):
     name = "lumina2"
     vae_model = Model(AutoencoderKL, TINY_VAE8)
+    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(Lumina2Transformer2DModel, TINY_TRANSFORMER)
     text_parts: ClassVar[dict[str, TextPart]] = {
         "tokenizer": Tokenizer(AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH)),
@@ -58,16 +59,6 @@ class Lumina2Family(Family):
         "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
         "feed_forward.linear_1", "feed_forward.linear_2", "feed_forward.linear_3",
     ]
-
-    @cached_property
-    def _vae_config(self) -> dict[str, Any]:
-        return dict(TINY_VAE8) if self.cfg.flavor == "tiny" else dict(
-            AutoencoderKL.load_config(self.cfg.path, subfolder="vae"))
-
-    @cached_property
-    def _scheduler_config(self) -> dict[str, Any]:
-        return dict(TINY_SCHEDULER) if self.cfg.flavor == "tiny" else dict(
-            FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
 
     @property
     def pixel_multiple(self) -> int:
@@ -84,8 +75,6 @@ class Lumina2Family(Family):
     def text_settings(self) -> dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length, "system_prompt": SYSTEM_PROMPT}
 
-    def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
-        return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
 
     @property
     def pipeline_class(self) -> type:

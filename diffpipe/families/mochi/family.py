@@ -25,7 +25,6 @@ attention of both streams (``attn1.to_q``, ``attn1.to_k``, ``attn1.to_v``,
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -48,6 +47,7 @@ class MochiFamily(video.T5TextFamily, Family):
     name = "mochi"
     t5_max_length = MAX_LENGTH
     vae_model = Model(AutoencoderKLMochi, TINY_VAE)
+    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(MochiTransformer3DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
     is_video = True
@@ -67,14 +67,6 @@ class MochiFamily(video.T5TextFamily, Family):
         "ff_context.net.0.proj",
         "ff_context.net.2",
     ]
-
-    @cached_property
-    def _scheduler_config(self) -> dict[str, Any]:
-        return (
-            dict(TINY_SCHEDULER)
-            if self.cfg.flavor == "tiny"
-            else dict(FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
-        )
 
     @property
     def pixel_multiple(self) -> int:

@@ -76,6 +76,7 @@ def tiny_qwen_vl(tok: PreTrainedTokenizerBase, seed: int, component: str,
 class QwenImageFamily(Family):
     name = "qwenimage"
     vae_model = Model(AutoencoderKLQwenImage, TINY_VAE)
+    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(QwenImageTransformer2DModel, TINY_TRANSFORMER)
     text_parts: ClassVar[dict[str, TextPart]] = {
         "tokenizer": Tokenizer(AutoTokenizer, lambda: tiny_qwen_tokenizer(TINY_LENGTH + DROP)),
@@ -90,16 +91,6 @@ class QwenImageFamily(Family):
         "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
         "img_mlp.net.0.proj", "img_mlp.net.2",
     ]
-
-    @cached_property
-    def _vae_config(self) -> dict[str, Any]:
-        return dict(TINY_VAE) if self.cfg.flavor == "tiny" else dict(
-            AutoencoderKLQwenImage.load_config(self.cfg.path, subfolder="vae"))
-
-    @cached_property
-    def _scheduler_config(self) -> dict[str, Any]:
-        return dict(TINY_SCHEDULER) if self.cfg.flavor == "tiny" else dict(
-            FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
 
     @property
     def vae_factor(self) -> int:
@@ -129,8 +120,6 @@ class QwenImageFamily(Family):
                              c.get("base_shift", 0.5), c.get("max_shift", 1.15))
         return math.exp(mu) if c.get("time_shift_type", "exponential") == "exponential" else mu
 
-    def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
-        return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
 
     @property
     def pipeline_class(self) -> type:

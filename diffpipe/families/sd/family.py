@@ -68,18 +68,6 @@ class SDFamily(Family):
 
     # -- configs (read once per instance: local ones live on disk) -------------
     @cached_property
-    def _vae_config(self) -> dict[str, Any]:
-        if self.cfg.flavor == "tiny":
-            return dict(TINY_VAE)
-        return dict(AutoencoderKL.load_config(self.cfg.path, subfolder="vae"))
-
-    @cached_property
-    def _unet_config(self) -> dict[str, Any]:
-        if self.cfg.flavor == "tiny":
-            return dict(TINY_UNET)
-        return dict(UNet2DConditionModel.load_config(self.cfg.path, subfolder="unet"))
-
-    @cached_property
     def _scheduler_config(self) -> dict[str, Any]:
         if self.cfg.flavor == "tiny":
             config = dict(TINY_SCHEDULER)
@@ -115,7 +103,7 @@ class SDFamily(Family):
     def pixel_multiple(self) -> int:
         # VAE downsampling x UNet downsampling, so every UNet level has whole pixels.
         vae_factor = 2 ** (len(self._vae_config["block_out_channels"]) - 1)
-        unet_factor = 2 ** (len(self._unet_config["block_out_channels"]) - 1)
+        unet_factor = 2 ** (len(self._denoiser_config["block_out_channels"]) - 1)
         return vae_factor * unet_factor
 
     # -- components ------------------------------------------------------------

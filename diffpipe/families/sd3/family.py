@@ -58,6 +58,7 @@ def _tiny_clip(component: str):
 class SD3Family(Family):
     name = "sd3"
     vae_model = Model(AutoencoderKL, TINY_VAE)
+    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(SD3Transformer2DModel, TINY_TRANSFORMER)
     text_parts: ClassVar[dict[str, TextPart]] = {
         "tokenizer": Tokenizer(CLIPTokenizer, clip_tokenizer),
@@ -82,24 +83,6 @@ class SD3Family(Family):
     clip_components: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
 
     @cached_property
-    def _vae_config(self) -> dict[str, Any]:
-        if self.cfg.flavor == "tiny":
-            return dict(TINY_VAE)
-        return dict(AutoencoderKL.load_config(self.cfg.path, subfolder="vae"))
-
-    @cached_property
-    def _transformer_config(self) -> dict[str, Any]:
-        if self.cfg.flavor == "tiny":
-            return dict(TINY_TRANSFORMER)
-        return dict(SD3Transformer2DModel.load_config(self.cfg.path, subfolder="transformer"))
-
-    @cached_property
-    def _scheduler_config(self) -> dict[str, Any]:
-        if self.cfg.flavor == "tiny":
-            return dict(TINY_SCHEDULER)
-        return dict(FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
-
-    @cached_property
     def max_sequence_length(self) -> int:
         """T5 tokens per prompt: the pipeline's default 256, or less if the T5 tokenizer says so."""
         if self.cfg.flavor == "tiny":
@@ -111,13 +94,11 @@ class SD3Family(Family):
     @property
     def pixel_multiple(self) -> int:
         vae = 2 ** (len(self._vae_config["block_out_channels"]) - 1)
-        return vae * self._transformer_config.get("patch_size", 2)
+        return vae * self._denoiser_config.get("patch_size", 2)
 
     def text_settings(self) -> dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length}
 
-    def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
-        return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
 
     @property
     def pipeline_class(self) -> type:

@@ -69,18 +69,6 @@ class SDXLFamily(SDFamily):
     default_lora_targets: ClassVar[list[str]] = SDFamily.default_lora_targets
 
     @cached_property
-    def _vae_config(self) -> dict[str, Any]:
-        if self.cfg.flavor == "tiny":
-            return dict(TINY_VAE_XL)
-        return dict(AutoencoderKL.load_config(self.cfg.path, subfolder="vae"))
-
-    @cached_property
-    def _unet_config(self) -> dict[str, Any]:
-        if self.cfg.flavor == "tiny":
-            return dict(TINY_UNET)
-        return dict(UNet2DConditionModel.load_config(self.cfg.path, subfolder="unet"))
-
-    @cached_property
     def _scheduler_config(self) -> dict[str, Any]:
         config = dict(TINY_SCHEDULER) if self.cfg.flavor == "tiny" else dict(
             EulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
