@@ -1,5 +1,4 @@
-"""Flavors of family ``sd3``: the tiny configs (built offline from the real classes) and the
-published models' denoiser configs (sized on the meta device by ``diffpipe estimate`` and the tests)."""
+"""``sd3``: the tiny flavor's configs and the published models (see ``diffpipe.models.spec``)."""
 
 from __future__ import annotations
 
