@@ -530,3 +530,21 @@ def get_family(cfg: ModelConfig) -> Family:
 
     cls = spec(cfg.family).family_type()
     return cls(hub.resolved(cfg))  # a Hugging Face id becomes its cached snapshot folder
+
+
+class ReferenceTokens:
+    """Edit families (put before the base family in the bases): the control latents become reference tokens
+    (``prepared.extra["reference"]``, from :meth:`reference_tokens`) beside the base family's inputs; the
+    family's ``predict`` appends them to the sequence and keeps the target tokens' output."""
+
+    def reference_tokens(self, control: torch.Tensor) -> Any:
+        """Control latents ``[B, C, h, w]`` -> what ``predict`` appends (tokens and their positions)."""
+        raise NotImplementedError
+
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32, control: torch.Tensor | None = None) -> Prepared:
+        """The base family's inputs, with the control latents as reference tokens."""
+        reference = self.reference_tokens(self.reference_image(control, latents))
+        p = super().prepare(latents, text, generator, objective=objective, t=t, noise=noise, mask=mask, dtype=dtype)
+        p.extra["reference"] = reference
+        return p

@@ -22,7 +22,7 @@ from diffusers import FluxKontextPipeline, FluxPipeline
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.flux.family import FluxFamily
-from diffpipe.models.base import Family, Prepared
+from diffpipe.models.base import Family, Prepared, ReferenceTokens
 
 
 def reference_tokens(control: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,9 +38,10 @@ def reference_tokens(control: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     return tokens, ids
 
 
-class FluxKontextFamily(FluxFamily):
+class FluxKontextFamily(ReferenceTokens, FluxFamily):
     #: Not the parent family's layers: this family's spec says why it has none.
     pipeline_layers = Family.pipeline_layers
+    reference_tokens = staticmethod(reference_tokens)
     name = "flux-kontext"
     uses_control = True
 
@@ -53,13 +54,6 @@ class FluxKontextFamily(FluxFamily):
         # height and width say: keep the configured size.
         return {**super().sample_kwargs(cfg), "max_area": cfg.width * cfg.height}
 
-    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
-                dtype=torch.float32, control: torch.Tensor | None = None) -> Prepared:
-        """Flux's inputs, with the control latents as reference tokens (``extra["reference"]``)."""
-        reference = reference_tokens(self.reference_image(control, latents))
-        p = super().prepare(latents, text, generator, objective=objective, t=t, noise=noise, mask=mask, dtype=dtype)
-        p.extra["reference"] = reference
-        return p
 
     def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
         """Flux's forward with the reference tokens appended; the target tokens' output."""

@@ -49,7 +49,7 @@ from diffpipe.config import SampleConfig
 from diffpipe.families.qwenimage.family import MAX_LENGTH, TINY_TEXT, TINY_VISION, QwenImageFamily
 from diffpipe.families.qwenimage_edit.flavors import TINY_LENGTH, TINY_PIXELS
 from diffpipe.models import _common as common
-from diffpipe.models.base import Family, Prepared
+from diffpipe.models.base import Family, Prepared, ReferenceTokens
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 from diffpipe.models.tokenizers import tokenizer_fingerprint
 from diffpipe.utils import digest
@@ -141,9 +141,10 @@ def reference_tokens(control: torch.Tensor) -> tuple[torch.Tensor, tuple[int, in
     return QwenImageEditPipeline._pack_latents(control, b, c, h, w), (1, h // 2, w // 2)
 
 
-class QwenImageEditFamily(QwenImageFamily):
+class QwenImageEditFamily(ReferenceTokens, QwenImageFamily):
     #: Not the parent family's layers: this family's spec says why it has none.
     pipeline_layers = Family.pipeline_layers
+    reference_tokens = staticmethod(reference_tokens)
     name = "qwenimage-edit"
     uses_control = True
     text_uses_control = True
@@ -289,13 +290,6 @@ class QwenImageEditFamily(QwenImageFamily):
         return {"qwen": [len(x) - DROP - 1 for x in ids]}
 
     # -- training ----------------------------------------------------------------
-    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
-                dtype=torch.float32, control: torch.Tensor | None = None) -> Prepared:
-        """Qwen-Image's inputs, with the control latents as reference tokens (``extra["reference"]``)."""
-        reference = reference_tokens(self.reference_image(control, latents))
-        p = super().prepare(latents, text, generator, objective=objective, t=t, noise=noise, mask=mask, dtype=dtype)
-        p.extra["reference"] = reference
-        return p
 
     def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
         """The forward with the reference tokens appended (and their grid in ``img_shapes``); the target
