@@ -527,6 +527,30 @@ class EvalConfig(_Section):
         return self
 
 
+class EmaConfig(_Section):
+    enabled: bool = Field(
+        False,
+        description="Keep an exponential moving average of the trained LoRA weights (float32, updated after "
+        "optimizer steps, saved in every checkpoint so resume is exact). LoRA training, ZeRO 0-2, one pipeline "
+        "stage.",
+    )
+    decay: Float = Field(
+        0.999,
+        description="The average's decay; at update t+1 the decay is min(decay, (1 + t) / (10 + t)) (diffusers' "
+        "EMAModel), 0 at the first update, so the average starts at the weights.",
+        gt=0, lt=1,
+    )
+    update_every: Int = Field(1, description="Fold the weights in every N optimizer steps.", ge=1, le=MAX_STEPS)
+    output: Literal["ema", "raw"] = Field(
+        "ema",
+        description="Which weights become the run's adapter (`train/adapter/`, what `diffpipe export` and the "
+        "sample stage read): `ema`, the raw weights going to `train/adapter_raw/`; or `raw`, the average going "
+        "to `train/adapter_ema/`. Export the other with `diffpipe export <run>/train/adapter_raw` (or "
+        "`adapter_ema`).",
+    )
+    samples: bool = Field(False, description="Render the in-training samples from the average.")
+
+
 class ObjectiveConfig(_Section):
     loss: Literal["mse", "huber"] = Field(
         "mse", description="`mse`, or `huber`: pseudo-Huber, robust to outlier items (Khrapov et al. 2024)."
@@ -712,6 +736,7 @@ class TrainConfig(_Section):
         default_factory=ObjectiveConfig, description="Timestep sampling, loss and loss weighting."
     )
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Eval loss at fixed timesteps and noise.")
+    ema: EmaConfig = Field(default_factory=EmaConfig, description="Exponential moving average of the weights.")
     sample_every_steps: Int = Field(
         0, description="Render the `sample` prompts from the in-training weights every N steps (0: off).", ge=0,
         le=MAX_STEPS,
@@ -751,6 +776,13 @@ class TrainConfig(_Section):
                              "weight: use train.mode lora or base_weights auto")
         if self.base_weights == "fp8" and self.pipeline_stages > 1:
             raise ValueError("train.base_weights: fp8 needs train.pipeline_stages: 1")
+        return self
+
+    @model_validator(mode="after")
+    def _check_ema(self) -> TrainConfig:
+        if self.ema.enabled and (self.mode != "lora" or self.zero_stage == 3 or self.pipeline_stages > 1):
+            raise ValueError("train.ema needs train.mode lora, train.zero_stage 0-2 and train.pipeline_stages: 1 "
+                             "(the average is kept beside whole LoRA weights on every process)")
         return self
 
     @model_validator(mode="after")

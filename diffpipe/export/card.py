@@ -79,6 +79,8 @@ def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *,
         f"trained steps: {info.training.get('step', '?')}, epochs: {info.training.get('epoch', '?')}",
         f"- targets: {', '.join(f'`{t}`' for t in info.targets)}",
         f"- dataset: {info.dataset.get('items', '?')} items",
+        *([f"- weights: the exponential moving average of the trained weights (decay "
+           f"{info.training['ema_decay']:g}), not the last step's"] if "ema_decay" in info.training else []),
         "",
         "## Files",
         "",

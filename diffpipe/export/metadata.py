@@ -135,7 +135,7 @@ def gather_info(adapter_dir: str | Path, lora_cfg: peft.LoraConfig, family: Fami
         alpha=float(lora_cfg.lora_alpha if adapter_kind(lora_cfg) in ("lora", "dora") else lora_cfg.alpha),
         kind=adapter_kind(lora_cfg),
         targets=[lora_cfg.target_modules] if isinstance(lora_cfg.target_modules, str) else sorted(lora_cfg.target_modules),
-        training={k: header[k] for k in ("step", "epoch") if k in header},
+        training={k: header[k] for k in ("step", "epoch", "ema_decay") if k in header},
         dataset=_dataset_summary(run),
         config=resolved,
         trigger_words=triggers,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -18,6 +19,8 @@ from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training import checkpoint as ckpt
 from diffpipe.training import engine, offload, pipeline, precision
+from diffpipe.training.ema import STATE_NAME as EMA_STATE
+from diffpipe.training.ema import Ema
 from diffpipe.training.eval import Evaluator, aux_inputs, eval_dataset
 from diffpipe.training.flops import StepFlops
 from diffpipe.training.metrics import MetricsWriter, peak_memory_mb, plot_loss, read_metrics
@@ -151,6 +154,7 @@ class Trainer:
             self.model = engine.build_engine(denoiser, optimizer, make_scheduler(optimizer), tc, dist.world_size)
             offload.install(denoiser, tc.block_swap, engine.device())  # after DeepSpeed moved and cast the module
         self.scheduler = self.model.lr_scheduler
+        self.ema = Ema(self.params, tc.ema) if tc.ema.enabled else None
         # Noise and timesteps differ per replica but are reproducible per (seed, replica).
         self.gen = torch.Generator(device=engine.device()).manual_seed(tc.seed * 1000 + self.dp_rank)
 
@@ -160,6 +164,8 @@ class Trainer:
         start = 0
         if self.resume_from is not None:
             start = _resume(self.model, self.gen, paths, self.resume_from, dist.rank, dist.world_size)
+            if self.ema is not None:
+                self.ema.load(self.resume_from / EMA_STATE)
             if dist.is_main:
                 self.log(f"train: resumed from step {start} ({paths.checkpoints})")
         elif dist.is_main:
@@ -193,7 +199,13 @@ class Trainer:
         epoch, in_epoch = divmod(step, self.order.steps_per_epoch)
         trained = self.trained
         # The LoRA goes in as an adapter folder too (for export); full weights live in DeepSpeed's files.
-        write_adapter = (lambda d: None) if trained.full else (lambda d: trained.save(d, step=step, epoch=epoch))
+        # The EMA state goes beside it (every rank holds the same average: rank 0 writes it).
+        def write_adapter(folder: Path) -> None:
+            if not trained.full:
+                trained.save(folder, step=step, epoch=epoch)
+            if self.ema is not None and self.dist.is_main:
+                self.ema.save(folder.parent / EMA_STATE)
+
         return ckpt.save_checkpoint(
             self.model, self.paths.checkpoints, step=step, rank=self.dist.rank, keep_last=self.tc.keep_checkpoints,
             meta={**self.run_meta, "epoch": epoch, "step_in_epoch": in_epoch},
@@ -213,6 +225,8 @@ class Trainer:
             else:
                 loss, grad_norm = _train_step(model, self.family, data, micro, self.gen, self.params,
                                               tc.caption_dropout, tc.objective)
+        if self.ema is not None:
+            self.ema.update(done)
         step_loss = engine.mean_over_ranks(loss, self.dist.world_size)
         dt = time.perf_counter() - t0
         self.losses.append(step_loss)
@@ -227,7 +241,8 @@ class Trainer:
         if epoch_end and not self.trained.full and tc.save_every_epochs and (epoch + 1) % tc.save_every_epochs == 0:
             self.trained.save(self.paths.epoch_loras / f"epoch-{epoch + 1:04d}", step=done, epoch=epoch + 1)
         if self.dist.is_main and _sample_due(tc, done, epoch_end, epoch):
-            self.metrics.image("samples", self.sampler(done)[1], done)
+            with self.ema.applied() if self.ema is not None and tc.ema.samples else contextlib.nullcontext():
+                self.metrics.image("samples", self.sampler(done)[1], done)
         ckpt.fault_point("after-step", done)
         if self.trigger.due(done):
             self.save_checkpoint(done)
@@ -241,7 +256,15 @@ class Trainer:
         if self.last_saved != order.total or not ckpt.list_checkpoints(paths.checkpoints):
             self.save_checkpoint(order.total)
         self.metrics.close()
-        trained.save(trained.output_dir(paths), step=order.total, epoch=order.epochs)
+        out = trained.output_dir(paths)
+        if self.ema is None:
+            trained.save(out, step=order.total, epoch=order.epochs)
+        else:  # the average and the raw weights: one is the run's adapter, the other beside it
+            ema_out = self.tc.ema.output == "ema"
+            raw_dir, ema_dir = (paths.train_dir / "adapter_raw", out) if ema_out else (out, paths.train_dir / "adapter_ema")
+            trained.save(raw_dir, step=order.total, epoch=order.epochs)
+            with self.ema.applied():
+                trained.save(ema_dir, step=order.total, epoch=order.epochs, ema_decay=self.tc.ema.decay)
         agree = trained.ranks_agree(dist.world_size)
         seconds = time.perf_counter() - self.t_start
         if dist.is_main:
