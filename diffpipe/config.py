@@ -258,6 +258,16 @@ class DatasetConfig(_Section):
         64, description="Training resolution in pixels (bucket area = resolution²).", gt=0, le=MAX_SIDE
     )
     repeats: Int = Field(1, description="How many times each item appears per epoch.", ge=1, le=MAX_REPEATS)
+    role: Literal["train", "regularization"] = Field(
+        "train",
+        description="`regularization`: a prior-preservation set (class images, as DreamBooth trainers use): its "
+        "items train with `loss_weight` and their loss is logged apart (`loss_reg` in metrics.jsonl and "
+        "TensorBoard, beside `loss_train`).",
+    )
+    loss_weight: Float = Field(
+        1.0, description="Weight of this dataset's items in the training loss (each item's loss is multiplied "
+        "by it; the step's loss is the batch mean).", ge=0, le=MAX_REPEATS,
+    )
     caption_prefix: str = Field("", description="Text put before every caption (e.g. a trigger word).")
     weight: Float = Field(
         1.0,

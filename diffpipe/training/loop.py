@@ -222,9 +222,10 @@ class Trainer:
             if tc.pipeline_stages > 1:
                 loss, grad_norm = _pipeline_step(model, self.family, data, micro, self.gen, tc.caption_dropout,
                                                  tc.objective)
+                split = {}
             else:
-                loss, grad_norm = _train_step(model, self.family, data, micro, self.gen, self.params,
-                                              tc.caption_dropout, tc.objective)
+                loss, grad_norm, split = _train_step(model, self.family, data, micro, self.gen, self.params,
+                                                     tc.caption_dropout, tc.objective)
         if self.ema is not None:
             self.ema.update(done)
         step_loss = engine.mean_over_ranks(loss, self.dist.world_size)
@@ -235,7 +236,7 @@ class Trainer:
         self.metrics.log(done, epoch=epoch, loss=step_loss, lr=self.scheduler.get_last_lr()[0], grad_norm=grad_norm,
                          samples_per_s=self.samples_per_step / dt, step_time=dt,
                          peak_memory_mb=peak_memory_mb(model.device), elapsed_s=time.perf_counter() - self.t_start,
-                         **self.flops.fields(dt), **evals)
+                         **self.flops.fields(dt), **evals, **self._split_losses(split))
         self.profiler.step()
         epoch_end = done % order.steps_per_epoch == 0
         if epoch_end and not self.trained.full and tc.save_every_epochs and (epoch + 1) % tc.save_every_epochs == 0:
@@ -248,6 +249,20 @@ class Trainer:
             self.save_checkpoint(done)
             self.trigger.saved()
             self.last_saved = done
+
+    def _split_losses(self, split: dict[str, torch.Tensor]) -> dict[str, float]:
+        """``loss_train`` / ``loss_reg``: the step's mean unweighted loss of each role's items over every rank
+        (only when the data has regularisation items or loss weights; a role with no item this step is left out)."""
+        if not self.data.has_loss_weights:
+            return {}
+        out = {}
+        for name, losses in split.items():  # every rank reduces both, in the same order
+            total = torch.stack([losses.sum(), torch.tensor(float(losses.numel()), device=losses.device)])
+            if self.dist.world_size > 1:
+                torch.distributed.all_reduce(total)
+            if total[1] > 0:
+                out[name] = float(total[0] / total[1])
+        return out
 
     def finish(self, start: int) -> TrainResult:
         """The last checkpoint, the trained adapter (or denoiser), the loss plot and the run summary."""
@@ -286,14 +301,16 @@ def _train_step(model, family, data: CachedDataset, micro_batches: list[list[int
     Returns the mean loss and the gradient norm before clipping.
     """
     micro_losses, norm = [], None
+    parts: dict[str, list[torch.Tensor]] = {"loss_train": [], "loss_reg": []}
     for idx in micro_batches:
         batch = data.collate(idx)
         latents = batch["latents"].to(model.device)
         text = {k: v.to(model.device) for k, v in batch["text"].items()}
         if caption_dropout:
             text = _drop_captions(text, data.empty_text, caption_dropout, gen)
-        loss = family.loss(model, latents, text, gen, objective=objective,
-                           **aux_inputs(family, batch, model.device)).mean()
+        per_sample = family.loss(model, latents, text, gen, objective=objective,
+                                 **aux_inputs(family, batch, model.device))
+        loss = weighted_loss(per_sample, batch, parts)
         model.backward(loss)
         if model.zero_optimization_stage() == 0 and model.is_gradient_accumulation_boundary():
             # Without ZeRO, DeepSpeed reports no norm; grads are all-reduced by now.
@@ -301,13 +318,31 @@ def _train_step(model, family, data: CachedDataset, micro_batches: list[list[int
         model.step()
         micro_losses.append(loss.detach())
     ds_norm = model.get_global_grad_norm()
-    return torch.stack(micro_losses).mean(), float(ds_norm) if ds_norm is not None else norm
+    split = {k: torch.cat(v) if v else torch.zeros(0, device=model.device) for k, v in parts.items()}
+    return torch.stack(micro_losses).mean(), float(ds_norm) if ds_norm is not None else norm, split
+
+
+def weighted_loss(per_sample: torch.Tensor, batch: dict[str, Any], parts: dict[str, list[torch.Tensor]]
+                  ) -> torch.Tensor:
+    """The batch's loss: the mean of each item's loss times its dataset's ``loss_weight``. With
+    regularisation items or weights in the batch, their unweighted losses go to ``parts`` (``loss_train``,
+    ``loss_reg``) for logging."""
+    weights = batch.get("loss_weights")
+    if weights is None:
+        return per_sample.mean()
+    weights, reg = weights.to(per_sample.device), batch["regularization"].to(per_sample.device)
+    parts["loss_train"].append(per_sample[~reg].detach().float())
+    parts["loss_reg"].append(per_sample[reg].detach().float())
+    return (per_sample * weights).mean()
 
 
 def _check_aux(family, data: CachedDataset, tc: TrainConfig, log) -> None:
     """Refuse aux data the run cannot use; say when cached control images go unused."""
     if data.has_masks and tc.pipeline_stages > 1:
         raise ValueError("loss masks (datasets[].mask_path / mask_column) need train.pipeline_stages: 1")
+    if data.has_loss_weights and tc.pipeline_stages > 1:
+        raise ValueError("datasets[].loss_weight / role: regularization need train.pipeline_stages: 1 (the last "
+                         "stage's loss sees no per-item weights)")
     if family.uses_control and not data.has_controls:
         raise ValueError(f"model family {family.name!r} needs a control image per item: set "
                          "datasets[].control_path or control_column")

@@ -213,6 +213,9 @@ def _entries(
             dtype=dtype,
             pixel_multiple=pixel_multiple,
         )
+    if ds.role != "train" or ds.loss_weight != 1:  # only then: default specs stay as they were
+        for e in out:
+            e["role"], e["loss_weight"] = ds.role, ds.loss_weight
     return out
 
 

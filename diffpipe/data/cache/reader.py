@@ -15,6 +15,7 @@ import math
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -38,6 +39,8 @@ class _Item:
     sizes: tuple[int, int, int, int] | None = None
     key: str = ""  # the plan's latent cache key (image content and transform)
     text_key: str = ""  # the plan's text cache key (caption)
+    loss_weight: float = 1.0  # datasets[].loss_weight
+    regularization: bool = False  # datasets[].role: regularization
 
 
 def _concat(parts: list[np.ndarray], dtype: str) -> torch.Tensor:
@@ -140,7 +143,13 @@ class CachedDataset:
             "control_missing": [],
             "control_embeds": None,
             "sizes": None,
+            # Per-item loss weights and which items are regularisation (None: every weight 1, no reg item).
+            "loss_weights": None,
+            "regularization": None,
         }
+        if self.has_loss_weights:  # every batch then, so each step logs both roles' losses
+            batch["loss_weights"] = torch.tensor([it.loss_weight for it in items], dtype=torch.float32)
+            batch["regularization"] = torch.tensor([it.regularization for it in items], dtype=torch.bool)
         if all(it.sizes is not None for it in items):
             sizes = torch.tensor([it.sizes for it in items], dtype=torch.long)
             batch["sizes"] = {"original_size": sizes[:, :2], "crop_top_left": sizes[:, 2:]}
@@ -161,6 +170,11 @@ class CachedDataset:
         else:
             batch["control_missing"] = [it.id for it in items]
         return batch
+
+    @cached_property
+    def has_loss_weights(self) -> bool:
+        """Whether any item has a loss weight other than 1 or is a regularisation item."""
+        return any(it.loss_weight != 1 or it.regularization for it in self.items)
 
     @property
     def has_masks(self) -> bool:
@@ -312,6 +326,7 @@ class _ShardLoader:
             self.records.append((
                 item["id"], item["path"], name, self.lat_rows.get(name, 0) + found[1], self.text_rows + tfound[0],
                 int(item.get("repeats", 1)), _sizes(item), item["key"], titem["key"],
+                float(item.get("loss_weight", 1.0)), item.get("role") == "regularization",
             ))
 
     def joined(self) -> tuple[dict, dict, dict]:
