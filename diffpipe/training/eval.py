@@ -17,6 +17,7 @@ import torch
 
 from diffpipe.config import EvalConfig
 from diffpipe.data.cache.reader import CachedDataset
+from diffpipe.models._common import param_dtype
 from diffpipe.paths import RunPaths
 
 
@@ -106,11 +107,13 @@ class Evaluator:
     def _pipeline(self, model) -> dict[str, float]:
         """Through ``eval_batch``: the mean of the per-batch losses (the training loss kind, unweighted)."""
         out = {}
+        dtype = param_dtype(model)  # the stage's weights' (bf16 under train.precision bf16)
         for q in self.quantiles:
             def feed(q=q):
                 for b in self.batches:
                     t = torch.full((b.latents.shape[0],), q, device=b.latents.device)
-                    yield self.family.pipeline_inputs(b.latents, b.text, self._unused, t=t, noise=b.noise, **b.aux)
+                    yield self.family.pipeline_inputs(b.latents, b.text, self._unused, dtype=dtype, t=t,
+                                                      noise=b.noise, **b.aux)
 
             loss = model.eval_batch(data_iter=feed(), num_micro_batches=len(self.batches))
             out[f"eval_loss_q{q:g}"] = float(loss)

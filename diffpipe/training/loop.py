@@ -15,6 +15,7 @@ import yaml
 
 from diffpipe.config import Config, ObjectiveConfig, TrainConfig
 from diffpipe.data.cache.reader import CachedDataset
+from diffpipe.models import _common as common
 from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training import checkpoint as ckpt
@@ -362,6 +363,8 @@ def _pipeline_step(model, family, data: CachedDataset, micro_batches: list[list[
     """One optimizer step through the pipeline. The first and last stage each read the micro-batches,
     drawing the same noise from the same generator state; the target reaches the last stage as a label."""
 
+    dtype = common.param_dtype(model)  # the stage's weights' (bf16 under train.precision bf16)
+
     def feed():
         for idx in micro_batches:
             batch = data.collate(idx)
@@ -369,7 +372,7 @@ def _pipeline_step(model, family, data: CachedDataset, micro_batches: list[list[
             if caption_dropout:
                 text = _drop_captions(text, data.empty_text, caption_dropout, gen)
             # Masks are refused under pipeline stages (_check_aux): what is left is SDXL's sizes.
-            yield family.pipeline_inputs(batch["latents"].to(model.device), text, gen, objective,
+            yield family.pipeline_inputs(batch["latents"].to(model.device), text, gen, objective, dtype,
                                          **aux_inputs(family, batch, model.device))
 
     loss = model.train_batch(data_iter=feed())

@@ -120,3 +120,16 @@ def test_hybrid_data_x_pipeline_matches_data_parallel(tiny_run, cli, zero_run, t
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=5e-4)  # as between ZeRO stages
     # Reduction-order noise only: on this CPU about 1e-4 at most, 1e-7 on average.
     assert torch.cat([(b[k] - a[k]).abs().flatten() for k in a]).mean() < 1e-5
+
+
+def test_bf16_pipeline_trains_like_one_bf16_process(tiny_run, cli, tmp_path):
+    """Under train.precision bf16 the stages' inputs are cast to the stage weights' dtype (they were float32,
+    which the first layer refused), so a 2-stage bf16 run trains and starts from the 1-process loss."""
+    losses = {}
+    for stages in (1, 2):
+        cfg = tiny_run.clone(tmp_path / f"bf16-{stages}", pipeline_stages=stages, precision="bf16", max_steps=2,
+                             lora={"rank": 4, "alpha": 8})
+        result = cli("train", "-c", str(cfg), "--processes", str(stages))
+        assert result.returncode == 0, result.stderr[-4000:]
+        losses[stages] = [r["loss"] for r in read_metrics(RunPaths(tmp_path / f"bf16-{stages}" / "run").metrics)]
+    assert losses[2][0] == pytest.approx(losses[1][0], abs=1e-2)
