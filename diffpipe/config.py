@@ -258,6 +258,26 @@ class DatasetConfig(_Section):
         64, description="Training resolution in pixels (bucket area = resolution²).", gt=0, le=MAX_SIDE
     )
     repeats: Int = Field(1, description="How many times each item appears per epoch.", ge=1, le=MAX_REPEATS)
+    caption_variants: Int = Field(
+        1,
+        description="Cached variants of each caption (like diffusion-pipe's cache_shuffle_num): variant 0 is the "
+        "caption itself, variants 1.. are augmented by `shuffle_tags` / `tag_dropout`, each a fixed function of "
+        "(caption, `caption_seed`, variant) and cached content-addressed; training picks one per item per epoch, "
+        "deterministically (resume stays exact), evaluation reads variant 0.",
+        ge=1, le=64,
+    )
+    shuffle_tags: bool = Field(
+        False, description="Caption variants shuffle the comma-separated tags after the first `keep_tags`."
+    )
+    keep_tags: Int = Field(
+        0, description="Tags at the start of a caption that variants never move or drop (a trigger word, a "
+        "class).", ge=0, le=1000,
+    )
+    tag_dropout: Float = Field(
+        0.0, description="Caption variants drop each tag after the first `keep_tags` with this probability.",
+        ge=0, lt=1,
+    )
+    caption_seed: Seed = Field(0, description="Seed of the caption variants' shuffles and drops.")
     role: Literal["train", "regularization"] = Field(
         "train",
         description="`regularization`: a prior-preservation set (class images, as DreamBooth trainers use): its "
@@ -372,6 +392,17 @@ class DatasetConfig(_Section):
         "image is its own first frame) as its control image when it has none from `control_path` / "
         "`control_column` (image-to-video training on plain clips). Changing it re-caches the items it affects.",
     )
+
+    @model_validator(mode="after")
+    def _check_caption_variants(self) -> DatasetConfig:
+        augments = self.shuffle_tags or self.tag_dropout > 0
+        if augments and self.caption_variants < 2:
+            raise ValueError(f"datasets[{self.name}]: shuffle_tags / tag_dropout change caption variants 1..; set "
+                             "caption_variants to 2 or more (variant 0 is the caption itself)")
+        if self.caption_variants > 1 and not augments:
+            raise ValueError(f"datasets[{self.name}]: caption_variants {self.caption_variants} without shuffle_tags "
+                             "or tag_dropout would all be the caption itself")
+        return self
 
     @model_validator(mode="after")
     def _check_buckets(self) -> DatasetConfig:

@@ -222,11 +222,11 @@ class Trainer:
         with self.flops.step(tuple(data.items[idx[0]].bucket for idx in micro)):  # counted once per shape
             if tc.pipeline_stages > 1:
                 loss, grad_norm = _pipeline_step(model, self.family, data, micro, self.gen, tc.caption_dropout,
-                                                 tc.objective)
+                                                 tc.objective, epoch)
                 split = {}
             else:
                 loss, grad_norm, split = _train_step(model, self.family, data, micro, self.gen, self.params,
-                                                     tc.caption_dropout, tc.objective)
+                                                     tc.caption_dropout, tc.objective, epoch)
         if self.ema is not None:
             self.ema.update(done)
         step_loss = engine.mean_over_ranks(loss, self.dist.world_size)
@@ -296,7 +296,7 @@ class Trainer:
 
 def _train_step(model, family, data: CachedDataset, micro_batches: list[list[int]], gen: torch.Generator,
                 params: list[torch.nn.Parameter], caption_dropout: float,
-                objective: ObjectiveConfig) -> tuple[torch.Tensor, float | None]:
+                objective: ObjectiveConfig, epoch: int = 0) -> tuple[torch.Tensor, float | None, dict]:
     """One optimizer step over ``grad_accum`` micro-batches; DeepSpeed steps at the boundary.
 
     Returns the mean loss and the gradient norm before clipping.
@@ -304,7 +304,7 @@ def _train_step(model, family, data: CachedDataset, micro_batches: list[list[int
     micro_losses, norm = [], None
     parts: dict[str, list[torch.Tensor]] = {"loss_train": [], "loss_reg": []}
     for idx in micro_batches:
-        batch = data.collate(idx)
+        batch = data.collate(idx, epoch)
         latents = batch["latents"].to(model.device)
         text = {k: v.to(model.device) for k, v in batch["text"].items()}
         if caption_dropout:
@@ -359,7 +359,8 @@ def _sample_due(tc: TrainConfig, done: int, epoch_end: bool, epoch: int) -> bool
 
 
 def _pipeline_step(model, family, data: CachedDataset, micro_batches: list[list[int]], gen: torch.Generator,
-                   caption_dropout: float, objective: ObjectiveConfig) -> tuple[torch.Tensor, float | None]:
+                   caption_dropout: float, objective: ObjectiveConfig, epoch: int = 0
+                   ) -> tuple[torch.Tensor, float | None]:
     """One optimizer step through the pipeline. The first and last stage each read the micro-batches,
     drawing the same noise from the same generator state; the target reaches the last stage as a label."""
 
@@ -367,7 +368,7 @@ def _pipeline_step(model, family, data: CachedDataset, micro_batches: list[list[
 
     def feed():
         for idx in micro_batches:
-            batch = data.collate(idx)
+            batch = data.collate(idx, epoch)
             text = {k: v.to(model.device) for k, v in batch["text"].items()}
             if caption_dropout:
                 text = _drop_captions(text, data.empty_text, caption_dropout, gen)

@@ -33,6 +33,7 @@ the empty caption (caption dropout), cached once.
 from __future__ import annotations
 
 import json
+import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +106,27 @@ def final_caption(prefix: str, caption: str) -> str:
     """The caption the model sees: ``prefix`` (e.g. a trigger word), a space, the caption."""
     prefix = prefix.strip()
     return f"{prefix} {caption}" if prefix else caption
+
+
+def augment_caption(caption: str, *, variant: int, seed: int, keep: int = 0, shuffle: bool = False,
+                    dropout: float = 0.0) -> str:
+    """Caption variant ``variant`` (0: the caption itself): its comma-separated tags after the first ``keep``
+    dropped with probability ``dropout`` and shuffled, by a generator seeded from (seed, caption, variant)."""
+    if variant == 0:
+        return caption
+    tags = [tag.strip() for tag in caption.split(",") if tag.strip()]
+    kept, rest = tags[:keep], tags[keep:]
+    rng = random.Random(digest(["caption-variant", seed, caption, variant]))
+    if dropout:
+        rest = [tag for tag in rest if rng.random() >= dropout]
+    if shuffle:
+        rng.shuffle(rest)
+    return ", ".join(kept + rest)
+
+
+def variant_id(item_id: str, variant: int) -> str:
+    """The text entry id of a caption variant (variant 0 keeps the item's id)."""
+    return item_id if variant == 0 else f"{item_id}~c{variant}"
 
 
 def transform(
@@ -311,9 +333,9 @@ def make_plan(
                                _read_state(paths.plan_state, cache_cfg.shards))
     latents: list[list[dict[str, Any]]] = [[] for _ in names]
     texts: list[list[dict[str, Any]]] = [[] for _ in names]
-    for item_id, entries, text in planned.kept:
+    for item_id, entries, item_texts in planned.kept:
         latents[assignment[item_id]].extend(entries)
-        texts[assignment[item_id]].append(text)
+        texts[assignment[item_id]].extend(item_texts)
     result = PlanResult(
         items=planned.items,
         shards=names,
@@ -350,7 +372,7 @@ def _read_manifest(manifest_path: Path) -> tuple[list[dict[str, Any]], bytes | N
 class _Planned:
     """Every kept item's latent entries and text entry, with the counts the plan reports."""
 
-    kept: list[tuple[str, list[dict[str, Any]], dict[str, Any]]] = field(default_factory=list)
+    kept: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]] = field(default_factory=list)
     buckets: Counter[str] = field(default_factory=Counter)
     samples: Counter[str] = field(default_factory=Counter)  # entries x repeats: what one epoch draws per bucket
     too_short: list[str] = field(default_factory=list)
@@ -379,15 +401,22 @@ def _plan_items(rows: list[dict[str, Any]], datasets: list[DatasetConfig], manif
             out.too_short.append(row["path"])
             continue
         out.items += 1
-        caption = final_caption(ds.caption_prefix, row["caption"])
         control = item_aux(row).get("control") if text_control else None
-        text = {
-            "id": row["id"],
-            "caption": caption,
-            "key": text_key(caption, text_identity, cache_cfg.dtype, control and control["sha256"]),
-            **({"control": control} if control else {}),
-        }
-        out.kept.append((row["id"], entries, text))
+        texts = []
+        for k in range(ds.caption_variants):
+            caption = final_caption(ds.caption_prefix, augment_caption(
+                row["caption"], variant=k, seed=ds.caption_seed, keep=ds.keep_tags, shuffle=ds.shuffle_tags,
+                dropout=ds.tag_dropout))
+            texts.append({
+                "id": variant_id(row["id"], k),
+                "caption": caption,
+                "key": text_key(caption, text_identity, cache_cfg.dtype, control and control["sha256"]),
+                **({"control": control} if control else {}),
+            })
+        if ds.caption_variants > 1:
+            for e in entries:
+                e["caption_variants"] = ds.caption_variants
+        out.kept.append((row["id"], entries, texts))
         n_train += any(e["split"] == "train" for e in entries)
         for e in entries:
             out.buckets[bucket_name(e["bucket"])] += 1
@@ -442,7 +471,7 @@ def _write_summary(paths: RunPaths, result: PlanResult, names: list[str], latent
         "too_short": result.too_short,
         "shards": {
             name: {
-                "items": len(texts[i]),
+                "items": len({x.get("item", x["id"]) for x in latents[i]}),
                 "entries": len(latents[i]),
                 "buckets": dict(sorted(Counter(bucket_name(x["bucket"]) for x in latents[i]).items())),
             }

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import random
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cached_property
@@ -22,7 +23,7 @@ import numpy as np
 import torch
 
 from diffpipe.data.cache.latents import AUX_FILL, LatentShard, aux_array, bucket_name, storage_to_tensor
-from diffpipe.data.cache.plan import read_spec
+from diffpipe.data.cache.plan import read_spec, variant_id
 from diffpipe.data.cache.text import TextShard
 from diffpipe.paths import RunPaths
 
@@ -39,6 +40,8 @@ class _Item:
     sizes: tuple[int, int, int, int] | None = None
     key: str = ""  # the plan's latent cache key (image content and transform)
     text_key: str = ""  # the plan's text cache key (caption)
+    #: Text rows of the caption variants 1.. (datasets[].caption_variants); variant 0 is ``text_row``.
+    text_variants: tuple[int, ...] = ()
     loss_weight: float = 1.0  # datasets[].loss_weight
     regularization: bool = False  # datasets[].role: regularization
 
@@ -115,8 +118,11 @@ class CachedDataset:
         """Batches per epoch (the same for every epoch and seed)."""
         return sum(math.ceil(sum(self.items[i].repeats for i in idx) / batch_size) for idx in self._by_bucket.values())
 
-    def collate(self, indices: Sequence[int]) -> dict[str, Any]:
+    def collate(self, indices: Sequence[int], epoch: int | None = None) -> dict[str, Any]:
         """Stack items of one bucket: latents ``[B,C,F,h,w]``, text ``{name: [B,...]}`` (float32).
+
+        ``epoch``: training reads each item's caption variant of that epoch (datasets[].caption_variants; a
+        fixed function of the item and the epoch); None (evaluation) reads variant 0, the caption itself.
 
         ``mask``: ``[B,1,F,h,w]`` loss weights in [0, 1] when an item of the batch
         has a mask (ones for the others: they train unmasked), else None.
@@ -133,7 +139,7 @@ class CachedDataset:
             raise ValueError(f"a batch must come from one bucket, got {sorted(buckets)}")
         bucket = buckets.pop()
         rows = torch.tensor([it.row for it in items], dtype=torch.long)
-        trows = torch.tensor([it.text_row for it in items], dtype=torch.long)
+        trows = torch.tensor([_text_row(it, epoch) for it in items], dtype=torch.long)
         batch = {
             "latents": self._latents[bucket][rows].float(),
             "text": {name: t[trows].float() for name, t in self._text.items()},
@@ -314,18 +320,25 @@ class _ShardLoader:
             titem = text_by_id.get(source)
             if titem is None:
                 raise ValueError(f"text spec {self.paths.text_spec(s)} lacks {item['path']}; rerun the plan step")
-            tfound = text_index.get(source)
-            if tfound is None or tfound[1] != titem["key"]:
-                raise ValueError(
-                    f"text shard {tshard.path} has no entry for {item['path']} (key {titem['key']}); "
-                    "rerun its cache job"
-                )
+            variant_rows = []
+            for k in range(int(item.get("caption_variants", 1))):
+                vid = variant_id(source, k)
+                vitem, tfound = text_by_id.get(vid), text_index.get(vid)
+                if vitem is None:
+                    raise ValueError(f"text spec {self.paths.text_spec(s)} lacks caption variant {k} of "
+                                     f"{item['path']}; rerun the plan step")
+                if tfound is None or tfound[1] != vitem["key"]:
+                    raise ValueError(
+                        f"text shard {tshard.path} has no entry for {item['path']} (key {vitem['key']}); "
+                        "rerun its cache job"
+                    )
+                variant_rows.append(self.text_rows + tfound[0])
             self.geometry.setdefault(name, _check_geometry(lshard, name, arrays[name].shape, item["bucket"]))
             if self.split is not None and item.get("split", "train") != self.split:
                 continue
             self.records.append((
-                item["id"], item["path"], name, self.lat_rows.get(name, 0) + found[1], self.text_rows + tfound[0],
-                int(item.get("repeats", 1)), _sizes(item), item["key"], titem["key"],
+                item["id"], item["path"], name, self.lat_rows.get(name, 0) + found[1], variant_rows[0],
+                int(item.get("repeats", 1)), _sizes(item), item["key"], titem["key"], tuple(variant_rows[1:]),
                 float(item.get("loss_weight", 1.0)), item.get("role") == "regularization",
             ))
 
@@ -364,3 +377,11 @@ def _empty_text(paths: RunPaths, text_shapes: dict[str, tuple[int, ...]] | None)
     if text_shapes is not None and eshard.shapes != text_shapes:
         raise ValueError(f"text shard {eshard.path} has shapes {eshard.shapes}, others {text_shapes}")
     return {name: t.float() for name, t in eshard.tensors().items()}
+
+
+def _text_row(item: _Item, epoch: int | None) -> int:
+    """The text row of ``item``'s caption variant for ``epoch`` (variant 0 without variants or an epoch)."""
+    if not item.text_variants or epoch is None:
+        return item.text_row
+    rows = (item.text_row, *item.text_variants)
+    return rows[zlib.crc32(f"{item.id}:{epoch}".encode()) % len(rows)]
