@@ -362,13 +362,19 @@ def vae_latents(vae: torch.nn.Module, pixels: torch.Tensor, *, per_frame: bool =
     param = next(vae.parameters())
     with torch.no_grad():
         if not per_frame:
-            return vae.encode(pixels.to(device=param.device, dtype=param.dtype)).latent_dist.mode().float()
+            return _mode(vae.encode(pixels.to(device=param.device, dtype=param.dtype))).float()
         x = frames_to_batch(pixels).to(device=param.device, dtype=param.dtype)
         if frame_axis:
-            latents = vae.encode(x[:, :, None]).latent_dist.mode()[:, :, 0]
+            latents = _mode(vae.encode(x[:, :, None]))[:, :, 0]
         else:
-            latents = vae.encode(x).latent_dist.mode()
+            latents = _mode(vae.encode(x))
     return batch_to_frames(latents.float(), pixels.shape[2])
+
+
+def _mode(encoded: Any) -> torch.Tensor:
+    """The latents of an ``encode`` output: its distribution's mode, or the latent itself (a deterministic
+    autoencoder such as Sana's DC-AE)."""
+    return encoded.latent if hasattr(encoded, "latent") else encoded.latent_dist.mode()
 
 
 def scaled_latents(latents: torch.Tensor, vae: torch.nn.Module, *, shift: bool = True) -> torch.Tensor:

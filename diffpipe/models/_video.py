@@ -113,10 +113,7 @@ class T5TextFamily:
 
     @cached_property
     def max_sequence_length(self) -> int:
-        if self.cfg.flavor == "tiny":
-            return self.t5_tiny_length
-        tok = T5TokenizerFast.from_pretrained(self.cfg.path, subfolder="tokenizer")
-        return min(int(tok.model_max_length), self.t5_max_length)
+        return self.prompt_length(self.t5_tiny_length, self.t5_max_length)
 
     def text_settings(self) -> dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length}

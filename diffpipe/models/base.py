@@ -288,6 +288,16 @@ class Family(ABC):
         whose LoRA also reshapes the base (Flux Control widens its input layer)."""
         return denoiser
 
+    def prompt_length(self, tiny: int, cap: int, *, drop: int = 0) -> int:
+        """Prompt tokens the caches keep: ``tiny`` for the tiny flavor; else the pipeline's ``cap``, or the folder
+        tokenizer's ``model_max_length`` (less ``drop`` template tokens) when that is lower."""
+        if self.cfg.flavor == "tiny":
+            return tiny
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
+        return min(int(tok.model_max_length) - drop, cap)
+
     def text_settings(self) -> dict[str, Any]:
         """Text settings carried in the bundle and the text cache key (``max_sequence_length``, ...)."""
         return {}

@@ -31,7 +31,7 @@ from diffpipe.training.adapter import apply_adapter
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["sdxl", "sd3", "chroma", "lumina2", "qwenimage", "hidream", "cogview4", "cosmos2"]
+FAMILIES = ["sdxl", "sd3", "chroma", "lumina2", "qwenimage", "hidream", "cogview4", "cosmos2", "sana"]
 
 
 @pytest.fixture(scope="module")

@@ -98,10 +98,7 @@ class CogView4Family(Family):
     @cached_property
     def max_sequence_length(self) -> int:
         """Tokens kept per prompt: 512, or the tokenizer's limit when lower."""
-        if self.cfg.flavor == "tiny":
-            return TINY_LENGTH
-        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
-        return min(int(tok.model_max_length), MAX_LENGTH)
+        return self.prompt_length(TINY_LENGTH, MAX_LENGTH)
 
     def text_settings(self) -> dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length}

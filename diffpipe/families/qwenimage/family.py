@@ -103,10 +103,7 @@ class QwenImageFamily(Family):
     @cached_property
     def max_sequence_length(self) -> int:
         """Prompt tokens after the template's dropped head: 512, or less if the tokenizer says so."""
-        if self.cfg.flavor == "tiny":
-            return TINY_LENGTH
-        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
-        return min(int(tok.model_max_length) - DROP, MAX_LENGTH)
+        return self.prompt_length(TINY_LENGTH, MAX_LENGTH, drop=DROP)
 
     def text_settings(self) -> dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length, "template": TEMPLATE}

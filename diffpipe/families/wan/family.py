@@ -270,10 +270,7 @@ class WanFamily(Family):
     @cached_property
     def max_sequence_length(self) -> int:
         """Prompt tokens: the variant's tiny length, or the pipeline's 512 (less if the tokenizer says so)."""
-        if self.cfg.flavor == "tiny":
-            return self.spec.text_length
-        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
-        return min(int(tok.model_max_length), MAX_LENGTH)
+        return self.prompt_length(self.spec.text_length, MAX_LENGTH)
 
     @property
     def text_parts(self) -> dict[str, TextPart]:
