@@ -328,6 +328,11 @@ class Family(ABC):
         passed back to ``encode_text``."""
         return self._text_bundle(encoders=True)
 
+    def text_pipeline(self, encoders: Any) -> Any:
+        """The stock pipeline holding only the text components, to encode captions with its own
+        ``encode_prompt`` (so the cache equals what sampling computes)."""
+        return self.pipeline_class(vae=None, **{self.denoiser_name: None}, scheduler=None, **encoders.parts)
+
     def load_pipeline(self) -> Any:
         """The family's stock diffusers pipeline with every component, on CPU, eval mode."""
         text = self.load_text_encoders()

@@ -31,7 +31,7 @@ from diffpipe.training.adapter import apply_adapter
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["sdxl", "sd3", "chroma", "lumina2", "qwenimage", "hidream", "cogview4", "cosmos2", "sana"]
+FAMILIES = ["sdxl", "sd3", "chroma", "lumina2", "qwenimage", "hidream", "cogview4", "cosmos2", "sana", "auraflow"]
 
 
 @pytest.fixture(scope="module")

@@ -154,8 +154,7 @@ class HunyuanVideoFamily(Family):
 
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         with torch.no_grad():
-            text_pipeline = HunyuanVideoPipeline(transformer=None, vae=None, scheduler=None, **encoders.parts)
-            embeds, pooled, mask = text_pipeline.encode_prompt(
+            embeds, pooled, mask = self.text_pipeline(encoders).encode_prompt(
                 prompt=list(captions),
                 prompt_template=encoders.prompt_template,
                 max_sequence_length=encoders.max_sequence_length,

@@ -78,7 +78,7 @@ class SanaFamily(Family):
         return common.scaled_latents(common.vae_latents(vae, pixels), vae, shift=False)
 
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
-        pipe = SanaPipeline(vae=None, transformer=None, scheduler=None, **encoders.parts)
+        pipe = self.text_pipeline(encoders)
         device = next(encoders.text_encoder.parameters()).device
         with torch.no_grad():
             embeds, mask, _, _ = pipe.encode_prompt(list(captions), do_classifier_free_guidance=False, device=device,

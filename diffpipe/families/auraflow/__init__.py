@@ -1,0 +1,23 @@
+"""Family ``auraflow``: AuraFlow (MMDiT + single DiT blocks, flow matching, UMT5 text)."""
+
+from __future__ import annotations
+
+from diffpipe.families.auraflow.flavors import PUBLISHED
+from diffpipe.models.spec import Absent, FamilySpec
+
+_NO_REFERENCE = "not checked against an independent reference of AuraFlow's original checkpoint names yet"
+
+SPEC = FamilySpec(
+    name="auraflow",
+    family_class="AuraFlowFamily",
+    model="AuraFlow v0.1-0.3",
+    tasks="text-to-image (flow matching)",
+    targets="attention of both streams, the feed-forwards of both block kinds",
+    published=tuple(PUBLISHED),
+    kohya=Absent(_NO_REFERENCE),
+    comfyui_readers="-",
+    kohya_readers="-",
+    comfy_reads_diffusers="none",
+    layers=Absent("not implemented yet"),
+    keymap=Absent(_NO_REFERENCE),
+)
