@@ -28,12 +28,16 @@ What is compared, and why these tolerances:
   bytes. This also catches what the losses cannot: a change to the last
   update (Adam's beta2, which step 1 ignores) or one the losses only graze
   (Lumina2's 1 % std change). Each tensor's absolute sum is stored beside it
-  to say, on failure, which tensor moved and how far: about 1e-7 to 1e-5
-  relative is rounding (the same math in another order), more is a change.
-  Where the bytes differ but every tensor's sum is within :data:`LORA_RTOL`
-  (1e-5) the check passes: that is the rounding another CPU's kernels give
-  (a test machine with other vector units), while the changes above move a
-  sum by 1e-4 or more (Adam's beta2: 3.2e-4).
+  to say, on failure, which tensors moved and how far. Where the bytes
+  differ the check passes when the sums moved, in total, by at most
+  :data:`LORA_RTOL` (1e-5) of their total: that is the rounding another CPU's
+  kernels give (a test machine with other vector units). The total, not each
+  tensor, because Adam turns a rounding-sized gradient into a full-sized step
+  in either direction: on an AMD EPYC test machine a near-zero ``lora_B`` of
+  SD's ``time_emb_proj`` moved by 20 % of its own tiny sum while all the
+  tensors together moved by 1.7e-7 to 5.1e-7 of theirs (sd, sd resume, Wan
+  I2V), while Adam's beta2 at 0.99 instead of 0.999 moved it by 4.0e-5 to
+  6.1e-5 in the two-step image runs (sd3, auraflow, lumina2, sdxl).
 
 The values are CPU float32 values: on a CUDA machine (TF32 convolutions,
 other kernels) the check skips with a reason rather than compare them.
@@ -150,13 +154,14 @@ def _compare(family: str, run: str, want: dict, got: dict) -> None:
         if sums.keys() != ref.keys():
             detail = f"tensor names differ: {sorted(set(sums) ^ set(ref))[:6]}"
         else:
+            drift = sum(abs(sums[k] - ref[k]) for k in ref) / max(sum(abs(v) for v in ref.values()), 1e-30)
+            if drift <= LORA_RTOL:  # other bytes, same training: another CPU's kernels round differently
+                continue
             worst = max(sums, key=lambda k: abs(sums[k] - ref[k]) / max(abs(ref[k]), 1e-30))
             rel = abs(sums[worst] - ref[worst]) / max(abs(ref[worst]), 1e-30)
-            if rel <= LORA_RTOL:  # other bytes, same training: another CPU's kernels round differently
-                continue
             detail = (
-                f"largest change of a tensor's abs sum: {worst} {sums[worst]!r} vs {ref[worst]!r} (relative {rel:.2e}, "
-                f"tolerance {LORA_RTOL:.0e})"
+                f"the tensors' abs sums moved by {drift:.2e} of their total (tolerance {LORA_RTOL:.0e}); the most "
+                f"in relative terms: {worst} {sums[worst]!r} vs {ref[worst]!r} (relative {rel:.2e})"
             )
         pytest.fail(
             f"{where}: LoRA {name} tensors differ (sha256 {have['sha256'][:12]}, "

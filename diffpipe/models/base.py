@@ -29,6 +29,9 @@ from typing import Any, ClassVar
 import torch
 
 from diffpipe.config import ModelConfig, ObjectiveConfig, SampleConfig
+from diffpipe.models import _common as common
+from diffpipe.models._draws import draw_image
+from diffpipe.training import objectives as obj
 
 
 @dataclass(frozen=True)
@@ -347,9 +350,20 @@ class Family(ABC):
         """The diffusers pipeline class (its ``save_lora_weights`` writes our export)."""
 
     # -- encoding for the caches -------------------------------------------
-    @abstractmethod
+    #: The pipeline decodes ``latents / scaling_factor + shift_factor`` (True) or ``latents / scaling_factor``
+    #: (False); the default ``encode_pixels`` is its inverse.
+    vae_shift: ClassVar[bool] = False
+    #: The VAE encodes each frame as an image (True) or a clip at once (a causal video VAE).
+    vae_per_frame: ClassVar[bool] = True
+
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        """``[B,3,F,H,W]`` in [-1,1] -> normalised latents ``[B,C,F,h,w]`` (float32)."""
+        """``[B,3,F,H,W]`` in [-1,1] -> normalised latents ``[B,C,F,h,w]`` (float32).
+
+        By default the inverse of the pipeline's decode (``vae_shift``, ``vae_per_frame``);
+        a family whose pipeline normalises otherwise (per-channel mean and std) overrides it.
+        """
+        latents = common.vae_latents(vae, pixels, per_frame=self.vae_per_frame)
+        return common.scaled_latents(latents, vae, shift=self.vae_shift)
 
     def encode_control(self, vae: torch.nn.Module, control: torch.Tensor, *, frames: int) -> dict[str, torch.Tensor]:
         """Control images ``[B,3,1,H,W]`` in [-1,1] -> ``{"control": latents}`` for the cache.
@@ -364,15 +378,52 @@ class Family(ABC):
     def encode_text(self, encoders: Any, captions: list[str]) -> dict[str, torch.Tensor]:
         """Captions -> embeddings dict (float32), named like the pipeline's arguments."""
 
-    @abstractmethod
+    #: Per text encoder, as the dataset checks name it: ``(tokenizer attribute, limit)``, where the limit
+    #: is ``"sequence"`` (the configured ``max_sequence_length``) or ``"tokenizer"`` (its
+    #: ``model_max_length``). A family with other rules overrides ``token_limits``/``count_tokens``.
+    token_streams: ClassVar[dict[str, tuple[str, str]]] = {}
+
+    def caption_prompts(self, captions: list[str]) -> list[str]:
+        """The text the pipeline tokenizes for each caption (a family's template or cleaning)."""
+        return list(captions)
+
     def token_limits(self, encoders: Any) -> dict[str, int]:
         """Max tokens per text encoder, e.g. ``{"clip": 77}``."""
+        if not self.token_streams:
+            raise NotImplementedError(f"{self.name} declares no token_streams and no token_limits")
+        return {label: encoders.max_sequence_length if limit == "sequence" else getattr(encoders, tok).model_max_length
+                for label, (tok, limit) in self.token_streams.items()}
 
-    @abstractmethod
     def count_tokens(self, encoders: Any, captions: list[str]) -> dict[str, list[int]]:
         """Token count of each caption per encoder, with the real tokenizers."""
+        if not self.token_streams:
+            raise NotImplementedError(f"{self.name} declares no token_streams and no count_tokens")
+        prompts = self.caption_prompts(captions)
+        return {label: [len(ids) for ids in getattr(encoders, tok)(prompts).input_ids]
+                for label, (tok, _) in self.token_streams.items()}
 
     # -- training: one input path --------------------------------------------
+    def shift_for(self, x0: torch.Tensor) -> float:
+        """The flow-matching timestep shift the pipeline's scheduler applies to latents shaped like ``x0``.
+
+        The scheduler config's fixed ``shift`` by default; families whose pipeline shifts by image
+        size (FLUX.1, Qwen-Image, CogView4) override it.
+        """
+        return float(self._scheduler_config.get("shift", 1.0))
+
+    def draw_flow(self, latents: torch.Tensor, generator: torch.Generator, objective: ObjectiveConfig,
+                  t: torch.Tensor | None, noise: torch.Tensor | None,
+                  **draw: Any) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An image family's flow-matching draw: ``(x0, noise, sigma)``.
+
+        ``x0`` is the single latent frame (float32); ``t`` and ``noise`` are drawn unless given
+        (``draw`` goes to :func:`draw_image`); ``sigma`` is ``t`` shifted by ``objective.shift``
+        or else the pipeline's own shift (:meth:`shift_for`).
+        """
+        x0 = common.single_frame(latents, self.name).float()
+        t, noise = draw_image(objective, x0, generator, t, noise, family=self.name, **draw)
+        return x0, noise, obj.shift_timesteps(t, objective.shift or self.shift_for(x0))
+
     @abstractmethod
     def prepare(
         self,

@@ -34,7 +34,9 @@ from diffpipe.config import LoraConfig, ModelConfig
 from diffpipe.export import export_lora, import_lora
 from diffpipe.export.convert import to_original
 from diffpipe.export.keymaps import keymap_for_model, mapped_families
+from diffpipe.families import family_names, spec
 from diffpipe.models import get_family
+from diffpipe.models.spec import Absent
 from diffpipe.paths import FORMATS
 from diffpipe.training.adapter import (
     add_lora,
@@ -45,9 +47,8 @@ from diffpipe.training.adapter import (
 )
 
 TOL = 1e-5
-FAMILIES = ["sd", "sdxl", "flux", "chroma", "sd3", "lumina2", "qwenimage", "hidream", "wan"]
-FAMILIES += ["flux-kontext", "qwenimage-edit", "ltxvideo", "hunyuanvideo", "mochi", "cosmos2", "cosmos2-video"]
-FAMILIES += ["cogvideox", "cogview4"]
+#: Every registered family whose spec has a key map: a new key map is tested without a list to edit.
+FAMILIES = [n for n in family_names() if not isinstance(spec(n).keymap, Absent)]
 # Beyond the defaults, the layers each key map treats specially: SD's shortcut convs and time
 # embedding; SDXL's added-conditioning MLP; Flux's final modulation (halves swapped in the
 # original) and single-block output (``proj_mlp`` stays out, so ``linear1`` is partly trained);

@@ -557,15 +557,15 @@ def cache_text(
     spec = read_spec(spec_path)
     family = get_family(model_cfg)
     _check_spec(spec, spec_path, family.text_identity(), cache_cfg)
-    summary = _cache_text_spec(
-        spec,
-        out_path,
-        family,
-        cache_cfg,
-        _store(store, cache_cfg, out_path),
-        regenerate=regenerate,
-        device=device,
-    )
+    return _finish_text_job(spec, out_path, family, cache_cfg, store, regenerate=regenerate, device=device, start=start)
+
+
+def _finish_text_job(spec: dict[str, Any], out_path: Path, family: Any, cache_cfg: CacheConfig,
+                     store: str | Path | None, *, regenerate: bool, device: str | None,
+                     start: float) -> dict[str, Any]:
+    """Encode a checked text spec into ``out_path`` and write its summary (with the job's wall time)."""
+    summary = _cache_text_spec(spec, out_path, family, cache_cfg, _store(store, cache_cfg, out_path),
+                               regenerate=regenerate, device=device)
     summary["wall_s"] = round(time.perf_counter() - start, 3)
     _write_summary(out_path, summary)
     return summary
@@ -603,15 +603,4 @@ def cache_empty_text(
             "dtype": cache_cfg.dtype,
             "items": [{"id": EMPTY_ID, "caption": "", "key": key}],
         }
-    summary = _cache_text_spec(
-        spec,
-        out_path,
-        family,
-        cache_cfg,
-        _store(store, cache_cfg, out_path),
-        regenerate=regenerate,
-        device=device,
-    )
-    summary["wall_s"] = round(time.perf_counter() - start, 3)
-    _write_summary(out_path, summary)
-    return summary
+    return _finish_text_job(spec, out_path, family, cache_cfg, store, regenerate=regenerate, device=device, start=start)

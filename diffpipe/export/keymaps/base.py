@@ -111,3 +111,15 @@ def plain(
 def kohya_name(path: str) -> str:
     """kohya's LoRA name for a module path: ``lora_unet_`` + the path with ``_`` for ``.``."""
     return "lora_unet_" + path.replace(".", "_")
+
+
+def layer(original: str, segments: list[Segment], **options: bool | str) -> Layer:
+    """A layer named ``original`` in the checkpoint and ``kohya_name(original)`` in kohya files."""
+    return Layer(original, kohya_name(original), tuple(segments), **options)
+
+
+def swapped_halves(module: str, size: int) -> list[Segment]:
+    """``module``'s rows with its two halves swapped: a modulation that is (scale, shift) in
+    diffusers and (shift, scale) in the original checkpoint."""
+    half = size // 2
+    return [Segment(module, half, half), Segment(module, 0, half)]

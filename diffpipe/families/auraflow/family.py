@@ -20,7 +20,6 @@ from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 from diffpipe.config import SampleConfig
 from diffpipe.families.auraflow.flavors import TINY_LENGTH, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_UMT5, TINY_VAE
 from diffpipe.models import _common as common
-from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.tokenizers import t5_tokenizer
@@ -31,6 +30,7 @@ MAX_LENGTH = 256  # AuraFlowPipeline's default max_sequence_length
 
 class AuraFlowFamily(Family):
     name = "auraflow"
+    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"umt5": ("tokenizer", "sequence")}
     vae_model = Model(AutoencoderKL, TINY_VAE)
     denoiser_model = Model(AuraFlowTransformer2DModel, TINY_TRANSFORMER)
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
@@ -64,10 +64,6 @@ class AuraFlowFamily(Family):
         return AuraFlowPipeline
 
     # -- encoding --------------------------------------------------------------
-    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        # Inverse of the pipeline's decode: ``latents / scaling_factor``.
-        return common.scaled_latents(common.vae_latents(vae, pixels), vae, shift=False)
-
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         pipe = self.text_pipeline(encoders)
         device = next(encoders.text_encoder.parameters()).device
@@ -76,20 +72,12 @@ class AuraFlowFamily(Family):
                                                  max_sequence_length=encoders.max_sequence_length)
         return {"prompt_embeds": embeds.float()}
 
-    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
-        return {"umt5": encoders.max_sequence_length}
-
-    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
-        return {"umt5": [len(x) for x in encoders.tokenizer(list(captions)).input_ids]}
-
     # -- training ----------------------------------------------------------------
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32) -> Prepared:
         """Noisy latents, the caption states and the timestep ``sigma``; the target ``noise - x0``."""
         o = objective
-        x0 = common.single_frame(latents, self.name).float()
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-        sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 1.0)))
+        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
         inputs = {
             "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
             "encoder_hidden_states": text["prompt_embeds"].to(device=x0.device, dtype=dtype),

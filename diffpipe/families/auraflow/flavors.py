@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.sd.flavors import TINY_VAE as SD_TINY_VAE
+from diffpipe.models import tiny
 from diffpipe.models.spec import Published
 
 # -- tiny flavor ----------------------------------------
@@ -20,8 +21,7 @@ TINY_TRANSFORMER = {
     "caption_projection_dim": 16,
     "pos_embed_max_size": 256,  # a 16x16 patch grid: the test buckets up to 64 px a side
 }
-TINY_UMT5 = {"d_model": 32, "d_kv": 8, "d_ff": 37, "num_layers": 2, "num_heads": 4,
-             "relative_attention_num_buckets": 8}
+TINY_UMT5 = tiny.T5
 TINY_LENGTH = 32
 TINY_SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.73}
 

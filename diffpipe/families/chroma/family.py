@@ -22,7 +22,6 @@ from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 from diffpipe.families.chroma.flavors import TINY_TRANSFORMER
 from diffpipe.families.flux.family import TINY_T5, TINY_T5_LENGTH, FluxFamily
 from diffpipe.models import _common as common
-from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Prepared
 from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.tokenizers import t5_tokenizer
@@ -32,6 +31,7 @@ _tiny_t5 = common.tiny_text_model(T5EncoderModel, T5Config, TINY_T5, "chroma.tex
 
 class ChromaFamily(FluxFamily):
     name = "chroma"
+    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"t5": ("tokenizer", "sequence")}
     denoiser_name = "transformer"
     #: Flux's targets (the blocks are Flux's), which also hit the single blocks' q/k/v.
     default_lora_targets: ClassVar[list[str]] = FluxFamily.default_lora_targets
@@ -67,22 +67,13 @@ class ChromaFamily(FluxFamily):
         keep = (positions <= mask.sum(dim=1, keepdim=True)).float()
         return {"prompt_embeds": embeds.float(), "prompt_attention_mask": keep}
 
-    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
-        return {"t5": encoders.max_sequence_length}
-
-    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
-        return {"t5": [len(x) for x in encoders.tokenizer(list(captions)).input_ids]}
-
     # -- training ----------------------------------------------------------------
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32) -> Prepared:
         """Flux's packed inputs without guidance or pooled text, with the text-and-image attention mask."""
         o = objective
-        x0 = common.single_frame(latents, self.name).float()
+        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
         device, (b, c, h, w) = x0.device, x0.shape
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-        seq = (h // 2) * (w // 2)
-        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(seq))
 
         def pack(x: torch.Tensor) -> torch.Tensor:
             return FluxPipeline._pack_latents(x, b, c, h, w)
@@ -96,7 +87,7 @@ class ChromaFamily(FluxFamily):
             "img_ids": FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
             # ChromaPipeline._prepare_attention_mask: text mask, then every image token.
             "attention_mask": torch.cat([text["prompt_attention_mask"].to(device=device, dtype=dtype),
-                                         torch.ones(b, seq, device=device, dtype=dtype)], dim=1),
+                                         torch.ones(b, (h // 2) * (w // 2), device=device, dtype=dtype)], dim=1),
         }
         return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=self.loss_mask(mask, x0, o, pack))
 

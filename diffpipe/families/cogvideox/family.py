@@ -48,6 +48,7 @@ MAX_LENGTH = 226  # CogVideoXPipeline's max_sequence_length (the transformer's m
 
 class CogVideoXFamily(video.T5TextFamily, Family):
     name = "cogvideox"
+    vae_per_frame = False
     t5_max_length = MAX_LENGTH
     vae_model = Model(AutoencoderKLCogVideoX, TINY_VAE)
     scheduler_model = Model(CogVideoXDDIMScheduler, TINY_SCHEDULER)
@@ -97,10 +98,6 @@ class CogVideoXFamily(video.T5TextFamily, Family):
         return CogVideoXPipeline
 
     # -- encoding ------------------------------------------------------------------
-    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        # CogVideoXPipeline.decode_latents divides by scaling_factor.
-        return common.scaled_latents(common.vae_latents(vae, pixels, per_frame=False), vae, shift=False)
-
     def encode_text(self, encoders: video.T5Text, captions: list[str]) -> dict[str, torch.Tensor]:
         return {"prompt_embeds": video.t5_embeds(encoders, captions, masked_encoder=False)[0]}
 

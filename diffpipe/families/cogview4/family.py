@@ -38,7 +38,6 @@ from transformers import AutoTokenizer, GlmConfig, GlmModel, PreTrainedTokenizer
 from diffpipe.config import SampleConfig
 from diffpipe.families.cogview4.flavors import TINY_GLM, TINY_LENGTH, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
-from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.llm_tokenizers import llm_tokenizer
@@ -64,6 +63,7 @@ _tiny_glm = common.tiny_text_model(GlmModel, GlmConfig, TINY_GLM, "cogview4.text
 
 class CogView4Family(Family):
     name = "cogview4"
+    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"glm": ("tokenizer", "sequence")}
     vae_model = Model(AutoencoderKL, TINY_VAE)
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(CogView4Transformer2DModel, TINY_TRANSFORMER)
@@ -103,6 +103,9 @@ class CogView4Family(Family):
     def text_settings(self) -> dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length}
 
+    def shift_for(self, x0: torch.Tensor) -> float:
+        return self.timestep_shift(x0.shape[-2] * x0.shape[-1] // self.patch_size**2)
+
     def timestep_shift(self, image_seq_len: int) -> float:
         """The pipeline scheduler's shift ``s`` at this many image tokens (``sigma' = s t / (1 + (s-1) t)``).
 
@@ -122,10 +125,6 @@ class CogView4Family(Family):
         return CogView4Pipeline  # its LoRA loader: CogView4LoraLoaderMixin
 
     # -- encoding --------------------------------------------------------------
-    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        # Inverse of the pipeline's decode ``latents / scaling_factor`` (it applies no shift_factor).
-        return common.scaled_latents(common.vae_latents(vae, pixels), vae, shift=False)
-
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         """Each caption as ``CogView4Pipeline._get_glm_embeds`` encodes it alone, right-aligned in a fixed row.
 
@@ -155,12 +154,6 @@ class CogView4Family(Family):
             keep[idx, width - length :] = 1
         return {"prompt_embeds": embeds, "prompt_embeds_mask": keep}
 
-    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
-        return {"glm": encoders.max_sequence_length}
-
-    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
-        return {"glm": [len(x) for x in encoders.tokenizer(list(captions)).input_ids]}
-
     # -- training ----------------------------------------------------------------
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32) -> Prepared:
@@ -170,10 +163,8 @@ class CogView4Family(Family):
         Size conditioning as the pipeline samples: original = target = the image size, crop at (0, 0).
         """
         o = objective
-        x0 = common.single_frame(latents, self.name).float()
+        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
         device, (b, _, h, w) = x0.device, x0.shape
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift(h * w // self.patch_size**2))
         embeds, keep = text["prompt_embeds"], text["prompt_embeds_mask"]
         if embeds.device.type == "meta":  # memory estimates: every prompt at full length
             lengths = [embeds.shape[1]] * b

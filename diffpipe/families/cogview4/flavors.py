@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from diffpipe.models import tiny
 from diffpipe.models.spec import Published
 
 # -- tiny flavor ----------------------------------------
@@ -9,18 +10,7 @@ TINY_LENGTH = 64
 
 # Factor 8 in four levels (the pipeline reads the factor from the levels), few channels; SD-style
 # scaling without shift, as the pipeline decodes.
-TINY_VAE = {
-    "block_out_channels": (8, 16, 16, 16),
-    "in_channels": 3,
-    "out_channels": 3,
-    "down_block_types": ("DownEncoderBlock2D",) * 4,
-    "up_block_types": ("UpDecoderBlock2D",) * 4,
-    "latent_channels": 4,
-    "layers_per_block": 1,
-    "norm_num_groups": 8,
-    "sample_size": 64,
-    "scaling_factor": 1.5,
-}
+TINY_VAE = tiny.kl_vae(levels=4, scaling_factor=1.5)
 
 TINY_GLM = {
     "hidden_size": 32,

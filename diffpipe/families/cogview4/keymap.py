@@ -32,7 +32,7 @@ from typing import Any
 
 from diffusers import CogView4Transformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name
+from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name, swapped_halves
 
 DENOISER = CogView4Transformer2DModel
 
@@ -66,12 +66,8 @@ def _whole(original: str, ours: str, out_features: Mapping[str, int]) -> Layer:
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
     """The table for a transformer with this config; ``out_features``: its module sizes."""
     layers = [_whole(o, d, out_features) for o, d in TOP_LEVEL.items() if d in out_features]
-    half = out_features["norm_out.linear"] // 2  # ours (scale, shift); the original (shift, scale)
-    layers.append(
-        _layer(
-            "mixins.final_layer.adaln.1", [Segment("norm_out.linear", half, half), Segment("norm_out.linear", 0, half)]
-        )
-    )
+    modulation = swapped_halves("norm_out.linear", out_features["norm_out.linear"])  # (scale, shift) vs (shift, scale)
+    layers.append(_layer("mixins.final_layer.adaln.1", modulation))
     for i in range(config["num_layers"]):
         original, ours = f"transformer.layers.{i}", f"transformer_blocks.{i}"
         layers.append(

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
+from diffpipe.models import tiny
 from diffpipe.models.spec import Published
 
 # -- tiny flavor ----------------------------------------
 TINY_LENGTH = 32
 
-TINY_VAE = {
-    "base_dim": 3,
-    "z_dim": 16,
-    "dim_mult": [1, 1, 1, 1],
-    "num_res_blocks": 1,
-    "temperal_downsample": [False, True, True],
-}
+TINY_VAE = tiny.WAN_VAE
 
-TINY_T5 = {"d_model": 32, "d_kv": 8, "d_ff": 37, "num_layers": 2, "num_heads": 4, "relative_attention_num_buckets": 8}
+TINY_T5 = tiny.T5
 
 # Cosmos-Predict2's layout (rope scale, no learnable position embedding), tiny widths. One
 # difference: the published models concatenate the padding mask (``concat_padding_mask``), which

@@ -36,7 +36,6 @@ from transformers import (
 from diffpipe.config import SampleConfig
 from diffpipe.families.flux.flavors import TINY_SCHEDULER, TINY_T5, TINY_T5_LENGTH, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
-from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer
@@ -50,6 +49,9 @@ _tiny_t5 = common.tiny_text_model(T5EncoderModel, T5Config, TINY_T5, "flux.text_
 
 class FluxFamily(Family):
     name = "flux"
+    vae_shift = True
+    token_streams: ClassVar[dict[str, tuple[str, str]]] = {
+        "clip": ("tokenizer", "tokenizer"), "t5": ("tokenizer_2", "sequence")}
     # Seeded as "lux.vae" / "lux.transformer" since the tiny flavor's first weights (golden losses).
     vae_model = Model(AutoencoderKL, TINY_VAE, seed="lux")
     denoiser_model = Model(FluxTransformer2DModel, TINY_TRANSFORMER, seed="lux")
@@ -106,6 +108,9 @@ class FluxFamily(Family):
         # VAE downsampling x the 2x2 latent packing.
         return 2 ** (len(self._vae_config["block_out_channels"]) - 1) * 2
 
+    def shift_for(self, x0: torch.Tensor) -> float:
+        return self.timestep_shift((x0.shape[-2] // 2) * (x0.shape[-1] // 2))
+
     def timestep_shift(self, image_seq_len: int) -> float:
         """The shift ``s`` that FluxPipeline's scheduler applies at this token count.
 
@@ -137,10 +142,6 @@ class FluxFamily(Family):
 
     # -- identities ------------------------------------------------------------
     # -- encoding --------------------------------------------------------------
-    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        # Inverse of the pipeline's decode: ``latents / scaling_factor + shift_factor``.
-        return common.scaled_latents(common.vae_latents(vae, pixels), vae)
-
     def encode_text(
         self, encoders: TextBundle, captions: list[str]
     ) -> dict[str, torch.Tensor]:
@@ -167,25 +168,13 @@ class FluxFamily(Family):
             embeds = enc.text_encoder_2(t5_ids.to(device), output_hidden_states=False)[0]
         return {"prompt_embeds": embeds.float(), "pooled_prompt_embeds": pooled.float()}
 
-    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
-        return {"clip": encoders.tokenizer.model_max_length, "t5": encoders.max_sequence_length}
-
-    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
-        captions = list(captions)
-        return {
-            "clip": [len(x) for x in encoders.tokenizer(captions).input_ids],
-            "t5": [len(x) for x in encoders.tokenizer_2(captions).input_ids],
-        }
-
     # -- training ----------------------------------------------------------------
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32) -> Prepared:
         """Packed noisy latents, sigma, guidance, pooled and T5 text, text and image ids; a packed target."""
         o = objective
-        x0 = common.single_frame(latents, self.name).float()
+        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
         device, (b, c, h, w) = x0.device, x0.shape
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift((h // 2) * (w // 2)))
 
         def pack(x: torch.Tensor) -> torch.Tensor:
             return FluxPipeline._pack_latents(x, b, c, h, w)

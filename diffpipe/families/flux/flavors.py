@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from diffpipe.models import tiny
 from diffpipe.models.spec import Published
 
 # -- tiny flavor ----------------------------------------
-# -- tiny flavor configs (FIELD_NOTES) ---------------------------------------
 TINY_TRANSFORMER = {
     "patch_size": 1,
     "in_channels": 4,
@@ -22,28 +22,9 @@ TINY_TRANSFORMER = {
 
 # One latent channel: 2x2 packing turns it into the transformer's 4 channels.
 # Scaling and shift factors are FLUX.1's, so normalisation is not the identity.
-TINY_VAE = {
-    "block_out_channels": (32, 64),
-    "in_channels": 3,
-    "out_channels": 3,
-    "down_block_types": ("DownEncoderBlock2D", "DownEncoderBlock2D"),
-    "up_block_types": ("UpDecoderBlock2D", "UpDecoderBlock2D"),
-    "latent_channels": 1,
-    "sample_size": 64,
-    "use_quant_conv": False,
-    "use_post_quant_conv": False,
-    "scaling_factor": 0.3611,
-    "shift_factor": 0.1159,
-}
+TINY_VAE = tiny.kl_vae(latent_channels=1, quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159)
 
-TINY_T5 = {
-    "d_model": 32,
-    "d_kv": 8,
-    "d_ff": 37,
-    "num_layers": 2,
-    "num_heads": 4,
-    "relative_attention_num_buckets": 8,
-}
+TINY_T5 = tiny.T5
 
 TINY_T5_LENGTH = 32
 

@@ -48,7 +48,6 @@ from diffpipe.families.hidream.flavors import (
 )
 from diffpipe.families.sd3.family import _tiny_clip
 from diffpipe.models import _common as common
-from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.llm_tokenizers import llm_tokenizer
@@ -75,6 +74,7 @@ _tiny_llama = common.tiny_text_model(LlamaForCausalLM, LlamaConfig, TINY_LLAMA, 
 
 class HiDreamFamily(Family):
     name = "hidream"
+    vae_shift = True
     vae_model = Model(AutoencoderKL, TINY_VAE)
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(HiDreamImageTransformer2DModel, TINY_TRANSFORMER)
@@ -126,10 +126,6 @@ class HiDreamFamily(Family):
         return HiDreamImagePipeline
 
     # -- encoding --------------------------------------------------------------
-    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        # Inverse of the pipeline's decode: ``latents / scaling_factor + shift_factor``.
-        return common.scaled_latents(common.vae_latents(vae, pixels), vae)
-
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         # The pipeline's own encode_prompt, on a pipeline of the text components alone.
         pipe = HiDreamImagePipeline(scheduler=None, vae=None, transformer=None, **encoders.parts)
@@ -158,10 +154,8 @@ class HiDreamFamily(Family):
         The target is ``x0 - noise``: the pipeline steps with ``-pred`` as the velocity ``noise - x0``.
         """
         o = objective
-        x0 = common.single_frame(latents, self.name).float()
+        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
         device = x0.device
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-        sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 1.0)))
         inputs = {
             "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
             "timesteps": (sigma * 1000).to(dtype),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.flux.flavors import TINY_VAE as FLUX_VAE
+from diffpipe.models import tiny
 from diffpipe.models.spec import Published
 
 # -- tiny flavor ----------------------------------------
@@ -10,10 +11,9 @@ TINY_LENGTH = 32
 
 TINY_VAE = {**FLUX_VAE, "latent_channels": 4}
 
-TINY_T5 = {"d_model": 32, "d_kv": 8, "d_ff": 37, "num_layers": 2, "num_heads": 4, "relative_attention_num_buckets": 8}
+TINY_T5 = tiny.T5
 
-TINY_LLAMA = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2}
+TINY_LLAMA = tiny.LLAMA
 
 TINY_TRANSFORMER = {
     "patch_size": 2, "in_channels": 4, "out_channels": 4, "num_layers": 1, "num_single_layers": 1,

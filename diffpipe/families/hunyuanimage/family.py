@@ -43,7 +43,6 @@ from diffpipe.config import SampleConfig
 from diffpipe.families.hunyuanimage.flavors import TINY_BYT5, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.families.qwenimage.family import tiny_qwen_tokenizer, tiny_qwen_vl
 from diffpipe.models import _common as common
-from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model
 from diffpipe.models.tokenizers import tokenizer_fingerprint
@@ -168,10 +167,6 @@ class HunyuanImageFamily(Family):
                        "text_encoder_2": common.module_identity(e.text_encoder_2), "max_lengths": e.max_lengths})
 
     # -- encoding --------------------------------------------------------------
-    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        # Inverse of the pipeline's decode: ``latents / scaling_factor``.
-        return common.scaled_latents(common.vae_latents(vae, pixels), vae, shift=False)
-
     def encode_text(self, encoders: HunyuanText, captions: list[str]) -> dict[str, torch.Tensor]:
         pipe = encoders.pipeline()
         with torch.no_grad():
@@ -192,10 +187,8 @@ class HunyuanImageFamily(Family):
                 dtype=torch.float32) -> Prepared:
         """Flow-matching inputs with both text encoders' embeddings and masks, and the guidance (1000)."""
         o = objective
-        x0 = common.single_frame(latents, self.name).float()
+        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
         device, b = x0.device, x0.shape[0]
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-        sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 1.0)))
         inputs = {
             "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
             "timestep": (sigma * 1000).to(dtype),

@@ -82,6 +82,7 @@ _tiny_llama = common.tiny_text_model(LlamaModel, LlamaConfig, TINY_LLAMA, "hunyu
 
 class HunyuanVideoFamily(Family):
     name = "hunyuanvideo"
+    vae_per_frame = False
     vae_model = Model(AutoencoderKLHunyuanVideo, TINY_VAE)
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(HunyuanVideoTransformer3DModel, TINY_TRANSFORMER)
@@ -148,10 +149,6 @@ class HunyuanVideoFamily(Family):
                                     **text.parts)
 
     # -- encoding ------------------------------------------------------------------
-    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        # The pipeline divides by scaling_factor before decoding.
-        return common.scaled_latents(common.vae_latents(vae, pixels, per_frame=False), vae, shift=False)
-
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         with torch.no_grad():
             embeds, pooled, mask = self.text_pipeline(encoders).encode_prompt(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.models import _video as video
+from diffpipe.models import tiny
 from diffpipe.models.spec import Published
 
 # -- tiny flavor ----------------------------------------
@@ -39,13 +40,7 @@ TINY_TRANSFORMER = {
 }
 
 # Three layers: the pipeline reads the hidden states two below the top.
-TINY_LLAMA = {
-    "hidden_size": 32,
-    "intermediate_size": 37,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-}
+TINY_LLAMA = {**tiny.LLAMA, "num_hidden_layers": 3}
 
 TINY_SCHEDULER = {"num_train_timesteps": 1000, "shift": 7.0}
 

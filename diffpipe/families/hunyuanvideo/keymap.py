@@ -38,7 +38,7 @@ from typing import Any
 
 from diffusers import HunyuanVideoTransformer3DModel
 
-from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name
+from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name, swapped_halves
 
 DENOISER = HunyuanVideoTransformer3DModel
 
@@ -132,13 +132,8 @@ def _layer(original: str, segments: list[Segment]) -> Layer:
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
     """The table for a transformer with this config; ``out_features``: its module sizes."""
     layers = [_layer(o, [Segment(d, 0, out_features[d])]) for o, d in TOP_LEVEL.items() if d in out_features]
-    half = out_features["norm_out.linear"] // 2  # norm_out.linear = (scale, shift); the original (shift, scale)
-    layers.append(
-        _layer(
-            "final_layer.adaLN_modulation.1",
-            [Segment("norm_out.linear", half, half), Segment("norm_out.linear", 0, half)],
-        )
-    )
+    modulation = swapped_halves("norm_out.linear", out_features["norm_out.linear"])  # (scale, shift) vs (shift, scale)
+    layers.append(_layer("final_layer.adaLN_modulation.1", modulation))
     stacks = [
         ("txt_in.individual_token_refiner.blocks", "context_embedder.token_refiner.refiner_blocks",
          config["num_refiner_layers"], REFINER_PLAIN, REFINER_FUSED),

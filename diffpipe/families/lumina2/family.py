@@ -27,7 +27,6 @@ from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
 from diffpipe.config import SampleConfig
 from diffpipe.families.lumina2.flavors import TINY_GEMMA, TINY_LENGTH, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE8
 from diffpipe.models import _common as common
-from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.llm_tokenizers import llm_tokenizer
@@ -45,6 +44,8 @@ _tiny_gemma = common.tiny_text_model(Gemma2Model, Gemma2Config, TINY_GEMMA, "lum
 
 class Lumina2Family(Family):
     name = "lumina2"
+    vae_shift = True
+    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"gemma": ("tokenizer", "sequence")}
     vae_model = Model(AutoencoderKL, TINY_VAE8)
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(Lumina2Transformer2DModel, TINY_TRANSFORMER)
@@ -81,29 +82,18 @@ class Lumina2Family(Family):
         return Lumina2Pipeline
 
     # -- encoding --------------------------------------------------------------
-    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        # Inverse of the pipeline's decode: ``latents / scaling_factor + shift_factor``.
-        return common.scaled_latents(common.vae_latents(vae, pixels), vae)
-
-    @staticmethod
-    def _prompts(captions: list[str]) -> list[str]:
+    def caption_prompts(self, captions: list[str]) -> list[str]:
         return [SYSTEM_PROMPT + " <Prompt Start> " + c for c in captions]
 
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         # Exactly Lumina2Pipeline.encode_prompt / _get_gemma_prompt_embeds.
-        tok = encoders.tokenizer(self._prompts(captions), padding="max_length",
+        tok = encoders.tokenizer(self.caption_prompts(captions), padding="max_length",
                                  max_length=encoders.max_sequence_length, truncation=True, return_tensors="pt")
         device = next(encoders.text_encoder.parameters()).device
         mask = tok.attention_mask.to(device)
         with torch.no_grad():
             out = encoders.text_encoder(tok.input_ids.to(device), attention_mask=mask, output_hidden_states=True)
         return {"prompt_embeds": out.hidden_states[-2].float(), "prompt_attention_mask": mask.float()}
-
-    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
-        return {"gemma": encoders.max_sequence_length}
-
-    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
-        return {"gemma": [len(x) for x in encoders.tokenizer(self._prompts(list(captions))).input_ids]}
 
     # -- training ----------------------------------------------------------------
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
@@ -113,10 +103,8 @@ class Lumina2Family(Family):
         The target is ``x0 - noise``: the pipeline steps with ``-pred`` as the velocity ``noise - x0``.
         """
         o = objective
-        x0 = common.single_frame(latents, self.name).float()
+        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
         device = x0.device
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-        sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 1.0)))
         inputs = {
             "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
             "timestep": (1 - sigma).to(dtype),

@@ -2,30 +2,16 @@
 
 from __future__ import annotations
 
+from diffpipe.models import tiny
 from diffpipe.models.spec import Published
 
 # -- tiny flavor ----------------------------------------
 TINY_LENGTH = 64
 
 # Factor 8 in four levels, few channels.
-TINY_VAE8 = {
-    "block_out_channels": (8, 16, 16, 16),
-    "in_channels": 3,
-    "out_channels": 3,
-    "down_block_types": ("DownEncoderBlock2D",) * 4,
-    "up_block_types": ("UpDecoderBlock2D",) * 4,
-    "latent_channels": 4,
-    "layers_per_block": 1,
-    "norm_num_groups": 8,
-    "sample_size": 64,
-    "use_quant_conv": False,
-    "use_post_quant_conv": False,
-    "scaling_factor": 0.3611,
-    "shift_factor": 0.1159,
-}
+TINY_VAE8 = tiny.kl_vae(levels=4, quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159)
 
-TINY_GEMMA = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 8}
+TINY_GEMMA = tiny.GEMMA
 
 TINY_TRANSFORMER = {
     "sample_size": 8,

@@ -24,7 +24,7 @@ from typing import Any
 
 from diffusers import MochiTransformer3DModel
 
-from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name
+from diffpipe.export.keymaps.base import KeyMap, Segment, layer, swapped_halves
 
 DENOISER = MochiTransformer3DModel
 
@@ -55,31 +55,22 @@ FUSED = {
 SWAPPED = {"mlp_x.w1": "ff.net.0.proj", "mlp_y.w1": "ff_context.net.0.proj"}
 
 
-def _layer(original: str, segments: list[Segment]) -> Layer:
-    return Layer(original, kohya_name(original), tuple(segments))
-
-
-def _swapped(original: str, ours: str, size: int) -> Layer:
-    half = size // 2
-    return _layer(original, [Segment(ours, half, half), Segment(ours, 0, half)])
-
-
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
     """The table for a transformer with this config; ``out_features``: its module sizes."""
-    layers = [_layer(o, [Segment(d, 0, out_features[d])]) for o, d in TOP_LEVEL.items() if d in out_features]
-    layers.append(_swapped("final_layer.mod", "norm_out.linear", out_features["norm_out.linear"]))
+    layers = [layer(o, [Segment(d, 0, out_features[d])]) for o, d in TOP_LEVEL.items() if d in out_features]
+    layers.append(layer("final_layer.mod", swapped_halves("norm_out.linear", out_features["norm_out.linear"])))
     n = config["num_layers"]
     for i in range(n):
         original, ours = f"blocks.{i}", f"transformer_blocks.{i}"
         plain = BLOCK | LAST_BLOCK if i == n - 1 else BLOCK
         for o, d in plain.items():
             if f"{ours}.{d}" in out_features:
-                layers.append(_layer(f"{original}.{o}", [Segment(f"{ours}.{d}", 0, out_features[f"{ours}.{d}"])]))
+                layers.append(layer(f"{original}.{o}", [Segment(f"{ours}.{d}", 0, out_features[f"{ours}.{d}"])]))
         for o, parts in FUSED.items():
             layers.append(
-                _layer(f"{original}.{o}", [Segment(f"{ours}.{p}", 0, out_features[f"{ours}.{p}"]) for p in parts])
+                layer(f"{original}.{o}", [Segment(f"{ours}.{p}", 0, out_features[f"{ours}.{p}"]) for p in parts])
             )
         for o, d in SWAPPED.items():
             if f"{ours}.{d}" in out_features:
-                layers.append(_swapped(f"{original}.{o}", f"{ours}.{d}", out_features[f"{ours}.{d}"]))
+                layers.append(layer(f"{original}.{o}", swapped_halves(f"{ours}.{d}", out_features[f"{ours}.{d}"])))
     return KeyMap("mochi", layers)

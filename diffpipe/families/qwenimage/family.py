@@ -43,7 +43,6 @@ from diffpipe.families.qwenimage.flavors import (
     TINY_VISION,
 )
 from diffpipe.models import _common as common
-from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.llm_tokenizers import llm_tokenizer
@@ -108,6 +107,9 @@ class QwenImageFamily(Family):
     def text_settings(self) -> dict[str, Any]:
         return {"max_sequence_length": self.max_sequence_length, "template": TEMPLATE}
 
+    def shift_for(self, x0: torch.Tensor) -> float:
+        return self.timestep_shift((x0.shape[-2] // 2) * (x0.shape[-1] // 2))
+
     def timestep_shift(self, image_seq_len: int) -> float:
         """The pipeline scheduler's shift at this many packed image tokens (``exp(mu)``)."""
         c = self._scheduler_config
@@ -160,10 +162,8 @@ class QwenImageFamily(Family):
                 dtype=torch.float32) -> Prepared:
         """Packed noisy latents, sigma, text and its mask, and each item's packed grid ``img_shapes``."""
         o = objective
-        x0 = common.single_frame(latents, self.name).float()
+        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
         device, (b, c, h, w) = x0.device, x0.shape
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift((h // 2) * (w // 2)))
 
         def pack(x: torch.Tensor) -> torch.Tensor:
             return QwenImagePipeline._pack_latents(x, b, c, h, w)

@@ -21,7 +21,6 @@ from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
 from diffpipe.config import SampleConfig
 from diffpipe.families.sana.flavors import TINY_GEMMA, TINY_LENGTH, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
-from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.llm_tokenizers import llm_tokenizer
@@ -32,6 +31,7 @@ MAX_LENGTH = 300  # SanaPipeline's default max_sequence_length
 
 class SanaFamily(Family):
     name = "sana"
+    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"gemma": ("tokenizer", "sequence")}
     vae_model = Model(AutoencoderDC, TINY_VAE)
     denoiser_model = Model(SanaTransformer2DModel, TINY_TRANSFORMER)
     scheduler_model = Model(DPMSolverMultistepScheduler, TINY_SCHEDULER)
@@ -64,19 +64,14 @@ class SanaFamily(Family):
     def pixel_multiple(self) -> int:
         return self.vae_factor * int(self._denoiser_config.get("patch_size", 1))
 
-    @property
-    def flow_shift(self) -> float:
-        return float(self._scheduler_config.get("flow_shift", 1.0))
+    def shift_for(self, x0: torch.Tensor) -> float:
+        return float(self._scheduler_config.get("flow_shift", 1.0))  # the DPM-Solver scheduler's flow shift
 
     @property
     def pipeline_class(self) -> type:
         return SanaPipeline
 
     # -- encoding --------------------------------------------------------------
-    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        # Inverse of the pipeline's decode: ``latents / scaling_factor``.
-        return common.scaled_latents(common.vae_latents(vae, pixels), vae, shift=False)
-
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         pipe = self.text_pipeline(encoders)
         device = next(encoders.text_encoder.parameters()).device
@@ -85,21 +80,13 @@ class SanaFamily(Family):
                                                     max_sequence_length=encoders.max_sequence_length)
         return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float()}
 
-    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
-        return {"gemma": encoders.max_sequence_length}
-
-    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
-        return {"gemma": [len(x) for x in encoders.tokenizer(list(captions)).input_ids]}
-
     # -- training ----------------------------------------------------------------
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32) -> Prepared:
         """Noisy latents, the flow timestep, the caption states and mask; the target ``noise - x0``."""
         o = objective
-        x0 = common.single_frame(latents, self.name).float()
+        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
         device = x0.device
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name)
-        sigma = obj.shift_timesteps(t, o.shift or self.flow_shift)
         scale = float(self._denoiser_config.get("timestep_scale", 1.0))
         inputs = {
             "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from diffpipe.models import tiny
 from diffpipe.models.spec import Published
 
 # -- tiny flavor ----------------------------------------
@@ -35,8 +36,7 @@ TINY_TRANSFORMER = {
     "sample_size": 16,
     "patch_size": 1,
 }
-TINY_GEMMA = {"hidden_size": 32, "intermediate_size": 37, "num_hidden_layers": 2, "num_attention_heads": 4,
-              "num_key_value_heads": 2, "head_dim": 8}
+TINY_GEMMA = tiny.GEMMA
 TINY_LENGTH = 32  # prompt tokens kept (after the pipeline's instruction)
 # Sana's sampling scheduler: DPM-Solver on flow sigmas, shift 3 (Sana 1.6B 1024 px).
 TINY_SCHEDULER = {"num_train_timesteps": 1000, "prediction_type": "flow_prediction", "use_flow_sigmas": True,

@@ -35,6 +35,7 @@ from diffpipe.training import objectives as obj
 
 class SDFamily(Family):
     name = "sd"
+    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"clip": ("tokenizer", "tokenizer")}
     vae_model = Model(AutoencoderKL, TINY_VAE)
     denoiser_model = Model(UNet2DConditionModel, TINY_UNET)
     text_parts: ClassVar[dict[str, TextPart]] = {
@@ -125,10 +126,6 @@ class SDFamily(Family):
         return StableDiffusionPipeline
 
     # -- encoding --------------------------------------------------------------
-    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        # StableDiffusionPipeline decodes ``latents / scaling_factor``.
-        return common.scaled_latents(common.vae_latents(vae, pixels), vae, shift=False)
-
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         tok, encoder = encoders.tokenizer, encoders.text_encoder
         # Exactly StableDiffusionPipeline.encode_prompt (no clip_skip).
@@ -146,13 +143,6 @@ class SDFamily(Family):
         with torch.no_grad():
             embeds = encoder(ids.input_ids.to(device), attention_mask=mask)[0]
         return {"prompt_embeds": embeds.float()}
-
-    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
-        return {"clip": encoders.tokenizer.model_max_length}
-
-    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
-        ids = encoders.tokenizer(list(captions)).input_ids
-        return {"clip": [len(x) for x in ids]}
 
     # -- training ----------------------------------------------------------------
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
+from diffpipe.models import tiny
 from diffpipe.models.spec import Published
 
 # -- tiny flavor ----------------------------------------
-# -- tiny flavor configs (FIELD_NOTES) ---------------------------------------
 TINY_UNET = {
     "block_out_channels": (32, 64),
     "layers_per_block": 2,
@@ -17,15 +17,7 @@ TINY_UNET = {
     "cross_attention_dim": 32,
 }
 
-TINY_VAE = {
-    "block_out_channels": (32, 64),
-    "in_channels": 3,
-    "out_channels": 3,
-    "down_block_types": ("DownEncoderBlock2D", "DownEncoderBlock2D"),
-    "up_block_types": ("UpDecoderBlock2D", "UpDecoderBlock2D"),
-    "latent_channels": 4,
-    "sample_size": 64,
-}
+TINY_VAE = tiny.kl_vae()
 
 # The Stable Diffusion 1.x training schedule.
 TINY_SCHEDULER = {

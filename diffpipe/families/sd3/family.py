@@ -39,7 +39,6 @@ from transformers import (
 from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.families.sd3.flavors import TINY_SCHEDULER, TINY_T5, TINY_T5_LENGTH, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
-from diffpipe.models._draws import draw_image
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer
@@ -57,6 +56,9 @@ def _tiny_clip(component: str):
 
 class SD3Family(Family):
     name = "sd3"
+    vae_shift = True
+    token_streams: ClassVar[dict[str, tuple[str, str]]] = {
+        "clip_l": ("tokenizer", "tokenizer"), "clip_g": ("tokenizer_2", "tokenizer"), "t5": ("tokenizer_3", "sequence")}
     vae_model = Model(AutoencoderKL, TINY_VAE)
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(SD3Transformer2DModel, TINY_TRANSFORMER)
@@ -105,10 +107,6 @@ class SD3Family(Family):
         return StableDiffusion3Pipeline
 
     # -- encoding --------------------------------------------------------------
-    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
-        # Inverse of the pipeline's decode: ``latents / scaling_factor + shift_factor``.
-        return common.scaled_latents(common.vae_latents(vae, pixels), vae)
-
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         # Exactly StableDiffusion3Pipeline.encode_prompt (no clip_skip).
         e, clip_embeds, pooled = encoders, [], []
@@ -127,16 +125,6 @@ class SD3Family(Family):
         return {"prompt_embeds": torch.cat([clip, t5], dim=-2).float(),
                 "pooled_prompt_embeds": torch.cat(pooled, dim=-1).float()}
 
-    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
-        return {"clip_l": encoders.tokenizer.model_max_length, "clip_g": encoders.tokenizer_2.model_max_length,
-                "t5": encoders.max_sequence_length}
-
-    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
-        captions = list(captions)
-        return {"clip_l": [len(x) for x in encoders.tokenizer(captions).input_ids],
-                "clip_g": [len(x) for x in encoders.tokenizer_2(captions).input_ids],
-                "t5": [len(x) for x in encoders.tokenizer_3(captions).input_ids]}
-
     # -- training ----------------------------------------------------------------
     def sample_t(self, o: ObjectiveConfig, b: int, generator: torch.Generator) -> torch.Tensor:
         """Training timesteps before the shift.
@@ -152,14 +140,15 @@ class SD3Family(Family):
             return obj.sample_uniform(b, generator, device=generator.device)
         return obj.sample_logit_normal(b, generator, mean=o.logit_mean, std=o.logit_std, device=generator.device)
 
+    def shift_for(self, x0: torch.Tensor) -> float:
+        return float(self._scheduler_config.get("shift", 3.0))
+
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32) -> Prepared:
         """Flow-matching inputs; ``weights`` by ``train.objective.weighting_scheme`` (None: unweighted)."""
         o = objective
-        x0 = common.single_frame(latents, self.name).float()
+        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise, sample_t=self.sample_t)
         device = x0.device
-        t, noise = draw_image(o, x0, generator, t, noise, family=self.name, sample_t=self.sample_t)
-        sigma = obj.shift_timesteps(t, o.shift or float(self._scheduler_config.get("shift", 3.0)))
         inputs = {
             "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
             # The pipeline passes the scheduler's timesteps: sigma * 1000.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from diffpipe.models import tiny
 from diffpipe.models.spec import Published
 
 # -- tiny flavor ----------------------------------------
@@ -19,23 +20,10 @@ TINY_TRANSFORMER = {
     "pos_embed_max_size": 32,
 }
 
-TINY_VAE = {
-    "block_out_channels": (32, 64),
-    "in_channels": 3,
-    "out_channels": 3,
-    "down_block_types": ("DownEncoderBlock2D", "DownEncoderBlock2D"),
-    "up_block_types": ("UpDecoderBlock2D", "UpDecoderBlock2D"),
-    "latent_channels": 4,
-    "sample_size": 64,
-    "use_quant_conv": False,
-    "use_post_quant_conv": False,
-    # SD3's normalisation, so it is not the identity.
-    "scaling_factor": 1.5305,
-    "shift_factor": 0.0609,
-}
+# SD3's normalisation, so it is not the identity.
+TINY_VAE = tiny.kl_vae(quant_conv=False, scaling_factor=1.5305, shift_factor=0.0609)
 
-TINY_T5 = {"d_model": 64, "d_kv": 8, "d_ff": 37, "num_layers": 2, "num_heads": 4,
-           "relative_attention_num_buckets": 8}
+TINY_T5 = {**tiny.T5, "d_model": 64}
 
 TINY_T5_LENGTH = 32
 

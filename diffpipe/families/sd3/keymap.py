@@ -19,7 +19,7 @@ from typing import Any
 
 from diffusers import SD3Transformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name
+from diffpipe.export.keymaps.base import KeyMap, Segment, layer, swapped_halves
 
 DENOISER = SD3Transformer2DModel
 
@@ -48,19 +48,11 @@ FUSED = {
 }
 
 
-def _layer(original: str, segments: list[Segment]) -> Layer:
-    return Layer(original, kohya_name(original), tuple(segments))
-
-
-def _swapped(original: str, ours: str, size: int) -> Layer:
-    half = size // 2
-    return _layer(original, [Segment(ours, half, half), Segment(ours, 0, half)])
-
-
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
     """The table for a transformer with this config; ``out_features``: its module sizes."""
-    layers = [_layer(o, [Segment(d, 0, out_features[d])]) for o, d in TOP_LEVEL.items() if d in out_features]
-    layers.append(_swapped("final_layer.adaLN_modulation.1", "norm_out.linear", out_features["norm_out.linear"]))
+    layers = [layer(o, [Segment(d, 0, out_features[d])]) for o, d in TOP_LEVEL.items() if d in out_features]
+    modulation = swapped_halves("norm_out.linear", out_features["norm_out.linear"])
+    layers.append(layer("final_layer.adaLN_modulation.1", modulation))
     n = config["num_layers"]
     for i in range(n):
         ours, original = f"transformer_blocks.{i}", f"joint_blocks.{i}"
@@ -69,15 +61,15 @@ def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
         }
         for o, d in plain.items():
             if f"{ours}.{d}" in out_features:
-                layers.append(_layer(f"{original}.{o}", [Segment(f"{ours}.{d}", 0, out_features[f"{ours}.{d}"])]))
+                layers.append(layer(f"{original}.{o}", [Segment(f"{ours}.{d}", 0, out_features[f"{ours}.{d}"])]))
         for o, parts in FUSED.items():
             if f"{ours}.{parts[0]}" in out_features:
                 layers.append(
-                    _layer(f"{original}.{o}", [Segment(f"{ours}.{p}", 0, out_features[f"{ours}.{p}"]) for p in parts])
+                    layer(f"{original}.{o}", [Segment(f"{ours}.{p}", 0, out_features[f"{ours}.{p}"]) for p in parts])
                 )
         context_mod, size = f"{ours}.norm1_context.linear", out_features[f"{ours}.norm1_context.linear"]
         if i == n - 1:  # context_pre_only: AdaLayerNormContinuous, (scale, shift) in diffusers
-            layers.append(_swapped(f"{original}.context_block.adaLN_modulation.1", context_mod, size))
+            layers.append(layer(f"{original}.context_block.adaLN_modulation.1", swapped_halves(context_mod, size)))
         else:
-            layers.append(_layer(f"{original}.context_block.adaLN_modulation.1", [Segment(context_mod, 0, size)]))
+            layers.append(layer(f"{original}.context_block.adaLN_modulation.1", [Segment(context_mod, 0, size)]))
     return KeyMap("sd3", layers)

@@ -49,6 +49,8 @@ def time_ids(original_hw: torch.Tensor, crop_top_left: torch.Tensor, target_hw: 
 
 class SDXLFamily(SDFamily):
     name = "sdxl"
+    token_streams: ClassVar[dict[str, tuple[str, str]]] = {
+        "clip_l": ("tokenizer", "tokenizer"), "clip_g": ("tokenizer_2", "tokenizer")}
     vae_model = Model(AutoencoderKL, TINY_VAE_XL)
     denoiser_model = Model(UNet2DConditionModel, TINY_UNET)
     text_parts: ClassVar[dict[str, TextPart]] = {
@@ -101,14 +103,6 @@ class SDXLFamily(SDFamily):
                 pooled = out[0]
             embeds.append(out.hidden_states[-2])
         return {"prompt_embeds": torch.cat(embeds, dim=-1).float(), "pooled_prompt_embeds": pooled.float()}
-
-    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
-        return {"clip_l": encoders.tokenizer.model_max_length, "clip_g": encoders.tokenizer_2.model_max_length}
-
-    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
-        captions = list(captions)
-        return {"clip_l": [len(x) for x in encoders.tokenizer(captions).input_ids],
-                "clip_g": [len(x) for x in encoders.tokenizer_2(captions).input_ids]}
 
     # -- training ----------------------------------------------------------------
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,

@@ -159,6 +159,7 @@ def unshift_timesteps(sigma: float, shift: float) -> float:
 
 class WanFamily(Family):
     name = "wan"
+    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"umt5": ("tokenizer", "sequence")}
     vae_class = AutoencoderKLWan
     vae_needs_fp32 = True  # the Wan repos and diffusers examples run this causal 3D VAE in float32
     denoiser_name = "transformer"
@@ -379,7 +380,7 @@ class WanFamily(Family):
         # Exactly WanPipeline._get_t5_prompt_embeds: zeros past each prompt's tokens.
         length = encoders.max_sequence_length
         tok = encoders.tokenizer(
-            [prompt_clean(c) for c in captions],
+            self.caption_prompts(captions),
             padding="max_length",
             max_length=length,
             truncation=True,
@@ -393,11 +394,8 @@ class WanFamily(Family):
         keep = tok.attention_mask.to(device).gt(0)
         return {"prompt_embeds": (hidden.float() * keep[..., None]).float()}
 
-    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
-        return {"umt5": encoders.max_sequence_length}
-
-    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
-        return {"umt5": [len(x) for x in encoders.tokenizer([prompt_clean(c) for c in captions]).input_ids]}
+    def caption_prompts(self, captions: list[str]) -> list[str]:
+        return [prompt_clean(c) for c in captions]
 
     # -- training ----------------------------------------------------------------
     def expert_range(self, shift: float) -> tuple[float, float]:

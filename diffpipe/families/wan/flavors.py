@@ -2,17 +2,11 @@
 
 from __future__ import annotations
 
+from diffpipe.models import tiny
 from diffpipe.models.spec import Published
 
 # -- tiny flavor ----------------------------------------
-# -- tiny flavor configs (FIELD_NOTES) ---------------------------------------
-TINY_VAE = {
-    "base_dim": 3,
-    "z_dim": 16,
-    "dim_mult": [1, 1, 1, 1],
-    "num_res_blocks": 1,
-    "temperal_downsample": [False, True, True],
-}
+TINY_VAE = tiny.WAN_VAE
 
 TINY_TRANSFORMER = {
     "patch_size": (1, 2, 2),
@@ -48,7 +42,7 @@ TINY_VAE_22 = {
     "latents_std": [round(1.0 + 0.1 * (i % 5), 2) for i in range(48)],
 }
 
-TINY_UMT5 = {"d_model": 32, "d_kv": 8, "d_ff": 37, "num_layers": 2, "num_heads": 4, "relative_attention_num_buckets": 8}
+TINY_UMT5 = tiny.T5
 
 TINY_LENGTH = 32
 
