@@ -721,6 +721,14 @@ class TrainConfig(_Section):
         "ones in forward order (e.g. 0.5); the others keep their activations: faster, more memory. 1: every block. "
         "Single-process and data-parallel training (pipeline stages checkpoint every layer).", gt=0, le=1,
     )
+    activation_offload: Bool = Field(
+        False,
+        description="Keep the activations the backward pass needs in CPU memory (pinned on CUDA) rather than on "
+        "the GPU, each copied back when the backward pass reaches it. With activation_checkpointing these are "
+        "the blocks' inputs (each comes back for its block's recomputation), so the GPU holds one block's "
+        "activations at a time; without it, every saved tensor. Costs their size in system RAM and two "
+        "host-device copies of each per step; the losses are the same. One pipeline stage.",
+    )
     block_swap: Int = Field(
         0,
         description="Block swap for one GPU: the frozen weights of the denoiser's last N repeated blocks stay in "
@@ -840,6 +848,13 @@ class TrainConfig(_Section):
                              "use train.offload_params there)")
         if self.pipeline_stages > 1:
             raise ValueError("train.block_swap needs train.pipeline_stages: 1")
+        return self
+
+    @model_validator(mode="after")
+    def _check_activation_offload(self) -> TrainConfig:
+        if self.activation_offload and self.pipeline_stages > 1:
+            raise ValueError("train.activation_offload needs train.pipeline_stages: 1 (DeepSpeed's pipeline engine "
+                             "runs the forward and backward passes itself)")
         return self
 
     @model_validator(mode="after")

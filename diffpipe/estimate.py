@@ -91,6 +91,8 @@ class MemoryEstimate:
     cpu_bytes: int = 0
     #: Frozen bytes of each repeated block in call order (what block swap can move), before swapping.
     block_bytes: tuple[int, ...] = ()
+    #: System RAM holding the saved activations (``train.activation_offload``; 0: off).
+    activation_cpu_bytes: int = 0
 
     def swapped(self, n: int) -> MemoryEstimate:
         """This estimate with the last ``n`` blocks swapped (all if fewer): their frozen weights move to
@@ -126,7 +128,9 @@ class MemoryEstimate:
             f"at {self.resolution}x{self.height or self.resolution} px" + (f" x {self.frames} frames" if self.frames > 1 else ""),
             f"base weights {self.base_weights}, activation checkpointing {'on' if self.activation_checkpointing else 'off'}"
             + (f", {self.block_swap} blocks swapped ({self.cpu_bytes / GiB:.2f} GiB in CPU memory)"
-               if self.block_swap else ""),
+               if self.block_swap else "")
+            + (f", activations offloaded ({self.activation_cpu_bytes / GiB:.2f} GiB in CPU memory)"
+               if self.activation_cpu_bytes else ""),
             f"  parameters       {self.param_bytes / GiB:8.2f} GiB",
             f"  gradients        {self.grad_bytes / GiB:8.2f} GiB",
             f"  optimizer state  {self.optimizer_bytes / GiB:8.2f} GiB",
@@ -206,16 +210,24 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 def saved_activation_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False,
-                           fraction: float = 1.0) -> int:
-    """Bytes autograd saves for backward while ``run()`` does a forward (weights excluded).
+                           fraction: float = 1.0, offload: bool = False) -> tuple[int, int]:
+    """Bytes autograd saves for backward while ``run()`` does a forward (weights excluded), as
+    ``(on the device, in CPU memory)``.
 
     ``checkpointing``: the peak under diffusers' activation checkpointing (see the module docstring).
+    ``offload`` (``train.activation_offload``): everything saved until the backward pass waits in CPU
+    memory; the device holds the largest block's own saves, brought back (or recomputed) for its
+    backward. A denoiser without blocks diffusers checkpoints keeps everything on the device.
     """
-    return _saved_bytes(denoiser, run, checkpointing=checkpointing, fraction=fraction)
+    held, largest = _saved_bytes(denoiser, run, checkpointing=checkpointing, fraction=fraction)
+    if offload and largest:
+        return largest, held
+    return held + (largest if checkpointing else 0), 0
 
 
-def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False, fraction: float = 1.0) -> int:
-    """Bytes saved for backward at the peak.
+def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False,
+                 fraction: float = 1.0) -> tuple[int, int]:
+    """Bytes saved for backward until the backward pass, and the largest block's own saves.
 
     ``fraction`` < 1 (``train.checkpoint_fraction``): only the first ``ceil(fraction * N)`` blocks in
     forward order are checkpointed (their inputs kept, the largest one's saves while recomputed); the
@@ -276,8 +288,8 @@ def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False,
             kept.update(inputs if i < chosen else inner)
         largest = max((sum(st.nbytes() for st in inner.values()) for inner in
                        (b[1] for b in blocks_seen[:chosen])), default=0)
-    saved = sum(st.nbytes() for st in kept.values())
-    return saved + (largest if checkpointing else 0)
+    return sum(st.nbytes() for st in kept.values()), largest
+
 
 
 def _meta_inputs(spec: Published, batch: int, width: int, height: int, latent_frames: int, dtype: torch.dtype):
@@ -382,12 +394,13 @@ def estimate_for(
 
     ckpt = tc.activation_checkpointing and getattr(denoiser, "_supports_gradient_checkpointing", False)
 
-    def measure() -> int:
-        return saved_activation_bytes(denoiser, forward, checkpointing=ckpt, fraction=tc.checkpoint_fraction)
+    def measure() -> tuple[int, int]:
+        return saved_activation_bytes(denoiser, forward, checkpointing=ckpt, fraction=tc.checkpoint_fraction,
+                                      offload=tc.activation_offload)
 
-    activation_bytes, upper_bound = None, False
+    activation_bytes, offloaded, upper_bound = None, 0, False
     try:
-        activation_bytes = measure()
+        activation_bytes, offloaded = measure()
     except NotImplementedError as err:
         if "nonzero" in str(err):
             # Mixture-of-experts routing (HiDream) selects tokens with ``nonzero``: on meta, assume
@@ -395,7 +408,7 @@ def estimate_for(
             import torch.fx.experimental._config as fx_config
 
             with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
-                activation_bytes, upper_bound = measure(), True
+                (activation_bytes, offloaded), upper_bound = measure(), True
         # else: "Cannot copy out of meta tensor": the forward reads tensor values (Lumina 2's mask)
     except RuntimeError as err:
         # Mochi's rotary embedding opens torch.autocast on its tensors' device: not on meta.
@@ -407,6 +420,7 @@ def estimate_for(
         grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, activation_bytes=activation_bytes,
         activation_upper_bound=upper_bound, frames=frames, base_weights=tc.base_weights,
         activation_checkpointing=bool(ckpt), height=height, block_bytes=block_bytes,
+        activation_cpu_bytes=offloaded,
     ).swapped(tc.block_swap)
 
 
@@ -432,26 +446,33 @@ def _fits_config(family: str, **train) -> Config:
          "train": {"batch_size": 1, "precision": "bf16", "lora": {"rank": 16}, **train}})
 
 
-def fits_row(entry: tuple, bf16: MemoryEstimate, fp8: MemoryEstimate, ckpt: MemoryEstimate) -> str:
-    """One row of :func:`fits_markdown` for a ``FITS_MODELS`` entry from its three estimates."""
+def fits_row(entry: tuple, bf16: MemoryEstimate, fp8: MemoryEstimate, ckpt: MemoryEstimate,
+             offloaded: MemoryEstimate) -> str:
+    """One row of :func:`fits_markdown` for a ``FITS_MODELS`` entry from its four estimates (``FITS_OPTIONS``)."""
     label, _, _, width, height, frames, peers = entry
     everything = ckpt.swapped(len(ckpt.block_bytes))
+    both = offloaded.swapped(len(offloaded.block_bytes))
     size = f"{width}x{height}" + (f" x {frames} frames" if frames > 1 else "")
     cells = [f"{label} ({size})"] + [f"{e.total_bytes / GiB:.1f} GiB" for e in (bf16, fp8, ckpt)]
     cells.append(f"{everything.total_bytes / GiB:.1f} GiB ({everything.cpu_bytes / GiB:.1f} GiB)")
+    cells.append(f"{both.total_bytes / GiB:.1f} GiB ({(both.cpu_bytes + both.activation_cpu_bytes) / GiB:.1f} GiB)")
     for card in CARDS_GIB:
         budget = card * GiB - CONTEXT_BYTES
         if bf16.total_bytes <= budget:
             cells.append("bf16")
         elif fp8.total_bytes <= budget:
             cells.append("fp8")
+        elif (n := ckpt.swap_to_fit(budget)) is not None:
+            cells.append("fp8 + checkpointing" + (f" + block_swap {n}" if n else ""))
+        elif (n := offloaded.swap_to_fit(budget)) is not None:
+            cells.append("fp8 + checkpointing + activation_offload" + (f" + block_swap {n}" if n else ""))
         else:
-            n = ckpt.swap_to_fit(budget)
-            cells.append("no" if n is None else "fp8 + checkpointing" + (f" + block_swap {n}" if n else ""))
+            cells.append("no")
     return "| " + " | ".join([*cells, peers]) + " |"
 
 
-FITS_OPTIONS = ({}, {"base_weights": "fp8"}, {"base_weights": "fp8", "activation_checkpointing": True})
+_FP8_CKPT = {"base_weights": "fp8", "activation_checkpointing": True}
+FITS_OPTIONS = ({}, {"base_weights": "fp8"}, _FP8_CKPT, {**_FP8_CKPT, "activation_offload": True})
 
 
 def fits_markdown() -> str:
@@ -459,8 +480,9 @@ def fits_markdown() -> str:
     cheapest setting that fits 24 / 16 / 12 GiB cards (estimate + 1.5 GiB of CUDA context)."""
     rows = [
         "| model (size) | bf16 | fp8 | fp8 + checkpointing | + every block swapped (system RAM) | "
+        "+ activation offload (system RAM) | "
         + " | ".join(f"fits {c} GiB" for c in CARDS_GIB) + " | other trainers' published figures |",
-        "| --- " * (6 + len(CARDS_GIB)) + "|",
+        "| --- " * (7 + len(CARDS_GIB)) + "|",
     ]
     for entry in FITS_MODELS:
         _, model, family, width, height, frames, _ = entry

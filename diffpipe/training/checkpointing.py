@@ -7,11 +7,20 @@ the first ``fraction`` of those blocks in forward order and runs the rest plainl
 keeping their activations: faster than checkpointing everything, less memory than
 none. The order is learnt on the first forward pass, which checkpoints every block
 (the safe side for memory); from the second on, the share applies.
+
+``train.activation_offload`` runs the training forward under
+:func:`offloaded_saves` (torch's ``save_on_cpu``): every tensor autograd saves goes
+to CPU memory and comes back when the backward pass unpacks it. torch's
+(non-reentrant) checkpoint keeps a block's tensor inputs for the recomputation as
+saved tensors too, so with checkpointing they move as well, and the GPU holds one
+recomputed block's activations at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -38,6 +47,16 @@ class PartialCheckpointing:
         if self.chosen is None or position < self.chosen:
             return checkpoint(block.__call__, *args, use_reentrant=False)
         return block(*args)
+
+
+@contextlib.contextmanager
+def offloaded_saves(enabled: bool) -> Iterator[None]:
+    """With ``enabled``: what autograd saves in this block goes to CPU memory (pinned on CUDA)."""
+    if not enabled:
+        yield
+        return
+    with torch.autograd.graph.save_on_cpu(pin_memory=torch.cuda.is_available()):
+        yield
 
 
 def enable(denoiser: torch.nn.Module, fraction: float = 1.0) -> PartialCheckpointing | None:

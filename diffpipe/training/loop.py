@@ -19,7 +19,7 @@ from diffpipe.models import _common as common
 from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training import checkpoint as ckpt
-from diffpipe.training import engine, offload, pipeline, precision
+from diffpipe.training import checkpointing, engine, offload, pipeline, precision
 from diffpipe.training.ema import STATE_NAME as EMA_STATE
 from diffpipe.training.ema import Ema
 from diffpipe.training.eval import Evaluator, aux_inputs, eval_dataset
@@ -226,7 +226,8 @@ class Trainer:
                 split = {}
             else:
                 loss, grad_norm, split = _train_step(model, self.family, data, micro, self.gen, self.params,
-                                                     tc.caption_dropout, tc.objective, epoch)
+                                                     tc.caption_dropout, tc.objective, epoch,
+                                                     offload_activations=tc.activation_offload)
         if self.ema is not None:
             self.ema.update(done)
         step_loss = engine.mean_over_ranks(loss, self.dist.world_size)
@@ -296,8 +297,10 @@ class Trainer:
 
 def _train_step(model, family, data: CachedDataset, micro_batches: list[list[int]], gen: torch.Generator,
                 params: list[torch.nn.Parameter], caption_dropout: float,
-                objective: ObjectiveConfig, epoch: int = 0) -> tuple[torch.Tensor, float | None, dict]:
+                objective: ObjectiveConfig, epoch: int = 0, *,
+                offload_activations: bool = False) -> tuple[torch.Tensor, float | None, dict]:
     """One optimizer step over ``grad_accum`` micro-batches; DeepSpeed steps at the boundary.
+    ``offload_activations``: the forward's saved tensors wait in CPU memory (``train.activation_offload``).
 
     Returns the mean loss and the gradient norm before clipping.
     """
@@ -309,8 +312,9 @@ def _train_step(model, family, data: CachedDataset, micro_batches: list[list[int
         text = {k: v.to(model.device) for k, v in batch["text"].items()}
         if caption_dropout:
             text = _drop_captions(text, data.empty_text, caption_dropout, gen)
-        per_sample = family.loss(model, latents, text, gen, objective=objective,
-                                 **aux_inputs(family, batch, model.device))
+        with checkpointing.offloaded_saves(offload_activations):
+            per_sample = family.loss(model, latents, text, gen, objective=objective,
+                                     **aux_inputs(family, batch, model.device))
         loss = weighted_loss(per_sample, batch, parts)
         model.backward(loss)
         if model.zero_optimization_stage() == 0 and model.is_gradient_accumulation_boundary():

@@ -1,5 +1,6 @@
-"""``train.block_swap`` (frozen block weights in CPU memory, brought back per forward and recomputation)
-and ``train.compile`` (regional compilation) on CPU."""
+"""``train.block_swap`` (frozen block weights in CPU memory, brought back per forward and recomputation),
+``train.activation_offload`` (saved activations in CPU memory) and ``train.compile`` (regional
+compilation) on CPU."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from diffpipe.config import ModelConfig, TrainConfig
 from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
-from diffpipe.training import offload, precision
+from diffpipe.training import checkpointing, offload, precision
 from diffpipe.training.metrics import read_metrics
 
 
@@ -103,6 +104,54 @@ def test_block_swap_trains_through_diffpipe_train_and_resumes_exactly(flux_tiny_
     resumed = cli("train", "-c", str(cfg), "--checkpoint", "step-000001")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["loss"] for r in read_metrics(RunPaths(tmp_path / "run").metrics)] == losses
+
+
+def _saved_bytes_seen(den, family, latents, text) -> int:
+    """Bytes the forward hands to saved-tensor hooks (what ``save_on_cpu`` would move)."""
+    seen = []
+
+    def pack(x: torch.Tensor) -> torch.Tensor:
+        seen.append(x.nbytes)
+        return x
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+        family.loss(den, latents, text, torch.Generator().manual_seed(1)).mean()
+    return sum(seen)
+
+
+def test_activation_offload_moves_block_inputs_and_gives_the_same_step():
+    den, family = _lora_denoiser("flux")  # diffusers' own checkpointing
+    ref = copy.deepcopy(den)
+    torch.manual_seed(2)
+    latents, text = INPUTS["flux"]()
+    # torch's checkpoint keeps each block's inputs as saved tensors, so save_on_cpu's hooks move them too:
+    # at least every block's image hidden states (2 x 64 tokens x 32 float32).
+    blocks = len(offload.swap_blocks(den))
+    assert _saved_bytes_seen(den, family, latents, text) >= blocks * 2 * 64 * 32 * 4
+    with checkpointing.offloaded_saves(True):
+        loss = family.loss(den, latents, text, torch.Generator().manual_seed(1)).mean()
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in den.named_parameters() if p.requires_grad}
+    want_loss, want = _step(ref, family, latents, text)
+    assert torch.equal(loss.detach(), want_loss)
+    assert grads.keys() == want.keys() and all(torch.equal(grads[k], want[k]) for k in want)
+
+
+def test_activation_offload_trains_through_diffpipe_train_like_checkpointing(flux_tiny_run, cli, tmp_path):
+    train = {"precision": "bf16", "max_steps": 2, "checkpoint_every_steps": 1, "keep_checkpoints": 0,
+             "activation_checkpointing": True, "base_weights": "fp8", "block_swap": 2}
+    runs = {}
+    for offloaded in (False, True):
+        cfg = flux_tiny_run.clone(tmp_path / str(offloaded), **train, activation_offload=offloaded)
+        result = cli("train", "-c", str(cfg))
+        assert result.returncode == 0, result.stderr[-3000:]
+        runs[offloaded] = [r["loss"] for r in read_metrics(RunPaths(tmp_path / str(offloaded) / "run").metrics)]
+    assert len(runs[True]) == 2 and runs[True] == pytest.approx(runs[False], rel=1e-6)
+    resumed = cli("train", "-c", str(cfg), "--checkpoint", "step-000001")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert [r["loss"] for r in read_metrics(RunPaths(tmp_path / "True" / "run").metrics)] == runs[True]
+    with pytest.raises(ValueError, match="activation_offload needs train.pipeline_stages: 1"):
+        TrainConfig(activation_offload=True, pipeline_stages=2)
 
 
 def test_regional_compile_trains_close_to_eager():

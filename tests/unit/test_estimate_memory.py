@@ -25,13 +25,14 @@ def flux():
     options = {"bf16": {}, "fp8": {"base_weights": "fp8"}, "ckpt": {"activation_checkpointing": True},
                "fp8+ckpt": {"base_weights": "fp8", "activation_checkpointing": True},
                "swap": {"base_weights": "fp8", "activation_checkpointing": True, "block_swap": 1000},
+               "offload": {"base_weights": "fp8", "activation_checkpointing": True, "activation_offload": True},
                "half": {"activation_checkpointing": True, "checkpoint_fraction": 0.5}}
     return {k: estimate_memory(_cfg("flux", 1024, **v), model="flux1-dev", rank=16) for k, v in options.items()}
 
 
 def test_the_docs_fits_table_holds_the_flux_estimate(flux):
     # The table is refreshed by `make docs` (too slow for every test run); its FLUX.1-dev row must be current.
-    row = fits_row(FITS_MODELS[0], flux["bf16"], flux["fp8"], flux["fp8+ckpt"])
+    row = fits_row(FITS_MODELS[0], flux["bf16"], flux["fp8"], flux["fp8+ckpt"], flux["offload"])
     assert row in (REPO_ROOT / "docs" / "training.md").read_text(), "run `make docs`"
 
 
@@ -64,6 +65,16 @@ def test_block_swap_leaves_one_block_resident(flux):
     assert swap.param_bytes == fp8.param_bytes - swap.cpu_bytes + max(
         sum(t.nbytes for t in offload.frozen_tensors(b)) for b in offload.swap_blocks(_fp8_model()))
     assert swap.total_bytes < 5 * GiB and "blocks swapped" in swap.table()
+
+
+def test_activation_offload_moves_the_block_inputs_to_system_ram(flux):
+    ckpt, off = flux["fp8+ckpt"], flux["offload"]
+    # On the GPU: one block's activations while it is recomputed; in system RAM: what checkpointing keeps.
+    assert off.activation_bytes < ckpt.activation_bytes / 2, (off.activation_bytes / GiB, ckpt.activation_bytes / GiB)
+    assert off.activation_bytes + off.activation_cpu_bytes == ckpt.activation_bytes
+    assert off.activation_cpu_bytes > 57 * 4096 * 3072 * 2  # the 57 blocks' image-token inputs, at least
+    assert off.param_bytes == ckpt.param_bytes and ckpt.activation_cpu_bytes == 0
+    assert "activations offloaded" in off.table() and "activations offloaded" not in ckpt.table()
 
 
 def _fp8_model():
