@@ -284,6 +284,14 @@ class DatasetConfig(_Section):
         "items train with `loss_weight` and their loss is logged apart (`loss_reg` in metrics.jsonl and "
         "TensorBoard, beside `loss_train`).",
     )
+    prior_target: Literal["data", "base"] = Field(
+        "data",
+        description="With role regularization, what its items train towards: `data` (their own latents, as "
+        "DreamBooth's prior preservation does) or `base` (output preservation: the base model's own prediction "
+        "on the same noisy input, the LoRA switched off, so the LoRA learns to leave these prompts as they "
+        "were). `base` costs one more forward pass (without gradients) in each step that holds such items; "
+        "LoRA training, one pipeline stage.",
+    )
     loss_weight: Float = Field(
         1.0, description="Weight of this dataset's items in the training loss (each item's loss is multiplied "
         "by it; the step's loss is the batch mean).", ge=0, le=MAX_REPEATS,
@@ -1002,6 +1010,16 @@ class Config(_Section):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"datasets: duplicate name(s) {dupes}")
+        return self
+
+    @model_validator(mode="after")
+    def _base_targets(self) -> Config:
+        for i, d in enumerate(self.datasets):
+            if d.prior_target == "base" and d.role != "regularization":
+                raise ValueError(f"datasets[{i}].prior_target base needs datasets[{i}].role: regularization")
+            if d.prior_target == "base" and (self.train.mode != "lora" or self.train.pipeline_stages > 1):
+                raise ValueError(f"datasets[{i}].prior_target base (the base model's prediction: the LoRA "
+                                 "switched off) needs train.mode lora and train.pipeline_stages: 1")
         return self
 
     @model_validator(mode="after")

@@ -476,6 +476,7 @@ class Family(ABC):
         noise: torch.Tensor | None = None,
         objective: ObjectiveConfig | None = None,
         mask: torch.Tensor | None = None,
+        base_target: torch.Tensor | None = None,
         **aux: Any,
     ) -> torch.Tensor:
         """Per-sample training loss ``[B]`` (float32): :meth:`prepare`, :meth:`predict`, the shared loss.
@@ -495,8 +496,22 @@ class Family(ABC):
         # No denoiser: a caller checking the inputs alone (the errors prepare raises).
         dtype = torch.float32 if denoiser is None else common.param_dtype(denoiser)
         p = self.prepare(latents, text, generator, objective=o, t=t, noise=noise, mask=mask, dtype=dtype, **aux)
-        return per_sample_loss(self.predict(denoiser, p), p.target, p.weights, kind=o.loss, huber_c=o.huber_c,
+        target = p.target if base_target is None else self.preserved_target(denoiser, p, base_target)
+        return per_sample_loss(self.predict(denoiser, p), target, p.weights, kind=o.loss, huber_c=o.huber_c,
                                mask=p.mask)
+
+    def preserved_target(self, denoiser: torch.nn.Module, prepared: Prepared, which: torch.Tensor) -> torch.Tensor:
+        """Output preservation (``datasets[].prior_target: base``): the target of the items ``which``
+        (``[B]`` bool) is the base model's prediction on the same inputs, the LoRA switched off and
+        no gradient taken; the others keep ``prepared.target``."""
+        from diffpipe.training.adapter import adapters_disabled
+
+        if not bool(which.any()):
+            return prepared.target
+        with torch.no_grad(), adapters_disabled(denoiser):
+            base = self.predict(denoiser, prepared).to(prepared.target.dtype)
+        keep = which.to(base.device).view(-1, *([1] * (base.dim() - 1)))
+        return torch.where(keep, base, prepared.target)
 
     def reference_image(self, control: torch.Tensor | None, latents: torch.Tensor) -> torch.Tensor:
         """An edit family's control latents ``[B,C,1,h,w]`` as ``[B,C,h,w]`` float on the latents' device;

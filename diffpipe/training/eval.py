@@ -44,6 +44,8 @@ def aux_inputs(family, batch: dict[str, Any], device: torch.device) -> dict[str,
         kw["control"] = batch["control_latents"].to(device)
         if batch.get("control_embeds") is not None:  # an image encoder's embedding of the control
             kw["control_embeds"] = batch["control_embeds"].to(device)
+    if batch.get("base_target") is not None:  # datasets[].prior_target: base
+        kw["base_target"] = batch["base_target"].to(device)
     if batch.get("sizes") is not None and family.uses_sizes:
         # Size / crop conditioning (SDXL's add_time_ids) of the items' planned crops.
         kw["sizes"] = {k: v.to(device) for k, v in batch["sizes"].items()}

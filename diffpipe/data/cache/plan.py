@@ -238,6 +238,8 @@ def _entries(
     if ds.role != "train" or ds.loss_weight != 1:  # only then: default specs stay as they were
         for e in out:
             e["role"], e["loss_weight"] = ds.role, ds.loss_weight
+            if ds.prior_target != "data":
+                e["prior_target"] = ds.prior_target
     return out
 
 

@@ -44,6 +44,7 @@ class _Item:
     text_variants: tuple[int, ...] = ()
     loss_weight: float = 1.0  # datasets[].loss_weight
     regularization: bool = False  # datasets[].role: regularization
+    base_target: bool = False  # datasets[].prior_target: base
 
 
 def _concat(parts: list[np.ndarray], dtype: str) -> torch.Tensor:
@@ -152,10 +153,14 @@ class CachedDataset:
             # Per-item loss weights and which items are regularisation (None: every weight 1, no reg item).
             "loss_weights": None,
             "regularization": None,
+            # Which items train towards the base model's prediction (None: none in this batch).
+            "base_target": None,
         }
         if self.has_loss_weights:  # every batch then, so each step logs both roles' losses
             batch["loss_weights"] = torch.tensor([it.loss_weight for it in items], dtype=torch.float32)
             batch["regularization"] = torch.tensor([it.regularization for it in items], dtype=torch.bool)
+            if any(it.base_target for it in items):
+                batch["base_target"] = torch.tensor([it.base_target for it in items], dtype=torch.bool)
         if all(it.sizes is not None for it in items):
             sizes = torch.tensor([it.sizes for it in items], dtype=torch.long)
             batch["sizes"] = {"original_size": sizes[:, :2], "crop_top_left": sizes[:, 2:]}
@@ -340,6 +345,7 @@ class _ShardLoader:
                 item["id"], item["path"], name, self.lat_rows.get(name, 0) + found[1], variant_rows[0],
                 int(item.get("repeats", 1)), _sizes(item), item["key"], titem["key"], tuple(variant_rows[1:]),
                 float(item.get("loss_weight", 1.0)), item.get("role") == "regularization",
+                item.get("prior_target") == "base",
             ))
 
     def joined(self) -> tuple[dict, dict, dict]:
