@@ -8,7 +8,11 @@ optimizers' float32 partitions above), so the LoRA is stepped in float32.
 ``train.base_weights: fp8`` stores the frozen Linear/Conv weights in float8_e4m3fn through diffusers'
 layerwise casting: each layer is cast to the compute dtype for its forward and back after. diffusers'
 default skip patterns keep norms (and the AdaLN modulation Linears named ``norm*``), positional and
-patch embeddings, ``proj_in``/``proj_out`` and PEFT's LoRA layers out of it.
+patch embeddings, ``proj_in``/``proj_out`` and PEFT's LoRA layers out of it, and convolutions stay in
+the compute dtype: a convolution saves its weight tensor itself for the backward pass, and the
+casting hook puts the float8 storage back into that very tensor after the forward, so the backward
+(or a checkpoint's recomputation) would read float8 ("expected scalar type BFloat16 but found
+Float8_e4m3fn"). A Linear saves a transposed view of its cast weight, which the swap leaves alone.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import torch
 from diffpipe.config import BF16_OPTIMIZERS, TrainConfig
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Layers ``base_weights: fp8`` keeps in the compute dtype by class (module docstring).
+FP8_SKIPPED_CLASSES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 #: Backends that run without CUDA (torch SDPA and its math kernel; flex attention).
 _CPU_BACKENDS = {"native", "_native_math", "flex"}
 
@@ -70,8 +76,6 @@ def prepare_denoiser(denoiser: torch.nn.Module, tc: TrainConfig) -> torch.nn.Mod
         torch.backends.cudnn.allow_tf32 = True
     if tc.base_weights == "fp8":
         enable_fp8_base_weights(denoiser, compute_dtype(tc))
-        if tc.activation_checkpointing:
-            _refuse_fp8_convolutions(denoiser)
     if tc.attention_backend.lower() != "native":
         denoiser.set_attention_backend(tc.attention_backend.lower())
     if tc.compile:
@@ -79,28 +83,18 @@ def prepare_denoiser(denoiser: torch.nn.Module, tc: TrainConfig) -> torch.nn.Mod
     return denoiser
 
 
-def _refuse_fp8_convolutions(denoiser: torch.nn.Module) -> None:
-    """fp8 storage + activation checkpointing: a convolution saves its own (cast) weight for backward, and
-    the float8 storage under it no longer matches when the block is recomputed (torch's CheckpointError).
-    Transformer denoisers keep their convolutions (patch embeddings) in bf16; UNets cannot train so."""
-    convs = [n for n, m in denoiser.named_modules() if isinstance(m, torch.nn.Conv2d | torch.nn.Conv3d)
-             and getattr(m, "weight", None) is not None and m.weight.dtype == torch.float8_e4m3fn]
-    if convs:
-        raise ValueError(f"train.base_weights fp8 with train.activation_checkpointing: {type(denoiser).__name__} "
-                         f"stores {len(convs)} convolutions in float8 (e.g. {convs[0]}), whose saved weights "
-                         "cannot be recomputed under checkpointing; turn one of the two off for this family")
-
-
 def enable_fp8_base_weights(denoiser: torch.nn.Module, compute: torch.dtype) -> None:
     """Store the frozen weights in float8_e4m3fn, computing in ``compute`` (see module docstring).
 
     diffusers' default skip patterns are used (no ``skip_modules_pattern``): only then does it add
-    PEFT's layer names, so ``lora_A``/``lora_B`` keep their dtype and stay trainable.
+    PEFT's layer names, so ``lora_A``/``lora_B`` keep their dtype and stay trainable. Convolutions are
+    skipped by class (module docstring).
     """
     if not hasattr(denoiser, "enable_layerwise_casting"):
         raise ValueError(f"train.base_weights fp8: {type(denoiser).__name__} is not a diffusers model "
                          "(no layerwise casting); use base_weights auto")
-    denoiser.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute)
+    denoiser.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute,
+                                      skip_modules_classes=FP8_SKIPPED_CLASSES)
     bad = [n for n, p in denoiser.named_parameters() if p.requires_grad and p.dtype == torch.float8_e4m3fn]
     if bad:
         raise ValueError(f"train.base_weights fp8 cast trained weights to float8 (e.g. {bad[0]}); "

@@ -24,35 +24,38 @@ def test_fp8_stores_frozen_weights_in_float8_and_keeps_the_lora():
     unet = family.load_denoiser()
     lora = adapter.add_lora(unet, peft.LoraConfig(r=4, lora_alpha=4, target_modules=family.lora_targets(None)))
     precision.prepare_denoiser(unet, TrainConfig(precision="bf16", base_weights="fp8"))
-    cast = 0
+    cast = convs = 0
     for name, module in unet.named_modules():
         if "lora_" in name or not isinstance(module, (torch.nn.Linear, torch.nn.Conv2d)):
             continue
-        if any(re.search(p, name) for p in SKIPPED):
+        if isinstance(module, torch.nn.Conv2d) or any(re.search(p, name) for p in SKIPPED):
             assert module.weight.dtype != torch.float8_e4m3fn, name
+            convs += isinstance(module, torch.nn.Conv2d)
         else:
             assert module.weight.dtype == torch.float8_e4m3fn, f"{name}: {module.weight.dtype}"
             cast += 1
-    assert cast > 10
+    assert cast > 10 and convs > 10
     assert all(p.requires_grad and p.dtype == torch.float32 for p in lora)
     assert {n for n, p in unet.named_parameters() if p.requires_grad} == {n for n, _ in unet.named_parameters()
                                                                           if "lora_" in n}
 
 
-def test_fp8_with_checkpointing_refuses_a_unet_and_keeps_transformers():
-    """A UNet's float8 convolutions cannot be recomputed under checkpointing (torch's CheckpointError at
-    the first backward): refused by name before training; a transformer's patch embeddings stay bf16."""
-    tc = TrainConfig(precision="bf16", base_weights="fp8", activation_checkpointing=True)
-    for name, refused in (("sd", True), ("flux", False)):
-        family = get_family(ModelConfig(family=name))
-        denoiser = family.load_denoiser()
-        adapter.add_lora(denoiser, peft.LoraConfig(r=2, lora_alpha=2, target_modules=family.lora_targets(None)))
-        if refused:
-            with pytest.raises(ValueError, match="convolutions in float8 .*activation_checkpointing|"
-                               "activation_checkpointing: UNet2DConditionModel stores"):
-                precision.prepare_denoiser(denoiser, tc)
-        else:
-            precision.prepare_denoiser(denoiser, tc)
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_fp8_unet_steps_with_and_without_checkpointing(checkpointing):
+    """A convolution saves its weight tensor itself for backward; were it float8-stored, the casting hook
+    would hand the backward (or the recomputation) float8. Convolutions stay bf16, so a UNet steps."""
+    family = get_family(ModelConfig(family="sd"))
+    unet = family.load_denoiser()
+    lora = adapter.add_lora(unet, peft.LoraConfig(r=2, lora_alpha=2, target_modules=family.lora_targets(None)))
+    unet.to(torch.bfloat16)  # as DeepSpeed's bf16 mode casts the module
+    if checkpointing:
+        unet.enable_gradient_checkpointing()
+    tc = TrainConfig(precision="bf16", base_weights="fp8", activation_checkpointing=checkpointing)
+    precision.prepare_denoiser(unet.train(), tc)
+    assert not any(m.weight.dtype == torch.float8_e4m3fn for m in unet.modules() if isinstance(m, torch.nn.Conv2d))
+    latents, text = torch.randn(2, 4, 1, 16, 16), {"prompt_embeds": torch.randn(2, 77, 32, dtype=torch.bfloat16)}
+    family.loss(unet, latents, text, torch.Generator().manual_seed(0)).mean().backward()
+    assert all(p.grad is not None for p in lora) and sum(bool(p.grad.abs().sum() > 0) for p in lora) >= len(lora) // 2
 
 
 def test_fp8_trains_close_to_bf16_and_resumes_exactly(tiny_run, cli, tmp_path):
