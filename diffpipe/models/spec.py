@@ -139,3 +139,11 @@ class FamilySpec:
             raise ValueError(f"kohya format: no sd-scripts base model version for family {self.name!r}: "
                              f"{self.kohya.reason}")
         return self.kohya if isinstance(self.kohya, Kohya) else self.kohya(denoiser_config)
+
+
+def diffusers_files_only(reason: str) -> dict[str, Any]:
+    """The spec fields of a family whose LoRA is written for diffusers/PEFT only: no kohya metadata, no
+    key map to the original checkpoint names (both absent for ``reason``), and no ComfyUI or kohya
+    reader. Spread into :class:`FamilySpec` (``**diffusers_files_only(reason)``)."""
+    return {"kohya": Absent(reason), "keymap": Absent(reason), "comfyui_readers": "-", "kohya_readers": "-",
+            "comfy_reads_diffusers": "none"}

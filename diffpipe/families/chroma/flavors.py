@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 from diffpipe.families.flux.flavors import FLUX
+from diffpipe.families.flux.flavors import TINY_TRANSFORMER as FLUX_TINY
 from diffpipe.models.spec import Published
 
 # -- tiny flavor ----------------------------------------
-TINY_TRANSFORMER = {
-    "patch_size": 1,
-    "in_channels": 4,
-    "num_layers": 1,
-    "num_single_layers": 1,
-    "attention_head_dim": 16,
-    "num_attention_heads": 2,
-    "joint_attention_dim": 32,
-    "axes_dims_rope": (4, 4, 8),
+# FLUX.1's tiny transformer without the pooled-text and guidance inputs, plus Chroma's modulation approximator.
+TINY_TRANSFORMER = {k: v for k, v in FLUX_TINY.items() if k not in ("pooled_projection_dim", "guidance_embeds")} | {
     "approximator_num_channels": 8,
     "approximator_hidden_dim": 32,
     "approximator_layers": 1,

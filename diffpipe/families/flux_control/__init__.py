@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.flux_control.flavors import PUBLISHED
-from diffpipe.models.spec import Absent, FamilySpec
+from diffpipe.models.spec import FamilySpec, diffusers_files_only
 
 _NO_REFERENCE = ("a control LoRA widens the input layer (`img_in`, 64 -> 128 inputs); no independent reader here "
                  "shows how ComfyUI or kohya tools load that widening, so these files are not written")
@@ -16,10 +16,6 @@ SPEC = FamilySpec(
           "latents along the channels; samples need `sample.images`",
     targets="as `flux`, plus the widened input layer `x_embedder`",
     published=tuple(PUBLISHED),
-    kohya=Absent(_NO_REFERENCE),
-    comfyui_readers="-",
-    kohya_readers="-",
-    comfy_reads_diffusers="none",
+    **diffusers_files_only(_NO_REFERENCE),
     layers="diffpipe.families.flux.layers",
-    keymap=Absent(_NO_REFERENCE),
 )

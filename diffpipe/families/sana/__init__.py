@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.sana.flavors import PUBLISHED
-from diffpipe.models.spec import Absent, FamilySpec
+from diffpipe.models.spec import Absent, FamilySpec, diffusers_files_only
 
 _NO_REFERENCE = "not checked against an independent reference of Sana's original checkpoint names yet"
 
@@ -14,10 +14,6 @@ SPEC = FamilySpec(
     tasks="text-to-image (flow matching; DC-AE latents, 32x compression)",
     targets="self and cross attention `attn1/attn2.to_q/k/v/out.0`, the Mix-FFN 1x1 convolutions `ff.conv_inverted`, `ff.conv_point`",
     published=tuple(PUBLISHED),
-    kohya=Absent(_NO_REFERENCE),
-    comfyui_readers="-",
-    kohya_readers="-",
-    comfy_reads_diffusers="none",
+    **diffusers_files_only(_NO_REFERENCE),
     layers=Absent("not implemented yet"),
-    keymap=Absent(_NO_REFERENCE),
 )

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
+from diffpipe.families.sd.flavors import TINY_UNET as SD_UNET
 from diffpipe.families.sd.flavors import TINY_VAE
 from diffpipe.models.spec import Published
 
 # -- tiny flavor ----------------------------------------
 # As diffusers' own SDXL pipeline tests: two 32-wide CLIPs -> 64-wide context.
 TINY_UNET = {
-    "block_out_channels": (32, 64),
-    "layers_per_block": 2,
-    "sample_size": 32,
-    "in_channels": 4,
-    "out_channels": 4,
-    "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
-    "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
+    **SD_UNET,
     "attention_head_dim": (2, 4),
     "use_linear_projection": True,
     "addition_embed_type": "text_time",
