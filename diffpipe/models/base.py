@@ -487,7 +487,8 @@ class Family(ABC):
 
         ``mask`` (``[B, 1, F', h, w]`` in [0, 1], or None) weights the loss per
         latent element: the per-sample loss is ``sum(w l) / sum(w)`` with ``w``
-        from :meth:`loss_mask`. ``aux``: the family's extra inputs (``control``, ``sizes``, ...).
+        from :meth:`loss_mask`. ``base_target`` (``[B]`` bool, or None): the items whose target is the base
+        model's prediction (:meth:`preserved_target`). ``aux``: the family's extra inputs (``control``, ``sizes``, ...).
         """
         from diffpipe.models import _common as common
         from diffpipe.training.objectives import per_sample_loss
