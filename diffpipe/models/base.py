@@ -167,14 +167,10 @@ class Family(ABC):
 
     def vae_identity(self) -> str:
         """The latent cache key part: the VAE's weights and config, and the dtype it encodes in."""
-        from diffpipe.models import _common as common
-
         return common.with_dtype(self.vae_weights_identity(), common.load_dtype(self.cfg, "vae"))
 
     def text_identity(self) -> str:
         """The text cache key part: tokenizers, encoders and the dtype they encode in."""
-        from diffpipe.models import _common as common
-
         return common.with_dtype(self.encoders_identity(), common.load_dtype(self.cfg, "text_encoder"))
 
     def vae_weights_identity(self) -> str:
@@ -183,7 +179,6 @@ class Family(ABC):
         Tiny flavor: the built module's tensors (memoised per process); local:
         the ``vae/`` folder's config and weight files.
         """
-        from diffpipe.models import _common as common
         from diffpipe.utils import digest
 
         if self.cfg.flavor == "tiny":
@@ -198,7 +193,6 @@ class Family(ABC):
         From the declared ``text_parts``: tiny flavor = the built modules (memoised per process); local =
         the folders' tokenizers and encoder configs and weight files, without loading the weights.
         """
-        from diffpipe.models import _common as common
         from diffpipe.models.components import Tokenizer
         from diffpipe.models.tokenizers import tokenizer_fingerprint
         from diffpipe.utils import digest
@@ -274,8 +268,6 @@ class Family(ABC):
         return self._declared("scheduler_model").cls.from_config(self._scheduler_config)
 
     def _model(self, model: Any, subfolder: str) -> torch.nn.Module:
-        from diffpipe.models import _common as common
-
         return common.component(model.cls, self.cfg, model.seed or self.name, subfolder, model.tiny)
 
     def load_vae(self) -> torch.nn.Module:
@@ -306,7 +298,6 @@ class Family(ABC):
         return {}
 
     def _text_bundle(self, *, encoders: bool) -> Any:
-        from diffpipe.models import _common as common
         from diffpipe.models.components import TextBundle, Tokenizer
 
         parts, out = self._declared("text_parts"), {}
@@ -454,8 +445,6 @@ class Family(ABC):
         ``guidance``, as the stock pipelines do. Families whose forward needs more of the module
         (its config) or maps its output override it.
         """
-        from diffpipe.models import _common as common
-
         inputs = prepared.inputs
         if "guidance" in inputs and not getattr(common.unwrap(denoiser).config, "guidance_embeds", True):
             inputs = {**inputs, "guidance": None}
@@ -490,7 +479,6 @@ class Family(ABC):
         from :meth:`loss_mask`. ``base_target`` (``[B]`` bool, or None): the items whose target is the base
         model's prediction (:meth:`preserved_target`). ``aux``: the family's extra inputs (``control``, ``sizes``, ...).
         """
-        from diffpipe.models import _common as common
         from diffpipe.training.objectives import per_sample_loss
 
         o = objective or ObjectiveConfig()
