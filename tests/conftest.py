@@ -53,7 +53,7 @@ import pytest  # noqa: E402
 from tiny_runs import TinyRun, make_tiny_run  # noqa: E402  (tests/tiny_runs.py)
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(*args: str, env: dict | None = None, timeout: float = 1200) -> subprocess.CompletedProcess:
     """``python -m diffpipe ARGS`` in a fresh process (DeepSpeed owns process-global state)."""
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run([sys.executable, "-m", "diffpipe", *args], env=full_env, capture_output=True,

@@ -87,7 +87,7 @@ def local_reference(config: Path, workdir: Path) -> None:
                 result = runner.invoke(app, ["cache", kind, "-c", c, "--shard", shard])
                 assert result.exit_code == 0, (kind, result.output)
         train = subprocess.run([sys.executable, "-m", "diffpipe", "train", "-c", c, "--processes", "2"], cwd=workdir,
-                               capture_output=True, text=True, timeout=600)
+                               capture_output=True, text=True, timeout=1500)
         assert train.returncode == 0, train.stderr[-3000:]
         result = runner.invoke(app, ["export", "-c", c])
         assert result.exit_code == 0, result.output

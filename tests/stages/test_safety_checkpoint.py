@@ -82,7 +82,7 @@ def trained(tiny_run, tmp_path_factory) -> Path:
     _recache(cfg)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "SPY_LOG": str(root / "spy.json")}
     result = subprocess.run([sys.executable, "-c", SPY, "train", "-c", str(cfg)], env=env, capture_output=True,
-                            text=True, timeout=300)
+                            text=True, timeout=1200)
     assert result.returncode == 0, result.stderr[-3000:]
     return root
 

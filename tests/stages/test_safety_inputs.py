@@ -89,7 +89,7 @@ _PEAK = textwrap.dedent(
 
 def _peak_mib(root: Path, out: Path) -> int:
     res = subprocess.run([sys.executable, "-c", _PEAK, str(root), str(out)], capture_output=True, text=True,
-                         timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+                         timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stderr
     return json.loads(res.stdout.strip().splitlines()[-1])
 

@@ -106,7 +106,7 @@ def test_prune_waits_for_a_job_reading_the_store(run, monkeypatch, moment):
         monkeypatch.setattr(store_mod, "_link_or_copy", interleave(store_mod._link_or_copy))
     summary = _cache(run)
     [(proc, was_waiting)] = waited
-    out, err = proc.communicate(timeout=60)
+    out, err = proc.communicate(timeout=300)
     assert was_waiting, f"prune ran while the job held the store: {out}{err}"
     assert proc.returncode == 0 and f"removed {run['name']}" in out, err
     assert summary["reused"] == summary["items"] and summary["encoded"] == 0  # nothing lost to the race
@@ -119,12 +119,12 @@ def test_discard_and_prune_wait_for_readers(run):
     reader = _start(READER, store.root, name)
     other = _start(READER, store.root, name)  # a second reader is not blocked
     other.stdin.close()
-    assert other.wait(30) == 0 and "still there" in other.stdout.read()
+    assert other.wait(120) == 0 and "still there" in other.stdout.read()
     pruner = _start(PRUNE, store.root)
     assert _still_running(pruner)
     reader.stdin.close()
-    assert reader.wait(30) == 0 and "still there" in reader.stdout.read()
-    out, err = pruner.communicate(timeout=60)
+    assert reader.wait(120) == 0 and "still there" in reader.stdout.read()
+    out, err = pruner.communicate(timeout=300)
     assert f"removed {name}" in out, err
     assert not store.shard_path("latents", name).exists()
 
@@ -147,7 +147,7 @@ def test_a_damaged_shard_is_discarded_only_when_no_one_reads_it(run):
         release.cancel()
         if not reader.stdin.closed:
             reader.stdin.close()
-    assert reader.wait(30) == 0 and "still there" in reader.stdout.read()
+    assert reader.wait(120) == 0 and "still there" in reader.stdout.read()
     assert time.monotonic() - started >= 3.0  # the job waited for the reader before replacing the shard
     assert summary["encoded"] == summary["items"]
     assert LatentShard(store.shard_path("latents", name)).verify()  # replaced by a good copy

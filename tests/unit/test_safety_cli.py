@@ -106,7 +106,7 @@ def small_fs(tmp_path):
 def test_real_full_or_read_only_disk_is_a_clear_error(small_fs, options, reason, advice):
     fs = small_fs("fs", *options)
     result = subprocess.run([sys.executable, "-m", "diffpipe", "demo-data", str(fs / "data"), "--n", "200",
-                             "--size", "64"], capture_output=True, text=True, timeout=120)
+                             "--size", "64"], capture_output=True, text=True, timeout=600)
     err = result.stderr
     assert result.returncode == 1, err
     assert "Traceback" not in err, err

@@ -32,7 +32,7 @@ HOSTILE = "'sq' \"dq\" [/x] $(touch PWNED) `touch PWNED`; touch PWNED\nnl"
 LAUNCHER_WORD = "$(touch PWNED) `touch PWNED`; touch PWNED"
 
 
-def diffpipe(*args: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+def diffpipe(*args: str, cwd: Path, timeout: float = 1500) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.run([sys.executable, "-m", "diffpipe", *args], cwd=cwd, env=env, capture_output=True,
                           text=True, timeout=timeout)
