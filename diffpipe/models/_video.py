@@ -8,8 +8,7 @@ replays a run (the families' ``prepare`` draws here, for the loss and the pipeli
 
 from __future__ import annotations
 
-from functools import cached_property
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 from transformers import T5Config, T5EncoderModel, T5TokenizerFast
@@ -93,30 +92,17 @@ class T5TextFamily:
     """The text side of a family with one T5 encoder; put it before ``Family`` in the bases.
 
     Declares the parts (``tokenizer``, ``text_encoder``; the tiny encoder's weights are seeded from
-    ``model.seed`` and ``<family>.text_encoder``) and the prompt length: the pipeline's
-    ``t5_max_length``, or the tokenizer's limit when lower.
+    ``model.seed`` and ``<family>.text_encoder``); the family declares ``prompt_tokens``.
     """
-
-    #: The pipeline's ``max_sequence_length``.
-    t5_max_length: ClassVar[int]
-    #: Prompt length of the tiny flavor.
-    t5_tiny_length: ClassVar[int] = TINY_LENGTH
 
     @property
     def text_parts(self) -> dict[str, Any]:
         return {
-            "tokenizer": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(self.t5_tiny_length)),
+            "tokenizer": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(self.prompt_tokens[0])),
             "text_encoder": TextEncoder(T5EncoderModel, T5Config,
                                         common.tiny_text_model(T5EncoderModel, T5Config, TINY_T5,
                                                                f"{self.name}.text_encoder", common.T5_IDS)),
         }
-
-    @cached_property
-    def max_sequence_length(self) -> int:
-        return self.prompt_length(self.t5_tiny_length, self.t5_max_length)
-
-    def text_settings(self) -> dict[str, Any]:
-        return {"max_sequence_length": self.max_sequence_length}
 
     def token_limits(self, encoders: T5Text) -> dict[str, int]:
         return {"t5": encoders.max_sequence_length}

@@ -21,9 +21,12 @@ Tensor conventions (every family):
 
 from __future__ import annotations
 
+import json
+import math
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cached_property
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -92,6 +95,24 @@ class Prepared:
     mask: torch.Tensor | None = None
     #: What else the family's ``predict`` reads (reference tokens, the latent grid to unpack to, ...).
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FlowDraw:
+    """A flow-matching draw of image latents ``[B, C, h, w]``, packed into tokens where the family packs."""
+
+    x0: torch.Tensor
+    sigma: torch.Tensor
+    #: ``flow_interpolate(x0, noise, sigma)`` and ``flow_target(x0, noise)``, packed.
+    noisy: torch.Tensor
+    target: torch.Tensor
+    #: The pipeline's packing for this batch's latent shape; None: unpacked.
+    pack: Any = None
+
+    @property
+    def grid(self) -> tuple[int, int]:
+        """Token rows and columns of a 2x2 packing: the latent grid halved."""
+        return self.x0.shape[-2] // 2, self.x0.shape[-1] // 2
 
 
 class Family(ABC):
@@ -283,19 +304,33 @@ class Family(ABC):
         whose LoRA also reshapes the base (Flux Control widens its input layer)."""
         return denoiser
 
+    #: Prompt tokens the text caches keep, as ``(tiny flavor, pipeline's max_sequence_length)``; a local
+    #: folder's ``prompt_tokenizer`` lowers the second when its ``model_max_length`` (less ``prompt_drop``
+    #: template tokens) is lower. None: the family keeps no fixed prompt length.
+    prompt_tokens: ClassVar[tuple[int, int] | None] = None
+    prompt_tokenizer: ClassVar[str] = "tokenizer"
+    prompt_drop: ClassVar[int] = 0
+
+    @cached_property
+    def max_sequence_length(self) -> int:
+        """Prompt tokens the caches keep and sampling uses (``prompt_tokens``)."""
+        if self.prompt_tokens is None:
+            raise AttributeError(f"{self.name} keeps no fixed prompt length")
+        tiny, cap = self.prompt_tokens
+        return self.prompt_length(tiny, cap, drop=self.prompt_drop)
+
     def prompt_length(self, tiny: int, cap: int, *, drop: int = 0) -> int:
         """Prompt tokens the caches keep: ``tiny`` for the tiny flavor; else the pipeline's ``cap``, or the folder
         tokenizer's ``model_max_length`` (less ``drop`` template tokens) when that is lower."""
         if self.cfg.flavor == "tiny":
             return tiny
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
-        return min(int(tok.model_max_length) - drop, cap)
+        config = Path(self.cfg.path) / self.prompt_tokenizer / "tokenizer_config.json"
+        limit = json.loads(config.read_text()).get("model_max_length", cap + drop) if config.is_file() else cap + drop
+        return min(int(limit) - drop, cap)
 
     def text_settings(self) -> dict[str, Any]:
         """Text settings carried in the bundle and the text cache key (``max_sequence_length``, ...)."""
-        return {}
+        return {} if self.prompt_tokens is None else {"max_sequence_length": self.max_sequence_length}
 
     def _text_bundle(self, *, encoders: bool) -> Any:
         from diffpipe.models.components import TextBundle, Tokenizer
@@ -401,6 +436,40 @@ class Family(ABC):
         size (FLUX.1, Qwen-Image, CogView4) override it.
         """
         return float(self._scheduler_config.get("shift", 1.0))
+
+    def timestep_shift(self, image_seq_len: int) -> float:
+        """The shift the pipeline's scheduler applies at this many latent tokens: the config's fixed ``shift``;
+        with ``use_dynamic_shifting``, ``exp(mu)`` (``mu`` for a linear ``time_shift_type``) for ``mu`` linear
+        in the token count as FluxPipeline computes it (Qwen-Image's and LTX-Video's pipelines alike)."""
+        c = self._scheduler_config
+        if not c.get("use_dynamic_shifting", False):
+            return float(c.get("shift", 1.0))
+        # Imported here: only families whose scheduler shifts by size load FluxPipeline's module.
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        mu = calculate_shift(image_seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
+                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))
+        return math.exp(mu) if c.get("time_shift_type", "exponential") == "exponential" else mu
+
+    def flow_draw(self, latents: torch.Tensor, generator: torch.Generator, objective: ObjectiveConfig,
+                  t: torch.Tensor | None, noise: torch.Tensor | None, pack_latents: Any = None, **draw: Any) -> FlowDraw:
+        """:meth:`draw_flow` (``draw`` passed on), its noisy latents and target; packed by the pipeline's
+        ``pack_latents(x, batch, channels, height, width)`` when given."""
+        x0, noise, sigma = self.draw_flow(latents, generator, objective, t, noise, **draw)
+        noisy, target = obj.flow_interpolate(x0, noise, sigma), obj.flow_target(x0, noise)
+        if pack_latents is None:
+            return FlowDraw(x0, sigma, noisy, target)
+        b, c, h, w = x0.shape
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            return pack_latents(x, b, c, h, w)
+
+        return FlowDraw(x0, sigma, pack(noisy), pack(target), pack)
+
+    def flow_prepared(self, flow: FlowDraw, inputs: dict[str, Any], mask: torch.Tensor | None,
+                      objective: ObjectiveConfig, **fields: Any) -> Prepared:
+        """The prepared batch of a flow draw: its target, and the loss mask laid out (packed) alike."""
+        return Prepared(inputs, flow.target, mask=self.loss_mask(mask, flow.x0, objective, flow.pack), **fields)
 
     def draw_flow(self, latents: torch.Tensor, generator: torch.Generator, objective: ObjectiveConfig,
                   t: torch.Tensor | None, noise: torch.Tensor | None,

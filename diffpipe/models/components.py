@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from diffpipe.models._common import LM_IDS, tiny_text_model
+
 
 @dataclass(frozen=True)
 class Model:
@@ -53,6 +55,18 @@ class TextEncoder:
 
 
 TextPart = Tokenizer | TextEncoder
+
+
+def one_text_encoder(tokenizer_cls: type, tiny_tokenizer: Callable[[], Any], model_cls: type, config_cls: type,
+                     tiny_config: Mapping[str, Any], seed: str, ids: tuple[str, ...] = LM_IDS) -> dict[str, TextPart]:
+    """The ``text_parts`` of a family with one tokenizer and one text encoder (``tokenizer``, ``text_encoder``):
+    the tiny encoder is ``model_cls(config_cls(**tiny_config))`` sized by the tiny tokenizer, seeded from
+    ``model.seed`` and ``seed`` (``diffpipe.models._common.tiny_text_model``)."""
+    return {
+        "tokenizer": Tokenizer(tokenizer_cls, tiny_tokenizer),
+        "text_encoder": TextEncoder(model_cls, config_cls, tiny_text_model(model_cls, config_cls, tiny_config,
+                                                                           seed, ids)),
+    }
 
 
 class TextBundle:

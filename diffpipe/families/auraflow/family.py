@@ -10,7 +10,6 @@ level ``sigma`` the transformer sees ``(1 - sigma) x0 + sigma noise`` and the ti
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -20,10 +19,10 @@ from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 from diffpipe.config import SampleConfig
 from diffpipe.families.auraflow.flavors import TINY_LENGTH, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_UMT5, TINY_VAE
 from diffpipe.models import _common as common
+from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
 from diffpipe.models.tokenizers import t5_tokenizer
-from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 256  # AuraFlowPipeline's default max_sequence_length
 
@@ -34,25 +33,13 @@ class AuraFlowFamily(Family):
     vae_model = Model(AutoencoderKL, TINY_VAE)
     denoiser_model = Model(AuraFlowTransformer2DModel, TINY_TRANSFORMER)
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    text_parts: ClassVar[dict[str, TextPart]] = {
-        "tokenizer": Tokenizer(AutoTokenizer, lambda: t5_tokenizer(TINY_LENGTH)),
-        "text_encoder": TextEncoder(UMT5EncoderModel, UMT5Config, common.tiny_text_model(
-            UMT5EncoderModel, UMT5Config, TINY_UMT5, "auraflow.text_encoder", common.T5_IDS)),
-    }
+    text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
+        AutoTokenizer, lambda: t5_tokenizer(TINY_LENGTH), UMT5EncoderModel, UMT5Config, TINY_UMT5,
+        "auraflow.text_encoder", common.T5_IDS)
     denoiser_name = "transformer"
+    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     #: Attention of both streams (joint blocks) and of the single blocks, and their feed-forwards.
-    default_lora_targets: ClassVar[list[str]] = [
-        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-        "ff.linear_1", "ff.linear_2", "ff.out_projection",
-    ]
-
-    @cached_property
-    def max_sequence_length(self) -> int:
-        return self.prompt_length(TINY_LENGTH, MAX_LENGTH)
-
-    def text_settings(self) -> dict[str, Any]:
-        return {"max_sequence_length": self.max_sequence_length}
+    default_lora_targets: ClassVar[list[str]] = [*targets.attention(), *targets.added_projections(), "ff.linear_1", "ff.linear_2", "ff.out_projection"]
 
     @property
     def pixel_multiple(self) -> int:
@@ -76,14 +63,13 @@ class AuraFlowFamily(Family):
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32) -> Prepared:
         """Noisy latents, the caption states and the timestep ``sigma``; the target ``noise - x0``."""
-        o = objective
-        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
+        f = self.flow_draw(latents, generator, objective, t, noise)
         inputs = {
-            "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
-            "encoder_hidden_states": text["prompt_embeds"].to(device=x0.device, dtype=dtype),
-            "timestep": sigma.to(dtype),
+            "hidden_states": f.noisy.to(dtype),
+            "encoder_hidden_states": text["prompt_embeds"].to(device=f.x0.device, dtype=dtype),
+            "timestep": f.sigma.to(dtype),
         }
-        return Prepared(inputs, obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o))
+        return self.flow_prepared(f, inputs, mask, objective)
 
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:

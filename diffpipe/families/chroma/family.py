@@ -11,8 +11,6 @@ is cached next to the embeddings (``prompt_attention_mask``).
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import ClassVar
 
 import torch
@@ -23,11 +21,9 @@ from diffpipe.families.chroma.flavors import TINY_TRANSFORMER
 from diffpipe.families.flux.family import TINY_T5, TINY_T5_LENGTH, FluxFamily
 from diffpipe.models import _common as common
 from diffpipe.models.base import Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
 from diffpipe.models.tokenizers import t5_tokenizer
-from diffpipe.training import objectives as obj
 
-_tiny_t5 = common.tiny_text_model(T5EncoderModel, T5Config, TINY_T5, "chroma.text_encoder", common.T5_IDS)
 
 class ChromaFamily(FluxFamily):
     name = "chroma"
@@ -36,17 +32,12 @@ class ChromaFamily(FluxFamily):
     #: Flux's targets (the blocks are Flux's), which also hit the single blocks' q/k/v.
     default_lora_targets: ClassVar[list[str]] = FluxFamily.default_lora_targets
     denoiser_model = Model(ChromaTransformer2DModel, TINY_TRANSFORMER)
-    text_parts: ClassVar[dict[str, TextPart]] = {
-        "tokenizer": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(TINY_T5_LENGTH)),
-        "text_encoder": TextEncoder(T5EncoderModel, T5Config, _tiny_t5),
-    }
+    text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
+        T5TokenizerFast, lambda: t5_tokenizer(TINY_T5_LENGTH), T5EncoderModel, T5Config, TINY_T5,
+        "chroma.text_encoder", common.T5_IDS)
 
-    @property
-    def max_sequence_length(self) -> int:  # type: ignore[override]
-        if self.cfg.flavor == "tiny":
-            return TINY_T5_LENGTH
-        config = json.loads((Path(self.cfg.path) / "tokenizer" / "tokenizer_config.json").read_text())
-        return min(int(config.get("model_max_length", 512)), 512)
+    prompt_tokens = (TINY_T5_LENGTH, 512)  # ChromaPipeline's default max_sequence_length
+    prompt_tokenizer = "tokenizer"
 
     @property
     def pipeline_class(self) -> type:
@@ -71,25 +62,20 @@ class ChromaFamily(FluxFamily):
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32) -> Prepared:
         """Flux's packed inputs without guidance or pooled text, with the text-and-image attention mask."""
-        o = objective
-        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
-        device, (b, c, h, w) = x0.device, x0.shape
-
-        def pack(x: torch.Tensor) -> torch.Tensor:
-            return FluxPipeline._pack_latents(x, b, c, h, w)
-
+        f = self.flow_draw(latents, generator, objective, t, noise, FluxPipeline._pack_latents)
+        device, b, (h, w) = f.x0.device, f.x0.shape[0], f.grid
         embeds = text["prompt_embeds"].to(device=device, dtype=dtype)
         inputs = {
-            "hidden_states": pack(obj.flow_interpolate(x0, noise, sigma)).to(dtype),
-            "timestep": sigma.to(dtype),
+            "hidden_states": f.noisy.to(dtype),
+            "timestep": f.sigma.to(dtype),
             "encoder_hidden_states": embeds,
             "txt_ids": torch.zeros(embeds.shape[1], 3, device=device, dtype=dtype),
-            "img_ids": FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
+            "img_ids": FluxPipeline._prepare_latent_image_ids(b, h, w, device, dtype),
             # ChromaPipeline._prepare_attention_mask: text mask, then every image token.
             "attention_mask": torch.cat([text["prompt_attention_mask"].to(device=device, dtype=dtype),
-                                         torch.ones(b, (h // 2) * (w // 2), device=device, dtype=dtype)], dim=1),
+                                         torch.ones(b, h * w, device=device, dtype=dtype)], dim=1),
         }
-        return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=self.loss_mask(mask, x0, o, pack))
+        return self.flow_prepared(f, inputs, mask, objective)
 
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """Embedding, one layer per double and single block, output.

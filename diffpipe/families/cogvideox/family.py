@@ -39,6 +39,7 @@ from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.cogvideox.flavors import TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
+from diffpipe.models import targets
 from diffpipe.models._draws import ddpm_parts
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model
@@ -49,21 +50,14 @@ MAX_LENGTH = 226  # CogVideoXPipeline's max_sequence_length (the transformer's m
 class CogVideoXFamily(video.T5TextFamily, Family):
     name = "cogvideox"
     vae_per_frame = False
-    t5_max_length = MAX_LENGTH
+    prompt_tokens = (video.TINY_LENGTH, MAX_LENGTH)
     vae_model = Model(AutoencoderKLCogVideoX, TINY_VAE)
     scheduler_model = Model(CogVideoXDDIMScheduler, TINY_SCHEDULER)
     denoiser_model = Model(CogVideoXTransformer3DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
     is_video = True
     fps = 8.0
-    default_lora_targets: ClassVar[list[str]] = [
-        "attn1.to_q",
-        "attn1.to_k",
-        "attn1.to_v",
-        "attn1.to_out.0",
-        "ff.net.0.proj",
-        "ff.net.2",
-    ]
+    default_lora_targets: ClassVar[list[str]] = [*targets.attention("attn1"), *targets.feed_forward()]
 
     # -- configs and geometry ------------------------------------------------------
     @property

@@ -27,7 +27,6 @@ item sees exactly the embedding the pipeline gives its prompt.
 from __future__ import annotations
 
 import math
-from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -38,10 +37,10 @@ from transformers import AutoTokenizer, GlmConfig, GlmModel, PreTrainedTokenizer
 from diffpipe.config import SampleConfig
 from diffpipe.families.cogview4.flavors import TINY_GLM, TINY_LENGTH, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
+from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
 from diffpipe.models.llm_tokenizers import llm_tokenizer
-from diffpipe.training import objectives as obj
 
 PAD_MULTIPLE = 16  # the pipeline pads every prompt on the left to a multiple of this
 MAX_LENGTH = 512  # tokens kept per prompt (the pipeline allows up to 1024; the cache row is this wide)
@@ -59,29 +58,19 @@ def tiny_glm_tokenizer(max_length: int) -> PreTrainedTokenizerBase:
     )
 
 
-_tiny_glm = common.tiny_text_model(GlmModel, GlmConfig, TINY_GLM, "cogview4.text_encoder")
-
 class CogView4Family(Family):
     name = "cogview4"
     token_streams: ClassVar[dict[str, tuple[str, str]]] = {"glm": ("tokenizer", "sequence")}
     vae_model = Model(AutoencoderKL, TINY_VAE)
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(CogView4Transformer2DModel, TINY_TRANSFORMER)
-    text_parts: ClassVar[dict[str, TextPart]] = {
-        "tokenizer": Tokenizer(AutoTokenizer, lambda: tiny_glm_tokenizer(TINY_LENGTH)),
-        "text_encoder": TextEncoder(GlmModel, GlmConfig, _tiny_glm),
-    }
+    text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
+        AutoTokenizer, lambda: tiny_glm_tokenizer(TINY_LENGTH), GlmModel, GlmConfig, TINY_GLM, "cogview4.text_encoder")
     denoiser_name = "transformer"
+    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     #: The attention projections of every block (one joint attention over text
     #: and image tokens) and the feed-forward both streams share.
-    default_lora_targets: ClassVar[list[str]] = [
-        "attn1.to_q",
-        "attn1.to_k",
-        "attn1.to_v",
-        "attn1.to_out.0",
-        "ff.net.0.proj",
-        "ff.net.2",
-    ]
+    default_lora_targets: ClassVar[list[str]] = [*targets.attention("attn1"), *targets.feed_forward()]
 
     @property
     def vae_factor(self) -> int:
@@ -94,14 +83,6 @@ class CogView4Family(Family):
     @property
     def pixel_multiple(self) -> int:
         return max(self.vae_factor * self.patch_size, 16)  # the pipeline refuses sides not divisible by 16
-
-    @cached_property
-    def max_sequence_length(self) -> int:
-        """Tokens kept per prompt: 512, or the tokenizer's limit when lower."""
-        return self.prompt_length(TINY_LENGTH, MAX_LENGTH)
-
-    def text_settings(self) -> dict[str, Any]:
-        return {"max_sequence_length": self.max_sequence_length}
 
     def shift_for(self, x0: torch.Tensor) -> float:
         return self.timestep_shift(x0.shape[-2] * x0.shape[-1] // self.patch_size**2)
@@ -162,9 +143,8 @@ class CogView4Family(Family):
         The pipeline passes the scheduler's timesteps, sigma * 1000, and steps with the velocity.
         Size conditioning as the pipeline samples: original = target = the image size, crop at (0, 0).
         """
-        o = objective
-        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
-        device, (b, _, h, w) = x0.device, x0.shape
+        f = self.flow_draw(latents, generator, objective, t, noise)
+        device, (b, _, h, w) = f.x0.device, f.x0.shape
         embeds, keep = text["prompt_embeds"], text["prompt_embeds_mask"]
         if embeds.device.type == "meta":  # memory estimates: every prompt at full length
             lengths = [embeds.shape[1]] * b
@@ -174,14 +154,14 @@ class CogView4Family(Family):
             raise ValueError("text prompt_embeds_mask: an item has no prompt tokens; rerun the text cache step")
         size = torch.tensor([[h * self.vae_factor, w * self.vae_factor]], device=device, dtype=dtype).repeat(b, 1)
         inputs = {
-            "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
-            "timestep": (sigma * 1000).to(dtype),
+            "hidden_states": f.noisy.to(dtype),
+            "timestep": (f.sigma * 1000).to(dtype),
             "encoder_hidden_states": embeds.to(device=device, dtype=dtype),  # left-padded to the longest
             "original_size": size,
             "target_size": size.clone(),
             "crop_coords": torch.zeros_like(size),
         }
-        return Prepared(inputs, obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o),
+        return self.flow_prepared(f, inputs, mask, objective,
                         extra={"lengths": lengths})
 
     def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:

@@ -54,6 +54,7 @@ from diffpipe.config import SampleConfig
 from diffpipe.families.cosmos2.flavors import TINY_LENGTH, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
+from diffpipe.models import targets
 from diffpipe.models._draws import draw_image
 from diffpipe.models._video import T5Text
 from diffpipe.models.base import Family, Prepared
@@ -97,26 +98,14 @@ def edm_weight(t: torch.Tensor) -> torch.Tensor:
 
 class Cosmos2Family(video.T5TextFamily, Family):
     name = "cosmos2"
-    t5_max_length = MAX_LENGTH
-    t5_tiny_length = TINY_LENGTH
+    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     vae_model = Model(AutoencoderKLWan, TINY_VAE)
     denoiser_model = Model(CosmosTransformer3DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
     #: Cosmos-Predict2's own LoRA targets (``q_proj, k_proj, v_proj, output_proj,
     #: mlp.layer1, mlp.layer2``) in diffusers names: self- and cross-attention
     #: projections and the feed-forward of every block.
-    default_lora_targets: ClassVar[list[str]] = [
-        "attn1.to_q",
-        "attn1.to_k",
-        "attn1.to_v",
-        "attn1.to_out.0",
-        "attn2.to_q",
-        "attn2.to_k",
-        "attn2.to_v",
-        "attn2.to_out.0",
-        "ff.net.0.proj",
-        "ff.net.2",
-    ]
+    default_lora_targets: ClassVar[list[str]] = [*targets.attention("attn1"), *targets.attention("attn2"), *targets.feed_forward()]
 
     @property
     def pixel_multiple(self) -> int:

@@ -10,10 +10,7 @@ the pipeline's own helpers, so training sees exactly what inference sees.
 
 from __future__ import annotations
 
-import json
-import math
 from functools import cached_property
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -23,7 +20,6 @@ from diffusers import (
     FluxPipeline,
     FluxTransformer2DModel,
 )
-from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from transformers import (
     CLIPTextConfig,
     CLIPTextModel,
@@ -36,10 +32,10 @@ from transformers import (
 from diffpipe.config import SampleConfig
 from diffpipe.families.flux.flavors import TINY_SCHEDULER, TINY_T5, TINY_T5_LENGTH, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
+from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer
-from diffpipe.training import objectives as obj
 
 # FluxPipeline refuses longer T5 prompts.
 MAX_T5_LENGTH = 512
@@ -63,24 +59,13 @@ class FluxFamily(Family):
         "text_encoder_2": TextEncoder(T5EncoderModel, T5Config, _tiny_t5),
     }
     denoiser_name = "transformer"
+    prompt_tokens = (TINY_T5_LENGTH, MAX_T5_LENGTH)
+    prompt_tokenizer = "tokenizer_2"
     # As in diffusers' Flux DreamBooth LoRA example: attention projections of
     # both streams (image: to_*, text: add_*_proj / to_add_out; the names
     # also match the single blocks' q/k/v) and the feed-forward linears of
     # both streams in the double blocks.
-    default_lora_targets: ClassVar[list[str]] = [
-        "attn.to_k",
-        "attn.to_q",
-        "attn.to_v",
-        "attn.to_out.0",
-        "attn.add_k_proj",
-        "attn.add_q_proj",
-        "attn.add_v_proj",
-        "attn.to_add_out",
-        "ff.net.0.proj",
-        "ff.net.2",
-        "ff_context.net.0.proj",
-        "ff_context.net.2",
-    ]
+    default_lora_targets: ClassVar[list[str]] = targets.dual_stream()
     #: Distilled guidance fed to guidance-embedding models while training
     #: (1.0 is the common choice for LoRAs on FLUX.1-dev).
     train_guidance: ClassVar[float] = 1.0
@@ -94,15 +79,6 @@ class FluxFamily(Family):
             FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler")
         )
 
-    @cached_property
-    def max_sequence_length(self) -> int:
-        """T5 tokens per prompt, in training caches and in sampling alike."""
-        if self.cfg.flavor == "tiny":
-            return TINY_T5_LENGTH
-        config_file = Path(self.cfg.path) / "tokenizer_2" / "tokenizer_config.json"
-        length = json.loads(config_file.read_text()).get("model_max_length", MAX_T5_LENGTH)
-        return min(int(length), MAX_T5_LENGTH)
-
     @property
     def pixel_multiple(self) -> int:
         # VAE downsampling x the 2x2 latent packing.
@@ -111,28 +87,8 @@ class FluxFamily(Family):
     def shift_for(self, x0: torch.Tensor) -> float:
         return self.timestep_shift((x0.shape[-2] // 2) * (x0.shape[-1] // 2))
 
-    def timestep_shift(self, image_seq_len: int) -> float:
-        """The shift ``s`` that FluxPipeline's scheduler applies at this token count.
-
-        With dynamic shifting the scheduler maps ``t -> e^mu / (e^mu + 1/t - 1)``,
-        which is ``shift_timesteps(t, e^mu)``; ``mu`` grows with the image size.
-        """
-        c = self._scheduler_config
-        if not c.get("use_dynamic_shifting", False):
-            return float(c.get("shift", 1.0))
-        mu = calculate_shift(
-            image_seq_len,
-            c.get("base_image_seq_len", 256),
-            c.get("max_image_seq_len", 4096),
-            c.get("base_shift", 0.5),
-            c.get("max_shift", 1.15),
-        )
-        return math.exp(mu) if c.get("time_shift_type", "exponential") == "exponential" else mu
 
     # -- components ------------------------------------------------------------
-    def text_settings(self) -> dict[str, Any]:
-        return {"max_sequence_length": self.max_sequence_length}
-
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
 
@@ -172,25 +128,20 @@ class FluxFamily(Family):
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32) -> Prepared:
         """Packed noisy latents, sigma, guidance, pooled and T5 text, text and image ids; a packed target."""
-        o = objective
-        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
-        device, (b, c, h, w) = x0.device, x0.shape
-
-        def pack(x: torch.Tensor) -> torch.Tensor:
-            return FluxPipeline._pack_latents(x, b, c, h, w)
-
+        f = self.flow_draw(latents, generator, objective, t, noise, FluxPipeline._pack_latents)
+        device, b = f.x0.device, f.x0.shape[0]
         prompt_embeds = text["prompt_embeds"].to(device=device, dtype=dtype)
         inputs = {
-            "hidden_states": pack(obj.flow_interpolate(x0, noise, sigma)).to(dtype),
+            "hidden_states": f.noisy.to(dtype),
             # FluxPipeline passes sigma (its timestep / 1000) in the latents' dtype.
-            "timestep": sigma.to(dtype),
+            "timestep": f.sigma.to(dtype),
             "guidance": torch.full((b,), self.train_guidance, device=device, dtype=torch.float32),
             "pooled_projections": text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
             "encoder_hidden_states": prompt_embeds,
             "txt_ids": torch.zeros(prompt_embeds.shape[1], 3, device=device, dtype=dtype),
-            "img_ids": FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, device, dtype),
+            "img_ids": FluxPipeline._prepare_latent_image_ids(b, *f.grid, device, dtype),
         }
-        return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=self.loss_mask(mask, x0, o, pack))
+        return self.flow_prepared(f, inputs, mask, objective)
 
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:

@@ -15,7 +15,6 @@ shows.
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -52,7 +51,6 @@ from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer
-from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 128  # the pipeline's default max_sequence_length
 
@@ -91,6 +89,8 @@ class HiDreamFamily(Family):
         "text_encoder_4": TextEncoder(LlamaForCausalLM, LlamaConfig, _tiny_llama),
     }
     denoiser_name = "transformer"
+    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    prompt_tokenizer = "tokenizer_3"
     #: Attention of both streams and the shared expert of every MoE feed-forward
     #: (the routed experts are left alone, as in diffusers' HiDream LoRA example).
     default_lora_targets: ClassVar[list[str]] = ["to_q", "to_k", "to_v", "to_out", "to_q_t", "to_k_t", "to_v_t",
@@ -100,18 +100,6 @@ class HiDreamFamily(Family):
     @property
     def pixel_multiple(self) -> int:
         return 2 ** (len(self._vae_config["block_out_channels"]) - 1) * 2
-
-    @cached_property
-    def max_sequence_length(self) -> int:
-        """Tokens per prompt: the pipeline's 128, or less if the T5 tokenizer's limit is lower."""
-        if self.cfg.flavor == "tiny":
-            return TINY_LENGTH
-        t5 = T5TokenizerFast.from_pretrained(self.cfg.path, subfolder="tokenizer_3")
-        return min(int(t5.model_max_length), MAX_LENGTH)
-
-    def text_settings(self) -> dict[str, Any]:
-        return {"max_sequence_length": self.max_sequence_length}
-
 
     def load_pipeline(self) -> HiDreamImagePipeline:
         pipe = super().load_pipeline()
@@ -153,17 +141,16 @@ class HiDreamFamily(Family):
 
         The target is ``x0 - noise``: the pipeline steps with ``-pred`` as the velocity ``noise - x0``.
         """
-        o = objective
-        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
-        device = x0.device
+        f = self.flow_draw(latents, generator, objective, t, noise)
+        device = f.x0.device
         inputs = {
-            "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
-            "timesteps": (sigma * 1000).to(dtype),
+            "hidden_states": f.noisy.to(dtype),
+            "timesteps": (f.sigma * 1000).to(dtype),
             "encoder_hidden_states_t5": text["prompt_embeds_t5"].to(device=device, dtype=dtype),
             "encoder_hidden_states_llama3": text["prompt_embeds_llama3"].to(device=device, dtype=dtype).transpose(0, 1),
             "pooled_embeds": text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
         }
-        return Prepared(inputs, -obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o))
+        return Prepared(inputs, -f.target, mask=self.loss_mask(mask, f.x0, objective))
 
     def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
         """The forward in the image layout (train mode returns patches ``[B, C, S, p*p]``, S padded)."""

@@ -43,10 +43,10 @@ from diffpipe.config import SampleConfig
 from diffpipe.families.hunyuanimage.flavors import TINY_BYT5, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.families.qwenimage.family import tiny_qwen_tokenizer, tiny_qwen_vl
 from diffpipe.models import _common as common
+from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model
 from diffpipe.models.tokenizers import tokenizer_fingerprint
-from diffpipe.training import objectives as obj
 from diffpipe.utils import digest
 
 # The tiny tokenizer spells the template out by characters: the pipeline's
@@ -83,11 +83,7 @@ class HunyuanImageFamily(Family):
     denoiser_model = Model(HunyuanImageTransformer2DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
     #: Attention of both streams and the feed-forwards of the double blocks (Flux-like blocks).
-    default_lora_targets: ClassVar[list[str]] = [
-        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
-    ]
+    default_lora_targets: ClassVar[list[str]] = targets.dual_stream()
 
     @property
     def pixel_multiple(self) -> int:
@@ -186,19 +182,18 @@ class HunyuanImageFamily(Family):
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32) -> Prepared:
         """Flow-matching inputs with both text encoders' embeddings and masks, and the guidance (1000)."""
-        o = objective
-        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
-        device, b = x0.device, x0.shape[0]
+        f = self.flow_draw(latents, generator, objective, t, noise)
+        device, b = f.x0.device, f.x0.shape[0]
         inputs = {
-            "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
-            "timestep": (sigma * 1000).to(dtype),
+            "hidden_states": f.noisy.to(dtype),
+            "timestep": (f.sigma * 1000).to(dtype),
             "guidance": torch.full((b,), 1000.0, device=device, dtype=dtype),
             "encoder_hidden_states": text["prompt_embeds"].to(device=device, dtype=dtype),
             "encoder_attention_mask": text["prompt_embeds_mask"].to(device=device, dtype=torch.long),
             "encoder_hidden_states_2": text["prompt_embeds_2"].to(device=device, dtype=dtype),
             "encoder_attention_mask_2": text["prompt_embeds_mask_2"].to(device=device, dtype=torch.long),
         }
-        return Prepared(inputs, obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o))
+        return self.flow_prepared(f, inputs, mask, objective)
 
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         raise NotImplementedError("hunyuanimage: pipeline-parallel layers are not implemented yet")

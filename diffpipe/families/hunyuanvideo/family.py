@@ -58,6 +58,7 @@ from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.hunyuanvideo.flavors import TINY_LENGTH, TINY_LLAMA, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
+from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.llm_tokenizers import llm_tokenizer
@@ -96,21 +97,7 @@ class HunyuanVideoFamily(Family):
     denoiser_name = "transformer"
     is_video = True
     fps = 24.0
-    default_lora_targets: ClassVar[list[str]] = [
-        "attn.to_q",
-        "attn.to_k",
-        "attn.to_v",
-        "attn.to_out.0",
-        "attn.add_q_proj",
-        "attn.add_k_proj",
-        "attn.add_v_proj",
-        "attn.to_add_out",
-        "ff.net.0.proj",
-        "ff.net.2",
-        "ff_context.net.0.proj",
-        "ff_context.net.2",
-        "proj_mlp",
-    ]
+    default_lora_targets: ClassVar[list[str]] = [*targets.dual_stream(), "proj_mlp"]
     #: Distilled guidance fed to the guidance embedding while training (1.0, as LoRAs on it commonly use).
     train_guidance: ClassVar[float] = 1.0
 

@@ -22,18 +22,17 @@ sides that are multiples of 32 (``LTXPipeline.check_inputs``).
 
 from __future__ import annotations
 
-import math
 from typing import Any, ClassVar
 
 import torch
 from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
-from diffusers.pipelines.ltx.pipeline_ltx import calculate_shift
 
 from diffpipe.config import SampleConfig
 from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.ltxvideo.flavors import TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
+from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model
 from diffpipe.training import objectives as obj
@@ -43,14 +42,14 @@ MAX_LENGTH = 128  # LTXPipeline's default max_sequence_length
 
 class LTXVideoFamily(video.T5TextFamily, Family):
     name = "ltxvideo"
-    t5_max_length = MAX_LENGTH
+    prompt_tokens = (video.TINY_LENGTH, MAX_LENGTH)
     vae_model = Model(AutoencoderKLLTXVideo, TINY_VAE)
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(LTXVideoTransformer3DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
     is_video = True
     fps = 25.0
-    default_lora_targets: ClassVar[list[str]] = ["to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"]
+    default_lora_targets: ClassVar[list[str]] = [*targets.attention(""), *targets.feed_forward()]
 
     # -- configs and geometry ------------------------------------------------------
     @property
@@ -70,19 +69,6 @@ class LTXVideoFamily(video.T5TextFamily, Family):
     def pixel_multiple(self) -> int:
         return self.compression[1] * int(self._denoiser_config.get("patch_size", 1))
 
-    def timestep_shift(self, seq_len: int) -> float:
-        """The shift ``LTXPipeline`` applies at ``seq_len`` latent tokens (``exp(mu)``, or the fixed shift)."""
-        c = self._scheduler_config
-        if not c.get("use_dynamic_shifting", False):
-            return float(c.get("shift", 1.0))
-        mu = calculate_shift(
-            seq_len,
-            c.get("base_image_seq_len", 256),
-            c.get("max_image_seq_len", 4096),
-            c.get("base_shift", 0.5),
-            c.get("max_shift", 1.15),
-        )
-        return math.exp(mu) if c.get("time_shift_type", "exponential") == "exponential" else mu
 
     # -- components --------------------------------------------------------------
 

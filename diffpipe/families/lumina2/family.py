@@ -12,7 +12,6 @@ image) and the model predicts ``x0 - noise``; the loss uses that convention.
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -27,10 +26,10 @@ from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
 from diffpipe.config import SampleConfig
 from diffpipe.families.lumina2.flavors import TINY_GEMMA, TINY_LENGTH, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE8
 from diffpipe.models import _common as common
+from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
 from diffpipe.models.llm_tokenizers import llm_tokenizer
-from diffpipe.training import objectives as obj
 
 #: The system prompt ``Lumina2Pipeline`` puts before every prompt.
 SYSTEM_PROMPT = (
@@ -40,8 +39,6 @@ SYSTEM_PROMPT = (
 MAX_LENGTH = 256  # the pipeline's default max_sequence_length
 
 
-_tiny_gemma = common.tiny_text_model(Gemma2Model, Gemma2Config, TINY_GEMMA, "lumina2.text_encoder")
-
 class Lumina2Family(Family):
     name = "lumina2"
     vae_shift = True
@@ -49,33 +46,20 @@ class Lumina2Family(Family):
     vae_model = Model(AutoencoderKL, TINY_VAE8)
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(Lumina2Transformer2DModel, TINY_TRANSFORMER)
-    text_parts: ClassVar[dict[str, TextPart]] = {
-        "tokenizer": Tokenizer(AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH)),
-        "text_encoder": TextEncoder(Gemma2Model, Gemma2Config, _tiny_gemma),
-    }
+    text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
+        AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH), Gemma2Model, Gemma2Config, TINY_GEMMA, "lumina2.text_encoder")
     denoiser_name = "transformer"
+    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     #: diffusers' Lumina2 LoRA example: the attention projections and the
     #: SwiGLU feed-forward of every block (refiners included).
-    default_lora_targets: ClassVar[list[str]] = [
-        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-        "feed_forward.linear_1", "feed_forward.linear_2", "feed_forward.linear_3",
-    ]
+    default_lora_targets: ClassVar[list[str]] = [*targets.attention(), "feed_forward.linear_1", "feed_forward.linear_2", "feed_forward.linear_3"]
 
     @property
     def pixel_multiple(self) -> int:
         return 16  # the pipeline's vae_scale_factor (8) x patch size (2)
 
-    @cached_property
-    def max_sequence_length(self) -> int:
-        """Tokens per prompt: the pipeline's 256, or the tokenizer's limit when lower."""
-        if self.cfg.flavor == "tiny":
-            return TINY_LENGTH
-        return min(int(AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer").model_max_length),
-                   MAX_LENGTH)
-
     def text_settings(self) -> dict[str, Any]:
-        return {"max_sequence_length": self.max_sequence_length, "system_prompt": SYSTEM_PROMPT}
-
+        return {**super().text_settings(), "system_prompt": SYSTEM_PROMPT}
 
     @property
     def pipeline_class(self) -> type:
@@ -102,16 +86,15 @@ class Lumina2Family(Family):
 
         The target is ``x0 - noise``: the pipeline steps with ``-pred`` as the velocity ``noise - x0``.
         """
-        o = objective
-        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
-        device = x0.device
+        f = self.flow_draw(latents, generator, objective, t, noise)
+        device = f.x0.device
         inputs = {
-            "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
-            "timestep": (1 - sigma).to(dtype),
+            "hidden_states": f.noisy.to(dtype),
+            "timestep": (1 - f.sigma).to(dtype),
             "encoder_hidden_states": text["prompt_embeds"].to(device=device, dtype=dtype),
             "encoder_attention_mask": text["prompt_attention_mask"].to(device=device, dtype=torch.long),
         }
-        return Prepared(inputs, -obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o))
+        return Prepared(inputs, -f.target, mask=self.loss_mask(mask, f.x0, objective))
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         return {**super().sample_kwargs(cfg), "max_sequence_length": self.max_sequence_length}

@@ -35,6 +35,7 @@ from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.mochi.flavors import TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
+from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model
 from diffpipe.training import objectives as obj
@@ -45,7 +46,7 @@ SPATIAL, TEMPORAL, PATCH = 8, 6, 2  # what MochiPipeline assumes
 
 class MochiFamily(video.T5TextFamily, Family):
     name = "mochi"
-    t5_max_length = MAX_LENGTH
+    prompt_tokens = (video.TINY_LENGTH, MAX_LENGTH)
     vae_model = Model(AutoencoderKLMochi, TINY_VAE)
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(MochiTransformer3DModel, TINY_TRANSFORMER)
@@ -53,20 +54,7 @@ class MochiFamily(video.T5TextFamily, Family):
     is_video = True
     fps = 30.0
     frame_rule = (TEMPORAL, 1)
-    default_lora_targets: ClassVar[list[str]] = [
-        "attn1.to_q",
-        "attn1.to_k",
-        "attn1.to_v",
-        "attn1.to_out.0",
-        "attn1.add_q_proj",
-        "attn1.add_k_proj",
-        "attn1.add_v_proj",
-        "attn1.to_add_out",
-        "ff.net.0.proj",
-        "ff.net.2",
-        "ff_context.net.0.proj",
-        "ff_context.net.2",
-    ]
+    default_lora_targets: ClassVar[list[str]] = targets.dual_stream("attn1")
 
     @property
     def pixel_multiple(self) -> int:

@@ -14,8 +14,6 @@ the result equals the pipeline's per-batch padding.
 
 from __future__ import annotations
 
-import math
-from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -25,7 +23,6 @@ from diffusers import (
     QwenImagePipeline,
     QwenImageTransformer2DModel,
 )
-from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 from transformers import (
     AutoTokenizer,
     PreTrainedTokenizerBase,
@@ -43,10 +40,10 @@ from diffpipe.families.qwenimage.flavors import (
     TINY_VISION,
 )
 from diffpipe.models import _common as common
+from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.llm_tokenizers import llm_tokenizer
-from diffpipe.training import objectives as obj
 
 # The pipeline's prompt template and how many leading tokens it drops.
 TEMPLATE = (
@@ -83,13 +80,11 @@ class QwenImageFamily(Family):
                                     lambda tok, seed: tiny_qwen_vl(tok, seed, "qwenimage.text_encoder")),
     }
     denoiser_name = "transformer"
+    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    prompt_drop = DROP
     #: diffusers' Qwen-Image LoRA examples: attention of both streams and
     #: the image-stream MLP of every block.
-    default_lora_targets: ClassVar[list[str]] = [
-        "attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0",
-        "attn.add_q_proj", "attn.add_k_proj", "attn.add_v_proj", "attn.to_add_out",
-        "img_mlp.net.0.proj", "img_mlp.net.2",
-    ]
+    default_lora_targets: ClassVar[list[str]] = [*targets.attention(), *targets.added_projections(), *targets.feed_forward("img_mlp")]
 
     @property
     def vae_factor(self) -> int:
@@ -99,26 +94,13 @@ class QwenImageFamily(Family):
     def pixel_multiple(self) -> int:
         return self.vae_factor * 2  # 2x2 packing
 
-    @cached_property
-    def max_sequence_length(self) -> int:
-        """Prompt tokens after the template's dropped head: 512, or less if the tokenizer says so."""
-        return self.prompt_length(TINY_LENGTH, MAX_LENGTH, drop=DROP)
-
-    def text_settings(self) -> dict[str, Any]:
-        return {"max_sequence_length": self.max_sequence_length, "template": TEMPLATE}
-
     def shift_for(self, x0: torch.Tensor) -> float:
         return self.timestep_shift((x0.shape[-2] // 2) * (x0.shape[-1] // 2))
 
-    def timestep_shift(self, image_seq_len: int) -> float:
-        """The pipeline scheduler's shift at this many packed image tokens (``exp(mu)``)."""
-        c = self._scheduler_config
-        if not c.get("use_dynamic_shifting", False):
-            return float(c.get("shift", 1.0))
-        mu = calculate_shift(image_seq_len, c.get("base_image_seq_len", 256), c.get("max_image_seq_len", 4096),
-                             c.get("base_shift", 0.5), c.get("max_shift", 1.15))
-        return math.exp(mu) if c.get("time_shift_type", "exponential") == "exponential" else mu
 
+
+    def text_settings(self) -> dict[str, Any]:
+        return {**super().text_settings(), "template": TEMPLATE}
 
     @property
     def pipeline_class(self) -> type:
@@ -161,21 +143,16 @@ class QwenImageFamily(Family):
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32) -> Prepared:
         """Packed noisy latents, sigma, text and its mask, and each item's packed grid ``img_shapes``."""
-        o = objective
-        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
-        device, (b, c, h, w) = x0.device, x0.shape
-
-        def pack(x: torch.Tensor) -> torch.Tensor:
-            return QwenImagePipeline._pack_latents(x, b, c, h, w)
-
+        f = self.flow_draw(latents, generator, objective, t, noise, QwenImagePipeline._pack_latents)
+        device = f.x0.device
         inputs = {
-            "hidden_states": pack(obj.flow_interpolate(x0, noise, sigma)).to(dtype),
-            "timestep": sigma.to(dtype),  # the pipeline passes timestep / 1000
+            "hidden_states": f.noisy.to(dtype),
+            "timestep": f.sigma.to(dtype),  # the pipeline passes timestep / 1000
             "encoder_hidden_states": text["prompt_embeds"].to(device=device, dtype=dtype),
             "encoder_hidden_states_mask": text["prompt_embeds_mask"].to(device=device, dtype=torch.long),
-            "img_shapes": [[(1, h // 2, w // 2)]] * b,
+            "img_shapes": [[(1, *f.grid)]] * f.x0.shape[0],
         }
-        return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=self.loss_mask(mask, x0, o, pack))
+        return self.flow_prepared(f, inputs, mask, objective)
 
     def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
         """``(packed_noisy, sigma, prompt_embeds, prompt_embeds_mask, fhw)``: ``img_shapes`` as one tensor."""

@@ -11,7 +11,6 @@ level ``sigma`` the transformer sees ``(1 - sigma) x0 + sigma noise`` and the ti
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -20,11 +19,10 @@ from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.sana.flavors import TINY_GEMMA, TINY_LENGTH, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
-from diffpipe.models import _common as common
+from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
 from diffpipe.models.llm_tokenizers import llm_tokenizer
-from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 300  # SanaPipeline's default max_sequence_length
 
@@ -35,26 +33,12 @@ class SanaFamily(Family):
     vae_model = Model(AutoencoderDC, TINY_VAE)
     denoiser_model = Model(SanaTransformer2DModel, TINY_TRANSFORMER)
     scheduler_model = Model(DPMSolverMultistepScheduler, TINY_SCHEDULER)
-    text_parts: ClassVar[dict[str, TextPart]] = {
-        "tokenizer": Tokenizer(AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH)),
-        "text_encoder": TextEncoder(Gemma2Model, Gemma2Config,
-                                    common.tiny_text_model(Gemma2Model, Gemma2Config, TINY_GEMMA, "sana.text_encoder")),
-    }
+    text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
+        AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH), Gemma2Model, Gemma2Config, TINY_GEMMA, "sana.text_encoder")
     denoiser_name = "transformer"
+    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     #: Self and cross attention of every block and the 1x1 convolutions of its Mix-FFN.
-    default_lora_targets: ClassVar[list[str]] = [
-        "attn1.to_q", "attn1.to_k", "attn1.to_v", "attn1.to_out.0",
-        "attn2.to_q", "attn2.to_k", "attn2.to_v", "attn2.to_out.0",
-        "ff.conv_inverted", "ff.conv_point",
-    ]
-
-    @cached_property
-    def max_sequence_length(self) -> int:
-        """Caption tokens kept: the pipeline's 300, or the tokenizer's limit when lower."""
-        return self.prompt_length(TINY_LENGTH, MAX_LENGTH)
-
-    def text_settings(self) -> dict[str, Any]:
-        return {"max_sequence_length": self.max_sequence_length}
+    default_lora_targets: ClassVar[list[str]] = [*targets.attention("attn1"), *targets.attention("attn2"), "ff.conv_inverted", "ff.conv_point"]
 
     @property
     def vae_factor(self) -> int:
@@ -84,17 +68,16 @@ class SanaFamily(Family):
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32) -> Prepared:
         """Noisy latents, the flow timestep, the caption states and mask; the target ``noise - x0``."""
-        o = objective
-        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise)
-        device = x0.device
+        f = self.flow_draw(latents, generator, objective, t, noise)
+        device = f.x0.device
         scale = float(self._denoiser_config.get("timestep_scale", 1.0))
         inputs = {
-            "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
+            "hidden_states": f.noisy.to(dtype),
             "encoder_hidden_states": text["prompt_embeds"].to(device=device, dtype=dtype),
             "encoder_attention_mask": text["prompt_attention_mask"].to(device=device),
-            "timestep": (sigma * self._scheduler_config.get("num_train_timesteps", 1000) * scale).to(dtype),
+            "timestep": (f.sigma * self._scheduler_config.get("num_train_timesteps", 1000) * scale).to(dtype),
         }
-        return Prepared(inputs, obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o))
+        return self.flow_prepared(f, inputs, mask, objective)
 
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:

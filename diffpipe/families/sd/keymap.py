@@ -18,6 +18,7 @@ from typing import Any
 from diffusers import UNet2DConditionModel
 
 from diffpipe.export.keymaps.base import KeyMap, kohya_name, plain
+from diffpipe.models import targets
 
 DENOISER = UNet2DConditionModel
 
@@ -29,18 +30,7 @@ RESNET = {
     "conv_shortcut": "skip_connection",
 }
 # Transformer block internals: same names in both (ldm ``SpatialTransformer``).
-TRANSFORMER_BLOCK = [
-    "attn1.to_q",
-    "attn1.to_k",
-    "attn1.to_v",
-    "attn1.to_out.0",
-    "attn2.to_q",
-    "attn2.to_k",
-    "attn2.to_v",
-    "attn2.to_out.0",
-    "ff.net.0.proj",
-    "ff.net.2",
-]
+TRANSFORMER_BLOCK = [*targets.attention("attn1"), *targets.attention("attn2"), *targets.feed_forward()]
 TOP_LEVEL = {
     "conv_in": "input_blocks.0.0",
     "time_embedding.linear_1": "time_embed.0",

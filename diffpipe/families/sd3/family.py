@@ -15,9 +15,6 @@ and loss weightings (Esser et al. 2024, section 3.1) through
 
 from __future__ import annotations
 
-import json
-from functools import cached_property
-from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -39,6 +36,7 @@ from transformers import (
 from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.families.sd3.flavors import TINY_SCHEDULER, TINY_T5, TINY_T5_LENGTH, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
+from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer
@@ -73,34 +71,19 @@ class SD3Family(Family):
                                                              "sd3.text_encoder_3", common.T5_IDS)),
     }
     denoiser_name = "transformer"
+    prompt_tokens = (TINY_T5_LENGTH, T5_LENGTH)
+    prompt_tokenizer = "tokenizer_3"
     #: diffusers' SD3 DreamBooth LoRA example: attention of both streams
     #: (image ``to_*``, text ``add_*_proj`` / ``to_add_out``) and both
     #: feed-forwards of every joint block.
-    default_lora_targets: ClassVar[list[str]] = [
-        "attn.to_k", "attn.to_q", "attn.to_v", "attn.to_out.0",
-        "attn.add_k_proj", "attn.add_q_proj", "attn.add_v_proj", "attn.to_add_out",
-        "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2",
-    ]
+    default_lora_targets: ClassVar[list[str]] = targets.dual_stream()
     #: How many CLIP text encoders feed the pooled and sequence embeddings.
     clip_components: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
-
-    @cached_property
-    def max_sequence_length(self) -> int:
-        """T5 tokens per prompt: the pipeline's default 256, or less if the T5 tokenizer says so."""
-        if self.cfg.flavor == "tiny":
-            return TINY_T5_LENGTH
-        config_file = Path(self.cfg.path) / "tokenizer_3" / "tokenizer_config.json"
-        length = json.loads(config_file.read_text()).get("model_max_length", T5_LENGTH)
-        return min(int(length), T5_LENGTH)
 
     @property
     def pixel_multiple(self) -> int:
         vae = 2 ** (len(self._vae_config["block_out_channels"]) - 1)
         return vae * self._denoiser_config.get("patch_size", 2)
-
-    def text_settings(self) -> dict[str, Any]:
-        return {"max_sequence_length": self.max_sequence_length}
-
 
     @property
     def pipeline_class(self) -> type:
@@ -146,18 +129,17 @@ class SD3Family(Family):
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32) -> Prepared:
         """Flow-matching inputs; ``weights`` by ``train.objective.weighting_scheme`` (None: unweighted)."""
-        o = objective
-        x0, noise, sigma = self.draw_flow(latents, generator, o, t, noise, sample_t=self.sample_t)
-        device = x0.device
+        f = self.flow_draw(latents, generator, objective, t, noise, sample_t=self.sample_t)
+        device = f.x0.device
         inputs = {
-            "hidden_states": obj.flow_interpolate(x0, noise, sigma).to(dtype),
+            "hidden_states": f.noisy.to(dtype),
             # The pipeline passes the scheduler's timesteps: sigma * 1000.
-            "timestep": (sigma * 1000).to(dtype),
+            "timestep": (f.sigma * 1000).to(dtype),
             "pooled_projections": text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
             "encoder_hidden_states": text["prompt_embeds"].to(device=device, dtype=dtype),
         }
-        return Prepared(inputs, obj.flow_target(x0, noise), obj.weighting_scheme_weights(o.weighting_scheme, sigma),
-                        self.loss_mask(mask, x0, o))
+        return self.flow_prepared(f, inputs, mask, objective,
+                                  weights=obj.weighting_scheme_weights(objective.weighting_scheme, f.sigma))
 
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:

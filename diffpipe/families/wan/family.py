@@ -63,6 +63,7 @@ from diffpipe.families.wan import i2v as wan_i2v
 from diffpipe.families.wan.experts import WanExperts
 from diffpipe.families.wan.flavors import TINY_LENGTH, TINY_TRANSFORMER, TINY_UMT5, TINY_VAE, TINY_VAE_22
 from diffpipe.models import _common as common
+from diffpipe.models import targets
 from diffpipe.models.base import DenoiserPart, Family, Prepared
 from diffpipe.models.components import TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.tokenizers import t5_tokenizer
@@ -169,7 +170,7 @@ class WanFamily(Family):
     variants: ClassVar[tuple[str, ...]] = tuple(VARIANTS)
     #: Self- and cross-attention projections and the feed-forward linears of every block
     #: (what Wan LoRA trainers target).
-    default_lora_targets: ClassVar[list[str]] = ["to_q", "to_k", "to_v", "to_out.0", "ffn.net.0.proj", "ffn.net.2"]
+    default_lora_targets: ClassVar[list[str]] = [*targets.attention(""), *targets.feed_forward("ffn")]
 
     def __init__(self, cfg):
         super().__init__(cfg)
@@ -268,18 +269,15 @@ class WanFamily(Family):
         c = self._scheduler_config
         return float(c.get("flow_shift", c.get("shift", 1.0)))
 
-    @cached_property
-    def max_sequence_length(self) -> int:
-        """Prompt tokens: the variant's tiny length, or the pipeline's 512 (less if the tokenizer says so)."""
-        return self.prompt_length(self.spec.text_length, MAX_LENGTH)
+    @property
+    def prompt_tokens(self) -> tuple[int, int]:  # type: ignore[override]
+        """The variant's tiny length, or the pipeline's 512 (less if the tokenizer says so)."""
+        return self.spec.text_length, MAX_LENGTH
 
     @property
     def text_parts(self) -> dict[str, TextPart]:
         return {"tokenizer": Tokenizer(AutoTokenizer, lambda: t5_tokenizer(self.spec.text_length)),
                 "text_encoder": TextEncoder(UMT5EncoderModel, UMT5Config, _tiny_umt5)}
-
-    def text_settings(self) -> dict[str, Any]:
-        return {"max_sequence_length": self.max_sequence_length}
 
     # -- components ------------------------------------------------------------
     # The VAE and transformers are the variant's (``self.spec``: tiny configs and seed names per
