@@ -11,6 +11,8 @@ a missing alpha is scale 1.0 and the safetensors header is never read.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 # ComfyUI's HunyuanVideo model is built from Flux's layers: on load it renames the
@@ -41,6 +43,18 @@ HUNYUAN_LORA_RENAMES = [
 ]
 
 
+# ComfyUI's Z-Image model keeps the original checkpoint's names (fused ``attention.qkv``); its LoRA key
+# map (``z_image_to_diffusers`` in ``comfy/utils.py``, used by ``model_lora_keys_unet`` for Lumina 2 models)
+# gives each diffusers module name, under ``diffusion_model.`` and ``transformer.``, the model weight it
+# lands on: these renames, and q, k, v as the first, second and third row blocks of ``qkv``.
+ZIMAGE_RENAMES = [
+    (".attention.to_out.0", ".attention.out"),
+    ("all_x_embedder.2-1", "x_embedder"),
+    ("all_final_layer.2-1.", "final_layer."),
+]
+_ZIMAGE_QKV = re.compile(r"(.+)\.attention\.to_([qkv])")
+
+
 def _replace_all(name: str, rules: list[tuple[str, str]]) -> str:
     for old, new in rules:
         name = name.replace(old, new)
@@ -52,6 +66,10 @@ def model_weight(family: str, original: str) -> str:
     key = f"diffusion_model.{original}.weight"
     if family == "hunyuanvideo":
         key = _replace_all(key, HUNYUAN_LOAD_RENAMES)
+    if family == "zimage":  # a third of the fused qkv is labelled by its part: ``...qkv.weight[q]``
+        if m := _ZIMAGE_QKV.fullmatch(original):
+            return f"diffusion_model.{m[1]}.attention.qkv.weight[{m[2]}]"
+        key = _replace_all(key, ZIMAGE_RENAMES)
     return key
 
 
@@ -59,6 +77,17 @@ def lora_key_map(family: str, weights: list[str]) -> dict[str, str]:
     """File layer name -> ComfyUI model weight, for these model weights (``model_lora_keys_unet``)."""
     key_map = {}
     for w in weights:
+        if family == "zimage":
+            if w.endswith("]"):  # one part of the fused qkv: only its diffusers name maps to it
+                block = w.removeprefix("diffusion_model.").removesuffix(f".attention.qkv.weight[{w[-2]}]")
+                diffusers = f"{block}.attention.to_{w[-2]}"
+            else:
+                diffusers = w.removeprefix("diffusion_model.").removesuffix(".weight")
+                for old, new in ZIMAGE_RENAMES:
+                    diffusers = diffusers.replace(new, old)
+            key_map[f"diffusion_model.{diffusers}"] = key_map[f"transformer.{diffusers}"] = w
+            if w.endswith("]"):
+                continue
         bare = w.removeprefix("diffusion_model.").removesuffix(".weight")
         key_map["lora_unet_" + bare.replace(".", "_")] = w
         key_map[f"diffusion_model.{bare}"] = w  # "generic lora format"

@@ -86,6 +86,8 @@ EXTRA_TARGETS = {
     "cosmos2-video": ["patch_embed.proj", "norm_out.linear_2"],
     "cogvideox": ["patch_embed.proj", "time_embedding.linear_1", "norm1.linear", "norm2.linear", "norm_out.linear"],
     "cogview4": ["norm_out.linear", "norm1.linear", "condition_embedder.linear_1", "proj_out"],
+    "zimage": ["layers.0.adaLN_modulation.0", "noise_refiner.0.adaLN_modulation.0", "all_final_layer.2-1.linear",
+               "all_final_layer.2-1.adaLN_modulation.1", "all_x_embedder.2-1", "t_embedder.mlp.0", "cap_embedder.1"],
 }
 
 
@@ -122,7 +124,8 @@ def _forward_inputs(family) -> tuple[tuple, dict]:
 def _out(denoiser, inputs):
     args, kwargs = inputs
     with torch.no_grad():
-        return denoiser(*args, **kwargs, return_dict=False)[0]
+        out = denoiser(*args, **kwargs, return_dict=False)[0]
+    return torch.stack(out) if isinstance(out, list) else out  # Z-Image: one output per image
 
 
 def _deltas(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -415,7 +418,7 @@ def test_key_map_matches_original_naming_facts(case):
 # -- per format: every key maps, reference loader reproduces the delta and the output -------------
 #: Families whose diffusers file ComfyUI reads whole (it maps their ``transformer.`` names); written out
 #: here, independent of the specs the model card reads.
-COMFY_READS_DIFFUSERS = {"flux", "flux-kontext", "chroma", "sd3", "qwenimage", "qwenimage-edit", "hidream"}
+COMFY_READS_DIFFUSERS = {"flux", "flux-kontext", "chroma", "sd3", "qwenimage", "qwenimage-edit", "hidream", "zimage"}
 BASE_MODEL_VERSION = {
     "sd": "sd_v1",
     "sdxl": "sdxl_base_v1-0",
@@ -435,6 +438,7 @@ BASE_MODEL_VERSION = {
     "cosmos2-video": "cosmos_predict2",
     "cogvideox": "cogvideox",
     "cogview4": "cogview4",
+    "zimage": "z_image",
 }
 
 
@@ -505,6 +509,9 @@ def test_original_name_formats_place_every_layer_at_trained_strength_in_comfyui(
     name = trained["family"].name
     if name == "cogview4":
         pytest.skip("ComfyUI has no CogView4 model")
+    if (name, fmt) == ("zimage", "kohya"):
+        pytest.skip("ComfyUI maps Z-Image's diffusers names only under diffusion_model./transformer.: "
+                    "the comfyui file is the one for ComfyUI")
     keymap = keymap_for_model(name, trained["family"].load_denoiser())
     weight_of = {comfy_rules.model_weight(name, la.original): la for la in keymap.layers}
     key_map = comfy_rules.lora_key_map(name, list(weight_of))
@@ -590,6 +597,8 @@ PIPELINE_READS = {
     ("qwenimage-edit", "comfyui"): (None, False),
     ("ltxvideo", "comfyui"): (_ltx_renamed, False),
     ("hunyuanvideo", "comfyui"): (_hunyuan_tiny, False),
+    ("zimage", "kohya"): (None, False),
+    ("zimage", "comfyui"): (None, False),
 }
 
 

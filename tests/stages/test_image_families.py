@@ -31,7 +31,8 @@ from diffpipe.training.adapter import apply_adapter
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["sdxl", "sd3", "chroma", "lumina2", "qwenimage", "hidream", "cogview4", "cosmos2", "sana", "auraflow"]
+FAMILIES = ["sdxl", "sd3", "chroma", "lumina2", "zimage", "qwenimage", "hidream", "cogview4", "cosmos2", "sana",
+            "auraflow"]
 
 
 @pytest.fixture(scope="module")
@@ -83,7 +84,12 @@ def test_golden_losses_and_lora(run, golden):
 def _denoiser_output(family, denoiser, batch) -> torch.Tensor:
     """The denoiser's raw output on a cached batch, fixed t and noise, through the family's loss."""
     out = []
-    handle = denoiser.register_forward_hook(lambda m, a, o: out.append(o[0] if isinstance(o, tuple) else o.sample))
+
+    def keep(module, args, output):
+        o = output[0] if isinstance(output, tuple) else output.sample
+        out.append(torch.stack(o) if isinstance(o, list) else o)  # Z-Image: one output per image
+
+    handle = denoiser.register_forward_hook(keep)
     noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(0))
     try:
         with torch.no_grad():
