@@ -22,6 +22,12 @@ def _with_lora(family):
     return den.eval()
 
 
+def _prediction(out):
+    """A denoiser forward's prediction: the first of a tuple; a list (Z-Image: one per image) stacked."""
+    out = out[0] if isinstance(out, tuple) else out
+    return torch.stack(out).squeeze(2) if isinstance(out, list) else out
+
+
 def test_sd_layers_equal_forward():
     family = get_family(ModelConfig(family="sd"))
     unet = _with_lora(family)
@@ -129,7 +135,7 @@ def test_video_layers_equal_forward_and_reproduce_the_loss(name):
     text = family.encode_text(family.load_text_encoders(), ["a red circle", "a blue square moving left to right"])
     o = ObjectiveConfig(min_snr_gamma=5.0) if name == "cogvideox" else ObjectiveConfig()
     preds = []
-    handle = den.register_forward_hook(lambda m, a, out: preds.append(out[0] if isinstance(out, tuple) else out))
+    handle = den.register_forward_hook(lambda m, a, out: preds.append(_prediction(out)))
     with torch.no_grad():
         want = family.loss(den, latents, text, torch.Generator().manual_seed(3), objective=o).mean()
         inputs, labels = family.pipeline_inputs(latents, text, torch.Generator().manual_seed(3), o)
@@ -215,6 +221,7 @@ PIPELINE_INPUT_CASES = {
     "cogview4": (4, {}),
     "cosmos2": (16, {"shift": 3.0}),
     "lumina2": (4, {"shift": 2.0, "loss": "huber"}),
+    "zimage": (4, {"shift": 2.0}),
 }
 
 
@@ -238,7 +245,7 @@ def test_image_family_pipeline_inputs_reproduce_the_loss(name):
     aux = {"sizes": {"original_size": torch.tensor([[48, 40], [64, 96]]),
                      "crop_top_left": torch.tensor([[8, 0], [0, 16]])}} if name == "sdxl" else {}
     preds = []
-    handle = den.register_forward_hook(lambda m, a, out: preds.append(out[0] if isinstance(out, tuple) else out))
+    handle = den.register_forward_hook(lambda m, a, out: preds.append(_prediction(out)))
     with torch.no_grad():
         want = family.loss(den, latents, text, torch.Generator().manual_seed(3), objective=o, **aux).mean()
         inputs, labels = family.pipeline_inputs(latents, text, torch.Generator().manual_seed(3), o, **aux)

@@ -85,6 +85,26 @@ def test_hidream_layers_equal_forward():
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+def test_zimage_layers_equal_forward_with_captions_of_different_lengths():
+    """Z-Image's forward takes each caption at its own length (3 and 37 tokens: the unified sequences
+    differ in length, so the blocks mask); the layers take them zero-padded with a mask."""
+    from torch.nn.utils.rnn import pad_sequence
+
+    family = get_family(ModelConfig(family="zimage"))
+    tr = family.load_denoiser()
+    g = torch.Generator().manual_seed(0)
+    noisy = torch.randn(2, 4, 8, 12, generator=g)
+    captions = [torch.randn(3, 32, generator=g), torch.randn(37, 32, generator=g)]
+    keep = pad_sequence([torch.ones(len(c), dtype=torch.long) for c in captions], batch_first=True)
+    t = torch.tensor([0.3, 0.8])
+    with torch.no_grad():
+        expected = torch.stack(tr(list(noisy.unsqueeze(2).unbind(0)), t, captions, return_dict=False)[0]).squeeze(2)
+        layers = family.pipeline_layers(tr)
+        got = run_layers(layers, (noisy, t, pad_sequence(captions, batch_first=True), keep))
+    assert len(layers) == len(tr.layers) + 2
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
 def test_lumina2_layers_equal_forward_with_prompts_of_different_lengths():
     """Lumina 2 packs each sample's caption and image tokens into one sequence of its own length:
     with 3 and 7 caption tokens the blocks must mask the shorter sample's padding as the model does."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.zimage.flavors import PUBLISHED
-from diffpipe.models.spec import Absent, FamilySpec, Kohya
+from diffpipe.models.spec import FamilySpec, Kohya
 
 SPEC = FamilySpec(
     name="zimage",
@@ -16,5 +16,4 @@ SPEC = FamilySpec(
     comfyui_readers="ComfyUI (maps `to_q/k/v` onto its fused `qkv`), `ZImagePipeline.load_lora_weights`",
     kohya_readers="`ZImagePipeline.load_lora_weights`",
     comfy_reads_diffusers="all",
-    layers=Absent("not implemented yet"),
 )

@@ -15,10 +15,12 @@ from typing import Any, ClassVar
 
 import torch
 from diffusers import AutoencoderKL, FlowMatchEulerDiscreteScheduler, ZImagePipeline, ZImageTransformer2DModel
+from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3Config, Qwen3Model
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.zimage.flavors import TINY_LENGTH, TINY_QWEN3, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
+from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
@@ -117,5 +119,23 @@ class ZImageFamily(Family):
         """The forward's per-image outputs ``[C, 1, h, w]`` stacked to ``[B, C, h, w]``."""
         return torch.stack(denoiser(**prepared.inputs, return_dict=False)[0]).squeeze(2)
 
+    def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
+        """``(noisy [B, C, h, w], t, captions zero-padded [B, L, D], caption mask [B, L])``."""
+        i = prepared.inputs
+        keep = [torch.ones(len(c), dtype=torch.long, device=c.device) for c in i["cap_feats"]]
+        return (torch.stack(i["x"]).squeeze(2), i["t"], pad_sequence(i["cap_feats"], batch_first=True),
+                pad_sequence(keep, batch_first=True))
+
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         return {**super().sample_kwargs(cfg), "max_sequence_length": self.max_sequence_length}
+
+    # -- pipeline parallelism ------------------------------------------------------
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Embedding (with the image and caption refiners), one layer per block, output.
+
+        Input tuple ``(noisy, 1 - sigma, captions, caption mask)``; output ``(prediction [B, C, h, w],)``.
+        Captions of any length mix in a micro-batch: the unified sequence is padded per sample and masked.
+        """
+        from diffpipe.families.zimage.layers import zimage_layers
+
+        return zimage_layers(common.unwrap(denoiser))
