@@ -6,7 +6,9 @@ Nothing here changes the machine; a check that cannot decide says so as a warnin
 from __future__ import annotations
 
 import importlib.util
+import os
 import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +19,9 @@ GiB = 1024**3
 MIN_FREE_BYTES = 20 * GiB
 #: What the CUDA context and allocator fragmentation add to ``diffpipe estimate``'s total.
 CUDA_OVERHEAD_BYTES = 2 * GiB
+#: A torch extension build (DeepSpeed JIT-builds its CPU ops at the first start) takes a minute or two; a
+#: lock older than this was left by a build that was killed.
+STALE_LOCK_SECONDS = 15 * 60
 TORCH_CUDA_FIX = ('install a CUDA build of torch: make venv TORCH_SPEC="torch==<version> --index-url '
                   'https://download.pytorch.org/whl/cu128" (on a fresh .venv)')
 
@@ -83,6 +88,19 @@ def _library_checks() -> list[Check]:
     return checks
 
 
+def _extension_lock_checks(now: float | None = None) -> list[Check]:
+    """Locks of torch extension builds left by a killed build: DeepSpeed waits on one forever at start."""
+    root = Path(os.environ.get("TORCH_EXTENSIONS_DIR") or Path.home() / ".cache" / "torch_extensions")
+    now = time.time() if now is None else now
+    stale = sorted(p for p in root.glob("*/*/lock") if now - p.stat().st_mtime > STALE_LOCK_SECONDS)
+    if not stale:
+        return [Check("torch extension builds", True, f"no stale build lock under {root}")]
+    return [Check("torch extension builds", False,
+                  f"{len(stale)} build lock(s) older than {STALE_LOCK_SECONDS // 60} min, left by a killed build: "
+                  + ", ".join(str(p) for p in stale) + " (DeepSpeed waits on such a lock forever when it starts)",
+                  "when no build is running, delete " + " ".join(str(p) for p in stale))]
+
+
 def _existing(path: Path) -> Path:
     path = path.absolute()
     while not path.exists() and path != path.parent:
@@ -136,7 +154,7 @@ def run_checks(cfg: Config | None = None, *, base: Path = Path("."), profile: Pa
         from diffpipe.estimate import estimate_memory
 
         estimate = estimate_memory(cfg)
-    checks = _torch_checks(cfg, estimate) + _library_checks()
+    checks = _torch_checks(cfg, estimate) + _library_checks() + _extension_lock_checks()
     if cfg is not None:
         checks += _model_checks(cfg) + _disk_checks(cfg, base, min_free)
     if profile is not None:

@@ -3,7 +3,7 @@
 import torch
 
 from diffpipe.config import parse_config
-from diffpipe.doctor import run_checks
+from diffpipe.doctor import STALE_LOCK_SECONDS, run_checks
 
 
 def test_checks_name_what_is_missing_and_the_fix(tmp_path, monkeypatch):
@@ -31,3 +31,20 @@ def test_doctor_without_config_prints_one_line_per_check(cli):
     lines = [x for x in result.stderr.splitlines() if x.startswith(("ok  ", "warn"))]
     assert [x.split(":")[0].split(None, 1)[1] for x in lines][:2] == ["torch", "GPUs"]
     assert all("; fix: " in x for x in lines if x.startswith("warn"))
+
+
+def test_a_stale_torch_extension_build_lock_is_named_with_its_fix(tmp_path, monkeypatch):
+    """A build killed midway leaves its lock; DeepSpeed's next start then waits on it forever."""
+    import os
+    import time
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "py311_cpu" / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir(parents=True)
+    lock.touch()  # a build running now: not stale
+    assert {c.name: c for c in run_checks()}["torch extension builds"].ok
+    old = time.time() - STALE_LOCK_SECONDS - 60
+    os.utime(lock, (old, old))
+    check = {c.name: c for c in run_checks()}["torch extension builds"]
+    assert not check.ok and str(lock) in check.detail and f"delete {lock}" in check.fix
+    assert lock.exists()  # doctor reports; it changes nothing
