@@ -313,20 +313,17 @@ class Family(ABC):
 
     @cached_property
     def max_sequence_length(self) -> int:
-        """Prompt tokens the caches keep and sampling uses (``prompt_tokens``)."""
+        """Prompt tokens the caches keep and sampling uses: ``prompt_tokens``' tiny length for the tiny flavor;
+        else the pipeline's length, or the folder tokenizer's ``model_max_length`` (less ``prompt_drop``
+        template tokens) when that is lower."""
         if self.prompt_tokens is None:
             raise AttributeError(f"{self.name} keeps no fixed prompt length")
         tiny, cap = self.prompt_tokens
-        return self.prompt_length(tiny, cap, drop=self.prompt_drop)
-
-    def prompt_length(self, tiny: int, cap: int, *, drop: int = 0) -> int:
-        """Prompt tokens the caches keep: ``tiny`` for the tiny flavor; else the pipeline's ``cap``, or the folder
-        tokenizer's ``model_max_length`` (less ``drop`` template tokens) when that is lower."""
         if self.cfg.flavor == "tiny":
             return tiny
         config = Path(self.cfg.path) / self.prompt_tokenizer / "tokenizer_config.json"
-        limit = json.loads(config.read_text()).get("model_max_length", cap + drop) if config.is_file() else cap + drop
-        return min(int(limit) - drop, cap)
+        limit = json.loads(config.read_text()).get("model_max_length") if config.is_file() else None
+        return cap if limit is None else min(int(limit) - self.prompt_drop, cap)
 
     def text_settings(self) -> dict[str, Any]:
         """Text settings carried in the bundle and the text cache key (``max_sequence_length``, ...)."""
