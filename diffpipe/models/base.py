@@ -236,10 +236,34 @@ class Family(ABC):
                        **self.text_settings()})
 
     # -- geometry ----------------------------------------------------------
+    #: The denoiser's patch side; None: its config's ``patch_size`` (a family that packs 2x2 latents itself,
+    #: whatever the config says, sets 2).
+    patch: ClassVar[int | None] = None
+    #: The least side multiple the stock pipeline accepts (some refuse sides not divisible by 16).
+    min_pixel_multiple: ClassVar[int] = 1
+
     @property
-    @abstractmethod
+    def vae_factor(self) -> int:
+        """The VAE's spatial downsampling, from its config as the stock pipelines compute it."""
+        c = self._vae_config
+        if c.get("spatial_compression_ratio"):
+            return int(c["spatial_compression_ratio"])
+        if "temperal_downsample" in c:  # the Wan-style VAEs (diffusers' spelling)
+            return 2 ** len(c["temperal_downsample"])
+        return 2 ** (len(c.get("block_out_channels") or c["encoder_block_out_channels"]) - 1)
+
+    @property
+    def patch_size(self) -> int:
+        """The denoiser's spatial patch side (``patch``, else its config's last ``patch_size`` entry)."""
+        if self.patch is not None:
+            return self.patch
+        size = self._denoiser_config.get("patch_size", 1)
+        return int(size[-1] if isinstance(size, (list, tuple)) else size)
+
+    @property
     def pixel_multiple(self) -> int:
         """Image sides must be multiples of this (VAE factor x patch size)."""
+        return max(self.vae_factor * self.patch_size, self.min_pixel_multiple)
 
     # -- components (declared: ``diffpipe.models.components``) ------------------------
     #: The VAE and the denoiser, declared (class, tiny config); families that build them otherwise override
@@ -251,6 +275,9 @@ class Family(ABC):
     #: The tokenizers and text encoders by the pipeline's argument names, in the order their identities
     #: enter the text cache key.
     text_parts: ClassVar[dict[str, Any]] = {}
+    #: The diffusers pipeline class (its ``save_lora_weights`` writes our export); a family whose pipeline
+    #: depends on the model (a variant) makes it a property.
+    pipeline_class: ClassVar[type]
     #: Keyword arguments the stock pipeline takes besides its components (``safety_checker=None``, ...).
     pipeline_extras: ClassVar[dict[str, Any]] = {}
 
@@ -367,10 +394,6 @@ class Family(ABC):
             scheduler=self.inference_scheduler(), **text.parts, **self.pipeline_extras,
         )
 
-    @property
-    @abstractmethod
-    def pipeline_class(self) -> type:
-        """The diffusers pipeline class (its ``save_lora_weights`` writes our export)."""
 
     # -- encoding for the caches -------------------------------------------
     #: The pipeline decodes ``latents / scaling_factor + shift_factor`` (True) or ``latents / scaling_factor``

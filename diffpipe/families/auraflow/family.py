@@ -37,18 +37,10 @@ class AuraFlowFamily(Family):
         AutoTokenizer, lambda: t5_tokenizer(TINY_LENGTH), UMT5EncoderModel, UMT5Config, TINY_UMT5,
         "auraflow.text_encoder", common.T5_IDS)
     denoiser_name = "transformer"
+    pipeline_class = AuraFlowPipeline
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     #: Attention of both streams (joint blocks) and of the single blocks, and their feed-forwards.
     default_lora_targets: ClassVar[list[str]] = [*targets.attention(), *targets.added_projections(), "ff.linear_1", "ff.linear_2", "ff.out_projection"]
-
-    @property
-    def pixel_multiple(self) -> int:
-        vae = 2 ** (len(self._vae_config["block_out_channels"]) - 1)
-        return vae * int(self._denoiser_config.get("patch_size", 2))
-
-    @property
-    def pipeline_class(self) -> type:
-        return AuraFlowPipeline
 
     # -- encoding --------------------------------------------------------------
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ class ChromaFamily(FluxFamily):
     name = "chroma"
     token_streams: ClassVar[dict[str, tuple[str, str]]] = {"t5": ("tokenizer", "sequence")}
     denoiser_name = "transformer"
+    pipeline_class = ChromaPipeline
     #: Flux's targets (the blocks are Flux's), which also hit the single blocks' q/k/v.
     default_lora_targets: ClassVar[list[str]] = FluxFamily.default_lora_targets
     denoiser_model = Model(ChromaTransformer2DModel, TINY_TRANSFORMER)
@@ -38,10 +39,6 @@ class ChromaFamily(FluxFamily):
 
     prompt_tokens = (TINY_T5_LENGTH, 512)  # ChromaPipeline's default max_sequence_length
     prompt_tokenizer = "tokenizer"
-
-    @property
-    def pipeline_class(self) -> type:
-        return ChromaPipeline
 
     # -- encoding --------------------------------------------------------------
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:

@@ -55,6 +55,7 @@ class CogVideoXFamily(video.T5TextFamily, Family):
     scheduler_model = Model(CogVideoXDDIMScheduler, TINY_SCHEDULER)
     denoiser_model = Model(CogVideoXTransformer3DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
+    pipeline_class = CogVideoXPipeline
     is_video = True
     fps = 8.0
     default_lora_targets: ClassVar[list[str]] = [*targets.attention("attn1"), *targets.feed_forward()]
@@ -68,10 +69,6 @@ class CogVideoXFamily(video.T5TextFamily, Family):
         return ratio * pt, 1 + ratio * (pt - 1)
 
     @property
-    def pixel_multiple(self) -> int:
-        return 2 ** (len(self._vae_config["block_out_channels"]) - 1) * int(self._denoiser_config["patch_size"])
-
-    @property
     def prediction_type(self) -> str:
         return self._scheduler_config.get("prediction_type", "v_prediction")
 
@@ -79,17 +76,11 @@ class CogVideoXFamily(video.T5TextFamily, Family):
     def _alphas_cumprod(self) -> torch.Tensor:
         return self.inference_scheduler().alphas_cumprod.clone()
 
-
     # -- components --------------------------------------------------------------
-
 
     def inference_scheduler(self):
         c = self._scheduler_config
         return getattr(diffusers, c.get("_class_name", "CogVideoXDDIMScheduler")).from_config(c)
-
-    @property
-    def pipeline_class(self) -> type:
-        return CogVideoXPipeline
 
     # -- encoding ------------------------------------------------------------------
     def encode_text(self, encoders: video.T5Text, captions: list[str]) -> dict[str, torch.Tensor]:

@@ -67,22 +67,12 @@ class CogView4Family(Family):
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
         AutoTokenizer, lambda: tiny_glm_tokenizer(TINY_LENGTH), GlmModel, GlmConfig, TINY_GLM, "cogview4.text_encoder")
     denoiser_name = "transformer"
+    pipeline_class = CogView4Pipeline  # its LoRA loader: CogView4LoraLoaderMixin
+    min_pixel_multiple = 16  # the pipeline refuses sides not divisible by 16
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     #: The attention projections of every block (one joint attention over text
     #: and image tokens) and the feed-forward both streams share.
     default_lora_targets: ClassVar[list[str]] = [*targets.attention("attn1"), *targets.feed_forward()]
-
-    @property
-    def vae_factor(self) -> int:
-        return 2 ** (len(self._vae_config["block_out_channels"]) - 1)  # as the pipeline computes it
-
-    @property
-    def patch_size(self) -> int:
-        return int(self._denoiser_config.get("patch_size", 2))
-
-    @property
-    def pixel_multiple(self) -> int:
-        return max(self.vae_factor * self.patch_size, 16)  # the pipeline refuses sides not divisible by 16
 
     def shift_for(self, x0: torch.Tensor) -> float:
         return self.timestep_shift(x0.shape[-2] * x0.shape[-1] // self.patch_size**2)
@@ -99,11 +89,6 @@ class CogView4Family(Family):
             image_seq_len, c.get("base_image_seq_len", 256), c.get("base_shift", 0.25), c.get("max_shift", 0.75)
         )
         return mu if c.get("time_shift_type", "exponential") == "linear" else math.exp(mu)
-
-
-    @property
-    def pipeline_class(self) -> type:
-        return CogView4Pipeline  # its LoRA loader: CogView4LoraLoaderMixin
 
     # -- encoding --------------------------------------------------------------
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:

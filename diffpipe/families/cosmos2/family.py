@@ -102,20 +102,14 @@ class Cosmos2Family(video.T5TextFamily, Family):
     vae_model = Model(AutoencoderKLWan, TINY_VAE)
     denoiser_model = Model(CosmosTransformer3DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
+    pipeline_class = Cosmos2TextToImagePipeline
+    min_pixel_multiple = 16  # the pipeline refuses sides not divisible by 16
     #: Cosmos-Predict2's own LoRA targets (``q_proj, k_proj, v_proj, output_proj,
     #: mlp.layer1, mlp.layer2``) in diffusers names: self- and cross-attention
     #: projections and the feed-forward of every block.
     default_lora_targets: ClassVar[list[str]] = [*targets.attention("attn1"), *targets.attention("attn2"), *targets.feed_forward()]
 
-    @property
-    def pixel_multiple(self) -> int:
-        vae = 2 ** len(self._vae_config["temperal_downsample"])  # as the pipeline computes it
-        patch = int(tuple(self._denoiser_config.get("patch_size", (1, 2, 2)))[1])
-        return max(vae * patch, 16)  # the pipeline refuses sides not divisible by 16
-
-
     # -- components ------------------------------------------------------------
-
 
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         if self.cfg.flavor == "tiny":
@@ -140,10 +134,6 @@ class Cosmos2Family(video.T5TextFamily, Family):
         return self.pipeline_class(vae=self.load_vae(), transformer=self.load_denoiser(),
                                    scheduler=self.inference_scheduler(), safety_checker=self.safety_checker(),
                                    **text.parts)
-
-    @property
-    def pipeline_class(self) -> type:
-        return Cosmos2TextToImagePipeline
 
     # -- identities ------------------------------------------------------------
     # -- encoding --------------------------------------------------------------

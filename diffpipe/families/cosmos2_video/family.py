@@ -112,6 +112,7 @@ class Cosmos2VideoFamily(Cosmos2Family):
     pipeline_layers = Family.pipeline_layers
     denoiser_model = Model(CosmosTransformer3DModel, TINY_TRANSFORMER_V2W)
     name = "cosmos2-video"
+    pipeline_class = Cosmos2VideoToWorldPipeline
     is_video = True
     fps = 16.0
 
@@ -135,11 +136,6 @@ class Cosmos2VideoFamily(Cosmos2Family):
     def frame_rule(self) -> tuple[int, int]:
         """``(step, offset)``: the causal VAE keeps one key frame and compresses time by ``step``."""
         return 2 ** sum(bool(x) for x in self._vae_config["temperal_downsample"]), 1
-
-
-    @property
-    def pipeline_class(self) -> type:
-        return Cosmos2VideoToWorldPipeline
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
@@ -207,7 +203,6 @@ class Cosmos2VideoFamily(Cosmos2Family):
             "num_frames": max(offset, snap_frames(cfg.frames, step, offset)),
             "fps": int(self.fps),
         }
-
 
     def pipeline_inputs(self, *args: Any, **kwargs: Any) -> Any:
         # cosmos2's single-frame inputs do not apply: refuse rather than inherit them.

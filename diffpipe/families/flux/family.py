@@ -59,6 +59,8 @@ class FluxFamily(Family):
         "text_encoder_2": TextEncoder(T5EncoderModel, T5Config, _tiny_t5),
     }
     denoiser_name = "transformer"
+    pipeline_class = FluxPipeline
+    patch = 2  # the pipeline packs 2x2 latents into a token (the config's patch_size is 1)
     prompt_tokens = (TINY_T5_LENGTH, MAX_T5_LENGTH)
     prompt_tokenizer = "tokenizer_2"
     # As in diffusers' Flux DreamBooth LoRA example: attention projections of
@@ -79,22 +81,12 @@ class FluxFamily(Family):
             FlowMatchEulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler")
         )
 
-    @property
-    def pixel_multiple(self) -> int:
-        # VAE downsampling x the 2x2 latent packing.
-        return 2 ** (len(self._vae_config["block_out_channels"]) - 1) * 2
-
     def shift_for(self, x0: torch.Tensor) -> float:
         return self.timestep_shift((x0.shape[-2] // 2) * (x0.shape[-1] // 2))
-
 
     # -- components ------------------------------------------------------------
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
-
-    @property
-    def pipeline_class(self) -> type:
-        return FluxPipeline
 
     # -- identities ------------------------------------------------------------
     # -- encoding --------------------------------------------------------------

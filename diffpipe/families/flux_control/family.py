@@ -51,6 +51,7 @@ def widen_input(transformer: FluxTransformer2DModel) -> FluxTransformer2DModel:
 
 class FluxControlFamily(FluxFamily):
     name = "flux-control"
+    pipeline_class = FluxControlPipeline
     uses_control = True
     default_lora_targets: ClassVar[list[str]] = [*FluxFamily.default_lora_targets, "x_embedder"]
     #: ``sample.images`` reach ``FluxControlPipeline`` as ``control_image``.
@@ -62,10 +63,6 @@ class FluxControlFamily(FluxFamily):
 
     def trained_base(self, denoiser: FluxTransformer2DModel) -> FluxTransformer2DModel:
         return widen_input(denoiser)
-
-    @property
-    def pipeline_class(self) -> type:
-        return FluxControlPipeline
 
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32, control: torch.Tensor | None = None) -> Prepared:

@@ -43,17 +43,13 @@ class FluxKontextFamily(ReferenceTokens, FluxFamily):
     pipeline_layers = Family.pipeline_layers
     reference_tokens = staticmethod(reference_tokens)
     name = "flux-kontext"
+    pipeline_class = FluxKontextPipeline
     uses_control = True
-
-    @property
-    def pipeline_class(self) -> type:
-        return FluxKontextPipeline
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         # The pipeline rescales every output to ``max_area`` (1024² by default), whatever
         # height and width say: keep the configured size.
         return {**super().sample_kwargs(cfg), "max_area": cfg.width * cfg.height}
-
 
     def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
         """Flux's forward with the reference tokens appended; the target tokens' output."""

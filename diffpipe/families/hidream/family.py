@@ -89,6 +89,7 @@ class HiDreamFamily(Family):
         "text_encoder_4": TextEncoder(LlamaForCausalLM, LlamaConfig, _tiny_llama),
     }
     denoiser_name = "transformer"
+    pipeline_class = HiDreamImagePipeline
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     prompt_tokenizer = "tokenizer_3"
     #: Attention of both streams and the shared expert of every MoE feed-forward
@@ -97,10 +98,6 @@ class HiDreamFamily(Family):
                                                  "to_out_t", "shared_experts.w1", "shared_experts.w2",
                                                  "shared_experts.w3"]
 
-    @property
-    def pixel_multiple(self) -> int:
-        return 2 ** (len(self._vae_config["block_out_channels"]) - 1) * 2
-
     def load_pipeline(self) -> HiDreamImagePipeline:
         pipe = super().load_pipeline()
         if self.cfg.flavor == "tiny":
@@ -108,10 +105,6 @@ class HiDreamFamily(Family):
             # (1024 px for the real model); the tiny model's is 64 px, within its max_resolution.
             pipe.default_sample_size = 32
         return pipe
-
-    @property
-    def pipeline_class(self) -> type:
-        return HiDreamImagePipeline
 
     # -- encoding --------------------------------------------------------------
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:

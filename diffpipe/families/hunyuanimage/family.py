@@ -82,12 +82,9 @@ class HunyuanImageFamily(Family):
     vae_model = Model(AutoencoderKLHunyuanImage, TINY_VAE)
     denoiser_model = Model(HunyuanImageTransformer2DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
+    pipeline_class = HunyuanImagePipeline
     #: Attention of both streams and the feed-forwards of the double blocks (Flux-like blocks).
     default_lora_targets: ClassVar[list[str]] = targets.dual_stream()
-
-    @property
-    def pixel_multiple(self) -> int:
-        return self._vae_config["spatial_compression_ratio"]
 
     # -- components ------------------------------------------------------------
 
@@ -115,8 +112,6 @@ class HunyuanImageFamily(Family):
         e.text_encoder_2 = common.pretrained_text_encoder(T5EncoderModel, self.cfg, "text_encoder_2")
         return e
 
-
-
     def load_pipeline(self) -> HunyuanImagePipeline:
         # Classifier-free guidance is a pipeline component here (the ``guider``): the folder's own
         # when it has one; none for the tiny flavor (sampling without CFG).
@@ -136,10 +131,6 @@ class HunyuanImageFamily(Family):
         if self.cfg.flavor != "tiny":
             kwargs["distilled_guidance_scale"] = cfg.guidance_scale
         return kwargs
-
-    @property
-    def pipeline_class(self) -> type:
-        return HunyuanImagePipeline
 
     # -- identities ------------------------------------------------------------
     def encoders_identity(self) -> str:

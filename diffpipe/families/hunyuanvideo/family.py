@@ -95,6 +95,7 @@ class HunyuanVideoFamily(Family):
             tok, seed, "hunyuanvideo.text_encoder_2")),
     }
     denoiser_name = "transformer"
+    pipeline_class = HunyuanVideoPipeline
     is_video = True
     fps = 24.0
     default_lora_targets: ClassVar[list[str]] = [*targets.dual_stream(), "proj_mlp"]
@@ -107,16 +108,8 @@ class HunyuanVideoFamily(Family):
         return int(self._vae_config.get("temporal_compression_ratio", 4)), 1
 
     @property
-    def pixel_multiple(self) -> int:
-        return int(self._vae_config.get("spatial_compression_ratio", 8)) * int(self._denoiser_config["patch_size"])
-
-    @property
     def flow_shift(self) -> float:
         return float(self._scheduler_config.get("shift", 1.0))
-
-    @property
-    def pipeline_class(self) -> type:
-        return HunyuanVideoPipeline
 
     @cached_property
     def _llama_tokenizer(self) -> PreTrainedTokenizerBase:

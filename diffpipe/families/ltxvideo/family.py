@@ -47,6 +47,7 @@ class LTXVideoFamily(video.T5TextFamily, Family):
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(LTXVideoTransformer3DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
+    pipeline_class = LTXPipeline
     is_video = True
     fps = 25.0
     default_lora_targets: ClassVar[list[str]] = [*targets.attention(""), *targets.feed_forward()]
@@ -69,13 +70,7 @@ class LTXVideoFamily(video.T5TextFamily, Family):
     def pixel_multiple(self) -> int:
         return self.compression[1] * int(self._denoiser_config.get("patch_size", 1))
 
-
     # -- components --------------------------------------------------------------
-
-
-    @property
-    def pipeline_class(self) -> type:
-        return LTXPipeline
 
     # -- encoding ------------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:

@@ -49,21 +49,14 @@ class Lumina2Family(Family):
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
         AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH), Gemma2Model, Gemma2Config, TINY_GEMMA, "lumina2.text_encoder")
     denoiser_name = "transformer"
+    pipeline_class = Lumina2Pipeline
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     #: diffusers' Lumina2 LoRA example: the attention projections and the
     #: SwiGLU feed-forward of every block (refiners included).
     default_lora_targets: ClassVar[list[str]] = [*targets.attention(), "feed_forward.linear_1", "feed_forward.linear_2", "feed_forward.linear_3"]
 
-    @property
-    def pixel_multiple(self) -> int:
-        return 16  # the pipeline's vae_scale_factor (8) x patch size (2)
-
     def text_settings(self) -> dict[str, Any]:
         return {**super().text_settings(), "system_prompt": SYSTEM_PROMPT}
-
-    @property
-    def pipeline_class(self) -> type:
-        return Lumina2Pipeline
 
     # -- encoding --------------------------------------------------------------
     def caption_prompts(self, captions: list[str]) -> list[str]:

@@ -51,6 +51,7 @@ class MochiFamily(video.T5TextFamily, Family):
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(MochiTransformer3DModel, TINY_TRANSFORMER)
     denoiser_name = "transformer"
+    pipeline_class = MochiPipeline
     is_video = True
     fps = 30.0
     frame_rule = (TEMPORAL, 1)
@@ -65,11 +66,6 @@ class MochiFamily(video.T5TextFamily, Family):
         return float(self._scheduler_config.get("shift", 1.0))
 
     # -- components --------------------------------------------------------------
-
-
-    @property
-    def pipeline_class(self) -> type:
-        return MochiPipeline
 
     # -- encoding ------------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:

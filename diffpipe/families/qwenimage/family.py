@@ -80,31 +80,18 @@ class QwenImageFamily(Family):
                                     lambda tok, seed: tiny_qwen_vl(tok, seed, "qwenimage.text_encoder")),
     }
     denoiser_name = "transformer"
+    pipeline_class = QwenImagePipeline
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     prompt_drop = DROP
     #: diffusers' Qwen-Image LoRA examples: attention of both streams and
     #: the image-stream MLP of every block.
     default_lora_targets: ClassVar[list[str]] = [*targets.attention(), *targets.added_projections(), *targets.feed_forward("img_mlp")]
 
-    @property
-    def vae_factor(self) -> int:
-        return 2 ** len(self._vae_config["temperal_downsample"])
-
-    @property
-    def pixel_multiple(self) -> int:
-        return self.vae_factor * 2  # 2x2 packing
-
     def shift_for(self, x0: torch.Tensor) -> float:
         return self.timestep_shift((x0.shape[-2] // 2) * (x0.shape[-1] // 2))
 
-
-
     def text_settings(self) -> dict[str, Any]:
         return {**super().text_settings(), "template": TEMPLATE}
-
-    @property
-    def pipeline_class(self) -> type:
-        return QwenImagePipeline
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:

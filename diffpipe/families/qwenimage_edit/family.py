@@ -146,6 +146,7 @@ class QwenImageEditFamily(ReferenceTokens, QwenImageFamily):
     pipeline_layers = Family.pipeline_layers
     reference_tokens = staticmethod(reference_tokens)
     name = "qwenimage-edit"
+    pipeline_class = QwenImageEditPipeline
     uses_control = True
     text_uses_control = True
     default_lora_targets: ClassVar[list[str]] = list(QwenImageFamily.default_lora_targets)
@@ -200,10 +201,6 @@ class QwenImageEditFamily(ReferenceTokens, QwenImageFamily):
             processor=enc.processor,
             transformer=self.load_denoiser(),
         )
-
-    @property
-    def pipeline_class(self) -> type:
-        return QwenImageEditPipeline
 
     # -- identities ------------------------------------------------------------
     def encoders_identity(self) -> str:

@@ -36,24 +36,13 @@ class SanaFamily(Family):
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
         AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH), Gemma2Model, Gemma2Config, TINY_GEMMA, "sana.text_encoder")
     denoiser_name = "transformer"
+    pipeline_class = SanaPipeline
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     #: Self and cross attention of every block and the 1x1 convolutions of its Mix-FFN.
     default_lora_targets: ClassVar[list[str]] = [*targets.attention("attn1"), *targets.attention("attn2"), "ff.conv_inverted", "ff.conv_point"]
 
-    @property
-    def vae_factor(self) -> int:
-        return 2 ** (len(self._vae_config["encoder_block_out_channels"]) - 1)
-
-    @property
-    def pixel_multiple(self) -> int:
-        return self.vae_factor * int(self._denoiser_config.get("patch_size", 1))
-
     def shift_for(self, x0: torch.Tensor) -> float:
         return float(self._scheduler_config.get("flow_shift", 1.0))  # the DPM-Solver scheduler's flow shift
-
-    @property
-    def pipeline_class(self) -> type:
-        return SanaPipeline
 
     # -- encoding --------------------------------------------------------------
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:

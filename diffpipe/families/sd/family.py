@@ -48,6 +48,7 @@ class SDFamily(Family):
     }
     vae_needs_fp32 = True  # fp16 overflows in its decoder; kohya and musubi keep it in float32 too
     denoiser_name = "unet"
+    pipeline_class = StableDiffusionPipeline
     # Attention projections are the usual SD LoRA targets. On the tiny UNet
     # they are a small share of the network (one cross-attention block each
     # way), so alone they barely move the loss; the ResNet convolutions and
@@ -120,10 +121,6 @@ class SDFamily(Family):
     def inference_scheduler(self) -> DDIMScheduler:
         """DDIM on the training betas, with the training prediction type."""
         return DDIMScheduler.from_config(self._scheduler_config)
-
-    @property
-    def pipeline_class(self) -> type:
-        return StableDiffusionPipeline
 
     # -- encoding --------------------------------------------------------------
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:

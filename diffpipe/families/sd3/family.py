@@ -71,6 +71,7 @@ class SD3Family(Family):
                                                              "sd3.text_encoder_3", common.T5_IDS)),
     }
     denoiser_name = "transformer"
+    pipeline_class = StableDiffusion3Pipeline
     prompt_tokens = (TINY_T5_LENGTH, T5_LENGTH)
     prompt_tokenizer = "tokenizer_3"
     #: diffusers' SD3 DreamBooth LoRA example: attention of both streams
@@ -79,15 +80,6 @@ class SD3Family(Family):
     default_lora_targets: ClassVar[list[str]] = targets.dual_stream()
     #: How many CLIP text encoders feed the pooled and sequence embeddings.
     clip_components: ClassVar[tuple[str, ...]] = ("text_encoder", "text_encoder_2")
-
-    @property
-    def pixel_multiple(self) -> int:
-        vae = 2 ** (len(self._vae_config["block_out_channels"]) - 1)
-        return vae * self._denoiser_config.get("patch_size", 2)
-
-    @property
-    def pipeline_class(self) -> type:
-        return StableDiffusion3Pipeline
 
     # -- encoding --------------------------------------------------------------
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:

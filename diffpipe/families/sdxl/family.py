@@ -65,6 +65,7 @@ class SDXLFamily(SDFamily):
     pipeline_extras: ClassVar[dict[str, Any]] = {"add_watermarker": False}
     uses_sizes = True
     denoiser_name = "unet"
+    pipeline_class = StableDiffusionXLPipeline
     #: The common SDXL LoRA targets (kohya / diffusers examples): attention and
     #: feed-forward of every transformer block, plus the ResNet convolutions
     #: as in ``sd`` so the tiny model learns within a few steps.
@@ -76,16 +77,8 @@ class SDXLFamily(SDFamily):
             EulerDiscreteScheduler.load_config(self.cfg.path, subfolder="scheduler"))
         return self._schedule_options(config)
 
-    @property
-    def vae_factor(self) -> int:
-        return 2 ** (len(self._vae_config["block_out_channels"]) - 1)
-
     def inference_scheduler(self) -> EulerDiscreteScheduler:
         return EulerDiscreteScheduler.from_config(self._scheduler_config)
-
-    @property
-    def pipeline_class(self) -> type:
-        return StableDiffusionXLPipeline
 
     # -- encoding ----------------------------------------------------------------
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:

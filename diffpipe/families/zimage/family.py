@@ -62,18 +62,12 @@ class ZImageFamily(Family):
         AutoTokenizer, lambda: tiny_qwen3_tokenizer(TINY_LENGTH), Qwen3Model, Qwen3Config, TINY_QWEN3,
         "zimage.text_encoder")
     denoiser_name = "transformer"
+    pipeline_class = ZImagePipeline
+    patch = 2  # the pipeline's patch side (the config lists all_patch_size)
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     #: The attention projections and the SwiGLU feed-forward of every block (refiners included).
     default_lora_targets: ClassVar[list[str]] = [
         *targets.attention("attention"), "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
-
-    @property
-    def pixel_multiple(self) -> int:
-        return 2 ** (len(self._vae_config["block_out_channels"]) - 1) * 2  # the pipeline's VAE factor x patch 2
-
-    @property
-    def pipeline_class(self) -> type:
-        return ZImagePipeline
 
     def shift_for(self, x0: torch.Tensor) -> float:
         return self.timestep_shift((x0.shape[-2] // 2) * (x0.shape[-1] // 2))
