@@ -187,7 +187,8 @@ class ModelConfig(_Section):
     variant: Text | None = Field(
         None,
         description="Model version within the family. wan: `2.1` (T2V), `2.2-5b` (TI2V-5B used text-to-video: "
-        "48-channel VAE), `2.2-a14b` (T2V-A14B: two experts), `2.1-i2v` (I2V-14B). null: tiny flavor = the family's first; local "
+        "48-channel VAE), `2.2-a14b` (T2V-A14B: two experts), `2.1-i2v` (I2V-14B), `2.2-i2v-a14b` (I2V-A14B: two "
+        "experts, first-frame condition latents). null: tiny flavor = the family's first; local "
         "flavor = read from the folder (a given value must match it).",
     )
     expert: Literal["high", "low", "both"] | None = Field(

@@ -119,8 +119,8 @@ class Family(ABC):
     """One model family (SD-style UNet, Flux-style transformer, ...)."""
 
     name: ClassVar[str]
-    #: Attribute of the stock pipeline that holds the denoiser, also the LoRA key prefix.
-    denoiser_name: ClassVar[str]
+    #: Attribute of the stock pipeline that holds the denoiser, also the LoRA key prefix (``unet`` for UNets).
+    denoiser_name: ClassVar[str] = "transformer"
     #: PEFT ``target_modules`` used when the config gives none.
     default_lora_targets: ClassVar[list[str]]
     #: Whether the family trains on clips (its pipeline returns ``frames``; samples are MP4s).

@@ -52,3 +52,20 @@ def llm_tokenizer(
         additional_special_tokens=list(extra) or None, model_max_length=max_length,
         padding_side=padding_side, **kwargs,
     )
+
+
+#: A chat template that renders one user turn as Qwen3's does (the assistant turn opened; with thinking
+#: left on, as the pipeline asks, no empty think block), for the tiny tokenizer.
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+
+
+def tiny_qwen3_tokenizer(max_length: int) -> PreTrainedTokenizerFast:
+    """Qwen-like: ``<|endoftext|>`` pads, ``<|im_end|>`` ends, no BOS, and a chat template."""
+    tok = llm_tokenizer(max_length, bos=None, eos="<|im_end|>", pad="<|endoftext|>", extra=("<|im_start|>",),
+                        add_bos=False)
+    tok.chat_template = TINY_CHAT_TEMPLATE
+    return tok

@@ -277,7 +277,7 @@ def test_a14b_expert_trains_only_on_its_timesteps(expert):
 
 
 def test_variant_and_expert_errors_and_local_detection(tmp_path):
-    with pytest.raises(ValueError, match="model.expert: Wan 2.2 A14B has two experts"):
+    with pytest.raises(ValueError, match=r"model.expert: Wan 2.2 A14B \(variant 2.2-a14b\) has two experts"):
         get_family(ModelConfig(family="wan", variant="2.2-a14b"))
     with pytest.raises(ValueError, match="only Wan 2.2 A14B"):
         get_family(ModelConfig(family="wan", expert="high"))

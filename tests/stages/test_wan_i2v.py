@@ -1,7 +1,7 @@
-"""Wan 2.1 image-to-video (``model.variant: 2.1-i2v``) on its tiny flavor, through every real stage.
+"""Wan image-to-video (``model.variant: 2.1-i2v`` and ``2.2-i2v-a14b``) on the tiny flavor, through every real stage.
 
 Clips with ``control_from_first_frame``: validate → plan → cache (each clip's
-first frame cached as the pipeline's condition latents + CLIP hidden states)
+first frame cached as the pipeline's condition latents, + CLIP hidden states for 2.1)
 → 2 DeepSpeed steps → diffusers export → the stock ``WanImageToVideoPipeline``
 loads the LoRA → sampling writes an MP4 from ``sample.images``. The cached
 conditioning is compared with what the stock pipeline builds from the same
@@ -38,15 +38,21 @@ from diffpipe.training.adapter import apply_adapter
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def i2v_run(tmp_path_factory):
+#: (variant, expert): Wan 2.1 I2V (CLIP image embedding), Wan 2.2 I2V-A14B (no image encoder; its high-noise
+#: expert, whose LoRA loads into the pipeline's ``transformer``).
+VARIANTS = [("2.1-i2v", None), ("2.2-i2v-a14b", "high")]
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=[v for v, _ in VARIANTS])
+def i2v_run(tmp_path_factory, request):
+    variant, expert = request.param
     root = tmp_path_factory.mktemp("wan_i2v")
     write_demo_clips(root / "data", n=2, frames=7, width=48, height=32, fps=16)
     start = root / "start.png"
     Image.new("RGB", (48, 32), (200, 30, 30)).save(start)
     cfg = {
         "output_dir": "run",
-        "model": {"family": "wan", "flavor": "tiny", "variant": "2.1-i2v"},
+        "model": {"family": "wan", "flavor": "tiny", "variant": variant, **({"expert": expert} if expert else {})},
         "datasets": [
             {
                 "name": "clips",
@@ -78,8 +84,8 @@ def i2v_run(tmp_path_factory):
 
 def test_golden_losses_and_lora(i2v_run, golden):
     """The 2 losses and the exported LoRA equal the stored golden values (tests/golden.py)."""
-    _, p = i2v_run
-    golden("wan", "test_wan_i2v::i2v_run", p)
+    family, p = i2v_run
+    golden("wan", "test_wan_i2v::i2v_run" + ("" if family.variant == "2.1-i2v" else f"[{family.variant}]"), p)
 
 
 def test_cached_condition_equals_the_pipeline_construction(i2v_run):
@@ -91,17 +97,22 @@ def test_cached_condition_equals_the_pipeline_construction(i2v_run):
     assert isinstance(pipe, family.pipeline_class) and pipe.transformer.config.in_channels == 36
     for item in sorted(items, key=lambda it: it["id"]):
         batch = ds.collate([ds.items.index(next(x for x in ds.items if x.id == item["id"]))])
-        control, embeds = batch["control_latents"], batch["control_embeds"]
+        control, embeds = batch["control_latents"], batch.get("control_embeds")
         first = wan_i2v.to_pil(torch.from_numpy(_decode((item, False))["pixels"][None, :, :1]))[0]
         _, h, w = item["bucket"]
         with torch.no_grad():
             image = pipe.video_processor.preprocess(first, height=h, width=w)
             gen = torch.Generator().manual_seed(0)
             noise, condition = pipe.prepare_latents(image, 1, 16, h, w, 5, torch.float32, "cpu", gen, None)
-            theirs_embeds = pipe.encode_image(first, "cpu")
         assert control.shape == (1, 16, 2, h // 8, w // 8) and condition.shape[1] == 20
         torch.testing.assert_close(control, condition[:, 4:], rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(embeds, theirs_embeds, rtol=1e-5, atol=1e-5)
+        if family.spec.image_embeds:
+            with torch.no_grad():
+                theirs_embeds = pipe.encode_image(first, "cpu")
+            torch.testing.assert_close(embeds, theirs_embeds, rtol=1e-5, atol=1e-5)
+        else:  # no image encoder: nothing cached beside the condition latents, as the pipeline passes none
+            assert embeds is None and pipe.image_encoder is None and pipe.transformer.config.image_dim is None
+            assert pipe.transformer_2.config.in_channels == 36 and pipe.config.boundary_ratio == 0.9
         # The loss's transformer input is the pipeline's ``cat([latents, condition])``.
         ours = wan_i2v.transformer_input(noise, control, family.frame_rule[0])
         torch.testing.assert_close(ours, torch.cat([noise, condition], dim=1), rtol=1e-5, atol=1e-5)
@@ -128,7 +139,7 @@ def test_lora_loads_in_stock_i2v_pipeline_and_matches_training(i2v_run):
                     t=torch.tensor([0.3, 0.7]),
                     noise=noise,
                     control=batch["control_latents"],
-                    control_embeds=batch["control_embeds"],
+                    control_embeds=batch.get("control_embeds"),
                 )
         finally:
             handle.remove()
@@ -177,8 +188,14 @@ def test_i2v_errors_and_published_size():
     assert family.uses_control and not get_family(ModelConfig(family="wan")).uses_control
     with pytest.raises(ValueError, match="2.1-i2v needs a control image"):
         family.loss(None, torch.zeros(1, 16, 1, 2, 2), {}, torch.Generator(), t=torch.tensor([0.5]))
-    with pytest.raises(ValueError, match="sample.images: Wan 2.1 I2V"):
+    with pytest.raises(ValueError, match=r"sample.images: Wan 2.1-i2v \(image-to-video\)"):
         family.sample_kwargs(SampleConfig())
+    a14b = get_family(ModelConfig(family="wan", variant="2.2-i2v-a14b", expert="low"))
+    assert a14b.uses_control and a14b.boundary_ratio == 0.9 and a14b.denoiser_attr == "transformer_2"
+    with pytest.raises(ValueError, match="2.2-i2v-a14b needs a control image"):
+        a14b.loss(None, torch.zeros(1, 16, 1, 2, 2), {}, torch.Generator(), t=torch.tensor([0.5]))
+    with pytest.raises(ValueError, match=r"model.expert: Wan 2.2 A14B \(variant 2.2-i2v-a14b\) has two experts"):
+        get_family(ModelConfig(family="wan", variant="2.2-i2v-a14b"))
     with pytest.raises(ValueError, match="sample.images has 2 path"):
         SampleConfig(prompts=["a"], images=["x.png", "y.png"])
     spec = PUBLISHED["wan2.1-i2v-14b"]
@@ -187,15 +204,27 @@ def test_i2v_errors_and_published_size():
     count = sum(x.numel() for x in model.parameters())
     assert spec.family == "wan" and spec.params_match(count) and count == 16_394_878_784
     assert model.config.in_channels == 36 and model.condition_embedder.image_embedder is not None
+    counts = {}
+    for name in ("wan2.2-t2v-a14b", "wan2.2-i2v-a14b"):  # the I2V model last, checked below
+        with torch.device("meta"):
+            model = PUBLISHED[name].build_meta()
+        counts[name] = sum(x.numel() for x in model.parameters())
+    # the T2V-A14B expert plus the patch embedding's 20 more input channels (20 x 2 x 2 x 5120), no image embedder
+    assert counts["wan2.2-i2v-a14b"] == counts["wan2.2-t2v-a14b"] + 20 * 4 * 5120
+    assert PUBLISHED["wan2.2-i2v-a14b"].params_match(counts["wan2.2-i2v-a14b"])
+    assert model.config.in_channels == 36 and model.condition_embedder.image_embedder is None
 
 
 def test_local_i2v_folder_is_detected_and_cached_like_the_tiny_one(i2v_run, tmp_path):
     family, _ = i2v_run
     family.load_pipeline().save_pretrained(tmp_path)
-    local = get_family(ModelConfig(family="wan", flavor="local", path=str(tmp_path)))
-    assert local.variant == "2.1-i2v" and local.uses_control and local.pipeline_class is family.pipeline_class
-    encoder, processor = local.load_image_encoder()
-    assert encoder.config.hidden_size == 32 and processor.crop_size == {"height": 32, "width": 32}
-    assert local.vae_identity() == family.vae_identity()  # the same VAE + image encoder, the same cache keys
-    with pytest.raises(ValueError, match="holds Wan 2.1-i2v"):
+    local = get_family(ModelConfig(family="wan", flavor="local", path=str(tmp_path), expert=family.expert))
+    assert local.variant == family.variant and local.uses_control and local.pipeline_class is family.pipeline_class
+    if family.spec.image_embeds:
+        encoder, processor = local.load_image_encoder()
+        assert encoder.config.hidden_size == 32 and processor.crop_size == {"height": 32, "width": 32}
+    else:
+        assert local.boundary_ratio == 0.9 and not (tmp_path / "image_encoder").exists()
+    assert local.vae_identity() == family.vae_identity()  # the same VAE (+ image encoder), the same cache keys
+    with pytest.raises(ValueError, match=f"holds Wan {family.variant}"):
         get_family(ModelConfig(family="wan", flavor="local", path=str(tmp_path), variant="2.1"))

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from diffpipe.config import ModelConfig
+from diffpipe.config import ModelConfig, ObjectiveConfig
 from diffpipe.data.cache.buckets import crop_top_left
 from diffpipe.families.sdxl.family import time_ids
 from diffpipe.models import get_family
@@ -80,11 +80,14 @@ def _pipeline_text(name, family, pipe):
         t5, _, llama, _, pooled, _ = pipe.encode_prompt(prompt=CAPTIONS, do_classifier_free_guidance=False,
                                                         max_sequence_length=family.max_sequence_length)
         return {"prompt_embeds_t5": t5, "prompt_embeds_llama3": llama.transpose(0, 1), "pooled_prompt_embeds": pooled}
+    if name == "flux2-klein":  # the chat template, padded to the length, three layers' states stacked
+        pe, _ = pipe.encode_prompt(CAPTIONS, max_sequence_length=family.max_sequence_length)
+        return {"prompt_embeds": pe}
     pe, mask = pipe._get_qwen_prompt_embeds(CAPTIONS)
     return {"prompt_embeds": pe, "prompt_embeds_mask": mask}
 
 
-@pytest.mark.parametrize("name", ["sdxl", "sd3", "chroma", "lumina2", "qwenimage", "hidream"])
+@pytest.mark.parametrize("name", ["sdxl", "sd3", "chroma", "lumina2", "qwenimage", "hidream", "flux2-klein"])
 def test_cached_text_equals_the_pipeline_encoding(name):
     family = get_family(ModelConfig(family=name))
     ours = family.encode_text(family.load_text_encoders(), CAPTIONS)
@@ -97,6 +100,31 @@ def test_cached_text_equals_the_pipeline_encoding(name):
         torch.testing.assert_close(mine, value.float(), rtol=1e-5, atol=1e-5)
         if n and ours[key].shape[1] > n:
             assert not ours[key][:, n:].any()
+
+
+def test_flux2_klein_latents_are_the_pipelines_and_its_decode_inverts_them():
+    family = get_family(ModelConfig(family="flux2-klein"))
+    pipe = family.load_pipeline()
+    vae = pipe.vae
+    assert vae.bn.running_mean.abs().max() > 0.1 and (vae.bn.running_var - 1).abs().max() > 0.1  # exercised
+    pixels = torch.rand(2, 3, 1, 32, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    ours = family.encode_pixels(vae, pixels)
+    with torch.no_grad():
+        theirs = pipe._encode_vae_image(pixels[:, :, 0], None)  # patchified, batch-norm normalised
+    assert ours.shape == (2, 16, 1, 8, 12) and torch.equal(ours[:, :, 0], theirs)
+    # The pipeline's decode path (as in its __call__): un-normalise, unpatchify; equals the raw latent mode.
+    mean = vae.bn.running_mean.view(1, -1, 1, 1)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps)
+    back = pipe._unpatchify_latents(ours[:, :, 0] * std + mean)
+    with torch.no_grad():
+        raw = vae.encode(pixels[:, :, 0]).latent_dist.mode()
+    torch.testing.assert_close(back, raw, rtol=1e-5, atol=1e-5)
+    # The loss's positions are the pipeline's: text (0, 0, 0, l) and image (0, h, w, 0) ids.
+    text = family.encode_text(family.load_text_encoders(), CAPTIONS)
+    p = family.prepare(ours, text, torch.Generator().manual_seed(0), objective=ObjectiveConfig())
+    _, ids = pipe.prepare_latents(2, 4, 32, 48, torch.float32, "cpu", torch.Generator().manual_seed(0))
+    assert torch.equal(p.inputs["img_ids"], ids) and p.inputs["hidden_states"].shape == (2, 96, 16)
+    assert torch.equal(p.inputs["txt_ids"][0, :, 3], torch.arange(text["prompt_embeds"].shape[1]))
 
 
 def test_hidream_loss_is_the_same_in_train_and_eval_mode():

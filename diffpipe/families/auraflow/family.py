@@ -36,7 +36,6 @@ class AuraFlowFamily(Family):
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
         AutoTokenizer, lambda: t5_tokenizer(TINY_LENGTH), UMT5EncoderModel, UMT5Config, TINY_UMT5,
         "auraflow.text_encoder", common.T5_IDS)
-    denoiser_name = "transformer"
     pipeline_class = AuraFlowPipeline
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     #: Attention of both streams (joint blocks) and of the single blocks, and their feed-forwards.

@@ -28,7 +28,6 @@ from diffpipe.models.tokenizers import t5_tokenizer
 class ChromaFamily(FluxFamily):
     name = "chroma"
     token_streams: ClassVar[dict[str, tuple[str, str]]] = {"t5": ("tokenizer", "sequence")}
-    denoiser_name = "transformer"
     pipeline_class = ChromaPipeline
     #: Flux's targets (the blocks are Flux's), which also hit the single blocks' q/k/v.
     default_lora_targets: ClassVar[list[str]] = FluxFamily.default_lora_targets

@@ -54,7 +54,6 @@ class CogVideoXFamily(video.T5TextFamily, Family):
     vae_model = Model(AutoencoderKLCogVideoX, TINY_VAE)
     scheduler_model = Model(CogVideoXDDIMScheduler, TINY_SCHEDULER)
     denoiser_model = Model(CogVideoXTransformer3DModel, TINY_TRANSFORMER)
-    denoiser_name = "transformer"
     pipeline_class = CogVideoXPipeline
     is_video = True
     fps = 8.0

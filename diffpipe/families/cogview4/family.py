@@ -66,7 +66,6 @@ class CogView4Family(Family):
     denoiser_model = Model(CogView4Transformer2DModel, TINY_TRANSFORMER)
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
         AutoTokenizer, lambda: tiny_glm_tokenizer(TINY_LENGTH), GlmModel, GlmConfig, TINY_GLM, "cogview4.text_encoder")
-    denoiser_name = "transformer"
     pipeline_class = CogView4Pipeline  # its LoRA loader: CogView4LoraLoaderMixin
     min_pixel_multiple = 16  # the pipeline refuses sides not divisible by 16
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)

@@ -101,7 +101,6 @@ class Cosmos2Family(video.T5TextFamily, Family):
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     vae_model = Model(AutoencoderKLWan, TINY_VAE)
     denoiser_model = Model(CosmosTransformer3DModel, TINY_TRANSFORMER)
-    denoiser_name = "transformer"
     pipeline_class = Cosmos2TextToImagePipeline
     min_pixel_multiple = 16  # the pipeline refuses sides not divisible by 16
     #: Cosmos-Predict2's own LoRA targets (``q_proj, k_proj, v_proj, output_proj,

@@ -58,7 +58,6 @@ class FluxFamily(Family):
         "tokenizer_2": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(TINY_T5_LENGTH)),
         "text_encoder_2": TextEncoder(T5EncoderModel, T5Config, _tiny_t5),
     }
-    denoiser_name = "transformer"
     pipeline_class = FluxPipeline
     patch = 2  # the pipeline packs 2x2 latents into a token (the config's patch_size is 1)
     prompt_tokens = (TINY_T5_LENGTH, MAX_T5_LENGTH)

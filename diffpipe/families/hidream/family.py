@@ -88,7 +88,6 @@ class HiDreamFamily(Family):
                                                                       eos="<|eot_id|>")),
         "text_encoder_4": TextEncoder(LlamaForCausalLM, LlamaConfig, _tiny_llama),
     }
-    denoiser_name = "transformer"
     pipeline_class = HiDreamImagePipeline
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     prompt_tokenizer = "tokenizer_3"

@@ -81,7 +81,6 @@ class HunyuanImageFamily(Family):
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     vae_model = Model(AutoencoderKLHunyuanImage, TINY_VAE)
     denoiser_model = Model(HunyuanImageTransformer2DModel, TINY_TRANSFORMER)
-    denoiser_name = "transformer"
     pipeline_class = HunyuanImagePipeline
     #: Attention of both streams and the feed-forwards of the double blocks (Flux-like blocks).
     default_lora_targets: ClassVar[list[str]] = targets.dual_stream()

@@ -94,7 +94,6 @@ class HunyuanVideoFamily(Family):
         "text_encoder_2": TextEncoder(CLIPTextModel, CLIPTextConfig, lambda tok, seed: common.tiny_clip_text_encoder(
             tok, seed, "hunyuanvideo.text_encoder_2")),
     }
-    denoiser_name = "transformer"
     pipeline_class = HunyuanVideoPipeline
     is_video = True
     fps = 24.0

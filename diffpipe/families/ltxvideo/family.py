@@ -46,7 +46,6 @@ class LTXVideoFamily(video.T5TextFamily, Family):
     vae_model = Model(AutoencoderKLLTXVideo, TINY_VAE)
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(LTXVideoTransformer3DModel, TINY_TRANSFORMER)
-    denoiser_name = "transformer"
     pipeline_class = LTXPipeline
     is_video = True
     fps = 25.0

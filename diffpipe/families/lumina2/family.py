@@ -48,7 +48,6 @@ class Lumina2Family(Family):
     denoiser_model = Model(Lumina2Transformer2DModel, TINY_TRANSFORMER)
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
         AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH), Gemma2Model, Gemma2Config, TINY_GEMMA, "lumina2.text_encoder")
-    denoiser_name = "transformer"
     pipeline_class = Lumina2Pipeline
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     #: diffusers' Lumina2 LoRA example: the attention projections and the

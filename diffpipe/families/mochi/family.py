@@ -50,7 +50,6 @@ class MochiFamily(video.T5TextFamily, Family):
     vae_model = Model(AutoencoderKLMochi, TINY_VAE)
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     denoiser_model = Model(MochiTransformer3DModel, TINY_TRANSFORMER)
-    denoiser_name = "transformer"
     pipeline_class = MochiPipeline
     is_video = True
     fps = 30.0

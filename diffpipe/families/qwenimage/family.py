@@ -79,7 +79,6 @@ class QwenImageFamily(Family):
         "text_encoder": TextEncoder(Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig,
                                     lambda tok, seed: tiny_qwen_vl(tok, seed, "qwenimage.text_encoder")),
     }
-    denoiser_name = "transformer"
     pipeline_class = QwenImagePipeline
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     prompt_drop = DROP

@@ -35,7 +35,6 @@ class SanaFamily(Family):
     scheduler_model = Model(DPMSolverMultistepScheduler, TINY_SCHEDULER)
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
         AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH), Gemma2Model, Gemma2Config, TINY_GEMMA, "sana.text_encoder")
-    denoiser_name = "transformer"
     pipeline_class = SanaPipeline
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     #: Self and cross attention of every block and the 1x1 convolutions of its Mix-FFN.

@@ -70,7 +70,6 @@ class SD3Family(Family):
                                       common.tiny_text_model(T5EncoderModel, T5Config, TINY_T5,
                                                              "sd3.text_encoder_3", common.T5_IDS)),
     }
-    denoiser_name = "transformer"
     pipeline_class = StableDiffusion3Pipeline
     prompt_tokens = (TINY_T5_LENGTH, T5_LENGTH)
     prompt_tokenizer = "tokenizer_3"

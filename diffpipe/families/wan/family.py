@@ -27,6 +27,11 @@ Variants (``model.variant``; a local folder's is read from it):
   timesteps are drawn over the whole schedule and each sample goes to the
   expert the pipeline would use at its timestep; export writes the low
   expert's LoRA beside the high one's with a ``_low_noise`` suffix.
+- ``2.2-i2v-a14b``: Wan 2.2 I2V-A14B: the two experts of ``2.2-a14b``
+  (boundary 0.9) conditioned on a first frame as ``2.1-i2v`` is, through the
+  condition latents alone: no image encoder, no image key/value projections
+  (``WanImageToVideoPipeline`` passes no image embedding when the transformer
+  has no ``image_dim``). ``model.expert`` as for ``2.2-a14b``.
 - ``2.1-i2v``: Wan 2.1 I2V in ``WanImageToVideoPipeline``: each item's control
   image (a control image, or its own first frame with
   ``datasets[].control_from_first_frame``) is cached as the VAE latents of
@@ -73,6 +78,7 @@ from diffpipe.utils import digest
 
 MAX_LENGTH = 512  # WanPipeline's default max_sequence_length
 DEFAULT_BOUNDARY = 0.875  # Wan 2.2 T2V-A14B's boundary_ratio
+I2V_BOUNDARY = 0.9  # Wan 2.2 I2V-A14B's
 EXPERT_ATTR = {"high": "transformer", "low": "transformer_2", "both": "transformer"}
 #: ``model.expert: both``: each expert's export (the low one's names end in ``_low_noise``).
 BOTH_PARTS = (
@@ -99,8 +105,10 @@ class WanVariant:
     #: Two experts split at this fraction of the schedule (Wan 2.2 A14B); None: one transformer.
     boundary_ratio: float | None = None
     seed_prefix: str = "wan"
-    #: Conditioned on a first frame through a CLIP vision encoder (Wan 2.1 I2V).
+    #: Conditioned on a first frame (its condition latents beside the noisy ones: Wan 2.1 and 2.2 I2V).
     image_to_video: bool = False
+    #: ... and on its CLIP vision embedding (Wan 2.1 I2V; Wan 2.2 I2V-A14B has no image encoder).
+    image_embeds: bool = False
     #: The tiny flavor's prompt length.
     text_length: int = TINY_LENGTH
 
@@ -129,22 +137,35 @@ VARIANTS: dict[str, WanVariant] = {
         3.0,
         seed_prefix="wan2.1-i2v",
         image_to_video=True,
+        image_embeds=True,
         text_length=MAX_LENGTH,
     ),
+    # 16 noisy + 4 mask + 16 condition channels in, no image embedder; two experts.
+    "2.2-i2v-a14b": WanVariant(
+        TINY_VAE,
+        {**TINY_TRANSFORMER, "in_channels": 36},
+        5.0,
+        boundary_ratio=I2V_BOUNDARY,
+        seed_prefix="wan2.2-i2v-a14b",
+        image_to_video=True,
+    ),
 }
+#: The variants with two experts (``model.expert``).
+EXPERT_VARIANTS = tuple(name for name, v in VARIANTS.items() if v.boundary_ratio is not None)
 
 
 _tiny_umt5 = common.tiny_text_model(UMT5EncoderModel, UMT5Config, TINY_UMT5, "wan.text_encoder", common.T5_IDS)
 
 def detect_variant(path: str | Path) -> str:
-    """The Wan version of a diffusers folder: a ``transformer_2`` means A14B, an ``image_encoder``
-    2.1 I2V, a 48-channel VAE TI2V-5B."""
+    """The Wan version of a diffusers folder: a ``transformer_2`` means A14B (I2V when its transformer
+    reads 36 channels), an ``image_encoder`` 2.1 I2V, a 48-channel VAE TI2V-5B."""
     path = Path(path)
     index_file = path / "model_index.json"
     index = json.loads(index_file.read_text()) if index_file.is_file() else {}
     second = index.get("transformer_2")
     if (isinstance(second, list) and second and second[0]) or (path / "transformer_2" / "config.json").is_file():
-        return "2.2-a14b"
+        channels = WanTransformer3DModel.load_config(path, subfolder="transformer").get("in_channels")
+        return "2.2-i2v-a14b" if channels == 36 else "2.2-a14b"
     encoder = index.get("image_encoder")
     if (isinstance(encoder, list) and encoder and encoder[0]) or (path / "image_encoder" / "config.json").is_file():
         return "2.1-i2v"
@@ -163,7 +184,6 @@ class WanFamily(Family):
     token_streams: ClassVar[dict[str, tuple[str, str]]] = {"umt5": ("tokenizer", "sequence")}
     vae_class = AutoencoderKLWan
     vae_needs_fp32 = True  # the Wan repos and diffusers examples run this causal 3D VAE in float32
-    denoiser_name = "transformer"
     is_video = True
     fps = 16.0
     extra_single_files = ("transformer_2",)
@@ -179,20 +199,21 @@ class WanFamily(Family):
             raise ValueError(f"model.variant {cfg.variant!r}: the folder {cfg.path} holds Wan {found}")
         self.variant = found or cfg.variant or "2.1"
         self.spec = VARIANTS[self.variant]
-        #: Wan 2.1 I2V trains on control images (an instance attribute: one variant of the family).
+        #: The I2V variants train on control images (an instance attribute: one variant of the family).
         self.uses_control = self.spec.image_to_video
         self.expert: str | None = cfg.expert
-        if self.variant == "2.2-a14b" and self.expert is None:
+        two = self.variant in EXPERT_VARIANTS
+        if two and self.expert is None:
             raise ValueError(
-                "model.expert: Wan 2.2 A14B has two experts; set `high` (transformer, high-noise "
+                f"model.expert: Wan 2.2 A14B (variant {self.variant}) has two experts; set `high` (transformer, high-noise "
                 "timesteps), `low` (transformer_2, low-noise timesteps) or `both` (a LoRA on each)"
             )
-        if self.variant != "2.2-a14b" and self.expert is not None:
+        if not two and self.expert is not None:
             raise ValueError(
-                f"model.expert {self.expert!r}: only Wan 2.2 A14B (model.variant: 2.2-a14b) has "
-                f"experts; this model is Wan {self.variant}"
+                f"model.expert {self.expert!r}: only Wan 2.2 A14B (model.variant: {' or '.join(EXPERT_VARIANTS)}) "
+                f"has experts; this model is Wan {self.variant}"
             )
-        if "transformer_2" in cfg.single_files and self.variant != "2.2-a14b":
+        if "transformer_2" in cfg.single_files and not two:
             raise ValueError(f"model.single_files.transformer_2: only Wan 2.2 A14B has one; this model is Wan {self.variant}")
 
     # -- what differs between versions ------------------------------------------
@@ -216,9 +237,8 @@ class WanFamily(Family):
             return {"boundary_ratio": self.spec.boundary_ratio, "expand_timesteps": self.spec.expand_timesteps}
         f = Path(self.cfg.path) / "model_index.json"
         index = json.loads(f.read_text()) if f.is_file() else {}
-        default = DEFAULT_BOUNDARY if self.variant == "2.2-a14b" else None
         return {
-            "boundary_ratio": index.get("boundary_ratio", default),
+            "boundary_ratio": index.get("boundary_ratio", self.spec.boundary_ratio),
             "expand_timesteps": bool(index.get("expand_timesteps", self.spec.expand_timesteps)),
         }
 
@@ -307,6 +327,8 @@ class WanFamily(Family):
 
     def load_image_encoder(self):
         """Wan 2.1 I2V's CLIP vision encoder and its image processor."""
+        if not self.spec.image_embeds:
+            raise ValueError(f"Wan {self.variant} has no image encoder")
         if self.cfg.flavor == "tiny":
             return wan_i2v.tiny_image_encoder(self.cfg.seed, self.spec.seed_prefix)
         return wan_i2v.load_image_encoder(self.cfg.path, self.cfg.weight_variant)
@@ -317,28 +339,21 @@ class WanFamily(Family):
 
     def load_pipeline(self) -> WanPipeline | WanImageToVideoPipeline:
         enc = self.load_text_encoders()
-        if self.spec.image_to_video:
-            encoder, processor = self.load_image_encoder()
-            return WanImageToVideoPipeline(
-                tokenizer=enc.tokenizer,
-                text_encoder=enc.text_encoder,
-                vae=self.load_vae(),
-                scheduler=self.inference_scheduler(),
-                image_processor=processor,
-                image_encoder=encoder,
-                transformer=self._load_transformer("transformer"),
-            )
         two = self.boundary_ratio is not None
-        return WanPipeline(
-            tokenizer=enc.tokenizer,
-            text_encoder=enc.text_encoder,
-            vae=self.load_vae(),
-            scheduler=self.inference_scheduler(),
-            transformer=self._load_transformer("transformer"),
-            transformer_2=self._load_transformer("transformer_2") if two else None,
-            boundary_ratio=self.boundary_ratio,
-            expand_timesteps=self.expand_timesteps,
-        )
+        parts = {
+            "tokenizer": enc.tokenizer,
+            "text_encoder": enc.text_encoder,
+            "vae": self.load_vae(),
+            "scheduler": self.inference_scheduler(),
+            "transformer": self._load_transformer("transformer"),
+            "transformer_2": self._load_transformer("transformer_2") if two else None,
+            "boundary_ratio": self.boundary_ratio,
+            "expand_timesteps": self.expand_timesteps,
+        }
+        if self.spec.image_embeds:
+            encoder, processor = self.load_image_encoder()
+            parts.update(image_encoder=encoder, image_processor=processor)
+        return self.pipeline_class(**parts)
 
     @property
     def pipeline_class(self) -> type:
@@ -347,7 +362,7 @@ class WanFamily(Family):
     # -- identities ------------------------------------------------------------
     def vae_weights_identity(self) -> str:
         """The latent cache's identity: the VAE, plus the image encoder that embeds I2V controls."""
-        if self.spec.image_to_video:
+        if self.spec.image_embeds:
             return wan_i2v.latent_identity(self)
         if self.cfg.flavor == "tiny":  # the memo key names the variant: its VAE differs
             return common.memo_identity(
@@ -364,15 +379,15 @@ class WanFamily(Family):
         return (latents - mean) / std
 
     def encode_control(self, vae: torch.nn.Module, control: torch.Tensor, *, frames: int) -> dict[str, torch.Tensor]:
-        """Wan 2.1 I2V: the first frame + black frames through the VAE, and its CLIP hidden states."""
+        """I2V: the first frame + black frames through the VAE (and, Wan 2.1, its CLIP hidden states)."""
         if not self.spec.image_to_video:
             return super().encode_control(vae, control, frames=frames)
-        encoder, processor = self._image_encoder
-        encoder.to(control.device)
-        return {
-            "control": self.encode_pixels(vae, wan_i2v.condition_video(control, frames)),
-            "control_embeds": wan_i2v.embed_images(encoder, processor, wan_i2v.to_pil(control)),
-        }
+        out = {"control": self.encode_pixels(vae, wan_i2v.condition_video(control, frames))}
+        if self.spec.image_embeds:
+            encoder, processor = self._image_encoder
+            encoder.to(control.device)
+            out["control_embeds"] = wan_i2v.embed_images(encoder, processor, wan_i2v.to_pil(control))
+        return out
 
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         # Exactly WanPipeline._get_t5_prompt_embeds: zeros past each prompt's tokens.
@@ -449,16 +464,16 @@ class WanFamily(Family):
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32, control: torch.Tensor | None = None,
                 control_embeds: torch.Tensor | None = None) -> Prepared:
-        """Flow-matching inputs; Wan 2.1 I2V adds its first-frame condition as the pipeline does.
+        """Flow-matching inputs; the I2V variants add their first-frame condition as the pipeline does.
 
         ``timestep`` is what the pipeline passes, ``sigma x 1000`` per sample (:meth:`predict`
         expands it per latent token under ``expand_timesteps``). ``control`` (condition latents,
         like ``latents``) and ``control_embeds`` (CLIP hidden states) are the cached control of
-        each item (2.1-i2v only).
+        each item (I2V only; ``control_embeds`` 2.1-i2v only).
         """
-        if self.spec.image_to_video and (control is None or control_embeds is None):
+        if self.spec.image_to_video and (control is None or (self.spec.image_embeds and control_embeds is None)):
             raise ValueError(
-                "model.variant 2.1-i2v needs a control image per item (its conditioning first frame): set "
+                f"model.variant {self.variant} needs a control image per item (its conditioning first frame): set "
                 "datasets[].control_path / control_column, or control_from_first_frame: true"
             )
         o = objective
@@ -471,7 +486,7 @@ class WanFamily(Family):
             "timestep": sigma * self._scheduler_config.get("num_train_timesteps", 1000),
             "encoder_hidden_states": text["prompt_embeds"].to(device=x0.device, dtype=dtype),
         }
-        if self.spec.image_to_video:
+        if self.spec.image_embeds:
             inputs["encoder_hidden_states_image"] = control_embeds.to(device=x0.device, dtype=dtype)
         return Prepared(inputs, obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o))
 
@@ -490,7 +505,7 @@ class WanFamily(Family):
         from diffpipe.families.wan.layers import wan_layers
 
         if self.spec.image_to_video:
-            raise ValueError("wan 2.1-i2v: pipeline parallelism is not implemented; set train.pipeline_stages: 1")
+            raise ValueError(f"wan {self.variant}: pipeline parallelism is not implemented; set train.pipeline_stages: 1")
         if self.expert == "both":
             raise ValueError(
                 "model.expert both: pipeline parallelism splits one transformer, not two experts chosen per "
@@ -502,7 +517,8 @@ class WanFamily(Family):
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         step, offset = self.frame_rule
         if self.spec.image_to_video and not cfg.images:
-            raise ValueError("sample.images: Wan 2.1 I2V samples start from an image; give one per sample.prompts")
+            raise ValueError(f"sample.images: Wan {self.variant} (image-to-video) samples start from an image; "
+                             "give one per sample.prompts")
         return {
             **super().sample_kwargs(cfg),
             "num_frames": max(offset, snap_frames(cfg.frames, step, offset)),

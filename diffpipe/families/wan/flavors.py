@@ -75,6 +75,15 @@ PUBLISHED: list[Published] = [
         text={"prompt_embeds": (512, 4096)}, latent_channels=16,
     ),
     Published(
+        "wan2.2-i2v-a14b", "wan", "WanTransformer3DModel",
+        {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824, "num_layers": 40, "in_channels": 36},
+        14e9, 2,
+        "Wan-AI/Wan2.2-I2V-A14B(-Diffusers) model card: two 14B experts (high and low noise), 14B active per "
+        "step; each expert is the T2V-A14B denoiser reading 36 input channels (noisy, mask and condition "
+        "latents), without image embedder",
+        text={"prompt_embeds": (512, 4096)}, latent_channels=16,
+    ),
+    Published(
         "wan2.1-i2v-14b", "wan", "WanTransformer3DModel",
         {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824, "num_layers": 40,
          "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120},

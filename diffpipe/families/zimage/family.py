@@ -24,26 +24,9 @@ from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
-from diffpipe.models.llm_tokenizers import llm_tokenizer
+from diffpipe.models.llm_tokenizers import tiny_qwen3_tokenizer
 
 MAX_LENGTH = 512  # ZImagePipeline's default max_sequence_length
-
-#: A chat template that renders one user turn as Qwen3's does (the assistant turn opened; with thinking
-#: left on, as the pipeline asks, no empty think block), for the tiny tokenizer.
-TINY_CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
-    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
-)
-
-
-def tiny_qwen3_tokenizer(max_length: int) -> PreTrainedTokenizerBase:
-    """Qwen-like: ``<|endoftext|>`` pads, ``<|im_end|>`` ends, no BOS, and a chat template."""
-    tok = llm_tokenizer(max_length, bos=None, eos="<|im_end|>", pad="<|endoftext|>", extra=("<|im_start|>",),
-                        add_bos=False)
-    tok.chat_template = TINY_CHAT_TEMPLATE
-    return tok
-
 
 def chat_prompts(tokenizer: PreTrainedTokenizerBase, captions: list[str]) -> list[str]:
     """``ZImagePipeline._encode_prompt``'s text: each caption as one user turn, the assistant turn opened."""
@@ -61,7 +44,6 @@ class ZImageFamily(Family):
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
         AutoTokenizer, lambda: tiny_qwen3_tokenizer(TINY_LENGTH), Qwen3Model, Qwen3Config, TINY_QWEN3,
         "zimage.text_encoder")
-    denoiser_name = "transformer"
     pipeline_class = ZImagePipeline
     patch = 2  # the pipeline's patch side (the config lists all_patch_size)
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)

@@ -1,0 +1,20 @@
+"""Family ``flux2-klein``: FLUX.2 [klein] 4B / 9B."""
+
+from __future__ import annotations
+
+from diffpipe.families.flux2_klein.flavors import PUBLISHED
+from diffpipe.models.spec import Absent, FamilySpec, diffusers_files_only
+
+_NO_REFERENCE = "not checked against an independent reference of FLUX.2's original checkpoint names yet"
+
+SPEC = FamilySpec(
+    name="flux2-klein",
+    family_class="Flux2KleinFamily",
+    model="FLUX.2 [klein] 4B / 9B (base and distilled)",
+    tasks="text-to-image (flow matching; Qwen3 text, 2x2-patchified latents normalised by the VAE's batch norm)",
+    targets="attention of both streams `attn.to_q/k/v/out.0`, `add_q/k/v_proj`, `to_add_out`, the double "
+            "blocks' `ff(_context).linear_in/out`, the single blocks' fused `attn.to_qkv_mlp_proj`",
+    published=tuple(PUBLISHED),
+    **diffusers_files_only(_NO_REFERENCE),
+    layers=Absent("not implemented yet"),
+)

@@ -1,0 +1,126 @@
+"""Family ``flux2-klein``: FLUX.2 [klein] 4B / 9B (base and distilled), flow matching, Qwen3 text.
+
+Components and names follow ``Flux2KleinPipeline``: ``vae`` (AutoencoderKLFlux2: its latent mode is
+patchified 2x2 and normalised by the VAE's batch-norm statistics, exactly as ``_encode_vae_image``
+does; the cache stores that token grid, ``[B, 4C, H/16, W/16]`` at real size), ``text_encoder``
+(Qwen3ForCausalLM: each caption in the tokenizer's chat template, thinking off, padded to
+``max_sequence_length``; the hidden states after layers 9, 18 and 27 stacked along the width, as the
+pipeline's ``_get_qwen3_prompt_embeds`` computes them, which this family calls) + ``tokenizer``,
+``transformer`` (Flux2Transformer2DModel: no guidance embedding, 4-axis positions for text and image
+tokens), ``scheduler`` (flow matching with the resolution-dependent shift). The transformer sees
+``sigma`` and predicts the velocity ``noise - x0``. FLUX.2 [dev] (Mistral 3 text) is not this family.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
+from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
+
+from diffpipe.config import SampleConfig
+from diffpipe.families.flux2_klein.flavors import (
+    TINY_LENGTH,
+    TINY_QWEN3,
+    TINY_SCHEDULER,
+    TINY_TRANSFORMER,
+    TINY_VAE,
+)
+from diffpipe.models import _common as common
+from diffpipe.models import targets
+from diffpipe.models.base import Family, Prepared
+from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
+from diffpipe.models.llm_tokenizers import tiny_qwen3_tokenizer
+
+MAX_LENGTH = 512  # Flux2KleinPipeline's default max_sequence_length
+#: The text encoder layers whose hidden states are stacked (the pipeline's ``text_encoder_out_layers``).
+TEXT_LAYERS = (9, 18, 27)
+
+
+def chat_prompts(tokenizer: Any, captions: list[str]) -> list[str]:
+    """The text ``_get_qwen3_prompt_embeds`` tokenizes: each caption as one user turn, thinking off."""
+    return [tokenizer.apply_chat_template([{"role": "user", "content": c}], tokenize=False,
+                                          add_generation_prompt=True, enable_thinking=False) for c in captions]
+
+
+def _pack(x: torch.Tensor, *_shape: int) -> torch.Tensor:
+    """``Flux2KleinPipeline._pack_latents``: ``[B, C, h, w]`` -> ``[B, h*w, C]`` (the latents are patchified
+    already)."""
+    return Flux2KleinPipeline._pack_latents(x)
+
+
+class Flux2KleinFamily(Family):
+    name = "flux2-klein"
+    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"qwen3": ("tokenizer", "sequence")}
+    vae_model = Model(AutoencoderKLFlux2, TINY_VAE)
+    denoiser_model = Model(Flux2Transformer2DModel, TINY_TRANSFORMER)
+    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
+    text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
+        AutoTokenizer, lambda: tiny_qwen3_tokenizer(TINY_LENGTH), Qwen3ForCausalLM, Qwen3Config, TINY_QWEN3,
+        "flux2-klein.text_encoder")
+    pipeline_class = Flux2KleinPipeline
+    patch = 2  # the VAE's latents are patchified 2x2 before the transformer (whose patch_size is 1)
+    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    #: Attention of both streams and their feed-forwards in the double blocks, and the single blocks'
+    #: fused QKV + MLP input projection.
+    default_lora_targets: ClassVar[list[str]] = [
+        *targets.attention(), *targets.added_projections(), "ff.linear_in", "ff.linear_out",
+        "ff_context.linear_in", "ff_context.linear_out", "attn.to_qkv_mlp_proj"]
+
+    def shift_for(self, x0: torch.Tensor) -> float:
+        # One token per cached latent cell. (Sampling's shift also depends on the step count,
+        # ``compute_empirical_mu``; training has none, so it uses the scheduler's resolution rule.)
+        return self.timestep_shift(x0.shape[-2] * x0.shape[-1])
+
+    # -- components ------------------------------------------------------------
+    def load_vae(self) -> AutoencoderKLFlux2:
+        vae = super().load_vae()
+        if self.cfg.flavor == "tiny":  # non-trivial batch-norm statistics, so the normalisation is exercised
+            n = vae.bn.num_features
+            with torch.no_grad():
+                vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, n))
+                vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, n))
+        return vae
+
+    # -- encoding --------------------------------------------------------------
+    def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
+        """``Flux2KleinPipeline._encode_vae_image``: the latent mode patchified 2x2, then ``(x - mean) / std``
+        with the VAE's batch-norm statistics; ``[B, 4C, 1, h/2, w/2]``. The pipeline's decode inverts it."""
+        latents = common.vae_latents(vae, pixels)[:, :, 0]
+        tokens = Flux2KleinPipeline._patchify_latents(latents)
+        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(tokens)
+        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(tokens)
+        return ((tokens - mean) / std)[:, :, None]
+
+    def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
+        device = next(encoders.text_encoder.parameters()).device
+        with torch.no_grad():
+            embeds = Flux2KleinPipeline._get_qwen3_prompt_embeds(
+                encoders.text_encoder, encoders.tokenizer, list(captions), dtype=torch.float32, device=device,
+                max_sequence_length=encoders.max_sequence_length, hidden_states_layers=TEXT_LAYERS)
+        return {"prompt_embeds": embeds.float()}
+
+    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
+        return {"qwen3": [len(ids) for ids in encoders.tokenizer(chat_prompts(encoders.tokenizer, captions)).input_ids]}
+
+    # -- training ----------------------------------------------------------------
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Packed noisy tokens, ``sigma`` (the pipeline's timestep / 1000), the caption states and the text
+        and image positions the pipeline builds; the packed target ``noise - x0``."""
+        f = self.flow_draw(latents, generator, objective, t, noise, _pack)
+        device = f.x0.device
+        embeds = text["prompt_embeds"].to(device=device, dtype=dtype)
+        inputs = {
+            "hidden_states": f.noisy.to(dtype),
+            "timestep": f.sigma.to(dtype),
+            "encoder_hidden_states": embeds,
+            "txt_ids": Flux2KleinPipeline._prepare_text_ids(embeds).to(device),
+            "img_ids": Flux2KleinPipeline._prepare_latent_ids(f.x0).to(device),
+        }
+        return self.flow_prepared(f, inputs, mask, objective)
+
+    # -- sampling ----------------------------------------------------------------
+    def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        return {**super().sample_kwargs(cfg), "max_sequence_length": self.max_sequence_length}
