@@ -60,7 +60,8 @@ FAMILIES = [n for n in family_names() if not isinstance(spec(n).keymap, Absent)]
 # modulation, last-block text modulation and caption projection; Cosmos' AdaLN-LoRA modulations;
 # CogVideoX's Conv2d patch embedding, renamed time embedding and block modulations; CogView4's
 # swapped final modulation, block modulation (outside the block in the original) and the
-# condition embedder.
+# condition embedder; FLUX.2's swapped final modulation, shared modulations, embedders and a single
+# block's output (``attn.to_out`` of a double block is a list, so named whole).
 EXTRA_TARGETS = {
     "sd": ["conv_shortcut", "time_embedding.linear_1"],
     "sdxl": ["conv_shortcut", "add_embedding.linear_1"],
@@ -88,6 +89,9 @@ EXTRA_TARGETS = {
     "cogview4": ["norm_out.linear", "norm1.linear", "condition_embedder.linear_1", "proj_out"],
     "zimage": ["layers.0.adaLN_modulation.0", "noise_refiner.0.adaLN_modulation.0", "all_final_layer.2-1.linear",
                "all_final_layer.2-1.adaLN_modulation.1", "all_x_embedder.2-1", "t_embedder.mlp.0", "cap_embedder.1"],
+    "flux2-klein": ["norm_out.linear", "proj_out", "x_embedder", "context_embedder",
+                    "time_guidance_embed.timestep_embedder.linear_1", "double_stream_modulation_img.linear",
+                    "single_stream_modulation.linear", "single_transformer_blocks.0.attn.to_out"],
 }
 
 
@@ -298,6 +302,7 @@ SINGLE_FILE_CASES = {
         None,
     ),
     "mochi": (_tiny("mochi", num_layers=48), lambda sd: _mochi_norms(sd, 48)),
+    "flux2-klein": (_tiny("flux2-klein"), lambda sd: _flux_norms(sd, 1, 1)),
     "cosmos2": (_tiny("cosmos2"), None),
     "cosmos2-video": (_tiny("cosmos2-video"), None),
 }
@@ -439,6 +444,7 @@ BASE_MODEL_VERSION = {
     "cogvideox": "cogvideox",
     "cogview4": "cogview4",
     "zimage": "z_image",
+    "flux2-klein": "flux2",
 }
 
 
@@ -583,6 +589,15 @@ def _hunyuan_tiny(key: str) -> bool:
     )
 
 
+def _flux2_non_diffusers(key: str) -> bool:
+    """diffusers' reader of FLUX.2's original names maps the final modulation without swapping its halves."""
+    return not key.startswith("diffusion_model.final_layer.adaLN_modulation.1.")
+
+
+def _flux2_kohya(key: str) -> bool:  # what diffusers' FLUX.2 kohya converter maps: no modulation layers
+    return "modulation" not in key
+
+
 PIPELINE_READS = {
     ("sd", "kohya"): (None, False),
     ("sd", "comfyui"): (None, True),
@@ -599,6 +614,8 @@ PIPELINE_READS = {
     ("hunyuanvideo", "comfyui"): (_hunyuan_tiny, False),
     ("zimage", "kohya"): (None, False),
     ("zimage", "comfyui"): (None, False),
+    ("flux2-klein", "comfyui"): (_flux2_non_diffusers, False),
+    ("flux2-klein", "kohya"): (_flux2_kohya, False),
 }
 
 

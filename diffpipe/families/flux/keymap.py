@@ -13,7 +13,7 @@ original path.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from diffusers import FluxTransformer2DModel
@@ -63,6 +63,22 @@ def _layer(original: str, segments: list[Segment]) -> Layer:
     return Layer(original, kohya_name(original), tuple(segments), original.startswith(FOLD_SCALE_PREFIX))
 
 
+def double_blocks(count: int, inner: int, plain: Mapping[str, str], out_features: Mapping[str, int],
+                  make: Callable[[str, list[Segment]], Layer]) -> list[Layer]:
+    """The layers of ``count`` BFL double blocks: ``plain`` (original -> our suffix; absent modules skipped),
+    then each stream's fused ``qkv`` (``DOUBLE_FUSED``, ``inner`` rows a part); ``make`` builds a layer.
+    Shared with FLUX.2 (``flux2-klein``), whose double blocks have the same fused attention."""
+    layers = []
+    for i in range(count):
+        ours, original = f"transformer_blocks.{i}", f"double_blocks.{i}"
+        for o, d in plain.items():
+            if f"{ours}.{d}" in out_features:
+                layers.append(make(f"{original}.{o}", [Segment(f"{ours}.{d}", 0, out_features[f"{ours}.{d}"])]))
+        for o, parts in DOUBLE_FUSED.items():
+            layers.append(make(f"{original}.{o}", [Segment(f"{ours}.{p}", 0, inner) for p in parts]))
+    return layers
+
+
 def transformer_layers(
     config: Mapping[str, Any], out_features: Mapping[str, int], top_level: Mapping[str, str]
 ) -> list[Layer]:
@@ -90,12 +106,7 @@ def transformer_layers(
             )
         )
 
-    for i in range(config["num_layers"]):
-        ours, original = f"transformer_blocks.{i}", f"double_blocks.{i}"
-        for o, d in DOUBLE_PLAIN.items():
-            add_plain(f"{original}.{o}", f"{ours}.{d}")
-        for o, parts in DOUBLE_FUSED.items():
-            layers.append(_layer(f"{original}.{o}", [Segment(f"{ours}.{p}", 0, inner) for p in parts]))
+    layers += double_blocks(config["num_layers"], inner, DOUBLE_PLAIN, out_features, _layer)
 
     for i in range(config["num_single_layers"]):
         ours, original = f"single_transformer_blocks.{i}", f"single_blocks.{i}"

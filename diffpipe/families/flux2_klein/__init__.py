@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.flux2_klein.flavors import PUBLISHED
-from diffpipe.models.spec import Absent, FamilySpec, diffusers_files_only
-
-_NO_REFERENCE = "not checked against an independent reference of FLUX.2's original checkpoint names yet"
+from diffpipe.models.spec import Absent, FamilySpec, Kohya
 
 SPEC = FamilySpec(
     name="flux2-klein",
@@ -15,6 +13,10 @@ SPEC = FamilySpec(
     targets="attention of both streams `attn.to_q/k/v/out.0`, `add_q/k/v_proj`, `to_add_out`, the double "
             "blocks' `ff(_context).linear_in/out`, the single blocks' fused `attn.to_qkv_mlp_proj`",
     published=tuple(PUBLISHED),
-    **diffusers_files_only(_NO_REFERENCE),
+    kohya=Kohya("flux2", "flux-2-klein/lora", "https://github.com/black-forest-labs/flux2"),
+    comfyui_readers="ComfyUI (original names, fused `qkv`), `Flux2KleinPipeline.load_lora_weights` (except a "
+                    "LoRA on `norm_out`)",
+    kohya_readers="ComfyUI; `Flux2KleinPipeline.load_lora_weights` (blocks, input embedders, timestep, output)",
+    comfy_reads_diffusers="none",
     layers=Absent("not implemented yet"),
 )
