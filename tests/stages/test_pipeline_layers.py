@@ -222,6 +222,7 @@ PIPELINE_INPUT_CASES = {
     "cosmos2": (16, {"shift": 3.0}),
     "lumina2": (4, {"shift": 2.0, "loss": "huber"}),
     "zimage": (4, {"shift": 2.0}),
+    "flux2-klein": (16, {"timestep_sampling": "uniform"}),
 }
 
 

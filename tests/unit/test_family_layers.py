@@ -120,3 +120,28 @@ def test_lumina2_layers_equal_forward_with_prompts_of_different_lengths():
         got = run_layers(layers, (noisy, t, context, mask))
     assert len(layers) == len(tr.layers) + 2
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_flux2_klein_layers_equal_forward_over_several_blocks():
+    """Two double and two single blocks: each single-block layer re-joins and splits the streams, which
+    must equal the forward's one join before the single blocks and one split after them."""
+    from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
+
+    from diffpipe.families.flux2_klein.flavors import TINY_TRANSFORMER
+
+    family = get_family(ModelConfig(family="flux2-klein"))
+    torch.manual_seed(0)
+    tr = Flux2Transformer2DModel(**{**TINY_TRANSFORMER, "num_layers": 2, "num_single_layers": 2}).eval()
+    g = torch.Generator().manual_seed(0)
+    latents = torch.randn(2, 16, 3, 4, generator=g)
+    tokens = Flux2KleinPipeline._pack_latents(latents)
+    context = torch.randn(2, 7, TINY_TRANSFORMER["joint_attention_dim"], generator=g)
+    txt_ids, img_ids = Flux2KleinPipeline._prepare_text_ids(context), Flux2KleinPipeline._prepare_latent_ids(latents)
+    sigma = torch.tensor([0.3, 0.8])
+    with torch.no_grad():
+        expected = tr(hidden_states=tokens, timestep=sigma, encoder_hidden_states=context, txt_ids=txt_ids,
+                      img_ids=img_ids, return_dict=False)[0]
+        layers = family.pipeline_layers(tr)
+        got = run_layers(layers, (tokens, sigma, context, txt_ids, img_ids))
+    assert len(layers) == 2 + 2 + 2
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

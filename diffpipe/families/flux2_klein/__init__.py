@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.flux2_klein.flavors import PUBLISHED
-from diffpipe.models.spec import Absent, FamilySpec, Kohya
+from diffpipe.models.spec import FamilySpec, Kohya
 
 SPEC = FamilySpec(
     name="flux2-klein",
@@ -18,5 +18,4 @@ SPEC = FamilySpec(
                     "LoRA on `norm_out`)",
     kohya_readers="ComfyUI; `Flux2KleinPipeline.load_lora_weights` (blocks, input embedders, timestep, output)",
     comfy_reads_diffusers="none",
-    layers=Absent("not implemented yet"),
 )

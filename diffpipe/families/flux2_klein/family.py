@@ -124,3 +124,13 @@ class Flux2KleinFamily(Family):
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         return {**super().sample_kwargs(cfg), "max_sequence_length": self.max_sequence_length}
+
+    # -- pipeline parallelism ------------------------------------------------------
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Embedding (with the shared modulations), one layer per double and single block, output.
+
+        Input tuple ``(packed noisy, sigma, prompt_embeds, txt_ids, img_ids)``; output ``(packed prediction,)``.
+        """
+        from diffpipe.families.flux2_klein.layers import flux2_layers
+
+        return flux2_layers(common.unwrap(denoiser))
