@@ -38,6 +38,7 @@ FAMILIES: dict[str, str] = {
     "cogview4": "cogview4",
     "cosmos2": "cosmos2",
     "wan": "wan",
+    "skyreels-v2": "skyreels_v2",
     "ltxvideo": "ltxvideo",
     "cogvideox": "cogvideox",
     "hunyuanvideo": "hunyuanvideo",
@@ -66,7 +67,8 @@ NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
     "FLUX.2 [dev]": (None, _LATER + ": its Mistral 3 text encoder (FLUX.2 [klein] is: `flux2-klein`)"),
     "Kandinsky 5": ("KandinskyLoraLoaderMixin", _LATER),
     "LTX-2": ("LTX2LoraLoaderMixin", _LATER),
-    "SkyReels V2": ("SkyReelsV2LoraLoaderMixin", _LATER),
+    "SkyReels V2 diffusion forcing, image-to-video": (None, _LATER + " (its text-to-video pipeline is: "
+                                                       "`skyreels-v2`)"),
     "Krea 2": ("Krea2LoraLoaderMixin", _LATER),
     "ERNIE-Image": ("ErnieImageLoraLoaderMixin", _LATER),
     "Bria FIBO 2": ("BriaFibo2LoraLoaderMixin", _LATER),

@@ -51,6 +51,7 @@ SPECS = {
     "hunyuanvideo": (5, (2, 4, 6), 5),  # 24 fps: 13 available, bucket 5 (4k+1)
     "mochi": (7, (2, 4, 6), 7),  # 30 fps: 16 available, bucket 7 (6k+1)
     "cosmos2-video": (9, (3, 4, 6), 9),  # 16 fps: the 9 demo frames (4k+1)
+    "skyreels-v2": (5, (2, 4, 6), 5),  # 24 fps, Wan's 4k+1 frames
 }
 
 
@@ -172,6 +173,10 @@ def test_text_cache_equals_the_pipeline_prompt_embeds(run):
                 captions, prompt_template=tpl, max_sequence_length=enc.max_sequence_length
             )
             theirs = {"prompt_embeds": embeds, "prompt_attention_mask": mask, "pooled_prompt_embeds": pooled}
+        elif family.name == "skyreels-v2":  # Wan's: zeros past each prompt's tokens, no mask
+            embeds, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False,
+                                           max_sequence_length=enc.max_sequence_length)
+            theirs = {"prompt_embeds": embeds}
         elif family.name in ("cogvideox", "cosmos2-video"):
             theirs = {
                 "prompt_embeds": pipe._get_t5_prompt_embeds(captions, max_sequence_length=enc.max_sequence_length)

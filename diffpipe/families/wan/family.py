@@ -188,21 +188,25 @@ class WanFamily(Family):
     fps = 16.0
     extra_single_files = ("transformer_2",)
     variants: ClassVar[tuple[str, ...]] = tuple(VARIANTS)
+    #: The versions this family covers (the first is the default) and the transformer class they share;
+    #: a family built on Wan's parts (``skyreels-v2``) declares its own.
+    variant_table: ClassVar[dict[str, WanVariant]] = VARIANTS
+    transformer_cls: ClassVar[type] = WanTransformer3DModel
     #: Self- and cross-attention projections and the feed-forward linears of every block
     #: (what Wan LoRA trainers target).
     default_lora_targets: ClassVar[list[str]] = [*targets.attention(""), *targets.feed_forward("ffn")]
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        found = detect_variant(cfg.path) if cfg.flavor == "local" else None
+        found = self.detect_variant(cfg.path) if cfg.flavor == "local" else None
         if found and cfg.variant and cfg.variant != found:
             raise ValueError(f"model.variant {cfg.variant!r}: the folder {cfg.path} holds Wan {found}")
-        self.variant = found or cfg.variant or "2.1"
-        self.spec = VARIANTS[self.variant]
+        self.variant = found or cfg.variant or next(iter(self.variant_table))
+        self.spec = self.variant_table[self.variant]
         #: The I2V variants train on control images (an instance attribute: one variant of the family).
         self.uses_control = self.spec.image_to_video
         self.expert: str | None = cfg.expert
-        two = self.variant in EXPERT_VARIANTS
+        two = self.spec.boundary_ratio is not None
         if two and self.expert is None:
             raise ValueError(
                 f"model.expert: Wan 2.2 A14B (variant {self.variant}) has two experts; set `high` (transformer, high-noise "
@@ -215,6 +219,11 @@ class WanFamily(Family):
             )
         if "transformer_2" in cfg.single_files and not two:
             raise ValueError(f"model.single_files.transformer_2: only Wan 2.2 A14B has one; this model is Wan {self.variant}")
+
+    @staticmethod
+    def detect_variant(path: str | Path) -> str | None:
+        """The version a local folder holds (None: the configured or default one)."""
+        return detect_variant(path)
 
     # -- what differs between versions ------------------------------------------
     @property
@@ -311,8 +320,8 @@ class WanFamily(Family):
     def _load_transformer(self, attr: str) -> WanTransformer3DModel:
         if self.cfg.flavor == "tiny":
             with common.seeded(self.cfg.seed, self._seed(attr)):
-                return WanTransformer3DModel(**self.spec.transformer).eval()
-        return common.local_component(WanTransformer3DModel, self.cfg, attr)
+                return self.transformer_cls(**self.spec.transformer).eval()
+        return common.local_component(self.transformer_cls, self.cfg, attr)
 
     def load_denoiser(self) -> WanTransformer3DModel | WanExperts:
         """The trained transformer: the only one, the expert ``model.expert`` names, or both experts."""

@@ -1,0 +1,17 @@
+"""``skyreels-v2``: the tiny flavor (Wan's tiny parts) and the published models (see ``diffpipe.models.spec``)."""
+
+from __future__ import annotations
+
+from diffpipe.models.spec import Published
+
+_WAN_14B = {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824, "num_layers": 40}
+
+#: Published models, the flagship first.
+PUBLISHED: list[Published] = [
+    Published(
+        "skyreels-v2-t2v-14b", "skyreels-v2", "SkyReelsV2Transformer3DModel", _WAN_14B, 14e9, 2,
+        "Skywork/SkyReels-V2-T2V-14B-540P(-Diffusers) and -720P model cards: 14B (Wan 2.1 14B's architecture: "
+        "dim 5120, 40 layers)",
+        text={"prompt_embeds": (512, 4096)}, latent_channels=16,
+    ),
+]
