@@ -137,7 +137,7 @@ class MemoryEstimate:
             f"  activations      {self.activation_bytes / GiB:8.2f} GiB"
             + (" (upper bound: every token routed to every expert)" if self.activation_upper_bound else "")
             if self.activation_bytes is not None
-            else "  activations      not measurable on the meta device (the forward reads tensor values)",
+            else "  activations      not measurable on the meta device (the forward reads tensor values or opens autocast on their device)",
             f"  total per GPU    {self.total_bytes / GiB:8.2f} GiB (plus 1-2 GiB CUDA context and fragmentation)",
         ]
         return "\n".join(rows)
@@ -411,8 +411,9 @@ def estimate_for(
                 (activation_bytes, offloaded), upper_bound = measure(), True
         # else: "Cannot copy out of meta tensor": the forward reads tensor values (Lumina 2's mask)
     except RuntimeError as err:
-        # Mochi's rotary embedding opens torch.autocast on its tensors' device: not on meta.
-        if "autocast" not in str(err):
+        # Mochi's and ERNIE-Image's rotary embeddings open torch.autocast on their tensors' device: not on
+        # meta (Mochi's error names autocast; ERNIE-Image's, "unsupported scalarType", comes from inside it).
+        if "autocast" not in str(err) and not _raised_in(err, "autocast_mode.py"):
             raise
     return MemoryEstimate(
         model=spec.name, gpus=gpus, zero_stage=z, precision=precision, resolution=resolution,
@@ -422,6 +423,14 @@ def estimate_for(
         activation_checkpointing=bool(ckpt), height=height, block_bytes=block_bytes,
         activation_cpu_bytes=offloaded,
     ).swapped(tc.block_swap)
+
+
+def _raised_in(err: BaseException, filename: str) -> bool:
+    """Whether the innermost frame of ``err``'s traceback is in a file of this name."""
+    tb = err.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and tb.tb_frame.f_code.co_filename.endswith(filename)
 
 
 #: The families the fits table covers: (label, published model, family, width, height, frames,

@@ -127,6 +127,33 @@ def test_flux2_klein_latents_are_the_pipelines_and_its_decode_inverts_them():
     assert torch.equal(p.inputs["txt_ids"][0, :, 3], torch.arange(text["prompt_embeds"].shape[1]))
 
 
+def test_ernie_image_text_and_latents_are_the_pipelines():
+    family = get_family(ModelConfig(family="ernie-image"))
+    pipe = family.load_pipeline()
+    ours = family.encode_text(family.load_text_encoders(), CAPTIONS)
+    with torch.no_grad():
+        theirs = pipe.encode_prompt(CAPTIONS, "cpu")  # one tensor per caption, at its own length
+    for i, hidden in enumerate(theirs):
+        n = hidden.shape[0]
+        assert ours["prompt_embeds_mask"][i].sum() == n and not ours["prompt_embeds"][i, n:].any()
+        torch.testing.assert_close(ours["prompt_embeds"][i, :n], hidden.float(), rtol=1e-5, atol=1e-5)
+    pixels = torch.rand(2, 3, 1, 32, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    latents = family.encode_pixels(pipe.vae, pixels)
+    # The pipeline's decode (batch-norm statistics with its epsilon, unpatchify) gives back the latent mode.
+    vae = pipe.vae
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + 1e-5)
+    back = pipe._unpatchify_latents(latents[:, :, 0] * std + vae.bn.running_mean.view(1, -1, 1, 1))
+    with torch.no_grad():
+        raw = vae.encode(pixels[:, :, 0]).latent_dist.mode()
+    assert vae.bn.running_mean.abs().max() > 0.1
+    torch.testing.assert_close(back, raw, rtol=1e-5, atol=1e-5)
+    # The loss's transformer call is the pipeline's: padded captions cut to the longest, with their lengths.
+    p = family.prepare(latents, ours, torch.Generator().manual_seed(0), objective=ObjectiveConfig())
+    text, lens = pipe._pad_text(list(theirs), "cpu", torch.float32, pipe.transformer.config.text_in_dim)
+    torch.testing.assert_close(p.inputs["text_bth"], text, rtol=1e-5, atol=1e-5)
+    assert torch.equal(p.inputs["text_lens"], lens)
+
+
 def test_hidream_loss_is_the_same_in_train_and_eval_mode():
     # In train mode the transformer returns patches (padded to max_seq when not square); the loss unpatchifies.
     family = get_family(ModelConfig(family="hidream"))

@@ -44,6 +44,24 @@ def chat_prompts(tokenizer: Any, captions: list[str]) -> list[str]:
                                           add_generation_prompt=True, enable_thinking=False) for c in captions]
 
 
+def tiny_batch_norm(vae: AutoencoderKLFlux2) -> AutoencoderKLFlux2:
+    """The tiny VAE with non-trivial batch-norm statistics (a new one has mean 0, variance 1), so the
+    normalisation of its latents is exercised."""
+    n = vae.bn.num_features
+    with torch.no_grad():
+        vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, n))
+        vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, n))
+    return vae
+
+
+def bn_normalised(vae: AutoencoderKLFlux2, latents: torch.Tensor, eps: float) -> torch.Tensor:
+    """The VAE's latent mode ``[B, C, h, w]`` patchified 2x2 and normalised by its batch-norm statistics."""
+    tokens = Flux2KleinPipeline._patchify_latents(latents)
+    mean = vae.bn.running_mean.view(1, -1, 1, 1).to(tokens)
+    std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + eps).to(tokens)
+    return (tokens - mean) / std
+
+
 def _pack(x: torch.Tensor, *_shape: int) -> torch.Tensor:
     """``Flux2KleinPipeline._pack_latents``: ``[B, C, h, w]`` -> ``[B, h*w, C]`` (the latents are patchified
     already)."""
@@ -76,22 +94,13 @@ class Flux2KleinFamily(Family):
     # -- components ------------------------------------------------------------
     def load_vae(self) -> AutoencoderKLFlux2:
         vae = super().load_vae()
-        if self.cfg.flavor == "tiny":  # non-trivial batch-norm statistics, so the normalisation is exercised
-            n = vae.bn.num_features
-            with torch.no_grad():
-                vae.bn.running_mean.copy_(torch.linspace(-0.3, 0.3, n))
-                vae.bn.running_var.copy_(torch.linspace(0.5, 2.0, n))
-        return vae
+        return tiny_batch_norm(vae) if self.cfg.flavor == "tiny" else vae
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         """``Flux2KleinPipeline._encode_vae_image``: the latent mode patchified 2x2, then ``(x - mean) / std``
         with the VAE's batch-norm statistics; ``[B, 4C, 1, h/2, w/2]``. The pipeline's decode inverts it."""
-        latents = common.vae_latents(vae, pixels)[:, :, 0]
-        tokens = Flux2KleinPipeline._patchify_latents(latents)
-        mean = vae.bn.running_mean.view(1, -1, 1, 1).to(tokens)
-        std = torch.sqrt(vae.bn.running_var.view(1, -1, 1, 1) + vae.config.batch_norm_eps).to(tokens)
-        return ((tokens - mean) / std)[:, :, None]
+        return bn_normalised(vae, common.vae_latents(vae, pixels)[:, :, 0], vae.config.batch_norm_eps)[:, :, None]
 
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         device = next(encoders.text_encoder.parameters()).device
