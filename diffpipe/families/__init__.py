@@ -33,6 +33,7 @@ FAMILIES: dict[str, str] = {
     "lumina2": "lumina2",
     "zimage": "zimage",
     "ernie-image": "ernie_image",
+    "krea2": "krea2",
     "qwenimage": "qwenimage",
     "qwenimage-edit": "qwenimage_edit",
     "hidream": "hidream",
@@ -71,7 +72,6 @@ NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
     "LTX-2": ("LTX2LoraLoaderMixin", _LATER),
     "SkyReels V2 diffusion forcing, image-to-video": (None, _LATER + " (its text-to-video pipeline is: "
                                                        "`skyreels-v2`)"),
-    "Krea 2": ("Krea2LoraLoaderMixin", _LATER),
     "Bria FIBO 2": ("BriaFibo2LoraLoaderMixin", _LATER),
     "Helios": ("HeliosLoraLoaderMixin", _LATER),
     "Ideogram 4": ("Ideogram4LoraLoaderMixin", _LATER),

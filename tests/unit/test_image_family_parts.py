@@ -80,6 +80,9 @@ def _pipeline_text(name, family, pipe):
         t5, _, llama, _, pooled, _ = pipe.encode_prompt(prompt=CAPTIONS, do_classifier_free_guidance=False,
                                                         max_sequence_length=family.max_sequence_length)
         return {"prompt_embeds_t5": t5, "prompt_embeds_llama3": llama.transpose(0, 1), "pooled_prompt_embeds": pooled}
+    if name == "krea2":  # the fixed-length template block, twelve layers' states per token
+        pe, mask = pipe.encode_prompt(CAPTIONS, max_sequence_length=family.max_sequence_length)
+        return {"prompt_embeds": pe, "prompt_embeds_mask": mask}
     if name == "flux2-klein":  # the chat template, padded to the length, three layers' states stacked
         pe, _ = pipe.encode_prompt(CAPTIONS, max_sequence_length=family.max_sequence_length)
         return {"prompt_embeds": pe}
@@ -87,7 +90,7 @@ def _pipeline_text(name, family, pipe):
     return {"prompt_embeds": pe, "prompt_embeds_mask": mask}
 
 
-@pytest.mark.parametrize("name", ["sdxl", "sd3", "chroma", "lumina2", "qwenimage", "hidream", "flux2-klein"])
+@pytest.mark.parametrize("name", ["sdxl", "sd3", "chroma", "lumina2", "qwenimage", "hidream", "flux2-klein", "krea2"])
 def test_cached_text_equals_the_pipeline_encoding(name):
     family = get_family(ModelConfig(family=name))
     ours = family.encode_text(family.load_text_encoders(), CAPTIONS)
@@ -152,6 +155,26 @@ def test_ernie_image_text_and_latents_are_the_pipelines():
     text, lens = pipe._pad_text(list(theirs), "cpu", torch.float32, pipe.transformer.config.text_in_dim)
     torch.testing.assert_close(p.inputs["text_bth"], text, rtol=1e-5, atol=1e-5)
     assert torch.equal(p.inputs["text_lens"], lens)
+
+
+def test_krea2_inputs_are_the_pipelines():
+    """Packed tokens as ``prepare_latents`` packs them, the pipeline's positions, and the token count that
+    decides truncation (prefix and caption, less the 34 cut tokens, plus the 5 counted for the suffix)."""
+    family = get_family(ModelConfig(family="krea2"))
+    pipe = family.load_pipeline()
+    latents = torch.randn(2, 4, 1, 8, 12, generator=torch.Generator().manual_seed(0))
+    text = family.encode_text(family.load_text_encoders(), CAPTIONS)
+    p = family.prepare(latents, text, torch.Generator().manual_seed(0), objective=ObjectiveConfig(),
+                       t=torch.tensor([1.0 - 1e-6, 0.5]), noise=latents[:, :, 0])
+    packed = pipe._pack_latents(latents[:, :, 0], 2, 4, 8, 12)
+    torch.testing.assert_close(p.inputs["hidden_states"][0], packed[0], rtol=1e-4, atol=1e-4)  # sigma ~ 1: noise
+    assert torch.equal(p.inputs["position_ids"], pipe.prepare_position_ids(text["prompt_embeds"].shape[1], 4, 6, "cpu"))
+    tok = family.load_tokenizers().tokenizer
+    limit = family.max_sequence_length + 34 - 5  # the tokens the pipeline keeps of prefix + caption
+    long = "word " * 400
+    (count,) = family.count_tokens(family.load_tokenizers(), [long])["qwen3-vl"]
+    assert count > family.max_sequence_length
+    assert len(tok(pipe.prompt_template_encode_prefix + long).input_ids) > limit
 
 
 def test_hidream_loss_is_the_same_in_train_and_eval_mode():
