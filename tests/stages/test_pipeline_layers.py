@@ -223,6 +223,8 @@ PIPELINE_INPUT_CASES = {
     "lumina2": (4, {"shift": 2.0, "loss": "huber"}),
     "zimage": (4, {"shift": 2.0}),
     "flux2-klein": (16, {"timestep_sampling": "uniform"}),
+    "ernie-image": (16, {"shift": 2.0}),
+    "krea2": (4, {"timestep_sampling": "uniform"}),
 }
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.ernie_image.flavors import PUBLISHED
-from diffpipe.models.spec import Absent, FamilySpec, diffusers_files_only
+from diffpipe.models.spec import FamilySpec, diffusers_files_only
 
 _NO_REFERENCE = "not checked against an independent reference of ERNIE-Image's original checkpoint names yet"
 
@@ -15,5 +15,4 @@ SPEC = FamilySpec(
     targets="attention `self_attention.to_q/k/v/out.0`, gated feed-forward `mlp.gate_proj/up_proj/linear_fc2`",
     published=tuple(PUBLISHED),
     **diffusers_files_only(_NO_REFERENCE),
-    layers=Absent("not implemented yet"),
 )

@@ -132,3 +132,11 @@ class ErnieImageFamily(Family):
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         return {**super().sample_kwargs(cfg), "use_pe": False}
+
+    # -- pipeline parallelism ------------------------------------------------------
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Embedding (image and text tokens, positions, mask, the shared modulation), one layer per block,
+        output. Input tuple ``(noisy latents, sigma x 1000, captions, caption lengths)``."""
+        from diffpipe.families.ernie_image.layers import ernie_layers
+
+        return ernie_layers(common.unwrap(denoiser))

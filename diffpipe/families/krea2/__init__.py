@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.krea2.flavors import PUBLISHED
-from diffpipe.models.spec import Absent, FamilySpec, diffusers_files_only
+from diffpipe.models.spec import FamilySpec, diffusers_files_only
 
 _NO_REFERENCE = "not checked against an independent reference of Krea 2's original checkpoint names yet"
 
@@ -15,5 +15,4 @@ SPEC = FamilySpec(
     targets="attention `attn.to_q/k/v/out.0`, its `to_gate`, SwiGLU `ff.gate/up/down` (text-fusion blocks included)",
     published=tuple(PUBLISHED),
     **diffusers_files_only(_NO_REFERENCE),
-    layers=Absent("not implemented yet"),
 )

@@ -115,3 +115,11 @@ class Krea2Family(Family):
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         return {**super().sample_kwargs(cfg), "max_sequence_length": self.max_sequence_length}
+
+    # -- pipeline parallelism ------------------------------------------------------
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Embedding (the text-fusion stage, input projections, positions), one layer per block, output.
+        Input tuple ``(packed noisy, caption states, sigma, positions, caption mask)``."""
+        from diffpipe.families.krea2.layers import krea2_layers
+
+        return krea2_layers(common.unwrap(denoiser))
