@@ -399,14 +399,18 @@ T5_IDS = ("pad", "eos", "decoder_start")
 
 
 def tiny_text_model(model_cls: type, config_cls: type, config: Mapping[str, Any], component: str,
-                    ids: tuple[str, ...] = LM_IDS) -> Callable[[Any, int], torch.nn.Module]:
+                    ids: tuple[str, ...] = LM_IDS, *,
+                    vision: Mapping[str, Any] | None = None) -> Callable[[Any, int], torch.nn.Module]:
     """A ``TextEncoder.tiny`` builder: ``model_cls(config_cls(**config, vocab_size=len(tok), <ids>))``,
-    weights seeded from ``model.seed`` and ``component``. ``decoder_start`` takes the pad id, as T5 does."""
+    weights seeded from ``model.seed`` and ``component``. ``decoder_start`` takes the pad id, as T5 does.
+    ``vision``: a vision-language model, ``config_cls(text_config=<that>, vision_config=vision)``."""
 
     def build(tok: Any, seed: int) -> torch.nn.Module:
         special = {f"{k}_token_id": tok.pad_token_id if k == "decoder_start" else getattr(tok, f"{k}_token_id")
                    for k in ids}
+        text = {**config, "vocab_size": len(tok), **special}
         with seeded(seed, component):
-            return model_cls(config_cls(**config, vocab_size=len(tok), **special)).eval()
+            cfg = config_cls(**text) if vision is None else config_cls(text_config=text, vision_config=dict(vision))
+            return model_cls(cfg).eval()
 
     return build

@@ -58,14 +58,16 @@ TextPart = Tokenizer | TextEncoder
 
 
 def one_text_encoder(tokenizer_cls: type, tiny_tokenizer: Callable[[], Any], model_cls: type, config_cls: type,
-                     tiny_config: Mapping[str, Any], seed: str, ids: tuple[str, ...] = LM_IDS) -> dict[str, TextPart]:
+                     tiny_config: Mapping[str, Any], seed: str, ids: tuple[str, ...] = LM_IDS,
+                     vision: Mapping[str, Any] | None = None) -> dict[str, TextPart]:
     """The ``text_parts`` of a family with one tokenizer and one text encoder (``tokenizer``, ``text_encoder``):
     the tiny encoder is ``model_cls(config_cls(**tiny_config))`` sized by the tiny tokenizer, seeded from
-    ``model.seed`` and ``seed`` (``diffpipe.models._common.tiny_text_model``)."""
+    ``model.seed`` and ``seed`` (``diffpipe.models._common.tiny_text_model``; ``vision``: a vision-language
+    model's vision tower config beside ``tiny_config`` as its text config)."""
     return {
         "tokenizer": Tokenizer(tokenizer_cls, tiny_tokenizer),
         "text_encoder": TextEncoder(model_cls, config_cls, tiny_text_model(model_cls, config_cls, tiny_config,
-                                                                           seed, ids)),
+                                                                           seed, ids, vision=vision)),
     }
 
 

@@ -35,7 +35,7 @@ from diffpipe.families.flux2_klein.family import bn_normalised, tiny_batch_norm
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 
 #: The cache's caption length (longer captions are flagged by validation; the pipeline itself truncates at
@@ -49,23 +49,15 @@ def _tiny_tokenizer() -> Any:
     return llm_tokenizer(TINY_LENGTH, bos="<s>", eos="</s>", pad="<pad>")
 
 
-def _tiny_text_encoder(tok: Any, seed: int) -> Mistral3Model:
-    text = {**TINY_TEXT, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "bos_token_id": tok.bos_token_id,
-            "eos_token_id": tok.eos_token_id}
-    with common.seeded(seed, "ernie-image.text_encoder"):
-        return Mistral3Model(Mistral3Config(text_config=text, vision_config=TINY_VISION)).eval()
-
-
 class ErnieImageFamily(Family):
     name = "ernie-image"
     token_streams: ClassVar[dict[str, tuple[str, str]]] = {"mistral": ("tokenizer", "sequence")}
     vae_model = Model(AutoencoderKLFlux2, TINY_VAE)
     denoiser_model = Model(ErnieImageTransformer2DModel, TINY_TRANSFORMER)
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    text_parts: ClassVar[dict[str, TextPart]] = {
-        "tokenizer": Tokenizer(AutoTokenizer, _tiny_tokenizer),
-        "text_encoder": TextEncoder(Mistral3Model, Mistral3Config, _tiny_text_encoder),
-    }
+    text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
+        AutoTokenizer, _tiny_tokenizer, Mistral3Model, Mistral3Config, TINY_TEXT, "ernie-image.text_encoder",
+        vision=TINY_VISION)
     pipeline_class = ErnieImagePipeline
     patch = 2  # the latents are patchified 2x2 before the transformer (whose patch_size is 1)
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)

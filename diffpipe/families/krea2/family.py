@@ -35,7 +35,7 @@ from diffpipe.families.krea2.flavors import (
 from diffpipe.families.qwenimage.family import QwenImageFamily
 from diffpipe.models import _common as common
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 
 MAX_LENGTH = 512  # Krea2Pipeline's default max_sequence_length
@@ -45,12 +45,6 @@ _PACKING = SimpleNamespace(patch_size=2)  # what Krea2Pipeline._pack_latents rea
 def _tiny_tokenizer() -> Any:
     return llm_tokenizer(TINY_LENGTH, bos=None, eos="<|im_end|>", pad="<|endoftext|>", extra=("<|im_start|>",),
                          add_bos=False)
-
-
-def _tiny_text_encoder(tok: Any, seed: int) -> Qwen3VLModel:
-    text = {**TINY_TEXT, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id, "eos_token_id": tok.eos_token_id}
-    with common.seeded(seed, "krea2.text_encoder"):
-        return Qwen3VLModel(Qwen3VLConfig(text_config=text, vision_config=TINY_VISION)).eval()
 
 
 def _pack(x: torch.Tensor, b: int, c: int, h: int, w: int) -> torch.Tensor:
@@ -63,10 +57,9 @@ class Krea2Family(Family):
     vae_model = Model(AutoencoderKLQwenImage, TINY_VAE)
     denoiser_model = Model(Krea2Transformer2DModel, TINY_TRANSFORMER)
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    text_parts: ClassVar[dict[str, TextPart]] = {
-        "tokenizer": Tokenizer(AutoTokenizer, _tiny_tokenizer),
-        "text_encoder": TextEncoder(Qwen3VLModel, Qwen3VLConfig, _tiny_text_encoder),
-    }
+    text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
+        AutoTokenizer, _tiny_tokenizer, Qwen3VLModel, Qwen3VLConfig, TINY_TEXT, "krea2.text_encoder",
+        ids=("pad", "eos"), vision=TINY_VISION)
     pipeline_class = Krea2Pipeline
     patch = 2  # the pipeline packs 2x2 latents into a token
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
