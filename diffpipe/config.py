@@ -401,6 +401,13 @@ class DatasetConfig(_Section):
         "image is its own first frame) as its control image when it has none from `control_path` / "
         "`control_column` (image-to-video training on plain clips). Changing it re-caches the items it affects.",
     )
+    control_from_last_frame: Bool = Field(
+        False,
+        description="Append each item's own last frame (of the clip window trained, at its bucket and crop) to "
+        "its control image: first-and-last-frame-to-video training (Wan `variant: 2.1-flf2v`). Applies to items "
+        "that have a control (from `control_path` / `control_column` or `control_from_first_frame`); an image "
+        "is its own last frame. Changing it re-caches the items it affects.",
+    )
 
     @model_validator(mode="after")
     def _check_caption_variants(self) -> DatasetConfig:
@@ -933,13 +940,21 @@ class SampleConfig(_Section):
         None, description="One conditioning image per prompt (file paths), for image-conditioned models "
         "(Wan 2.1 I2V: the first frame of each sample clip); null: text only.",
     )
+    last_images: list[PathText] | None = Field(
+        None, description="One last frame per prompt (file paths), for first-and-last-frame models (Wan "
+        "`variant: 2.1-flf2v`, with `images` as the first frames); null: none.",
+    )
 
     @model_validator(mode="after")
     def _one_image_per_prompt(self) -> SampleConfig:
-        if self.images is not None and len(self.images) != len(self.prompts):
-            raise ValueError(
-                f"sample.images has {len(self.images)} path(s) for {len(self.prompts)} prompt(s); give one per prompt"
-            )
+        for key in ("images", "last_images"):
+            paths = getattr(self, key)
+            if paths is not None and len(paths) != len(self.prompts):
+                raise ValueError(
+                    f"sample.{key} has {len(paths)} path(s) for {len(self.prompts)} prompt(s); give one per prompt"
+                )
+        if self.last_images is not None and self.images is None:
+            raise ValueError("sample.last_images needs sample.images: a clip's first frames beside its last ones")
         return self
 
 

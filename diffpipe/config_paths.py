@@ -80,6 +80,7 @@ def model_inputs(cfg: Config) -> list[tuple[str, str]]:
     found += [(f"model.single_files.{k}", v) for k, v in cfg.model.single_files.items() if not hub.split_file_id(v)]
     found += [("train.lora.init_from", cfg.train.lora.init_from)] if cfg.train.lora.init_from else []
     found += [(f"sample.images[{i}]", v) for i, v in enumerate(cfg.sample.images or [])]
+    found += [(f"sample.last_images[{i}]", v) for i, v in enumerate(cfg.sample.last_images or [])]
     return found
 
 

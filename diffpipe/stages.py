@@ -164,6 +164,14 @@ def plan(cfg: Config, paths: Any) -> Any:
 
     cfg = _as(cfg, "plan")
     family = get_family(cfg.model)
+    for ds in cfg.datasets:
+        if ds.control_from_last_frame != family.uses_last_frame:
+            raise ValueError(
+                f"datasets[{ds.name}].control_from_last_frame: set it to true for first-and-last-frame models "
+                f"(Wan variant 2.1-flf2v) and only for them; this model ({family.name}"
+                f"{' ' + family.variant if getattr(family, 'variant', None) else ''}) "
+                f"{'conditions on a first and a last frame' if family.uses_last_frame else 'has no last-frame input'}"
+            )
     return make_plan(paths.manifest, cfg.datasets, cfg.cache, latent_identity=family.vae_identity(),
                      text_identity=family.text_identity(), pixel_multiple=family.pixel_multiple, paths=paths,
                      global_batch=cfg.train.batch_size * cfg.train.grad_accum,

@@ -64,7 +64,6 @@ NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
     "HunyuanImage 2.1": (None, UNREGISTERED["hunyuanimage"] + " (the adapter is written: "
                          "`diffpipe/families/hunyuanimage/`, tiny and local flavors; published size checked: 17.43B)"),
     "OmniGen2": (None, "diffusers 0.42.1 has no OmniGen2 classes (only OmniGen v1's, without a LoRA loader)"),
-    "Wan first+last frame (FLF2V)": (None, _LATER + " (Wan 2.1 I2V and Wan 2.2 I2V-A14B are)"),
     "Qwen-Image-Edit-Plus (several references)": (None, _LATER + " (Qwen-Image-Edit, one reference, is)"),
     "FLUX.2 [dev]": (None, "its text side (Mistral 3 through PixtralProcessor) needs torchvision, which diffpipe "
                            "does not install; FLUX.2 [klein] is a family (`flux2-klein`)"),

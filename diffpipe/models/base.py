@@ -131,6 +131,9 @@ class Family(ABC):
     frame_rule: ClassVar[tuple[int, int]] = (4, 1)
     #: Whether ``loss`` takes ``control`` latents (edit / reference-image families).
     uses_control: ClassVar[bool] = False
+    #: Whether each control is a first and a last frame (``datasets[].control_from_last_frame``; Wan FLF2V):
+    #: the plan then requires that option of every dataset, and refuses it for every other family.
+    uses_last_frame: ClassVar[bool] = False
     #: Whether ``loss`` takes ``sizes``: each item's source size and crop (SDXL's add_time_ids).
     uses_sizes: ClassVar[bool] = False
     #: Whether the text encoder also sees each item's control image (an edit model's
@@ -632,6 +635,8 @@ class Family(ABC):
     # -- sampling ----------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         """Keyword arguments for the stock pipeline's ``__call__``."""
+        if cfg.last_images and not self.uses_last_frame:
+            raise ValueError(f"sample.last_images: {self.name} has no last-frame input (Wan variant 2.1-flf2v has)")
         return {
             "num_inference_steps": cfg.steps,
             "guidance_scale": cfg.guidance_scale,

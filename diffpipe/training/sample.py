@@ -20,21 +20,20 @@ from diffpipe.training.adapter import apply_adapter
 from diffpipe.utils import atomic_path
 
 
-def _render(
-    pipe, prompts: list[str], kwargs: dict, seed: int, video: bool = False, images: list[str] | None = None,
-    image_arg: str = "image",
-) -> list[list[Image.Image]]:
+def _render(pipe, family, cfg: SampleConfig, kwargs: dict) -> list[list[Image.Image]]:
     """The frames of every prompt's sample (one frame for images), each from the same seed.
 
-    ``images`` (``sample.images``): each prompt's conditioning image, passed as ``image_arg``
-    (the family's ``sample_image_arg``).
+    ``sample.images``: each prompt's conditioning image, passed as the family's
+    ``sample_image_arg``; ``sample.last_images``: its last frame (``last_image``).
     """
     out = []
-    for i, prompt in enumerate(prompts):
-        gen = torch.Generator().manual_seed(seed)
-        extra = {image_arg: _open_image(images[i])} if images else {}
+    for i, prompt in enumerate(cfg.prompts):
+        gen = torch.Generator().manual_seed(cfg.seed)
+        extra = {family.sample_image_arg: _open_image(cfg.images[i])} if cfg.images else {}
+        if cfg.last_images:
+            extra["last_image"] = _open_image(cfg.last_images[i])
         result = pipe(prompt=prompt, generator=gen, **kwargs, **extra)  # by name: edit pipelines take `image` first
-        out.append(list(result.frames[0]) if video else [result.images[0]])
+        out.append(list(result.frames[0]) if family.is_video else [result.images[0]])
     return out
 
 
@@ -44,7 +43,7 @@ def _open_image(path: str) -> Image.Image:
         with open_image(path, DEFAULT_MAX_PIXELS) as img:
             return img.convert("RGB")
     except OSError as err:
-        raise ValueError(f"sample.images: cannot read {path}: {err}") from err
+        raise ValueError(f"sample: cannot read the image {path}: {err}") from err
 
 
 def _save(sample: list[Image.Image], stem: Path, family) -> None:
@@ -71,7 +70,7 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
         pipe = family.load_pipeline()
         pipe.set_progress_bar_config(disable=True)
         kwargs = family.sample_kwargs(cfg)
-        base = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video, cfg.images, family.sample_image_arg)
+        base = _render(pipe, family, cfg, kwargs)
         if Path(lora_file).is_dir():  # a PEFT folder: LoKr and LoHa, which load_lora_weights cannot read
             if len(family.denoiser_parts) > 1:
                 raise ValueError(f"sample: {lora_file} is one PEFT folder; a run with several trained parts "
@@ -80,7 +79,7 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
         else:
             for file, load_kwargs in _part_files(family, Path(lora_file)):
                 pipe.load_lora_weights(str(file), **load_kwargs)  # each into its expert, if several
-        tuned = _render(pipe, cfg.prompts, kwargs, cfg.seed, family.is_video, cfg.images, family.sample_image_arg)
+        tuned = _render(pipe, family, cfg, kwargs)
         for i, sample in enumerate(tuned):
             _save(sample, tmp / f"sample-{i:02d}", family)
         _grid([b[0] for b in base], [t[0] for t in tuned], cfg.prompts).save(tmp / "grid.png")
@@ -149,9 +148,7 @@ class TrainingSampler:
         self.denoiser.eval()
         try:
             with torch.no_grad():
-                samples = _render(self._pipeline(), self.cfg.prompts, self.family.sample_kwargs(self.cfg),
-                                  self.cfg.seed, self.family.is_video, self.cfg.images,
-                                  self.family.sample_image_arg)
+                samples = _render(self._pipeline(), self.family, self.cfg, self.family.sample_kwargs(self.cfg))
         finally:
             self.denoiser.train(was_training)
             torch.set_rng_state(rng)

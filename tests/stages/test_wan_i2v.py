@@ -1,7 +1,8 @@
-"""Wan image-to-video (``model.variant: 2.1-i2v`` and ``2.2-i2v-a14b``) on the tiny flavor, through every real stage.
+"""Wan image-to-video (``model.variant: 2.1-i2v``, ``2.1-flf2v``, ``2.2-i2v-a14b``) on the tiny flavor, through
+every real stage.
 
-Clips with ``control_from_first_frame``: validate → plan → cache (each clip's
-first frame cached as the pipeline's condition latents, + CLIP hidden states for 2.1)
+Clips with ``control_from_first_frame`` (FLF2V: and ``control_from_last_frame``): validate → plan → cache (each
+clip's first (and last) frame cached as the pipeline's condition latents, + CLIP hidden states for 2.1)
 → 2 DeepSpeed steps → diffusers export → the stock ``WanImageToVideoPipeline``
 loads the LoRA → sampling writes an MP4 from ``sample.images``. The cached
 conditioning is compared with what the stock pipeline builds from the same
@@ -38,9 +39,9 @@ from diffpipe.training.adapter import apply_adapter
 pytestmark = pytest.mark.slow
 
 
-#: (variant, expert): Wan 2.1 I2V (CLIP image embedding), Wan 2.2 I2V-A14B (no image encoder; its high-noise
-#: expert, whose LoRA loads into the pipeline's ``transformer``).
-VARIANTS = [("2.1-i2v", None), ("2.2-i2v-a14b", "high")]
+#: (variant, expert): Wan 2.1 I2V (CLIP image embedding), Wan 2.1 FLF2V (first and last frame), Wan 2.2 I2V-A14B
+#: (no image encoder; its high-noise expert, whose LoRA loads into the pipeline's ``transformer``).
+VARIANTS = [("2.1-i2v", None), ("2.1-flf2v", None), ("2.2-i2v-a14b", "high")]
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[v for v, _ in VARIANTS])
@@ -48,8 +49,10 @@ def i2v_run(tmp_path_factory, request):
     variant, expert = request.param
     root = tmp_path_factory.mktemp("wan_i2v")
     write_demo_clips(root / "data", n=2, frames=7, width=48, height=32, fps=16)
-    start = root / "start.png"
+    start, end = root / "start.png", root / "end.png"
     Image.new("RGB", (48, 32), (200, 30, 30)).save(start)
+    Image.new("RGB", (48, 32), (30, 30, 200)).save(end)
+    flf = variant == "2.1-flf2v"
     cfg = {
         "output_dir": "run",
         "model": {"family": "wan", "flavor": "tiny", "variant": variant, **({"expert": expert} if expert else {})},
@@ -60,12 +63,14 @@ def i2v_run(tmp_path_factory, request):
                 "resolution": 32,
                 "frame_buckets": [5],
                 "control_from_first_frame": True,
+                **({"control_from_last_frame": True} if flf else {}),
             }
         ],
         "cache": {"shards": 1, "workers": 0},
         "train": {"max_steps": 2, "batch_size": 2, "lr": 0.01, "save_every_epochs": 0, "eval": {"quantiles": []}},
         "export": {"formats": ["diffusers"]},
-        "sample": {"prompts": ["a red circle"], "images": [str(start)], "steps": 1, "width": 48, "height": 32},
+        "sample": {"prompts": ["a red circle"], "images": [str(start)], "steps": 1, "width": 48, "height": 32,
+                   **({"last_images": [str(end)]} if flf else {})},
     }
     config = root / "i2v.yaml"
     config.write_text(yaml.safe_dump(cfg))
@@ -91,30 +96,36 @@ def test_golden_losses_and_lora(i2v_run, golden):
 def test_cached_condition_equals_the_pipeline_construction(i2v_run):
     family, p = i2v_run
     items = read_spec(p.latent_spec("s0000"))["items"]
-    assert all(it["aux"] == {"control": {"first_frame": True}} for it in items) and len(items) == 2
+    flf = family.spec.last_frame
+    aux = {"first_frame": True, **({"last_frame": True} if flf else {})}
+    assert all(it["aux"] == {"control": aux} for it in items) and len(items) == 2
     ds = CachedDataset.from_run(p)
     pipe = family.load_pipeline()
     assert isinstance(pipe, family.pipeline_class) and pipe.transformer.config.in_channels == 36
     for item in sorted(items, key=lambda it: it["id"]):
         batch = ds.collate([ds.items.index(next(x for x in ds.items if x.id == item["id"]))])
         control, embeds = batch["control_latents"], batch.get("control_embeds")
-        first = wan_i2v.to_pil(torch.from_numpy(_decode((item, False))["pixels"][None, :, :1]))[0]
+        pixels = torch.from_numpy(_decode((item, False))["pixels"][None])
+        first, last = wan_i2v.to_pil(pixels[:, :, :1])[0], wan_i2v.to_pil(pixels[:, :, -1:])[0]
         _, h, w = item["bucket"]
         with torch.no_grad():
-            image = pipe.video_processor.preprocess(first, height=h, width=w)
+            image, last_image = (pipe.video_processor.preprocess(x, height=h, width=w) for x in (first, last))
             gen = torch.Generator().manual_seed(0)
-            noise, condition = pipe.prepare_latents(image, 1, 16, h, w, 5, torch.float32, "cpu", gen, None)
+            noise, condition = pipe.prepare_latents(
+                image, 1, 16, h, w, 5, torch.float32, "cpu", gen, None, last_image if flf else None
+            )
         assert control.shape == (1, 16, 2, h // 8, w // 8) and condition.shape[1] == 20
         torch.testing.assert_close(control, condition[:, 4:], rtol=1e-5, atol=1e-5)
         if family.spec.image_embeds:
             with torch.no_grad():
-                theirs_embeds = pipe.encode_image(first, "cpu")
-            torch.testing.assert_close(embeds, theirs_embeds, rtol=1e-5, atol=1e-5)
+                theirs_embeds = pipe.encode_image([first, last] if flf else first, "cpu")
+            assert embeds.shape[:2] == ((1, 2) if flf else (1, 17))
+            torch.testing.assert_close(wan_i2v.image_states(embeds), theirs_embeds, rtol=1e-5, atol=1e-5)
         else:  # no image encoder: nothing cached beside the condition latents, as the pipeline passes none
             assert embeds is None and pipe.image_encoder is None and pipe.transformer.config.image_dim is None
             assert pipe.transformer_2.config.in_channels == 36 and pipe.config.boundary_ratio == 0.9
         # The loss's transformer input is the pipeline's ``cat([latents, condition])``.
-        ours = wan_i2v.transformer_input(noise, control, family.frame_rule[0])
+        ours = wan_i2v.transformer_input(noise, control, family.frame_rule[0], last=flf)
         torch.testing.assert_close(ours, torch.cat([noise, condition], dim=1), rtol=1e-5, atol=1e-5)
     summary = json.loads(p.latent_shard("s0000").with_name(p.latent_shard("s0000").name + ".summary.json").read_text())
     assert (summary["encoded"], summary["reused"]) == (0, 2)
@@ -181,6 +192,30 @@ def test_first_frame_option_changes_the_key_only_where_it_applies():
         own, DatasetConfig(name="d", path="/d", resolution=32, frame_buckets=[5], control_from_first_frame=True), **kw
     )
     assert with_own[0]["aux"]["control"]["sha256"] == "1" * 64
+    # FLF2V: the last frame joins the control (own or first frame) and the key; no control, no last frame
+    both = dict(control_from_first_frame=True, control_from_last_frame=True)
+    first_last = _entries(row, DatasetConfig(name="d", path="/d", resolution=32, frame_buckets=[5], **both), **kw)
+    assert first_last[0]["aux"] == {"control": {"first_frame": True, "last_frame": True}}
+    assert first_last[0]["key"] not in (first[0]["key"], plain[0]["key"])
+    own_last = _entries(own, DatasetConfig(name="d", path="/d", resolution=32, frame_buckets=[5], **both), **kw)
+    assert own_last[0]["aux"]["control"] == {"path": "/c/a.png", "sha256": "1" * 64, "last_frame": True}
+    assert own_last[0]["key"] != with_own[0]["key"]
+    last_only = DatasetConfig(name="d", path="/d", resolution=32, frame_buckets=[5], control_from_last_frame=True)
+    assert "aux" not in _entries(row, last_only, **kw)[0]
+
+
+@pytest.mark.parametrize(("variant", "last", "message"), [
+    ("2.1-flf2v", False, r"datasets\[d\].control_from_last_frame: .* \(wan 2.1-flf2v\) conditions on a first"),
+    ("2.1-i2v", True, r"datasets\[d\].control_from_last_frame: .* \(wan 2.1-i2v\) has no last-frame input"),
+])
+def test_plan_requires_the_last_frame_exactly_for_flf2v(variant, last, message):
+    from diffpipe import stages
+    from diffpipe.config import Config
+
+    ds = {"name": "d", "path": "/d", "control_from_first_frame": True, "control_from_last_frame": last}
+    cfg = Config(model={"family": "wan", "variant": variant}, datasets=[ds])
+    with pytest.raises(ValueError, match=message):
+        stages.plan(cfg, None)
 
 
 def test_i2v_errors_and_published_size():
@@ -204,6 +239,22 @@ def test_i2v_errors_and_published_size():
     count = sum(x.numel() for x in model.parameters())
     assert spec.family == "wan" and spec.params_match(count) and count == 16_394_878_784
     assert model.config.in_channels == 36 and model.condition_embedder.image_embedder is not None
+    with torch.device("meta"):  # FLF2V: the I2V transformer plus a position embedding over two CLIP sequences
+        flf = PUBLISHED["wan2.1-flf2v-14b"].build_meta()
+    flf_count = sum(x.numel() for x in flf.parameters())
+    assert flf_count == count + 2 * 257 * 1280 and PUBLISHED["wan2.1-flf2v-14b"].params_match(flf_count)
+    flf2v = get_family(ModelConfig(family="wan", variant="2.1-flf2v"))
+    assert flf2v.uses_last_frame and not family.uses_last_frame
+    with pytest.raises(ValueError, match="control_from_first_frame: true \\(and control_from_last_frame: true\\)"):
+        flf2v.loss(None, torch.zeros(1, 16, 1, 2, 2), {}, torch.Generator(), t=torch.tensor([0.5]))
+    with pytest.raises(ValueError, match="sample.last_images: Wan 2.1-flf2v samples end on a given last frame"):
+        flf2v.sample_kwargs(SampleConfig(images=["a.png"]))
+    with pytest.raises(ValueError, match="sample.last_images: wan has no last-frame input"):
+        family.sample_kwargs(SampleConfig(images=["a.png"], last_images=["b.png"]))
+    with pytest.raises(ValueError, match="conditions on a first and a last frame, got 1 control frame"):
+        flf2v.encode_control(None, torch.zeros(1, 3, 1, 32, 32), frames=5)
+    with pytest.raises(ValueError, match="sample.last_images needs sample.images"):
+        SampleConfig(last_images=["b.png"])
     counts = {}
     for name in ("wan2.2-t2v-a14b", "wan2.2-i2v-a14b"):  # the I2V model last, checked below
         with torch.device("meta"):

@@ -19,7 +19,8 @@ the same way and area-averaged down to the latent grid (``[1, F, h, w]`` in
 [0, 1]). Both images' hashes are part of the entry's key. A dataset with
 ``control_from_first_frame`` uses each item's own first frame (of the window
 trained, already at its bucket and crop) as the control of items without a
-control image. The family's ``encode_control`` encodes controls: the plain VAE
+control image; ``control_from_last_frame`` appends the window's last frame to
+an item's control (``[3, 2, H, W]``: first-and-last-frame conditioning). The family's ``encode_control`` encodes controls: the plain VAE
 latents by default, plus an image-encoder embedding (``control_embeds``) for
 families that condition on one. For families whose text encoder sees the
 control image (``text_uses_control``) the text job hands each caption's
@@ -157,13 +158,15 @@ def _decode(job: tuple[dict[str, Any], bool] | tuple[dict[str, Any], bool, int])
     for role, aux in sorted((item.get("aux") or {}).items()):
         if aux.get("first_frame"):  # the clip's own first frame, cut exactly like the clip
             out[role] = np.ascontiguousarray(out["pixels"][:, :1])
-            continue
-        aux_data = _read_checked(aux["path"], aux["sha256"], trust)
-        load = load_mask_array if role == "mask" else load_image_array
-        try:
-            out[role] = load(io.BytesIO(aux_data), (h, w), crop=crop, flip=flip, max_pixels=max_pixels)
-        except Exception as err:
-            raise ValueError(f"cannot decode the {role} image {aux['path']} of {path}: {err}") from err
+        else:
+            aux_data = _read_checked(aux["path"], aux["sha256"], trust)
+            load = load_mask_array if role == "mask" else load_image_array
+            try:
+                out[role] = load(io.BytesIO(aux_data), (h, w), crop=crop, flip=flip, max_pixels=max_pixels)
+            except Exception as err:
+                raise ValueError(f"cannot decode the {role} image {aux['path']} of {path}: {err}") from err
+        if aux.get("last_frame"):  # then the clip's own last frame: a control ``[3, 2, H, W]``
+            out[role] = np.ascontiguousarray(np.concatenate([out[role], out["pixels"][:, -1:]], axis=1))
     return out
 
 
@@ -412,9 +415,12 @@ def _encode_controls(family, vae, decoded: list[dict[str, np.ndarray]], dev, *, 
     ``frames`` is the batch's clip length: families that condition a whole clip
     on one image build their conditioning at the target's length.
     """
-    have = [i for i, d in enumerate(decoded) if "control" in d]
     out: list[dict] = [{"control": None, "control_embeds": None} for _ in decoded]
-    if have:
+    by_shape: dict[tuple[int, ...], list[int]] = {}  # one frame, or first + last (datasets may differ)
+    for i, d in enumerate(decoded):
+        if "control" in d:
+            by_shape.setdefault(d["control"].shape, []).append(i)
+    for have in by_shape.values():
         x = torch.from_numpy(np.stack([decoded[i]["control"] for i in have])).to(dev)
         for name, values in family.encode_control(vae, x, frames=frames).items():
             for i, v in zip(have, values.float().cpu(), strict=True):

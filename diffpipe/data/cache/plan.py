@@ -207,7 +207,11 @@ def _entries(
         # The first frame is part of the clip (its sha256 is in the key already); the marker
         # still changes the key, so toggling the option re-caches the item.
         aux["control"] = {"first_frame": True}
-    aux_shas = {role: a.get("sha256", "first_frame") for role, a in aux.items()}
+    if ds.control_from_last_frame and "control" in aux:
+        aux["control"] = {**aux["control"], "last_frame": True}  # the clip's last frame follows the control
+    aux_shas = {
+        role: a.get("sha256", "first_frame") + ("+last_frame" if a.get("last_frame") else "") for role, a in aux.items()
+    }
     n_src = int(row.get("frames") or 1)
     windows: list[list[int] | None] = [None]
     if n_src > 1:

@@ -32,6 +32,13 @@ Variants (``model.variant``; a local folder's is read from it):
   condition latents alone: no image encoder, no image key/value projections
   (``WanImageToVideoPipeline`` passes no image embedding when the transformer
   has no ``image_dim``). ``model.expert`` as for ``2.2-a14b``.
+- ``2.1-flf2v``: Wan 2.1 FLF2V (first and last frame to video): ``2.1-i2v``'s
+  conditioning from two frames, as ``WanImageToVideoPipeline(image=..., last_image=...)``
+  builds it: the condition latents hold the first frame, black frames and the
+  last frame, the mask marks both, and the image embedder reads both frames'
+  CLIP states with its position embedding over the pair. Each item's control
+  is its first frame (a control image or ``control_from_first_frame``) and
+  its own last frame (``datasets[].control_from_last_frame``, required).
 - ``2.1-i2v``: Wan 2.1 I2V in ``WanImageToVideoPipeline``: each item's control
   image (a control image, or its own first frame with
   ``datasets[].control_from_first_frame``) is cached as the VAE latents of
@@ -109,6 +116,8 @@ class WanVariant:
     image_to_video: bool = False
     #: ... and on its CLIP vision embedding (Wan 2.1 I2V; Wan 2.2 I2V-A14B has no image encoder).
     image_embeds: bool = False
+    #: ... and on a last frame too (Wan 2.1 FLF2V: ``last_image``).
+    last_frame: bool = False
     #: The tiny flavor's prompt length.
     text_length: int = TINY_LENGTH
 
@@ -140,6 +149,24 @@ VARIANTS: dict[str, WanVariant] = {
         image_embeds=True,
         text_length=MAX_LENGTH,
     ),
+    # 2.1-i2v's transformer whose image embedder takes the first and last frames' CLIP states, with a
+    # position embedding over the pair (two tiny CLIP sequences of 17 tokens).
+    "2.1-flf2v": WanVariant(
+        TINY_VAE,
+        {
+            **TINY_TRANSFORMER,
+            "in_channels": 36,
+            "image_dim": wan_i2v.TINY_CLIP_VISION["hidden_size"],
+            "added_kv_proj_dim": TINY_TRANSFORMER["num_attention_heads"] * TINY_TRANSFORMER["attention_head_dim"],
+            "pos_embed_seq_len": 2 * wan_i2v.TINY_CLIP_TOKENS,
+        },
+        5.0,
+        seed_prefix="wan2.1-flf2v",
+        image_to_video=True,
+        image_embeds=True,
+        last_frame=True,
+        text_length=MAX_LENGTH,
+    ),
     # 16 noisy + 4 mask + 16 condition channels in, no image embedder; two experts.
     "2.2-i2v-a14b": WanVariant(
         TINY_VAE,
@@ -158,7 +185,8 @@ _tiny_umt5 = common.tiny_text_model(UMT5EncoderModel, UMT5Config, TINY_UMT5, "wa
 
 def detect_variant(path: str | Path) -> str:
     """The Wan version of a diffusers folder: a ``transformer_2`` means A14B (I2V when its transformer
-    reads 36 channels), an ``image_encoder`` 2.1 I2V, a 48-channel VAE TI2V-5B."""
+    reads 36 channels), an ``image_encoder`` 2.1 I2V (FLF2V when the image embedder has a position
+    embedding over two images), a 48-channel VAE TI2V-5B."""
     path = Path(path)
     index_file = path / "model_index.json"
     index = json.loads(index_file.read_text()) if index_file.is_file() else {}
@@ -168,7 +196,8 @@ def detect_variant(path: str | Path) -> str:
         return "2.2-i2v-a14b" if channels == 36 else "2.2-a14b"
     encoder = index.get("image_encoder")
     if (isinstance(encoder, list) and encoder and encoder[0]) or (path / "image_encoder" / "config.json").is_file():
-        return "2.1-i2v"
+        pairs = WanTransformer3DModel.load_config(path, subfolder="transformer").get("pos_embed_seq_len")
+        return "2.1-flf2v" if pairs else "2.1-i2v"
     if index.get("expand_timesteps") or AutoencoderKLWan.load_config(path, subfolder="vae").get("z_dim") == 48:
         return "2.2-5b"
     return "2.1"
@@ -203,8 +232,10 @@ class WanFamily(Family):
             raise ValueError(f"model.variant {cfg.variant!r}: the folder {cfg.path} holds Wan {found}")
         self.variant = found or cfg.variant or next(iter(self.variant_table))
         self.spec = self.variant_table[self.variant]
-        #: The I2V variants train on control images (an instance attribute: one variant of the family).
+        #: The I2V variants train on control images (instance attributes: one variant of the family),
+        #: FLF2V on a first and a last frame.
         self.uses_control = self.spec.image_to_video
+        self.uses_last_frame = self.spec.last_frame
         self.expert: str | None = cfg.expert
         two = self.spec.boundary_ratio is not None
         if two and self.expert is None:
@@ -320,7 +351,12 @@ class WanFamily(Family):
     def _load_transformer(self, attr: str) -> WanTransformer3DModel:
         if self.cfg.flavor == "tiny":
             with common.seeded(self.cfg.seed, self._seed(attr)):
-                return self.transformer_cls(**self.spec.transformer).eval()
+                model = self.transformer_cls(**self.spec.transformer).eval()
+                image = model.condition_embedder.image_embedder
+                if image is not None and image.pos_embed is not None:
+                    # zeros from the constructor: filled so the first and the last frame differ in position
+                    torch.nn.init.normal_(image.pos_embed.data, std=0.5)
+                return model
         return common.local_component(self.transformer_cls, self.cfg, attr)
 
     def load_denoiser(self) -> WanTransformer3DModel | WanExperts:
@@ -388,14 +424,22 @@ class WanFamily(Family):
         return (latents - mean) / std
 
     def encode_control(self, vae: torch.nn.Module, control: torch.Tensor, *, frames: int) -> dict[str, torch.Tensor]:
-        """I2V: the first frame + black frames through the VAE (and, Wan 2.1, its CLIP hidden states)."""
+        """I2V: the first frame + black frames (+ the last frame, FLF2V) through the VAE (and, Wan 2.1,
+        the frames' CLIP hidden states)."""
         if not self.spec.image_to_video:
             return super().encode_control(vae, control, frames=frames)
+        given = control.shape[2]
+        if given != (2 if self.spec.last_frame else 1):
+            raise ValueError(
+                f"Wan {self.variant} conditions on {'a first and a last frame' if self.spec.last_frame else 'one image'}"
+                f", got {given} control frame(s): datasets[].control_from_last_frame must be "
+                f"{str(self.spec.last_frame).lower()}"
+            )
         out = {"control": self.encode_pixels(vae, wan_i2v.condition_video(control, frames))}
         if self.spec.image_embeds:
             encoder, processor = self._image_encoder
             encoder.to(control.device)
-            out["control_embeds"] = wan_i2v.embed_images(encoder, processor, wan_i2v.to_pil(control))
+            out["control_embeds"] = wan_i2v.embed_controls(encoder, processor, control)
         return out
 
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
@@ -484,19 +528,22 @@ class WanFamily(Family):
             raise ValueError(
                 f"model.variant {self.variant} needs a control image per item (its conditioning first frame): set "
                 "datasets[].control_path / control_column, or control_from_first_frame: true"
+                + (" (and control_from_last_frame: true)" if self.spec.last_frame else "")
             )
         o = objective
         x0, sigma, noise = self._draw(latents, generator, t, noise, o)
         noisy = obj.flow_interpolate(x0, noise, sigma)
         if self.spec.image_to_video:
-            noisy = wan_i2v.transformer_input(noisy, control.to(x0.device).float(), self.frame_rule[0])
+            noisy = wan_i2v.transformer_input(
+                noisy, control.to(x0.device).float(), self.frame_rule[0], last=self.spec.last_frame
+            )
         inputs = {
             "hidden_states": noisy.to(dtype),
             "timestep": sigma * self._scheduler_config.get("num_train_timesteps", 1000),
             "encoder_hidden_states": text["prompt_embeds"].to(device=x0.device, dtype=dtype),
         }
         if self.spec.image_embeds:
-            inputs["encoder_hidden_states_image"] = control_embeds.to(device=x0.device, dtype=dtype)
+            inputs["encoder_hidden_states_image"] = wan_i2v.image_states(control_embeds).to(device=x0.device, dtype=dtype)
         return Prepared(inputs, obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o))
 
     def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
@@ -528,6 +575,9 @@ class WanFamily(Family):
         if self.spec.image_to_video and not cfg.images:
             raise ValueError(f"sample.images: Wan {self.variant} (image-to-video) samples start from an image; "
                              "give one per sample.prompts")
+        if self.spec.last_frame and not cfg.last_images:
+            raise ValueError(f"sample.last_images: Wan {self.variant} samples end on a given last frame; give one "
+                             "per sample.prompts")
         return {
             **super().sample_kwargs(cfg),
             "num_frames": max(offset, snap_frames(cfg.frames, step, offset)),

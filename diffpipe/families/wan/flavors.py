@@ -93,4 +93,14 @@ PUBLISHED: list[Published] = [
         "the 14B T2V transformer plus about 2.1B of image-conditioning weights (headline: '14B')",
         text={"prompt_embeds": (512, 4096)}, latent_channels=16,
     ),
+    Published(
+        "wan2.1-flf2v-14b", "wan", "WanTransformer3DModel",
+        {"num_attention_heads": 40, "attention_head_dim": 128, "ffn_dim": 13824, "num_layers": 40,
+         "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120, "pos_embed_seq_len": 514},
+        16.40e9, 4,
+        "Wan-AI/Wan2.1-FLF2V-14B-720P(-Diffusers) transformer config: the Wan 2.1 I2V 14B transformer whose "
+        "image embedder adds a position embedding over two CLIP sequences (2 x 257 tokens: the first and "
+        "the last frame); headline '14B'",
+        text={"prompt_embeds": (512, 4096)}, latent_channels=16,
+    ),
 ]

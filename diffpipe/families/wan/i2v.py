@@ -1,13 +1,17 @@
-"""Wan 2.1 image-to-video (``model.variant: 2.1-i2v``): the conditioning the ``wan`` family caches and feeds.
+"""Wan image-to-video (``model.variant: 2.1-i2v``, ``2.1-flf2v``, ``2.2-i2v-a14b``): the conditioning the
+``wan`` family caches and feeds.
 
-``WanImageToVideoPipeline`` conditions every step on the first frame twice:
+``WanImageToVideoPipeline`` conditions every step on the first frame (and,
+first-and-last-frame models, on a last frame: ``last_image``) twice:
 
 - ``condition``: the VAE latents (normalised) of the first frame followed by
-  ``num_frames - 1`` black frames, behind 4 mask channels that are 1 on the
-  first latent frame and 0 elsewhere; the transformer (36 input channels)
-  reads ``cat([noisy latents (16), mask (4), condition latents (16)])``;
+  black frames (and the last frame), behind 4 mask channels that mark the
+  given frames; the transformer (36 input channels) reads
+  ``cat([noisy latents (16), mask (4), condition latents (16)])``;
 - ``image_embeds``: the CLIP vision encoder's penultimate hidden states of
-  the image, attended to by every block's extra image key/value projections.
+  the image (of both images, FLF2V, whose image embedder adds a position
+  embedding over the pair), attended to by every block's extra image
+  key/value projections.
 
 The cache stores the condition latents as the item's ``control`` and the CLIP
 hidden states as its ``control_embeds``; the mask is a function of the latent
@@ -38,6 +42,8 @@ TINY_CLIP_VISION = {
     "patch_size": 8,
     "projection_dim": 32,
 }
+#: Its hidden states' length per image.
+TINY_CLIP_TOKENS = (TINY_CLIP_VISION["image_size"] // TINY_CLIP_VISION["patch_size"]) ** 2 + 1
 
 
 def tiny_image_encoder(seed: int, prefix: str) -> tuple[CLIPVisionModel, CLIPImageProcessor]:
@@ -106,26 +112,50 @@ def embed_images(encoder: CLIPVisionModel, processor: CLIPImageProcessor, images
     return out.hidden_states[-2].float()
 
 
-def condition_video(first: torch.Tensor, frames: int) -> torch.Tensor:
-    """The pixels the pipeline encodes: the first frame ``[B,3,1,H,W]`` followed by black (zero) frames."""
-    b, c, _, h, w = first.shape
-    return torch.cat([first, first.new_zeros(b, c, frames - 1, h, w)], dim=2)
+def condition_video(control: torch.Tensor, frames: int) -> torch.Tensor:
+    """The pixels the pipeline encodes, from a control ``[B,3,1,H,W]`` (first frame) or ``[B,3,2,H,W]``
+    (first and last frame: ``last_image``): the first frame, black (zero) frames, the last frame.
+
+    A one-frame clip's first and last frames are the frame itself (the pipeline's mask marks it either way).
+    """
+    b, c, n, h, w = control.shape
+    if n == 1 or frames == 1:
+        return torch.cat([control[:, :, :1], control.new_zeros(b, c, frames - 1, h, w)], dim=2)
+    return torch.cat([control[:, :, :1], control.new_zeros(b, c, frames - 2, h, w), control[:, :, 1:]], dim=2)
 
 
-def first_frame_mask(control: torch.Tensor, temporal: int) -> torch.Tensor:
+def frame_mask(control: torch.Tensor, temporal: int, *, last: bool = False) -> torch.Tensor:
     """The pipeline's mask channels for condition latents ``[B,C,F',h,w]``: ``[B, temporal, F', h, w]``.
 
-    ``prepare_latents`` marks pixel frame 0 (repeated ``temporal`` times) and
-    folds the pixel frames into ``temporal`` channels per latent frame: ones on
-    latent frame 0, zeros after it.
+    ``prepare_latents`` marks pixel frame 0 (and, with ``last_image``, the last
+    pixel frame), repeats frame 0 ``temporal`` times and folds the pixel frames
+    into ``temporal`` channels per latent frame: ones on latent frame 0; with
+    ``last``, also on the last latent frame's final channel.
     """
     b, _, f, h, w = control.shape
     mask = control.new_zeros(b, temporal, f, h, w)
     mask[:, :, 0] = 1
+    if last and f > 1:
+        mask[:, temporal - 1, f - 1] = 1
     return mask
 
 
-def transformer_input(noisy: torch.Tensor, control: torch.Tensor, temporal: int) -> torch.Tensor:
+def transformer_input(noisy: torch.Tensor, control: torch.Tensor, temporal: int, *, last: bool = False) -> torch.Tensor:
     """``cat([latents, condition])`` with ``condition = cat([mask, condition latents])``, as the pipeline calls it."""
-    condition = torch.cat([first_frame_mask(control, temporal), control.to(noisy)], dim=1)
+    condition = torch.cat([frame_mask(control, temporal, last=last), control.to(noisy)], dim=1)
     return torch.cat([noisy, condition.to(noisy)], dim=1)
+
+
+def embed_controls(encoder: CLIPVisionModel, processor: CLIPImageProcessor, control: torch.Tensor) -> torch.Tensor:
+    """Each control's CLIP hidden states: ``[B, tokens, dim]`` for one frame; ``[B, 2, tokens, dim]`` for a first
+    and a last frame, embedded together as the pipeline's ``encode_image([image, last_image])`` does."""
+    b, _, n = control.shape[:3]
+    frames = [to_pil(control[:, :, k]) for k in range(n)]
+    embeds = embed_images(encoder, processor, [img for row in zip(*frames, strict=True) for img in row])
+    return embeds if n == 1 else embeds.view(b, n, *embeds.shape[1:])
+
+
+def image_states(control_embeds: torch.Tensor) -> torch.Tensor:
+    """Cached ``control_embeds`` -> the transformer's ``encoder_hidden_states_image``: a first-and-last pair
+    ``[B, 2, tokens, dim]`` becomes ``[2B, tokens, dim]``, the layout its image embedder folds back in pairs."""
+    return control_embeds.flatten(0, 1) if control_embeds.ndim == 4 else control_embeds
