@@ -25,7 +25,7 @@ from PIL import Image
 from stage_cli import invoke as _cli
 from stage_cli import rendezvous, run_stages
 
-from diffpipe.config import DatasetConfig, ModelConfig, SampleConfig
+from diffpipe.config import DatasetConfig, ModelConfig, ObjectiveConfig, SampleConfig
 from diffpipe.data.cache.jobs import _decode
 from diffpipe.data.cache.plan import _entries, read_spec
 from diffpipe.data.cache.reader import CachedDataset
@@ -40,8 +40,11 @@ pytestmark = pytest.mark.slow
 
 
 #: (variant, expert): Wan 2.1 I2V (CLIP image embedding), Wan 2.1 FLF2V (first and last frame), Wan 2.2 I2V-A14B
-#: (no image encoder; its high-noise expert, whose LoRA loads into the pipeline's ``transformer``).
-VARIANTS = [("2.1-i2v", None), ("2.1-flf2v", None), ("2.2-i2v-a14b", "high")]
+#: (no image encoder; its high-noise expert, whose LoRA loads into the pipeline's ``transformer``), Wan 2.2
+#: TI2V-5B's image-conditioned mode (the clean first latent frame at timestep 0).
+VARIANTS = [("2.1-i2v", None), ("2.1-flf2v", None), ("2.2-i2v-a14b", "high"), ("2.2-5b-i2v", None)]
+#: The sample size (TI2V-5B's latent grid is 32 pixels a side).
+SAMPLE_SIZE = {"2.2-5b-i2v": (64, 32)}
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=[v for v, _ in VARIANTS])
@@ -69,7 +72,8 @@ def i2v_run(tmp_path_factory, request):
         "cache": {"shards": 1, "workers": 0},
         "train": {"max_steps": 2, "batch_size": 2, "lr": 0.01, "save_every_epochs": 0, "eval": {"quantiles": []}},
         "export": {"formats": ["diffusers"]},
-        "sample": {"prompts": ["a red circle"], "images": [str(start)], "steps": 1, "width": 48, "height": 32,
+        "sample": {"prompts": ["a red circle"], "images": [str(start)], "steps": 1,
+                   **dict(zip(("width", "height"), SAMPLE_SIZE.get(variant, (48, 32)), strict=True)),
                    **({"last_images": [str(end)]} if flf else {})},
     }
     config = root / "i2v.yaml"
@@ -101,6 +105,9 @@ def test_cached_condition_equals_the_pipeline_construction(i2v_run):
     assert all(it["aux"] == {"control": aux} for it in items) and len(items) == 2
     ds = CachedDataset.from_run(p)
     pipe = family.load_pipeline()
+    if family.expand_timesteps:
+        _check_ti2v_5b_condition(family, pipe, ds, items)
+        return
     assert isinstance(pipe, family.pipeline_class) and pipe.transformer.config.in_channels == 36
     for item in sorted(items, key=lambda it: it["id"]):
         batch = ds.collate([ds.items.index(next(x for x in ds.items if x.id == item["id"]))])
@@ -129,6 +136,45 @@ def test_cached_condition_equals_the_pipeline_construction(i2v_run):
         torch.testing.assert_close(ours, torch.cat([noise, condition], dim=1), rtol=1e-5, atol=1e-5)
     summary = json.loads(p.latent_shard("s0000").with_name(p.latent_shard("s0000").name + ".summary.json").read_text())
     assert (summary["encoded"], summary["reused"]) == (0, 2)
+
+
+def _check_ti2v_5b_condition(family, pipe, ds, items):
+    """TI2V-5B: the cached control is the pipeline's one-frame condition; the loss's transformer input and
+    per-token timesteps are the pipeline's, and the clean first frame is left out of the loss."""
+    assert isinstance(pipe, family.pipeline_class) and pipe.config.expand_timesteps and pipe.image_encoder is None
+    for item in items:
+        batch = ds.collate([ds.items.index(next(x for x in ds.items if x.id == item["id"]))])
+        control = batch["control_latents"]
+        first = wan_i2v.to_pil(torch.from_numpy(_decode((item, False))["pixels"][None, :, :1]))[0]
+        _, h, w = item["bucket"]
+        with torch.no_grad():
+            image = pipe.video_processor.preprocess(first, height=h, width=w)
+            gen = torch.Generator().manual_seed(0)
+            noise, condition, first_frame_mask = pipe.prepare_latents(image, 1, 48, h, w, 5, torch.float32, "cpu",
+                                                                      gen, None)
+        assert control.shape == (1, 48, 1, h // 16, w // 16) and batch.get("control_embeds") is None
+        torch.testing.assert_close(control, condition, rtol=1e-5, atol=1e-5)
+        # The causal VAE encodes the clip's first frame alone: its own first latent frame is the condition.
+        torch.testing.assert_close(batch["latents"][:, :, :1], control, rtol=1e-4, atol=1e-4)
+        prepared = family.prepare(batch["latents"], batch["text"], torch.Generator(), objective=ObjectiveConfig(),
+                                  t=torch.tensor([0.6]), noise=noise, control=control)
+        sigma = prepared.inputs["timestep"] / 1000
+        noisy = (1 - sigma) * batch["latents"] + sigma * noise  # the flow interpolation
+        theirs = (1 - first_frame_mask) * condition + first_frame_mask * noisy  # the pipeline's model input
+        torch.testing.assert_close(prepared.inputs["hidden_states"], theirs, rtol=1e-5, atol=1e-5)
+        assert prepared.mask[:, :, 0].abs().max() == 0 and prepared.mask[:, :, 1:].min() == 1
+        seen = {}
+        handle = pipe.transformer.register_forward_pre_hook(
+            lambda m, a, kw, seen=seen: seen.update(timestep=kw["timestep"]), with_kwargs=True
+        )
+        try:
+            with torch.no_grad():
+                family.predict(pipe.transformer, prepared)
+        finally:
+            handle.remove()
+        expected = (first_frame_mask[0][0][:, ::2, ::2] * prepared.inputs["timestep"]).flatten()[None]
+        torch.testing.assert_close(seen["timestep"], expected)
+        assert seen["timestep"].shape == (1, 2 * (h // 32) * (w // 32)) and seen["timestep"][0, 0] == 0
 
 
 def test_lora_loads_in_stock_i2v_pipeline_and_matches_training(i2v_run):
@@ -165,7 +211,7 @@ def test_lora_loads_in_stock_i2v_pipeline_and_matches_training(i2v_run):
     torch.testing.assert_close(loaded, expected, rtol=1e-5, atol=1e-5)
     with av.open(str(p.samples_dir / "sample-00.mp4")) as container:
         frames = list(container.decode(video=0))
-    assert len(frames) == 5 and (frames[0].width, frames[0].height) == (48, 32)
+    assert len(frames) == 5 and (frames[0].width, frames[0].height) == SAMPLE_SIZE.get(family.variant, (48, 32))
 
 
 def test_first_frame_option_changes_the_key_only_where_it_applies():
@@ -269,13 +315,21 @@ def test_i2v_errors_and_published_size():
 def test_local_i2v_folder_is_detected_and_cached_like_the_tiny_one(i2v_run, tmp_path):
     family, _ = i2v_run
     family.load_pipeline().save_pretrained(tmp_path)
-    local = get_family(ModelConfig(family="wan", flavor="local", path=str(tmp_path), expert=family.expert))
+    # TI2V-5B's folder is detected as such; the image-conditioned mode is asked for and accepted on it.
+    mode = family.spec.weights_of
+    found = mode or family.variant
+    plain = get_family(ModelConfig(family="wan", flavor="local", path=str(tmp_path), expert=family.expert))
+    assert plain.variant == found
+    local = get_family(ModelConfig(family="wan", flavor="local", path=str(tmp_path), expert=family.expert,
+                                   variant=family.variant if mode else None))
     assert local.variant == family.variant and local.uses_control and local.pipeline_class is family.pipeline_class
     if family.spec.image_embeds:
         encoder, processor = local.load_image_encoder()
         assert encoder.config.hidden_size == 32 and processor.crop_size == {"height": 32, "width": 32}
+    elif mode:
+        assert local.expand_timesteps and local.boundary_ratio is None and not (tmp_path / "image_encoder").exists()
     else:
         assert local.boundary_ratio == 0.9 and not (tmp_path / "image_encoder").exists()
     assert local.vae_identity() == family.vae_identity()  # the same VAE (+ image encoder), the same cache keys
-    with pytest.raises(ValueError, match=f"holds Wan {family.variant}"):
+    with pytest.raises(ValueError, match=f"holds Wan {found}"):
         get_family(ModelConfig(family="wan", flavor="local", path=str(tmp_path), variant="2.1"))

@@ -16,6 +16,13 @@ Variants (``model.variant``; a local folder's is read from it):
 - ``2.2-5b``: Wan 2.2 TI2V-5B used text-to-video: the 48-channel VAE with 16x
   spatial compression (2x2 patchified inside the VAE) and ``expand_timesteps``:
   the transformer gets one timestep per latent token (``[B, seq]``).
+- ``2.2-5b-i2v``: Wan 2.2 TI2V-5B's image-conditioned mode (the same
+  weights; a TI2V-5B folder is accepted): each item's control image (its
+  first frame) is cached as its one-frame latents; the transformer gets them
+  as the clean first latent frame with timestep 0 on its tokens, as
+  ``WanImageToVideoPipeline`` with ``expand_timesteps`` does, and the loss
+  leaves that frame out (the pipeline keeps the image's latents there).
+  One-frame items (images) therefore add no loss in this mode.
 - ``2.2-a14b``: Wan 2.2 T2V-A14B, two experts: ``transformer`` denoises while
   the scheduler timestep is at or above ``boundary_ratio x 1000`` (high
   noise), ``transformer_2`` below it (low noise). ``model.expert`` picks the
@@ -51,6 +58,7 @@ Variants (``model.variant``; a local folder's is read from it):
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from functools import cached_property
@@ -120,17 +128,23 @@ class WanVariant:
     last_frame: bool = False
     #: The tiny flavor's prompt length.
     text_length: int = TINY_LENGTH
+    #: Another variant whose weights this one trains in another mode (a folder detected as it is accepted).
+    weights_of: str | None = None
 
+
+_TI2V_5B = WanVariant(
+    TINY_VAE_22,
+    {**TINY_TRANSFORMER, "in_channels": 48, "out_channels": 48},
+    5.0,
+    expand_timesteps=True,
+    seed_prefix="wan2.2-5b",
+)
 
 VARIANTS: dict[str, WanVariant] = {
     "2.1": WanVariant(TINY_VAE, TINY_TRANSFORMER, 3.0),
-    "2.2-5b": WanVariant(
-        TINY_VAE_22,
-        {**TINY_TRANSFORMER, "in_channels": 48, "out_channels": 48},
-        5.0,
-        expand_timesteps=True,
-        seed_prefix="wan2.2-5b",
-    ),
+    "2.2-5b": _TI2V_5B,
+    # TI2V-5B's image-conditioned mode: the first latent frame is the image's clean latents at timestep 0.
+    "2.2-5b-i2v": dataclasses.replace(_TI2V_5B, image_to_video=True, weights_of="2.2-5b"),
     "2.2-a14b": WanVariant(
         TINY_VAE, TINY_TRANSFORMER, 12.0, boundary_ratio=DEFAULT_BOUNDARY, seed_prefix="wan2.2-a14b"
     ),
@@ -228,9 +242,12 @@ class WanFamily(Family):
     def __init__(self, cfg):
         super().__init__(cfg)
         found = self.detect_variant(cfg.path) if cfg.flavor == "local" else None
-        if found and cfg.variant and cfg.variant != found:
+        mode_of = self.variant_table[cfg.variant].weights_of if cfg.variant in self.variant_table else None
+        if found and cfg.variant and found not in (cfg.variant, mode_of):
             raise ValueError(f"model.variant {cfg.variant!r}: the folder {cfg.path} holds Wan {found}")
-        self.variant = found or cfg.variant or next(iter(self.variant_table))
+        self.variant = (cfg.variant if found and found == mode_of else found) or cfg.variant or next(
+            iter(self.variant_table)
+        )
         self.spec = self.variant_table[self.variant]
         #: The I2V variants train on control images (instance attributes: one variant of the family),
         #: FLF2V on a first and a last frame.
@@ -429,6 +446,8 @@ class WanFamily(Family):
         if not self.spec.image_to_video:
             return super().encode_control(vae, control, frames=frames)
         given = control.shape[2]
+        if self.expand_timesteps:  # TI2V-5B: the image alone, as a one-frame clip
+            return {"control": self.encode_pixels(vae, control[:, :, :1])}
         if given != (2 if self.spec.last_frame else 1):
             raise ValueError(
                 f"Wan {self.variant} conditions on {'a first and a last frame' if self.spec.last_frame else 'one image'}"
@@ -533,7 +552,13 @@ class WanFamily(Family):
         o = objective
         x0, sigma, noise = self._draw(latents, generator, t, noise, o)
         noisy = obj.flow_interpolate(x0, noise, sigma)
-        if self.spec.image_to_video:
+        weights = self.loss_mask(mask, x0, o)
+        first_clean = self.spec.image_to_video and self.expand_timesteps
+        if first_clean:  # TI2V-5B: the clean first frame replaces the noisy one; nothing to learn there
+            keep = wan_i2v.noisy_frames(x0)
+            noisy = (1 - keep) * control.to(x0.device).float() + keep * noisy
+            weights = keep.expand(x0.shape) * (1 if weights is None else weights)
+        elif self.spec.image_to_video:
             noisy = wan_i2v.transformer_input(
                 noisy, control.to(x0.device).float(), self.frame_rule[0], last=self.spec.last_frame
             )
@@ -544,7 +569,7 @@ class WanFamily(Family):
         }
         if self.spec.image_embeds:
             inputs["encoder_hidden_states_image"] = wan_i2v.image_states(control_embeds).to(device=x0.device, dtype=dtype)
-        return Prepared(inputs, obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, o))
+        return Prepared(inputs, obj.flow_target(x0, noise), mask=weights, extra={"first_clean": first_clean})
 
     def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
         """The forward, with a timestep per latent token under ``expand_timesteps`` (as the pipeline)."""
@@ -552,7 +577,11 @@ class WanFamily(Family):
         if self.expand_timesteps:
             pt, ph, pw = common.unwrap(denoiser).config.patch_size
             b, _, f, h, w = prepared.target.shape
-            inputs = {**inputs, "timestep": inputs["timestep"][:, None].expand(b, (f // pt) * (h // ph) * (w // pw))}
+            per_frame = (h // ph) * (w // pw)
+            t = inputs["timestep"][:, None].expand(b, (f // pt) * per_frame)
+            if prepared.extra.get("first_clean"):  # the clean first frame's tokens at timestep 0
+                t = wan_i2v.first_frame_timesteps(inputs["timestep"], f // pt, per_frame)
+            inputs = {**inputs, "timestep": t}
         return denoiser(**inputs, return_dict=False)[0]
 
     # -- pipeline parallelism ------------------------------------------------------

@@ -1,5 +1,10 @@
-"""Wan image-to-video (``model.variant: 2.1-i2v``, ``2.1-flf2v``, ``2.2-i2v-a14b``): the conditioning the
-``wan`` family caches and feeds.
+"""Wan image-to-video (``model.variant: 2.1-i2v``, ``2.1-flf2v``, ``2.2-i2v-a14b``, ``2.2-5b-i2v``): the
+conditioning the ``wan`` family caches and feeds.
+
+Wan 2.2 TI2V-5B (``expand_timesteps``) conditions differently: its first
+latent frame *is* the image's clean latents, at timestep 0 on its tokens
+(:func:`noisy_frames`, :func:`first_frame_timesteps`). The rest of this
+module is the 36-channel models' conditioning.
 
 ``WanImageToVideoPipeline`` conditions every step on the first frame (and,
 first-and-last-frame models, on a last frame: ``last_image``) twice:
@@ -159,3 +164,19 @@ def image_states(control_embeds: torch.Tensor) -> torch.Tensor:
     """Cached ``control_embeds`` -> the transformer's ``encoder_hidden_states_image``: a first-and-last pair
     ``[B, 2, tokens, dim]`` becomes ``[2B, tokens, dim]``, the layout its image embedder folds back in pairs."""
     return control_embeds.flatten(0, 1) if control_embeds.ndim == 4 else control_embeds
+
+
+def noisy_frames(x0: torch.Tensor) -> torch.Tensor:
+    """Wan 2.2 TI2V-5B's ``first_frame_mask`` for latents ``[B,C,F',h,w]``: ``[B,1,F',h,w]``, 0 on the first latent
+    frame (the image's clean latents) and 1 on the frames denoised."""
+    keep = torch.ones_like(x0[:, :1])
+    keep[:, :, 0] = 0
+    return keep
+
+
+def first_frame_timesteps(timestep: torch.Tensor, frames: int, per_frame: int) -> torch.Tensor:
+    """``[B]`` timesteps -> ``[B, frames x per_frame]`` per token, 0 on the first frame's tokens: the TI2V-5B
+    pipeline's ``first_frame_mask[0][0][:, ::2, ::2] * t`` flattened."""
+    t = timestep[:, None].expand(timestep.shape[0], frames * per_frame).clone()
+    t[:, :per_frame] = 0
+    return t
