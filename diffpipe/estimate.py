@@ -446,6 +446,7 @@ FITS_MODELS = (
     ("FLUX.2 [klein] 4B", "flux2-klein-4b", "flux2-klein", 1024, 1024, 1, ""),
     ("Z-Image Turbo", "z-image-turbo", "zimage", 1024, 1024, 1, ""),
     ("Krea 2", "krea-2", "krea2", 1024, 1024, 1, ""),
+    ("Kandinsky 5.0 T2V Lite", "kandinsky-5-t2v-lite", "kandinsky5", 768, 512, 121, ""),
 )
 #: What the CUDA context and the allocator's fragmentation add to an estimate (module docstring).
 CONTEXT_BYTES = 3 * GiB // 2

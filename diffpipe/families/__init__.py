@@ -44,6 +44,7 @@ FAMILIES: dict[str, str] = {
     "ltxvideo": "ltxvideo",
     "cogvideox": "cogvideox",
     "hunyuanvideo": "hunyuanvideo",
+    "kandinsky5": "kandinsky5",
     "cosmos2-video": "cosmos2_video",
     "mochi": "mochi",
 }
@@ -67,7 +68,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
     "Qwen-Image-Edit-Plus (several references)": (None, _LATER + " (Qwen-Image-Edit, one reference, is)"),
     "FLUX.2 [dev]": (None, "its text side (Mistral 3 through PixtralProcessor) needs torchvision, which diffpipe "
                            "does not install; FLUX.2 [klein] is a family (`flux2-klein`)"),
-    "Kandinsky 5": ("KandinskyLoraLoaderMixin", _LATER),
+    "Kandinsky 5 text-to-image, image-to-video, Pro": (None, _LATER + " (Kandinsky 5.0 T2V Lite is: `kandinsky5`)"),
     "LTX-2": ("LTX2LoraLoaderMixin", _LATER),
     "SkyReels V2 diffusion forcing, image-to-video": (None, _LATER + " (its text-to-video pipeline is: "
                                                        "`skyreels-v2`)"),

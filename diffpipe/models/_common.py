@@ -414,3 +414,46 @@ def tiny_text_model(model_cls: type, config_cls: type, config: Mapping[str, Any]
             return model_cls(cfg).eval()
 
     return build
+
+
+def forward_by_text_length(run: Callable[[dict[str, torch.Tensor], int], torch.Tensor],
+                           inputs: Mapping[str, torch.Tensor], lengths: list[int]) -> torch.Tensor:
+    """The denoiser's output for a batch whose prompts have their own token counts, for transformers that
+    cannot mask text: ``run(part, n)`` forwards the rows ``part`` (every input cut to them) whose prompts
+    have ``n`` tokens, once per distinct ``n``; the outputs come back in batch order."""
+    device = next(iter(inputs.values())).device
+    groups: dict[int, list[int]] = {}
+    for i, n in enumerate(lengths):
+        groups.setdefault(n, []).append(i)
+    outs, order = [], []
+    for n, idx in sorted(groups.items()):
+        rows = torch.tensor(idx, device=device) if len(groups) > 1 else slice(None)
+        outs.append(run({k: v[rows] for k, v in inputs.items()}, n))
+        order += idx
+    if len(outs) == 1:
+        return outs[0]
+    return torch.cat(outs)[torch.argsort(torch.tensor(order, device=device))]
+
+
+def prompt_lengths(embeds: torch.Tensor, keep: torch.Tensor) -> list[int]:
+    """Each cached prompt's token count from its ``*_mask`` (on the meta device, as memory estimates run:
+    every prompt at full length); a clear error for an empty one."""
+    if embeds.device.type == "meta":
+        return [embeds.shape[1]] * embeds.shape[0]
+    lengths = [int(n) for n in keep.sum(dim=1).round().long().tolist()]
+    if min(lengths) <= 0:
+        raise ValueError("text prompt_embeds_mask: an item has no prompt tokens; rerun the text cache step")
+    return lengths
+
+
+def one_prompt_length(family: str, lengths: list[int]) -> int:
+    """The one prompt length of a pipeline-parallel micro-batch (its transformer cannot mask text, and a
+    pipeline stage passes one tensor); a clear error when the prompts differ."""
+    distinct = sorted(set(lengths))
+    if len(distinct) != 1:
+        raise ValueError(
+            f"{family} with train.pipeline_stages > 1: the prompts of a micro-batch have {distinct} tokens, "
+            "but a pipeline needs one prompt length per micro-batch (the transformer cannot mask text); "
+            "set train.batch_size: 1 or train.pipeline_stages: 1"
+        )
+    return distinct[0]

@@ -32,6 +32,7 @@ from typing import Any, ClassVar
 import torch
 
 from diffpipe.config import ModelConfig, ObjectiveConfig, SampleConfig
+from diffpipe.data.cache.frames import snap_frames
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
 from diffpipe.training import objectives as obj
@@ -366,7 +367,7 @@ class Family(ABC):
         tiny = self.cfg.flavor == "tiny"
         for name, part in parts.items():
             if isinstance(part, Tokenizer):
-                out[name] = part.tiny() if tiny else part.cls.from_pretrained(self.cfg.path, subfolder=name)
+                out[name] = self.load_tokenizer(name)
             elif not encoders:
                 out[name] = None
             elif tiny:
@@ -374,6 +375,12 @@ class Family(ABC):
             else:
                 out[name] = common.pretrained_text_encoder(part.cls, self.cfg, name)
         return TextBundle(out, **self.text_settings())
+
+    def load_tokenizer(self, name: str = "tokenizer") -> Any:
+        """One declared tokenizer: the tiny flavor's, or the folder's subfolder ``name`` (no text settings:
+        ``text_settings`` may measure a template with it)."""
+        part = self._declared("text_parts")[name]
+        return part.tiny() if self.cfg.flavor == "tiny" else part.cls.from_pretrained(self.cfg.path, subfolder=name)
 
     def load_tokenizers(self) -> Any:
         """What ``token_limits`` and ``count_tokens`` need: the declared tokenizers, no encoder weights."""
@@ -637,12 +644,16 @@ class Family(ABC):
         """Keyword arguments for the stock pipeline's ``__call__``."""
         if cfg.last_images and not self.uses_last_frame:
             raise ValueError(f"sample.last_images: {self.name} has no last-frame input (Wan variant 2.1-flf2v has)")
-        return {
+        out = {
             "num_inference_steps": cfg.steps,
             "guidance_scale": cfg.guidance_scale,
             "height": cfg.height,
             "width": cfg.width,
         }
+        if self.is_video:  # clips of a frame count the VAE accepts, as PIL frames
+            step, offset = self.frame_rule
+            out.update(num_frames=max(offset, snap_frames(cfg.frames, step, offset)), output_type="pil")
+        return out
 
     def lora_targets(self, configured: list[str] | None) -> list[str]:
         return list(configured) if configured else list(self.default_lora_targets)

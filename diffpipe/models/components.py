@@ -71,6 +71,22 @@ def one_text_encoder(tokenizer_cls: type, tiny_tokenizer: Callable[[], Any], mod
     }
 
 
+def clip_text_encoder(seed: str, part: str = "text_encoder_2", cls: type | None = None) -> dict[str, TextPart]:
+    """A CLIP tokenizer and text encoder as the text parts ``part`` and its tokenizer (``text_encoder_2``:
+    ``tokenizer_2``); ``cls`` ``CLIPTextModel`` (default) or ``CLIPTextModelWithProjection``; the tiny encoder
+    is seeded from ``model.seed`` and ``seed``."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
+
+    from diffpipe.models._common import tiny_clip_text_encoder
+    from diffpipe.models.tokenizers import clip_tokenizer
+
+    cls = cls or CLIPTextModel
+    return {
+        part.replace("text_encoder", "tokenizer"): Tokenizer(CLIPTokenizer, clip_tokenizer),
+        part: TextEncoder(cls, CLIPTextConfig, lambda tok, s: tiny_clip_text_encoder(tok, s, seed, cls=cls)),
+    }
+
+
 class TextBundle:
     """A family's tokenizers and text encoders by part name, plus its text settings (``max_sequence_length``).
 

@@ -23,8 +23,9 @@ def _with_lora(family):
 
 
 def _prediction(out):
-    """A denoiser forward's prediction: the first of a tuple; a list (Z-Image: one per image) stacked."""
-    out = out[0] if isinstance(out, tuple) else out
+    """A denoiser forward's prediction: the first of a tuple, an output's ``sample``; a list (Z-Image: one per
+    image) stacked."""
+    out = out[0] if isinstance(out, tuple) else getattr(out, "sample", out)
     return torch.stack(out).squeeze(2) if isinstance(out, list) else out
 
 
@@ -126,7 +127,6 @@ def test_video_layers_equal_forward_and_reproduce_the_loss(name):
     """Video families: the layers' prediction equals the transformer's, and pipeline_inputs + the
     pipeline loss equal family.loss, from the same generator state (real text embeddings and masks)."""
     from diffpipe.config import ObjectiveConfig
-    from diffpipe.training.pipeline import pipeline_loss_fn
 
     family = get_family(ModelConfig(family=name))
     den = _with_lora(family)
@@ -134,6 +134,16 @@ def test_video_layers_equal_forward_and_reproduce_the_loss(name):
     latents = torch.randn(2, den.config.in_channels, 2, 4, 6, generator=g)
     text = family.encode_text(family.load_text_encoders(), ["a red circle", "a blue square moving left to right"])
     o = ObjectiveConfig(min_snr_gamma=5.0) if name == "cogvideox" else ObjectiveConfig()
+    layers = _layers_reproduce_the_loss(family, den, latents, text, o)
+    blocks = [*den.transformer_blocks, *getattr(den, "single_transformer_blocks", [])]
+    assert len(layers) == len(blocks) + 2
+
+
+def _layers_reproduce_the_loss(family, den, latents, text, o) -> list:
+    """Check the layers' prediction equals the denoiser's and pipeline_inputs + the pipeline loss equal
+    family.loss from the same generator state; returns the layers."""
+    from diffpipe.training.pipeline import pipeline_loss_fn
+
     preds = []
     handle = den.register_forward_hook(lambda m, a, out: preds.append(_prediction(out)))
     with torch.no_grad():
@@ -143,10 +153,27 @@ def test_video_layers_equal_forward_and_reproduce_the_loss(name):
         got_pred = run_layers(layers, inputs)
         got = pipeline_loss_fn(o)(got_pred, labels)
     handle.remove()
-    blocks = [*den.transformer_blocks, *getattr(den, "single_transformer_blocks", [])]
-    assert len(layers) == len(blocks) + 2
     torch.testing.assert_close(got_pred, preds[0], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want)
+    return layers
+
+
+def test_kandinsky5_layers_equal_forward_and_need_one_prompt_length():
+    """Kandinsky 5: the layers (text stack in the embedding) predict as the transformer does and
+    pipeline_inputs + the pipeline loss equal family.loss; prompts of two lengths are refused."""
+    from diffpipe.config import ObjectiveConfig
+
+    family = get_family(ModelConfig(family="kandinsky5"))
+    den = _with_lora(family)
+    latents = torch.randn(2, 4, 2, 4, 6, generator=torch.Generator().manual_seed(0))
+    enc = family.load_text_encoders()
+    text = family.encode_text(enc, ["a red circle", "a red square"])
+    assert text["prompt_embeds_mask"].sum(1).unique().numel() == 1  # one prompt length
+    layers = _layers_reproduce_the_loss(family, den, latents, text, ObjectiveConfig())
+    assert len(layers) == len(den.visual_transformer_blocks) + 2
+    two = family.encode_text(enc, ["a red circle", "a blue square moving left to right"])
+    with pytest.raises(ValueError, match=r"kandinsky5 with train.pipeline_stages > 1: .*train.batch_size: 1"):
+        family.pipeline_inputs(latents, two, torch.Generator().manual_seed(0))
 
 
 def test_cogvideox_layers_with_sincos_positions():

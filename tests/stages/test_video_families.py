@@ -52,6 +52,7 @@ SPECS = {
     "mochi": (7, (2, 4, 6), 7),  # 30 fps: 16 available, bucket 7 (6k+1)
     "cosmos2-video": (9, (3, 4, 6), 9),  # 16 fps: the 9 demo frames (4k+1)
     "skyreels-v2": (5, (2, 4, 6), 5),  # 24 fps, Wan's 4k+1 frames
+    "kandinsky5": (5, (2, 4, 6), 5),  # 24 fps, HunyuanVideo's VAE: 4k+1 frames
 }
 
 
@@ -177,6 +178,16 @@ def test_text_cache_equals_the_pipeline_prompt_embeds(run):
             embeds, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False,
                                            max_sequence_length=enc.max_sequence_length)
             theirs = {"prompt_embeds": embeds}
+        elif family.name == "kandinsky5":  # each prompt alone, at its own length, left-aligned in our rows
+            theirs = {k: torch.zeros_like(v) for k, v in ours.items()}
+            for i, caption in enumerate(captions):
+                qwen, clip, cu = pipe.encode_prompt([caption], max_sequence_length=enc.max_sequence_length,
+                                                    dtype=torch.float32)
+                n = qwen.shape[1]
+                assert cu.tolist() == [0, n]
+                theirs["prompt_embeds"][i, :n], theirs["prompt_embeds_mask"][i, :n] = qwen[0], 1.0
+                theirs["pooled_prompt_embeds"][i] = clip[0]
+            assert theirs["prompt_embeds_mask"].sum(1).unique().numel() == 2  # two lengths: one forward each
         elif family.name in ("cogvideox", "cosmos2-video"):
             theirs = {
                 "prompt_embeds": pipe._get_t5_prompt_embeds(captions, max_sequence_length=enc.max_sequence_length)

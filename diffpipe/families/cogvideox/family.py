@@ -35,7 +35,6 @@ from diffusers.models.embeddings import get_3d_rotary_pos_embed
 from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
 
 from diffpipe.config import SampleConfig
-from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.cogvideox.flavors import TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
@@ -146,12 +145,9 @@ class CogVideoXFamily(video.T5TextFamily, Family):
 
     # -- sampling ------------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
-        step, offset = self.frame_rule
         return {
             **super().sample_kwargs(cfg),
-            "num_frames": max(offset, snap_frames(cfg.frames, step, offset)),
             "max_sequence_length": self.max_sequence_length,
-            "output_type": "pil",
         }
 
     # -- pipeline parallelism ---------------------------------------------------------

@@ -129,13 +129,8 @@ class CogView4Family(Family):
         """
         f = self.flow_draw(latents, generator, objective, t, noise)
         device, (b, _, h, w) = f.x0.device, f.x0.shape
-        embeds, keep = text["prompt_embeds"], text["prompt_embeds_mask"]
-        if embeds.device.type == "meta":  # memory estimates: every prompt at full length
-            lengths = [embeds.shape[1]] * b
-        else:
-            lengths = [int(n) for n in keep.sum(dim=1).round().long().tolist()]
-        if min(lengths) <= 0:
-            raise ValueError("text prompt_embeds_mask: an item has no prompt tokens; rerun the text cache step")
+        embeds = text["prompt_embeds"]
+        lengths = common.prompt_lengths(embeds, text["prompt_embeds_mask"])
         size = torch.tensor([[h * self.vae_factor, w * self.vae_factor]], device=device, dtype=dtype).repeat(b, 1)
         inputs = {
             "hidden_states": f.noisy.to(dtype),
@@ -150,22 +145,11 @@ class CogView4Family(Family):
 
     def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
         """The transformer's output, each item on its own prompt length (it cannot mask text)."""
-        inputs, lengths = prepared.inputs, prepared.extra["lengths"]
-        embeds = inputs["encoder_hidden_states"]
-        device = embeds.device
-        groups: dict[int, list[int]] = {}
-        for i, n in enumerate(lengths):
-            groups.setdefault(n, []).append(i)
-        outs, order = [], []
-        for n, idx in sorted(groups.items()):
-            rows = torch.tensor(idx, device=device) if len(groups) > 1 else slice(None)
-            part = {k: v[rows] for k, v in inputs.items()}
-            part["encoder_hidden_states"] = embeds[rows, embeds.shape[1] - n :]
-            outs.append(denoiser(**part, return_dict=False)[0])
-            order += idx
-        if len(outs) == 1:
-            return outs[0]
-        return torch.cat(outs)[torch.argsort(torch.tensor(order, device=device))]
+        def run(part: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+            embeds = part["encoder_hidden_states"]  # right-aligned: the prompt's tokens are the last n
+            return denoiser(**{**part, "encoder_hidden_states": embeds[:, embeds.shape[1] - n :]}, return_dict=False)[0]
+
+        return common.forward_by_text_length(run, prepared.inputs, prepared.extra["lengths"])
 
     def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
         """``(noisy, sigma * 1000, prompt_embeds, original_size, target_size, crop_coords)``.
@@ -174,16 +158,10 @@ class CogView4Family(Family):
         micro-batch) cannot; here every prompt of the micro-batch must have the same token
         count (always so with ``train.batch_size: 1``).
         """
-        lengths = sorted(set(prepared.extra["lengths"]))
-        if len(lengths) != 1:
-            raise ValueError(
-                f"cogview4 with train.pipeline_stages > 1: the prompts of a micro-batch have {lengths} tokens, "
-                "but a pipeline needs one prompt length per micro-batch (the transformer cannot mask text); "
-                "set train.batch_size: 1 or train.pipeline_stages: 1"
-            )
+        n = common.one_prompt_length(self.name, prepared.extra["lengths"])
         i = prepared.inputs
         embeds = i["encoder_hidden_states"]
-        return (i["hidden_states"], i["timestep"], embeds[:, embeds.shape[1] - lengths[0] :], i["original_size"],
+        return (i["hidden_states"], i["timestep"], embeds[:, embeds.shape[1] - n :], i["original_size"],
                 i["target_size"], i["crop_coords"])
 
     # -- sampling ----------------------------------------------------------------

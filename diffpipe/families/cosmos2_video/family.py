@@ -51,7 +51,6 @@ from diffusers import CosmosTransformer3DModel
 from diffusers.loaders import CosmosLoraLoaderMixin
 
 from diffpipe.config import SampleConfig
-from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.cosmos2.family import SIGMA_DATA, Cosmos2Family, edm_weight
 from diffpipe.families.cosmos2_video.flavors import TINY_TRANSFORMER_V2W
 from diffpipe.models import _common as common
@@ -197,10 +196,8 @@ class Cosmos2VideoFamily(Cosmos2Family):
             raise ValueError(
                 "sample.images: Cosmos-Predict2 Video2World continues an image; give one per sample.prompts"
             )
-        step, offset = self.frame_rule
         return {
             **super().sample_kwargs(cfg),
-            "num_frames": max(offset, snap_frames(cfg.frames, step, offset)),
             "fps": int(self.fps),
         }
 

@@ -48,7 +48,7 @@ from diffpipe.families.hidream.flavors import (
 from diffpipe.families.sd3.family import _tiny_clip
 from diffpipe.models import _common as common
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer, clip_text_encoder
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer
 
@@ -79,9 +79,7 @@ class HiDreamFamily(Family):
     text_parts: ClassVar[dict[str, TextPart]] = {
         "tokenizer": Tokenizer(CLIPTokenizer, clip_tokenizer),
         "text_encoder": TextEncoder(CLIPTextModelWithProjection, CLIPTextConfig, _tiny_clip("hidream.text_encoder")),
-        "tokenizer_2": Tokenizer(CLIPTokenizer, clip_tokenizer),
-        "text_encoder_2": TextEncoder(CLIPTextModelWithProjection, CLIPTextConfig,
-                                      _tiny_clip("hidream.text_encoder_2")),
+        **clip_text_encoder("hidream.text_encoder_2", cls=CLIPTextModelWithProjection),
         "tokenizer_3": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(TINY_LENGTH)),
         "text_encoder_3": TextEncoder(T5EncoderModel, T5Config, _tiny_t5),
         "tokenizer_4": Tokenizer(AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH, bos="<|begin_of_text|>",

@@ -32,7 +32,6 @@ the names also reach the text token refiner's attention and MLP.
 
 from __future__ import annotations
 
-from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -45,24 +44,19 @@ from diffusers import (
 from diffusers.pipelines.hunyuan_video.pipeline_hunyuan_video import DEFAULT_PROMPT_TEMPLATE
 from transformers import (
     AutoTokenizer,
-    CLIPTextConfig,
-    CLIPTextModel,
-    CLIPTokenizer,
     LlamaConfig,
     LlamaModel,
     PreTrainedTokenizerBase,
 )
 
 from diffpipe.config import SampleConfig
-from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.hunyuanvideo.flavors import TINY_LENGTH, TINY_LLAMA, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer, clip_text_encoder
 from diffpipe.models.llm_tokenizers import llm_tokenizer
-from diffpipe.models.tokenizers import clip_tokenizer
 from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 256  # HunyuanVideoPipeline's default max_sequence_length
@@ -90,9 +84,7 @@ class HunyuanVideoFamily(Family):
     text_parts: ClassVar[dict[str, TextPart]] = {
         "tokenizer": Tokenizer(AutoTokenizer, tiny_llama_tokenizer),
         "text_encoder": TextEncoder(LlamaModel, LlamaConfig, _tiny_llama),
-        "tokenizer_2": Tokenizer(CLIPTokenizer, clip_tokenizer),
-        "text_encoder_2": TextEncoder(CLIPTextModel, CLIPTextConfig, lambda tok, seed: common.tiny_clip_text_encoder(
-            tok, seed, "hunyuanvideo.text_encoder_2")),
+        **clip_text_encoder("hunyuanvideo.text_encoder_2"),
     }
     pipeline_class = HunyuanVideoPipeline
     is_video = True
@@ -110,15 +102,9 @@ class HunyuanVideoFamily(Family):
     def flow_shift(self) -> float:
         return float(self._scheduler_config.get("shift", 1.0))
 
-    @cached_property
-    def _llama_tokenizer(self) -> PreTrainedTokenizerBase:
-        if self.cfg.flavor == "tiny":
-            return tiny_llama_tokenizer()
-        return AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
-
     def text_settings(self) -> dict[str, Any]:
         """Prompt tokens kept after the template, and the template with its measured ``crop_start``."""
-        tok = self._llama_tokenizer
+        tok = self.load_tokenizer()
         return {"max_sequence_length": min(MAX_LENGTH, int(tok.model_max_length)), "prompt_template": template_for(tok)}
 
     def load_pipeline(self) -> HunyuanVideoPipeline:
@@ -174,14 +160,11 @@ class HunyuanVideoFamily(Family):
 
     # -- sampling ------------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
-        step, offset = self.frame_rule
         e = self.load_tokenizers()
         return {
             **super().sample_kwargs(cfg),
-            "num_frames": max(offset, snap_frames(cfg.frames, step, offset)),
             "prompt_template": e.prompt_template,
             "max_sequence_length": e.max_sequence_length,
-            "output_type": "pil",
         }
 
     # -- pipeline parallelism ---------------------------------------------------------

@@ -32,19 +32,13 @@ from diffpipe.families.krea2.flavors import (
     TINY_VAE,
     TINY_VISION,
 )
-from diffpipe.families.qwenimage.family import QwenImageFamily
+from diffpipe.families.qwenimage.family import QwenImageFamily, tiny_qwen_tokenizer
 from diffpipe.models import _common as common
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
-from diffpipe.models.llm_tokenizers import llm_tokenizer
 
 MAX_LENGTH = 512  # Krea2Pipeline's default max_sequence_length
 _PACKING = SimpleNamespace(patch_size=2)  # what Krea2Pipeline._pack_latents reads of the pipeline
-
-
-def _tiny_tokenizer() -> Any:
-    return llm_tokenizer(TINY_LENGTH, bos=None, eos="<|im_end|>", pad="<|endoftext|>", extra=("<|im_start|>",),
-                         add_bos=False)
 
 
 def _pack(x: torch.Tensor, b: int, c: int, h: int, w: int) -> torch.Tensor:
@@ -58,7 +52,7 @@ class Krea2Family(Family):
     denoiser_model = Model(Krea2Transformer2DModel, TINY_TRANSFORMER)
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
-        AutoTokenizer, _tiny_tokenizer, Qwen3VLModel, Qwen3VLConfig, TINY_TEXT, "krea2.text_encoder",
+        AutoTokenizer, lambda: tiny_qwen_tokenizer(TINY_LENGTH), Qwen3VLModel, Qwen3VLConfig, TINY_TEXT, "krea2.text_encoder",
         ids=("pad", "eos"), vision=TINY_VISION)
     pipeline_class = Krea2Pipeline
     patch = 2  # the pipeline packs 2x2 latents into a token

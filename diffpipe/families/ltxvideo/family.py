@@ -28,7 +28,6 @@ import torch
 from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
 
 from diffpipe.config import SampleConfig
-from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.ltxvideo.flavors import TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
@@ -125,13 +124,10 @@ class LTXVideoFamily(video.T5TextFamily, Family):
 
     # -- sampling ------------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
-        step, offset = self.frame_rule
         return {
             **super().sample_kwargs(cfg),
-            "num_frames": max(offset, snap_frames(cfg.frames, step, offset)),
             "frame_rate": int(self.fps),
             "max_sequence_length": self.load_tokenizers().max_sequence_length,
-            "output_type": "pil",
         }
 
     # -- pipeline parallelism ---------------------------------------------------------

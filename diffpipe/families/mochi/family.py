@@ -31,7 +31,6 @@ import torch
 from diffusers import AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, MochiPipeline, MochiTransformer3DModel
 
 from diffpipe.config import SampleConfig
-from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.mochi.flavors import TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
@@ -100,12 +99,9 @@ class MochiFamily(video.T5TextFamily, Family):
 
     # -- sampling ------------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
-        step, offset = self.frame_rule
         return {
             **super().sample_kwargs(cfg),
-            "num_frames": max(offset, snap_frames(cfg.frames, step, offset)),
             "max_sequence_length": self.load_tokenizers().max_sequence_length,
-            "output_type": "pil",
         }
 
     # -- pipeline parallelism ---------------------------------------------------------

@@ -38,7 +38,7 @@ from diffpipe.families.sd3.flavors import TINY_SCHEDULER, TINY_T5, TINY_T5_LENGT
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer, clip_text_encoder
 from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer
 from diffpipe.training import objectives as obj
 
@@ -63,8 +63,7 @@ class SD3Family(Family):
     text_parts: ClassVar[dict[str, TextPart]] = {
         "tokenizer": Tokenizer(CLIPTokenizer, clip_tokenizer),
         "text_encoder": TextEncoder(CLIPTextModelWithProjection, CLIPTextConfig, _tiny_clip("sd3.text_encoder")),
-        "tokenizer_2": Tokenizer(CLIPTokenizer, clip_tokenizer),
-        "text_encoder_2": TextEncoder(CLIPTextModelWithProjection, CLIPTextConfig, _tiny_clip("sd3.text_encoder_2")),
+        **clip_text_encoder("sd3.text_encoder_2", cls=CLIPTextModelWithProjection),
         "tokenizer_3": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(TINY_T5_LENGTH)),
         "text_encoder_3": TextEncoder(T5EncoderModel, T5Config,
                                       common.tiny_text_model(T5EncoderModel, T5Config, TINY_T5,

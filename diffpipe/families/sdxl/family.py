@@ -35,7 +35,7 @@ from diffpipe.families.sd.family import TINY_SCHEDULER, SDFamily
 from diffpipe.families.sdxl.flavors import TINY_UNET, TINY_VAE_XL
 from diffpipe.models import _common as common
 from diffpipe.models.base import Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer, clip_text_encoder
 from diffpipe.models.tokenizers import clip_tokenizer
 
 
@@ -57,10 +57,7 @@ class SDXLFamily(SDFamily):
         "tokenizer": Tokenizer(CLIPTokenizer, clip_tokenizer),
         "text_encoder": TextEncoder(CLIPTextModel, CLIPTextConfig,
                                     lambda tok, seed: common.tiny_clip_text_encoder(tok, seed, "sdxl.text_encoder")),
-        "tokenizer_2": Tokenizer(CLIPTokenizer, clip_tokenizer),
-        "text_encoder_2": TextEncoder(CLIPTextModelWithProjection, CLIPTextConfig, lambda tok, seed:
-                                      common.tiny_clip_text_encoder(tok, seed, "sdxl.text_encoder_2",
-                                                                    cls=CLIPTextModelWithProjection)),
+        **clip_text_encoder("sdxl.text_encoder_2", cls=CLIPTextModelWithProjection),
     }
     pipeline_extras: ClassVar[dict[str, Any]] = {"add_watermarker": False}
     uses_sizes = True

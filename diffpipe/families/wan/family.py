@@ -78,7 +78,6 @@ from diffusers.pipelines.wan.pipeline_wan import prompt_clean
 from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
 from diffpipe.config import ObjectiveConfig, SampleConfig
-from diffpipe.data.cache.frames import snap_frames
 from diffpipe.families.wan import i2v as wan_i2v
 from diffpipe.families.wan.experts import WanExperts
 from diffpipe.families.wan.flavors import TINY_LENGTH, TINY_TRANSFORMER, TINY_UMT5, TINY_VAE, TINY_VAE_22
@@ -600,7 +599,6 @@ class WanFamily(Family):
 
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
-        step, offset = self.frame_rule
         if self.spec.image_to_video and not cfg.images:
             raise ValueError(f"sample.images: Wan {self.variant} (image-to-video) samples start from an image; "
                              "give one per sample.prompts")
@@ -609,7 +607,5 @@ class WanFamily(Family):
                              "per sample.prompts")
         return {
             **super().sample_kwargs(cfg),
-            "num_frames": max(offset, snap_frames(cfg.frames, step, offset)),
             "max_sequence_length": self.max_sequence_length,
-            "output_type": "pil",
         }

@@ -1,0 +1,252 @@
+"""Family ``kandinsky5``: Kandinsky 5.0 text-to-video (a text and a visual DiT stack), Qwen2.5-VL + CLIP text.
+
+Components and names follow ``Kandinsky5T2VPipeline``: ``vae``
+(AutoencoderKLHunyuanVideo: 8x spatial, 4x temporal compression, so clips
+have ``4k+1`` frames; latents times ``scaling_factor``, as the pipeline
+divides them before decoding), ``text_encoder``
+(Qwen2_5_VLForConditionalGeneration: the last hidden states of the caption
+inside the pipeline's video-description template, the template's tokens cut
+off) + ``tokenizer``, ``text_encoder_2`` (CLIP, pooled output) +
+``tokenizer_2``, ``transformer`` (Kandinsky5Transformer3DModel on
+channel-last latents ``[B, F, h, w, C]``, beside zero visual-condition
+channels and a zero mask when its ``visual_cond`` is set, fed ``sigma x
+1000``, the pipeline's rotary positions and its resolution-dependent rotary
+scale), ``scheduler`` (FlowMatchEulerDiscreteScheduler; training shifts ``t``
+by its ``shift``). It predicts the velocity ``noise - x0``. Clips are
+resampled to 24 fps.
+
+Prompts have their own length: the pipeline encodes a prompt without
+padding and its transformer has no text mask. The cache holds each caption
+encoded alone by the pipeline's own ``encode_prompt`` (left-aligned in a row
+of ``max_sequence_length``, ``prompt_embeds_mask`` marking its tokens), and
+the loss runs the transformer once per distinct prompt length in a batch
+(:func:`diffpipe.models._common.forward_by_text_length`), so every item sees
+exactly what the pipeline gives its prompt. The template's length (the
+pipeline's ``prompt_template_encode_start_idx``, 128 for the published
+tokenizer) is measured with the folder's tokenizer and set on the pipelines
+built here: the tiny flavor's tokenizer spells the template differently.
+
+Only the regular-attention checkpoints train here: a transformer configured
+with ``attention_type: nabla`` (the 10-second models' sparse attention) is
+refused with a clear error.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from diffusers import (
+    AutoencoderKLHunyuanVideo,
+    FlowMatchEulerDiscreteScheduler,
+    Kandinsky5T2VPipeline,
+    Kandinsky5Transformer3DModel,
+)
+from transformers import (
+    AutoTokenizer,
+    PreTrainedTokenizerBase,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+)
+
+from diffpipe.config import SampleConfig
+from diffpipe.families.hunyuanvideo.family import HunyuanVideoFamily
+from diffpipe.families.kandinsky5.flavors import (
+    TINY_LENGTH,
+    TINY_SCHEDULER,
+    TINY_TEXT,
+    TINY_TRANSFORMER,
+    TINY_VAE,
+    TINY_VISION,
+)
+from diffpipe.families.qwenimage.family import tiny_qwen_tokenizer
+from diffpipe.models import _common as common
+from diffpipe.models import _video as video
+from diffpipe.models.base import Family, Prepared
+from diffpipe.models.components import (
+    Model,
+    TextBundle,
+    TextPart,
+    clip_text_encoder,
+    one_text_encoder,
+)
+from diffpipe.training import objectives as obj
+
+MAX_LENGTH = 512  # Kandinsky5T2VPipeline's default max_sequence_length
+
+
+def _bare_pipeline() -> Kandinsky5T2VPipeline:
+    return Kandinsky5T2VPipeline(transformer=None, vae=None, text_encoder=None, tokenizer=None, text_encoder_2=None,
+                                 tokenizer_2=None, scheduler=None)
+
+
+#: The pipeline's prompt template (its constructor sets it).
+TEMPLATE = _bare_pipeline().prompt_template
+
+
+def template_start(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The template's token count before the prompt, by ``tokenizer`` (the pipeline's
+    ``prompt_template_encode_start_idx``)."""
+    return len(tokenizer(TEMPLATE.split("{}")[0]).input_ids)
+
+
+def _tiny_modulations(model: Kandinsky5Transformer3DModel, seed: int) -> Kandinsky5Transformer3DModel:
+    """Fill the modulation layers the constructor zero-initialises (all gates at zero: no block would take
+    part, no LoRA get a gradient); a trained model's are not zero."""
+    with common.seeded(seed, "kandinsky5.transformer.modulation"), torch.no_grad():
+        for name, p in model.named_parameters():
+            if "modulation" in name:
+                p.normal_(0.0, 0.1)
+    return model
+
+
+class Kandinsky5Family(Family):
+    name = "kandinsky5"
+    vae_per_frame = False
+    vae_model = Model(AutoencoderKLHunyuanVideo, TINY_VAE)
+    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
+    denoiser_model = Model(Kandinsky5Transformer3DModel, TINY_TRANSFORMER)
+    text_parts: ClassVar[dict[str, TextPart]] = {
+        **one_text_encoder(AutoTokenizer, lambda: tiny_qwen_tokenizer(TINY_LENGTH), Qwen2_5_VLForConditionalGeneration,
+                           Qwen2_5_VLConfig, TINY_TEXT, "kandinsky5.text_encoder", ids=("pad", "eos"),
+                           vision=TINY_VISION),
+        **clip_text_encoder("kandinsky5.text_encoder_2"),
+    }
+    pipeline_class = Kandinsky5T2VPipeline
+    is_video = True
+    fps = 24.0
+    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    #: Attention (self and cross) and feed-forward linears of every block, the text blocks' included.
+    default_lora_targets: ClassVar[list[str]] = [
+        *(f"{attn}.{proj}" for attn in ("self_attention", "cross_attention")
+          for proj in ("to_query", "to_key", "to_value", "out_layer")),
+        "feed_forward.in_layer", "feed_forward.out_layer",
+    ]
+
+    # -- configs and geometry: HunyuanVideo's VAE and the same flow-matching scheduler ------------
+    frame_rule = HunyuanVideoFamily.frame_rule
+    flow_shift = HunyuanVideoFamily.flow_shift
+
+    def text_settings(self) -> dict[str, Any]:
+        """Prompt tokens kept after the template, and the template's measured length."""
+        return {**super().text_settings(), "template_start": template_start(self.load_tokenizer())}
+
+    def load_denoiser(self) -> Kandinsky5Transformer3DModel:
+        model = super().load_denoiser()
+        kind = common.unwrap(model).config.attention_type
+        if kind != "regular":
+            raise ValueError(f"kandinsky5: the transformer's attention_type is {kind!r}; diffpipe trains the "
+                             "regular-attention checkpoints only (the 5-second models), not sparse 'nabla' ones")
+        return _tiny_modulations(model, self.cfg.seed) if self.cfg.flavor == "tiny" else model
+
+    def _with_template(self, pipe: Kandinsky5T2VPipeline, start: int) -> Kandinsky5T2VPipeline:
+        pipe.prompt_template_encode_start_idx = start
+        return pipe
+
+    def text_pipeline(self, encoders: TextBundle) -> Kandinsky5T2VPipeline:
+        return self._with_template(super().text_pipeline(encoders), encoders.template_start)
+
+    def load_pipeline(self) -> Kandinsky5T2VPipeline:
+        return self._with_template(super().load_pipeline(), self.text_settings()["template_start"])
+
+    # -- encoding ------------------------------------------------------------------
+    def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
+        """Each caption alone through the pipeline's ``encode_prompt`` (it pads a batch to its longest
+        prompt, which its transformer would read): left-aligned rows, a mask, the pooled CLIP output."""
+        pipe = self.text_pipeline(encoders)
+        device = next(encoders.text_encoder.parameters()).device
+        width = encoders.max_sequence_length
+        embeds = torch.zeros(len(captions), width, encoders.text_encoder.config.text_config.hidden_size)
+        mask = torch.zeros(len(captions), width)
+        pooled = []
+        with torch.no_grad():
+            for i, caption in enumerate(captions):
+                qwen, clip, _ = pipe.encode_prompt([caption], max_sequence_length=width, device=device,
+                                                   dtype=torch.float32)
+                n = qwen.shape[1]
+                embeds[i, :n], mask[i, :n] = qwen[0].float().cpu(), 1.0
+                pooled.append(clip.float().cpu())
+        return {"prompt_embeds": embeds, "prompt_embeds_mask": mask, "pooled_prompt_embeds": torch.cat(pooled)}
+
+    def token_limits(self, encoders: TextBundle) -> dict[str, int]:
+        return {"qwen2.5-vl": encoders.max_sequence_length, "clip": encoders.tokenizer_2.model_max_length}
+
+    def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
+        # The Qwen tokens the pipeline keeps: the templated prompt's, less the template's start.
+        templated = encoders.tokenizer([TEMPLATE.format(c) for c in self.caption_prompts(captions)]).input_ids
+        start = template_start(encoders.tokenizer)
+        return {
+            "qwen2.5-vl": [len(x) - start for x in templated],
+            "clip": [len(x) for x in encoders.tokenizer_2(list(captions)).input_ids],
+        }
+
+    def caption_prompts(self, captions: list[str]) -> list[str]:
+        from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
+
+        return [prompt_clean(c) for c in captions]
+
+    # -- training ------------------------------------------------------------------
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Channel-last noisy latents (+ zero condition channels and mask), ``sigma x 1000``, each prompt's
+        Qwen states at its own length and pooled CLIP; the channel-last target ``noise - x0``.
+        ``extra``: the prompt lengths, the rotary positions and scale the pipeline uses at this size."""
+        o = objective
+        x0 = video.check_video_latents(latents, self.name)
+        t, noise = video.draw(o, x0, generator, t, noise)
+        sigma = obj.shift_timesteps(t, o.shift or self.flow_shift)
+        device, (_, _, f, h, w) = x0.device, x0.shape
+        noisy = obj.flow_interpolate(x0, noise, sigma).permute(0, 2, 3, 4, 1)
+        if self._denoiser_config.get("visual_cond"):
+            noisy = torch.cat([noisy, torch.zeros_like(noisy), noisy.new_zeros(*noisy.shape[:-1], 1)], dim=-1)
+        embeds = text["prompt_embeds"]
+        lengths = common.prompt_lengths(embeds, text["prompt_embeds_mask"])
+        inputs = {
+            "hidden_states": noisy.to(dtype),
+            "encoder_hidden_states": embeds.to(device=device, dtype=dtype),
+            "timestep": (sigma * self._scheduler_config.get("num_train_timesteps", 1000)).to(dtype),
+            "pooled_projections": text["pooled_prompt_embeds"].to(device=device, dtype=dtype),
+        }
+        s = self.vae_factor
+        extra = {
+            "lengths": lengths,
+            "visual_rope_pos": [torch.arange(n, device=device) for n in (f, h // 2, w // 2)],
+            "scale_factor": Kandinsky5T2VPipeline._get_scale_factor(None, h * s, w * s),
+        }
+        weights = self.loss_mask(mask, x0, o)
+        return Prepared(inputs, obj.flow_target(x0, noise).permute(0, 2, 3, 4, 1),
+                        mask=None if weights is None else weights.permute(0, 2, 3, 4, 1), extra=extra)
+
+    def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
+        """The transformer's output, each item on its own prompt length (it cannot mask text)."""
+        extra = prepared.extra
+
+        def run(part: dict[str, torch.Tensor], n: int) -> torch.Tensor:
+            text = part["encoder_hidden_states"][:, :n]  # left-aligned: the prompt's tokens are the first n
+            return denoiser(**part | {"encoder_hidden_states": text},
+                            text_rope_pos=torch.arange(n, device=text.device), visual_rope_pos=extra["visual_rope_pos"],
+                            scale_factor=extra["scale_factor"], sparse_params=None, return_dict=True).sample
+
+        return common.forward_by_text_length(run, prepared.inputs, extra["lengths"])
+
+    # -- pipeline parallelism ---------------------------------------------------------
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Embedding (with the text blocks), one layer per visual block, output (``layers.py``)."""
+        from diffpipe.families.kandinsky5.layers import kandinsky5_layers
+
+        return kandinsky5_layers(common.unwrap(denoiser))
+
+    def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
+        """``(noisy, sigma * 1000, prompt states, pooled, rope scale)``: one prompt length per micro-batch."""
+        n = common.one_prompt_length(self.name, prepared.extra["lengths"])
+        i = prepared.inputs
+        scale = torch.tensor(prepared.extra["scale_factor"], dtype=torch.float32, device=i["hidden_states"].device)
+        return (i["hidden_states"], i["timestep"], i["encoder_hidden_states"][:, :n],
+                i["pooled_projections"], scale)
+
+    # -- sampling ------------------------------------------------------------------
+    def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        return {
+            **super().sample_kwargs(cfg),
+            "max_sequence_length": self.max_sequence_length,
+        }
