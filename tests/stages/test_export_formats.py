@@ -61,7 +61,8 @@ FAMILIES = [n for n in family_names() if not isinstance(spec(n).keymap, Absent)]
 # CogVideoX's Conv2d patch embedding, renamed time embedding and block modulations; CogView4's
 # swapped final modulation, block modulation (outside the block in the original) and the
 # condition embedder; FLUX.2's swapped final modulation, shared modulations, embedders and a single
-# block's output (``attn.to_out`` of a double block is a list, so named whole).
+# block's output (``attn.to_out`` of a double block is a list, so named whole); ERNIE-Image's and
+# Krea 2's embedders, modulations and output layers (Krea 2's renamed in the original, ERNIE-Image's not).
 EXTRA_TARGETS = {
     "sd": ["conv_shortcut", "time_embedding.linear_1"],
     "sdxl": ["conv_shortcut", "add_embedding.linear_1"],
@@ -93,6 +94,10 @@ EXTRA_TARGETS = {
     "flux2-klein": ["norm_out.linear", "proj_out", "x_embedder", "context_embedder",
                     "time_guidance_embed.timestep_embedder.linear_1", "double_stream_modulation_img.linear",
                     "single_stream_modulation.linear", "single_transformer_blocks.0.attn.to_out"],
+    "ernie-image": ["x_embedder.proj", "text_proj", "time_embedding.linear_1", "adaLN_modulation.1",
+                    "final_norm.linear", "final_linear"],
+    "krea2": ["img_in", "time_embed.linear_1", "time_mod_proj", "txt_in.linear_2", "text_fusion.projector",
+              "final_layer.linear"],
 }
 
 
@@ -304,6 +309,8 @@ SINGLE_FILE_CASES = {
     ),
     "mochi": (_tiny("mochi", num_layers=48), lambda sd: _mochi_norms(sd, 48)),
     "flux2-klein": (_tiny("flux2-klein"), lambda sd: _flux_norms(sd, 1, 1)),
+    "ernie-image": (_tiny("ernie-image"), None),
+    "krea2": (_tiny("krea2"), None),
     "cosmos2": (_tiny("cosmos2"), None),
     "cosmos2-video": (_tiny("cosmos2-video"), None),
 }
@@ -447,6 +454,8 @@ BASE_MODEL_VERSION = {
     "cogview4": "cogview4",
     "zimage": "z_image",
     "flux2-klein": "flux2",
+    "ernie-image": "ernie_image",
+    "krea2": "krea2",
 }
 
 

@@ -10,6 +10,7 @@ in two segments. Export and import both read only this table.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -111,6 +112,12 @@ def plain(
 def kohya_name(path: str) -> str:
     """kohya's LoRA name for a module path: ``lora_unet_`` + the path with ``_`` for ``.``."""
     return "lora_unet_" + path.replace(".", "_")
+
+
+def same_names(family: str, out_features: Mapping[str, int]) -> KeyMap:
+    """The key map of a family whose original checkpoint uses diffusers' module names: every layer is its
+    own module under the same path; kohya names are ``lora_unet_`` + that path."""
+    return KeyMap(family, [plain(m, m, n, kohya_name(m)) for m, n in out_features.items()])
 
 
 def layer(original: str, segments: list[Segment], **options: bool | str) -> Layer:

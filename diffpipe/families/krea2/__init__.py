@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.krea2.flavors import PUBLISHED
-from diffpipe.models.spec import FamilySpec, diffusers_files_only
-
-_NO_REFERENCE = "not checked against an independent reference of Krea 2's original checkpoint names yet"
+from diffpipe.models.spec import FamilySpec, Kohya
 
 SPEC = FamilySpec(
     name="krea2",
@@ -14,5 +12,10 @@ SPEC = FamilySpec(
     tasks="text-to-image (flow matching; Qwen3-VL text at 12 layers, fused inside the transformer)",
     targets="attention `attn.to_q/k/v/out.0`, its `to_gate`, SwiGLU `ff.gate/up/down` (text-fusion blocks included)",
     published=tuple(PUBLISHED),
-    **diffusers_files_only(_NO_REFERENCE),
+    # No kohya-family trainer names Krea 2 yet: the metadata says what the file is in the same scheme.
+    kohya=Kohya("krea2", "krea-2/lora", "https://github.com/huggingface/diffusers"),
+    comfyui_readers="ComfyUI's generic LoRA names (`diffusion_model.` + the original checkpoint's layer names: "
+                    "`blocks.N.attn.wq`, `blocks.N.mlp.gate`, ...); `diffpipe import-lora`",
+    kohya_readers="ComfyUI's generic LoRA names (`lora_unet_` + the original layer path); `diffpipe import-lora`",
+    comfy_reads_diffusers="none",
 )

@@ -14,10 +14,10 @@ from typing import Any
 
 from diffusers import QwenImageTransformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap, kohya_name, plain
+from diffpipe.export.keymaps.base import KeyMap, same_names
 
 DENOISER = QwenImageTransformer2DModel
 
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
-    return KeyMap("qwenimage", [plain(m, m, n, kohya_name(m)) for m, n in out_features.items()])
+    return same_names("qwenimage", out_features)
