@@ -62,7 +62,8 @@ FAMILIES = [n for n in family_names() if not isinstance(spec(n).keymap, Absent)]
 # swapped final modulation, block modulation (outside the block in the original) and the
 # condition embedder; FLUX.2's swapped final modulation, shared modulations, embedders and a single
 # block's output (``attn.to_out`` of a double block is a list, so named whole); ERNIE-Image's and
-# Krea 2's embedders, modulations and output layers (Krea 2's renamed in the original, ERNIE-Image's not).
+# Krea 2's embedders, modulations and output layers (Krea 2's renamed in the original, ERNIE-Image's not);
+# AuraFlow's embedders, modulations (the final one's halves swapped) and output; Sana's embedders and output.
 EXTRA_TARGETS = {
     "sd": ["conv_shortcut", "time_embedding.linear_1"],
     "sdxl": ["conv_shortcut", "add_embedding.linear_1"],
@@ -98,6 +99,9 @@ EXTRA_TARGETS = {
                     "final_norm.linear", "final_linear"],
     "krea2": ["img_in", "time_embed.linear_1", "time_mod_proj", "txt_in.linear_2", "text_fusion.projector",
               "final_layer.linear"],
+    "auraflow": ["pos_embed.proj", "context_embedder", "time_step_proj.linear_1", "norm1.linear",
+                 "norm1_context.linear", "ff_context.linear_1", "norm_out.linear", "proj_out"],
+    "sana": ["patch_embed.proj", "time_embed.linear", "caption_projection.linear_1", "proj_out"],
 }
 
 
@@ -311,6 +315,14 @@ SINGLE_FILE_CASES = {
     "flux2-klein": (_tiny("flux2-klein"), lambda sd: _flux_norms(sd, 1, 1)),
     "ernie-image": (_tiny("ernie-image"), None),
     "krea2": (_tiny("krea2"), None),
+    # What the converters read beside the LoRA-able layers (positions, tokens, norms, modulation tables).
+    "auraflow": (_tiny("auraflow"), lambda sd: {"positional_encoding": sd["pos_embed.pos_embed"],
+                                                "register_tokens": sd["register_tokens"]}),
+    "sana": (_tiny("sana"), lambda sd: {
+        "pos_embed": torch.zeros(1), "y_embedder.y_embedding": torch.zeros(1),
+        "attention_y_norm.weight": sd["caption_norm.weight"], "final_layer.scale_shift_table": sd["scale_shift_table"],
+        **{f"blocks.{k.split('.')[1]}.scale_shift_table": v for k, v in sd.items()
+           if k.startswith("transformer_blocks.") and k.endswith(".scale_shift_table")}}),
     "cosmos2": (_tiny("cosmos2"), None),
     "cosmos2-video": (_tiny("cosmos2-video"), None),
 }
@@ -456,6 +468,8 @@ BASE_MODEL_VERSION = {
     "flux2-klein": "flux2",
     "ernie-image": "ernie_image",
     "krea2": "krea2",
+    "auraflow": "auraflow",
+    "sana": "sana",
 }
 
 

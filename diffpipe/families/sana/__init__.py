@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.sana.flavors import PUBLISHED
-from diffpipe.models.spec import Absent, FamilySpec, diffusers_files_only
-
-_NO_REFERENCE = "not checked against an independent reference of Sana's original checkpoint names yet"
+from diffpipe.models.spec import Absent, FamilySpec, Kohya
 
 SPEC = FamilySpec(
     name="sana",
@@ -14,6 +12,11 @@ SPEC = FamilySpec(
     tasks="text-to-image (flow matching; DC-AE latents, 32x compression)",
     targets="self and cross attention `attn1/attn2.to_q/k/v/out.0`, the Mix-FFN 1x1 convolutions `ff.conv_inverted`, `ff.conv_point`",
     published=tuple(PUBLISHED),
-    **diffusers_files_only(_NO_REFERENCE),
+    # No kohya-family trainer names Sana: the metadata says what the file is in the same scheme.
+    kohya=Kohya("sana", "sana/lora", "https://github.com/NVlabs/Sana"),
+    comfyui_readers="ComfyUI's generic LoRA names (`diffusion_model.` + the original checkpoint's layer names: "
+                    "`blocks.N.attn.qkv` (q, k, v fused), `blocks.N.cross_attn.kv_linear`, ...); `diffpipe import-lora`",
+    kohya_readers="ComfyUI's generic LoRA names (`lora_unet_` + the original layer path); `diffpipe import-lora`",
+    comfy_reads_diffusers="none",
     layers=Absent("not implemented yet"),
 )
