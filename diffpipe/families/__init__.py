@@ -68,7 +68,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
     "Qwen-Image-Edit-Plus (several references)": (None, _LATER + " (Qwen-Image-Edit, one reference, is)"),
     "FLUX.2 [dev]": (None, "its text side (Mistral 3 through PixtralProcessor) needs torchvision, which diffpipe "
                            "does not install; FLUX.2 [klein] is a family (`flux2-klein`)"),
-    "Kandinsky 5 text-to-image, image-to-video, Pro": (None, _LATER + " (Kandinsky 5.0 T2V Lite is: `kandinsky5`)"),
+    "Kandinsky 5 text-to-image, Pro": (None, _LATER + " (Kandinsky 5.0 T2V and I2V Lite are: `kandinsky5`)"),
     "LTX-2": ("LTX2LoraLoaderMixin", _LATER),
     "SkyReels V2 diffusion forcing, image-to-video": (None, _LATER + " (its text-to-video pipeline is: "
                                                        "`skyreels-v2`)"),

@@ -32,7 +32,7 @@ import yaml
 from PIL import Image
 from stage_cli import rendezvous, run_stages
 
-from diffpipe.config import ModelConfig, ObjectiveConfig, load_config
+from diffpipe.config import ModelConfig, ObjectiveConfig, SampleConfig, load_config
 from diffpipe.data.cache.jobs import _decode
 from diffpipe.data.cache.plan import read_spec
 from diffpipe.data.cache.reader import CachedDataset
@@ -278,3 +278,82 @@ def test_video2world_condition_equals_the_pipeline_construction(run, monkeypatch
         assert theirs["fps"] == ours["fps"] == 16 and theirs["condition_mask"][0, 0, :, 0, 0].tolist() == [1.0] * k + [0.0] * (3 - k)
         for key in ("hidden_states", "timestep", "condition_mask"):
             torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-5, msg=f"{key}, {k} given")
+
+
+@pytest.fixture(scope="module")
+def k5_i2v(demo_clips, tmp_path_factory):
+    """Kandinsky 5 image-to-video (``variant: i2v``): clips with their own first frame as the control."""
+    monkeypatch = rendezvous()
+    root = tmp_path_factory.mktemp("kandinsky5-i2v")
+    Image.new("RGB", (48, 32), (200, 30, 30)).save(root / "start.png")
+    cfg = {
+        "output_dir": "run",
+        "model": {"family": "kandinsky5", "flavor": "tiny", "variant": "i2v"},
+        "datasets": [{"name": "clips", "path": str(demo_clips / "demo"), "resolution": 32, "frame_buckets": [5],
+                      "control_from_first_frame": True}],
+        "cache": {"shards": 1, "workers": 0},
+        "train": {"max_steps": 2, "batch_size": 2, "lr": 0.01, "save_every_epochs": 0, "eval": {"quantiles": []}},
+        "export": {"formats": ["diffusers"]},
+        "sample": {"prompts": ["a red circle"], "images": [str(root / "start.png")], "steps": 2, "width": 32,
+                   "height": 32, "frames": 17},
+    }
+    config = root / "k5-i2v.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    try:
+        run_stages(str(config), cwd=root, monkeypatch=monkeypatch)
+    finally:
+        monkeypatch.undo()
+    return get_family(load_config(config).model), RunPaths(root / "run")
+
+
+def test_kandinsky5_i2v_trains_what_the_pipeline_feeds(k5_i2v, golden, tmp_path):
+    """The transformer input is ``Kandinsky5I2VPipeline.prepare_latents``' (first latent frame = the image's
+    latents, marked in the condition mask); the exported LoRA loads into the stock I2V pipeline and
+    reproduces training; the sample is a clip; a saved folder is detected as i2v."""
+    family, p = k5_i2v
+    golden("kandinsky5", "test_video_families::k5_i2v", p)
+    pipe = family.load_pipeline()
+    assert type(pipe).__name__ == "Kandinsky5I2VPipeline" and family.uses_control
+    batch = CachedDataset.from_run(p).collate([0, 1])
+    control, latents = batch["control_latents"], batch["latents"]
+    assert control.shape == (2, 4, 1, *latents.shape[3:])
+    b, c, f, h, w = latents.shape
+    with torch.no_grad():  # the pipeline's input for the first item's bucket, its image latents drawn by the VAE
+        theirs = pipe.prepare_latents(torch.zeros(1, 3, h * 8, w * 8), 1, c, h * 8, w * 8, (f - 1) * 4 + 1,
+                                      torch.float32, "cpu", torch.Generator().manual_seed(1), None)
+    noise = theirs[..., :c].permute(0, 4, 1, 2, 3)
+    text = {k: v[:1] for k, v in batch["text"].items()}
+    ours = family.prepare(latents[:1], text, torch.Generator(), objective=ObjectiveConfig(shift=1.0),
+                          t=torch.tensor([1.0]), noise=noise, control=noise[:, :, :1])
+    torch.testing.assert_close(ours.inputs["hidden_states"], theirs)
+    assert ours.mask[:, 0].abs().max() == 0 and ours.mask[:, 1:].min() == 1  # the given frame: no loss
+
+    eps = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
+
+    def output(denoiser):
+        out = []
+        handle = denoiser.register_forward_hook(lambda m, a, o: out.append(o.sample))
+        try:
+            with torch.no_grad():
+                family.loss(denoiser, latents, batch["text"], torch.Generator(), t=torch.tensor([0.3, 0.7]),
+                            noise=eps, control=control)
+        finally:
+            handle.remove()
+        return torch.cat(out)
+
+    base = output(pipe.transformer)
+    pipe.load_lora_weights(str(p.export_diffusers))
+    loaded = output(pipe.transformer)
+    assert (loaded - base).abs().max() > 1e-5, "the LoRA does not change the output"
+    torch.testing.assert_close(loaded, output(apply_adapter(family.load_denoiser(), p.adapter_dir)),
+                               rtol=1e-5, atol=1e-5)
+    with av.open(str(p.samples_dir / "sample-00.mp4")) as container:
+        assert len(list(container.decode(video=0))) == 17
+    with pytest.raises(ValueError, match="sample.frames 9: Kandinsky 5 i2v samples need at least 17 frames"):
+        family.sample_kwargs(SampleConfig(images=["a.png"], frames=9))
+    family.load_pipeline().save_pretrained(tmp_path)
+    assert get_family(ModelConfig(family="kandinsky5", flavor="local", path=str(tmp_path))).variant == "i2v"
+    with pytest.raises(ValueError, match="holds Kandinsky 5 i2v"):
+        get_family(ModelConfig(family="kandinsky5", flavor="local", path=str(tmp_path), variant="t2v"))
+    with pytest.raises(ValueError, match="model.variant i2v needs a control image"):
+        family.prepare(latents, batch["text"], torch.Generator(), objective=ObjectiveConfig())

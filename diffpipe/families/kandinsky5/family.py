@@ -26,6 +26,12 @@ pipeline's ``prompt_template_encode_start_idx``, 128 for the published
 tokenizer) is measured with the folder's tokenizer and set on the pipelines
 built here: the tiny flavor's tokenizer spells the template differently.
 
+``model.variant: i2v`` trains the image-to-video checkpoints (``Kandinsky5I2VPipeline``; a local folder
+saved with that pipeline is detected): each item's control image (usually ``control_from_first_frame``) is
+cached as its one-frame latents, which replace the first noisy latent frame, marked in the condition mask,
+as the pipeline builds its input; that frame is left out of the loss (the pipeline never updates it). The
+cache holds the VAE's mean where the pipeline draws a sample of the image's latent distribution.
+
 Only the regular-attention checkpoints train here: a transformer configured
 with ``attention_type: nabla`` (the 10-second models' sparse attention) is
 refused with a clear error.
@@ -33,12 +39,15 @@ refused with a clear error.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
 from diffusers import (
     AutoencoderKLHunyuanVideo,
     FlowMatchEulerDiscreteScheduler,
+    Kandinsky5I2VPipeline,
     Kandinsky5T2VPipeline,
     Kandinsky5Transformer3DModel,
 )
@@ -73,6 +82,7 @@ from diffpipe.models.components import (
 from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 512  # Kandinsky5T2VPipeline's default max_sequence_length
+I2V_MIN_FRAMES = 17  # Kandinsky5I2VPipeline.normalize_first_frame reads latent frames 4 and on
 
 
 def _bare_pipeline() -> Kandinsky5T2VPipeline:
@@ -112,7 +122,10 @@ class Kandinsky5Family(Family):
                            vision=TINY_VISION),
         **clip_text_encoder("kandinsky5.text_encoder_2"),
     }
-    pipeline_class = Kandinsky5T2VPipeline
+    #: ``t2v`` (text-to-video) and ``i2v`` (the image-to-video checkpoints: the first latent frame is the
+    #: control image's latents, marked in the condition mask); a local folder's is read from its pipeline class.
+    variants: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
+    pipeline_class = Kandinsky5T2VPipeline  # the i2v variant's instances: Kandinsky5I2VPipeline
     is_video = True
     fps = 24.0
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
@@ -126,6 +139,20 @@ class Kandinsky5Family(Family):
     # -- configs and geometry: HunyuanVideo's VAE and the same flow-matching scheduler ------------
     frame_rule = HunyuanVideoFamily.frame_rule
     flow_shift = HunyuanVideoFamily.flow_shift
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        found = None
+        if cfg.flavor == "local":
+            index = Path(cfg.path) / "model_index.json"
+            name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
+            found = "i2v" if name == Kandinsky5I2VPipeline.__name__ else "t2v"
+        if found and cfg.variant and cfg.variant != found:
+            raise ValueError(f"model.variant {cfg.variant!r}: the folder {cfg.path} holds Kandinsky 5 {found}")
+        self.variant = found or cfg.variant or "t2v"
+        #: The image-to-video checkpoints train on control images (instance attributes: one variant).
+        self.uses_control = self.variant == "i2v"
+        self.pipeline_class = Kandinsky5I2VPipeline if self.uses_control else Kandinsky5T2VPipeline
 
     def text_settings(self) -> dict[str, Any]:
         """Prompt tokens kept after the template, and the template's measured length."""
@@ -187,18 +214,31 @@ class Kandinsky5Family(Family):
 
     # -- training ------------------------------------------------------------------
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
-                dtype=torch.float32) -> Prepared:
+                dtype=torch.float32, control: torch.Tensor | None = None) -> Prepared:
         """Channel-last noisy latents (+ zero condition channels and mask), ``sigma x 1000``, each prompt's
         Qwen states at its own length and pooled CLIP; the channel-last target ``noise - x0``.
-        ``extra``: the prompt lengths, the rotary positions and scale the pipeline uses at this size."""
+        ``extra``: the prompt lengths, the rotary positions and scale the pipeline uses at this size.
+
+        ``i2v``: the first latent frame is the control image's latents (``control``, ``[B, C, 1, h, w]``)
+        and the condition mask marks it, as ``Kandinsky5I2VPipeline.prepare_latents`` builds the input;
+        the pipeline never updates that frame, so the loss leaves it out."""
+        if self.uses_control and control is None:
+            raise ValueError("model.variant i2v needs a control image per item (its first frame): set "
+                             "datasets[].control_path / control_column, or control_from_first_frame: true")
         o = objective
         x0 = video.check_video_latents(latents, self.name)
         t, noise = video.draw(o, x0, generator, t, noise)
         sigma = obj.shift_timesteps(t, o.shift or self.flow_shift)
         device, (_, _, f, h, w) = x0.device, x0.shape
-        noisy = obj.flow_interpolate(x0, noise, sigma).permute(0, 2, 3, 4, 1)
+        noisy = obj.flow_interpolate(x0, noise, sigma)
+        if self.uses_control:
+            noisy = torch.cat([control[:, :, :1].to(noisy), noisy[:, :, 1:]], dim=2)
+        noisy = noisy.permute(0, 2, 3, 4, 1)
         if self._denoiser_config.get("visual_cond"):
-            noisy = torch.cat([noisy, torch.zeros_like(noisy), noisy.new_zeros(*noisy.shape[:-1], 1)], dim=-1)
+            cond_mask = noisy.new_zeros(*noisy.shape[:-1], 1)
+            if self.uses_control:
+                cond_mask[:, :1] = 1
+            noisy = torch.cat([noisy, torch.zeros_like(noisy), cond_mask], dim=-1)
         embeds = text["prompt_embeds"]
         lengths = common.prompt_lengths(embeds, text["prompt_embeds_mask"])
         inputs = {
@@ -214,6 +254,10 @@ class Kandinsky5Family(Family):
             "scale_factor": Kandinsky5T2VPipeline._get_scale_factor(None, h * s, w * s),
         }
         weights = self.loss_mask(mask, x0, o)
+        if self.uses_control:  # the given first frame is not denoised
+            keep = torch.ones_like(x0[:, :1])
+            keep[:, :, 0] = 0
+            weights = keep.expand(x0.shape) * (1 if weights is None else weights)
         return Prepared(inputs, obj.flow_target(x0, noise).permute(0, 2, 3, 4, 1),
                         mask=None if weights is None else weights.permute(0, 2, 3, 4, 1), extra=extra)
 
@@ -246,7 +290,14 @@ class Kandinsky5Family(Family):
 
     # -- sampling ------------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        if self.uses_control and not cfg.images:
+            raise ValueError("sample.images: Kandinsky 5 i2v samples start from an image; give one per sample.prompts")
+        kwargs = super().sample_kwargs(cfg)
+        if self.uses_control and kwargs["num_frames"] < I2V_MIN_FRAMES:
+            # The pipeline renormalises the first 4 latent frames by the ones after them: none, and it decodes NaN.
+            raise ValueError(f"sample.frames {cfg.frames}: Kandinsky 5 i2v samples need at least {I2V_MIN_FRAMES} "
+                             "frames (5 latent frames)")
         return {
-            **super().sample_kwargs(cfg),
+            **kwargs,
             "max_sequence_length": self.max_sequence_length,
         }
