@@ -387,7 +387,7 @@ def estimate_for(
     latents, text, t, noise = _meta_inputs(spec, tc.batch_size, resolution, height, latent_frames, dtype)
     generator = torch.Generator()
     # Edit families: a reference image the size of the target (the usual case), as conditioning latents.
-    extra = {"control": latents.clone()} if family.uses_control else {}
+    extra = family.estimate_controls(latents, denoiser) if family.uses_control else {}
 
     def forward() -> torch.Tensor:
         return family.loss(denoiser, latents, text, generator, t=t, noise=noise, objective=tc.objective, **extra)

@@ -639,6 +639,11 @@ class Family(ABC):
         w = mask_weights(m, floor).expand(x0.shape).contiguous()
         return pack(w) if pack is not None else w
 
+    def estimate_controls(self, latents: torch.Tensor, denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The control arguments of ``loss`` a memory estimate passes (``uses_control`` families): a reference
+        image the size of the target, as conditioning latents (the usual case)."""
+        return {"control": latents.clone()}
+
     # -- sampling ----------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         """Keyword arguments for the stock pipeline's ``__call__``."""

@@ -114,3 +114,16 @@ def test_cogview4_and_cosmos2_sizes():
     # CogView4's loss runs on meta tensors too (every prompt at the full cached length).
     est = estimate_memory(_cfg("cogview4"), model="cogview4-6b", rank=16)
     assert est.params == count["cogview4-6b"] and est.activation_bytes > 0
+
+
+@pytest.mark.parametrize(("variant", "model"), [("2.1-i2v", "wan2.1-i2v-14b"), ("2.1-flf2v", "wan2.1-flf2v-14b"),
+                                                 ("2.2-5b-i2v", "wan2.2-ti2v-5b")])
+def test_image_conditioned_wan_is_sized_with_its_conditioning(variant, model):
+    """The estimate feeds the conditioning the loss needs: condition latents and, with an image embedder,
+    CLIP states of its width (one image, or the FLF2V pair); before, the I2V variants failed there."""
+    cfg = Config.model_validate(
+        {"model": {"family": "wan", "variant": variant},
+         "datasets": [{"name": "d", "path": "data", "resolution": 256, "frame_buckets": [9]}],
+         "train": {"batch_size": 1, "precision": "bf16"}})
+    est = estimate_memory(cfg, model=model, rank=16)
+    assert est.activation_bytes > 0 and est.params == sum(p.numel() for p in PUBLISHED[model].build_meta().parameters())

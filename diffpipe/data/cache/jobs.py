@@ -20,9 +20,10 @@ the same way and area-averaged down to the latent grid (``[1, F, h, w]`` in
 ``control_from_first_frame`` uses each item's own first frame (of the window
 trained, already at its bucket and crop) as the control of items without a
 control image; ``control_from_last_frame`` appends the window's last frame to
-an item's control (``[3, 2, H, W]``: first-and-last-frame conditioning). The family's ``encode_control`` encodes controls: the plain VAE
-latents by default, plus an image-encoder embedding (``control_embeds``) for
-families that condition on one. For families whose text encoder sees the
+an item's control (``[3, 2, H, W]``: first-and-last-frame conditioning). The
+family's ``encode_control`` encodes controls: the plain VAE latents by
+default, plus an image-encoder embedding (``control_embeds``) for families
+that condition on one. For families whose text encoder sees the
 control image (``text_uses_control``) the text job hands each caption's
 control image, whole, to ``encode_text``.
 """

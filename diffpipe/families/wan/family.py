@@ -93,6 +93,7 @@ from diffpipe.utils import digest
 MAX_LENGTH = 512  # WanPipeline's default max_sequence_length
 DEFAULT_BOUNDARY = 0.875  # Wan 2.2 T2V-A14B's boundary_ratio
 I2V_BOUNDARY = 0.9  # Wan 2.2 I2V-A14B's
+CLIP_TOKENS = 257  # Wan 2.1 I2V's CLIP vision states per image (ViT-H/14 at 224 px: 16 x 16 patches + class)
 EXPERT_ATTR = {"high": "transformer", "low": "transformer_2", "both": "transformer"}
 #: ``model.expert: both``: each expert's export (the low one's names end in ``_low_noise``).
 BOTH_PARTS = (
@@ -569,6 +570,17 @@ class WanFamily(Family):
         if self.spec.image_embeds:
             inputs["encoder_hidden_states_image"] = wan_i2v.image_states(control_embeds).to(device=x0.device, dtype=dtype)
         return Prepared(inputs, obj.flow_target(x0, noise), mask=weights, extra={"first_clean": first_clean})
+
+    def estimate_controls(self, latents: torch.Tensor, denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """Condition latents like the target and, for an image embedder, CLIP states of its width: 257 tokens
+        (CLIP ViT-H/14 at 224 px) a frame, or the pair its position embedding covers (FLF2V)."""
+        out = super().estimate_controls(latents, denoiser)
+        config = common.unwrap(denoiser).config
+        if config.get("image_dim"):
+            pairs = config.get("pos_embed_seq_len")
+            shape = (2, pairs // 2) if pairs else (CLIP_TOKENS,)
+            out["control_embeds"] = latents.new_zeros(latents.shape[0], *shape, config["image_dim"])
+        return out
 
     def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
         """The forward, with a timestep per latent token under ``expand_timesteps`` (as the pipeline)."""
