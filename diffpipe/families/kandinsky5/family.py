@@ -22,9 +22,10 @@ of ``max_sequence_length``, ``prompt_embeds_mask`` marking its tokens), and
 the loss runs the transformer once per distinct prompt length in a batch
 (:func:`diffpipe.models._common.forward_by_text_length`), so every item sees
 exactly what the pipeline gives its prompt. The template's length (the
-pipeline's ``prompt_template_encode_start_idx``, 128 for the published
-tokenizer) is measured with the folder's tokenizer and set on the pipelines
-built here: the tiny flavor's tokenizer spells the template differently.
+pipeline's ``prompt_template_encode_start_idx``, which the stock pipeline
+fixes at 128) is measured with the folder's tokenizer and set on the
+pipelines built here, so the cache and the samples cut the template where
+that tokenizer ends it: the tiny flavor's tokenizer spells it differently.
 
 ``model.variant: i2v`` trains the image-to-video checkpoints (``Kandinsky5I2VPipeline``; a local folder
 saved with that pipeline is detected): each item's control image (usually ``control_from_first_frame``) is
