@@ -141,6 +141,20 @@ class FamilySpec:
         return self.kohya if isinstance(self.kohya, Kohya) else self.kohya(denoiser_config)
 
 
+def generic_comfy_names(kohya: Kohya, names: str) -> dict[str, Any]:
+    """The spec fields of a family whose comfyui/kohya files only ComfyUI's generic LoRA names (and
+    ``diffpipe import-lora``) read: no kohya-family trainer names the model, so ``kohya`` is metadata in
+    the same scheme; ``names`` says what follows ``diffusion_model.`` (the original layer names). Spread
+    into :class:`FamilySpec`."""
+    return {
+        "kohya": kohya,
+        "comfyui_readers": f"ComfyUI's generic LoRA names (`diffusion_model.` + {names}); `diffpipe import-lora`",
+        "kohya_readers": "ComfyUI's generic LoRA names (`lora_unet_` + the original layer path); "
+                         "`diffpipe import-lora`",
+        "comfy_reads_diffusers": "none",
+    }
+
+
 def diffusers_files_only(reason: str) -> dict[str, Any]:
     """The spec fields of a family whose LoRA is written for diffusers/PEFT only: no kohya metadata, no
     key map to the original checkpoint names (both absent for ``reason``), and no ComfyUI or kohya

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.auraflow.flavors import PUBLISHED
-from diffpipe.models.spec import Absent, FamilySpec, Kohya
+from diffpipe.models.spec import Absent, FamilySpec, Kohya, generic_comfy_names
 
 SPEC = FamilySpec(
     name="auraflow",
@@ -12,11 +12,9 @@ SPEC = FamilySpec(
     tasks="text-to-image (flow matching)",
     targets="attention of both streams, the feed-forwards of both block kinds",
     published=tuple(PUBLISHED),
-    # No kohya-family trainer names AuraFlow: the metadata says what the file is in the same scheme.
-    kohya=Kohya("auraflow", "auraflow/lora", "https://huggingface.co/fal/AuraFlow"),
-    comfyui_readers="ComfyUI's generic LoRA names (`diffusion_model.` + the original checkpoint's layer names: "
-                    "`double_layers.N.attn.w2q`, `single_layers.N.mlp.c_fc1`, ...); `diffpipe import-lora`",
-    kohya_readers="ComfyUI's generic LoRA names (`lora_unet_` + the original layer path); `diffpipe import-lora`",
-    comfy_reads_diffusers="none",
+    # No kohya-family trainer names it: the metadata says what the file is in the same scheme.
+    **generic_comfy_names(Kohya("auraflow", "auraflow/lora", "https://huggingface.co/fal/AuraFlow"),
+                          "the original checkpoint's layer names: `double_layers.N.attn.w2q`, "
+                          "`single_layers.N.mlp.c_fc1`, ..."),
     layers=Absent("not implemented yet"),
 )

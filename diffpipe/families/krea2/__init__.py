@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.krea2.flavors import PUBLISHED
-from diffpipe.models.spec import FamilySpec, Kohya
+from diffpipe.models.spec import FamilySpec, Kohya, generic_comfy_names
 
 SPEC = FamilySpec(
     name="krea2",
@@ -12,10 +12,7 @@ SPEC = FamilySpec(
     tasks="text-to-image (flow matching; Qwen3-VL text at 12 layers, fused inside the transformer)",
     targets="attention `attn.to_q/k/v/out.0`, its `to_gate`, SwiGLU `ff.gate/up/down` (text-fusion blocks included)",
     published=tuple(PUBLISHED),
-    # No kohya-family trainer names Krea 2 yet: the metadata says what the file is in the same scheme.
-    kohya=Kohya("krea2", "krea-2/lora", "https://github.com/huggingface/diffusers"),
-    comfyui_readers="ComfyUI's generic LoRA names (`diffusion_model.` + the original checkpoint's layer names: "
-                    "`blocks.N.attn.wq`, `blocks.N.mlp.gate`, ...); `diffpipe import-lora`",
-    kohya_readers="ComfyUI's generic LoRA names (`lora_unet_` + the original layer path); `diffpipe import-lora`",
-    comfy_reads_diffusers="none",
+    # No kohya-family trainer names it: the metadata says what the file is in the same scheme.
+    **generic_comfy_names(Kohya("krea2", "krea-2/lora", "https://github.com/huggingface/diffusers"),
+                          "the original checkpoint's layer names: `blocks.N.attn.wq`, `blocks.N.mlp.gate`, ..."),
 )
