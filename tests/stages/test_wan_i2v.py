@@ -1,10 +1,11 @@
-"""Wan image-to-video (``model.variant: 2.1-i2v``, ``2.1-flf2v``, ``2.2-i2v-a14b``) on the tiny flavor, through
-every real stage.
+"""Wan image-to-video (``model.variant: 2.1-i2v``, ``2.1-flf2v``, ``2.2-i2v-a14b``, ``2.2-5b-i2v``) and SkyReels V2
+image-to-video (``skyreels-v2``, ``variant: i2v``: Wan 2.1 I2V's conditioning in its own pipeline) on the tiny
+flavor, through every real stage.
 
 Clips with ``control_from_first_frame`` (FLF2V: and ``control_from_last_frame``): validate → plan → cache (each
 clip's first (and last) frame cached as the pipeline's condition latents, + CLIP hidden states for 2.1)
 → 2 DeepSpeed steps → diffusers export → the stock ``WanImageToVideoPipeline``
-loads the LoRA → sampling writes an MP4 from ``sample.images``. The cached
+(``SkyReelsV2ImageToVideoPipeline``) loads the LoRA → sampling writes an MP4 from ``sample.images``. The cached
 conditioning is compared with what the stock pipeline builds from the same
 frame, tensor by tensor.
 
@@ -39,17 +40,19 @@ from diffpipe.training.adapter import apply_adapter
 pytestmark = pytest.mark.slow
 
 
-#: (variant, expert): Wan 2.1 I2V (CLIP image embedding), Wan 2.1 FLF2V (first and last frame), Wan 2.2 I2V-A14B
-#: (no image encoder; its high-noise expert, whose LoRA loads into the pipeline's ``transformer``), Wan 2.2
-#: TI2V-5B's image-conditioned mode (the clean first latent frame at timestep 0).
-VARIANTS = [("2.1-i2v", None), ("2.1-flf2v", None), ("2.2-i2v-a14b", "high"), ("2.2-5b-i2v", None)]
+#: (family, variant, expert): Wan 2.1 I2V (CLIP image embedding), Wan 2.1 FLF2V (first and last frame), Wan 2.2
+#: I2V-A14B (no image encoder; its high-noise expert, whose LoRA loads into the pipeline's ``transformer``), Wan
+#: 2.2 TI2V-5B's image-conditioned mode (the clean first latent frame at timestep 0), SkyReels V2 I2V.
+VARIANTS = [("wan", "2.1-i2v", None), ("wan", "2.1-flf2v", None), ("wan", "2.2-i2v-a14b", "high"),
+            ("wan", "2.2-5b-i2v", None), ("skyreels-v2", "i2v", None)]
 #: The sample size (TI2V-5B's latent grid is 32 pixels a side).
 SAMPLE_SIZE = {"2.2-5b-i2v": (64, 32)}
 
 
-@pytest.fixture(scope="module", params=VARIANTS, ids=[v for v, _ in VARIANTS])
+@pytest.fixture(scope="module", params=VARIANTS,
+                ids=[v if name == "wan" else f"{name}-{v}" for name, v, _ in VARIANTS])
 def i2v_run(tmp_path_factory, request):
-    variant, expert = request.param
+    name, variant, expert = request.param
     root = tmp_path_factory.mktemp("wan_i2v")
     write_demo_clips(root / "data", n=2, frames=7, width=48, height=32, fps=16)
     start, end = root / "start.png", root / "end.png"
@@ -58,7 +61,7 @@ def i2v_run(tmp_path_factory, request):
     flf = variant == "2.1-flf2v"
     cfg = {
         "output_dir": "run",
-        "model": {"family": "wan", "flavor": "tiny", "variant": variant, **({"expert": expert} if expert else {})},
+        "model": {"family": name, "flavor": "tiny", "variant": variant, **({"expert": expert} if expert else {})},
         "datasets": [
             {
                 "name": "clips",
@@ -94,7 +97,8 @@ def i2v_run(tmp_path_factory, request):
 def test_golden_losses_and_lora(i2v_run, golden):
     """The 2 losses and the exported LoRA equal the stored golden values (tests/golden.py)."""
     family, p = i2v_run
-    golden("wan", "test_wan_i2v::i2v_run" + ("" if family.variant == "2.1-i2v" else f"[{family.variant}]"), p)
+    tag = family.variant if family.name == "wan" else f"{family.name}-{family.variant}"
+    golden(family.name, "test_wan_i2v::i2v_run" + ("" if tag == "2.1-i2v" else f"[{tag}]"), p)
 
 
 def test_cached_condition_equals_the_pipeline_construction(i2v_run):
@@ -285,6 +289,15 @@ def test_i2v_errors_and_published_size():
     count = sum(x.numel() for x in model.parameters())
     assert spec.family == "wan" and spec.params_match(count) and count == 16_394_878_784
     assert model.config.in_channels == 36 and model.condition_embedder.image_embedder is not None
+    sky = PUBLISHED["skyreels-v2-i2v-14b"]  # Wan 2.1 I2V 14B's architecture in SkyReels V2's class
+    with torch.device("meta"):
+        sky_model = sky.build_meta()
+    assert type(sky_model).__name__ == "SkyReelsV2Transformer3DModel" and sky.family == "skyreels-v2"
+    assert sum(x.numel() for x in sky_model.parameters()) == count and sky.params_match(count)
+    sky_i2v = get_family(ModelConfig(family="skyreels-v2", variant="i2v"))
+    with pytest.raises(ValueError, match=r"sample.images: SkyReels V2 i2v \(image-to-video\)"):
+        sky_i2v.sample_kwargs(SampleConfig())
+    assert not get_family(ModelConfig(family="skyreels-v2")).uses_control
     with torch.device("meta"):  # FLF2V: the I2V transformer plus a position embedding over two CLIP sequences
         flf = PUBLISHED["wan2.1-flf2v-14b"].build_meta()
     flf_count = sum(x.numel() for x in flf.parameters())
@@ -318,9 +331,9 @@ def test_local_i2v_folder_is_detected_and_cached_like_the_tiny_one(i2v_run, tmp_
     # TI2V-5B's folder is detected as such; the image-conditioned mode is asked for and accepted on it.
     mode = family.spec.weights_of
     found = mode or family.variant
-    plain = get_family(ModelConfig(family="wan", flavor="local", path=str(tmp_path), expert=family.expert))
+    plain = get_family(ModelConfig(family=family.name, flavor="local", path=str(tmp_path), expert=family.expert))
     assert plain.variant == found
-    local = get_family(ModelConfig(family="wan", flavor="local", path=str(tmp_path), expert=family.expert,
+    local = get_family(ModelConfig(family=family.name, flavor="local", path=str(tmp_path), expert=family.expert,
                                    variant=family.variant if mode else None))
     assert local.variant == family.variant and local.uses_control and local.pipeline_class is family.pipeline_class
     if family.spec.image_embeds:
@@ -331,5 +344,6 @@ def test_local_i2v_folder_is_detected_and_cached_like_the_tiny_one(i2v_run, tmp_
     else:
         assert local.boundary_ratio == 0.9 and not (tmp_path / "image_encoder").exists()
     assert local.vae_identity() == family.vae_identity()  # the same VAE (+ image encoder), the same cache keys
-    with pytest.raises(ValueError, match=f"holds Wan {found}"):
-        get_family(ModelConfig(family="wan", flavor="local", path=str(tmp_path), variant="2.1"))
+    with pytest.raises(ValueError, match=f"holds {family.model_label} {found}"):
+        get_family(ModelConfig(family=family.name, flavor="local", path=str(tmp_path),
+                               variant="2.1" if family.name == "wan" else "t2v"))

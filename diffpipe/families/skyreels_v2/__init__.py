@@ -1,4 +1,4 @@
-"""Family ``skyreels-v2``: SkyReels V2 text-to-video 14B."""
+"""Family ``skyreels-v2``: SkyReels V2 text-to-video and image-to-video 14B."""
 
 from __future__ import annotations
 
@@ -8,13 +8,14 @@ from diffpipe.models.spec import FamilySpec, Kohya
 SPEC = FamilySpec(
     name="skyreels-v2",
     family_class="SkyReelsV2Family",
-    model="SkyReels V2 text-to-video 14B (540P, 720P)",
-    tasks="text-to-video (Wan 2.1's architecture; images train as 1-frame clips); 24 fps, 4k+1 frames",
+    model="SkyReels V2 text-to-video and image-to-video 14B (540P, 720P)",
+    tasks="text-to-video, image-to-video (`variant: i2v`, conditioned as Wan 2.1 I2V) on Wan 2.1's architecture "
+          "(images train as 1-frame clips); 24 fps, 4k+1 frames",
     targets="as `wan`",
     published=tuple(PUBLISHED),
     kohya=Kohya("wan", "wan2.1/lora", "https://github.com/SkyworkAI/SkyReels-V2"),
-    comfyui_readers="ComfyUI (as a Wan model), `SkyReelsV2Pipeline.load_lora_weights` (except a LoRA on "
-                    "`patch_embedding`)",
+    comfyui_readers="ComfyUI (as a Wan model), `SkyReelsV2Pipeline.load_lora_weights` and the I2V pipeline's "
+                    "(except a LoRA on `patch_embedding`)",
     kohya_readers="ComfyUI, musubi-tuner's Wan layout; `SkyReelsV2Pipeline.load_lora_weights` with the default "
                   "(block) targets",
     comfy_reads_diffusers="none",

@@ -14,4 +14,13 @@ PUBLISHED: list[Published] = [
         "dim 5120, 40 layers)",
         text={"prompt_embeds": (512, 4096)}, latent_channels=16,
     ),
+    Published(
+        "skyreels-v2-i2v-14b", "skyreels-v2", "SkyReelsV2Transformer3DModel",
+        {**_WAN_14B, "in_channels": 36, "image_dim": 1280, "added_kv_proj_dim": 5120},
+        16.39e9, 4,
+        "Skywork/SkyReels-V2-I2V-14B-540P(-Diffusers) and -720P model cards: 14B (Wan 2.1 I2V 14B's architecture: "
+        "36 input channels, a 1280-dim CLIP image embedder and image key/value projections in every block, "
+        "about 2.1B beyond the T2V transformer)",
+        text={"prompt_embeds": (512, 4096)}, latent_channels=16,
+    ),
 ]

@@ -235,6 +235,8 @@ class WanFamily(Family):
     #: a family built on Wan's parts (``skyreels-v2``) declares its own.
     variant_table: ClassVar[dict[str, WanVariant]] = VARIANTS
     transformer_cls: ClassVar[type] = WanTransformer3DModel
+    #: The model's name in messages.
+    model_label: ClassVar[str] = "Wan"
     #: Self- and cross-attention projections and the feed-forward linears of every block
     #: (what Wan LoRA trainers target).
     default_lora_targets: ClassVar[list[str]] = [*targets.attention(""), *targets.feed_forward("ffn")]
@@ -244,7 +246,7 @@ class WanFamily(Family):
         found = self.detect_variant(cfg.path) if cfg.flavor == "local" else None
         mode_of = self.variant_table[cfg.variant].weights_of if cfg.variant in self.variant_table else None
         if found and cfg.variant and found not in (cfg.variant, mode_of):
-            raise ValueError(f"model.variant {cfg.variant!r}: the folder {cfg.path} holds Wan {found}")
+            raise ValueError(f"model.variant {cfg.variant!r}: the folder {cfg.path} holds {self.model_label} {found}")
         self.variant = (cfg.variant if found and found == mode_of else found) or cfg.variant or next(
             iter(self.variant_table)
         )
@@ -263,10 +265,10 @@ class WanFamily(Family):
         if not two and self.expert is not None:
             raise ValueError(
                 f"model.expert {self.expert!r}: only Wan 2.2 A14B (model.variant: {' or '.join(EXPERT_VARIANTS)}) "
-                f"has experts; this model is Wan {self.variant}"
+                f"has experts; this model is {self.model_label} {self.variant}"
             )
         if "transformer_2" in cfg.single_files and not two:
-            raise ValueError(f"model.single_files.transformer_2: only Wan 2.2 A14B has one; this model is Wan {self.variant}")
+            raise ValueError(f"model.single_files.transformer_2: only Wan 2.2 A14B has one; this model is {self.model_label} {self.variant}")
 
     @staticmethod
     def detect_variant(path: str | Path) -> str | None:
@@ -390,7 +392,7 @@ class WanFamily(Family):
     def load_image_encoder(self):
         """Wan 2.1 I2V's CLIP vision encoder and its image processor."""
         if not self.spec.image_embeds:
-            raise ValueError(f"Wan {self.variant} has no image encoder")
+            raise ValueError(f"{self.model_label} {self.variant} has no image encoder")
         if self.cfg.flavor == "tiny":
             return wan_i2v.tiny_image_encoder(self.cfg.seed, self.spec.seed_prefix)
         return wan_i2v.load_image_encoder(self.cfg.path, self.cfg.weight_variant)
@@ -450,7 +452,7 @@ class WanFamily(Family):
             return {"control": self.encode_pixels(vae, control[:, :, :1])}
         if given != (2 if self.spec.last_frame else 1):
             raise ValueError(
-                f"Wan {self.variant} conditions on {'a first and a last frame' if self.spec.last_frame else 'one image'}"
+                f"{self.model_label} {self.variant} conditions on {'a first and a last frame' if self.spec.last_frame else 'one image'}"
                 f", got {given} control frame(s): datasets[].control_from_last_frame must be "
                 f"{str(self.spec.last_frame).lower()}"
             )
@@ -612,10 +614,10 @@ class WanFamily(Family):
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         if self.spec.image_to_video and not cfg.images:
-            raise ValueError(f"sample.images: Wan {self.variant} (image-to-video) samples start from an image; "
+            raise ValueError(f"sample.images: {self.model_label} {self.variant} (image-to-video) samples start from an image; "
                              "give one per sample.prompts")
         if self.spec.last_frame and not cfg.last_images:
-            raise ValueError(f"sample.last_images: Wan {self.variant} samples end on a given last frame; give one "
+            raise ValueError(f"sample.last_images: {self.model_label} {self.variant} samples end on a given last frame; give one "
                              "per sample.prompts")
         return {
             **super().sample_kwargs(cfg),
