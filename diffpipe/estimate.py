@@ -146,21 +146,29 @@ class MemoryEstimate:
 def _model_spec(cfg: Config, model: str | None) -> Published:
     """The published model to size: named, the local folder's config, or the family's flagship."""
     family = cfg.model.family
+    fam = get_family(cfg.model)
+    variant = getattr(fam, "variant", None)
     if model:
         spec = PUBLISHED.get(model)
         if spec is None:
             raise ValueError(f"--model: unknown published model {model!r}; known: {', '.join(sorted(PUBLISHED))}")
         if spec.family != family:
             raise ValueError(f"--model {model!r} is a {spec.family!r} model, but model.family is {family!r}")
+        if not fam.sizes(spec):
+            fits = [s.name for s in for_family(family) if fam.sizes(s)]
+            raise ValueError(f"--model {model!r} is {family} variant {spec.variant}, whose inputs model.variant "
+                             f"{variant} does not take; set model.variant: {spec.variant}"
+                             + (f", or name {' or '.join(fits)}" if fits else ""))
         return spec
-    specs = for_family(family)
+    # The flagship of this variant's weights, else the first that takes its inputs.
+    specs = sorted((s for s in for_family(family) if fam.sizes(s)), key=lambda s: s.variant not in fam.published_variants)
     if not specs:
-        raise ValueError(f"model.family {family!r}: no published configuration to size; pass a local model")
+        raise ValueError(f"model.family {family!r}" + (f" variant {variant}" if variant else "")
+                         + ": no published configuration to size; pass a local model")
     if cfg.model.flavor != "local":
         return specs[0]
     import diffusers
 
-    fam = get_family(cfg.model)
     cls = getattr(diffusers, specs[0].cls)
     config = dict(cls.load_config(fam.cfg.path, subfolder=fam.denoiser_attr))  # a hub id: its snapshot
     config = {k: v for k, v in config.items() if not k.startswith("_")}

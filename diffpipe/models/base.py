@@ -27,7 +27,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
@@ -36,6 +36,9 @@ from diffpipe.data.cache.frames import snap_frames
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
 from diffpipe.training import objectives as obj
+
+if TYPE_CHECKING:
+    from diffpipe.models.spec import Published
 
 
 @dataclass(frozen=True)
@@ -638,6 +641,16 @@ class Family(ABC):
         floor = (objective or ObjectiveConfig()).mask_min_weight
         w = mask_weights(m, floor).expand(x0.shape).contiguous()
         return pack(w) if pack is not None else w
+
+    @property
+    def published_variants(self) -> tuple[str | None, ...]:
+        """The ``Published.variant`` names whose weights this model is (the family's variant, if it has any)."""
+        return (getattr(self, "variant", None),)
+
+    def sizes(self, published: Published) -> bool:
+        """Whether a memory estimate can size this model's training with ``published``'s denoiser: it takes
+        this variant's inputs (a published model of no particular variant, or of this one)."""
+        return published.variant is None or published.variant in self.published_variants
 
     def estimate_controls(self, latents: torch.Tensor, denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
         """The control arguments of ``loss`` a memory estimate passes (``uses_control`` families): a reference

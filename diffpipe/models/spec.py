@@ -61,6 +61,8 @@ class Published:
     #: VAE latent channels and spatial downsampling (image side / latent side).
     latent_channels: int = 4
     vae_factor: int = 8
+    #: The family's ``model.variant`` these weights are (None: the family has one kind of weights).
+    variant: str | None = None
 
     def build_meta(self) -> torch.nn.Module:
         """The denoiser at its published size, on the ``meta`` device (no memory, no weights)."""
@@ -111,6 +113,8 @@ class FamilySpec:
     #: Pipeline-parallel layers: "" = the folder's ``layers.py``; a module path = another family's it
     #: shares (``diffpipe.families.flux.layers``); :class:`Absent` = none, with the reason.
     layers: str | Absent = ""
+    #: The variants or settings whose training the layers refuse (the docs' table says so), "" = none.
+    layers_refused: str = ""
     #: The key map: None = the folder's ``keymap.py``; :class:`Absent` = none, with the reason.
     keymap: Absent | None = None
 

@@ -57,7 +57,7 @@ def pipeline_markdown() -> str:
             what = f"refused: {s.layers.reason}"
         else:
             module = s.layers or f"{s.package}.layers"
-            what = f"`{module.replace('.', '/')}.py`"
+            what = f"`{module.replace('.', '/')}.py`" + (f" (refused: {s.layers_refused})" if s.layers_refused else "")
         rows.append(f"| `{s.name}` | {what} |")
     return "\n".join(rows)
 

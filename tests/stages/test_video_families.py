@@ -39,6 +39,7 @@ from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.data.dataset.demo_video import write_demo_clips
 from diffpipe.families.wan import i2v as wan_i2v
 from diffpipe.models import get_family
+from diffpipe.models.published import PUBLISHED
 from diffpipe.paths import REPO_ROOT, RunPaths
 from diffpipe.training.adapter import apply_adapter
 
@@ -357,3 +358,97 @@ def test_kandinsky5_i2v_trains_what_the_pipeline_feeds(k5_i2v, golden, tmp_path)
         get_family(ModelConfig(family="kandinsky5", flavor="local", path=str(tmp_path), variant="t2v"))
     with pytest.raises(ValueError, match="model.variant i2v needs a control image"):
         family.prepare(latents, batch["text"], torch.Generator(), objective=ObjectiveConfig())
+
+
+@pytest.fixture(scope="module")
+def skyreels_df(demo_clips, tmp_path_factory):
+    """SkyReels V2 diffusion forcing (``variant: df``): 9-frame clips (3 latent frames, each its own noise level)."""
+    monkeypatch = rendezvous()
+    root = tmp_path_factory.mktemp("skyreels-df")
+    cfg = {
+        "output_dir": "run",
+        "model": {"family": "skyreels-v2", "flavor": "tiny", "variant": "df"},
+        "datasets": [{"name": "clips", "path": str(demo_clips / "demo"), "resolution": 32, "frame_buckets": [9]}],
+        "cache": {"shards": 1, "workers": 0},
+        "train": {"max_steps": 2, "batch_size": 2, "lr": 0.01, "save_every_epochs": 0, "eval": {"quantiles": []}},
+        "export": {"formats": ["diffusers"]},
+        "sample": {"prompts": ["a red circle"], "steps": 2, "width": 32, "height": 32, "frames": 9},
+    }
+    config = root / "skyreels-df.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    try:
+        run_stages(str(config), cwd=root, monkeypatch=monkeypatch)
+    finally:
+        monkeypatch.undo()
+    return get_family(load_config(config).model), RunPaths(root / "run")
+
+
+def test_skyreels_df_trains_per_frame_levels_as_the_pipeline_feeds_them(skyreels_df, golden, tmp_path):
+    """Each latent frame is noised at its own level, non-decreasing along time, and the transformer gets the
+    stock diffusion-forcing pipeline's arguments (per-frame timesteps, ``enable_diffusion_forcing``, ``fps``);
+    the exported LoRA loads into that pipeline and reproduces training; the sample is a clip; a saved folder is
+    detected as ``df``."""
+    family, p = skyreels_df
+    golden("skyreels-v2", "test_video_families::skyreels_df", p)
+    batch = CachedDataset.from_run(p).collate([0, 1])
+    latents, text = batch["latents"], batch["text"]
+    assert latents.shape[2] == 3 and family.frames_per_block == 1
+    eps = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
+    drawn = family.prepare(latents, text, torch.Generator().manual_seed(3), objective=ObjectiveConfig(), noise=eps)
+    levels = drawn.inputs["timestep"] / 1000
+    assert levels.shape == (2, 3) and bool((levels.diff(dim=1) >= 0).all()) and levels.unique().numel() == 6
+    s = levels[:, None, :, None, None]
+    torch.testing.assert_close(drawn.inputs["hidden_states"], (1 - s) * latents + s * eps)
+    torch.testing.assert_close(drawn.target, eps - latents)
+    given = family.prepare(latents, text, torch.Generator(), objective=ObjectiveConfig(), t=torch.tensor([0.3, 0.7]))
+    assert bool((given.inputs["timestep"].diff(dim=1) == 0).all())  # a given level: every frame at it
+
+    pipe = family.load_pipeline()
+    assert type(pipe).__name__ == "SkyReelsV2DiffusionForcingPipeline" and pipe.transformer.config.inject_sample_info
+    seen = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw), with_kwargs=True)
+    try:
+        pipe(prompt="a red circle", **family.sample_kwargs(SampleConfig(steps=1, guidance_scale=1.0, width=32,
+             height=32, frames=9)))
+    finally:
+        handle.remove()
+    call = seen[0]
+    assert set(call) - {"attention_kwargs", "return_dict"} == set(drawn.inputs)
+    assert call["enable_diffusion_forcing"] is True and call["fps"] == drawn.inputs["fps"][:1] == [1]
+    assert call["timestep"].shape == (1, 3) and call["hidden_states"].shape[2] == 3
+
+    def output(denoiser):
+        with torch.no_grad():
+            return family.predict(denoiser, drawn)
+
+    base = output(pipe.transformer)
+    pipe.load_lora_weights(str(p.export_diffusers))
+    loaded = output(pipe.transformer)
+    assert (loaded - base).abs().max() > 1e-5, "the LoRA does not change the output"
+    torch.testing.assert_close(loaded, output(apply_adapter(family.load_denoiser(), p.adapter_dir)),
+                               rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # two clips in one forward of the frame-rate-embedding transformer: each clip alone
+        one = pipe.transformer(**{k: v[1:] if isinstance(v, torch.Tensor | list) else v
+                                  for k, v in drawn.inputs.items()}, return_dict=False)[0]
+    torch.testing.assert_close(loaded[1:], one, rtol=1e-5, atol=1e-5)
+    with av.open(str(p.samples_dir / "sample-00.mp4")) as container:
+        assert len(list(container.decode(video=0))) == 9
+    pipe.save_pretrained(tmp_path)
+    assert get_family(ModelConfig(family="skyreels-v2", flavor="local", path=str(tmp_path))).variant == "df"
+    with pytest.raises(ValueError, match="holds SkyReels V2 df"):
+        get_family(ModelConfig(family="skyreels-v2", flavor="local", path=str(tmp_path), variant="t2v"))
+    with pytest.raises(ValueError, match="skyreels-v2 df: pipeline parallelism is not implemented"):
+        family.pipeline_layers(pipe.transformer)
+    family.__dict__["frames_per_block"] = 2  # causal blocks of 2 frames: 3 latent frames do not split
+    with pytest.raises(ValueError, match="3 latent frames are not whole causal blocks of 2"):
+        family.prepare(latents, text, torch.Generator(), objective=ObjectiveConfig())
+    counts = {}
+    for name in ("skyreels-v2-t2v-14b", "skyreels-v2-df-14b", "skyreels-v2-df-1.3b", "wan2.1-t2v-1.3b"):
+        with torch.device("meta"):
+            counts[name] = sum(x.numel() for x in PUBLISHED[name].build_meta().parameters())
+        assert PUBLISHED[name].params_match(counts[name]), name
+    assert counts["skyreels-v2-df-14b"] == counts["skyreels-v2-t2v-14b"]
+    # Wan 2.1 1.3B plus the frame-rate embedding (2 x 1536) and its feed-forward (1536 -> 1536 -> 6 x 1536)
+    dim = 1536
+    fps_parts = 2 * dim + (dim * dim + dim) + (dim * 6 * dim + 6 * dim)
+    assert counts["skyreels-v2-df-1.3b"] == counts["wan2.1-t2v-1.3b"] + fps_parts

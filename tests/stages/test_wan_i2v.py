@@ -298,6 +298,8 @@ def test_i2v_errors_and_published_size():
     with pytest.raises(ValueError, match=r"sample.images: SkyReels V2 i2v \(image-to-video\)"):
         sky_i2v.sample_kwargs(SampleConfig())
     assert not get_family(ModelConfig(family="skyreels-v2")).uses_control
+    with pytest.raises(ValueError, match="skyreels-v2 i2v: pipeline parallelism is not implemented"):
+        sky_i2v.pipeline_layers(None)
     with torch.device("meta"):  # FLF2V: the I2V transformer plus a position embedding over two CLIP sequences
         flf = PUBLISHED["wan2.1-flf2v-14b"].build_meta()
     flf_count = sum(x.numel() for x in flf.parameters())

@@ -17,27 +17,52 @@ Variants (``model.variant``; a local folder's is read from its transformer confi
   penultimate hidden states the pipeline reads are the vision tower's, which ``CLIPVisionModel`` and
   the processor's image part load from the same files.
 
-The diffusion-forcing pipelines (per-frame timesteps, causal blocks) are not this family.
+- ``df`` (``SkyReelsV2DiffusionForcingPipeline``, flow shift 8): the diffusion-forcing checkpoints
+  (T2V's architecture; the 1.3B one adds a frame-rate embedding, ``inject_sample_info``). The
+  pipeline gives every latent frame its own timestep (``timestep`` ``[B, F]`` with
+  ``enable_diffusion_forcing=True`` and ``fps``); in its asynchronous schedule earlier frames are
+  further denoised than later ones. So training draws one noise level per causal block (the
+  transformer's ``num_frame_per_block``, 1 in the published configs) from the configured timestep
+  distribution, sorts them along time (earlier frames never noisier), and noises each frame at its
+  own level; a given ``t`` (evaluation quantiles) puts every frame of a clip at that level, as the
+  synchronous schedule (``ar_step=0``, the sampler's default here) does. ``fps`` is the pipeline's
+  index (0 for 16 fps, else 1; clips train at 24 fps). The image-to-video and video-to-video
+  diffusion-forcing pipelines are not trained.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+from functools import cached_property
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from diffusers import SkyReelsV2ImageToVideoPipeline, SkyReelsV2Pipeline, SkyReelsV2Transformer3DModel
+import torch
+from diffusers import (
+    SkyReelsV2DiffusionForcingPipeline,
+    SkyReelsV2ImageToVideoPipeline,
+    SkyReelsV2Pipeline,
+    SkyReelsV2Transformer3DModel,
+)
 
 from diffpipe.families.wan.family import VARIANTS as WAN_VARIANTS
 from diffpipe.families.wan.family import WanFamily, WanVariant
 from diffpipe.families.wan.flavors import TINY_TRANSFORMER, TINY_VAE
+from diffpipe.models import _common as common
+from diffpipe.models.base import Prepared
+from diffpipe.training import objectives as obj
 
 #: The versions: Wan 2.1's tiny parts (T2V, and I2V's 36-channel transformer with its image embedder), seeded
 #: apart; each pipeline's published flow shift.
 VARIANTS = {
     "t2v": WanVariant(TINY_VAE, TINY_TRANSFORMER, 8.0, seed_prefix="skyreels-v2"),
     "i2v": dataclasses.replace(WAN_VARIANTS["2.1-i2v"], flow_shift=5.0, seed_prefix="skyreels-v2-i2v"),
+    # with the frame-rate embedding of the 1.3B checkpoint, so the tiny model exercises it
+    "df": WanVariant(TINY_VAE, {**TINY_TRANSFORMER, "inject_sample_info": True}, 8.0, seed_prefix="skyreels-v2-df"),
 }
+#: The pipelines' ``fps`` input: an index, 0 for 16 fps, 1 otherwise.
+_FPS_INDEX = {16: 0}
 
 
 class SkyReelsV2Family(WanFamily):
@@ -51,20 +76,95 @@ class SkyReelsV2Family(WanFamily):
 
     @staticmethod
     def detect_variant(path: str | Path) -> str | None:
-        """``i2v`` where the transformer has an image embedder (``image_dim``), else ``t2v``."""
-        if not (Path(path) / "transformer" / "config.json").is_file():
+        """``df`` where the folder's pipeline is the diffusion-forcing one, ``i2v`` where the transformer has
+        an image embedder (``image_dim``), else ``t2v``."""
+        path = Path(path)
+        if not (path / "transformer" / "config.json").is_file():
             return None
+        index = path / "model_index.json"
+        if index.is_file() and json.loads(index.read_text()).get("_class_name") == SkyReelsV2DiffusionForcingPipeline.__name__:
+            return "df"
         config = SkyReelsV2Transformer3DModel.load_config(path, subfolder="transformer")
         return "i2v" if config.get("image_dim") else "t2v"
 
     @property
     def pipeline_class(self) -> type:
+        if self.variant == "df":
+            return SkyReelsV2DiffusionForcingPipeline
         return SkyReelsV2ImageToVideoPipeline if self.spec.image_to_video else SkyReelsV2Pipeline
 
-    def load_pipeline(self) -> SkyReelsV2Pipeline | SkyReelsV2ImageToVideoPipeline:
+    def load_pipeline(self) -> SkyReelsV2Pipeline | SkyReelsV2ImageToVideoPipeline | SkyReelsV2DiffusionForcingPipeline:
         enc = self.load_text_encoders()
         parts = {"tokenizer": enc.tokenizer, "text_encoder": enc.text_encoder, "vae": self.load_vae(),
                  "transformer": self._load_transformer("transformer"), "scheduler": self.inference_scheduler()}
         if self.spec.image_embeds:
             parts["image_encoder"], parts["image_processor"] = self.load_image_encoder()
         return self.pipeline_class(**parts)
+
+    def sizes(self, published) -> bool:
+        """Diffusion forcing's inputs (per-frame timesteps, a frame rate) only for its own checkpoints."""
+        return super().sizes(published) and (published.variant == "df") == (self.variant == "df")
+
+    # -- diffusion forcing ---------------------------------------------------------
+    @cached_property
+    def frames_per_block(self) -> int:
+        """The transformer's causal block (``num_frame_per_block``): latent frames that share a noise level."""
+        config = (self.spec.transformer if self.cfg.flavor == "tiny"
+                  else SkyReelsV2Transformer3DModel.load_config(self.cfg.path, subfolder="transformer"))
+        return int(config.get("num_frame_per_block", 1))
+
+    def _clip_sigmas(self, o, x0, generator, t):
+        """``df``: a noise level per latent frame ``[B, F]``, non-decreasing along time (see the module doc)."""
+        if self.variant != "df":
+            return super()._clip_sigmas(o, x0, generator, t)
+        b, frames = x0.shape[0], x0.shape[2]
+        if t is not None:  # one given level a clip: the synchronous schedule
+            return self._sigmas(o, b, generator, t)[:, None].expand(b, frames)
+        block = self.frames_per_block
+        if frames % block:
+            raise ValueError(f"skyreels-v2 df: {frames} latent frames are not whole causal blocks of {block} "
+                             "(the transformer's num_frame_per_block); pick frame buckets that make them")
+        sigma = self._sigmas(o, b * (frames // block), generator, None).view(b, -1).sort(dim=1).values
+        return sigma.repeat_interleave(block, dim=1)
+
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32, control=None, control_embeds=None) -> Prepared:
+        """``df``: each latent frame noised at its own level, the transformer told each frame's timestep."""
+        if self.variant != "df":
+            return super().prepare(latents, text, generator, objective=objective, t=t, noise=noise, mask=mask,
+                                   dtype=dtype, control=control, control_embeds=control_embeds)
+        x0, sigma, noise = self._draw(latents, generator, t, noise, objective)
+        frame_sigma = sigma[:, None, :, None, None]
+        inputs = {
+            "hidden_states": ((1 - frame_sigma) * x0 + frame_sigma * noise).to(dtype),
+            "timestep": sigma * self._scheduler_config.get("num_train_timesteps", 1000),
+            "encoder_hidden_states": text["prompt_embeds"].to(device=x0.device, dtype=dtype),
+            "enable_diffusion_forcing": True,
+            "fps": [_FPS_INDEX.get(int(self.fps), 1)] * x0.shape[0],
+        }
+        return Prepared(inputs, obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, objective))
+
+    def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
+        """``df`` with a frame-rate embedding: one clip a forward. diffusers 0.42.1's transformer adds that
+        embedding to per-frame timesteps correctly for a batch of one clip only (as the pipeline runs it);
+        clips do not interact in the forward, so the batch's output is the clips' outputs stacked."""
+        inputs = prepared.inputs
+        if self.variant != "df" or len(inputs["fps"]) == 1 or not common.unwrap(denoiser).config.get(
+            "inject_sample_info"
+        ):
+            return super().predict(denoiser, prepared)
+        outs = [denoiser(**{k: v[i : i + 1] if isinstance(v, torch.Tensor | list) else v for k, v in inputs.items()},
+                         return_dict=False)[0] for i in range(len(inputs["fps"]))]
+        return torch.cat(outs)
+
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        if self.variant == "df":
+            raise ValueError("skyreels-v2 df: pipeline parallelism is not implemented (per-frame timesteps); set "
+                             "train.pipeline_stages: 1")
+        return super().pipeline_layers(denoiser)
+
+    def sample_kwargs(self, cfg) -> dict[str, Any]:
+        out = super().sample_kwargs(cfg)
+        if self.variant == "df":
+            out["fps"] = int(self.fps)
+        return out

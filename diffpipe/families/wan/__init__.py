@@ -16,4 +16,5 @@ SPEC = FamilySpec(
     comfyui_readers="ComfyUI, `WanPipeline.load_lora_weights` (except a LoRA on `patch_embedding`)",
     kohya_readers="ComfyUI, musubi-tuner; `WanPipeline.load_lora_weights` with the default (block) targets",
     comfy_reads_diffusers="none",
+    layers_refused="the image-conditioned variants, `expert: both`",
 )

@@ -191,6 +191,8 @@ VARIANTS: dict[str, WanVariant] = {
         image_to_video=True,
     ),
 }
+#: What a variant's transformer is conditioned on (:meth:`WanFamily.sizes`).
+_CONDITIONING = ("image_to_video", "image_embeds", "last_frame", "expand_timesteps")
 #: The variants with two experts (``model.expert``).
 EXPERT_VARIANTS = tuple(name for name, v in VARIANTS.items() if v.boundary_ratio is not None)
 
@@ -522,13 +524,18 @@ class WanFamily(Family):
             sigma = sigma.clamp(max=float(torch.nextafter(torch.tensor(self.boundary_ratio), torch.tensor(0.0))))
         return sigma
 
+    def _clip_sigmas(self, o: ObjectiveConfig, x0: torch.Tensor, generator: torch.Generator,
+                     t: torch.Tensor | None) -> torch.Tensor:
+        """The noise levels of a batch of clips: one per clip ``[B]`` (a family with per-frame levels overrides)."""
+        return self._sigmas(o, x0.shape[0], generator, t)
+
     def _draw(self, latents, generator, t, noise, o):
         x0 = latents.float()
         if x0.ndim != 5:
             raise ValueError(f"family 'wan' trains on [B,C,F,h,w] latents, got {tuple(x0.shape)}")
         device = x0.device
         # Draw order is fixed (t, then noise) so a seeded generator replays a run.
-        sigma = self._sigmas(o, x0.shape[0], generator, t)
+        sigma = self._clip_sigmas(o, x0, generator, t)
         if noise is None:
             noise = torch.randn(x0.shape, generator=generator, device=generator.device)
         elif noise.ndim == 4:  # an image's noise without its frame axis
@@ -573,6 +580,19 @@ class WanFamily(Family):
             inputs["encoder_hidden_states_image"] = wan_i2v.image_states(control_embeds).to(device=x0.device, dtype=dtype)
         return Prepared(inputs, obj.flow_target(x0, noise), mask=weights, extra={"first_clean": first_clean})
 
+    @property
+    def published_variants(self) -> tuple[str | None, ...]:
+        return (self.variant, self.spec.weights_of)
+
+    def sizes(self, published) -> bool:
+        """A published Wan transformer of the same conditioning (first frame, image embedding, last frame, clean
+        first latent frame) takes this variant's inputs: T2V-A14B's expert sizes Wan 2.1 T2V 14B, say; and a
+        variant that trains other weights in another mode (TI2V-5B's image-conditioned mode) takes those."""
+        theirs = self.variant_table.get(published.variant)
+        if theirs is None or published.variant in self.published_variants:  # these weights, in any mode
+            return True
+        return all(getattr(theirs, k) == getattr(self.spec, k) for k in _CONDITIONING)
+
     def estimate_controls(self, latents: torch.Tensor, denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
         """Condition latents like the target and, for an image embedder, CLIP states of its width: 257 tokens
         (CLIP ViT-H/14 at 224 px) a frame, or the pair its position embedding covers (FLF2V)."""
@@ -603,7 +623,8 @@ class WanFamily(Family):
         from diffpipe.families.wan.layers import wan_layers
 
         if self.spec.image_to_video:
-            raise ValueError(f"wan {self.variant}: pipeline parallelism is not implemented; set train.pipeline_stages: 1")
+            raise ValueError(f"{self.name} {self.variant}: pipeline parallelism is not implemented; set "
+                             "train.pipeline_stages: 1")
         if self.expert == "both":
             raise ValueError(
                 "model.expert both: pipeline parallelism splits one transformer, not two experts chosen per "

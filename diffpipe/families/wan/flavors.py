@@ -55,7 +55,7 @@ PUBLISHED: list[Published] = [
         1.42e9, 3,
         "Wan-AI/Wan2.1-T2V-1.3B(-Diffusers): dim 1536, 12 heads, ffn 8960, 30 layers; 1.42B parameters "
         "in its transformer weights (the model card's headline: '1.3B')",
-        text={"prompt_embeds": (512, 4096)}, latent_channels=16,
+        text={"prompt_embeds": (512, 4096)}, latent_channels=16, variant="2.1",
     ),
     Published(
         "wan2.2-ti2v-5b", "wan", "WanTransformer3DModel",
@@ -64,7 +64,7 @@ PUBLISHED: list[Published] = [
         5e9, 1,
         "Wan-AI/Wan2.2-TI2V-5B(-Diffusers) model card: 5B dense model (dim 3072, 30 layers, 48-channel "
         "Wan2.2-VAE with 16x16 spatial compression)",
-        text={"prompt_embeds": (512, 4096)}, latent_channels=48, vae_factor=16,
+        text={"prompt_embeds": (512, 4096)}, latent_channels=48, vae_factor=16, variant="2.2-5b",
     ),
     Published(
         "wan2.2-t2v-a14b", "wan", "WanTransformer3DModel",
@@ -72,7 +72,7 @@ PUBLISHED: list[Published] = [
         14e9, 2,
         "Wan-AI/Wan2.2-T2V-A14B(-Diffusers) model card: two 14B experts (high and low noise), 14B active "
         "per step; each expert (transformer, transformer_2) is this denoiser",
-        text={"prompt_embeds": (512, 4096)}, latent_channels=16,
+        text={"prompt_embeds": (512, 4096)}, latent_channels=16, variant="2.2-a14b",
     ),
     Published(
         "wan2.2-i2v-a14b", "wan", "WanTransformer3DModel",
@@ -81,7 +81,7 @@ PUBLISHED: list[Published] = [
         "Wan-AI/Wan2.2-I2V-A14B(-Diffusers) model card: two 14B experts (high and low noise), 14B active per "
         "step; each expert is the T2V-A14B denoiser reading 36 input channels (noisy, mask and condition "
         "latents), without image embedder",
-        text={"prompt_embeds": (512, 4096)}, latent_channels=16,
+        text={"prompt_embeds": (512, 4096)}, latent_channels=16, variant="2.2-i2v-a14b",
     ),
     Published(
         "wan2.1-i2v-14b", "wan", "WanTransformer3DModel",
@@ -91,7 +91,7 @@ PUBLISHED: list[Published] = [
         "Wan-AI/Wan2.1-I2V-14B-480P(-Diffusers) transformer config (dim 5120, 40 heads, ffn 13824, 40 layers, "
         "36 input channels, 1280-dim CLIP image embedder with image key/value projections in every block): "
         "the 14B T2V transformer plus about 2.1B of image-conditioning weights (headline: '14B')",
-        text={"prompt_embeds": (512, 4096)}, latent_channels=16,
+        text={"prompt_embeds": (512, 4096)}, latent_channels=16, variant="2.1-i2v",
     ),
     Published(
         "wan2.1-flf2v-14b", "wan", "WanTransformer3DModel",
@@ -101,6 +101,6 @@ PUBLISHED: list[Published] = [
         "Wan-AI/Wan2.1-FLF2V-14B-720P(-Diffusers) transformer config: the Wan 2.1 I2V 14B transformer whose "
         "image embedder adds a position embedding over two CLIP sequences (2 x 257 tokens: the first and "
         "the last frame); headline '14B'",
-        text={"prompt_embeds": (512, 4096)}, latent_channels=16,
+        text={"prompt_embeds": (512, 4096)}, latent_channels=16, variant="2.1-flf2v",
     ),
 ]
