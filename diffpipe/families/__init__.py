@@ -70,9 +70,8 @@ NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
                            "does not install; FLUX.2 [klein] is a family (`flux2-klein`)"),
     "Kandinsky 5 text-to-image, Pro": (None, _LATER + " (Kandinsky 5.0 T2V and I2V Lite are: `kandinsky5`)"),
     "LTX-2": ("LTX2LoraLoaderMixin", _LATER),
-    "SkyReels V2 diffusion forcing image-to-video, video-to-video": (None, _LATER + " (text-to-video, image-to-video "
-                                                                      "and diffusion-forcing text-to-video are: "
-                                                                      "`skyreels-v2`)"),
+    "SkyReels V2 diffusion forcing video-to-video": (None, _LATER + " (text-to-video, image-to-video and diffusion "
+                                                     "forcing from text or an image are: `skyreels-v2`)"),
     "Bria FIBO 2": ("BriaFibo2LoraLoaderMixin", _LATER),
     "Helios": ("HeliosLoraLoaderMixin", _LATER),
     "Ideogram 4": ("Ideogram4LoraLoaderMixin", _LATER),

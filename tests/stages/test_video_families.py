@@ -281,30 +281,51 @@ def test_video2world_condition_equals_the_pipeline_construction(run, monkeypatch
             torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-5, msg=f"{key}, {k} given")
 
 
-@pytest.fixture(scope="module")
-def k5_i2v(demo_clips, tmp_path_factory):
-    """Kandinsky 5 image-to-video (``variant: i2v``): clips with their own first frame as the control."""
+def _variant_run(tmp_path_factory, clips, tag, model, *, start_image=False, frames=5, sample_frames=5, **dataset):
+    """A family variant's tiny run through every stage: the demo clips in ``frames``-frame buckets, 2 steps,
+    the diffusers export, a sample of ``sample_frames`` (from a start image where the variant needs one)."""
     monkeypatch = rendezvous()
-    root = tmp_path_factory.mktemp("kandinsky5-i2v")
-    Image.new("RGB", (48, 32), (200, 30, 30)).save(root / "start.png")
+    root = tmp_path_factory.mktemp(tag)
+    sample = {"prompts": ["a red circle"], "steps": 2, "width": 32, "height": 32, "frames": sample_frames}
+    if start_image:
+        Image.new("RGB", (48, 32), (200, 30, 30)).save(root / "start.png")
+        sample["images"] = [str(root / "start.png")]
     cfg = {
         "output_dir": "run",
-        "model": {"family": "kandinsky5", "flavor": "tiny", "variant": "i2v"},
-        "datasets": [{"name": "clips", "path": str(demo_clips / "demo"), "resolution": 32, "frame_buckets": [5],
-                      "control_from_first_frame": True}],
+        "model": {"flavor": "tiny", **model},
+        "datasets": [{"name": "clips", "path": str(clips), "resolution": 32, "frame_buckets": [frames], **dataset}],
         "cache": {"shards": 1, "workers": 0},
         "train": {"max_steps": 2, "batch_size": 2, "lr": 0.01, "save_every_epochs": 0, "eval": {"quantiles": []}},
         "export": {"formats": ["diffusers"]},
-        "sample": {"prompts": ["a red circle"], "images": [str(root / "start.png")], "steps": 2, "width": 32,
-                   "height": 32, "frames": 17},
+        "sample": sample,
     }
-    config = root / "k5-i2v.yaml"
+    config = root / f"{tag}.yaml"
     config.write_text(yaml.safe_dump(cfg))
     try:
         run_stages(str(config), cwd=root, monkeypatch=monkeypatch)
     finally:
         monkeypatch.undo()
     return get_family(load_config(config).model), RunPaths(root / "run")
+
+
+def _lora_reproduces_training(family, pipe, p, output):
+    """The exported diffusers file loads into the stock ``pipe``, changes its transformer's ``output`` and
+    equals the trained adapter's; the loaded output is returned."""
+    base = output(pipe.transformer)
+    pipe.load_lora_weights(str(p.export_diffusers))
+    loaded = output(pipe.transformer)
+    assert (loaded - base).abs().max() > 1e-5, "the LoRA does not change the output"
+    torch.testing.assert_close(loaded, output(apply_adapter(family.load_denoiser(), p.adapter_dir)),
+                               rtol=1e-5, atol=1e-5)
+    return loaded
+
+
+@pytest.fixture(scope="module")
+def k5_i2v(demo_clips, tmp_path_factory):
+    """Kandinsky 5 image-to-video (``variant: i2v``): clips with their own first frame as the control."""
+    return _variant_run(tmp_path_factory, demo_clips / "demo", "kandinsky5-i2v",
+                        {"family": "kandinsky5", "variant": "i2v"}, start_image=True, sample_frames=17,
+                        control_from_first_frame=True)
 
 
 def test_kandinsky5_i2v_trains_what_the_pipeline_feeds(k5_i2v, golden, tmp_path):
@@ -342,12 +363,7 @@ def test_kandinsky5_i2v_trains_what_the_pipeline_feeds(k5_i2v, golden, tmp_path)
             handle.remove()
         return torch.cat(out)
 
-    base = output(pipe.transformer)
-    pipe.load_lora_weights(str(p.export_diffusers))
-    loaded = output(pipe.transformer)
-    assert (loaded - base).abs().max() > 1e-5, "the LoRA does not change the output"
-    torch.testing.assert_close(loaded, output(apply_adapter(family.load_denoiser(), p.adapter_dir)),
-                               rtol=1e-5, atol=1e-5)
+    _lora_reproduces_training(family, pipe, p, output)
     with av.open(str(p.samples_dir / "sample-00.mp4")) as container:
         assert len(list(container.decode(video=0))) == 17
     with pytest.raises(ValueError, match="sample.frames 9: Kandinsky 5 i2v samples need at least 17 frames"):
@@ -363,24 +379,8 @@ def test_kandinsky5_i2v_trains_what_the_pipeline_feeds(k5_i2v, golden, tmp_path)
 @pytest.fixture(scope="module")
 def skyreels_df(demo_clips, tmp_path_factory):
     """SkyReels V2 diffusion forcing (``variant: df``): 9-frame clips (3 latent frames, each its own noise level)."""
-    monkeypatch = rendezvous()
-    root = tmp_path_factory.mktemp("skyreels-df")
-    cfg = {
-        "output_dir": "run",
-        "model": {"family": "skyreels-v2", "flavor": "tiny", "variant": "df"},
-        "datasets": [{"name": "clips", "path": str(demo_clips / "demo"), "resolution": 32, "frame_buckets": [9]}],
-        "cache": {"shards": 1, "workers": 0},
-        "train": {"max_steps": 2, "batch_size": 2, "lr": 0.01, "save_every_epochs": 0, "eval": {"quantiles": []}},
-        "export": {"formats": ["diffusers"]},
-        "sample": {"prompts": ["a red circle"], "steps": 2, "width": 32, "height": 32, "frames": 9},
-    }
-    config = root / "skyreels-df.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    try:
-        run_stages(str(config), cwd=root, monkeypatch=monkeypatch)
-    finally:
-        monkeypatch.undo()
-    return get_family(load_config(config).model), RunPaths(root / "run")
+    return _variant_run(tmp_path_factory, demo_clips / "demo", "skyreels-df", {"family": "skyreels-v2", "variant": "df"},
+                        frames=9, sample_frames=9)
 
 
 def test_skyreels_df_trains_per_frame_levels_as_the_pipeline_feeds_them(skyreels_df, golden, tmp_path):
@@ -421,12 +421,7 @@ def test_skyreels_df_trains_per_frame_levels_as_the_pipeline_feeds_them(skyreels
         with torch.no_grad():
             return family.predict(denoiser, drawn)
 
-    base = output(pipe.transformer)
-    pipe.load_lora_weights(str(p.export_diffusers))
-    loaded = output(pipe.transformer)
-    assert (loaded - base).abs().max() > 1e-5, "the LoRA does not change the output"
-    torch.testing.assert_close(loaded, output(apply_adapter(family.load_denoiser(), p.adapter_dir)),
-                               rtol=1e-5, atol=1e-5)
+    loaded = _lora_reproduces_training(family, pipe, p, output)
     with torch.no_grad():  # two clips in one forward of the frame-rate-embedding transformer: each clip alone
         one = pipe.transformer(**{k: v[1:] if isinstance(v, torch.Tensor | list) else v
                                   for k, v in drawn.inputs.items()}, return_dict=False)[0]
@@ -452,3 +447,76 @@ def test_skyreels_df_trains_per_frame_levels_as_the_pipeline_feeds_them(skyreels
     dim = 1536
     fps_parts = 2 * dim + (dim * dim + dim) + (dim * 6 * dim + 6 * dim)
     assert counts["skyreels-v2-df-1.3b"] == counts["wan2.1-t2v-1.3b"] + fps_parts
+
+
+@pytest.fixture(scope="module")
+def skyreels_df_i2v(demo_clips, tmp_path_factory):
+    """SkyReels V2 diffusion forcing from an image (``variant: df-i2v``): each clip's own first frame."""
+    return _variant_run(tmp_path_factory, demo_clips / "demo", "skyreels-df-i2v",
+                        {"family": "skyreels-v2", "variant": "df-i2v"}, start_image=True, frames=9, sample_frames=9,
+                        control_from_first_frame=True)
+
+
+def test_skyreels_df_i2v_starts_from_the_image_as_the_pipeline_does(skyreels_df_i2v, golden, tmp_path):
+    """The cached control is the stock DF image-to-video pipeline's condition latents; the first latent frame
+    is the image's, at timestep 0 and out of the loss, as the pipeline's first call shows; the LoRA loads into
+    that pipeline and reproduces training; the DF weights' folder is accepted for the variant."""
+    family, p = skyreels_df_i2v
+    golden("skyreels-v2", "test_video_families::skyreels_df_i2v", p)
+    assert family.uses_control and family.pipeline_class.__name__ == "SkyReelsV2DiffusionForcingImageToVideoPipeline"
+    ds = CachedDataset.from_run(p)
+    item = read_spec(p.latent_spec("s0000"))["items"][0]
+    batch = ds.collate([ds.items.index(next(x for x in ds.items if x.id == item["id"]))])
+    control, latents = batch["control_latents"], batch["latents"]
+    pipe = family.load_pipeline()
+    first = wan_i2v.to_pil(torch.from_numpy(_decode((item, False))["pixels"][None, :, :1]))[0]
+    _, h, w = item["bucket"]
+    with torch.no_grad():
+        image = pipe.video_processor.preprocess(first, height=h, width=w)
+        _, _, condition, ready = pipe.prepare_latents(image, 1, 16, h, w, 9, torch.float32, "cpu",
+                                                      torch.Generator().manual_seed(0))
+    assert control.shape == (1, 16, 1, h // 8, w // 8) and ready == 1
+    torch.testing.assert_close(control, condition, rtol=1e-5, atol=1e-5)
+
+    eps = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
+    drawn = family.prepare(latents, batch["text"], torch.Generator().manual_seed(3), objective=ObjectiveConfig(),
+                           noise=eps, control=control)
+    levels = drawn.inputs["timestep"]
+    assert levels[0, 0] == 0 and bool((levels[:, 1:] > 0).all()) and bool((levels.diff(dim=1) >= 0).all())
+    torch.testing.assert_close(drawn.inputs["hidden_states"][:, :, :1], control)
+    assert drawn.mask[:, :, 0].abs().max() == 0 and drawn.mask[:, :, 1:].min() == 1
+
+    seen = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw), with_kwargs=True)
+    try:
+        pipe(prompt="a red circle", image=first, **family.sample_kwargs(SampleConfig(
+            steps=1, guidance_scale=1.0, width=w, height=h, frames=9, images=["start.png"])))
+    finally:
+        handle.remove()
+    call = seen[0]
+    assert set(call) - {"attention_kwargs", "return_dict"} == set(drawn.inputs) and call["timestep"][0, 0] == 0
+    torch.testing.assert_close(call["hidden_states"][:, :, :1], condition)
+
+    batch = ds.collate([0, 1])
+    drawn = family.prepare(batch["latents"], batch["text"], torch.Generator().manual_seed(3),
+                           objective=ObjectiveConfig(), control=batch["control_latents"])
+
+    def output(denoiser):
+        with torch.no_grad():
+            return family.predict(denoiser, drawn)
+
+    _lora_reproduces_training(family, pipe, p, output)
+    with av.open(str(p.samples_dir / "sample-00.mp4")) as container:
+        assert len(list(container.decode(video=0))) == 9
+    pipe.save_pretrained(tmp_path)
+    assert get_family(ModelConfig(family="skyreels-v2", flavor="local", path=str(tmp_path))).variant == "df"
+    local = get_family(ModelConfig(family="skyreels-v2", flavor="local", path=str(tmp_path), variant="df-i2v"))
+    assert local.variant == "df-i2v" and local.vae_identity() == family.vae_identity()
+    with pytest.raises(ValueError, match="model.variant df-i2v needs a control image"):
+        family.prepare(latents, batch["text"], torch.Generator(), objective=ObjectiveConfig())
+    with pytest.raises(ValueError, match=r"sample.images: SkyReels V2 df-i2v \(image-to-video\)"):
+        family.sample_kwargs(SampleConfig())
+    family.__dict__["frames_per_block"] = 3  # the pipeline would not keep the image frame clean
+    with pytest.raises(ValueError, match="marks the image's latent frame as ready only in blocks of one frame"):
+        family.prepare(latents, {k: v[:1] for k, v in batch["text"].items()},
+                       torch.Generator(), objective=ObjectiveConfig(), control=control)

@@ -141,7 +141,8 @@ def test_the_estimate_sizes_a_published_model_of_the_configured_variants_inputs(
 
     for family, variant, expected in [("wan", "2.1-i2v", "wan2.1-i2v-14b"), ("wan", "2.2-5b-i2v", "wan2.2-ti2v-5b"),
                                       ("skyreels-v2", "i2v", "skyreels-v2-i2v-14b"),
-                                      ("skyreels-v2", "df", "skyreels-v2-df-14b")]:
+                                      ("skyreels-v2", "df", "skyreels-v2-df-14b"),
+                                      ("skyreels-v2", "df-i2v", "skyreels-v2-df-14b")]:
         assert estimate_memory(cfg(family, variant), rank=4).model == expected
     # Wan 2.2 T2V-A14B's expert takes Wan 2.1 T2V's inputs (the docs' fits table sizes 2.1 with it)
     assert estimate_memory(cfg("wan", "2.1"), model="wan2.2-t2v-a14b", rank=4).activation_bytes > 0

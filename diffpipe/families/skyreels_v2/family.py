@@ -26,8 +26,14 @@ Variants (``model.variant``; a local folder's is read from its transformer confi
   distribution, sorts them along time (earlier frames never noisier), and noises each frame at its
   own level; a given ``t`` (evaluation quantiles) puts every frame of a clip at that level, as the
   synchronous schedule (``ar_step=0``, the sampler's default here) does. ``fps`` is the pipeline's
-  index (0 for 16 fps, else 1; clips train at 24 fps). The image-to-video and video-to-video
-  diffusion-forcing pipelines are not trained.
+  index (0 for 16 fps, else 1; clips train at 24 fps).
+- ``df-i2v`` (``SkyReelsV2DiffusionForcingImageToVideoPipeline``; the ``df`` weights, a DF folder is
+  accepted): ``df`` started from an image. The pipeline encodes the image alone as a one-frame clip
+  and puts its latents in the first latent frame, at timestep 0 there (a pre-ready frame); so each
+  item's control image (or its own first frame, ``control_from_first_frame``) is cached as its
+  one-frame latents, replaces the first latent frame at level 0, and that frame is left out of the
+  loss. The pipeline marks the frame ready only in causal blocks of one frame: other block sizes are
+  refused. The video-to-video diffusion-forcing pipeline is not trained.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from typing import Any, ClassVar
 
 import torch
 from diffusers import (
+    SkyReelsV2DiffusionForcingImageToVideoPipeline,
     SkyReelsV2DiffusionForcingPipeline,
     SkyReelsV2ImageToVideoPipeline,
     SkyReelsV2Pipeline,
@@ -61,6 +68,10 @@ VARIANTS = {
     # with the frame-rate embedding of the 1.3B checkpoint, so the tiny model exercises it
     "df": WanVariant(TINY_VAE, {**TINY_TRANSFORMER, "inject_sample_info": True}, 8.0, seed_prefix="skyreels-v2-df"),
 }
+#: The DF weights started from an image (the I2V pipeline's flow shift, 5).
+VARIANTS["df-i2v"] = dataclasses.replace(VARIANTS["df"], flow_shift=5.0, image_to_video=True, weights_of="df")
+#: The diffusion-forcing variants.
+DF = ("df", "df-i2v")
 #: The pipelines' ``fps`` input: an index, 0 for 16 fps, 1 otherwise.
 _FPS_INDEX = {16: 0}
 
@@ -82,15 +93,17 @@ class SkyReelsV2Family(WanFamily):
         if not (path / "transformer" / "config.json").is_file():
             return None
         index = path / "model_index.json"
-        if index.is_file() and json.loads(index.read_text()).get("_class_name") == SkyReelsV2DiffusionForcingPipeline.__name__:
-            return "df"
+        df_pipelines = (SkyReelsV2DiffusionForcingPipeline.__name__, SkyReelsV2DiffusionForcingImageToVideoPipeline.__name__)
+        if index.is_file() and json.loads(index.read_text()).get("_class_name") in df_pipelines:
+            return "df"  # the same weights serve both pipelines: df-i2v is asked for
         config = SkyReelsV2Transformer3DModel.load_config(path, subfolder="transformer")
         return "i2v" if config.get("image_dim") else "t2v"
 
     @property
     def pipeline_class(self) -> type:
-        if self.variant == "df":
-            return SkyReelsV2DiffusionForcingPipeline
+        if self.variant in DF:
+            return SkyReelsV2DiffusionForcingImageToVideoPipeline if self.spec.image_to_video else \
+                SkyReelsV2DiffusionForcingPipeline
         return SkyReelsV2ImageToVideoPipeline if self.spec.image_to_video else SkyReelsV2Pipeline
 
     def load_pipeline(self) -> SkyReelsV2Pipeline | SkyReelsV2ImageToVideoPipeline | SkyReelsV2DiffusionForcingPipeline:
@@ -103,7 +116,7 @@ class SkyReelsV2Family(WanFamily):
 
     def sizes(self, published) -> bool:
         """Diffusion forcing's inputs (per-frame timesteps, a frame rate) only for its own checkpoints."""
-        return super().sizes(published) and (published.variant == "df") == (self.variant == "df")
+        return super().sizes(published) and (published.variant in DF) == (self.variant in DF)
 
     # -- diffusion forcing ---------------------------------------------------------
     @cached_property
@@ -115,25 +128,45 @@ class SkyReelsV2Family(WanFamily):
 
     def _clip_sigmas(self, o, x0, generator, t):
         """``df``: a noise level per latent frame ``[B, F]``, non-decreasing along time (see the module doc)."""
-        if self.variant != "df":
+        if self.variant not in DF:
             return super()._clip_sigmas(o, x0, generator, t)
         b, frames = x0.shape[0], x0.shape[2]
         if t is not None:  # one given level a clip: the synchronous schedule
             return self._sigmas(o, b, generator, t)[:, None].expand(b, frames)
         block = self.frames_per_block
+        if self.spec.image_to_video and block != 1:
+            raise ValueError(f"skyreels-v2 df-i2v: the transformer's causal blocks are {block} frames; the pipeline "
+                             "marks the image's latent frame as ready only in blocks of one frame")
         if frames % block:
             raise ValueError(f"skyreels-v2 df: {frames} latent frames are not whole causal blocks of {block} "
                              "(the transformer's num_frame_per_block); pick frame buckets that make them")
         sigma = self._sigmas(o, b * (frames // block), generator, None).view(b, -1).sort(dim=1).values
         return sigma.repeat_interleave(block, dim=1)
 
+    def encode_control(self, vae: torch.nn.Module, control: torch.Tensor, *, frames: int) -> dict[str, torch.Tensor]:
+        """``df-i2v``: the image alone as a one-frame clip, as the pipeline encodes it."""
+        if self.variant != "df-i2v":
+            return super().encode_control(vae, control, frames=frames)
+        return {"control": self.encode_pixels(vae, control[:, :, :1])}
+
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32, control=None, control_embeds=None) -> Prepared:
-        """``df``: each latent frame noised at its own level, the transformer told each frame's timestep."""
-        if self.variant != "df":
+        """``df``: each latent frame noised at its own level, the transformer told each frame's timestep;
+        ``df-i2v``: the first latent frame is the image's, clean, at level 0, and out of the loss."""
+        if self.variant not in DF:
             return super().prepare(latents, text, generator, objective=objective, t=t, noise=noise, mask=mask,
                                    dtype=dtype, control=control, control_embeds=control_embeds)
+        if self.spec.image_to_video and control is None:
+            raise ValueError("model.variant df-i2v needs a control image per item (its first frame): set "
+                             "datasets[].control_path / control_column, or control_from_first_frame: true")
         x0, sigma, noise = self._draw(latents, generator, t, noise, objective)
+        weights = self.loss_mask(mask, x0, objective)
+        if self.spec.image_to_video:
+            sigma = torch.cat([torch.zeros_like(sigma[:, :1]), sigma[:, 1:]], dim=1)
+            x0 = torch.cat([control[:, :, :1].to(x0), x0[:, :, 1:]], dim=2)
+            keep = torch.ones_like(x0[:, :1])
+            keep[:, :, 0] = 0
+            weights = keep.expand(x0.shape) * (1 if weights is None else weights)
         frame_sigma = sigma[:, None, :, None, None]
         inputs = {
             "hidden_states": ((1 - frame_sigma) * x0 + frame_sigma * noise).to(dtype),
@@ -142,14 +175,14 @@ class SkyReelsV2Family(WanFamily):
             "enable_diffusion_forcing": True,
             "fps": [_FPS_INDEX.get(int(self.fps), 1)] * x0.shape[0],
         }
-        return Prepared(inputs, obj.flow_target(x0, noise), mask=self.loss_mask(mask, x0, objective))
+        return Prepared(inputs, obj.flow_target(x0, noise), mask=weights)
 
     def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
         """``df`` with a frame-rate embedding: one clip a forward. diffusers 0.42.1's transformer adds that
         embedding to per-frame timesteps correctly for a batch of one clip only (as the pipeline runs it);
         clips do not interact in the forward, so the batch's output is the clips' outputs stacked."""
         inputs = prepared.inputs
-        if self.variant != "df" or len(inputs["fps"]) == 1 or not common.unwrap(denoiser).config.get(
+        if self.variant not in DF or len(inputs["fps"]) == 1 or not common.unwrap(denoiser).config.get(
             "inject_sample_info"
         ):
             return super().predict(denoiser, prepared)
@@ -158,13 +191,13 @@ class SkyReelsV2Family(WanFamily):
         return torch.cat(outs)
 
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
-        if self.variant == "df":
-            raise ValueError("skyreels-v2 df: pipeline parallelism is not implemented (per-frame timesteps); set "
+        if self.variant in DF:
+            raise ValueError(f"skyreels-v2 {self.variant}: pipeline parallelism is not implemented (per-frame timesteps); set "
                              "train.pipeline_stages: 1")
         return super().pipeline_layers(denoiser)
 
     def sample_kwargs(self, cfg) -> dict[str, Any]:
         out = super().sample_kwargs(cfg)
-        if self.variant == "df":
+        if self.variant in DF:
             out["fps"] = int(self.fps)
         return out
