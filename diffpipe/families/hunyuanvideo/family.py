@@ -32,6 +32,7 @@ the names also reach the text token refiner's attention and MLP.
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -102,10 +103,14 @@ class HunyuanVideoFamily(Family):
     def flow_shift(self) -> float:
         return float(self._scheduler_config.get("shift", 1.0))
 
+    @cached_property
+    def _text_settings(self) -> dict[str, Any]:
+        tok = self.load_tokenizer()  # measured once: a folder's tokenizer loads in about a second
+        return {"max_sequence_length": min(MAX_LENGTH, int(tok.model_max_length)), "prompt_template": template_for(tok)}
+
     def text_settings(self) -> dict[str, Any]:
         """Prompt tokens kept after the template, and the template with its measured ``crop_start``."""
-        tok = self.load_tokenizer()
-        return {"max_sequence_length": min(MAX_LENGTH, int(tok.model_max_length)), "prompt_template": template_for(tok)}
+        return dict(self._text_settings)
 
     def load_pipeline(self) -> HunyuanVideoPipeline:
         text = self.load_text_encoders()

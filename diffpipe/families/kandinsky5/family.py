@@ -41,6 +41,7 @@ refused with a clear error.
 from __future__ import annotations
 
 import json
+from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -155,9 +156,13 @@ class Kandinsky5Family(Family):
         self.uses_control = self.variant == "i2v"
         self.pipeline_class = Kandinsky5I2VPipeline if self.uses_control else Kandinsky5T2VPipeline
 
+    @cached_property
+    def _template_start(self) -> int:
+        return template_start(self.load_tokenizer())  # measured once: a folder's tokenizer loads in about a second
+
     def text_settings(self) -> dict[str, Any]:
         """Prompt tokens kept after the template, and the template's measured length."""
-        return {**super().text_settings(), "template_start": template_start(self.load_tokenizer())}
+        return {**super().text_settings(), "template_start": self._template_start}
 
     def load_denoiser(self) -> Kandinsky5Transformer3DModel:
         model = super().load_denoiser()
