@@ -20,7 +20,7 @@ pipeline uses the control image twice, and so does this family:
 The cached embeddings are padded to ``max_sequence_length`` caption tokens
 plus the most vision tokens an image can bring, masked like ``qwenimage``'s.
 Caption dropout is refused (an empty caption would still need each item's
-image); the sample stage does not pass a control image yet, so it refuses too.
+image). Samples edit ``sample.images``, one per prompt (:meth:`QwenImageEditFamily.sample_kwargs`).
 """
 
 from __future__ import annotations
