@@ -68,7 +68,9 @@ NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
     "Qwen-Image-Edit-Plus (several references)": (None, _LATER + " (Qwen-Image-Edit, one reference, is)"),
     "FLUX.2 [dev]": (None, "its text side (Mistral 3 through PixtralProcessor) needs torchvision, which diffpipe "
                            "does not install; FLUX.2 [klein] is a family (`flux2-klein`)"),
-    "Kandinsky 5 text-to-image, Pro": (None, _LATER + " (Kandinsky 5.0 T2V and I2V Lite are: `kandinsky5`)"),
+    "Kandinsky 5.0 Image Lite (text-to-image, editing)": (None, _LATER + " (an image model on the video models' "
+                                                          "transformer with FLUX's VAE; Video Lite and Pro are: "
+                                                          "`kandinsky5`)"),
     "LTX-2": ("LTX2LoraLoaderMixin", _LATER),
     "SkyReels V2 diffusion forcing video-to-video": (None, _LATER + " (text-to-video, image-to-video and diffusion "
                                                      "forcing from text or an image are: `skyreels-v2`)"),

@@ -1,4 +1,4 @@
-"""Family ``kandinsky5``: Kandinsky 5.0 text-to-video and image-to-video (Lite)."""
+"""Family ``kandinsky5``: Kandinsky 5.0 text-to-video and image-to-video (Video Lite and Pro)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ _NO_REFERENCE = "not checked against an independent reference of Kandinsky 5's o
 SPEC = FamilySpec(
     name="kandinsky5",
     family_class="Kandinsky5Family",
-    model="Kandinsky 5.0 T2V Lite, I2V Lite (`variant: i2v`); the regular-attention checkpoints",
+    model="Kandinsky 5.0 T2V Lite / Pro, I2V Lite / Pro (`variant: i2v`); the regular-attention checkpoints",
     tasks="text-to-video (images train as 1-frame clips), image-to-video; 24 fps, 4k+1 frames; Qwen2.5-VL + "
           "CLIP text",
     targets="self/cross attention `to_query/key/value`, `out_layer`, feed-forward `in_layer`/`out_layer` "

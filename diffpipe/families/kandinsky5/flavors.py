@@ -43,4 +43,15 @@ PUBLISHED: list[Published] = [
         text={"prompt_embeds": (512, 3584), "prompt_embeds_mask": (512,), "pooled_prompt_embeds": (768,)},
         latent_channels=16,
     ),
+    Published(
+        "kandinsky-5-video-pro", "kandinsky5", "Kandinsky5Transformer3DModel",
+        {"in_visual_dim": 16, "out_visual_dim": 16, "in_text_dim": 3584, "in_text_dim2": 768, "time_dim": 1024,
+         "model_dim": 4096, "ff_dim": 16384, "num_text_blocks": 4, "num_visual_blocks": 60,
+         "axes_dims": (32, 48, 48), "visual_cond": True},
+        19e9, 2,
+        "kandinskylab/Kandinsky-5.0-T2V-Pro and I2V-Pro (Diffusers) transformer config (width 4096, 4 text and "
+        "60 visual blocks, time embedding 1024; the same for both tasks): 19.31B counted, headline '19B'",
+        text={"prompt_embeds": (512, 3584), "prompt_embeds_mask": (512,), "pooled_prompt_embeds": (768,)},
+        latent_channels=16,
+    ),
 ]
