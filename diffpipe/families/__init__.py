@@ -45,6 +45,7 @@ FAMILIES: dict[str, str] = {
     "cogvideox": "cogvideox",
     "hunyuanvideo": "hunyuanvideo",
     "kandinsky5": "kandinsky5",
+    "kandinsky5-image": "kandinsky5_image",
     "cosmos2-video": "cosmos2_video",
     "mochi": "mochi",
 }
@@ -68,9 +69,7 @@ NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
     "Qwen-Image-Edit-Plus (several references)": (None, _LATER + " (Qwen-Image-Edit, one reference, is)"),
     "FLUX.2 [dev]": (None, "its text side (Mistral 3 through PixtralProcessor) needs torchvision, which diffpipe "
                            "does not install; FLUX.2 [klein] is a family (`flux2-klein`)"),
-    "Kandinsky 5.0 Image Lite (text-to-image, editing)": (None, _LATER + " (an image model on the video models' "
-                                                          "transformer with FLUX's VAE; Video Lite and Pro are: "
-                                                          "`kandinsky5`)"),
+    "Kandinsky 5.0 Image Lite editing": (None, _LATER + " (its text-to-image pipeline is: `kandinsky5-image`)"),
     "LTX-2": ("LTX2LoraLoaderMixin", _LATER),
     "SkyReels V2 diffusion forcing video-to-video": (None, _LATER + " (text-to-video, image-to-video and diffusion "
                                                      "forcing from text or an image are: `skyreels-v2`)"),

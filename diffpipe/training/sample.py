@@ -33,7 +33,10 @@ def _render(pipe, family, cfg: SampleConfig, kwargs: dict) -> list[list[Image.Im
         if cfg.last_images:
             extra["last_image"] = _open_image(cfg.last_images[i])
         result = pipe(prompt=prompt, generator=gen, **kwargs, **extra)  # by name: edit pipelines take `image` first
-        out.append(list(result.frames[0]) if family.is_video else [result.images[0]])
+        if family.is_video:
+            out.append(list(result.frames[0]))
+        else:  # Kandinsky5T2IPipeline's output names its list ``image``
+            out.append([(result.images if hasattr(result, "images") else result.image)[0]])
     return out
 
 

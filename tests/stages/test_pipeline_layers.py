@@ -158,21 +158,23 @@ def _layers_reproduce_the_loss(family, den, latents, text, o) -> list:
     return layers
 
 
-def test_kandinsky5_layers_equal_forward_and_need_one_prompt_length():
-    """Kandinsky 5: the layers (text stack in the embedding) predict as the transformer does and
-    pipeline_inputs + the pipeline loss equal family.loss; prompts of two lengths are refused."""
+@pytest.mark.parametrize(("name", "shape"), [("kandinsky5", (2, 4, 2, 4, 6)), ("kandinsky5-image", (2, 4, 4, 6))])
+def test_kandinsky5_layers_equal_forward_and_need_one_prompt_length(name, shape):
+    """Kandinsky 5 (video, and Image Lite on one frame): the layers (text stack in the embedding) predict as
+    the transformer does and pipeline_inputs + the pipeline loss equal family.loss; prompts of two lengths
+    are refused."""
     from diffpipe.config import ObjectiveConfig
 
-    family = get_family(ModelConfig(family="kandinsky5"))
+    family = get_family(ModelConfig(family=name))
     den = _with_lora(family)
-    latents = torch.randn(2, 4, 2, 4, 6, generator=torch.Generator().manual_seed(0))
+    latents = torch.randn(*shape, generator=torch.Generator().manual_seed(0))
     enc = family.load_text_encoders()
     text = family.encode_text(enc, ["a red circle", "a red square"])
     assert text["prompt_embeds_mask"].sum(1).unique().numel() == 1  # one prompt length
     layers = _layers_reproduce_the_loss(family, den, latents, text, ObjectiveConfig())
     assert len(layers) == len(den.visual_transformer_blocks) + 2
     two = family.encode_text(enc, ["a red circle", "a blue square moving left to right"])
-    with pytest.raises(ValueError, match=r"kandinsky5 with train.pipeline_stages > 1: .*train.batch_size: 1"):
+    with pytest.raises(ValueError, match=rf"{name} with train.pipeline_stages > 1: .*train.batch_size: 1"):
         family.pipeline_inputs(latents, two, torch.Generator().manual_seed(0))
 
 

@@ -96,10 +96,10 @@ def _bare_pipeline() -> Kandinsky5T2VPipeline:
 TEMPLATE = _bare_pipeline().prompt_template
 
 
-def template_start(tokenizer: PreTrainedTokenizerBase) -> int:
+def template_start(tokenizer: PreTrainedTokenizerBase, template: str = TEMPLATE) -> int:
     """The template's token count before the prompt, by ``tokenizer`` (the pipeline's
     ``prompt_template_encode_start_idx``)."""
-    return len(tokenizer(TEMPLATE.split("{}")[0]).input_ids)
+    return len(tokenizer(template.split("{}")[0]).input_ids)
 
 
 def _tiny_modulations(model: Kandinsky5Transformer3DModel, seed: int) -> Kandinsky5Transformer3DModel:
@@ -131,6 +131,8 @@ class Kandinsky5Family(Family):
     is_video = True
     fps = 24.0
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    #: The pipeline's prompt template (its ``prompt_template``).
+    template: ClassVar[str] = TEMPLATE
     #: Attention (self and cross) and feed-forward linears of every block, the text blocks' included.
     default_lora_targets: ClassVar[list[str]] = [
         *(f"{attn}.{proj}" for attn in ("self_attention", "cross_attention")
@@ -158,7 +160,7 @@ class Kandinsky5Family(Family):
 
     @cached_property
     def _template_start(self) -> int:
-        return template_start(self.load_tokenizer())  # measured once: a folder's tokenizer loads in about a second
+        return template_start(self.load_tokenizer(), self.template)  # measured once: a folder's tokenizer loads in about a second
 
     def text_settings(self) -> dict[str, Any]:
         """Prompt tokens kept after the template, and the template's measured length."""
@@ -206,8 +208,8 @@ class Kandinsky5Family(Family):
 
     def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
         # The Qwen tokens the pipeline keeps: the templated prompt's, less the template's start.
-        templated = encoders.tokenizer([TEMPLATE.format(c) for c in self.caption_prompts(captions)]).input_ids
-        start = template_start(encoders.tokenizer)
+        templated = encoders.tokenizer([self.template.format(c) for c in self.caption_prompts(captions)]).input_ids
+        start = template_start(encoders.tokenizer, self.template)
         return {
             "qwen2.5-vl": [len(x) - start for x in templated],
             "clip": [len(x) for x in encoders.tokenizer_2(list(captions)).input_ids],
@@ -257,7 +259,7 @@ class Kandinsky5Family(Family):
         extra = {
             "lengths": lengths,
             "visual_rope_pos": [torch.arange(n, device=device) for n in (f, h // 2, w // 2)],
-            "scale_factor": Kandinsky5T2VPipeline._get_scale_factor(None, h * s, w * s),
+            "scale_factor": self.rope_scale(h * s, w * s),
         }
         weights = self.loss_mask(mask, x0, o)
         if self.uses_control:  # the given first frame is not denoised
@@ -266,6 +268,10 @@ class Kandinsky5Family(Family):
             weights = keep.expand(x0.shape) * (1 if weights is None else weights)
         return Prepared(inputs, obj.flow_target(x0, noise).permute(0, 2, 3, 4, 1),
                         mask=None if weights is None else weights.permute(0, 2, 3, 4, 1), extra=extra)
+
+    def rope_scale(self, height: int, width: int) -> tuple[float, float, float]:
+        """The rotary scale the pipeline picks for a clip of this size."""
+        return Kandinsky5T2VPipeline._get_scale_factor(None, height, width)
 
     def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
         """The transformer's output, each item on its own prompt length (it cannot mask text)."""

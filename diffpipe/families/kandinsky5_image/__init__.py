@@ -1,0 +1,18 @@
+"""Family ``kandinsky5-image``: Kandinsky 5.0 Image Lite (text-to-image)."""
+
+from __future__ import annotations
+
+from diffpipe.families.kandinsky5.__init__ import _NO_REFERENCE
+from diffpipe.families.kandinsky5_image.flavors import PUBLISHED
+from diffpipe.models.spec import FamilySpec, diffusers_files_only
+
+SPEC = FamilySpec(
+    name="kandinsky5-image",
+    family_class="Kandinsky5ImageFamily",
+    model="Kandinsky 5.0 Image Lite (text-to-image; the regular-attention checkpoint)",
+    tasks="text-to-image on the video models' transformer, FLUX.1's VAE; Qwen2.5-VL + CLIP text",
+    targets="as `kandinsky5`",
+    published=tuple(PUBLISHED),
+    layers="diffpipe.families.kandinsky5.layers",
+    **diffusers_files_only(_NO_REFERENCE),
+)
