@@ -455,6 +455,7 @@ FITS_MODELS = (
     ("Z-Image Turbo", "z-image-turbo", "zimage", 1024, 1024, 1, ""),
     ("Krea 2", "krea-2", "krea2", 1024, 1024, 1, ""),
     ("Kandinsky 5.0 T2V Lite", "kandinsky-5-t2v-lite", "kandinsky5", 768, 512, 121, ""),
+    ("Kandinsky 5.0 Image Lite", "kandinsky-5-image-lite", "kandinsky5-image", 1024, 1024, 1, ""),
 )
 #: What the CUDA context and the allocator's fragmentation add to an estimate (module docstring).
 CONTEXT_BYTES = 3 * GiB // 2

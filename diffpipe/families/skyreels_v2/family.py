@@ -6,7 +6,8 @@ diffusers reads its LoRAs with Wan's converters), sampled at 24 fps. So the fami
 own transformer class, pipelines and published sizes; Wan's key map, pipeline layers and training
 inputs serve it unchanged.
 
-Variants (``model.variant``; a local folder's is read from its transformer config):
+Variants (``model.variant``; a local folder's is read from its pipeline class, ``df``, or its
+transformer config, ``i2v`` where it has an image embedder):
 
 - ``t2v`` (``SkyReelsV2Pipeline``, UniPC flow shift 8): text-to-video, as ``wan`` ``2.1``.
 - ``i2v`` (``SkyReelsV2ImageToVideoPipeline``, flow shift 5): the 36-channel transformer with a CLIP
@@ -16,7 +17,6 @@ Variants (``model.variant``; a local folder's is read from its transformer confi
   published folders name a ``CLIPVisionModelWithProjection`` and a ``CLIPProcessor``; the
   penultimate hidden states the pipeline reads are the vision tower's, which ``CLIPVisionModel`` and
   the processor's image part load from the same files.
-
 - ``df`` (``SkyReelsV2DiffusionForcingPipeline``, flow shift 8): the diffusion-forcing checkpoints
   (T2V's architecture; the 1.3B one adds a frame-rate embedding, ``inject_sample_info``). The
   pipeline gives every latent frame its own timestep (``timestep`` ``[B, F]`` with
