@@ -678,6 +678,31 @@ class ProfileConfig(_Section):
     steps: Int = Field(0, description="Optimizer steps the profiler records (0: no profiling).", ge=0, le=1_000)
 
 
+class TextEncoderTrainConfig(_Section):
+    encoders: list[Text] = Field(
+        [],
+        description="Text encoders to train a LoRA on beside the denoiser's, by pipeline name (`text_encoder`; "
+        "SDXL also `text_encoder_2`); empty: none (every embedding is cached). A trained encoder's captions are "
+        "cached as token ids and encoded at every step; the others stay cached. Families `sd` and `sdxl`; "
+        "train.mode lora (kind lora), zero_stage 0-2, one pipeline stage.",
+    )
+    lr: Float | None = Field(None, description="Their learning rate; null: train.lr.", gt=0)
+    rank: Int | None = Field(None, description="Their LoRA rank; null: train.lora.rank.", ge=1, le=4096)
+    alpha: Float | None = Field(None, description="Their LoRA alpha; null: train.lora.alpha.", gt=0)
+    targets: list[Text] = Field(
+        ["q_proj", "k_proj", "v_proj", "out_proj", "fc1", "fc2"],
+        description="Module names to adapt in each encoder (CLIP's attention and MLP, as kohya's LoRA does).",
+        min_length=1,
+    )
+
+    @field_validator("encoders")
+    @classmethod
+    def _unique_encoders(cls, value: list[str]) -> list[str]:
+        if len(set(value)) != len(value):
+            raise ValueError(f"names an encoder twice: {value}")
+        return value
+
+
 class TrainConfig(_Section):
     epochs: Int = Field(10, description="Passes over the training data.", ge=1, le=MAX_EPOCHS)
     max_steps: Int | None = Field(
@@ -797,6 +822,9 @@ class TrainConfig(_Section):
         "(written to `train/denoiser/` as a diffusers model; no LoRA, no per-epoch saves).",
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA settings.")
+    text_encoder: TextEncoderTrainConfig = Field(
+        default_factory=TextEncoderTrainConfig, description="LoRA on the text encoders too (SD 1.x/2.x, SDXL)."
+    )
     objective: ObjectiveConfig = Field(
         default_factory=ObjectiveConfig, description="Timestep sampling, loss and loss weighting."
     )
@@ -848,6 +876,17 @@ class TrainConfig(_Section):
         if self.ema.enabled and (self.mode != "lora" or self.zero_stage == 3 or self.pipeline_stages > 1):
             raise ValueError("train.ema needs train.mode lora, train.zero_stage 0-2 and train.pipeline_stages: 1 "
                              "(the average is kept beside whole LoRA weights on every process)")
+        return self
+
+    @model_validator(mode="after")
+    def _check_text_encoder(self) -> TrainConfig:
+        if not self.text_encoder.encoders:
+            return self
+        if self.mode != "lora" or self.lora.kind != "lora":
+            raise ValueError("train.text_encoder needs train.mode lora with train.lora.kind lora (the stock "
+                             "pipelines load a text encoder's LoRA, not its DoRA, LoKr or LoHa)")
+        if self.zero_stage == 3 or self.pipeline_stages > 1:
+            raise ValueError("train.text_encoder needs train.zero_stage 0-2 and train.pipeline_stages: 1")
         return self
 
     @model_validator(mode="after")

@@ -23,8 +23,10 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     # cache.dir: the cache folder is kept out of dataset discovery.
     "validate": ("datasets", "validation", "model", "cache.dir"),
     # train.batch_size and grad_accum: buckets smaller than one global batch are filled by repetition.
-    "plan": ("datasets", "validation", "cache", "model", "train.batch_size", "train.grad_accum"),
-    "cache": ("model", "cache"),
+    # train.text_encoder: a trained text encoder's captions are cached as token ids (other keys).
+    "plan": ("datasets", "validation", "cache", "model", "train.batch_size", "train.grad_accum",
+             "train.text_encoder"),
+    "cache": ("model", "cache", "train.text_encoder"),
     # Training also reads `sample` (preview images during training) on purpose without
     # rerunning for it (see TRAIN_UNTRACKED), and `datasets` through the caches it reads.
     "train": ("model", "train"),
@@ -163,7 +165,7 @@ def plan(cfg: Config, paths: Any) -> Any:
     from diffpipe.models import get_family
 
     cfg = _as(cfg, "plan")
-    family = get_family(cfg.model)
+    family = get_family(cfg.model).with_trained_text(cfg.train.text_encoder.encoders)
     for ds in cfg.datasets:
         if ds.control_from_last_frame != family.uses_last_frame:
             raise ValueError(
@@ -193,7 +195,8 @@ def cache_text(cfg: Config, paths: Any, shard: str, *, regenerate: bool = False)
 
     cfg = _as(cfg, "cache")
     return build(paths.text_spec(shard), paths.text_shard(shard), cfg.model, cfg.cache,
-                 store=paths.cache_store(cfg.cache.dir), regenerate=regenerate)
+                 store=paths.cache_store(cfg.cache.dir), regenerate=regenerate,
+                 trained_text=cfg.train.text_encoder.encoders)
 
 
 def cache_empty(cfg: Config, paths: Any, *, regenerate: bool = False) -> Any:
@@ -202,7 +205,8 @@ def cache_empty(cfg: Config, paths: Any, *, regenerate: bool = False) -> Any:
 
     cfg = _as(cfg, "cache")
     return cache_empty_text(paths.text_empty, cfg.model, cfg.cache, spec_path=paths.empty_spec,
-                            store=paths.cache_store(cfg.cache.dir), regenerate=regenerate)
+                            store=paths.cache_store(cfg.cache.dir), regenerate=regenerate,
+                            trained_text=cfg.train.text_encoder.encoders)
 
 
 def prepare_data(cfg: Config, paths: Any, *, empty_caption: bool = True) -> None:

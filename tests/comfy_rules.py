@@ -152,3 +152,27 @@ def lycoris_patches(tensors: dict[str, torch.Tensor]) -> dict[str, object]:
 
         out[name] = make
     return out
+
+
+# ComfyUI's CLIP LoRA key map (``model_lora_keys_clip`` in ``comfy/lora.py``): for each encoder layer ``b``
+# and each of these modules ``c``, the weight ``text_model.encoder.layers.b.c`` of SD 1.x's CLIP-L answers to
+# ``lora_te_text_model_encoder_layers_b_<LORA_CLIP_MAP[c]>`` (and ``lora_te1_``); SDXL's CLIP-L to ``lora_te1_``
+# and its CLIP-G to ``lora_te2_``. No other text-encoder module has a kohya name there.
+LORA_CLIP_MAP = {
+    "mlp.fc1": "mlp_fc1", "mlp.fc2": "mlp_fc2", "self_attn.k_proj": "self_attn_k_proj",
+    "self_attn.q_proj": "self_attn_q_proj", "self_attn.v_proj": "self_attn_v_proj",
+    "self_attn.out_proj": "self_attn_out_proj",
+}
+
+
+def clip_lora_keys(encoders: dict[str, int], sdxl: bool) -> dict[str, tuple[str, str]]:
+    """ComfyUI's LoRA names of the CLIP weights: name -> (encoder, weight path); ``encoders``: the
+    pipeline's text encoders and their layer counts (``text_encoder``: CLIP-L, ``text_encoder_2``: CLIP-G)."""
+    out = {}
+    for encoder, layers in encoders.items():
+        prefixes = (["lora_te2"] if encoder == "text_encoder_2" else ["lora_te1"] if sdxl else ["lora_te", "lora_te1"])
+        for b in range(layers):
+            for c, short in LORA_CLIP_MAP.items():
+                for prefix in prefixes:
+                    out[f"{prefix}_text_model_encoder_layers_{b}_{short}"] = (encoder, f"text_model.encoder.layers.{b}.{c}")
+    return out

@@ -25,6 +25,7 @@ LONGEST_FIRST = (
     "tests/stages/test_bench.py",  # 145 s: every bench point is a process
     "tests/stages/test_tabular_datasets.py",  # 125 s: one `diffpipe run` from a hub dataset
     "tests/multiprocess/test_data_parallel.py",  # 100 s
+    "tests/stages/test_text_encoder_training.py",  # 105 s
     "tests/workflow/test_safety_workflow.py",  # 95 s
     "tests/stages/test_video_families.py",  # 73 s
     "tests/stages/test_fp8_base_weights.py",  # 70 s

@@ -17,9 +17,11 @@ from diffpipe.export.lycoris import module_products
 from diffpipe.export.merged import export_merged
 from diffpipe.export.metadata import gather_info, tensors_digest
 from diffpipe.export.peft_format import export_peft
+from diffpipe.export.text_encoders import TextLoras, kohya_tensors
 from diffpipe.models.base import Family, split_parts
 from diffpipe.paths import EXPORT_CARD, EXPORT_NAMES, FORMATS, RunPaths, export_name
 from diffpipe.training.adapter import PEFT_PREFIX, adapter_kind, load_adapter
+from diffpipe.training.text_encoders import load_text_adapters
 from diffpipe.utils import claim_files
 
 
@@ -66,6 +68,7 @@ def export_lora(
                          "and these formats hold one model's LoRA; export diffusers, peft or merged")
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     state_dict, lora_cfg = load_adapter(adapter_dir)
+    text = load_text_adapters(adapter_dir)  # the text encoders trained beside it (train.text_encoder)
     kind = adapter_kind(lora_cfg)
     _check_formats_read(kind, formats)
     # out_dir may be a user's folder (--out): refuse before writing if a name we write is theirs.
@@ -87,17 +90,18 @@ def export_lora(
                 # Several parts: say which one each file holds (its keys no longer do).
                 part_header = {**header, "diffpipe.component": part.attr} if len(parts) > 1 else header
                 files[name] = _export_part(fmt, sd, lora_cfg, out_dir / export_name(fmt, part.suffix), family,
-                                           part_header)
+                                           part_header, text)
                 card_files.append(CardFile(fmt, files[name], part.load_kwargs if fmt == "diffusers" else {},
                                            part.label if len(parts) > 1 else ""))
             continue
+        extra = kohya_tensors(text, family.trainable_text_encoders, fmt) if fmt in ("comfyui", "kohya") else {}
         if fmt == "comfyui":
-            files[fmt] = export_comfyui(mods, keymap_for_model(family.name, skeleton), target, header)
+            files[fmt] = export_comfyui(mods, keymap_for_model(family.name, skeleton), target, header, extra)
         elif fmt == "kohya":
             title = f"{out_dir.parent.name or 'diffpipe'}-{family.name}-{kind}"
             started = _started_at(run)
             meta = {**header, **kohya_metadata(info, dict(skeleton.config), title=title, started_at=started)}
-            files[fmt] = export_kohya(mods, keymap_for_model(family.name, skeleton), target, meta)
+            files[fmt] = export_kohya(mods, keymap_for_model(family.name, skeleton), target, meta, extra)
         elif fmt == "merged":
             files[fmt] = export_merged(adapter_dir, target, family, header)
         card_files.append(CardFile(fmt, files[fmt]))
@@ -131,16 +135,20 @@ def _check_formats_read(kind: str, formats: list[str]) -> None:
                              f"formats for {kind}: {', '.join(ok)}")
 
 
-def _export_part(fmt: str, state_dict, lora_cfg, target: Path, family: Family, header: dict[str, str]) -> Path:
-    """One trained part's LoRA as a diffusers file (``transformer.`` keys) or a PEFT folder."""
+def _export_part(fmt: str, state_dict, lora_cfg, target: Path, family: Family, header: dict[str, str],
+                 text: TextLoras) -> Path:
+    """One trained part's LoRA as a diffusers file (``transformer.`` keys) or a PEFT folder, with the
+    text encoders' LoRAs (``text``) in the same file or folder."""
     if fmt == "diffusers":
         # Scale folded in: ComfyUI and other header-blind readers then apply the trained strength too.
         state_dict, lora_cfg = fold_scale(state_dict, lora_cfg)
-        prefixed = {f"{family.denoiser_name}.{k}": v for k, v in state_dict.items()}
+        text = {name: fold_scale(sd, cfg) for name, (sd, cfg) in text.items()}
+        prefixed = {f"{name}.{k}": v for name, (sd, _) in {family.denoiser_name: (state_dict, lora_cfg), **text}.items()
+                    for k, v in sd.items()}
         meta = {**header, "diffpipe.tensors_sha256": tensors_digest(prefixed)}
-        return export_diffusers(state_dict, lora_cfg, target, family, meta)
+        return export_diffusers(state_dict, lora_cfg, target, family, meta, text)
     meta = {**header, "diffpipe.tensors_sha256": tensors_digest({PEFT_PREFIX + k: v for k, v in state_dict.items()})}
-    return export_peft(state_dict, lora_cfg, target, meta)
+    return export_peft(state_dict, lora_cfg, target, meta, text)
 
 
 def _started_at(run: RunPaths | None) -> float | None:

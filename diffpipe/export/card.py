@@ -65,6 +65,10 @@ class CardFile:
     label: str = ""
 
 
+def _trained_encoders(info: ExportInfo) -> list[str]:
+    return list((((info.config or {}).get("train") or {}).get("text_encoder") or {}).get("encoders") or [])
+
+
 def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *, pipeline: str,
                samples: list[Path] | None = None) -> Path:
     """Write the model card: base model, trigger words, files and how to load them, settings."""
@@ -79,6 +83,8 @@ def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *,
         f"trained steps: {info.training.get('step', '?')}, epochs: {info.training.get('epoch', '?')}",
         f"- targets: {', '.join(f'`{t}`' for t in info.targets)}",
         f"- dataset: {info.dataset.get('items', '?')} items",
+        *([f"- text encoders trained too (their LoRAs are in every file, fused in the merged folder): "
+           f"{', '.join(f'`{e}`' for e in encoders)}"] if (encoders := _trained_encoders(info)) else []),
         *([f"- weights: the exponential moving average of the trained weights (decay "
            f"{info.training['ema_decay']:g}), not the last step's"] if "ema_decay" in info.training else []),
         "",

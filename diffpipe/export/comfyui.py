@@ -22,12 +22,13 @@ PREFIX = "diffusion_model."
 
 
 def export_comfyui(mods: dict[str, Lora] | dict[str, Product], keymap: KeyMap, out_file: str | Path,
-                   metadata: dict[str, str] | None = None) -> Path:
-    """Write our per-module LoRAs as a ComfyUI LoRA file."""
+                   metadata: dict[str, str] | None = None, text: dict[str, Lora] | None = None) -> Path:
+    """Write our per-module LoRAs as a ComfyUI LoRA file; ``text``: the trained text encoders' LoRAs under
+    kohya's names, which ComfyUI's CLIP loader reads (``export.text_encoders.kohya_tensors``)."""
     if mods and isinstance(next(iter(mods.values())), Product):  # LoKr / LoHa: LyCORIS tensors
         layers = refuse_restructured(mods, keymap, "comfyui", next(iter(mods.values())).kind)
         return write_products(mods, {m: PREFIX + layer.comfy_name for m, layer in layers.items()}, out_file, metadata)
     loras, layout = to_original(mods, keymap)
-    named = {PREFIX + layer.comfy_name: lora for layer, lora in loras.items()}
+    named = {PREFIX + layer.comfy_name: lora for layer, lora in loras.items()} | (text or {})
     bare = frozenset(PREFIX + layer.comfy_name for layer in loras if not layer.alpha_key)
     return write_original(named, layout, out_file, metadata, without_alpha=bare, peft_names=keymap.peft_names)

@@ -23,6 +23,7 @@ def export_diffusers(
     out_file: str | Path,
     family: Family,
     metadata: dict[str, str] | None = None,
+    text_encoders: dict[str, tuple[dict[str, torch.Tensor], peft.LoraConfig]] | None = None,
 ) -> Path:
     """Write the adapter as the family pipeline's ``save_lora_weights`` does.
 
@@ -31,14 +32,17 @@ def export_diffusers(
     the header. ``api`` passes the adapter with its scale folded into ``lora_B`` and
     alpha = rank (``convert.fold_scale``), so ``load_lora_weights`` and readers that
     ignore the header (ComfyUI) both apply the trained strength.
-    ``metadata`` (our ``diffpipe.*`` keys) is added to that header.
+    ``metadata`` (our ``diffpipe.*`` keys) is added to that header. ``text_encoders``: the trained
+    encoders' LoRAs (scale folded in too), saved by the same call under their pipeline names.
     """
     out_file = Path(out_file)
-    name = family.denoiser_name
+    parts = {family.denoiser_name: (state_dict, lora_cfg), **(text_encoders or {})}
+    layers = {f"{name}_lora_layers": sd for name, (sd, _) in parts.items()}
+    configs = {f"{name}_lora_adapter_metadata": config_dict(cfg) for name, (_, cfg) in parts.items()}
     with atomic_path(out_file) as tmp_file, tempfile.TemporaryDirectory(dir=tmp_file.parent) as tmp:
         family.pipeline_class.save_lora_weights(
             tmp,
-            **{f"{name}_lora_layers": state_dict, f"{name}_lora_adapter_metadata": config_dict(lora_cfg)},
+            **layers, **configs,
             weight_name=DIFFUSERS_WEIGHTS,
             safe_serialization=True,
         )

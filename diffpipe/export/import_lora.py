@@ -2,7 +2,8 @@
 
 Accepted: a PEFT folder; a diffusers file (``unet.`` / ``transformer.`` keys,
 alpha from ``lora_adapter_metadata`` or ``.alpha`` keys); a ComfyUI file
-(``diffusion_model.<original>``); a kohya file (``lora_unet_...``). Layer names
+(``diffusion_model.<original>``); a kohya file (``lora_unet_...``); with the text encoders' LoRAs
+beside the denoiser's for families that train them (``text_encoder.*``, ``lora_te*_``). Layer names
 are looked up in the family's key map; a name it does not know is an error
 that lists it, never a silently dropped layer.
 """
@@ -23,8 +24,10 @@ from diffpipe.export.keymaps import KeyMap, denoiser_skeleton, keymap_for_model
 from diffpipe.export.keymaps.base import LORA_LAYERS, kohya_name
 from diffpipe.export.lycoris import Product, adapter_from_products, read_products
 from diffpipe.export.original_io import read_original
+from diffpipe.export.text_encoders import TextLoras, clip_module, module_of_kohya
 from diffpipe.models.base import Family
 from diffpipe.training.adapter import CONFIG_NAME, adapter_kind, load_adapter, save_adapter
+from diffpipe.training.text_encoders import load_text_adapters
 
 COMFY_PREFIX = "diffusion_model."
 KOHYA_PREFIX = "lora_unet_"
@@ -40,8 +43,16 @@ class ImportResult:
         return f"{self.format} LoRA, {self.modules} modules -> {self.out_dir}"
 
 
+def _text_prefixes(family: Family, fmt: str) -> tuple[str, ...]:
+    """Key prefixes of the family's trainable text encoders' LoRAs in format ``fmt`` (none for most)."""
+    if fmt == "diffusers":
+        return tuple(f"{name}." for name in family.trainable_text_encoders)
+    return tuple(f"{prefix}_" for prefix in family.trainable_text_encoders.values())
+
+
 def detect_format(source: Path, family: Family) -> str:
-    """``peft``, ``diffusers``, ``comfyui`` or ``kohya``, from the folder layout or the key names."""
+    """``peft``, ``diffusers``, ``comfyui`` or ``kohya``, from the folder layout or the key names (text
+    encoders' keys beside them for families that train them)."""
     if source.is_dir():
         if (source / CONFIG_NAME).exists():
             return "peft"
@@ -52,23 +63,25 @@ def detect_format(source: Path, family: Family) -> str:
         keys = list(f.keys())
     if not keys:
         raise ValueError(f"{source}: holds no tensors")
-    if all(k.startswith(f"{family.denoiser_name}.") for k in keys):
-        return "diffusers"
-    if all(k.startswith(COMFY_PREFIX) for k in keys):
-        return "comfyui"
-    if all(k.startswith(KOHYA_PREFIX) for k in keys):
-        return "kohya"
+    text_keys = _text_prefixes(family, "diffusers") + _text_prefixes(family, "kohya")
+    denoiser_keys = [k for k in keys if not k.startswith(text_keys)]
+    for fmt, prefix in (("diffusers", f"{family.denoiser_name}."), ("comfyui", COMFY_PREFIX), ("kohya", KOHYA_PREFIX)):
+        if denoiser_keys and all(k.startswith(prefix) for k in denoiser_keys) and all(
+                k.startswith((prefix, *_text_prefixes(family, fmt))) for k in keys):
+            return fmt
     text = [k for k in keys if k.startswith(("lora_te", "text_encoder", "text_encoders."))]
     if text:
-        raise ValueError(f"{source}: text-encoder LoRA keys are not supported (diffpipe trains the "
-                         f"{family.denoiser_name} only), e.g. {text[:2]}")
+        can = ", ".join(family.trainable_text_encoders)
+        raise ValueError(f"{source}: text-encoder LoRA keys {text[:2]} are not read for family {family.name!r} "
+                         f"(it trains {f'the text encoders {can}' if can else f'the {family.denoiser_name} only'}, "
+                         "named text_encoder.* in diffusers files, lora_te*_ in kohya and ComfyUI files)")
     raise ValueError(f"{source}: key names match no known LoRA format for family {family.name!r} "
                      f"(expected {family.denoiser_name}.*, diffusion_model.* or lora_unet_*), e.g. {keys[:3]}")
 
 
-def _diffusers_loras(source: Path, family: Family) -> tuple[dict[str, Lora], dict[str, torch.Tensor]]:
-    prefix = f"{family.denoiser_name}."
-    tensors = {k.removeprefix(prefix): v for k, v in load_file(str(source)).items()}
+def _diffusers_loras(source: Path, prefix: str) -> tuple[dict[str, Lora], dict[str, torch.Tensor]]:
+    """The LoRAs of one component (keys ``prefix``: ``unet.``, ``text_encoder.``) of a diffusers file."""
+    tensors = {k.removeprefix(prefix): v for k, v in load_file(str(source)).items() if k.startswith(prefix)}
     with safe_open(str(source), framework="pt") as f:
         header = f.metadata() or {}
     cfg = {}
@@ -111,8 +124,9 @@ def _original_index(keymap: KeyMap, fmt: str) -> dict:
     return index
 
 
-def _original_loras(source: Path, keymap: KeyMap, fmt: str) -> dict[str, Lora]:
+def _original_loras(source: Path, keymap: KeyMap, fmt: str, text_prefixes: tuple[str, ...]) -> dict[str, Lora]:
     named, layout, _ = read_original(source)
+    named = {k: v for k, v in named.items() if not k.startswith(text_prefixes)}
     index = _original_index(keymap, fmt)
     unmapped = sorted(set(named) - set(index))
     if unmapped:
@@ -155,13 +169,13 @@ def import_lora(source: str | Path, out_dir: str | Path, family: Family, *, fmt:
         mods = module_loras(sd, cfg) if kind == "lora" else {k.rsplit(".", 1)[0].removesuffix(".lora_A")
                                                             .removesuffix(".lora_B"): None for k in sd}
     elif fmt == "diffusers":
-        mods, magnitudes = _diffusers_loras(source, family)
+        mods, magnitudes = _diffusers_loras(source, f"{family.denoiser_name}.")
     elif fmt in ("comfyui", "kohya"):
         keymap = keymap_for_model(family.name, skeleton)
         if _is_lycoris(source):
             sd, cfg = adapter_from_products(mods := _original_products(source, keymap, fmt))
         else:
-            mods = _original_loras(source, keymap, fmt)
+            mods = _original_loras(source, keymap, fmt, _text_prefixes(family, fmt))
     else:
         raise ValueError(f"unknown LoRA format {fmt!r}; choose from peft, diffusers, comfyui, kohya")
     lora_able = {n for n, m in skeleton.named_modules() if isinstance(m, LORA_LAYERS)}
@@ -173,6 +187,36 @@ def import_lora(source: str | Path, out_dir: str | Path, family: Family, *, fmt:
         if magnitudes:  # DoRA
             cfg.use_dora = True
             sd |= {f"{m}.lora_magnitude_vector": v.contiguous() for m, v in sorted(magnitudes.items())}
-    save_adapter(out_dir, sd, cfg, {"imported_from": str(source), "format": fmt, "family": family.name})
-    return ImportResult(fmt, len(mods), out_dir)
+    text = _text_adapters(source, family, fmt)
+    save_adapter(out_dir, sd, cfg, {"imported_from": str(source), "format": fmt, "family": family.name},
+                 text_encoders=text)
+    text_modules = sum(k.endswith(".lora_A.weight") for sd_, _ in text.values() for k in sd_)
+    return ImportResult(fmt, len(mods) + text_modules, out_dir)
+
+
+def _text_adapters(source: Path, family: Family, fmt: str) -> TextLoras:
+    """The text encoders' LoRAs in ``source`` (PEFT folders per encoder), by encoder."""
+    if fmt == "peft":
+        return load_text_adapters(source)
+    found: dict[str, dict[str, Lora]] = {}
+    if fmt == "diffusers":
+        for name in family.trainable_text_encoders:
+            loras, magnitudes = _diffusers_loras(source, f"{name}.")
+            if magnitudes:
+                raise ValueError(f"{source}: DoRA on {name} is not read (the stock pipelines load a text "
+                                 "encoder's LoRA only)")
+            if loras:  # files from other transformers versions may nest CLIP's layers otherwise
+                found[name] = {clip_module(m, family.text_parts[name].cls): lora for m, lora in loras.items()}
+    elif family.trainable_text_encoders:  # kohya names, in kohya and ComfyUI files
+        named = read_original(source)[0]
+        for name, prefix in family.trainable_text_encoders.items():
+            for key, lora in named.items():
+                if not key.startswith(f"{prefix}_"):
+                    continue
+                module = module_of_kohya(key.removeprefix(f"{prefix}_"), family.text_parts[name].cls)
+                if module is None:
+                    raise ValueError(f"{source}: text-encoder layer {key} is not one kohya names (the encoder "
+                                     "layers' self_attn q/k/v/out_proj and mlp fc1/fc2)")
+                found.setdefault(name, {})[module] = lora
+    return {name: adapter_from_loras(loras) for name, loras in found.items()}
 

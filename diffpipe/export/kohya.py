@@ -51,12 +51,13 @@ def kohya_metadata(
     datasets = cfg.get("datasets", [])
     res = max((d.get("resolution", 0) for d in datasets), default=0)
     items = info.dataset.get("items_per_dataset", {})
+    text = train.get("text_encoder") or {}  # text encoders trained beside the denoiser
     now = time.time()
     meta = {
         **_network(info),
         "ss_network_dim": str(info.rank),
         "ss_network_alpha": str(info.alpha),
-        "ss_network_train_unet_only": "True",
+        "ss_network_train_unet_only": str(not text.get("encoders")),
         "ss_base_model_version": version,
         "ss_sd_model_name": info.model_path or f"{info.family}-{info.flavor}",
         "ss_training_started_at": str(started_at if started_at is not None else now),
@@ -66,7 +67,7 @@ def kohya_metadata(
         "ss_epoch": str(info.training.get("epoch", 0)),
         "ss_learning_rate": str(train.get("lr", "")),
         "ss_unet_lr": str(train.get("lr", "")),
-        "ss_text_encoder_lr": "0",
+        "ss_text_encoder_lr": str(text.get("lr") or train.get("lr", "")) if text.get("encoders") else "0",
         "ss_lr_scheduler": str(train.get("lr_schedule", "")),
         "ss_batch_size_per_device": str(train.get("batch_size", "")),
         "ss_gradient_accumulation_steps": str(train.get("grad_accum", "")),
@@ -90,13 +91,15 @@ def kohya_metadata(
 
 
 def export_kohya(
-    mods: dict[str, Lora] | dict[str, Product], keymap: KeyMap, out_file: str | Path, metadata: dict[str, str] | None = None
+    mods: dict[str, Lora] | dict[str, Product], keymap: KeyMap, out_file: str | Path, metadata: dict[str, str] | None = None,
+    text: dict[str, Lora] | None = None,
 ) -> Path:
-    """Write our per-module LoRAs as a kohya / A1111 LoRA file."""
+    """Write our per-module LoRAs as a kohya / A1111 LoRA file; ``text``: the trained text encoders' LoRAs
+    under their kohya names (``export.text_encoders.kohya_tensors``)."""
     if mods and isinstance(next(iter(mods.values())), Product):  # LoKr / LoHa: LyCORIS tensors
         layers = refuse_restructured(mods, keymap, "kohya", next(iter(mods.values())).kind)
         return write_products(mods, {m: layer.kohya for m, layer in layers.items()}, out_file, metadata)
     loras, layout = to_original(mods, keymap)
-    named = {layer.kohya: lora for layer, lora in loras.items()}
+    named = {layer.kohya: lora for layer, lora in loras.items()} | (text or {})
     bare = frozenset(layer.kohya for layer in loras if not layer.alpha_key)
     return write_original(named, layout, out_file, metadata, without_alpha=bare)

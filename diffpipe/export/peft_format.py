@@ -23,11 +23,18 @@ def export_peft(
     lora_cfg: peft.LoraConfig,
     out_dir: str | Path,
     metadata: dict[str, str] | None = None,
+    text_encoders: dict[str, tuple[dict[str, torch.Tensor], peft.LoraConfig]] | None = None,
 ) -> Path:
-    """Write a PEFT adapter folder atomically; ``metadata`` goes into the safetensors header."""
+    """Write a PEFT adapter folder atomically; ``metadata`` goes into the safetensors header.
+
+    ``text_encoders``: each trained encoder's LoRA as a PEFT folder of its own inside, named after it
+    (``text_encoder/``: loads with ``PeftModel.from_pretrained`` on that encoder)."""
     out_dir = Path(out_dir)
     with atomic_path(out_dir, is_dir=True) as tmp:
-        tensors = {PEFT_PREFIX + k: v.contiguous() for k, v in state_dict.items()}
-        save_file(tensors, str(tmp / WEIGHTS_NAME), metadata={"format": "pt", **(metadata or {})})
-        (tmp / CONFIG_NAME).write_text(json.dumps(config_dict(lora_cfg), indent=2, sort_keys=True))
+        for folder, (sd, cfg) in {tmp: (state_dict, lora_cfg),
+                                  **{tmp / name: part for name, part in (text_encoders or {}).items()}}.items():
+            folder.mkdir(exist_ok=True)
+            tensors = {PEFT_PREFIX + k: v.contiguous() for k, v in sd.items()}
+            save_file(tensors, str(folder / WEIGHTS_NAME), metadata={"format": "pt", **(metadata or {})})
+            (folder / CONFIG_NAME).write_text(json.dumps(config_dict(cfg), indent=2, sort_keys=True))
     return out_dir

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -78,6 +79,12 @@ def split_parts(state_dict: dict[str, torch.Tensor], parts: tuple[DenoiserPart, 
     if empty:
         raise ValueError(f"the adapter has no tensors for {', '.join(empty)}; was it trained with every part?")
     return out
+
+
+def ids_name(encoder: str) -> str:
+    """The text cache column of a trained encoder's token ids: ``text_encoder`` -> ``input_ids``,
+    ``text_encoder_2`` -> ``input_ids_2``."""
+    return "input_ids" + encoder.removeprefix("text_encoder")
 
 
 @dataclass
@@ -198,8 +205,54 @@ class Family(ABC):
         return common.with_dtype(self.vae_weights_identity(), common.load_dtype(self.cfg, "vae"))
 
     def text_identity(self) -> str:
-        """The text cache key part: tokenizers, encoders and the dtype they encode in."""
-        return common.with_dtype(self.encoders_identity(), common.load_dtype(self.cfg, "text_encoder"))
+        """The text cache key part: tokenizers, encoders and the dtype they encode in, and which
+        encoders' captions are cached as token ids (``train.text_encoder``)."""
+        identity = common.with_dtype(self.encoders_identity(), common.load_dtype(self.cfg, "text_encoder"))
+        return f"{identity}+ids:{','.join(self.trained_text)}" if self.trained_text else identity
+
+    # -- text encoders trained beside the denoiser (train.text_encoder) -----
+    #: The text encoders (pipeline names) a LoRA may train, each with the prefix of its LoRA's layer names
+    #: in kohya and ComfyUI files (``lora_te``); empty: the family caches every embedding.
+    trainable_text_encoders: ClassVar[dict[str, str]] = {}
+    #: The encoders this run trains (:meth:`with_trained_text`): ``encode_text`` gives their token ids.
+    trained_text: tuple[str, ...] = ()
+
+    def with_trained_text(self, names: list[str] | tuple[str, ...]) -> Family:
+        """This family with ``names`` (``train.text_encoder.encoders``) trained: their captions are
+        cached as token ids (:meth:`encode_text`) and encoded at each step (:meth:`text_from_ids`)."""
+        unknown = [n for n in names if n not in self.trainable_text_encoders]
+        if unknown:
+            can = ", ".join(self.trainable_text_encoders) or "none (every embedding is cached)"
+            raise ValueError(f"train.text_encoder.encoders {unknown}: family {self.name!r} trains text encoders: "
+                             f"{can}")
+        self.trained_text = tuple(names)
+        return self
+
+    def embed_ids(self, encoders: Mapping[str, torch.nn.Module], text: dict[str, torch.Tensor]
+                  ) -> dict[str, torch.Tensor]:
+        """The cached ``text`` (token ids of the trained ``encoders``, embeddings of the others) as
+        :meth:`encode_text` returns it without trained encoders, computed with gradients."""
+        raise NotImplementedError(f"model family {self.name!r} trains no text encoder")
+
+    def text_from_ids(self, denoiser: torch.nn.Module | None, text: dict[str, torch.Tensor]
+                      ) -> dict[str, torch.Tensor]:
+        """``text`` for :meth:`prepare`: unchanged, or, when encoders are trained, encoded by the ones
+        the training module holds (:class:`diffpipe.training.text_encoders.WithTextEncoders`)."""
+        if not self.trained_text:
+            return text
+        encoders = getattr(common.unwrap(denoiser), "text_encoders", None)
+        if encoders is None:
+            raise ValueError(f"train.text_encoder.encoders {list(self.trained_text)}: the model holds no "
+                             "trained text encoder")
+        missing = [k for k in self.id_names() if k not in text]
+        if missing:
+            raise ValueError(f"train.text_encoder.encoders {list(self.trained_text)}: the text cache holds no "
+                             f"token ids ({missing}); rerun `diffpipe plan` and `diffpipe cache` (`diffpipe run` does)")
+        return self.embed_ids(encoders, text)
+
+    def id_names(self) -> list[str]:
+        """The text cache columns holding the trained encoders' token ids."""
+        return [ids_name(n) for n in self.trained_text]
 
     def vae_weights_identity(self) -> str:
         """Hash of the VAE's config and weights.
@@ -586,6 +639,7 @@ class Family(ABC):
         o = objective or ObjectiveConfig()
         # No denoiser: a caller checking the inputs alone (the errors prepare raises).
         dtype = torch.float32 if denoiser is None else common.param_dtype(denoiser)
+        text = self.text_from_ids(denoiser, text)
         p = self.prepare(latents, text, generator, objective=o, t=t, noise=noise, mask=mask, dtype=dtype, **aux)
         target = p.target if base_target is None else self.preserved_target(denoiser, p, base_target)
         return per_sample_loss(self.predict(denoiser, p), target, p.weights, kind=o.loss, huber_c=o.huber_c,

@@ -149,14 +149,26 @@ def save_adapter(
     state_dict: dict[str, torch.Tensor],
     config: peft.LoraConfig,
     metadata: dict[str, Any] | None = None,
+    text_encoders: dict[str, tuple[dict[str, torch.Tensor], peft.LoraConfig]] | None = None,
 ) -> Path:
-    """Write a PEFT adapter folder atomically; ``metadata`` goes into the safetensors header."""
+    """Write a PEFT adapter folder atomically; ``metadata`` goes into the safetensors header.
+
+    ``text_encoders`` (``train.text_encoder``): each trained encoder's LoRA, written as a PEFT
+    folder of the same layout in a subfolder named after the encoder (``text_encoder/``)."""
     directory = Path(directory)
     header = {"format": "pt", "diffpipe": stable_json(metadata or {})}
     with atomic_path(directory, is_dir=True) as tmp:
-        save_file({PEFT_PREFIX + k: v for k, v in state_dict.items()}, str(tmp / WEIGHTS_NAME), metadata=header)
-        (tmp / CONFIG_NAME).write_text(json.dumps(config_dict(config), indent=2, sort_keys=True))
+        _write_peft(tmp, state_dict, config, header)
+        for name, (sd, cfg) in (text_encoders or {}).items():
+            (tmp / name).mkdir()
+            _write_peft(tmp / name, sd, cfg, header)
     return directory
+
+
+def _write_peft(folder: Path, state_dict: dict[str, torch.Tensor], config: peft.PeftConfig,
+                header: dict[str, str]) -> None:
+    save_file({PEFT_PREFIX + k: v for k, v in state_dict.items()}, str(folder / WEIGHTS_NAME), metadata=header)
+    (folder / CONFIG_NAME).write_text(json.dumps(config_dict(config), indent=2, sort_keys=True))
 
 
 def load_adapter(directory: str | Path) -> tuple[dict[str, torch.Tensor], peft.LoraConfig]:

@@ -108,7 +108,7 @@ class Trainer:
         precision.check(tc)
         self.dist = dist = engine.setup_distributed()
         torch.manual_seed(tc.seed)
-        self.family = family = get_family(self.cfg.model)
+        self.family = family = get_family(self.cfg.model).with_trained_text(tc.text_encoder.encoders)
         self.data = data = CachedDataset.from_run(self.paths) if self.own_data else self.data
         if dist.world_size % tc.pipeline_stages:
             raise ValueError(f"train.pipeline_stages {tc.pipeline_stages} does not divide the {dist.world_size} "
@@ -139,7 +139,7 @@ class Trainer:
         self.trained = trained = Trainable(denoiser, family, self.cfg, is_main=dist.is_main,
                                            continue_lora=not (self.resume or self.checkpoint))
         precision.prepare_denoiser(denoiser, tc)  # fp8 base weights, attention backend, compile
-        self.params = trained.params
+        self.params = trained.all_params
 
         def make_scheduler(optimizer):
             return torch.optim.lr_scheduler.LambdaLR(
@@ -151,8 +151,9 @@ class Trainer:
                 layers, pipeline.stage_bounds(layers, tc), pipeline.pipeline_loss_fn(tc.objective), tc,
                 dist.world_size, make_scheduler)
         else:
-            optimizer = build_optimizer(self.params, tc)
-            self.model = engine.build_engine(denoiser, optimizer, make_scheduler(optimizer), tc, dist.world_size)
+            optimizer = build_optimizer(trained.param_groups(), tc)
+            self.model = engine.build_engine(trained.training_module(), optimizer, make_scheduler(optimizer), tc,
+                                             dist.world_size)
             offload.install(denoiser, tc.block_swap, engine.device())  # after DeepSpeed moved and cast the module
         self.scheduler = self.model.lr_scheduler
         self.ema = Ema(self.params, tc.ema) if tc.ema.enabled else None
@@ -190,7 +191,8 @@ class Trainer:
         if start == 0:  # the baseline later evals compare with (TensorBoard only: rows are steps)
             self.metrics.log(0, jsonl=False, **self.evaluate(self.model))
         self.trigger = _CheckpointTrigger(tc, paths, dist.world_size, dist.is_main)
-        self.sampler = TrainingSampler(self.family, cfg.sample, self.denoiser, paths.train_dir / "samples")
+        self.sampler = TrainingSampler(self.family, cfg.sample, self.denoiser, paths.train_dir / "samples",
+                                       text_encoders=self.trained.text.modules if self.trained.text else None)
         self.samples_per_step = tc.batch_size * tc.grad_accum * dist.world_size
         self.flops = StepFlops(tc, self.model.device)
         self.profiler = StepProfiler(tc.profile, paths.train_dir / "profile", enabled=dist.is_main, rank=dist.rank)

@@ -75,8 +75,9 @@ class AdamWBF16(torch.optim.Optimizer):
         return loss
 
 
-def build_optimizer(params: list[torch.nn.Parameter], tc: TrainConfig) -> torch.optim.Optimizer:
-    """The optimizer ``train.optimizer`` names, with ``train.optimizer_args`` passed through."""
+def build_optimizer(params: list[torch.nn.Parameter] | list[dict[str, Any]], tc: TrainConfig) -> torch.optim.Optimizer:
+    """The optimizer ``train.optimizer`` names, with ``train.optimizer_args`` passed through; ``params``
+    may be parameter groups (a group's own ``lr`` wins over ``train.lr``)."""
     name, extra = tc.optimizer, dict(tc.optimizer_args)
     common: dict[str, Any] = {"lr": tc.lr, "weight_decay": tc.weight_decay}
     if name == "adamw":

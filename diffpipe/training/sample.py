@@ -126,8 +126,10 @@ class TrainingSampler:
     state is saved and restored around it, so sampling never changes training.
     """
 
-    def __init__(self, family, cfg: SampleConfig, denoiser: torch.nn.Module, out_dir: Path):
+    def __init__(self, family, cfg: SampleConfig, denoiser: torch.nn.Module, out_dir: Path, *,
+                 text_encoders: dict[str, torch.nn.Module] | None = None):
         self.family, self.cfg, self.denoiser, self.out_dir = family, cfg, denoiser, Path(out_dir)
+        self.text_encoders = text_encoders or {}  # trained beside the denoiser: swapped in as well
         self._pipe = None
 
     def _pipeline(self):
@@ -136,9 +138,11 @@ class TrainingSampler:
             parts = [p.attr for p in self.family.denoiser_parts]
             for attr in parts:  # several parts: the trained module holds each under its pipeline name
                 setattr(pipe, attr, getattr(self.denoiser, attr) if len(parts) > 1 else self.denoiser)
+            for name, encoder in self.text_encoders.items():
+                setattr(pipe, name, encoder)
             device = next(self.denoiser.parameters()).device
             for name, component in pipe.components.items():
-                if isinstance(component, torch.nn.Module) and name not in parts:
+                if isinstance(component, torch.nn.Module) and name not in parts and name not in self.text_encoders:
                     component.to(device)
             pipe.set_progress_bar_config(disable=True)
             self._pipe = pipe
@@ -146,14 +150,17 @@ class TrainingSampler:
 
     def __call__(self, step: int) -> tuple[Path, Image.Image]:
         """Render every prompt (fixed seed) and save one row as ``step-NNNNNN.png``."""
-        was_training = self.denoiser.training
+        trained = [self.denoiser, *self.text_encoders.values()]
+        was_training = [m.training for m in trained]
         rng = torch.get_rng_state()
-        self.denoiser.eval()
+        for m in trained:
+            m.eval()
         try:
             with torch.no_grad():
                 samples = _render(self._pipeline(), self.family, self.cfg, self.family.sample_kwargs(self.cfg))
         finally:
-            self.denoiser.train(was_training)
+            for m, flag in zip(trained, was_training, strict=True):
+                m.train(flag)
             torch.set_rng_state(rng)
         images = [s[0] for s in samples]  # first frames of clips
         if self.family.is_video:

@@ -17,6 +17,7 @@ from diffpipe.config import Config
 from diffpipe.paths import RunPaths
 from diffpipe.training import adapter, checkpointing, engine
 from diffpipe.training.pipeline import stage_lora_state
+from diffpipe.training.text_encoders import TrainedTextEncoders, WithTextEncoders
 from diffpipe.utils import atomic_path
 
 FULL_DIR = "denoiser"  # under train/: the fine-tuned denoiser as a diffusers model folder
@@ -47,6 +48,21 @@ class Trainable:
         if tc.activation_checkpointing:
             checkpointing.enable(denoiser, tc.checkpoint_fraction)
         denoiser.train()
+        #: The text encoders trained beside it (train.text_encoder), or None.
+        self.text = TrainedTextEncoders(family, tc) if tc.text_encoder.encoders else None
+
+    def training_module(self) -> torch.nn.Module:
+        """What DeepSpeed wraps: the denoiser, with the trained text encoders beside it if any."""
+        return self.denoiser if self.text is None else WithTextEncoders(self.denoiser, self.text.modules)
+
+    @property
+    def all_params(self) -> list[torch.nn.Parameter]:
+        """Every trained parameter: the denoiser's, then the text encoders'."""
+        return self.params + (self.text.params if self.text else [])
+
+    def param_groups(self) -> list[dict[str, Any]]:
+        """The optimizer's groups: the denoiser's (``train.lr``), the text encoders' at their own rate."""
+        return [{"params": self.params}] + ([self.text.param_group()] if self.text else [])
 
     @property
     def kind(self) -> str:
@@ -83,8 +99,9 @@ class Trainable:
                         self.denoiser.save_pretrained(tmp)
             return
         state = self.state()
+        text = self.text.saved() if self.text else None
         if self.is_main:
             lc = self.cfg.train.lora
             adapter.save_adapter(folder, state, self.lora_cfg, {
                 "family": self.cfg.model.family, "flavor": self.cfg.model.flavor, "rank": lc.rank,
-                "alpha": lc.alpha, **meta})
+                "alpha": lc.alpha, **meta}, text_encoders=text)

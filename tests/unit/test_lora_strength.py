@@ -63,7 +63,7 @@ def test_diffusers_file_with_rank_pattern_imports_at_its_strength(tmp_path):
     assert cfg.rank_pattern, "the two modules differ in rank"
     folded, folded_cfg = fold_scale(sd, cfg)
     path = export_diffusers(folded, folded_cfg, tmp_path / "f.safetensors", family)
-    loras, _ = _diffusers_loras(path, family)
+    loras, _ = _diffusers_loras(path, f"{family.denoiser_name}.")
     for name, lora in mods.items():
         torch.testing.assert_close(loras[name].delta(), lora.delta(), rtol=1e-5, atol=1e-5)
 

@@ -55,6 +55,7 @@ from diffpipe.data.cache.latents import (
     aux_array,
     bucket_name,
     storage_to_tensor,
+    widened,
     write_latent_shard,
 )
 from diffpipe.data.cache.plan import EMPTY_ID, read_spec, text_key
@@ -470,7 +471,7 @@ def _encode_captions(
                 images = [c and _control_image(c, max_pixels) for c in controls[i : i + bs]]
                 out = family.encode_text(encoders, captions[i : i + bs], images=images)
             for name, t in out.items():
-                parts.setdefault(name, []).append(t.float().cpu())
+                parts.setdefault(name, []).append((t.float() if t.is_floating_point() else t).cpu())
             progress.advance(task, len(captions[i : i + bs]))
     return {name: torch.cat(ts) for name, ts in parts.items()}
 
@@ -523,7 +524,7 @@ def _cache_text_spec(
     embeddings: dict[str, torch.Tensor] = {}
     if items:
         names = sorted(values[items[0]["key"]])
-        embeddings = {n: torch.stack([values[it["key"]][n].float() for it in items]) for n in names}
+        embeddings = {n: torch.stack([widened(values[it["key"]][n]) for it in items]) for n in names}
     name = shard_content_name("text", dtype, [(it["id"], it["key"]) for it in items])
 
     def write(path: Path) -> None:
@@ -555,14 +556,17 @@ def cache_text(
     store: str | Path | None = None,
     regenerate: bool = False,
     device: str | None = None,
+    trained_text: list[str] | tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Build the Arrow shard of one text spec, encoding only captions the store lacks; returns the summary."""
+    """Build the Arrow shard of one text spec, encoding only captions the store lacks; returns the summary.
+
+    ``trained_text`` (``train.text_encoder.encoders``): encoders whose captions are cached as token ids."""
     from diffpipe.models import get_family
 
     start = time.perf_counter()
     spec_path, out_path = Path(spec_path), Path(out_path)
     spec = read_spec(spec_path)
-    family = get_family(model_cfg)
+    family = get_family(model_cfg).with_trained_text(trained_text)
     _check_spec(spec, spec_path, family.text_identity(), cache_cfg)
     return _finish_text_job(spec, out_path, family, cache_cfg, store, regenerate=regenerate, device=device, start=start)
 
@@ -587,16 +591,18 @@ def cache_empty_text(
     store: str | Path | None = None,
     regenerate: bool = False,
     device: str | None = None,
+    trained_text: list[str] | tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Encode the empty caption once (for caption dropout) into a one-row text shard.
 
-    ``spec_path`` is the plan's ``empty.json``; without it the spec is built here.
+    ``spec_path`` is the plan's ``empty.json``; without it the spec is built here. ``trained_text``: as
+    :func:`cache_text`.
     """
     from diffpipe.models import get_family
 
     start = time.perf_counter()
     out_path = Path(out_path)
-    family = get_family(model_cfg)
+    family = get_family(model_cfg).with_trained_text(trained_text)
     identity = family.text_identity()
     if spec_path is not None:
         spec = read_spec(spec_path)

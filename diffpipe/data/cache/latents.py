@@ -76,7 +76,10 @@ def bucket_name(bucket: tuple[int, int, int] | list[int]) -> str:
 
 
 def to_storage(t: torch.Tensor, dtype: str) -> np.ndarray:
-    """Tensor -> numpy array in the storage dtype (bf16 as uint16 bits)."""
+    """Tensor -> numpy array in the storage dtype (bf16 as uint16 bits); integer tensors (token ids of a trained
+    text encoder's captions) as int32 whatever the dtype."""
+    if not t.is_floating_point():
+        return t.detach().cpu().to(torch.int32).contiguous().numpy()
     if dtype == "bfloat16":
         return t.detach().cpu().to(torch.bfloat16).contiguous().view(torch.int16).numpy().view(np.uint16)
     if dtype == "float32":
@@ -85,19 +88,28 @@ def to_storage(t: torch.Tensor, dtype: str) -> np.ndarray:
 
 
 def from_storage(arr: np.ndarray, dtype: str) -> np.ndarray:
-    """Stored array -> float32 numpy (bf16 bits widened exactly)."""
+    """Stored array -> float32 numpy (bf16 bits widened exactly); int32 arrays (token ids) as they are."""
+    if arr.dtype == np.int32:
+        return arr
     if dtype == "bfloat16":
         return (arr.astype(np.uint32) << 16).view(np.float32)
     return np.asarray(arr, dtype=np.float32)
 
 
 def storage_to_tensor(arr: np.ndarray, dtype: str) -> torch.Tensor:
-    """Stored array -> tensor in its compute dtype (bf16 stays bf16: half the memory)."""
+    """Stored array -> tensor in its compute dtype (bf16 stays bf16: half the memory; int32 token ids: int64)."""
+    if arr.dtype == np.int32:
+        return torch.from_numpy(arr.astype(np.int64))
     if not arr.flags.writeable:  # memory-mapped or zarr-owned buffers: torch needs its own
         arr = arr.copy()
     if dtype == "bfloat16":
         return torch.from_numpy(np.ascontiguousarray(arr).view(np.int16)).view(torch.bfloat16)
     return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.float32))
+
+
+def widened(t: torch.Tensor) -> torch.Tensor:
+    """Embeddings as float32; token ids (a trained text encoder's captions) stay integers."""
+    return t.float() if t.is_floating_point() else t
 
 
 def _checksum(arrays: dict[str, np.ndarray], meta: dict[str, Any]) -> str:

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from diffpipe.data.cache.latents import AUX_FILL, LatentShard, aux_array, bucket_name, storage_to_tensor
+from diffpipe.data.cache.latents import AUX_FILL, LatentShard, aux_array, bucket_name, storage_to_tensor, widened
 from diffpipe.data.cache.plan import read_spec, variant_id
 from diffpipe.data.cache.text import TextShard
 from diffpipe.paths import RunPaths
@@ -120,7 +120,7 @@ class CachedDataset:
         return sum(math.ceil(sum(self.items[i].repeats for i in idx) / batch_size) for idx in self._by_bucket.values())
 
     def collate(self, indices: Sequence[int], epoch: int | None = None) -> dict[str, Any]:
-        """Stack items of one bucket: latents ``[B,C,F,h,w]``, text ``{name: [B,...]}`` (float32).
+        """Stack items of one bucket: latents ``[B,C,F,h,w]``, text ``{name: [B,...]}`` (float32; token ids int64).
 
         ``epoch``: training reads each item's caption variant of that epoch (datasets[].caption_variants; a
         fixed function of the item and the epoch); None (evaluation) reads variant 0, the caption itself.
@@ -143,7 +143,7 @@ class CachedDataset:
         trows = torch.tensor([_text_row(it, epoch) for it in items], dtype=torch.long)
         batch = {
             "latents": self._latents[bucket][rows].float(),
-            "text": {name: t[trows].float() for name, t in self._text.items()},
+            "text": {name: widened(t[trows]) for name, t in self._text.items()},
             "ids": [it.id for it in items],
             "mask": None,
             "control_latents": None,
@@ -382,7 +382,7 @@ def _empty_text(paths: RunPaths, text_shapes: dict[str, tuple[int, ...]] | None)
             )
     if text_shapes is not None and eshard.shapes != text_shapes:
         raise ValueError(f"text shard {eshard.path} has shapes {eshard.shapes}, others {text_shapes}")
-    return {name: t.float() for name, t in eshard.tensors().items()}
+    return {name: widened(t) for name, t in eshard.tensors().items()}
 
 
 def _text_row(item: _Item, epoch: int | None) -> int:

@@ -33,6 +33,14 @@ from diffpipe.models.tokenizers import clip_tokenizer
 from diffpipe.training import objectives as obj
 
 
+def _no_attention_mask(encoder: torch.nn.Module) -> None:
+    """Token ids alone reproduce the pipeline's encoding only for encoders that take no attention mask
+    (CLIP's ``use_attention_mask`` unset, as in SD 1.x/2.x; the pad token equals the end token there)."""
+    if getattr(encoder.config, "use_attention_mask", False):
+        raise ValueError("train.text_encoder: this text encoder's config sets use_attention_mask, which cached "
+                         "token ids cannot carry; train the denoiser only")
+
+
 class SDFamily(Family):
     name = "sd"
     token_streams: ClassVar[dict[str, tuple[str, str]]] = {"clip": ("tokenizer", "tokenizer")}
@@ -49,6 +57,7 @@ class SDFamily(Family):
     vae_needs_fp32 = True  # fp16 overflows in its decoder; kohya and musubi keep it in float32 too
     denoiser_name = "unet"
     pipeline_class = StableDiffusionPipeline
+    trainable_text_encoders: ClassVar[dict[str, str]] = {"text_encoder": "lora_te"}
     # Attention projections are the usual SD LoRA targets. On the tiny UNet
     # they are a small share of the network (one cross-attention block each
     # way), so alone they barely move the loss; the ResNet convolutions and
@@ -133,6 +142,9 @@ class SDFamily(Family):
             truncation=True,
             return_tensors="pt",
         )
+        if self.trained_text:  # the trained encoder runs at every step (embed_ids)
+            _no_attention_mask(encoder)
+            return {"input_ids": ids.input_ids}
         device = next(encoder.parameters()).device
         mask = None
         if getattr(encoder.config, "use_attention_mask", False):
@@ -140,6 +152,11 @@ class SDFamily(Family):
         with torch.no_grad():
             embeds = encoder(ids.input_ids.to(device), attention_mask=mask)[0]
         return {"prompt_embeds": embeds.float()}
+
+    def embed_ids(self, encoders, text):
+        encoder = encoders["text_encoder"]
+        _no_attention_mask(encoder)
+        return {"prompt_embeds": encoder(text["input_ids"].to(next(encoder.parameters()).device))[0]}
 
     # -- training ----------------------------------------------------------------
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,

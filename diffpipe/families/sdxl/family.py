@@ -34,7 +34,7 @@ from transformers import (
 from diffpipe.families.sd.family import TINY_SCHEDULER, SDFamily
 from diffpipe.families.sdxl.flavors import TINY_UNET, TINY_VAE_XL
 from diffpipe.models import _common as common
-from diffpipe.models.base import Prepared
+from diffpipe.models.base import Prepared, ids_name
 from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer, clip_text_encoder
 from diffpipe.models.tokenizers import clip_tokenizer
 
@@ -45,6 +45,12 @@ def time_ids(original_hw: torch.Tensor, crop_top_left: torch.Tensor, target_hw: 
     The same order as ``StableDiffusionXLPipeline._get_add_time_ids``.
     """
     return torch.cat([original_hw, crop_top_left, target_hw], dim=1).float()
+
+
+def _clip_states(encoder: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A CLIP encoder's penultimate hidden states and, for the projection model, its pooled output."""
+    out = encoder(ids.to(next(encoder.parameters()).device), output_hidden_states=True)
+    return out.hidden_states[-2], (out[0] if out[0].ndim == 2 else None)
 
 
 class SDXLFamily(SDFamily):
@@ -63,6 +69,7 @@ class SDXLFamily(SDFamily):
     uses_sizes = True
     denoiser_name = "unet"
     pipeline_class = StableDiffusionXLPipeline
+    trainable_text_encoders: ClassVar[dict[str, str]] = {"text_encoder": "lora_te1", "text_encoder_2": "lora_te2"}
     #: The common SDXL LoRA targets (kohya / diffusers examples): attention and
     #: feed-forward of every transformer block, plus the ResNet convolutions
     #: as in ``sd`` so the tiny model learns within a few steps.
@@ -78,21 +85,42 @@ class SDXLFamily(SDFamily):
         return EulerDiscreteScheduler.from_config(self._scheduler_config)
 
     # -- encoding ----------------------------------------------------------------
+    #: Each encoder's tokenizer, and the cache columns of its token ids (trained) or hidden states.
+    _PAIRS = (("tokenizer", "text_encoder", "prompt_embeds_1"), ("tokenizer_2", "text_encoder_2", "prompt_embeds_2"))
+
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         # Exactly StableDiffusionXLPipeline.encode_prompt (no clip_skip): the
         # penultimate hidden states of both encoders side by side, and the
-        # second encoder's projected pooled output.
-        embeds, pooled = [], None
-        pairs = [(encoders.tokenizer, encoders.text_encoder), (encoders.tokenizer_2, encoders.text_encoder_2)]
-        for tok, enc in pairs:
+        # second encoder's projected pooled output. A trained encoder's captions
+        # are cached as token ids and encoded at every step (embed_ids).
+        out: dict[str, torch.Tensor] = {}
+        for tok_name, enc_name, part in self._PAIRS:
+            tok = getattr(encoders, tok_name)
             ids = tok(captions, padding="max_length", max_length=tok.model_max_length, truncation=True,
                       return_tensors="pt").input_ids
+            if enc_name in self.trained_text:
+                out[ids_name(enc_name)] = ids
+                continue
             with torch.no_grad():
-                out = enc(ids.to(next(enc.parameters()).device), output_hidden_states=True)
-            if out[0].ndim == 2:
-                pooled = out[0]
-            embeds.append(out.hidden_states[-2])
-        return {"prompt_embeds": torch.cat(embeds, dim=-1).float(), "pooled_prompt_embeds": pooled.float()}
+                hidden, pooled = _clip_states(getattr(encoders, enc_name), ids)
+            out[part] = hidden.float()
+            if pooled is not None:
+                out["pooled_prompt_embeds"] = pooled.float()
+        if not self.trained_text:
+            return {"prompt_embeds": torch.cat([out.pop("prompt_embeds_1"), out.pop("prompt_embeds_2")], dim=-1),
+                    "pooled_prompt_embeds": out["pooled_prompt_embeds"]}
+        return out
+
+    def embed_ids(self, encoders, text):
+        embeds, pooled = [], text.get("pooled_prompt_embeds")
+        for _, enc_name, part in self._PAIRS:
+            if enc_name not in encoders:
+                embeds.append(text[part])
+                continue
+            hidden, p = _clip_states(encoders[enc_name], text[ids_name(enc_name)])
+            embeds.append(hidden)
+            pooled = p if p is not None else pooled
+        return {"prompt_embeds": torch.cat([e.float() for e in embeds], dim=-1), "pooled_prompt_embeds": pooled.float()}
 
     # -- training ----------------------------------------------------------------
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
