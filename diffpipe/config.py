@@ -542,7 +542,9 @@ class LoraConfig(_Section):
     init_from: PathText | None = Field(
         None,
         description="Continue from an existing LoRA: a PEFT adapter folder, or a diffusers "
-        "`pytorch_lora_weights.safetensors`; its rank must equal `rank`.",
+        "`pytorch_lora_weights.safetensors`; its rank must equal `rank`. With `text_encoder.encoders`, a "
+        "folder's `text_encoder*/` LoRAs (as training and `import-lora` write them) continue too; encoders "
+        "without one start fresh.",
     )
 
     @field_validator("blocks")

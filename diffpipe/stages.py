@@ -7,7 +7,8 @@ each stage a :class:`ConfigView` that exposes only the declared keys: reading
 any other key fails at once (and in the test suite, which runs every stage),
 instead of silently leaving a result stale.
 
-Entries are a whole section (``"cache"``) or one field of it (``"train.batch_size"``).
+Entries are a whole section (``"cache"``) or one field of it (``"train.batch_size"``, or nested:
+``"train.text_encoder.encoders"``).
 ``output_dir`` is always readable: every output path depends on it already.
 """
 
@@ -25,8 +26,8 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     # train.batch_size and grad_accum: buckets smaller than one global batch are filled by repetition.
     # train.text_encoder: a trained text encoder's captions are cached as token ids (other keys).
     "plan": ("datasets", "validation", "cache", "model", "train.batch_size", "train.grad_accum",
-             "train.text_encoder"),
-    "cache": ("model", "cache", "train.text_encoder"),
+             "train.text_encoder.encoders"),
+    "cache": ("model", "cache", "train.text_encoder.encoders"),
     # Training also reads `sample` (preview images during training) on purpose without
     # rerunning for it (see TRAIN_UNTRACKED), and `datasets` through the caches it reads.
     "train": ("model", "train"),
@@ -71,8 +72,10 @@ def stage_digest(cfg: Config, stage: str) -> str:
     dumped = cfg.model_dump(mode="json")
     picked: dict[str, Any] = {}
     for entry in STAGE_INPUTS[stage]:
-        section, _, field = entry.partition(".")
-        picked[entry] = dumped[section][field] if field else dumped[section]
+        value = dumped
+        for part in entry.split("."):
+            value = value[part]
+        picked[entry] = value
     return digest(picked)[:16]
 
 
@@ -88,6 +91,9 @@ class _SectionView:
     def __getattr__(self, attr: str) -> Any:
         if attr in self._fields:
             return getattr(self._section, attr)
+        inner = {f.removeprefix(f"{attr}.") for f in self._fields if f.startswith(f"{attr}.")}
+        if inner:  # a nested section of which some fields are declared
+            return _SectionView(getattr(self._section, attr), f"{self._name}.{attr}", inner, self._stage)
         raise UndeclaredConfigRead(_message(self._stage, f"{self._name}.{attr}"))
 
     def __setattr__(self, attr: str, value: Any) -> None:
@@ -114,7 +120,11 @@ class ConfigView:
         out: dict[str, Any] = {"output_dir": dumped["output_dir"]}
         out.update({s: dumped[s] for s in self._whole})
         for section, fields in self._fields.items():
-            out.setdefault(section, {f: dumped[section][f] for f in fields})
+            for field in fields:
+                src, dst, *path = dumped[section], out.setdefault(section, {}), *field.split(".")
+                for part in path[:-1]:
+                    src, dst = src[part], dst.setdefault(part, {})
+                dst[path[-1]] = src[path[-1]]
         return out
 
     def __getattr__(self, name: str) -> Any:

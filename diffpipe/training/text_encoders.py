@@ -45,7 +45,9 @@ def text_lora_config(tc: TrainConfig) -> peft.LoraConfig:
 class TrainedTextEncoders:
     """The encoders ``train.text_encoder.encoders`` names, loaded from the family, each with a LoRA."""
 
-    def __init__(self, family: Any, tc: TrainConfig):
+    def __init__(self, family: Any, tc: TrainConfig, *, continue_lora: bool = True):
+        """``continue_lora``: load ``train.lora.init_from``'s encoder LoRAs (its ``text_encoder*/``
+        folders, as training and import-lora write them) where it has them (not when resuming)."""
         bundle = family.load_text_encoders()
         self.config = text_lora_config(tc)
         self.modules: dict[str, torch.nn.Module] = {}
@@ -57,6 +59,9 @@ class TrainedTextEncoders:
             except ValueError as err:
                 raise ValueError(f"train.text_encoder.targets {list(tc.text_encoder.targets)} matched no module "
                                  f"of {name}") from err
+            init = Path(tc.lora.init_from or "") / name
+            if tc.lora.init_from and continue_lora and (init / adapter.CONFIG_NAME).is_file():
+                adapter.init_from(module, init, name)
             if tc.activation_checkpointing:
                 module.gradient_checkpointing_enable()
             module.train()

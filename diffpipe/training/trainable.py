@@ -49,7 +49,7 @@ class Trainable:
             checkpointing.enable(denoiser, tc.checkpoint_fraction)
         denoiser.train()
         #: The text encoders trained beside it (train.text_encoder), or None.
-        self.text = TrainedTextEncoders(family, tc) if tc.text_encoder.encoders else None
+        self.text = TrainedTextEncoders(family, tc, continue_lora=continue_lora) if tc.text_encoder.encoders else None
 
     def training_module(self) -> torch.nn.Module:
         """What DeepSpeed wraps: the denoiser, with the trained text encoders beside it if any."""

@@ -233,3 +233,15 @@ def test_kohya_metadata_and_card_say_the_encoders_were_trained(run):
     assert header["ss_network_train_unet_only"] == "False" and header["ss_text_encoder_lr"] == "0.05"
     card = (paths.export_dir / "README.md").read_text()
     assert "text encoders trained too" in card and all(f"`{n}`" in card for n in cfg.train.text_encoder.encoders)
+
+
+def test_init_from_continues_the_encoders_lora(run):
+    from diffpipe.training.text_encoders import TrainedTextEncoders
+
+    cfg, paths, _ = run
+    tc = cfg.train.model_copy(update={"lora": cfg.train.lora.model_copy(update={"init_from": str(paths.adapter_dir)})})
+    got = TrainedTextEncoders(get_family(cfg.model), tc).state()
+    for name, (want, _) in load_text_adapters(paths.adapter_dir).items():
+        assert set(got[name]) == set(want)
+        for k, v in want.items():
+            torch.testing.assert_close(got[name][k], v, rtol=0, atol=0)

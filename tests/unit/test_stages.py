@@ -25,6 +25,9 @@ EDITS = [
     ({"sample": {"prompts": ["something else"]}}, {"sample"}),  # the model card no longer lists them
     ({"cache": {"dir": "elsewhere"}}, {"validate", "plan", "cache"}),  # discovery skips the cache folder
     ({"export": {"formats": ["diffusers", "kohya"]}}, {"export"}),
+    # a trained text encoder's captions are cached as token ids; its learning rate changes training only
+    ({"train": {"text_encoder": {"encoders": ["text_encoder"]}}}, {"plan", "cache", "train", "bench"}),
+    ({"train": {"text_encoder": {"lr": 0.1}}}, {"train", "bench"}),
 ]
 
 
@@ -45,6 +48,11 @@ def test_a_stage_cannot_read_an_undeclared_key(tmp_path):
         _ = stages.view(cfg, "export").sample
     with pytest.raises(AttributeError, match="read-only"):
         plan.cache = None
+    assert plan.train.text_encoder.encoders == []  # a declared field of a nested section
+    with pytest.raises(stages.UndeclaredConfigRead, match=r"'train.text_encoder.lr'"):
+        _ = plan.train.text_encoder.lr
+    assert plan.model_dump(mode="json")["train"] == {"batch_size": 4, "grad_accum": 1,
+                                                     "text_encoder": {"encoders": []}}
     dumped = stages.view(cfg, "export").model_dump(mode="json")
     assert set(dumped) == {"output_dir", "model", "export", "train"} and set(dumped["train"]) == {"lora"}
     assert stages.view(cfg, "train") is cfg  # training records its whole config (stages.TRAIN_UNTRACKED)
