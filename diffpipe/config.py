@@ -1077,6 +1077,11 @@ class Config(_Section):
             if d.prior_target == "base" and (self.train.mode != "lora" or self.train.pipeline_stages > 1):
                 raise ValueError(f"datasets[{i}].prior_target base (the base model's prediction: the LoRA "
                                  "switched off) needs train.mode lora and train.pipeline_stages: 1")
+            if d.prior_target == "base" and self.train.text_encoder.encoders:
+                # Its prediction would see the trained encoders' embeddings, not the base model's.
+                raise ValueError(f"datasets[{i}].prior_target base needs train.text_encoder.encoders empty (the "
+                                 "base prediction is taken on the text the trained encoders give); use "
+                                 "prior_target: data")
         return self
 
     @model_validator(mode="after")

@@ -67,6 +67,9 @@ def test_config_and_family_refuse_what_they_cannot_train():
     for bad in ({"mode": "full"}, {"zero_stage": 3}, {"pipeline_stages": 2}, {"lora": {"kind": "lokr"}}):
         with pytest.raises(ValueError, match="train.text_encoder needs"):
             parse_config({**base, "train": {"text_encoder": {"encoders": ["text_encoder"]}, **bad}})
+    with pytest.raises(ValueError, match="prior_target base needs train.text_encoder.encoders empty"):
+        parse_config({"datasets": [{"name": "d", "path": "data", "role": "regularization", "prior_target": "base"}],
+                      "train": {"text_encoder": {"encoders": ["text_encoder"]}}})
     cfg = parse_config({**base, "model": {"family": "flux", "flavor": "tiny"}})
     with pytest.raises(ValueError, match="family 'flux' trains text encoders: none"):
         get_family(cfg.model).with_trained_text(["text_encoder"])
