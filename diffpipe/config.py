@@ -685,8 +685,8 @@ class TextEncoderTrainConfig(_Section):
         [],
         description="Text encoders to train a LoRA on beside the denoiser's, by pipeline name (`text_encoder`; "
         "SDXL also `text_encoder_2`); empty: none (every embedding is cached). A trained encoder's captions are "
-        "cached as token ids and encoded at every step; the others stay cached. Families `sd` and `sdxl`; "
-        "train.mode lora (kind lora), zero_stage 0-2, one pipeline stage.",
+        "cached as token ids and encoded at every step; the others stay cached. Families `sd`, `sdxl` and "
+        "`flux` (its CLIP-L; T5 stays cached); train.mode lora (kind lora), zero_stage 0-2, one pipeline stage.",
     )
     lr: Float | None = Field(None, description="Their learning rate; null: train.lr.", gt=0)
     rank: Int | None = Field(None, description="Their LoRA rank; null: train.lora.rank.", ge=1, le=4096)
@@ -825,7 +825,7 @@ class TrainConfig(_Section):
     )
     lora: LoraConfig = Field(default_factory=LoraConfig, description="LoRA settings.")
     text_encoder: TextEncoderTrainConfig = Field(
-        default_factory=TextEncoderTrainConfig, description="LoRA on the text encoders too (SD 1.x/2.x, SDXL)."
+        default_factory=TextEncoderTrainConfig, description="LoRA on the text encoders too (SD 1.x/2.x, SDXL, Flux's CLIP-L)."
     )
     objective: ObjectiveConfig = Field(
         default_factory=ObjectiveConfig, description="Timestep sampling, loss and loss weighting."

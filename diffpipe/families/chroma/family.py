@@ -29,6 +29,7 @@ class ChromaFamily(FluxFamily):
     name = "chroma"
     token_streams: ClassVar[dict[str, tuple[str, str]]] = {"t5": ("tokenizer", "sequence")}
     pipeline_class = ChromaPipeline
+    trainable_text_encoders: ClassVar[dict[str, str]] = {}  # its one T5 encoder stays cached
     #: Flux's targets (the blocks are Flux's), which also hit the single blocks' q/k/v.
     default_lora_targets: ClassVar[list[str]] = FluxFamily.default_lora_targets
     denoiser_model = Model(ChromaTransformer2DModel, TINY_TRANSFORMER)

@@ -43,6 +43,11 @@ MAX_T5_LENGTH = 512
 
 _tiny_t5 = common.tiny_text_model(T5EncoderModel, T5Config, TINY_T5, "flux.text_encoder_2", common.T5_IDS)
 
+def _clip_pooled(encoder: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    """CLIP-L's pooled output, as FluxPipeline._get_clip_prompt_embeds takes it."""
+    return encoder(ids.to(next(encoder.parameters()).device), output_hidden_states=False).pooler_output
+
+
 class FluxFamily(Family):
     name = "flux"
     vae_shift = True
@@ -59,6 +64,8 @@ class FluxFamily(Family):
         "text_encoder_2": TextEncoder(T5EncoderModel, T5Config, _tiny_t5),
     }
     pipeline_class = FluxPipeline
+    #: CLIP-L (its pooled output) may train; T5 stays cached. kohya and ComfyUI name it lora_te1.
+    trainable_text_encoders: ClassVar[dict[str, str]] = {"text_encoder": "lora_te1"}
     patch = 2  # the pipeline packs 2x2 latents into a token (the config's patch_size is 1)
     prompt_tokens = (TINY_T5_LENGTH, MAX_T5_LENGTH)
     prompt_tokenizer = "tokenizer_2"
@@ -109,11 +116,16 @@ class FluxFamily(Family):
             return_tensors="pt",
         ).input_ids
         with torch.no_grad():
-            device = next(enc.text_encoder.parameters()).device
-            pooled = enc.text_encoder(clip_ids.to(device), output_hidden_states=False).pooler_output
             device = next(enc.text_encoder_2.parameters()).device
             embeds = enc.text_encoder_2(t5_ids.to(device), output_hidden_states=False)[0]
+            if self.trained_text:  # CLIP-L trained (train.text_encoder): it runs at every step (embed_ids)
+                return {"prompt_embeds": embeds.float(), "input_ids": clip_ids}
+            pooled = _clip_pooled(enc.text_encoder, clip_ids)
         return {"prompt_embeds": embeds.float(), "pooled_prompt_embeds": pooled.float()}
+
+    def embed_ids(self, encoders, text):
+        return {"prompt_embeds": text["prompt_embeds"],
+                "pooled_prompt_embeds": _clip_pooled(encoders["text_encoder"], text["input_ids"]).float()}
 
     # -- training ----------------------------------------------------------------
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,

@@ -52,6 +52,7 @@ def widen_input(transformer: FluxTransformer2DModel) -> FluxTransformer2DModel:
 class FluxControlFamily(FluxFamily):
     name = "flux-control"
     pipeline_class = FluxControlPipeline
+    trainable_text_encoders: ClassVar[dict[str, str]] = {}  # text-encoder training is tested on flux only
     uses_control = True
     default_lora_targets: ClassVar[list[str]] = [*FluxFamily.default_lora_targets, "x_embedder"]
     #: ``sample.images`` reach ``FluxControlPipeline`` as ``control_image``.
