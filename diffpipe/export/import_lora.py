@@ -208,6 +208,9 @@ def _text_adapters(source: Path, family: Family, fmt: str) -> TextLoras:
             if loras:  # files from other transformers versions may nest CLIP's layers otherwise
                 found[name] = {clip_module(m, family.text_parts[name].cls): lora for m, lora in loras.items()}
     elif family.trainable_text_encoders:  # kohya names, in kohya and ComfyUI files
+        with safe_open(str(source), framework="pt") as f:
+            if not any(k.startswith(_text_prefixes(family, fmt)) for k in f.keys()):
+                return {}  # the denoiser's LoRA alone (LoKr and LoHa files among them)
         named = read_original(source)[0]
         for name, prefix in family.trainable_text_encoders.items():
             for key, lora in named.items():
