@@ -24,7 +24,7 @@ from __future__ import annotations
 import json
 import math
 from abc import ABC, abstractmethod
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -416,7 +416,7 @@ class Family(ABC):
         """Text settings carried in the bundle and the text cache key (``max_sequence_length``, ...)."""
         return {} if self.prompt_tokens is None else {"max_sequence_length": self.max_sequence_length}
 
-    def _text_bundle(self, *, encoders: bool) -> Any:
+    def _text_bundle(self, *, encoders: bool, only: Collection[str] | None = None) -> Any:
         from diffpipe.models.components import TextBundle, Tokenizer
 
         parts, out = self._declared("text_parts"), {}
@@ -424,7 +424,7 @@ class Family(ABC):
         for name, part in parts.items():
             if isinstance(part, Tokenizer):
                 out[name] = self.load_tokenizer(name)
-            elif not encoders:
+            elif not encoders or (only is not None and name not in only):
                 out[name] = None
             elif tiny:
                 out[name] = part.tiny(out[part.tokenizer or name.replace("text_encoder", "tokenizer")], self.cfg.seed)
@@ -442,10 +442,11 @@ class Family(ABC):
         """What ``token_limits`` and ``count_tokens`` need: the declared tokenizers, no encoder weights."""
         return self._text_bundle(encoders=False)
 
-    def load_text_encoders(self) -> Any:
+    def load_text_encoders(self, only: Collection[str] | None = None) -> Any:
         """The declared tokenizers and text encoders (a :class:`~diffpipe.models.components.TextBundle`),
-        passed back to ``encode_text``."""
-        return self._text_bundle(encoders=True)
+        passed back to ``encode_text``; ``only``: load just these encoders (the others are None: training
+        a text encoder never loads FLUX.1's T5-XXL)."""
+        return self._text_bundle(encoders=True, only=only)
 
     def text_pipeline(self, encoders: Any) -> Any:
         """The stock pipeline holding only the text components, to encode captions with its own

@@ -48,7 +48,7 @@ class TrainedTextEncoders:
     def __init__(self, family: Any, tc: TrainConfig, *, continue_lora: bool = True):
         """``continue_lora``: load ``train.lora.init_from``'s encoder LoRAs (its ``text_encoder*/``
         folders, as training and import-lora write them) where it has them (not when resuming)."""
-        bundle = family.load_text_encoders()
+        bundle = family.load_text_encoders(only=tc.text_encoder.encoders)
         self.config = text_lora_config(tc)
         self.modules: dict[str, torch.nn.Module] = {}
         self.params: list[torch.nn.Parameter] = []
