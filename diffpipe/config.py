@@ -48,6 +48,10 @@ Bool = StrictBool
 Text = Annotated[str, StringConstraints(min_length=1)]
 #: A file or folder: not empty, not only spaces, no NUL character.
 PathText = Annotated[str, StringConstraints(pattern=r"^[^\x00]*[^\s\x00][^\x00]*$")]
+#: The most control (reference) images an item may have (``datasets[].control_path`` as a list).
+MAX_REFERENCES = 4
+#: The aux roles of an item's control images, in order: ``control``, ``control2``, ...
+CONTROL_ROLES = ["control"] + [f"control{k}" for k in range(2, MAX_REFERENCES + 1)]
 #: A Hugging Face repo id: ``name`` or ``org/name`` (letters, digits, ``-``, ``_``, ``.``).
 HubId = Annotated[str, StringConstraints(pattern=r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$", max_length=96)]
 #: A random seed (torch and NumPy both take it).
@@ -188,8 +192,15 @@ class ModelConfig(_Section):
         None,
         description="Model version within the family. wan: `2.1` (T2V), `2.2-5b` (TI2V-5B used text-to-video: "
         "48-channel VAE), `2.2-a14b` (T2V-A14B: two experts), `2.1-i2v` (I2V-14B), `2.2-i2v-a14b` (I2V-A14B: two "
-        "experts, first-frame condition latents). null: tiny flavor = the family's first; local "
+        "experts, first-frame condition latents). qwenimage-edit: `2509`, `2511` (Qwen-Image-Edit-Plus: several "
+        "reference images per item; null = Qwen-Image-Edit). null: tiny flavor = the family's first; local "
         "flavor = read from the folder (a given value must match it).",
+    )
+    prefix_frames: Int | None = Field(
+        None,
+        description="skyreels-v2 `variant: df-v2v`: the frames at each clip's start that are given clean, as the "
+        "video-to-video pipeline's `overlap_history` takes the end of its input clip (4k+1; 17 or 37 as the "
+        "pipeline suggests; null = 17). Samples pass it as `overlap_history`.", ge=1, le=MAX_FRAMES,
     )
     expert: Literal["high", "low", "both"] | None = Field(
         None,
@@ -198,6 +209,12 @@ class ModelConfig(_Section):
         "LoRA loads with `load_lora_weights(..., load_into_transformer_2=True)`); `both`: a LoRA on each in "
         "one run, each sample sent to its timestep's expert (the low one exported with a `_low_noise` suffix).",
     )
+
+    @field_validator("variant", mode="before", json_schema_input_type=str | int | float | None)
+    @classmethod
+    def _variant_as_text(cls, value: Any) -> Any:
+        # YAML reads `variant: 2511` as a number and `variant: 2.1` as a float; both name a version.
+        return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _check_zero_terminal_snr(self) -> ModelConfig:
@@ -385,14 +402,18 @@ class DatasetConfig(_Section):
         description="Metadata column naming each item's mask image (a path relative to the metadata file's "
         "folder, like the file column); empty cells train unmasked.",
     )
-    control_path: PathText | None = Field(
+    control_path: PathText | list[PathText] | None = Field(
         None,
         description="Folder of control / reference images (edit pairs, image-to-video first frames), same stems "
-        "as the media files. Each is resized and cropped like its target and cached as conditioning latents.",
+        "as the media files. Each is resized and cropped like its target and cached as conditioning latents. "
+        f"A list of up to {MAX_REFERENCES} folders gives each item several reference images, one from each "
+        "folder in order (Qwen-Image-Edit `variant: 2509 | 2511`); an item missing any of them is "
+        "`missing_control`.",
     )
-    control_column: Text | None = Field(
+    control_column: Text | list[Text] | None = Field(
         None,
-        description="Metadata column naming each item's control image (relative to the metadata file's folder).",
+        description="Metadata column naming each item's control image (relative to the metadata file's folder); "
+        "a list of columns: several reference images per item, as with a list of `control_path` folders.",
     )
     # -- image-to-video: the clip's own first frame as its control --------------------------
     control_from_first_frame: Bool = Field(
@@ -441,11 +462,42 @@ class DatasetConfig(_Section):
         for role in ("mask", "control"):
             if getattr(self, f"{role}_path") and getattr(self, f"{role}_column"):
                 raise ValueError(f"set {role}_path or {role}_column, not both")
+        for key in ("control_path", "control_column"):
+            value = getattr(self, key)
+            if isinstance(value, list) and not 1 <= len(value) <= MAX_REFERENCES:
+                raise ValueError(f"datasets[{self.name}].{key}: give 1 to {MAX_REFERENCES} references, not {len(value)}")
+            if isinstance(value, list) and len(set(value)) < len(value):
+                raise ValueError(f"datasets[{self.name}].{key}: a reference is named twice: {value}")
+        if self.references > 1 and (self.control_from_first_frame or self.control_from_last_frame):
+            raise ValueError(f"datasets[{self.name}]: control_from_first_frame / control_from_last_frame make a "
+                             "clip's own frames its control; they do not combine with several reference images")
         return self
 
+    def _controls(self) -> list[str]:
+        value = self.control_path or self.control_column
+        return [] if value is None else value if isinstance(value, list) else [value]
+
+    @property
+    def references(self) -> int:
+        """How many control (reference) images each item has: 0, 1, or the length of a list."""
+        return len(self._controls())
+
     def aux_roles(self) -> list[str]:
-        """Which per-item auxiliary images the dataset has: ``mask``, ``control``."""
-        return [r for r in ("mask", "control") if getattr(self, f"{r}_path") or getattr(self, f"{r}_column")]
+        """Which per-item auxiliary images the dataset has: ``mask``, ``control``, ``control2``, ..."""
+        mask = ["mask"] if self.mask_path or self.mask_column else []
+        return mask + CONTROL_ROLES[: self.references]
+
+    def aux_source(self, role: str) -> tuple[str | None, str | None, str]:
+        """A role's ``(folder, metadata column, config key)``: one of the first two is None."""
+        if role == "mask":
+            return self.mask_path, self.mask_column, "mask_path" if self.mask_path else "mask_column"
+        k = CONTROL_ROLES.index(role)
+        controls = self._controls()
+        value = controls[k] if k < len(controls) else None
+        key = "control_path" if self.control_path else "control_column"
+        if isinstance(self.control_path or self.control_column, list):
+            key += f"[{k}]"
+        return (value, None, key) if self.control_path else (None, value, key)
 
     def training_resolutions(self) -> list[int]:
         """The resolutions items are cached at (sorted, unique)."""
@@ -977,9 +1029,14 @@ class SampleConfig(_Section):
         5, description="Frames per sample clip for video families (snapped to the model's frame rule); "
         "image families ignore it.", ge=1, le=MAX_FRAMES,
     )
-    images: list[PathText] | None = Field(
+    images: list[PathText | list[PathText]] | None = Field(
         None, description="One conditioning image per prompt (file paths), for image-conditioned models "
-        "(Wan 2.1 I2V: the first frame of each sample clip); null: text only.",
+        "(Wan 2.1 I2V: the first frame of each sample clip); a list of paths for a prompt's several reference "
+        "images (Qwen-Image-Edit `variant: 2509 | 2511`); null: text only.",
+    )
+    videos: list[PathText] | None = Field(
+        None, description="One input clip per prompt (file paths), for video-to-video models (SkyReels V2 "
+        "`variant: df-v2v`: each sample continues its clip's last `model.prefix_frames` frames); null: none.",
     )
     last_images: list[PathText] | None = Field(
         None, description="One last frame per prompt (file paths), for first-and-last-frame models (Wan "
@@ -988,7 +1045,7 @@ class SampleConfig(_Section):
 
     @model_validator(mode="after")
     def _one_image_per_prompt(self) -> SampleConfig:
-        for key in ("images", "last_images"):
+        for key in ("images", "last_images", "videos"):
             paths = getattr(self, key)
             if paths is not None and len(paths) != len(self.prompts):
                 raise ValueError(
@@ -1067,6 +1124,15 @@ class Config(_Section):
         dupes = sorted({n for n in names if names.count(n) > 1})
         if dupes:
             raise ValueError(f"datasets: duplicate name(s) {dupes}")
+        return self
+
+    @model_validator(mode="after")
+    def _same_references(self) -> Config:
+        # Each bucket's control latents are one array, so every item has the same number of references.
+        counts = {d.name: d.references for d in self.datasets if d.references}
+        if len(set(counts.values())) > 1:
+            raise ValueError(f"datasets: every dataset with control images needs the same number of references; "
+                             f"they have {counts}")
         return self
 
     @model_validator(mode="after")

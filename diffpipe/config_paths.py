@@ -65,9 +65,12 @@ def dataset_folders(cfg: Config) -> list[tuple[str, str]]:
     """(key, path) of every folder a dataset reads: ``datasets[i].path``, ``.mask_path``, ``.control_path``."""
     found = []
     for i, ds in enumerate(cfg.datasets):
-        for field in ("path", "mask_path", "control_path"):
-            if value := getattr(ds, field):
-                found.append((f"datasets[{i}].{field}", value))
+        if ds.path:
+            found.append((f"datasets[{i}].path", ds.path))
+        for role in ds.aux_roles():
+            folder, _, key = ds.aux_source(role)
+            if folder:
+                found.append((f"datasets[{i}].{key}", folder))
     return found
 
 
@@ -79,8 +82,11 @@ def model_inputs(cfg: Config) -> list[tuple[str, str]]:
     found = [("model.path", cfg.model.path)] if cfg.model.path and not hub.is_model_id(cfg.model.path) else []
     found += [(f"model.single_files.{k}", v) for k, v in cfg.model.single_files.items() if not hub.split_file_id(v)]
     found += [("train.lora.init_from", cfg.train.lora.init_from)] if cfg.train.lora.init_from else []
-    found += [(f"sample.images[{i}]", v) for i, v in enumerate(cfg.sample.images or [])]
+    for i, v in enumerate(cfg.sample.images or []):
+        found += [(f"sample.images[{i}][{k}]", p) for k, p in enumerate(v)] if isinstance(v, list) else [
+            (f"sample.images[{i}]", v)]
     found += [(f"sample.last_images[{i}]", v) for i, v in enumerate(cfg.sample.last_images or [])]
+    found += [(f"sample.videos[{i}]", v) for i, v in enumerate(cfg.sample.videos or [])]
     return found
 
 

@@ -177,6 +177,12 @@ def plan(cfg: Config, paths: Any) -> Any:
     cfg = _as(cfg, "plan")
     family = get_family(cfg.model).with_trained_text(cfg.train.text_encoder.encoders)
     for ds in cfg.datasets:
+        if ds.references > family.max_references:
+            raise ValueError(
+                f"datasets[{ds.name}]: {ds.references} reference images per item, but this model ({family.name}"
+                f"{' ' + family.variant if getattr(family, 'variant', None) else ''}) takes at most "
+                f"{family.max_references}; several references are for Qwen-Image-Edit `variant: 2509 | 2511`"
+            )
         if ds.control_from_last_frame != family.uses_last_frame:
             raise ValueError(
                 f"datasets[{ds.name}].control_from_last_frame: set it to true for first-and-last-frame models "

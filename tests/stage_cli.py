@@ -51,3 +51,22 @@ def run_stages(config, *, cwd, monkeypatch, empty_caption: bool = False,
         invoke("cache", "empty", "-c", c, cwd=cwd, monkeypatch=monkeypatch)
     for stage in then:
         invoke(stage, "-c", c, cwd=cwd, monkeypatch=monkeypatch)
+
+
+def edit_outputs(family, denoiser, batch, control=None):
+    """An edit family's forward on a cached batch at fixed t and noise: ``((sequence length, img_shapes,
+    raw output), loss)``, the transformer's inputs seen through a hook; ``control`` replaces the batch's."""
+    import torch
+
+    seen = []
+    handle = denoiser.register_forward_hook(
+        lambda m, a, kw, o: seen.append((kw["hidden_states"].shape[1], kw["img_shapes"], o[0])), with_kwargs=True
+    )
+    noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            loss = family.loss(denoiser, batch["latents"], batch["text"], torch.Generator(), t=torch.tensor([0.3, 0.7]),
+                               noise=noise, control=batch["control_latents"] if control is None else control)
+    finally:
+        handle.remove()
+    return seen[0], loss

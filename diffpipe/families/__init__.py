@@ -66,13 +66,10 @@ NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
     "HunyuanImage 2.1": (None, UNREGISTERED["hunyuanimage"] + " (the adapter is written: "
                          "`diffpipe/families/hunyuanimage/`, tiny and local flavors; published size checked: 17.43B)"),
     "OmniGen2": (None, "diffusers 0.42.1 has no OmniGen2 classes (only OmniGen v1's, without a LoRA loader)"),
-    "Qwen-Image-Edit-Plus (several references)": (None, _LATER + " (Qwen-Image-Edit, one reference, is)"),
     "FLUX.2 [dev]": (None, "its text side (Mistral 3 through PixtralProcessor) needs torchvision, which diffpipe "
                            "does not install; FLUX.2 [klein] is a family (`flux2-klein`)"),
     "Kandinsky 5.0 Image Lite editing": (None, _LATER + " (its text-to-image pipeline is: `kandinsky5-image`)"),
     "LTX-2": ("LTX2LoraLoaderMixin", _LATER),
-    "SkyReels V2 diffusion forcing video-to-video": (None, _LATER + " (text-to-video, image-to-video and diffusion "
-                                                     "forcing from text or an image are: `skyreels-v2`)"),
     "Bria FIBO 2": ("BriaFibo2LoraLoaderMixin", _LATER),
     "Helios": ("HeliosLoraLoaderMixin", _LATER),
     "Ideogram 4": ("Ideogram4LoraLoaderMixin", _LATER),

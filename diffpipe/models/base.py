@@ -142,6 +142,9 @@ class Family(ABC):
     frame_rule: ClassVar[tuple[int, int]] = (4, 1)
     #: Whether ``loss`` takes ``control`` latents (edit / reference-image families).
     uses_control: ClassVar[bool] = False
+    #: How many control (reference) images an item may have (``datasets[].control_path`` as a list): they
+    #: reach ``loss`` as the frames of ``control``, ``[B, C, R, h, w]``.
+    max_references: ClassVar[int] = 1
     #: Whether each control is a first and a last frame (``datasets[].control_from_last_frame``; Wan FLF2V):
     #: the plan then requires that option of every dataset, and refuses it for every other family.
     uses_last_frame: ClassVar[bool] = False
@@ -154,6 +157,8 @@ class Family(ABC):
 
     #: The pipeline argument ``sample.images`` are passed as (``image``; ``control_image`` for Flux Control).
     sample_image_arg: ClassVar[str] = "image"
+    #: Whether samples continue an input clip (``sample.videos``, the pipeline's ``video``).
+    continues_video: ClassVar[bool] = False
     #: Versions ``model.variant`` may name (empty: the family has one).
     variants: ClassVar[tuple[str, ...]] = ()
     #: Subfolders besides ``vae`` and ``denoiser_name`` that ``model.single_files`` may replace.

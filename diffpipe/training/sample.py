@@ -13,7 +13,7 @@ from PIL import Image, ImageDraw
 
 from diffpipe.config import ModelConfig, SampleConfig
 from diffpipe.data.cache.video import write_mp4
-from diffpipe.data.dataset.media import DEFAULT_MAX_PIXELS, open_image
+from diffpipe.data.dataset.media import DEFAULT_MAX_PIXELS, decoded_frames, open_image, open_video
 from diffpipe.models import get_family
 from diffpipe.paths import EXPORT_NAMES, export_name
 from diffpipe.training.adapter import apply_adapter
@@ -24,14 +24,23 @@ def _render(pipe, family, cfg: SampleConfig, kwargs: dict) -> list[list[Image.Im
     """The frames of every prompt's sample (one frame for images), each from the same seed.
 
     ``sample.images``: each prompt's conditioning image, passed as the family's
-    ``sample_image_arg``; ``sample.last_images``: its last frame (``last_image``).
+    ``sample_image_arg``; ``sample.last_images``: its last frame (``last_image``);
+    ``sample.videos``: its input clip (``video``, a list of frames).
     """
+    for i, image in enumerate(cfg.images or []):
+        if isinstance(image, list) and len(image) > family.max_references:
+            raise ValueError(f"sample.images[{i}]: {len(image)} images for one prompt; {family.name} takes at most "
+                             f"{family.max_references} (several are for Qwen-Image-Edit `variant: 2509 | 2511`)")
+    if cfg.videos and not family.continues_video:
+        raise ValueError(f"sample.videos: {family.name} samples do not continue a clip (SkyReels V2 df-v2v's do)")
     out = []
     for i, prompt in enumerate(cfg.prompts):
         gen = torch.Generator().manual_seed(cfg.seed)
         extra = {family.sample_image_arg: _open_image(cfg.images[i])} if cfg.images else {}
         if cfg.last_images:
             extra["last_image"] = _open_image(cfg.last_images[i])
+        if cfg.videos:
+            extra["video"] = _open_video(cfg.videos[i])
         result = pipe(prompt=prompt, generator=gen, **kwargs, **extra)  # by name: edit pipelines take `image` first
         if family.is_video:
             out.append(list(result.frames[0]))
@@ -40,13 +49,24 @@ def _render(pipe, family, cfg: SampleConfig, kwargs: dict) -> list[list[Image.Im
     return out
 
 
-def _open_image(path: str) -> Image.Image:
+def _open_image(path: str | list[str]) -> Image.Image | list[Image.Image]:
     # The same header check as validation: a sample image is user input too (a decompression bomb).
+    if isinstance(path, list):  # a prompt's several reference images
+        return [_open_image(p) for p in path]
     try:
         with open_image(path, DEFAULT_MAX_PIXELS) as img:
             return img.convert("RGB")
     except OSError as err:
         raise ValueError(f"sample: cannot read the image {path}: {err}") from err
+
+
+def _open_video(path: str) -> list[Image.Image]:
+    """A sample's input clip as RGB frames (the header checked like a dataset clip's)."""
+    try:
+        with open_video(path, DEFAULT_MAX_PIXELS) as (container, stream):
+            return [f.to_image().convert("RGB") for f in decoded_frames(container, stream, DEFAULT_MAX_PIXELS)]
+    except (OSError, ValueError) as err:
+        raise ValueError(f"sample: cannot read the clip {path}: {err}") from err
 
 
 def _save(sample: list[Image.Image], stem: Path, family) -> None:

@@ -21,6 +21,7 @@ import yaml
 from diffusers import QwenImageEditPipeline
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 from PIL import Image
+from stage_cli import edit_outputs as _outputs
 from stage_cli import rendezvous, run_stages
 
 from diffpipe.config import load_config
@@ -120,29 +121,6 @@ def test_reference_tokens_are_the_pipelines(run):
     torch.testing.assert_close(tokens, image_latents)
     # The pipeline's img_shapes entry of a 32x32 input image (VAE factor 4, 2x2 packing).
     assert shape == (1, 32 // pipe.vae_scale_factor // 2, 32 // pipe.vae_scale_factor // 2)
-
-
-def _outputs(family, denoiser, batch, control=None):
-    """The transformer's inputs, raw output and the loss, at fixed t and noise."""
-    seen = []
-    handle = denoiser.register_forward_hook(
-        lambda m, a, kw, o: seen.append((kw["hidden_states"].shape[1], kw["img_shapes"], o[0])), with_kwargs=True
-    )
-    noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(0))
-    try:
-        with torch.no_grad():
-            loss = family.loss(
-                denoiser,
-                batch["latents"],
-                batch["text"],
-                torch.Generator(),
-                t=torch.tensor([0.3, 0.7]),
-                noise=noise,
-                control=batch["control_latents"] if control is None else control,
-            )
-    finally:
-        handle.remove()
-    return seen[0], loss
 
 
 def test_loss_sees_the_control_and_the_lora_loads_in_the_stock_pipeline(run):

@@ -281,15 +281,19 @@ def test_video2world_condition_equals_the_pipeline_construction(run, monkeypatch
             torch.testing.assert_close(ours[key], theirs[key], rtol=1e-5, atol=1e-5, msg=f"{key}, {k} given")
 
 
-def _variant_run(tmp_path_factory, clips, tag, model, *, start_image=False, frames=5, sample_frames=5, **dataset):
+def _variant_run(tmp_path_factory, clips, tag, model, *, start_image=False, frames=5, sample_frames=5,
+                 sample_video=False, **dataset):
     """A family variant's tiny run through every stage: the demo clips in ``frames``-frame buckets, 2 steps,
-    the diffusers export, a sample of ``sample_frames`` (from a start image where the variant needs one)."""
+    the diffusers export, a sample of ``sample_frames`` (from a start image, or continuing the first demo
+    clip, where the variant needs one)."""
     monkeypatch = rendezvous()
     root = tmp_path_factory.mktemp(tag)
     sample = {"prompts": ["a red circle"], "steps": 2, "width": 32, "height": 32, "frames": sample_frames}
     if start_image:
         Image.new("RGB", (48, 32), (200, 30, 30)).save(root / "start.png")
         sample["images"] = [str(root / "start.png")]
+    if sample_video:
+        sample["videos"] = [str(clips / "clip_000.mp4")]
     cfg = {
         "output_dir": "run",
         "model": {"flavor": "tiny", **model},
@@ -520,3 +524,90 @@ def test_skyreels_df_i2v_starts_from_the_image_as_the_pipeline_does(skyreels_df_
     with pytest.raises(ValueError, match="marks the image's latent frame as ready only in blocks of one frame"):
         family.prepare(latents, {k: v[:1] for k, v in batch["text"].items()},
                        torch.Generator(), objective=ObjectiveConfig(), control=control)
+
+
+@pytest.fixture(scope="module")
+def skyreels_df_v2v(demo_clips, tmp_path_factory):
+    """SkyReels V2 diffusion forcing continuing a clip (``variant: df-v2v``): 9-frame clips, a 5-frame prefix."""
+    return _variant_run(tmp_path_factory, demo_clips / "demo", "skyreels-df-v2v",
+                        {"family": "skyreels-v2", "variant": "df-v2v", "prefix_frames": 5}, frames=9,
+                        sample_frames=9, sample_video=True)
+
+
+def test_skyreels_df_v2v_keeps_the_clips_prefix_as_the_pipeline_does(skyreels_df_v2v, golden):
+    """A clip's first 2 latent frames (its first 5 frames) are the stock video-to-video pipeline's prefix
+    latents of those frames encoded alone (the causal VAE), given clean at timestep 0 and out of the loss,
+    as the pipeline's first transformer call shows; the LoRA loads into that pipeline and reproduces
+    training; the sample continues a clip."""
+    family, p = skyreels_df_v2v
+    golden("skyreels-v2", "test_video_families::skyreels_df_v2v", p)
+    assert family.pipeline_class.__name__ == "SkyReelsV2DiffusionForcingVideoToVideoPipeline"
+    assert not family.uses_control and family.prefix_latent_frames(3) == 2
+    ds = CachedDataset.from_run(p)
+    item = read_spec(p.latent_spec("s0000"))["items"][0]
+    batch = ds.collate([ds.items.index(next(x for x in ds.items if x.id == item["id"]))])
+    latents = batch["latents"]
+    pipe = family.load_pipeline()
+    frames = wan_i2v.to_pil(torch.from_numpy(_decode((item, False))["pixels"]).transpose(0, 1))  # the clip's frames
+    _, h, w = item["bucket"]
+    with torch.no_grad():
+        video = pipe.video_processor.preprocess_video(frames[:5], height=h, width=w)
+        _, n, prefix, ready = pipe.prepare_latents(video, 1, 16, h, w, 9, torch.float32, "cpu", None,
+                                                   overlap_history=5, base_latent_num_frames=3, causal_block_size=1,
+                                                   overlap_history_latent_frames=2, long_video_iter=0)
+    assert (n, ready) == (3, 2) and latents.shape[2] == 3
+    torch.testing.assert_close(latents[:, :, :2], prefix, rtol=1e-4, atol=1e-4)
+
+    eps = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
+    drawn = family.prepare(latents, batch["text"], torch.Generator().manual_seed(3), objective=ObjectiveConfig(),
+                           noise=eps)
+    levels = drawn.inputs["timestep"]
+    assert bool((levels[:, :2] == 0).all()) and bool((levels[:, 2:] > 0).all())
+    torch.testing.assert_close(drawn.inputs["hidden_states"][:, :, :2], latents[:, :, :2])
+    assert drawn.mask[:, :, :2].abs().max() == 0 and drawn.mask[:, :, 2:].min() == 1
+
+    seen = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: seen.append(kw), with_kwargs=True)
+    try:
+        pipe(prompt="a red circle", video=frames[:5], **family.sample_kwargs(SampleConfig(
+            steps=1, guidance_scale=1.0, width=w, height=h, frames=9, videos=["clip.mp4"])))
+    finally:
+        handle.remove()
+    call = seen[0]
+    assert set(call) - {"attention_kwargs", "return_dict"} == set(drawn.inputs)
+    assert bool((call["timestep"][0, :2] == 0).all()) and call["hidden_states"].shape[2] == 3
+    torch.testing.assert_close(call["hidden_states"][:, :, :2], prefix, rtol=1e-4, atol=1e-4)
+
+    batch = ds.collate([0, 1])
+    drawn = family.prepare(batch["latents"], batch["text"], torch.Generator().manual_seed(3),
+                           objective=ObjectiveConfig())
+
+    def output(denoiser):
+        with torch.no_grad():
+            return family.predict(denoiser, drawn)
+
+    _lora_reproduces_training(family, pipe, p, output)
+    with av.open(str(p.samples_dir / "sample-00.mp4")) as container:  # the input clip's 9 frames, then 9 new
+        assert len(list(container.decode(video=0))) == 18
+
+
+def test_skyreels_df_v2v_settings_are_checked():
+    def model(**kw):
+        return get_family(ModelConfig(family="skyreels-v2", **kw))
+
+    with pytest.raises(ValueError, match="model.prefix_frames: only skyreels-v2 variant df-v2v continues a clip"):
+        model(variant="df", prefix_frames=5)
+    with pytest.raises(ValueError, match=r"model.prefix_frames 6: give 4k\+1 frames"):
+        model(variant="df-v2v", prefix_frames=6)
+    family = model(variant="df-v2v")
+    assert family.prefix_frames == 17 and family.continues_video
+    with pytest.raises(ValueError, match="clips of 5 latent frames leave none after the 5-latent-frame prefix"):
+        family.prefix_latent_frames(5)
+    with pytest.raises(ValueError, match="sample.videos: SkyReels V2 df-v2v samples continue a clip"):
+        family.sample_kwargs(SampleConfig())
+    with pytest.raises(ValueError, match="sample.frames 9: .* give more than 17"):
+        family.sample_kwargs(SampleConfig(frames=9, videos=["clip.mp4"]))
+    from diffpipe.training.sample import _render
+
+    with pytest.raises(ValueError, match="sample.videos: skyreels-v2 samples do not continue a clip"):
+        _render(None, model(variant="df"), SampleConfig(videos=["clip.mp4"]), {})

@@ -121,7 +121,10 @@ def _numeric_fields():
     def walk(props, prefix):
         for name, spec in props.items():
             key = f"{prefix}{name}"
-            for opt in map(deref, spec.get("anyOf", [spec])):
+            opts = [deref(o) for o in spec.get("anyOf", [spec])]
+            if any(o.get("type") == "string" for o in opts):
+                continue  # a name YAML may read as a number (`model.variant: 2.1`): text, not a count
+            for opt in opts:
                 if "properties" in opt:
                     yield from walk(opt["properties"], key + ".")
                 elif opt.get("type") == "array":

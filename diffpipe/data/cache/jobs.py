@@ -46,7 +46,7 @@ import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from diffpipe.config import CacheConfig, ModelConfig
+from diffpipe.config import CONTROL_ROLES, CacheConfig, ModelConfig
 from diffpipe.data.cache.buckets import load_image_array, load_mask_array
 from diffpipe.data.cache.latents import (
     AUX_FILL,
@@ -136,7 +136,8 @@ def _decode(job: tuple[dict[str, Any], bool] | tuple[dict[str, Any], bool, int])
     """Read one item (and its aux images), check them against the planned sha256s, decode them.
 
     Returns ``pixels`` ``[3, F, H, W]`` and, when the item has them, ``control``
-    ``[3, 1, H, W]`` and ``mask`` ``[1, 1, H, W]``, all cut to the same bucket.
+    ``[3, R, H, W]`` (its R reference images; 1 but for ``control_path`` lists) and
+    ``mask`` ``[1, 1, H, W]``, all cut to the same bucket.
     Images are read into memory once (hash and decode); clips are hashed in
     blocks and streamed from disk, decoding only their planned frames. A file
     whose header declares more than ``max_pixels`` (the validated limit, from
@@ -169,6 +170,9 @@ def _decode(job: tuple[dict[str, Any], bool] | tuple[dict[str, Any], bool, int])
                 raise ValueError(f"cannot decode the {role} image {aux['path']} of {path}: {err}") from err
         if aux.get("last_frame"):  # then the clip's own last frame: a control ``[3, 2, H, W]``
             out[role] = np.ascontiguousarray(np.concatenate([out[role], out["pixels"][:, -1:]], axis=1))
+    if more := [out.pop(role) for role in CONTROL_ROLES[1:] if role in out]:
+        # Several references: one control ``[3, R, H, W]``, reference k as frame k.
+        out["control"] = np.ascontiguousarray(np.concatenate([out["control"], *more], axis=1))
     return out
 
 
@@ -430,12 +434,15 @@ def _encode_controls(family, vae, decoded: list[dict[str, np.ndarray]], dev, *, 
     return out
 
 
-def _control_image(control: dict[str, str], max_pixels: int):
-    """A text entry's control image as the RGB PIL image a user hands the family's pipeline.
+def _control_image(control: dict[str, str] | list[dict[str, str]], max_pixels: int):
+    """A text entry's control image as the RGB PIL image a user hands the family's pipeline (a list of
+    them for an item with several references).
 
     Checked against its planned sha256 first: encoding it would otherwise store
     new pixels under the old content's key.
     """
+    if isinstance(control, list):
+        return [_control_image(c, max_pixels) for c in control]
     from PIL import ImageOps
 
     from diffpipe.data.dataset.media import open_image, to_rgb
@@ -456,7 +463,7 @@ def _encode_captions(
     captions: list[str],
     bs: int,
     label: str,
-    controls: list[dict[str, str] | None] | None = None,
+    controls: list[dict[str, str] | list[dict[str, str]] | None] | None = None,
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> dict[str, torch.Tensor]:
     """Embeddings of ``captions``; with ``controls`` (families whose text encoder sees the
@@ -497,7 +504,7 @@ def _cache_text_spec(
     items: list[dict[str, Any]] = spec["items"]
     dtype = spec["dtype"]
     unique: dict[str, str] = {}
-    controls: dict[str, dict[str, str] | None] = {}
+    controls: dict[str, dict[str, str] | list[dict[str, str]] | None] = {}
     for item in items:  # equal keys, equal embeddings: encode each caption once
         unique.setdefault(item["key"], item["caption"])
         controls.setdefault(item["key"], item.get("control"))

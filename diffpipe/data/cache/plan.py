@@ -41,7 +41,7 @@ from typing import Any
 
 import pyarrow.parquet as pq
 
-from diffpipe.config import CacheConfig, DatasetConfig
+from diffpipe.config import CONTROL_ROLES, CacheConfig, DatasetConfig
 from diffpipe.data.cache.buckets import choose_bucket, crop_offset, crop_top_left, dataset_ratios
 from diffpipe.data.cache.frames import clip_windows
 from diffpipe.data.cache.latents import bucket_name
@@ -178,6 +178,19 @@ def item_aux(row: dict[str, Any]) -> dict[str, dict[str, str]]:
         if sha and not reasons & problem_reasons(role):
             out[role] = {"path": row[f"{role}_path"], "sha256": sha}
     return out
+
+
+def _text_control(aux: dict[str, dict[str, str]]) -> dict[str, str] | list[dict[str, str]] | None:
+    """What a text entry carries of its item's control images: the one image, a list of its references
+    (``control``, ``control2``, ...: ``datasets[].control_path`` as a list), or None."""
+    refs = [aux[role] for role in CONTROL_ROLES if role in aux]
+    return None if not refs else refs[0] if len(refs) == 1 else refs
+
+
+def _control_sha(control: dict[str, str] | list[dict[str, str]] | None) -> str | None:
+    if isinstance(control, list):
+        return "+".join(c["sha256"] for c in control)
+    return control and control["sha256"]
 
 
 def text_key(caption: str, identity: str, dtype: str, control: str | None = None) -> str:
@@ -407,7 +420,7 @@ def _plan_items(rows: list[dict[str, Any]], datasets: list[DatasetConfig], manif
             out.too_short.append(row["path"])
             continue
         out.items += 1
-        control = item_aux(row).get("control") if text_control else None
+        control = _text_control(item_aux(row)) if text_control else None
         texts = []
         for k in range(ds.caption_variants):
             caption = final_caption(ds.caption_prefix, augment_caption(
@@ -416,7 +429,7 @@ def _plan_items(rows: list[dict[str, Any]], datasets: list[DatasetConfig], manif
             texts.append({
                 "id": variant_id(row["id"], k),
                 "caption": caption,
-                "key": text_key(caption, text_identity, cache_cfg.dtype, control and control["sha256"]),
+                "key": text_key(caption, text_identity, cache_cfg.dtype, _control_sha(control)),
                 **({"control": control} if control else {}),
             })
         if ds.caption_variants > 1:

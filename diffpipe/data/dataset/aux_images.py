@@ -20,12 +20,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from diffpipe.config import DatasetConfig
+from diffpipe.config import CONTROL_ROLES, DatasetConfig
 from diffpipe.data.dataset.checks import add_reason
 from diffpipe.data.dataset.discover import Listing
 from diffpipe.data.dataset.metadata import MetadataTable
 
-ROLES = ("mask", "control")
+#: ``control2``.. are an item's further reference images (``control_path`` as a list); their problems
+#: are the control's (``missing_control``, ...): an item's references are used all together or not at all.
+ROLES = ("mask", *CONTROL_ROLES)
 #: Manifest columns per role: ``mask_path``, ``mask_sha256``, ...
 COLUMNS = ("path", "sha256", "size", "mtime_ns", "width", "height")
 #: Probe problems that make an aux image unusable (``extension_mismatch`` does not).
@@ -36,9 +38,20 @@ ASPECT_TOLERANCE = 0.02
 Issue = Callable[[str, str, str], None]
 
 
+def reason_role(role: str) -> str:
+    """The role a reason names: ``control`` for every reference image, else the role itself."""
+    return "control" if role in CONTROL_ROLES else role
+
+
 def problem_reasons(role: str) -> set[str]:
     """The reasons that make a role's image unusable for its item (the plan then ignores it)."""
+    role = reason_role(role)
     return {f"missing_{role}", f"corrupt_{role}", f"{role}_size_mismatch"}
+
+
+def _label(role: str) -> str:
+    """A role in messages: ``control``, ``reference 2``, ..."""
+    return f"reference {CONTROL_ROLES.index(role) + 1}" if role in CONTROL_ROLES[1:] else role
 
 
 def referenced_files(meta: MetadataTable) -> set[str]:
@@ -59,18 +72,18 @@ def resolve(ds: DatasetConfig, listing: Listing, meta: MetadataTable, rows: list
     for row in rows:
         row.update({f"{role}_{col}": None for role in ROLES for col in COLUMNS})
     for role in ds.aux_roles():
-        folder = getattr(ds, f"{role}_path")
+        folder, _, key = ds.aux_source(role)
         if folder and role not in listing.aux_roots:
             issue(
                 str(Path(folder).absolute()),
                 "missing_dataset",
-                f"datasets[{ds.name}].{role}_path: folder {Path(folder).absolute()} does not exist",
+                f"datasets[{ds.name}].{key}: folder {Path(folder).absolute()} does not exist",
             )
             continue
         for row in rows:
             path, note = _find(ds, role, listing, meta, row["relpath"])
             if path is None:
-                add_reason(row, f"missing_{role}", note)
+                add_reason(row, f"missing_{reason_role(role)}", note)
             else:
                 row[f"{role}_path"] = path
 
@@ -78,21 +91,22 @@ def resolve(ds: DatasetConfig, listing: Listing, meta: MetadataTable, rows: list
 def _find(ds: DatasetConfig, role: str, listing: Listing, meta: MetadataTable, rel: str) -> tuple[str | None, str]:
     """The absolute path of ``rel``'s aux image, or None and a sentence naming what is missing."""
     stem = os.path.splitext(rel)[0]
-    if getattr(ds, f"{role}_path"):
+    folder, column, key = ds.aux_source(role)
+    label = _label(role)
+    if folder:
         found = listing.aux[role].get(stem)
         if found:
             return found, ""
         folder = listing.aux_roots[role]
-        return None, f"no {role} image {folder / stem}.* (datasets[{ds.name}].{role}_path)"
-    column = getattr(ds, f"{role}_column")
+        return None, f"no {label} image {folder / stem}.* (datasets[{ds.name}].{key})"
     if rel not in meta.where:
-        return None, f"no metadata row names this file, so it has no {role} column {column!r}"
+        return None, f"no metadata row names this file, so it has no {label} column {column!r}"
     aux_rel = meta.aux[role].get(rel)
     if aux_rel is None:
-        return None, f"{meta.where[rel]}: the {role} column {column!r} is empty"
+        return None, f"{meta.where[rel]}: the {label} column {column!r} is empty"
     path = str(listing.root / aux_rel)
     if not os.path.isfile(path):
-        return None, f"{meta.where[rel]}: {role} image {path} does not exist"
+        return None, f"{meta.where[rel]}: {label} image {path} does not exist"
     return path, ""
 
 
@@ -124,7 +138,7 @@ def reuse_or_probe(
                 for col in ("sha256", "width", "height"):
                     row[f"{role}_{col}"] = prev[f"{role}_{col}"]
                 for reason, note in zip(prev["reasons"], prev["notes"], strict=True):
-                    if reason == f"corrupt_{role}":
+                    if reason == f"corrupt_{reason_role(role)}" and f"{_label(role)} image {path}:" in note:
                         add_reason(row, reason, note)
             else:
                 jobs.append((row, role, path))
@@ -141,7 +155,7 @@ def apply_probe(row: dict[str, Any], role: str, probe: dict[str, Any]) -> None:
         problems.append("it is a video; a mask or control must be one image")
     if problems:
         row[f"{role}_width"] = row[f"{role}_height"] = None
-        add_reason(row, f"corrupt_{role}", f"{role} image {path}: {'; '.join(problems)}")
+        add_reason(row, f"corrupt_{reason_role(role)}", f"{_label(role)} image {path}: {'; '.join(problems)}")
 
 
 def check_geometry(row: dict[str, Any]) -> None:
@@ -158,7 +172,7 @@ def check_geometry(row: dict[str, Any]) -> None:
         if abs(math.log((aw / ah) / (w / h))) > ASPECT_TOLERANCE:
             add_reason(
                 row,
-                f"{role}_size_mismatch",
-                f"{role} image {row[f'{role}_path']} is {aw}x{ah} (aspect {aw / ah:.3g}), the "
+                f"{reason_role(role)}_size_mismatch",
+                f"{_label(role)} image {row[f'{role}_path']} is {aw}x{ah} (aspect {aw / ah:.3g}), the "
                 f"{row['kind']} is {w}x{h} (aspect {w / h:.3g}); they must have the same aspect ratio",
             )

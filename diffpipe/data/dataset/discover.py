@@ -213,10 +213,8 @@ def run_folders(*folders: str | os.PathLike | None) -> tuple[str, ...]:
 
 
 def aux_folders(ds: DatasetConfig) -> dict[str, Path]:
-    """The configured aux image folders: role (``mask``, ``control``) -> absolute folder."""
-    return {
-        role: Path(folder).absolute() for role in ("mask", "control") if (folder := getattr(ds, f"{role}_path", None))
-    }
+    """The configured aux image folders: role (``mask``, ``control``, ``control2``, ...) -> absolute folder."""
+    return {role: Path(folder).absolute() for role in ds.aux_roles() if (folder := ds.aux_source(role)[0])}
 
 
 def _aux_files(

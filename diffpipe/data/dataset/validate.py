@@ -415,7 +415,7 @@ def _list_dataset(scan: _Scan, ds: DatasetConfig, exclude: tuple[str, ...]) -> N
     for found in listing.problems:
         issue(str(listing.root / found.rel), found.reason, found.note)
     meta_files = [ds.metadata] if ds.metadata else listing.metadata
-    aux_columns = {r: c for r in AUX_ROLES if (c := getattr(ds, f"{r}_column", None))}
+    aux_columns = {r: c for r in ds.aux_roles() if (c := ds.aux_source(r)[1])}
     meta = read_metadata(
         listing.root, meta_files, ds.file_column, ds.caption_column, aux_columns, link_root=listing.link_root
     )

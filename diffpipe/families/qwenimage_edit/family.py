@@ -21,6 +21,18 @@ The cached embeddings are padded to ``max_sequence_length`` caption tokens
 plus the most vision tokens an image can bring, masked like ``qwenimage``'s.
 Caption dropout is refused (an empty caption would still need each item's
 image). Samples edit ``sample.images``, one per prompt (:meth:`QwenImageEditFamily.sample_kwargs`).
+
+``model.variant: 2509 | 2511`` is Qwen-Image-Edit-Plus (``QwenImageEditPlusPipeline``; 2511's
+transformer sets ``zero_cond_t``: the references' tokens see timestep 0): up to
+``MAX_REFERENCES`` reference images per item (``datasets[].control_path`` as a list of
+folders). They reach the family as the frames of the control latents ``[B, C, R, h, w]``
+(each encoded as an image of its own), are appended after the target's tokens in order,
+each with its own ``img_shapes`` entry, and the text encoder sees each as "Picture k:"
+resized to about 384² pixels, as the pipeline does. The references are cached at the
+target's bucket (the pipeline resizes each to about 1024² pixels at its own aspect ratio;
+the two agree for a target of about 1024² whose references share its aspect ratio, which
+validation checks). A local folder's variant is read from its ``model_index.json`` (and
+its transformer's ``zero_cond_t``).
 """
 
 from __future__ import annotations
@@ -31,7 +43,7 @@ from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
-from diffusers import QwenImageEditPipeline
+from diffusers import QwenImageEditPipeline, QwenImageEditPlusPipeline, QwenImageTransformer2DModel
 from diffusers.image_processor import VaeImageProcessor
 from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit import calculate_dimensions
 from PIL import Image
@@ -45,11 +57,13 @@ from transformers import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil, smart_resize
 from transformers.processing_utils import ProcessorMixin
 
-from diffpipe.config import SampleConfig
+from diffpipe.config import MAX_REFERENCES, ModelConfig, SampleConfig
 from diffpipe.families.qwenimage.family import MAX_LENGTH, TINY_TEXT, TINY_VISION, QwenImageFamily
+from diffpipe.families.qwenimage.flavors import TINY_TRANSFORMER
 from diffpipe.families.qwenimage_edit.flavors import TINY_LENGTH, TINY_PIXELS
 from diffpipe.models import _common as common
 from diffpipe.models.base import Family, Prepared, ReferenceTokens
+from diffpipe.models.components import Model
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 from diffpipe.models.tokenizers import tokenizer_fingerprint
 from diffpipe.utils import digest
@@ -66,6 +80,13 @@ DROP = 64
 IMAGE_SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
 #: The pipeline resizes the input image to about this many pixels before anything sees it.
 PROMPT_IMAGE_AREA = 1024 * 1024
+#: Qwen-Image-Edit-Plus: the template without a slot; each reference is a numbered picture before the
+#: caption, resized to about ``PLUS_IMAGE_AREA`` pixels for the text encoder.
+PLUS_TEMPLATE = TEMPLATE.replace(IMAGE_SLOT, "")
+PICTURE = "Picture {}: " + IMAGE_SLOT
+PLUS_IMAGE_AREA = 384 * 384
+#: ``model.variant`` -> whether its transformer sets ``zero_cond_t`` (2511: references at timestep 0).
+PLUS_VARIANTS = {"2509": False, "2511": True}
 VISION_TOKENS = ("<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>")
 
 
@@ -115,18 +136,33 @@ def _load_processor(path: str, tokenizer: PreTrainedTokenizerBase) -> Qwen2VLPro
     return Qwen2VLProcessor.from_pretrained(path, subfolder="processor")
 
 
-def vision_token_bound(image_processor: Any) -> int:
+def detect_variant(path: str) -> str | None:
+    """A local folder's Edit-Plus variant (``2509``, ``2511``), or None for Qwen-Image-Edit."""
+    import json
+    from pathlib import Path
+
+    try:
+        index = json.loads((Path(path) / "model_index.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if index.get("_class_name") != QwenImageEditPlusPipeline.__name__:
+        return None
+    config = QwenImageTransformer2DModel.load_config(path, subfolder="transformer")
+    return "2511" if config.get("zero_cond_t") else "2509"
+
+
+def vision_token_bound(image_processor: Any, area: int = PROMPT_IMAGE_AREA) -> int:
     """The most vision tokens a prompt image can bring, over aspect ratios 1:16 to 16:1.
 
-    The pipeline resizes every image to about ``PROMPT_IMAGE_AREA`` pixels in
-    multiples of 32; the image processor then rounds each side to a multiple of
+    The pipeline resizes every image to about ``area`` pixels in multiples of
+    32; the image processor then rounds each side to a multiple of
     ``patch_size * merge_size`` within its pixel range.
     """
     factor = image_processor.patch_size * image_processor.merge_size
     lo, hi = image_processor.size["shortest_edge"], image_processor.size["longest_edge"]
     most = 0
     for i in range(-4000, 4001):
-        width, height, _ = calculate_dimensions(PROMPT_IMAGE_AREA, math.exp(i / 4000 * math.log(16)))
+        width, height, _ = calculate_dimensions(area, math.exp(i / 4000 * math.log(16)))
         h, w = smart_resize(max(height, factor), max(width, factor), factor, lo, hi)
         most = max(most, (h // factor) * (w // factor))
     return most
@@ -141,15 +177,57 @@ def reference_tokens(control: torch.Tensor) -> tuple[torch.Tensor, tuple[int, in
     return QwenImageEditPipeline._pack_latents(control, b, c, h, w), (1, h // 2, w // 2)
 
 
+def references_tokens(control: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+    """Control latents ``[B, C, R, h, w]`` (R references) -> their packed tokens one after the other
+    ``[B, R*hw/4, 4C]`` and one ``img_shapes`` entry each: ``QwenImageEditPlusPipeline.prepare_latents``."""
+    packed = [reference_tokens(control[:, :, k]) for k in range(control.shape[2])]
+    return torch.cat([tokens for tokens, _ in packed], dim=1), [shape for _, shape in packed]
+
+
 class QwenImageEditFamily(ReferenceTokens, QwenImageFamily):
     #: Not the parent family's layers: this family's spec says why it has none.
     pipeline_layers = Family.pipeline_layers
-    reference_tokens = staticmethod(reference_tokens)
     name = "qwenimage-edit"
     pipeline_class = QwenImageEditPipeline
     uses_control = True
     text_uses_control = True
+    variants: ClassVar[tuple[str, ...]] = tuple(PLUS_VARIANTS)
     default_lora_targets: ClassVar[list[str]] = list(QwenImageFamily.default_lora_targets)
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__(cfg)
+        local = cfg.flavor == "local" and cfg.path
+        found = detect_variant(cfg.path) if local else None
+        if local and cfg.variant is not None and cfg.variant != found:
+            raise ValueError(f"model.variant {cfg.variant!r}: the folder {cfg.path} holds "
+                             f"{'Qwen-Image-Edit-' + found if found else 'Qwen-Image-Edit (variant null)'}")
+        #: None: Qwen-Image-Edit (one reference); ``2509`` / ``2511``: Qwen-Image-Edit-Plus.
+        self.variant = found if local else cfg.variant
+        if self.plus:
+            self.pipeline_class = QwenImageEditPlusPipeline
+            self.max_references = MAX_REFERENCES
+            if PLUS_VARIANTS[self.variant]:
+                self.denoiser_model = Model(QwenImageTransformer2DModel, {**TINY_TRANSFORMER, "zero_cond_t": True})
+
+    @property
+    def plus(self) -> bool:
+        """Whether this is Qwen-Image-Edit-Plus (``model.variant: 2509 | 2511``): several references."""
+        return self.variant is not None
+
+    def reference_tokens(self, control: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int, int]]]:
+        """The references' packed tokens and ``img_shapes`` entries (control ``[B, C, R, h, w]``)."""
+        return references_tokens(control)
+
+    def reference_image(self, control: torch.Tensor | None, latents: torch.Tensor) -> torch.Tensor:
+        """The control latents ``[B, C, R, h, w]`` on the latents' device: one reference (Edit), or
+        up to ``max_references`` (Edit-Plus)."""
+        if control is not None and control.ndim == 5 and 1 <= control.shape[2] <= self.max_references:
+            return control.to(latents.device).float()
+        return super().reference_image(control, latents)[:, :, None]
+
+    def sizes(self, published) -> bool:
+        # Edit and Edit-Plus encode their prompts differently: each sizes with its own published entries.
+        return published.variant == self.variant
 
     # -- components ------------------------------------------------------------
     # The text side is its own, not declared parts: a processor (with its image processor) beside the
@@ -167,7 +245,12 @@ class QwenImageEditFamily(ReferenceTokens, QwenImageFamily):
             tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
             processor = _load_processor(self.cfg.path, tok)
             limit = MAX_LENGTH
-        return EditText(tok, processor, None, limit, limit + vision_token_bound(processor.image_processor))
+        if not self.plus:
+            return EditText(tok, processor, None, limit, limit + vision_token_bound(processor.image_processor))
+        # Each reference: its "Picture k: " and vision markers, and the most vision tokens at ~384².
+        slot = len(tok(PICTURE.format(MAX_REFERENCES).replace("<|image_pad|>", "")).input_ids)
+        bound = vision_token_bound(processor.image_processor, PLUS_IMAGE_AREA)
+        return EditText(tok, processor, None, limit, limit + MAX_REFERENCES * (slot + bound))
 
     def load_text_encoders(self) -> EditText:
         enc = self.load_tokenizers()
@@ -193,7 +276,7 @@ class QwenImageEditFamily(ReferenceTokens, QwenImageFamily):
 
     def load_pipeline(self) -> QwenImageEditPipeline:
         enc = self.load_text_encoders()
-        return QwenImageEditPipeline(
+        return self.pipeline_class(
             scheduler=self.inference_scheduler(),
             vae=self.load_vae(),
             text_encoder=enc.text_encoder,
@@ -206,7 +289,8 @@ class QwenImageEditFamily(ReferenceTokens, QwenImageFamily):
     def encoders_identity(self) -> str:
         if self.cfg.flavor == "tiny":
             return common.memo_identity(
-                (self.name, self.cfg.seed, "text"), lambda: self._edit_identity(self.load_text_encoders(), None)
+                (self.name, self.variant, self.cfg.seed, "text"),
+                lambda: self._edit_identity(self.load_text_encoders(), None),
             )
         encoder = common.transformers_folder_identity(
             Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig, self.cfg.path, "text_encoder", variant=self.cfg.weight_variant,
@@ -223,19 +307,32 @@ class QwenImageEditFamily(ReferenceTokens, QwenImageFamily):
                 "lengths": [enc.max_sequence_length, enc.padded_length],
                 "template": TEMPLATE,
                 "prompt_image": [PROMPT_IMAGE_AREA, self.vae_factor * 2],
+                **({"plus": [PLUS_TEMPLATE, PICTURE, PLUS_IMAGE_AREA]} if self.plus else {}),
             }
         )
 
     # -- encoding --------------------------------------------------------------
     def prompt_image(self, image: Image.Image) -> Image.Image:
-        """The control image as the pipeline's processor sees it: resized to about 1024² pixels."""
-        width, height, _ = calculate_dimensions(PROMPT_IMAGE_AREA, image.size[0] / image.size[1])
+        """The control image as the pipeline's processor sees it: resized to about 1024² pixels (Edit-Plus:
+        384²)."""
+        area = PLUS_IMAGE_AREA if self.plus else PROMPT_IMAGE_AREA
+        width, height, _ = calculate_dimensions(area, image.size[0] / image.size[1])
         return VaeImageProcessor(vae_scale_factor=self.vae_factor * 2).resize(image, height, width)
+
+    def _prompt(self, caption: str, images: list[Image.Image] | Image.Image | None) -> str:
+        """The text the processor sees: the pipeline's template around the caption (and the image slots)."""
+        if images is None:
+            return (PLUS_TEMPLATE if self.plus else TEMPLATE.replace(IMAGE_SLOT, "")).format(caption)
+        if not self.plus:
+            return TEMPLATE.format(caption)
+        n = len(images) if isinstance(images, list) else 1
+        return PLUS_TEMPLATE.format("".join(PICTURE.format(k + 1) for k in range(n)) + caption)
 
     def encode_text(
         self, encoders: EditText, captions: list[str], images: list[Image.Image | None] | None = None
     ) -> dict[str, torch.Tensor]:
-        """``QwenImageEditPipeline._get_qwen_prompt_embeds`` on each caption and its control image.
+        """``QwenImageEditPipeline._get_qwen_prompt_embeds`` on each caption and its control image
+        (Edit-Plus: ``QwenImageEditPlusPipeline``'s, on its list of references).
 
         ``images`` are the whole control images (None: none, as for the empty
         caption); every embedding is padded to ``padded_length`` with its mask.
@@ -251,14 +348,15 @@ class QwenImageEditFamily(ReferenceTokens, QwenImageFamily):
                 continue
             if has_image:
                 inputs = encoders.processor(
-                    text=[TEMPLATE.format(captions[i]) for i in idx],
-                    images=[self.prompt_image(images[i]) for i in idx],
+                    text=[self._prompt(captions[i], images[i]) for i in idx],
+                    # in order: each caption's references, one per image slot
+                    images=[self.prompt_image(im) for i in idx for im in _as_list(images[i])],
                     padding=True,
                     return_tensors="pt",
                 ).to(device)
             else:  # the empty-caption cache: no image, so no image slot (never trained on, see loop)
                 inputs = encoders.tokenizer(
-                    [TEMPLATE.replace(IMAGE_SLOT, "").format(captions[i]) for i in idx],
+                    [self._prompt(captions[i], None) for i in idx],
                     padding=True,
                     return_tensors="pt",
                 ).to(device)
@@ -283,6 +381,9 @@ class QwenImageEditFamily(ReferenceTokens, QwenImageFamily):
 
     def count_tokens(self, encoders: EditText, captions: list[str]) -> dict[str, list[int]]:
         # Without the image's vision tokens (the padded length leaves room for the most an image brings).
+        if self.plus:  # the caption alone: the references' slots have room in the padded length
+            ids = encoders.tokenizer([PLUS_TEMPLATE.format(c) for c in captions]).input_ids
+            return {"qwen": [len(x) - DROP for x in ids]}
         ids = encoders.tokenizer([TEMPLATE.format(c) for c in captions]).input_ids
         return {"qwen": [len(x) - DROP - 1 for x in ids]}
 
@@ -291,10 +392,10 @@ class QwenImageEditFamily(ReferenceTokens, QwenImageFamily):
     def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
         """The forward with the reference tokens appended (and their grid in ``img_shapes``); the target
         tokens' output."""
-        tokens, shape = prepared.extra["reference"]
+        tokens, more = prepared.extra["reference"]
         x = prepared.inputs["hidden_states"]
         inputs = {**prepared.inputs, "hidden_states": torch.cat([x, tokens.to(x)], dim=1),
-                  "img_shapes": [[*shapes, shape] for shapes in prepared.inputs["img_shapes"]]}
+                  "img_shapes": [[*shapes, *more] for shapes in prepared.inputs["img_shapes"]]}
         return super().predict(denoiser, replace(prepared, inputs=inputs))[:, : x.shape[1]]
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
@@ -304,3 +405,7 @@ class QwenImageEditFamily(ReferenceTokens, QwenImageFamily):
                 "(or leave sample.prompts empty)"
             )
         return super().sample_kwargs(cfg)
+
+
+def _as_list(images: Image.Image | list[Image.Image]) -> list[Image.Image]:
+    return images if isinstance(images, list) else [images]

@@ -8,9 +8,9 @@ from diffpipe.models.spec import FamilySpec, Kohya
 SPEC = FamilySpec(
     name="skyreels-v2",
     family_class="SkyReelsV2Family",
-    model="SkyReels V2 T2V 14B (`variant: t2v`), I2V 14B (`i2v`), diffusion forcing 1.3B / 14B (`df`; from an image: `df-i2v`); 540P, 720P",
+    model="SkyReels V2 T2V 14B (`variant: t2v`), I2V 14B (`i2v`), diffusion forcing 1.3B / 14B (`df`; from an image: `df-i2v`; continuing a clip: `df-v2v`); 540P, 720P",
     tasks="text-to-video, image-to-video (conditioned as Wan 2.1 I2V), diffusion forcing (a noise level per latent "
-          "frame; text- or image-to-video) on Wan 2.1's architecture (images train as 1-frame clips); 24 fps, 4k+1 frames",
+          "frame; text-, image- or video-to-video) on Wan 2.1's architecture (images train as 1-frame clips); 24 fps, 4k+1 frames",
     targets="as `wan`",
     published=tuple(PUBLISHED),
     kohya=Kohya("wan", "wan2.1/lora", "https://github.com/SkyworkAI/SkyReels-V2"),
@@ -20,5 +20,5 @@ SPEC = FamilySpec(
                   "(block) targets",
     comfy_reads_diffusers="none",
     layers="diffpipe.families.wan.layers",
-    layers_refused="`variant: i2v`, `df`, `df-i2v`",
+    layers_refused="`variant: i2v`, `df`, `df-i2v`, `df-v2v`",
 )

@@ -33,7 +33,15 @@ transformer config, ``i2v`` where it has an image embedder):
   item's control image (or its own first frame, ``control_from_first_frame``) is cached as its
   one-frame latents, replaces the first latent frame at level 0, and that frame is left out of the
   loss. The pipeline marks the frame ready only in causal blocks of one frame: other block sizes are
-  refused. The video-to-video diffusion-forcing pipeline is not trained.
+  refused.
+- ``df-v2v`` (``SkyReelsV2DiffusionForcingVideoToVideoPipeline``; the ``df`` weights): ``df`` continuing a
+  clip. The pipeline encodes the last ``overlap_history`` frames of its input clip alone and puts their
+  latents first, at timestep 0 (ready frames), truncated to whole causal blocks. The VAE is causal, so a
+  clip's first ``(P - 1) / 4 + 1`` latent frames are exactly the latents of its first ``P`` frames encoded
+  alone: training keeps those frames of each clip clean at level 0 and out of the loss (``P`` =
+  ``model.prefix_frames``, default 17), and the rest are noised as ``df`` noises them. No control image
+  is needed; samples continue ``sample.videos`` (the pipeline returns the input clip followed by the new
+  one, whose first frames re-render the input's last).
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ import torch
 from diffusers import (
     SkyReelsV2DiffusionForcingImageToVideoPipeline,
     SkyReelsV2DiffusionForcingPipeline,
+    SkyReelsV2DiffusionForcingVideoToVideoPipeline,
     SkyReelsV2ImageToVideoPipeline,
     SkyReelsV2Pipeline,
     SkyReelsV2Transformer3DModel,
@@ -70,8 +79,12 @@ VARIANTS = {
 }
 #: The DF weights started from an image (the I2V pipeline's flow shift, 5).
 VARIANTS["df-i2v"] = dataclasses.replace(VARIANTS["df"], flow_shift=5.0, image_to_video=True, weights_of="df")
+#: The DF weights continuing a clip: its first ``model.prefix_frames`` frames clean (the DF flow shift, 8).
+VARIANTS["df-v2v"] = dataclasses.replace(VARIANTS["df"], weights_of="df")
 #: The diffusion-forcing variants.
-DF = ("df", "df-i2v")
+DF = ("df", "df-i2v", "df-v2v")
+#: ``model.prefix_frames`` when unset: the smaller ``overlap_history`` the video-to-video pipeline suggests.
+DEFAULT_PREFIX_FRAMES = 17
 #: The pipelines' ``fps`` input: an index, 0 for 16 fps, 1 otherwise.
 _FPS_INDEX = {16: 0}
 
@@ -84,6 +97,19 @@ class SkyReelsV2Family(WanFamily):
     transformer_cls = SkyReelsV2Transformer3DModel
     model_label = "SkyReels V2"
     extra_single_files = ()
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        if cfg.prefix_frames is not None and self.variant != "df-v2v":
+            raise ValueError(f"model.prefix_frames: only skyreels-v2 variant df-v2v continues a clip; this model is "
+                             f"{self.model_label} {self.variant}")
+        #: ``df-v2v``: the clean frames at each clip's start (the pipeline's ``overlap_history``).
+        self.prefix_frames = cfg.prefix_frames or DEFAULT_PREFIX_FRAMES
+        self.continues_video = self.variant == "df-v2v"
+        step, offset = self.frame_rule
+        if (self.prefix_frames - offset) % step:
+            raise ValueError(f"model.prefix_frames {self.prefix_frames}: give {step}k+{offset} frames (17, 37, ...), "
+                             "whole latent frames of the causal VAE")
 
     @staticmethod
     def detect_variant(path: str | Path) -> str | None:
@@ -101,6 +127,8 @@ class SkyReelsV2Family(WanFamily):
 
     @property
     def pipeline_class(self) -> type:
+        if self.variant == "df-v2v":
+            return SkyReelsV2DiffusionForcingVideoToVideoPipeline
         if self.variant in DF:
             return SkyReelsV2DiffusionForcingImageToVideoPipeline if self.spec.image_to_video else \
                 SkyReelsV2DiffusionForcingPipeline
@@ -143,6 +171,19 @@ class SkyReelsV2Family(WanFamily):
         sigma = self._sigmas(o, b * (frames // block), generator, None).view(b, -1).sort(dim=1).values
         return sigma.repeat_interleave(block, dim=1)
 
+    def prefix_latent_frames(self, frames: int) -> int:
+        """``df-v2v``: the clean latent frames of a clip of ``frames`` latent frames: ``prefix_frames``'
+        latent frames, cut to whole causal blocks as the pipeline cuts them; a clear error when none is left
+        to denoise."""
+        step, _ = self.frame_rule
+        n = (self.prefix_frames - 1) // step + 1
+        n -= n % self.frames_per_block
+        if n >= frames:
+            raise ValueError(f"skyreels-v2 df-v2v: clips of {frames} latent frames leave none after the "
+                             f"{n}-latent-frame prefix (model.prefix_frames {self.prefix_frames}); train on longer "
+                             "clips (datasets[].frame_buckets) or lower model.prefix_frames")
+        return n
+
     def encode_control(self, vae: torch.nn.Module, control: torch.Tensor, *, frames: int) -> dict[str, torch.Tensor]:
         """``df-i2v``: the image alone as a one-frame clip, as the pipeline encodes it."""
         if self.variant != "df-i2v":
@@ -161,11 +202,16 @@ class SkyReelsV2Family(WanFamily):
                              "datasets[].control_path / control_column, or control_from_first_frame: true")
         x0, sigma, noise = self._draw(latents, generator, t, noise, objective)
         weights = self.loss_mask(mask, x0, objective)
+        ready = 0  # leading latent frames given clean, at level 0, out of the loss
         if self.spec.image_to_video:
-            sigma = torch.cat([torch.zeros_like(sigma[:, :1]), sigma[:, 1:]], dim=1)
+            ready = 1
             x0 = torch.cat([control[:, :, :1].to(x0), x0[:, :, 1:]], dim=2)
+        elif self.variant == "df-v2v":
+            ready = self.prefix_latent_frames(x0.shape[2])  # the clip's own first frames
+        if ready:
+            sigma = torch.cat([torch.zeros_like(sigma[:, :ready]), sigma[:, ready:]], dim=1)
             keep = torch.ones_like(x0[:, :1])
-            keep[:, :, 0] = 0
+            keep[:, :, :ready] = 0
             weights = keep.expand(x0.shape) * (1 if weights is None else weights)
         frame_sigma = sigma[:, None, :, None, None]
         inputs = {
@@ -197,7 +243,15 @@ class SkyReelsV2Family(WanFamily):
         return super().pipeline_layers(denoiser)
 
     def sample_kwargs(self, cfg) -> dict[str, Any]:
+        if self.variant == "df-v2v" and not cfg.videos:
+            raise ValueError("sample.videos: SkyReels V2 df-v2v samples continue a clip; give one per sample.prompts")
         out = super().sample_kwargs(cfg)
         if self.variant in DF:
             out["fps"] = int(self.fps)
+        if self.variant == "df-v2v":  # one window: the prefix (the input's last frames) and what follows it
+            if out["num_frames"] <= self.prefix_frames:
+                raise ValueError(f"sample.frames {cfg.frames}: SkyReels V2 df-v2v samples hold the "
+                                 f"{self.prefix_frames} prefix frames (model.prefix_frames) and new ones after them; "
+                                 f"give more than {self.prefix_frames}")
+            out.update(overlap_history=self.prefix_frames, base_num_frames=out["num_frames"])
         return out
