@@ -34,6 +34,8 @@ OPTIONS = {
     "bf16": {},
     "fp8": {"base_weights": "fp8"},
     "fp8+ckpt": {"base_weights": "fp8", "activation_checkpointing": True},
+    "int8": {"base_weights": "int8"},
+    "int8+ckpt": {"base_weights": "int8", "activation_checkpointing": True},
 }
 
 

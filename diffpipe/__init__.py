@@ -1,3 +1,13 @@
 """diffpipe: a Snakemake-first toolkit for fine-tuning diffusion models."""
 
+import logging as _logging
+
 __version__ = "0.1.0"
+
+# diffusers imports torchao whenever it is installed (it is, for `train.base_weights: int8`), and that
+# import warns, on every diffpipe command: torchao that its optional CUDA kernels do not load with this
+# torch build, torch's pytree about two enums torchao registers, diffusers that some torchao tensor types
+# it would allow in pickled checkpoints are gone. diffpipe uses none of them (int8 weight-only runs on
+# torch's own int8 matmul; weights load through safetensors), so these loggers keep to errors.
+for _name in ("torchao", "torch.utils._pytree", "diffusers.quantizers.torchao.torchao_quantizer"):
+    _logging.getLogger(_name).setLevel(_logging.ERROR)

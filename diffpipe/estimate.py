@@ -7,7 +7,10 @@ adds the LoRA the config asks for, and counts:
 - **parameters**: every denoiser weight in the training dtype, or at one
   byte where ``train.base_weights: fp8`` stores it in float8 (diffusers'
   layerwise casting is applied to the meta model, so exactly the layers it
-  casts count); ZeRO-3 divides them over the GPUs. ``train.block_swap: N``
+  casts count), or at one byte plus a float32 scale per output channel
+  where ``base_weights: int8`` quantises it (the same layers, torchao's
+  int8 weight-only layout, whose matmul saves a bf16 copy of the weight for
+  the backward pass as fp8's casting does); ZeRO-3 divides them over the GPUs. ``train.block_swap: N``
   moves the frozen weights of the last N blocks to CPU memory: they count
   as ``cpu_bytes``, and the largest of them as resident (the block that
   runs; see ``diffpipe.training.offload``);
@@ -55,7 +58,7 @@ from diffpipe.config import BF16_OPTIMIZERS, Config
 from diffpipe.models import get_family
 from diffpipe.models.published import PUBLISHED, Published, for_family
 from diffpipe.training import offload
-from diffpipe.training.precision import enable_fp8_base_weights, resolve_precision
+from diffpipe.training.precision import enable_fp8_base_weights, int8_layers, resolve_precision
 
 GiB = 2**30
 # float32 optimizer-state bytes per trainable parameter, by ``train.optimizer``.
@@ -380,6 +383,13 @@ def estimate_for(
             enable_fp8_base_weights(denoiser, dtype)
     trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
     frozen_bytes = sum(p.nbytes for p in denoiser.parameters() if not p.requires_grad)
+    if tc.base_weights == "int8":  # int8 weights and a float32 scale per output channel (torchao's layout)
+        modules = dict(denoiser.named_modules())
+        frozen_bytes -= sum(modules[n].weight.nbytes - modules[n].weight.numel() - 4 * modules[n].weight.shape[0]
+                            for n in int8_layers(denoiser))
+        # Its matmul multiplies by the weight cast to bf16, and autograd saves that copy for the backward
+        # pass, as under fp8: the meta forward counts those copies through fp8's casting of the same layers.
+        enable_fp8_base_weights(denoiser, dtype)
 
     block_bytes = tuple(sum(t.nbytes for t in offload.frozen_tensors(b)) for b in offload.swap_blocks(denoiser))
 

@@ -13,6 +13,9 @@ the compute dtype: a convolution saves its weight tensor itself for the backward
 casting hook puts the float8 storage back into that very tensor after the forward, so the backward
 (or a checkpoint's recomputation) would read float8 ("expected scalar type BFloat16 but found
 Float8_e4m3fn"). A Linear saves a transposed view of its cast weight, which the swap leaves alone.
+
+``train.base_weights: int8`` quantises the same Linear layers with torchao (int8 weights, a float scale
+per output channel, dequantised inside each matmul), on CPU and GPU alike.
 """
 
 from __future__ import annotations
@@ -76,6 +79,8 @@ def prepare_denoiser(denoiser: torch.nn.Module, tc: TrainConfig) -> torch.nn.Mod
         torch.backends.cudnn.allow_tf32 = True
     if tc.base_weights == "fp8":
         enable_fp8_base_weights(denoiser, compute_dtype(tc))
+    elif tc.base_weights == "int8":
+        enable_int8_base_weights(denoiser, compute_dtype(tc))
     if tc.attention_backend.lower() != "native":
         denoiser.set_attention_backend(tc.attention_backend.lower())
     if tc.compile:
@@ -99,6 +104,47 @@ def enable_fp8_base_weights(denoiser: torch.nn.Module, compute: torch.dtype) -> 
     if bad:
         raise ValueError(f"train.base_weights fp8 cast trained weights to float8 (e.g. {bad[0]}); "
                          "check train.lora.targets")
+
+
+def int8_layers(denoiser: torch.nn.Module) -> list[str]:
+    """The Linear layers ``base_weights: int8`` quantises: frozen, not a LoRA layer, and not one that
+    diffusers' layerwise casting keeps in 16/32 bits (norms and AdaLN modulation, embeddings, ``proj_in`` /
+    ``proj_out``), so int8 and fp8 store the same layers in 8 bits."""
+    import re
+
+    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+
+    return [name for name, m in denoiser.named_modules()
+            if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad and "lora_" not in name
+            and not any(re.search(p, name) for p in DEFAULT_SKIP_MODULES_PATTERN)]
+
+
+def enable_int8_base_weights(denoiser: torch.nn.Module, compute: torch.dtype) -> None:
+    """Store :func:`int8_layers`' weights as int8 with a scale per output channel (torchao's
+    ``Int8WeightOnlyConfig``), dequantised to ``compute`` in each matmul. The LoRA wraps the quantised
+    layer unchanged (its own weights stay trainable in full precision).
+
+    Each quantised weight becomes a non-persistent buffer of its Linear: frozen, out of the optimizer and
+    of checkpoints as before, and moved by ``Module.to`` by reassignment; as a parameter, a tensor
+    subclass must be swapped in place, which DeepSpeed's weak references to parameters forbid.
+    """
+    try:
+        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+    except ImportError as err:
+        raise ValueError(f"train.base_weights int8 needs torchao ({err}); reinstall diffpipe's dependencies "
+                         "or use base_weights fp8") from err
+    chosen = set(int8_layers(denoiser))
+    modules = dict(denoiser.named_modules())
+    for name in chosen:  # quantised from the compute dtype: the dtype the matmul dequantises to
+        modules[name].weight.data = modules[name].weight.data.to(compute)
+    quantize_(denoiser, Int8WeightOnlyConfig(), filter_fn=lambda module, name: name in chosen)
+    for name in chosen:
+        layer = modules[name]
+        weight = layer._parameters.pop("weight").detach()
+        layer.register_buffer("weight", weight, persistent=False)
+    bad = [n for n, p in denoiser.named_parameters() if p.requires_grad and type(p) is not torch.nn.Parameter]
+    if bad:
+        raise ValueError(f"train.base_weights int8 quantised trained weights (e.g. {bad[0]}); check train.lora.targets")
 
 
 def compile_blocks(denoiser: torch.nn.Module, **compile_kwargs) -> None:

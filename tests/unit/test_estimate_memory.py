@@ -1,4 +1,4 @@
-"""``diffpipe estimate`` accounts for fp8 storage, activation checkpointing, block swap and frames."""
+"""``diffpipe estimate`` accounts for fp8 and int8 storage, activation checkpointing, block swap and frames."""
 
 from __future__ import annotations
 
@@ -55,6 +55,31 @@ def test_fp8_counts_one_byte_per_cast_weight(flux):
     # With it, one block's copies at a time.
     assert flux["fp8+ckpt"].activation_bytes < flux["ckpt"].activation_bytes + 2 * GiB
     assert flux["fp8+ckpt"].total_bytes < 0.55 * flux["bf16"].total_bytes
+
+
+def test_int8_counts_torchaos_bytes_of_the_fp8_layers(flux):
+    """int8 stores the layers fp8 casts, at torchao's real size (checked on a quantised tiny model)."""
+    import peft
+
+    from diffpipe.models import get_family
+    from diffpipe.training.precision import enable_int8_base_weights
+
+    int8 = estimate_memory(_cfg("flux", 1024, base_weights="int8"), model="flux1-dev", rank=16)
+    meta = _fp8_model()
+    cast = [m.weight for m in meta.modules() if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float8_e4m3fn]
+    rows = sum(p.shape[0] for p in cast)  # (fp8 casts the biases too; int8 keeps them)
+    assert flux["bf16"].param_bytes - int8.param_bytes == sum(p.numel() for p in cast) - 4 * rows
+    assert int8.activation_bytes == flux["fp8"].activation_bytes  # each matmul's saved bf16 weight copy
+    # torchao's layout: int8 values and a float32 scale per output channel, as the estimate counts them.
+    family = get_family(_cfg("flux").model.model_copy(update={"flavor": "tiny"}))
+    tiny = family.load_denoiser().to(torch.bfloat16).requires_grad_(False)
+    tiny.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, target_modules=family.lora_targets(None)))
+    before = {n: (b.numel(), b.shape[0]) for n, b in tiny.named_parameters() if not b.requires_grad}
+    enable_int8_base_weights(tiny, torch.bfloat16)
+    quantised = {n: b for n, b in tiny.named_buffers() if type(b).__name__ == "Int8Tensor"}
+    assert quantised and all(n in before for n in quantised)
+    for name, b in quantised.items():
+        assert b.qdata.dtype == torch.int8 and b.qdata.numel() + 4 * b.scale.numel() == before[name][0] + 4 * before[name][1]
 
 
 def test_block_swap_leaves_one_block_resident(flux):
