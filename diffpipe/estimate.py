@@ -405,7 +405,8 @@ def estimate_for(
     latents, text, t, noise = _meta_inputs(spec, tc.batch_size, resolution, height, latent_frames, dtype)
     generator = torch.Generator()
     # Edit families: a reference image the size of the target (the usual case), as conditioning latents.
-    extra = family.estimate_controls(latents, denoiser) if family.uses_control else {}
+    references = max((d.references for d in cfg.datasets), default=0) or 1  # Qwen-Image-Edit-Plus: up to 4
+    extra = family.estimate_controls(latents, denoiser, references) if family.uses_control else {}
 
     def forward() -> torch.Tensor:
         return family.loss(denoiser, latents, text, generator, t=t, noise=noise, objective=tc.objective, **extra)

@@ -712,10 +712,11 @@ class Family(ABC):
         this variant's inputs (a published model of no particular variant, or of this one)."""
         return published.variant is None or published.variant in self.published_variants
 
-    def estimate_controls(self, latents: torch.Tensor, denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
-        """The control arguments of ``loss`` a memory estimate passes (``uses_control`` families): a reference
-        image the size of the target, as conditioning latents (the usual case)."""
-        return {"control": latents.clone()}
+    def estimate_controls(self, latents: torch.Tensor, denoiser: torch.nn.Module,
+                          references: int = 1) -> dict[str, torch.Tensor]:
+        """The control arguments of ``loss`` a memory estimate passes (``uses_control`` families): each of the
+        datasets' ``references`` reference images the size of the target, as conditioning latents."""
+        return {"control": latents.clone() if references == 1 else torch.cat([latents] * references, dim=2)}
 
     # -- sampling ----------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:

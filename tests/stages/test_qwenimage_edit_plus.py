@@ -198,3 +198,19 @@ def test_a_local_folder_tells_its_variant(tmp_path):
     assert isinstance(family.load_pipeline(), QwenImageEditPlusPipeline)
     with pytest.raises(ValueError, match=f"model.variant '2509': the folder {tmp_path} holds Qwen-Image-Edit-2511"):
         get_family(ModelConfig(family="qwenimage-edit", flavor="local", path=str(tmp_path), variant="2509"))
+
+
+def test_the_estimate_sizes_every_reference():
+    from diffpipe.estimate import estimate_memory
+
+    def estimate(control_path):
+        cfg = parse_config({"model": {"family": "qwenimage-edit", "variant": 2509},
+                            "datasets": [{"name": "d", "path": "data", "resolution": 256, "control_path": control_path}],
+                            "train": {"batch_size": 1, "precision": "bf16"}})
+        return estimate_memory(cfg, model="qwen-image-edit-2509", rank=16)
+
+    one, three = estimate("r1"), estimate(["r1", "r2", "r3"])
+    # 256 target tokens, then 256 per reference, beside 1480 text tokens: each block's joint sequence grows
+    # from 1992 to 2504 tokens (x1.26), and the activations with it.
+    assert 1.2 * one.activation_bytes < three.activation_bytes < 1.5 * one.activation_bytes
+    assert three.param_bytes == one.param_bytes

@@ -593,10 +593,11 @@ class WanFamily(Family):
             return True
         return all(getattr(theirs, k) == getattr(self.spec, k) for k in _CONDITIONING)
 
-    def estimate_controls(self, latents: torch.Tensor, denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
+    def estimate_controls(self, latents: torch.Tensor, denoiser: torch.nn.Module,
+                          references: int = 1) -> dict[str, torch.Tensor]:
         """Condition latents like the target and, for an image embedder, CLIP states of its width: 257 tokens
         (CLIP ViT-H/14 at 224 px) a frame, or the pair its position embedding covers (FLF2V)."""
-        out = super().estimate_controls(latents, denoiser)
+        out = super().estimate_controls(latents, denoiser, references)
         config = common.unwrap(denoiser).config
         if config.get("image_dim"):
             pairs = config.get("pos_embed_seq_len")
