@@ -135,10 +135,15 @@ class Trainer:
         """The denoiser with its trainable parameters, precision options, the DeepSpeed engine (plain or
         pipeline), block swap, and the noise generator."""
         tc, dist, family = self.tc, self.dist, self.family
-        self.denoiser = denoiser = family.load_denoiser().to(engine.device())
+        self.denoiser = denoiser = family.load_denoiser()
+        if tc.base_weights == "auto":
+            denoiser.to(engine.device())
         self.trained = trained = Trainable(denoiser, family, self.cfg, is_main=dist.is_main,
                                            continue_lora=not (self.resume or self.checkpoint))
         precision.prepare_denoiser(denoiser, tc)  # fp8 base weights, attention backend, compile
+        # 8-bit base weights are stored while the denoiser is still in CPU memory: the GPU never holds its
+        # 16-bit copy (FLUX.1-dev's 22 GiB would not fit a 24 GB card before fp8 / int8 halved it).
+        denoiser.to(engine.device())
         self.params = trained.all_params
 
         def make_scheduler(optimizer):
