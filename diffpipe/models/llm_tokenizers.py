@@ -69,3 +69,20 @@ def tiny_qwen3_tokenizer(max_length: int) -> PreTrainedTokenizerFast:
                         add_bos=False)
     tok.chat_template = TINY_CHAT_TEMPLATE
     return tok
+
+
+#: Qwen3-VL's rendering of one user turn whose content is a list of parts (only its text parts here), the
+#: assistant turn opened; a plain string content renders as in ``TINY_CHAT_TEMPLATE``.
+TINY_VL_CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}{% for part in message['content'] %}"
+    "{% if part['type'] == 'text' %}{{ part['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def tiny_qwen3_vl_tokenizer(max_length: int) -> PreTrainedTokenizerFast:
+    """:func:`tiny_qwen3_tokenizer` with a chat template that reads Qwen3-VL's list-of-parts messages."""
+    tok = tiny_qwen3_tokenizer(max_length)
+    tok.chat_template = TINY_VL_CHAT_TEMPLATE
+    return tok

@@ -63,7 +63,8 @@ FAMILIES = [n for n in family_names() if not isinstance(spec(n).keymap, Absent)]
 # condition embedder; FLUX.2's swapped final modulation, shared modulations, embedders and a single
 # block's output (``attn.to_out`` of a double block is a list, so named whole); ERNIE-Image's and
 # Krea 2's embedders, modulations and output layers (Krea 2's renamed in the original, ERNIE-Image's not);
-# AuraFlow's embedders, modulations (the final one's halves swapped) and output; Sana's embedders and output.
+# AuraFlow's embedders, modulations (the final one's halves swapped) and output; Sana's embedders and output;
+# Ideogram 4's embedders, block and final modulations and output (names its LoRA converter does not read).
 EXTRA_TARGETS = {
     "sd": ["conv_shortcut", "time_embedding.linear_1"],
     "sdxl": ["conv_shortcut", "add_embedding.linear_1"],
@@ -102,6 +103,8 @@ EXTRA_TARGETS = {
     "auraflow": ["pos_embed.proj", "context_embedder", "time_step_proj.linear_1", "norm1.linear",
                  "norm1_context.linear", "ff_context.linear_1", "norm_out.linear", "proj_out"],
     "sana": ["patch_embed.proj", "time_embed.linear", "caption_projection.linear_1", "proj_out"],
+    "ideogram4": ["input_proj", "llm_cond_proj", "t_embedding.mlp_in", "adaln_proj", "adaln_modulation",
+                  "final_layer.linear", "final_layer.adaln_modulation"],
 }
 
 
@@ -415,11 +418,29 @@ def _sat_cogview4_to_diffusers(original: dict[str, torch.Tensor]) -> dict[str, t
     return back
 
 
+def _ideogram4_original_to_diffusers(original: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Ideogram 4's original names -> diffusers': each block's fused ``attention.qkv`` split in three
+    (q, k, v rows) and ``attention.o`` renamed ``to_out.0`` (as diffusers' LoRA converter splits them);
+    every other name is diffusers' own."""
+    back = {}
+    for key, value in original.items():
+        name, param = key.rsplit(".", 1)
+        if name.endswith(".attention.qkv"):
+            for part, rows in zip(("to_q", "to_k", "to_v"), value.chunk(3), strict=True):
+                back[f"{name.removesuffix('qkv')}{part}.{param}"] = rows
+            continue
+        if name.endswith(".attention.o"):
+            name = name.removesuffix("o") + "to_out.0"
+        back[f"{name}.{param}"] = value
+    return back
+
+
 NAMING_FACT_CASES = {
     "cogvideox": (_tiny("cogvideox"), _comfy_cogvideox_to_diffusers),
     # CogVideoX 1.5 image-to-video: temporal patches (a Linear patch embedding) and the ofs embedding.
     "cogvideox-1.5": (_tiny("cogvideox", patch_size_t=2, ofs_embed_dim=8), _comfy_cogvideox_to_diffusers),
     "cogview4": (_tiny("cogview4"), _sat_cogview4_to_diffusers),
+    "ideogram4": (_tiny("ideogram4"), _ideogram4_original_to_diffusers),
 }
 
 
@@ -470,6 +491,7 @@ BASE_MODEL_VERSION = {
     "krea2": "krea2",
     "auraflow": "auraflow",
     "sana": "sana",
+    "ideogram4": "ideogram4",
 }
 
 
@@ -623,6 +645,10 @@ def _flux2_kohya(key: str) -> bool:  # what diffusers' FLUX.2 kohya converter ma
     return "modulation" not in key
 
 
+def _ideogram4_blocks(key: str) -> bool:  # diffusers' Ideogram 4 converter reads the blocks' layers only
+    return key.startswith("diffusion_model.layers.")
+
+
 PIPELINE_READS = {
     ("sd", "kohya"): (None, False),
     ("sd", "comfyui"): (None, True),
@@ -643,6 +669,7 @@ PIPELINE_READS = {
     ("zimage", "comfyui"): (None, False),
     ("flux2-klein", "comfyui"): (_flux2_non_diffusers, False),
     ("flux2-klein", "kohya"): (_flux2_kohya, False),
+    ("ideogram4", "comfyui"): (_ideogram4_blocks, False),
 }
 
 

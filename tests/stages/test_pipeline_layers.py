@@ -254,6 +254,7 @@ PIPELINE_INPUT_CASES = {
     "flux2-klein": (16, {"timestep_sampling": "uniform"}),
     "ernie-image": (16, {"shift": 2.0}),
     "krea2": (4, {"timestep_sampling": "uniform"}),
+    "ideogram4": (16, {"shift": 2.0}),
 }
 
 
@@ -291,6 +292,8 @@ def test_image_family_pipeline_inputs_reproduce_the_loss(name):
         from diffpipe.families.hidream.family import unpatchify
 
         want_pred = unpatchify(preds[0], got_pred.shape, den.config.patch_size)
+    if name == "ideogram4":  # the forward returns the whole text + image sequence; the image tokens are last
+        want_pred = preds[0][:, -got_pred.shape[1]:]
     torch.testing.assert_close(got_pred, want_pred, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
     _check_stage_boundaries(name, layers, inputs, labels, pipeline_loss_fn(o))

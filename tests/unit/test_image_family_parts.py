@@ -177,6 +177,56 @@ def test_krea2_inputs_are_the_pipelines():
     assert len(tok(pipe.prompt_template_encode_prefix + long).input_ids) > limit
 
 
+def test_ideogram4_text_tokens_and_sequence_are_the_pipelines():
+    """Cached text equals ``encode_prompt``; the stock pipeline, run on our cached tokens with both
+    transformers replaced by a recorder returning zeros (so its steps leave the latents unchanged), hands
+    its decode the raw latent mode, and its transformer call has our loss's packed sequence, positions,
+    segments and roles."""
+    family = get_family(ModelConfig(family="ideogram4"))
+    pipe = family.load_pipeline()
+    assert pipe.unconditional_transformer is not None and pipe.vae.bn.running_mean.abs().max() > 0.1
+    captions = ["a red circle", "two blue squares on a green field"]
+    ours = family.encode_text(family.load_text_encoders(), captions)
+    with torch.no_grad():
+        theirs = pipe.encode_prompt(captions, 0, 0, family.max_sequence_length, "cpu")
+    torch.testing.assert_close(ours["prompt_embeds"], theirs[0], rtol=1e-5, atol=1e-5)
+    assert torch.equal(ours["prompt_embeds_mask"].bool(), theirs[3] == 3)  # LLM_TOKEN_INDICATOR
+    lengths = ours["prompt_embeds_mask"].sum(1).long()
+    assert lengths[0] != lengths[1]
+
+    pixels = torch.rand(2, 3, 1, 32, 48, generator=torch.Generator().manual_seed(0)) * 2 - 1
+    latents = family.encode_pixels(pipe.vae, pixels)
+    assert latents.shape == (2, 16, 1, 8, 12)
+    calls, decoded = [], []
+
+    def recorder(**kwargs):
+        calls.append(kwargs)
+        return (torch.zeros_like(kwargs["hidden_states"]),)
+
+    pipe.transformer.forward = recorder
+    pipe.unconditional_transformer.forward = recorder
+    decode = pipe.vae.decode
+    pipe.vae.decode = lambda z, **kw: (decoded.append(z), decode(z, **kw))[1]
+    tokens = latents[:, :, 0].flatten(2).transpose(1, 2)  # [B, h*w, 4C], row-major
+    pipe(captions, height=32, width=48, num_inference_steps=1, guidance_scale=2.0, guidance_schedule=None,
+         max_sequence_length=int(lengths.max()), latents=tokens, output_type="pt")
+    with torch.no_grad():
+        raw = pipe.vae.encode(pixels[:, :, 0]).latent_dist.mode()
+    torch.testing.assert_close(decoded[0], raw, rtol=1e-5, atol=1e-5)
+
+    # Noise equal to x0 makes the noisy tokens x0 at any sigma: the sequences compare exactly.
+    p = family.prepare(latents, ours, torch.Generator().manual_seed(0), objective=ObjectiveConfig(),
+                       noise=latents[:, :, 0])
+    conditional = calls[0]
+    for key in ("position_ids", "segment_ids", "indicator"):
+        assert torch.equal(p.inputs[key], conditional[key]), key
+    for key in ("hidden_states", "encoder_hidden_states"):
+        torch.testing.assert_close(p.inputs[key], conditional[key], rtol=1e-5, atol=1e-5)
+    assert conditional["hidden_states"].shape == (2, int(lengths.max()) + 96, 16)
+    assert calls[1]["hidden_states"].shape == (2, 96, 16)  # the unconditional branch: image tokens only
+    assert family.shift_for(latents[:, :, 0]) == pytest.approx(math.sqrt(32 * 48) / 512)
+
+
 def test_hidream_loss_is_the_same_in_train_and_eval_mode():
     # In train mode the transformer returns patches (padded to max_seq when not square); the loss unpatchifies.
     family = get_family(ModelConfig(family="hidream"))
