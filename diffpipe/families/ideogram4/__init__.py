@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.ideogram4.flavors import PUBLISHED
-from diffpipe.models.spec import FamilySpec, diffusers_files_only
+from diffpipe.models.spec import FamilySpec, Kohya
 
 SPEC = FamilySpec(
     name="ideogram4",
@@ -13,6 +13,10 @@ SPEC = FamilySpec(
           "unconditional transformer of its guidance is loaded for samples, not trained)",
     targets="attention `attention.to_q/k/v/out.0`, SwiGLU `feed_forward.w1/w2/w3`",
     published=tuple(PUBLISHED),
-    **diffusers_files_only("not written yet: the original checkpoint fuses `attention.qkv` (its names are known "
-                           "from diffusers' Ideogram 4 LoRA converter), but no key map is written for it yet"),
+    # No kohya-family trainer names it: the metadata says what the file is in the same scheme.
+    kohya=Kohya("ideogram4", "ideogram-4/lora", "https://github.com/huggingface/diffusers"),
+    comfyui_readers="`Ideogram4Pipeline.load_lora_weights` (the blocks' layers; ai-toolkit's layout: "
+                    "`diffusion_model.` + the original names, fused `attention.qkv`); `diffpipe import-lora`",
+    kohya_readers="ComfyUI's generic LoRA names (`lora_unet_` + the original layer path); `diffpipe import-lora`",
+    comfy_reads_diffusers="none",
 )
