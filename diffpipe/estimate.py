@@ -48,7 +48,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 
 import peft
@@ -220,6 +220,25 @@ def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage()._cdata
 
 
+@contextmanager
+def _meta_autocast_disabled() -> Iterator[None]:
+    """``torch.autocast(device_type="meta", enabled=False)`` as a no-op: exact on meta, where no autocast is
+    ever active, and the only way ERNIE-Image's, Ideogram 4's and Helios' rotary embeddings run there (torch
+    has no autocast for the meta device). An enabled one (Mochi's) still raises."""
+    original = torch.autocast
+
+    def autocast(device_type: str, *args, enabled: bool = True, **kwargs):
+        if device_type == "meta" and not enabled:
+            return nullcontext()
+        return original(device_type, *args, enabled=enabled, **kwargs)
+
+    torch.autocast = autocast
+    try:
+        yield
+    finally:
+        torch.autocast = original
+
+
 def saved_activation_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False,
                            fraction: float = 1.0, offload: bool = False) -> tuple[int, int]:
     """Bytes autograd saves for backward while ``run()`` does a forward (weights excluded), as
@@ -288,7 +307,8 @@ def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False,
     if blocks:
         denoiser.enable_gradient_checkpointing(gradient_checkpointing_func=unit)
     try:
-        with torch.autograd.graph.saved_tensors_hooks(keep(kept), lambda t: t), _fused_attention():
+        with (torch.autograd.graph.saved_tensors_hooks(keep(kept), lambda t: t), _fused_attention(),
+              _meta_autocast_disabled()):
             run()
     finally:
         if blocks:
@@ -430,8 +450,8 @@ def estimate_for(
                 (activation_bytes, offloaded), upper_bound = measure(), True
         # else: "Cannot copy out of meta tensor": the forward reads tensor values (Lumina 2's mask)
     except RuntimeError as err:
-        # Mochi's and ERNIE-Image's rotary embeddings open torch.autocast on their tensors' device: not on
-        # meta (Mochi's error names autocast; ERNIE-Image's, "unsupported scalarType", comes from inside it).
+        # Mochi's rotary embedding opens an enabled torch.autocast on its tensors' device: not on meta (a
+        # disabled one is a no-op there, _meta_autocast_disabled; the error may come from inside autocast).
         if "autocast" not in str(err) and not _raised_in(err, "autocast_mode.py"):
             raise
     return MemoryEstimate(
@@ -465,6 +485,8 @@ FITS_MODELS = (
     ("FLUX.2 [klein] 4B", "flux2-klein-4b", "flux2-klein", 1024, 1024, 1, ""),
     ("Z-Image Turbo", "z-image-turbo", "zimage", 1024, 1024, 1, ""),
     ("Krea 2", "krea-2", "krea2", 1024, 1024, 1, ""),
+    ("ERNIE-Image", "ernie-image", "ernie-image", 1024, 1024, 1, ""),
+    ("Ideogram 4", "ideogram-4", "ideogram4", 1024, 1024, 1, ""),
     ("Kandinsky 5.0 T2V Lite", "kandinsky-5-t2v-lite", "kandinsky5", 768, 512, 121, ""),
     ("Kandinsky 5.0 Image Lite", "kandinsky-5-image-lite", "kandinsky5-image", 1024, 1024, 1, ""),
 )

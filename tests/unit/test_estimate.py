@@ -81,6 +81,31 @@ def test_meta_activations_equal_a_real_forward():
     assert real > 0 and abs(on_meta - real) <= 0.02 * real, (on_meta, real)
 
 
+def test_meta_activations_through_a_disabled_autocast_equal_a_real_forward():
+    # Ideogram 4's rotary embedding opens torch.autocast(enabled=False) on its tensors' device, which torch
+    # refuses for meta: the estimate makes that a no-op there, and the count still equals a real forward's.
+    family = get_family(ModelConfig(family="ideogram4"))
+    tr = family.load_denoiser()
+    tr.requires_grad_(False)
+    tr.add_adapter(__import__("peft").LoraConfig(r=4, target_modules=family.default_lora_targets))
+    latents = torch.randn(2, 16, 1, 8, 12)
+    text = {"prompt_embeds": torch.randn(2, 24, 416), "prompt_embeds_mask": torch.ones(2, 24)}
+    t, noise = torch.tensor([0.3, 0.6]), torch.randn(2, 16, 8, 12)
+
+    def run(model, latents, text, t, noise):
+        return lambda: family.loss(model, latents, text, torch.Generator(), t=t, noise=noise)
+
+    real, _ = saved_activation_bytes(tr, run(tr, latents, text, t, noise))
+    meta_tr = tr.to("meta")
+    meta_text = {k: v.to("meta") for k, v in text.items()}
+    on_meta, _ = saved_activation_bytes(meta_tr, run(meta_tr, latents.to("meta"), meta_text, t.to("meta"),
+                                                      noise.to("meta")))
+    assert real > 0 and abs(on_meta - real) <= 0.02 * real, (on_meta, real)
+    with pytest.raises(RuntimeError):  # outside the estimate, torch still refuses it
+        with torch.autocast(device_type="meta", enabled=False):
+            pass
+
+
 def test_estimate_command(tmp_path):
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump(_cfg("sd").model_dump(mode="json")))
