@@ -487,6 +487,7 @@ FITS_MODELS = (
     ("Krea 2", "krea-2", "krea2", 1024, 1024, 1, ""),
     ("ERNIE-Image", "ernie-image", "ernie-image", 1024, 1024, 1, ""),
     ("Ideogram 4", "ideogram-4", "ideogram4", 1024, 1024, 1, ""),
+    ("Helios-Base 14B, first chunk", "helios-14b", "helios", 832, 480, 33, ""),
     ("Kandinsky 5.0 T2V Lite", "kandinsky-5-t2v-lite", "kandinsky5", 768, 512, 121, ""),
     ("Kandinsky 5.0 Image Lite", "kandinsky-5-image-lite", "kandinsky5-image", 1024, 1024, 1, ""),
 )

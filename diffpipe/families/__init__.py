@@ -42,6 +42,7 @@ FAMILIES: dict[str, str] = {
     "cosmos2": "cosmos2",
     "wan": "wan",
     "skyreels-v2": "skyreels_v2",
+    "helios": "helios",
     "ltxvideo": "ltxvideo",
     "cogvideox": "cogvideox",
     "hunyuanvideo": "hunyuanvideo",
@@ -59,6 +60,9 @@ UNREGISTERED: dict[str, str] = {
 
 
 _LATER = "not implemented yet"
+_TORCHVISION = ("the torchvision wheels for torch 2.13 on PyPI are built for the CUDA torch and fail to import "
+                "with the CPU build diffpipe is tested on (`operator torchvision::nms does not exist`), so diffpipe "
+                "does not install it")
 _MODULAR = "diffusers 0.42.1 ships it only as a modular pipeline; diffpipe builds on the standard pipelines"
 #: Models users may look for that are not families, and why: ``name -> (the pinned diffusers' LoRA loader
 #: mixin for it, or None; the reason)``. ``tests/unit/test_family_contract.py`` checks that every LoRA
@@ -67,12 +71,12 @@ NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
     "HunyuanImage 2.1": (None, UNREGISTERED["hunyuanimage"] + " (the adapter is written: "
                          "`diffpipe/families/hunyuanimage/`, tiny and local flavors; published size checked: 17.43B)"),
     "OmniGen2": (None, "diffusers 0.42.1 has no OmniGen2 classes (only OmniGen v1's, without a LoRA loader)"),
-    "FLUX.2 [dev]": (None, "its text side (Mistral 3 through PixtralProcessor) needs torchvision, which diffpipe "
-                           "does not install; FLUX.2 [klein] is a family (`flux2-klein`)"),
+    "FLUX.2 [dev]": (None, "its text side (Mistral 3 through PixtralProcessor) needs torchvision, and " + _TORCHVISION
+                     + "; FLUX.2 [klein] is a family (`flux2-klein`)"),
     "Kandinsky 5.0 Image Lite editing": (None, _LATER + " (its text-to-image pipeline is: `kandinsky5-image`)"),
     "LTX-2": ("LTX2LoraLoaderMixin", _LATER),
-    "Bria FIBO 2": ("BriaFibo2LoraLoaderMixin", _LATER),
-    "Helios": ("HeliosLoraLoaderMixin", _LATER),
+    "Bria FIBO 2": ("BriaFibo2LoraLoaderMixin", "its text side is a Qwen3VLProcessor, which transformers builds only "
+                    "with its video processor, and that needs torchvision; " + _TORCHVISION),
     "FLUX.3": ("Flux3LoraLoaderMixin", _MODULAR),
     "Anima": ("AnimaLoraLoaderMixin", _MODULAR),
     "MiniMax H3": ("MiniMaxH3LoraLoaderMixin", _MODULAR),

@@ -54,6 +54,7 @@ SPECS = {
     "cosmos2-video": (9, (3, 4, 6), 9),  # 16 fps: the 9 demo frames (4k+1)
     "skyreels-v2": (5, (2, 4, 6), 5),  # 24 fps, Wan's 4k+1 frames
     "kandinsky5": (5, (2, 4, 6), 5),  # 24 fps, HunyuanVideo's VAE: 4k+1 frames
+    "helios": (5, (2, 4, 6), 33),  # 24 fps, Wan's 4k+1 frames; samples are whole 33-frame chunks
 }
 
 
@@ -175,7 +176,7 @@ def test_text_cache_equals_the_pipeline_prompt_embeds(run):
                 captions, prompt_template=tpl, max_sequence_length=enc.max_sequence_length
             )
             theirs = {"prompt_embeds": embeds, "prompt_attention_mask": mask, "pooled_prompt_embeds": pooled}
-        elif family.name == "skyreels-v2":  # Wan's: zeros past each prompt's tokens, no mask
+        elif family.name in ("skyreels-v2", "helios"):  # Wan's: zeros past each prompt's tokens, no mask
             embeds, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False,
                                            max_sequence_length=enc.max_sequence_length)
             theirs = {"prompt_embeds": embeds}
@@ -231,6 +232,43 @@ def test_loss_mask_weights_the_clip(run):
     left[..., :2] = 1
     torch.testing.assert_close(loss(ones), loss(None))
     assert not torch.allclose(loss(left), loss(None))
+
+
+@pytest.mark.parametrize("run", ["helios"], indirect=True)
+def test_helios_trains_the_first_chunk_as_the_pipeline_feeds_it(run):
+    """Helios: the stock pipeline's first transformer call (recorded; the transformer returns zeros) has
+    the history inputs the loss gives (zero latents, the same frame indices) and a timestep of the same
+    shift; a 9-latent-frame clip is exactly its first chunk."""
+    cfg, p = run
+    family = get_family(cfg.model)
+    pipe = family.load_pipeline()
+    calls = []
+
+    def recorder(**kwargs):
+        calls.append(kwargs)
+        return (torch.zeros_like(kwargs["hidden_states"]),)
+
+    pipe.transformer.forward = recorder
+    pipe("a red circle", height=32, width=48, num_frames=33, num_inference_steps=2, guidance_scale=1.0,
+         output_type="latent", max_sequence_length=family.max_sequence_length)
+    first = calls[0]
+    assert first["hidden_states"].shape[2] == 9  # the chunk: 9 latent frames
+    batch = CachedDataset.from_run(p).collate([0, 1])
+    latents = torch.randn(2, 16, 9, 4, 6, generator=torch.Generator().manual_seed(0))
+    sigma0 = first["timestep"][0] / 1000
+    shift = family.chunk_shift(4, 6)
+    t = sigma0 / (shift - (shift - 1) * sigma0)  # the fraction whose shifted level is the pipeline's first
+    prepared = family.prepare(latents, batch["text"], torch.Generator(), objective=ObjectiveConfig(),
+                              t=t.expand(2))
+    ours = prepared.inputs
+    assert set(ours) == set(first) - {"attention_kwargs", "return_dict"}
+    for key, value in first.items():
+        if key.startswith("indices_"):
+            assert torch.equal(ours[key], value), key
+        elif key.startswith("latents_history_"):
+            assert ours[key].shape[1:] == value.shape[1:] and not ours[key].any() and not value.any(), key
+    torch.testing.assert_close(ours["timestep"], first["timestep"].expand(2).float(), rtol=1e-5, atol=1e-3)
+    assert shift > 1  # the tiny scheduler shifts dynamically, as Helios-Base's
 
 
 @pytest.mark.parametrize("run", ["cosmos2-video"], indirect=True)

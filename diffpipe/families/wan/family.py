@@ -373,7 +373,7 @@ class WanFamily(Family):
         if self.cfg.flavor == "tiny":
             with common.seeded(self.cfg.seed, self._seed(attr)):
                 model = self.transformer_cls(**self.spec.transformer).eval()
-                image = model.condition_embedder.image_embedder
+                image = getattr(model.condition_embedder, "image_embedder", None)  # Helios' has none
                 if image is not None and image.pos_embed is not None:
                     # zeros from the constructor: filled so the first and the last frame differ in position
                     torch.nn.init.normal_(image.pos_embed.data, std=0.5)
@@ -498,9 +498,11 @@ class WanFamily(Family):
         cut = unshift_timesteps(self.boundary_ratio, shift)
         return (cut, 1.0) if self.expert == "high" else (0.0, cut)
 
-    def _sigmas(self, o: ObjectiveConfig, b: int, generator: torch.Generator, t: torch.Tensor | None) -> torch.Tensor:
-        """Shifted training fractions: drawn (or the given ``t``, read as quantiles of the trained range)."""
-        shift = o.shift or self.flow_shift
+    def _sigmas(self, o: ObjectiveConfig, b: int, generator: torch.Generator, t: torch.Tensor | None,
+                shift: float | None = None) -> torch.Tensor:
+        """Shifted training fractions: drawn (or the given ``t``, read as quantiles of the trained range);
+        ``shift``: the pipeline's at this clip size (default: the scheduler's fixed ``flow_shift``)."""
+        shift = o.shift or shift or self.flow_shift
         lo, hi = self.expert_range(shift)
         if t is None:
             if o.timestep_sampling == "uniform":
