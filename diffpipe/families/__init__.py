@@ -73,7 +73,6 @@ NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
     "OmniGen2": (None, "diffusers 0.42.1 has no OmniGen2 classes (only OmniGen v1's, without a LoRA loader)"),
     "FLUX.2 [dev]": (None, "its text side (Mistral 3 through PixtralProcessor) needs torchvision, and " + _TORCHVISION
                      + "; FLUX.2 [klein] is a family (`flux2-klein`)"),
-    "Kandinsky 5.0 Image Lite editing": (None, _LATER + " (its text-to-image pipeline is: `kandinsky5-image`)"),
     "LTX-2": ("LTX2LoraLoaderMixin", _LATER),
     "Bria FIBO 2": ("BriaFibo2LoraLoaderMixin", "its text side is a Qwen3VLProcessor, which transformers builds only "
                     "with its video processor, and that needs torchvision; " + _TORCHVISION),

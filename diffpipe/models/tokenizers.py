@@ -143,8 +143,13 @@ def tokenizer_fingerprint(tokenizer) -> str:
 
     Computed from the tokenizer object rather than its files, so the tiny
     flavor's in-memory tokenizer and the same tokenizer saved and reloaded
-    hash alike.
+    hash alike. A vision-language processor (a tokenizer with an image processor, in a pipeline's
+    ``tokenizer`` slot) hashes as its tokenizer plus its image processor's settings.
     """
+    if hasattr(tokenizer, "image_processor") and hasattr(tokenizer, "tokenizer"):
+        return digest({"class": type(tokenizer).__name__, "tokenizer": tokenizer_fingerprint(tokenizer.tokenizer),
+                       "image_processor": [type(tokenizer.image_processor).__name__,
+                                           tokenizer.image_processor.to_dict()]})
     backend = json.loads(tokenizer.backend_tokenizer.to_str())
     # Padding and truncation are per-call state that transformers leaves on
     # the backend (and save_pretrained then writes): not part of the identity.

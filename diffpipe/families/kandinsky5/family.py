@@ -40,7 +40,6 @@ refused with a clear error.
 
 from __future__ import annotations
 
-import json
 from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
@@ -102,6 +101,19 @@ def template_start(tokenizer: PreTrainedTokenizerBase, template: str = TEMPLATE)
     return len(tokenizer(template.split("{}")[0]).input_ids)
 
 
+def folder_variant(cfg: Any, by_pipeline: dict[str, str], default: str, label: str) -> str:
+    """The variant of a local folder (its ``model_index.json`` pipeline class in ``by_pipeline``, else
+    ``default``), checked against ``model.variant``; the configured (or default) one otherwise."""
+    from diffpipe.hub import pipeline_class
+
+    found = None
+    if cfg.flavor == "local":
+        found = by_pipeline.get(pipeline_class(Path(cfg.path) / "model_index.json") or "", default)
+    if found and cfg.variant and cfg.variant != found:
+        raise ValueError(f"model.variant {cfg.variant!r}: the folder {cfg.path} holds {label} {found}")
+    return found or cfg.variant or default
+
+
 def _tiny_modulations(model: Kandinsky5Transformer3DModel, seed: int) -> Kandinsky5Transformer3DModel:
     """Fill the modulation layers the constructor zero-initialises (all gates at zero: no block would take
     part, no LoRA get a gradient); a trained model's are not zero."""
@@ -146,14 +158,7 @@ class Kandinsky5Family(Family):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        found = None
-        if cfg.flavor == "local":
-            index = Path(cfg.path) / "model_index.json"
-            name = json.loads(index.read_text()).get("_class_name") if index.is_file() else None
-            found = "i2v" if name == Kandinsky5I2VPipeline.__name__ else "t2v"
-        if found and cfg.variant and cfg.variant != found:
-            raise ValueError(f"model.variant {cfg.variant!r}: the folder {cfg.path} holds Kandinsky 5 {found}")
-        self.variant = found or cfg.variant or "t2v"
+        self.variant = folder_variant(cfg, {Kandinsky5I2VPipeline.__name__: "i2v"}, "t2v", "Kandinsky 5")
         #: The image-to-video checkpoints train on control images (instance attributes: one variant).
         self.uses_control = self.variant == "i2v"
         self.pipeline_class = Kandinsky5I2VPipeline if self.uses_control else Kandinsky5T2VPipeline
@@ -185,9 +190,11 @@ class Kandinsky5Family(Family):
         return self._with_template(super().load_pipeline(), self.text_settings()["template_start"])
 
     # -- encoding ------------------------------------------------------------------
-    def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
+    def encode_text(self, encoders: TextBundle, captions: list[str], encode: Any = None) -> dict[str, torch.Tensor]:
         """Each caption alone through the pipeline's ``encode_prompt`` (it pads a batch to its longest
-        prompt, which its transformer would read): left-aligned rows, a mask, the pooled CLIP output."""
+        prompt, which its transformer would read): left-aligned rows, a mask, the pooled CLIP output.
+        ``encode(pipe, i, caption, width, device) -> (qwen states, pooled)`` replaces that call (the editing
+        variant passes the item's image)."""
         pipe = self.text_pipeline(encoders)
         device = next(encoders.text_encoder.parameters()).device
         width = encoders.max_sequence_length
@@ -196,8 +203,11 @@ class Kandinsky5Family(Family):
         pooled = []
         with torch.no_grad():
             for i, caption in enumerate(captions):
-                qwen, clip, _ = pipe.encode_prompt([caption], max_sequence_length=width, device=device,
-                                                   dtype=torch.float32)
+                if encode is None:
+                    qwen, clip, _ = pipe.encode_prompt([caption], max_sequence_length=width, device=device,
+                                                       dtype=torch.float32)
+                else:
+                    qwen, clip = encode(pipe, i, caption, width, device)
                 n = qwen.shape[1]
                 embeds[i, :n], mask[i, :n] = qwen[0].float().cpu(), 1.0
                 pooled.append(clip.float().cpu())
@@ -230,7 +240,7 @@ class Kandinsky5Family(Family):
         ``i2v``: the first latent frame is the control image's latents (``control``, ``[B, C, 1, h, w]``)
         and the condition mask marks it, as ``Kandinsky5I2VPipeline.prepare_latents`` builds the input;
         the pipeline never updates that frame, so the loss leaves it out."""
-        if self.uses_control and control is None:
+        if self.variant == "i2v" and control is None:
             raise ValueError("model.variant i2v needs a control image per item (its first frame): set "
                              "datasets[].control_path / control_column, or control_from_first_frame: true")
         o = objective
@@ -239,12 +249,12 @@ class Kandinsky5Family(Family):
         sigma = obj.shift_timesteps(t, o.shift or self.flow_shift)
         device, (_, _, f, h, w) = x0.device, x0.shape
         noisy = obj.flow_interpolate(x0, noise, sigma)
-        if self.uses_control:
+        if self.variant == "i2v":
             noisy = torch.cat([control[:, :, :1].to(noisy), noisy[:, :, 1:]], dim=2)
         noisy = noisy.permute(0, 2, 3, 4, 1)
         if self._denoiser_config.get("visual_cond"):
             cond_mask = noisy.new_zeros(*noisy.shape[:-1], 1)
-            if self.uses_control:
+            if self.variant == "i2v":
                 cond_mask[:, :1] = 1
             noisy = torch.cat([noisy, torch.zeros_like(noisy), cond_mask], dim=-1)
         embeds = text["prompt_embeds"]
@@ -262,7 +272,7 @@ class Kandinsky5Family(Family):
             "scale_factor": self.rope_scale(h * s, w * s),
         }
         weights = self.loss_mask(mask, x0, o)
-        if self.uses_control:  # the given first frame is not denoised
+        if self.variant == "i2v":  # the given first frame is not denoised
             keep = torch.ones_like(x0[:, :1])
             keep[:, :, 0] = 0
             weights = keep.expand(x0.shape) * (1 if weights is None else weights)
@@ -302,10 +312,10 @@ class Kandinsky5Family(Family):
 
     # -- sampling ------------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
-        if self.uses_control and not cfg.images:
+        if self.variant == "i2v" and not cfg.images:
             raise ValueError("sample.images: Kandinsky 5 i2v samples start from an image; give one per sample.prompts")
         kwargs = super().sample_kwargs(cfg)
-        if self.uses_control and kwargs["num_frames"] < I2V_MIN_FRAMES:
+        if self.variant == "i2v" and kwargs["num_frames"] < I2V_MIN_FRAMES:
             # The pipeline renormalises the first 4 latent frames by the ones after them: none, and it decodes NaN.
             raise ValueError(f"sample.frames {cfg.frames}: Kandinsky 5 i2v samples need at least {I2V_MIN_FRAMES} "
                              "frames (5 latent frames)")

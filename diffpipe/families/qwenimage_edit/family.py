@@ -120,20 +120,45 @@ class EditText:
         return self
 
 
-def tiny_edit_tokenizer() -> PreTrainedTokenizerBase:
+def tiny_edit_tokenizer(max_length: int = 4096) -> PreTrainedTokenizerBase:
     return llm_tokenizer(
-        4096, bos=None, eos="<|im_end|>", pad="<|endoftext|>", extra=("<|im_start|>", *VISION_TOKENS), add_bos=False
+        max_length, bos=None, eos="<|im_end|>", pad="<|endoftext|>", extra=("<|im_start|>", *VISION_TOKENS), add_bos=False
     )
 
 
-def _load_processor(path: str, tokenizer: PreTrainedTokenizerBase) -> Qwen2VLProcessor:
-    """The folder's ``processor/`` as the stock pipeline loads it; image-only without torchvision."""
+def _load_processor(path: str, tokenizer: PreTrainedTokenizerBase, subfolder: str = "processor") -> Qwen2VLProcessor:
+    """The folder's processor (in ``subfolder``) as the stock pipeline loads it; image-only without torchvision."""
     try:
         import torchvision  # noqa: F401
     except ImportError:
-        image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, subfolder="processor")
+        image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, subfolder=subfolder)
         return ImageOnlyQwenVLProcessor(image_processor=image_processor, tokenizer=tokenizer)
-    return Qwen2VLProcessor.from_pretrained(path, subfolder="processor")
+    return Qwen2VLProcessor.from_pretrained(path, subfolder=subfolder)
+
+
+def tiny_processor(max_length: int = 4096) -> ImageOnlyQwenVLProcessor:
+    """The tiny flavor's processor: the tiny tokenizer (``max_length`` its limit) with the vision tokens, a
+    small pixel range."""
+    return ImageOnlyQwenVLProcessor(image_processor=Qwen2VLImageProcessorPil(**TINY_PIXELS),
+                                    tokenizer=tiny_edit_tokenizer(max_length))
+
+
+def tiny_vl_text_encoder(tok: PreTrainedTokenizerBase, seed: int, component: str) -> Qwen2_5_VLForConditionalGeneration:
+    """A tiny Qwen2.5-VL that reads images: the vision tokens' ids are ``tok``'s (the model finds the image
+    slot and its rope positions by them)."""
+    ids = {
+        key: tok.convert_tokens_to_ids(token)
+        for key, token in (
+            ("image_token_id", "<|image_pad|>"),
+            ("video_token_id", "<|video_pad|>"),
+            ("vision_start_token_id", "<|vision_start|>"),
+            ("vision_end_token_id", "<|vision_end|>"),
+        )
+    }
+    text = {**TINY_TEXT, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id}
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=TINY_VISION, vocab_size=len(tok), **ids)
+    with common.seeded(seed, component):
+        return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
 def detect_variant(path: str) -> str | None:
@@ -238,8 +263,8 @@ class QwenImageEditFamily(ReferenceTokens, QwenImageFamily):
 
     def load_tokenizers(self) -> EditText:
         if self.cfg.flavor == "tiny":
-            tok = tiny_edit_tokenizer()
-            processor = ImageOnlyQwenVLProcessor(image_processor=Qwen2VLImageProcessorPil(**TINY_PIXELS), tokenizer=tok)
+            processor = tiny_processor()
+            tok = processor.tokenizer
             limit = TINY_LENGTH
         else:
             tok = AutoTokenizer.from_pretrained(self.cfg.path, subfolder="tokenizer")
@@ -255,21 +280,7 @@ class QwenImageEditFamily(ReferenceTokens, QwenImageFamily):
     def load_text_encoders(self) -> EditText:
         enc = self.load_tokenizers()
         if self.cfg.flavor == "tiny":
-            tok = enc.tokenizer
-            # The model finds the image slot and its rope positions by these ids.
-            ids = {
-                key: tok.convert_tokens_to_ids(token)
-                for key, token in (
-                    ("image_token_id", "<|image_pad|>"),
-                    ("video_token_id", "<|video_pad|>"),
-                    ("vision_start_token_id", "<|vision_start|>"),
-                    ("vision_end_token_id", "<|vision_end|>"),
-                )
-            }
-            text = {**TINY_TEXT, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id}
-            config = Qwen2_5_VLConfig(text_config=text, vision_config=TINY_VISION, vocab_size=len(tok), **ids)
-            with common.seeded(self.cfg.seed, f"{self.name}.text_encoder"):
-                enc.text_encoder = Qwen2_5_VLForConditionalGeneration(config).eval()
+            enc.text_encoder = tiny_vl_text_encoder(enc.tokenizer, self.cfg.seed, f"{self.name}.text_encoder")
         else:
             enc.text_encoder = common.pretrained_text_encoder(Qwen2_5_VLForConditionalGeneration, self.cfg, "text_encoder")
         return enc
