@@ -31,7 +31,7 @@ from diffpipe.families.ernie_image.flavors import (
     TINY_VAE,
     TINY_VISION,
 )
-from diffpipe.families.flux2_klein.family import bn_normalised, tiny_batch_norm
+from diffpipe.families.flux2_klein.family import TinyBatchNormVae, bn_normalised
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
@@ -49,7 +49,7 @@ def _tiny_tokenizer() -> Any:
     return llm_tokenizer(TINY_LENGTH, bos="<s>", eos="</s>", pad="<pad>")
 
 
-class ErnieImageFamily(Family):
+class ErnieImageFamily(TinyBatchNormVae, Family):
     name = "ernie-image"
     token_streams: ClassVar[dict[str, tuple[str, str]]] = {"mistral": ("tokenizer", "sequence")}
     vae_model = Model(AutoencoderKLFlux2, TINY_VAE)
@@ -65,10 +65,6 @@ class ErnieImageFamily(Family):
     #: The attention projections and the gated feed-forward of every layer.
     default_lora_targets: ClassVar[list[str]] = [
         *targets.attention("self_attention"), "mlp.gate_proj", "mlp.up_proj", "mlp.linear_fc2"]
-
-    def load_vae(self) -> AutoencoderKLFlux2:
-        vae = super().load_vae()
-        return tiny_batch_norm(vae) if self.cfg.flavor == "tiny" else vae
 
     def load_denoiser(self) -> ErnieImageTransformer2DModel:
         tr = super().load_denoiser()

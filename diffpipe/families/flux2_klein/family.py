@@ -54,6 +54,15 @@ def tiny_batch_norm(vae: AutoencoderKLFlux2) -> AutoencoderKLFlux2:
     return vae
 
 
+class TinyBatchNormVae:
+    """Mixin of the families on FLUX.2's VAE: the tiny flavor's VAE has non-trivial batch-norm statistics
+    (:func:`tiny_batch_norm`); a folder's are its own."""
+
+    def load_vae(self) -> AutoencoderKLFlux2:
+        vae = super().load_vae()
+        return tiny_batch_norm(vae) if self.cfg.flavor == "tiny" else vae
+
+
 def bn_normalised(vae: AutoencoderKLFlux2, latents: torch.Tensor, eps: float) -> torch.Tensor:
     """The VAE's latent mode ``[B, C, h, w]`` patchified 2x2 and normalised by its batch-norm statistics."""
     tokens = Flux2KleinPipeline._patchify_latents(latents)
@@ -68,7 +77,7 @@ def _pack(x: torch.Tensor, *_shape: int) -> torch.Tensor:
     return Flux2KleinPipeline._pack_latents(x)
 
 
-class Flux2KleinFamily(Family):
+class Flux2KleinFamily(TinyBatchNormVae, Family):
     name = "flux2-klein"
     token_streams: ClassVar[dict[str, tuple[str, str]]] = {"qwen3": ("tokenizer", "sequence")}
     vae_model = Model(AutoencoderKLFlux2, TINY_VAE)
@@ -90,11 +99,6 @@ class Flux2KleinFamily(Family):
         # One token per cached latent cell. (Sampling's shift also depends on the step count,
         # ``compute_empirical_mu``; training has none, so it uses the scheduler's resolution rule.)
         return self.timestep_shift(x0.shape[-2] * x0.shape[-1])
-
-    # -- components ------------------------------------------------------------
-    def load_vae(self) -> AutoencoderKLFlux2:
-        vae = super().load_vae()
-        return tiny_batch_norm(vae) if self.cfg.flavor == "tiny" else vae
 
     # -- encoding --------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:

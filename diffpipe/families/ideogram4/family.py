@@ -31,7 +31,7 @@ from diffusers import (
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3VLConfig, Qwen3VLModel
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.flux2_klein.family import tiny_batch_norm
+from diffpipe.families.flux2_klein.family import TinyBatchNormVae
 from diffpipe.families.ideogram4.flavors import (
     TINY_LENGTH,
     TINY_SCHEDULER,
@@ -79,7 +79,7 @@ def _pack(x: torch.Tensor, b: int, c: int, h: int, w: int) -> torch.Tensor:
     return x.permute(0, 2, 3, 1).reshape(b, h * w, c)
 
 
-class Ideogram4Family(Family):
+class Ideogram4Family(TinyBatchNormVae, Family):
     name = "ideogram4"
     token_streams: ClassVar[dict[str, tuple[str, str]]] = {"qwen3-vl": ("tokenizer", "sequence")}
     vae_model = Model(AutoencoderKLFlux2, TINY_VAE)
@@ -102,17 +102,9 @@ class Ideogram4Family(Family):
         return math.sqrt(x0.shape[-2] * side * x0.shape[-1] * side) / 512
 
     # -- components ------------------------------------------------------------
-    def load_vae(self) -> AutoencoderKLFlux2:
-        vae = super().load_vae()
-        return tiny_batch_norm(vae) if self.cfg.flavor == "tiny" else vae
-
     def load_unconditional(self) -> Ideogram4Transformer2DModel:
         """The guidance's text-free transformer (``unconditional_transformer``): sampling only."""
         return self._model(self.denoiser_model, UNCONDITIONAL)
-
-    def text_pipeline(self, encoders: Any) -> Any:
-        return self.pipeline_class(vae=None, transformer=None, **{UNCONDITIONAL: None}, scheduler=None,
-                                   **encoders.parts)
 
     def load_pipeline(self) -> Ideogram4Pipeline:
         return self.pipeline_class(

@@ -28,6 +28,7 @@ caption its whole control image, as sampling hands the pipeline the user's image
 
 from __future__ import annotations
 
+from functools import cached_property
 from typing import Any, ClassVar
 
 import torch
@@ -103,8 +104,8 @@ class Kandinsky5ImageFamily(Kandinsky5Family):
     def text_settings(self) -> dict[str, Any]:
         return {**super().text_settings(), **({"template": self.template} if self.uses_control else {})}
 
-    @property
-    def _template_start(self) -> int:
+    @cached_property
+    def _template_start(self) -> int:  # measured once, as the video family's
         tok = self.load_tokenizer()
         return template_start(getattr(tok, "tokenizer", tok), self.template)
 
