@@ -83,8 +83,8 @@ class HeliosFamily(WanFamily):
     def detect_variant(path: str | Path) -> str | None:
         return None  # one kind of checkpoint
 
-    @property
-    def _scheduler_config(self) -> dict[str, Any]:
+    @cached_property
+    def _scheduler_config(self) -> dict[str, Any]:  # read once: every training step's shift reads it
         if self.cfg.flavor == "tiny":
             return dict(TINY_SCHEDULER)
         return dict(HeliosScheduler.load_config(self.cfg.path, subfolder="scheduler"))
