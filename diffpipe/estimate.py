@@ -488,6 +488,8 @@ FITS_MODELS = (
     ("ERNIE-Image", "ernie-image", "ernie-image", 1024, 1024, 1, ""),
     ("Ideogram 4", "ideogram-4", "ideogram4", 1024, 1024, 1, ""),
     ("Helios-Base 14B, first chunk", "helios-14b", "helios", 832, 480, 33, ""),
+    ("LTX-2 19B, video stream", "ltx-2-19b", "ltx2", 768, 512, 121,
+     "SimpleTuner field reports (480p, 17 frames, batch 2): ~48 GB bf16 without offload, ~30 GB int8"),
     ("Kandinsky 5.0 T2V Lite", "kandinsky-5-t2v-lite", "kandinsky5", 768, 512, 121, ""),
     ("Kandinsky 5.0 Image Lite", "kandinsky-5-image-lite", "kandinsky5-image", 1024, 1024, 1, ""),
 )

@@ -44,6 +44,7 @@ FAMILIES: dict[str, str] = {
     "skyreels-v2": "skyreels_v2",
     "helios": "helios",
     "ltxvideo": "ltxvideo",
+    "ltx2": "ltx2",
     "cogvideox": "cogvideox",
     "hunyuanvideo": "hunyuanvideo",
     "kandinsky5": "kandinsky5",
@@ -59,7 +60,6 @@ UNREGISTERED: dict[str, str] = {
 }
 
 
-_LATER = "not implemented yet"
 _TORCHVISION = ("the torchvision wheels for torch 2.13 on PyPI are built for the CUDA torch and fail to import "
                 "with the CPU build diffpipe is tested on (`operator torchvision::nms does not exist`), so diffpipe "
                 "does not install it")
@@ -73,7 +73,6 @@ NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
     "OmniGen2": (None, "diffusers 0.42.1 has no OmniGen2 classes (only OmniGen v1's, without a LoRA loader)"),
     "FLUX.2 [dev]": (None, "its text side (Mistral 3 through PixtralProcessor) needs torchvision, and " + _TORCHVISION
                      + "; FLUX.2 [klein] is a family (`flux2-klein`)"),
-    "LTX-2": ("LTX2LoraLoaderMixin", _LATER),
     "Bria FIBO 2": ("BriaFibo2LoraLoaderMixin", "its text side is a Qwen3VLProcessor, which transformers builds only "
                     "with its video processor, and that needs torchvision; " + _TORCHVISION),
     "FLUX.3": ("Flux3LoraLoaderMixin", _MODULAR),

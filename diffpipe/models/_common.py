@@ -111,9 +111,13 @@ def local_component(cls: type, cfg: Any, subfolder: str, dtype: torch.dtype | No
 
 
 def pretrained_text_encoder(cls: type, cfg: Any, subfolder: str) -> torch.nn.Module:
-    """A transformers text encoder from the local folder's ``subfolder``, loaded straight in
-    ``model.text_encoder_dtype`` (transformers 5 names the argument ``dtype``), in eval mode."""
-    return cls.from_pretrained(cfg.path, subfolder=subfolder, dtype=load_dtype(cfg, "text_encoder"),
+    """A text encoder from the local folder's ``subfolder``, loaded straight in ``model.text_encoder_dtype``
+    (transformers 5 names the argument ``dtype``; a diffusers model on the text side, such as LTX-2's
+    connectors, ``torch_dtype``), in eval mode."""
+    from diffusers import ModelMixin
+
+    key = "torch_dtype" if issubclass(cls, ModelMixin) else "dtype"
+    return cls.from_pretrained(cfg.path, subfolder=subfolder, **{key: load_dtype(cfg, "text_encoder")},
                                variant=cfg.weight_variant).eval()
 
 
@@ -305,8 +309,12 @@ def diffusers_component_identity(cls: type, cfg: Any, subfolder: str) -> dict[st
 
 def transformers_folder_identity(model_cls: type, config_cls: type, path: str, subfolder: str,
                                  variant: str | None = None):
-    """Identity of a transformers model folder (its ``variant`` weight files), without loading the weights."""
-    config = config_cls.from_pretrained(path, subfolder=subfolder).to_dict()
+    """Identity of a transformers model folder (its ``variant`` weight files), without loading the weights;
+    a diffusers ``config_cls`` (a diffusers model on the text side) reads its config with ``load_config``."""
+    if hasattr(config_cls, "load_config"):
+        config = dict(config_cls.load_config(path, subfolder=subfolder))
+    else:
+        config = config_cls.from_pretrained(path, subfolder=subfolder).to_dict()
     return identity(model_cls.__name__, config, folder_fingerprint(Path(path) / subfolder, variant))
 
 

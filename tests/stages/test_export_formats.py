@@ -79,6 +79,8 @@ EXTRA_TARGETS = {
     "flux-kontext": ["norm_out.linear", "proj_out"],
     "qwenimage-edit": ["img_mod.1", "norm_out.linear", "proj_out"],
     "ltxvideo": ["proj_in", "time_embed.linear", "caption_projection.linear_1"],
+    "ltx2": ["proj_in", "time_embed.linear", "caption_projection.linear_1", "audio_proj_in",
+             "av_cross_attn_video_scale_shift.linear"],
     "hunyuanvideo": [
         "x_embedder.proj",
         "norm_out.linear",
@@ -308,6 +310,7 @@ SINGLE_FILE_CASES = {
     ),
     "qwenimage-edit": (_tiny("qwenimage-edit"), None),
     "ltxvideo": (_tiny("ltxvideo"), None),
+    "ltx2": (_tiny("ltx2"), None),
     # HunyuanVideo's converter hard-codes the inner size (3072) of ``linear1``; Mochi's, 48 blocks
     # (tiny ones here, so the swapped halves are checked by value).
     "hunyuanvideo": (
@@ -479,6 +482,7 @@ BASE_MODEL_VERSION = {
     "flux-kontext": "flux1",
     "qwenimage-edit": "qwen_image",
     "ltxvideo": "ltx_video",
+    "ltx2": "ltx2",
     "hunyuanvideo": "hunyuan_video",
     "mochi": "mochi",
     "cosmos2": "cosmos_predict2",
@@ -664,6 +668,7 @@ PIPELINE_READS = {
     ("qwenimage-edit", "kohya"): (None, False),
     ("qwenimage-edit", "comfyui"): (None, False),
     ("ltxvideo", "comfyui"): (_ltx_renamed, False),
+    ("ltx2", "comfyui"): (None, False),
     ("hunyuanvideo", "comfyui"): (_hunyuan_tiny, False),
     ("zimage", "kohya"): (None, False),
     ("zimage", "comfyui"): (None, False),

@@ -55,6 +55,7 @@ SPECS = {
     "skyreels-v2": (5, (2, 4, 6), 5),  # 24 fps, Wan's 4k+1 frames
     "kandinsky5": (5, (2, 4, 6), 5),  # 24 fps, HunyuanVideo's VAE: 4k+1 frames
     "helios": (5, (2, 4, 6), 33),  # 24 fps, Wan's 4k+1 frames; samples are whole 33-frame chunks
+    "ltx2": (9, (2, 3, 5), 9),  # 24 fps: 13 frames available -> 8k+1 = 9; sides multiples of 8: 40x24
 }
 
 
@@ -190,6 +191,11 @@ def test_text_cache_equals_the_pipeline_prompt_embeds(run):
                 theirs["prompt_embeds"][i, :n], theirs["prompt_embeds_mask"][i, :n] = qwen[0], 1.0
                 theirs["pooled_prompt_embeds"][i] = clip[0]
             assert theirs["prompt_embeds_mask"].sum(1).unique().numel() == 2  # two lengths: one forward each
+        elif family.name == "ltx2":  # Gemma's stacked states through the pipeline's connectors
+            embeds, mask, _, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False,
+                                                    max_sequence_length=enc.max_sequence_length)
+            video_text, _, video_mask = pipe.connectors(embeds, mask, padding_side=pipe.tokenizer.padding_side)
+            theirs = {"prompt_embeds": video_text, "prompt_attention_mask": video_mask}
         elif family.name in ("cogvideox", "cosmos2-video"):
             theirs = {
                 "prompt_embeds": pipe._get_t5_prompt_embeds(captions, max_sequence_length=enc.max_sequence_length)
@@ -234,6 +240,23 @@ def test_loss_mask_weights_the_clip(run):
     assert not torch.allclose(loss(left), loss(None))
 
 
+def _first_transformer_call(family, **call) -> dict:
+    """The keyword arguments of the stock pipeline's first transformer call, unguided, for "a red circle"
+    (the transformer replaced by a recorder returning zeros: a video, or a video and audio, output)."""
+    pipe = family.load_pipeline()
+    calls = []
+
+    def recorder(**kwargs):
+        calls.append(kwargs)
+        zeros = [torch.zeros_like(kwargs[k]) for k in ("hidden_states", "audio_hidden_states") if k in kwargs]
+        return tuple(zeros)
+
+    pipe.transformer.forward = recorder
+    pipe("a red circle", num_inference_steps=2, guidance_scale=1.0, output_type="latent",
+         max_sequence_length=family.max_sequence_length, **call)
+    return calls[0]
+
+
 @pytest.mark.parametrize("run", ["helios"], indirect=True)
 def test_helios_trains_the_first_chunk_as_the_pipeline_feeds_it(run):
     """Helios: the stock pipeline's first transformer call (recorded; the transformer returns zeros) has
@@ -241,17 +264,7 @@ def test_helios_trains_the_first_chunk_as_the_pipeline_feeds_it(run):
     shift; a 9-latent-frame clip is exactly its first chunk."""
     cfg, p = run
     family = get_family(cfg.model)
-    pipe = family.load_pipeline()
-    calls = []
-
-    def recorder(**kwargs):
-        calls.append(kwargs)
-        return (torch.zeros_like(kwargs["hidden_states"]),)
-
-    pipe.transformer.forward = recorder
-    pipe("a red circle", height=32, width=48, num_frames=33, num_inference_steps=2, guidance_scale=1.0,
-         output_type="latent", max_sequence_length=family.max_sequence_length)
-    first = calls[0]
+    first = _first_transformer_call(family, height=32, width=48, num_frames=33)
     assert first["hidden_states"].shape[2] == 9  # the chunk: 9 latent frames
     batch = CachedDataset.from_run(p).collate([0, 1])
     latents = torch.randn(2, 16, 9, 4, 6, generator=torch.Generator().manual_seed(0))
@@ -269,6 +282,42 @@ def test_helios_trains_the_first_chunk_as_the_pipeline_feeds_it(run):
             assert ours[key].shape[1:] == value.shape[1:] and not ours[key].any() and not value.any(), key
     torch.testing.assert_close(ours["timestep"], first["timestep"].expand(2).float(), rtol=1e-5, atol=1e-3)
     assert shift > 1  # the tiny scheduler shifts dynamically, as Helios-Base's
+
+
+@pytest.mark.parametrize("run", ["ltx2"], indirect=True)
+def test_ltx2_trains_the_video_stream_as_the_pipeline_feeds_it(run):
+    """LTX-2: the stock pipeline's first transformer call (recorded; the transformer returns zeros) gets
+    the cached text, the same latent grid, frame rate and timestep for the same shift as the loss; the
+    loss isolates the modalities, so its video prediction does not depend on the audio placeholder (and
+    would with the cross-modal attention on)."""
+    cfg, p = run
+    family = get_family(cfg.model)
+    first = _first_transformer_call(family, height=32, width=32, num_frames=9, audio_guidance_scale=1.0,
+                                    stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0)
+    text = family.encode_text(family.load_text_encoders(), ["a red circle"])
+    torch.testing.assert_close(first["encoder_hidden_states"], text["prompt_embeds"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(first["encoder_attention_mask"].float(), text["prompt_attention_mask"])
+    latents = torch.randn(1, 8, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    sigma0 = first["timestep"][0] / 1000
+    shift = family.timestep_shift(2 * 4 * 4)
+    t = sigma0 / (shift - (shift - 1) * sigma0)  # the fraction whose shifted level is the pipeline's first
+    prepared = family.prepare(latents, text, torch.Generator(), objective=ObjectiveConfig(), t=t.expand(1))
+    ours = prepared.inputs
+    assert set(ours) <= set(first) and ours["hidden_states"].shape == first["hidden_states"].shape
+    for key in ("num_frames", "height", "width", "fps", "use_cross_timestep"):
+        assert ours[key] == first[key], key
+    assert ours["isolate_modalities"] and not first["isolate_modalities"]  # the joint sampling pass
+    for key in ("timestep", "sigma"):
+        torch.testing.assert_close(ours[key], first[key].float(), rtol=1e-5, atol=1e-3)
+    assert shift > 1
+    denoiser = family.load_denoiser()
+    with torch.no_grad():
+        video = family.predict(denoiser, prepared)
+        audio = family.audio_placeholder(denoiser, ours["hidden_states"])
+        noisy_audio = {**ours, **{k: torch.randn_like(v) for k, v in audio.items() if k != "audio_encoder_attention_mask"}}
+        assert torch.equal(video, denoiser(**noisy_audio, return_dict=False)[0])
+        joint = {**ours, **audio, "isolate_modalities": False}
+        assert not torch.allclose(video, denoiser(**joint, return_dict=False)[0])
 
 
 @pytest.mark.parametrize("run", ["cosmos2-video"], indirect=True)

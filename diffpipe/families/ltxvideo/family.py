@@ -39,18 +39,10 @@ from diffpipe.training import objectives as obj
 MAX_LENGTH = 128  # LTXPipeline's default max_sequence_length
 
 
-class LTXVideoFamily(video.T5TextFamily, Family):
-    name = "ltxvideo"
-    prompt_tokens = (video.TINY_LENGTH, MAX_LENGTH)
-    vae_model = Model(AutoencoderKLLTXVideo, TINY_VAE)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    denoiser_model = Model(LTXVideoTransformer3DModel, TINY_TRANSFORMER)
-    pipeline_class = LTXPipeline
-    is_video = True
-    fps = 25.0
-    default_lora_targets: ClassVar[list[str]] = [*targets.attention(""), *targets.feed_forward()]
+class LTXGeometry:
+    """What LTX-Video and LTX-2 share: a causal VAE whose config gives its compression (so clips have
+    ``temporal k + 1`` frames), latents normalised as the pipeline's ``_normalize_latents``."""
 
-    # -- configs and geometry ------------------------------------------------------
     @property
     def compression(self) -> tuple[int, int]:
         """``(temporal, spatial)`` compression of the VAE, computed as the VAE computes it."""
@@ -68,15 +60,25 @@ class LTXVideoFamily(video.T5TextFamily, Family):
     def pixel_multiple(self) -> int:
         return self.compression[1] * int(self._denoiser_config.get("patch_size", 1))
 
-    # -- components --------------------------------------------------------------
-
-    # -- encoding ------------------------------------------------------------------
     def encode_pixels(self, vae: torch.nn.Module, pixels: torch.Tensor) -> torch.Tensor:
         latents = common.vae_latents(vae, pixels, per_frame=False)
-        return LTXPipeline._normalize_latents(
+        return self.pipeline_class._normalize_latents(
             latents, vae.latents_mean.float(), vae.latents_std.float(), vae.config.scaling_factor
         )
 
+
+class LTXVideoFamily(LTXGeometry, video.T5TextFamily, Family):
+    name = "ltxvideo"
+    prompt_tokens = (video.TINY_LENGTH, MAX_LENGTH)
+    vae_model = Model(AutoencoderKLLTXVideo, TINY_VAE)
+    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
+    denoiser_model = Model(LTXVideoTransformer3DModel, TINY_TRANSFORMER)
+    pipeline_class = LTXPipeline
+    is_video = True
+    fps = 25.0
+    default_lora_targets: ClassVar[list[str]] = [*targets.attention(""), *targets.feed_forward()]
+
+    # -- encoding ------------------------------------------------------------------
     def encode_text(self, encoders: video.T5Text, captions: list[str]) -> dict[str, torch.Tensor]:
         embeds, mask = video.t5_embeds(encoders, captions, masked_encoder=False)
         return {"prompt_embeds": embeds, "prompt_attention_mask": mask}

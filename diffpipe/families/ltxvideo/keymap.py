@@ -31,14 +31,20 @@ DENOISER = LTXVideoTransformer3DModel
 RENAMED = {"proj_in": "patchify_proj", "time_embed": "adaln_single"}
 
 
-def original_name(module: str) -> str:
+def original_name(module: str, renamed: Mapping[str, str] = RENAMED) -> str:
     head, dot, rest = module.partition(".")
-    return RENAMED.get(head, head) + dot + rest
+    return renamed.get(head, head) + dot + rest
+
+
+def renamed_keymap(family: str, renamed: Mapping[str, str], out_features: Mapping[str, int]) -> KeyMap:
+    """The key map of an LTX model whose original names are ours with the top-level prefixes ``renamed``:
+    PEFT tensor names, the scale folded into ``up``, no ``.alpha`` key (what diffusers' LTX converters read)."""
+    layers = []
+    for module, size in out_features.items():
+        original = original_name(module, renamed)
+        layers.append(plain(original, module, size, kohya_name(original), fold_scale=True, alpha_key=False))
+    return KeyMap(family, layers, peft_names=True)
 
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
-    layers = []
-    for module, size in out_features.items():
-        original = original_name(module)
-        layers.append(plain(original, module, size, kohya_name(original), fold_scale=True, alpha_key=False))
-    return KeyMap("ltxvideo", layers, peft_names=True)
+    return renamed_keymap("ltxvideo", RENAMED, out_features)

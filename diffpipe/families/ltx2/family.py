@@ -1,0 +1,182 @@
+"""Family ``ltx2``: LTX-2, a joint audio-video DiT; diffpipe trains its video stream.
+
+Components and names follow ``LTX2Pipeline``: ``vae`` (AutoencoderKLLTX2Video: causal 3-D VAE, 32x spatial
+and 8x temporal compression at full size, so clips have ``8k+1`` frames; latents normalised by its
+``latents_mean`` / ``latents_std`` and ``scaling_factor`` as the pipeline's ``_normalize_latents``),
+``text_encoder`` (Gemma 3: every hidden state of the caption, left-padded to ``max_sequence_length``, as
+the pipeline's ``encode_prompt``) + ``tokenizer``, ``connectors`` (LTX2TextConnectors: the frozen
+transformers that turn those states into the video and audio streams' text; padding replaced by learned
+registers), ``transformer`` (LTX2VideoTransformer3DModel on latents packed by the pipeline's
+``_pack_latents``, fed ``sigma * 1000`` and the rotary positions of the clip at 24 fps, the pipeline's
+default ``frame_rate``), ``scheduler`` (FlowMatchEulerDiscreteScheduler; training shifts ``t`` by
+``exp(mu)`` for the clip's token count, as the pipeline's sampling does), and the audio side the
+pipeline samples with (``audio_vae``, ``vocoder``). The transformer predicts the velocity ``noise - x0``.
+
+**What is trained: the video stream.** The cache holds the connectors' video text (the frozen text path
+ends there, so each caption is stored once at the transformer's text width) and no audio: the audio VAE
+encodes mel spectrograms, and the pinned libraries compute none from a clip's sound. The transformer runs
+with its modalities isolated (``isolate_modalities``: no audio-to-video or video-to-audio attention), so
+the video prediction does not depend on the audio stream, which gets one placeholder token and whose
+output is unused; this is the video-only training of Lightricks' own trainer. The default LoRA targets
+are the video stream's layers; the audio stream and the cross-modal attention keep their weights. At
+sampling the pipeline generates sound beside the video as before (the samples keep the video).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from diffusers import (
+    AutoencoderKLLTX2Audio,
+    AutoencoderKLLTX2Video,
+    FlowMatchEulerDiscreteScheduler,
+    LTX2Pipeline,
+    LTX2VideoTransformer3DModel,
+)
+from diffusers.pipelines.ltx2.connectors import LTX2TextConnectors
+from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
+from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration
+
+from diffpipe.config import SampleConfig
+from diffpipe.families.ltx2.flavors import (
+    TINY_AUDIO_VAE,
+    TINY_CONNECTORS,
+    TINY_GEMMA,
+    TINY_LENGTH,
+    TINY_TRANSFORMER,
+    TINY_VAE,
+    TINY_VISION,
+    TINY_VOCODER,
+)
+from diffpipe.families.ltxvideo.family import LTXGeometry
+from diffpipe.families.ltxvideo.flavors import TINY_SCHEDULER
+from diffpipe.models import _common as common
+from diffpipe.models import _video as video
+from diffpipe.models import targets
+from diffpipe.models.base import Family, Prepared
+from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, one_text_encoder
+from diffpipe.models.llm_tokenizers import llm_tokenizer
+from diffpipe.training import objectives as obj
+
+MAX_LENGTH = 1024  # LTX2Pipeline's default max_sequence_length
+AUDIO_VAE = Model(AutoencoderKLLTX2Audio, TINY_AUDIO_VAE)
+VOCODERS = {cls.__name__: cls for cls in (LTX2Vocoder, LTX2VocoderWithBWE)}
+
+
+def _tiny_connectors(tokenizer: Any, seed: int) -> torch.nn.Module:
+    with common.seeded(seed, "ltx2.connectors"):
+        return LTX2TextConnectors(**TINY_CONNECTORS).eval()
+
+
+class LTX2Family(LTXGeometry, Family):
+    name = "ltx2"
+    vae_model = Model(AutoencoderKLLTX2Video, TINY_VAE)
+    denoiser_model = Model(LTX2VideoTransformer3DModel, TINY_TRANSFORMER)
+    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
+    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"gemma": ("tokenizer", "sequence")}
+    text_parts: ClassVar[dict[str, TextPart]] = {
+        **one_text_encoder(AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH), Gemma3ForConditionalGeneration,
+                           Gemma3Config, TINY_GEMMA, "ltx2.text_encoder", vision=TINY_VISION),
+        "connectors": TextEncoder(LTX2TextConnectors, LTX2TextConnectors, _tiny_connectors, tokenizer="tokenizer"),
+    }
+    pipeline_class = LTX2Pipeline
+    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    is_video = True
+    fps = 24.0
+    #: The video stream's self and text attention and feed-forward of every block (not ``audio_*``, not the
+    #: cross-modal attention: PEFT matches whole name parts, so ``attn1.to_q`` is not ``audio_attn1.to_q``).
+    default_lora_targets: ClassVar[list[str]] = [*targets.attention("attn1"), *targets.attention("attn2"),
+                                                 *targets.feed_forward()]
+
+    # -- components ------------------------------------------------------------------
+    def text_pipeline(self, encoders: Any) -> Any:
+        return LTX2Pipeline(vae=None, audio_vae=None, transformer=None, vocoder=None, scheduler=None,
+                            **encoders.parts)
+
+    def load_pipeline(self) -> Any:
+        """The stock pipeline with every component, the audio VAE and vocoder included (its samples
+        generate sound beside the video)."""
+        text = self.load_text_encoders()
+        return LTX2Pipeline(
+            vae=self.load_vae(), transformer=self.load_denoiser(), scheduler=self.inference_scheduler(),
+            audio_vae=self._model(AUDIO_VAE, "audio_vae"), vocoder=self._model(self._vocoder_model(), "vocoder"),
+            **text.parts,
+        )
+
+    def _vocoder_model(self) -> Model:
+        """The vocoder the folder's ``model_index.json`` names (LTX-2.3's has a bandwidth extension);
+        ``LTX2Vocoder`` for the tiny flavor."""
+        index = Path(self.cfg.path or "") / "model_index.json"
+        name = json.loads(index.read_text()).get("vocoder", [None, None])[1] if self.cfg.path and index.is_file() \
+            else None
+        return Model(VOCODERS.get(name, LTX2Vocoder), TINY_VOCODER)
+
+    # -- encoding ------------------------------------------------------------------
+    def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
+        """The connectors' video text and mask for each caption, from the pipeline's own ``encode_prompt``
+        (Gemma's stacked hidden states, left-padded) and its ``connectors`` call."""
+        pipe = self.text_pipeline(encoders)
+        device = next(encoders.text_encoder.parameters()).device
+        with torch.no_grad():
+            embeds, mask, _, _ = pipe.encode_prompt(list(captions), do_classifier_free_guidance=False,
+                                                    max_sequence_length=encoders.max_sequence_length, device=device)
+            text, _, text_mask = encoders.connectors(embeds, mask, padding_side=encoders.tokenizer.padding_side)
+        return {"prompt_embeds": text.float(), "prompt_attention_mask": text_mask.float()}
+
+    # -- training ------------------------------------------------------------------
+    def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
+                dtype=torch.float32) -> Prepared:
+        """Packed flow-matching inputs of the video stream, its text and mask, the latent grid and frame
+        rate, the modalities isolated (:meth:`predict` adds the audio placeholder). The grid is plain
+        numbers (from shapes): the loss also runs on the meta device."""
+        o = objective
+        x0 = video.check_video_latents(latents, self.name)
+        t, noise = video.draw(o, x0, generator, t, noise)
+        _, _, f, h, w = x0.shape
+        c = self._denoiser_config
+        p, pt = int(c.get("patch_size", 1)), int(c.get("patch_size_t", 1))
+
+        def pack(x: torch.Tensor) -> torch.Tensor:
+            return LTX2Pipeline._pack_latents(x, p, pt)
+
+        sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift((f // pt) * (h // p) * (w // p)))
+        timestep = sigma * self._scheduler_config.get("num_train_timesteps", 1000)
+        device = x0.device
+        inputs = {
+            "hidden_states": pack(obj.flow_interpolate(x0, noise, sigma)).to(dtype),
+            "encoder_hidden_states": text["prompt_embeds"].to(device=device, dtype=dtype),
+            "timestep": timestep,
+            "sigma": timestep,  # the pipeline passes its timestep as both (LTX-2.3 reads sigma)
+            "encoder_attention_mask": text["prompt_attention_mask"].to(device=device),
+            "num_frames": f // pt,
+            "height": h // p,
+            "width": w // p,
+            "fps": self.fps,
+            "audio_num_frames": 1,
+            "isolate_modalities": True,
+            "use_cross_timestep": True,
+        }
+        return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=self.loss_mask(mask, x0, o, pack))
+
+    def audio_placeholder(self, denoiser: torch.nn.Module, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The audio stream's inputs while the video stream trains: one zero latent token and one zero text
+        token (at the width of the audio text: the caption projection's input for LTX-2.0, the audio
+        attention's for 2.3), sized from the denoiser's own config (the estimate runs a published one)."""
+        c = common.unwrap(denoiser).config
+        b = hidden_states.shape[0]
+        text_width = c.caption_channels if c.use_prompt_embeddings else c.audio_cross_attention_dim
+        return {"audio_hidden_states": hidden_states.new_zeros(b, 1, c.audio_in_channels),
+                "audio_encoder_hidden_states": hidden_states.new_zeros(b, 1, text_width),
+                "audio_encoder_attention_mask": hidden_states.new_ones(b, 1, dtype=torch.float32)}
+
+    def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
+        """The video stream's prediction; the audio stream's, on its placeholder, is dropped."""
+        inputs = prepared.inputs
+        return denoiser(**inputs, **self.audio_placeholder(denoiser, inputs["hidden_states"]), return_dict=False)[0]
+
+    # -- sampling ------------------------------------------------------------------
+    def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        return {**super().sample_kwargs(cfg), "frame_rate": self.fps, "max_sequence_length": self.max_sequence_length}
