@@ -92,6 +92,7 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
     with atomic_path(out_dir, is_dir=True) as tmp:
         pipe = family.load_pipeline()
         pipe.set_progress_bar_config(disable=True)
+        place(pipe, cfg.offload)
         kwargs = family.sample_kwargs(cfg)
         base = _render(pipe, family, cfg, kwargs)
         if Path(lora_file).is_dir():  # a PEFT folder: LoKr and LoHa, which load_lora_weights cannot read
@@ -107,6 +108,29 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
             _save(sample, tmp / f"sample-{i:02d}", family)
         _grid([b[0] for b in base], [t[0] for t in tuned], cfg.prompts).save(tmp / "grid.png")
     return sorted(p for p in out_dir.iterdir() if p.suffix in (".png", ".mp4"))
+
+
+#: ``sample.offload: auto`` keeps every weight on the GPU below this share of its free memory (the rest is
+#: for activations: a video's attention, the VAE's decode).
+AUTO_OFFLOAD_SHARE = 0.8
+
+
+def place(pipe, offload: str) -> str:
+    """Put the pipeline where it samples (``sample.offload``); returns the placement used (``none`` or
+    ``group``). On a GPU machine: all of it on the GPU, or its weights in CPU memory with diffusers' group
+    offloading (each block brought to the GPU for its forward); without one, the CPU (``group`` still
+    applies the hooks, onloading to the CPU)."""
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if offload == "auto":
+        weights = sum(t.nbytes for c in pipe.components.values() if isinstance(c, torch.nn.Module)
+                      for t in [*c.parameters(), *c.buffers()])
+        offload = "none" if not cuda or weights < AUTO_OFFLOAD_SHARE * torch.cuda.mem_get_info()[0] else "group"
+    if offload == "group":
+        pipe.enable_group_offload(onload_device=device, offload_type="block_level", num_blocks_per_group=1)
+    elif cuda:
+        pipe.to(device)
+    return offload
 
 
 def _part_files(family, lora_file: Path) -> list[tuple[Path, dict]]:

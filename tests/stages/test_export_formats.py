@@ -15,6 +15,7 @@ import json
 import re
 
 import comfy_rules
+import numpy as np
 import peft
 import pytest
 import torch
@@ -715,6 +716,29 @@ def test_import_round_trip(trained, fmt, tmp_path):
     model = apply_adapter(family.load_denoiser(), tmp_path / "adapter")
     _assert_deltas(_deltas(model), trained["deltas"], f"{fmt}/import-lora")
     torch.testing.assert_close(_out(model, trained["inputs"]), trained["trained_out"], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("trained", ["flux", "ltx2"], indirect=True)
+def test_group_offloaded_samples_equal_the_plain_ones(trained, tmp_path):
+    """``sample.offload: group`` (diffusers' group offloading of every component, onloading to the CPU
+    here, the LoRA loaded after the hooks) renders exactly the samples of the pipeline without hooks;
+    ``auto`` keeps everything in place without a GPU."""
+    from diffpipe.config import SampleConfig
+    from diffpipe.training.sample import place, render_samples
+
+    family = trained["family"]
+    sample = {"prompts": ["a red circle"], "steps": 2, "width": 32, "height": 32, "frames": 9}
+    grids = {}
+    for offload in ("none", "group"):
+        files = render_samples(family.cfg, SampleConfig(**sample, offload=offload), trained["files"]["diffusers"],
+                               tmp_path / offload)
+        grids[offload] = np.asarray(Image.open(files[0]))
+    assert np.array_equal(grids["none"], grids["group"])
+    pipe = family.load_pipeline()
+    assert place(pipe, "auto") == "none" and place(pipe, "group") == "group"
+    hooked = [m for m in pipe.transformer.modules() if getattr(m, "_diffusers_hook", None) is not None
+              and m._diffusers_hook.get_hook("group_offloading") is not None]
+    assert hooked, "group offloading installed no hook on the transformer"
 
 
 def test_merged_pipeline_equals_base_plus_lora(trained):
