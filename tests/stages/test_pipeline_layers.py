@@ -121,7 +121,7 @@ def test_wan_layers_and_inputs_reproduce_the_loss(variant, expert):
         assert (inputs[1] < family.boundary_ratio * 1000).all()
 
 
-@pytest.mark.parametrize("name", ["cogvideox", "hunyuanvideo", "ltxvideo", pytest.param(
+@pytest.mark.parametrize("name", ["cogvideox", "hunyuanvideo", "ltxvideo", "ltx2", pytest.param(
     "mochi", marks=pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning"))])  # Mochi's rope
 def test_video_layers_equal_forward_and_reproduce_the_loss(name):
     """Video families: the layers' prediction equals the transformer's, and pipeline_inputs + the
@@ -354,3 +354,17 @@ def test_every_stage_boundary_meets_the_engine(name):
     inputs, labels = family.pipeline_inputs(latents, text, torch.Generator().manual_seed(3))
     o = ObjectiveConfig()
     _check_stage_boundaries(name, family.pipeline_layers(den), inputs, labels, pipeline_loss_fn(o))
+
+
+def test_ltx2_stage_boundaries_meet_the_engine():
+    """LTX-2's tuple (the audio placeholder's states, an absent LTX-2.3 prompt modulation as an empty
+    tensor) crosses a stage boundary after any layer."""
+    from diffpipe.config import ObjectiveConfig
+    from diffpipe.training.pipeline import pipeline_loss_fn
+
+    family = get_family(ModelConfig(family="ltx2"))
+    den = _with_lora(family)
+    latents = torch.randn(2, den.config.in_channels, 2, 4, 6, generator=torch.Generator().manual_seed(0))
+    text = family.encode_text(family.load_text_encoders(), ["a red circle", "a blue square"])
+    inputs, labels = family.pipeline_inputs(latents, text, torch.Generator().manual_seed(3))
+    _check_stage_boundaries("ltx2", family.pipeline_layers(den), inputs, labels, pipeline_loss_fn(ObjectiveConfig()))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.ltx2.flavors import PUBLISHED
-from diffpipe.models.spec import Absent, FamilySpec, Kohya
+from diffpipe.models.spec import FamilySpec, Kohya
 
 SPEC = FamilySpec(
     name="ltx2",
@@ -18,5 +18,4 @@ SPEC = FamilySpec(
     comfyui_readers="ComfyUI (`diffusion_model.` + the original layer names), `LTX2Pipeline.load_lora_weights`",
     kohya_readers="ComfyUI (`lora_unet_` + the original layer path)",
     comfy_reads_diffusers="none",
-    layers=Absent("not written yet: each block passes the video and the audio stream"),
 )

@@ -177,6 +177,23 @@ class LTX2Family(LTXGeometry, Family):
         inputs = prepared.inputs
         return denoiser(**inputs, **self.audio_placeholder(denoiser, inputs["hidden_states"]), return_dict=False)[0]
 
+    def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
+        """``(packed noisy, text, sigma * 1000, text mask, (F, h, w), fps)``."""
+        i = prepared.inputs
+        device = i["hidden_states"].device
+        return (i["hidden_states"], i["encoder_hidden_states"], i["timestep"], i["encoder_attention_mask"],
+                torch.tensor([i["num_frames"], i["height"], i["width"]], device=device),
+                torch.tensor(i["fps"], device=device))
+
     # -- sampling ------------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         return {**super().sample_kwargs(cfg), "frame_rate": self.fps, "max_sequence_length": self.max_sequence_length}
+
+    # -- pipeline parallelism ---------------------------------------------------------
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Embedding, one layer per block, output (``layers.py``): the video stream with the audio
+        placeholder carried along and the modalities isolated, as the loss runs it. Input tuple
+        ``(packed noisy, text, sigma * 1000, text mask, (F, h, w), fps)``; output ``(packed prediction,)``."""
+        from diffpipe.families.ltx2.layers import ltx2_layers
+
+        return ltx2_layers(common.unwrap(denoiser))
