@@ -1049,11 +1049,13 @@ class SampleConfig(_Section):
         "`variant: 2.1-flf2v`, with `images` as the first frames); null: none.",
     )
     offload: Literal["auto", "none", "group"] = Field(
-        "auto", description="Where `diffpipe sample` keeps the pipeline's weights on a GPU machine: `none` = "
-        "all on the GPU; `group` = in CPU memory, each block brought to the GPU for its forward (diffusers' "
-        "group offloading: slower, fits a pipeline larger than the card, such as Wan 2.2 A14B's or Ideogram 4's "
-        "two transformers); `auto` = `none` when the weights take under 80% of the free GPU memory, else "
-        "`group`. Without a GPU the pipeline runs on the CPU (`group` still applies its hooks there).",
+        "auto", description="Where samples keep the pipeline's weights on a GPU machine: `none` = all on the "
+        "GPU; `group` = in CPU memory, each block brought to the GPU for its forward (diffusers' group "
+        "offloading: slower, fits a pipeline larger than the card, such as Wan 2.2 A14B's or Ideogram 4's two "
+        "transformers); `auto` = `none` when the weights take under 80% of the free GPU memory, else `group`. "
+        "`diffpipe sample` places every component; the in-training sampler (`train.sample_every_*`) the "
+        "frozen ones (text encoders, VAE), beside the training model. Without a GPU the pipeline runs on the "
+        "CPU (`group` still applies its hooks there).",
     )
 
     @model_validator(mode="after")

@@ -6,6 +6,7 @@ else MPEG-4 Part 2) at the family's frame rate; the grid shows first frames.
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -115,21 +116,29 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
 AUTO_OFFLOAD_SHARE = 0.8
 
 
-def place(pipe, offload: str) -> str:
-    """Put the pipeline where it samples (``sample.offload``); returns the placement used (``none`` or
-    ``group``). On a GPU machine: all of it on the GPU, or its weights in CPU memory with diffusers' group
-    offloading (each block brought to the GPU for its forward); without one, the CPU (``group`` still
-    applies the hooks, onloading to the CPU)."""
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda" if cuda else "cpu")
+def place(pipe, offload: str, *, device: torch.device | None = None, keep: Collection[str] = ()) -> str:
+    """Put the pipeline's components where they sample (``sample.offload``), except the ones named in
+    ``keep`` (the training sampler's trained modules, which training placed); returns the placement used
+    (``none`` or ``group``). ``device``: the GPU when there is one, else the CPU. ``none``: each component
+    on ``device``; ``group``: its weights in CPU memory, each block brought to ``device`` for its forward
+    (diffusers' group offloading; on the CPU the hooks onload to the CPU)."""
+    from diffusers.hooks import apply_group_offloading
+
+    device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    modules = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module) and name not in keep}
     if offload == "auto":
-        weights = sum(t.nbytes for c in pipe.components.values() if isinstance(c, torch.nn.Module)
-                      for t in [*c.parameters(), *c.buffers()])
-        offload = "none" if not cuda or weights < AUTO_OFFLOAD_SHARE * torch.cuda.mem_get_info()[0] else "group"
-    if offload == "group":
-        pipe.enable_group_offload(onload_device=device, offload_type="block_level", num_blocks_per_group=1)
-    elif cuda:
-        pipe.to(device)
+        weights = sum(t.nbytes for c in modules.values() for t in [*c.parameters(), *c.buffers()])
+        fits = device.type != "cuda" or weights < AUTO_OFFLOAD_SHARE * torch.cuda.mem_get_info(device)[0]
+        offload = "none" if fits else "group"
+    for module in modules.values():
+        if offload == "group":
+            group = {"onload_device": device, "offload_type": "block_level", "num_blocks_per_group": 1}
+            if hasattr(module, "enable_group_offload"):  # a diffusers model
+                module.enable_group_offload(**group)
+            else:
+                apply_group_offloading(module, **group)
+        else:
+            module.to(device)
     return offload
 
 
@@ -184,10 +193,10 @@ class TrainingSampler:
                 setattr(pipe, attr, getattr(self.denoiser, attr) if len(parts) > 1 else self.denoiser)
             for name, encoder in self.text_encoders.items():
                 setattr(pipe, name, encoder)
-            device = next(self.denoiser.parameters()).device
-            for name, component in pipe.components.items():
-                if isinstance(component, torch.nn.Module) and name not in parts and name not in self.text_encoders:
-                    component.to(device)
+            # The frozen components join the training device, or stay in CPU memory with group offloading
+            # when they would not fit beside training (sample.offload).
+            place(pipe, self.cfg.offload, device=next(self.denoiser.parameters()).device,
+                  keep=[*parts, *self.text_encoders])
             pipe.set_progress_bar_config(disable=True)
             self._pipe = pipe
         return self._pipe

@@ -724,7 +724,7 @@ def test_group_offloaded_samples_equal_the_plain_ones(trained, tmp_path):
     here, the LoRA loaded after the hooks) renders exactly the samples of the pipeline without hooks;
     ``auto`` keeps everything in place without a GPU."""
     from diffpipe.config import SampleConfig
-    from diffpipe.training.sample import place, render_samples
+    from diffpipe.training.sample import TrainingSampler, place, render_samples
 
     family = trained["family"]
     sample = {"prompts": ["a red circle"], "steps": 2, "width": 32, "height": 32, "frames": 9}
@@ -736,9 +736,21 @@ def test_group_offloaded_samples_equal_the_plain_ones(trained, tmp_path):
     assert np.array_equal(grids["none"], grids["group"])
     pipe = family.load_pipeline()
     assert place(pipe, "auto") == "none" and place(pipe, "group") == "group"
-    hooked = [m for m in pipe.transformer.modules() if getattr(m, "_diffusers_hook", None) is not None
-              and m._diffusers_hook.get_hook("group_offloading") is not None]
-    assert hooked, "group offloading installed no hook on the transformer"
+    assert _group_hooked(pipe.transformer) and _group_hooked(pipe.vae)
+    # The in-training sampler leaves the trained denoiser where training put it, hooks on the frozen parts.
+    rows, pipes = {}, {}
+    for offload in ("none", "group"):
+        sampler = TrainingSampler(family, SampleConfig(**sample, offload=offload), trained["denoiser"],
+                                  tmp_path / f"train-{offload}")
+        rows[offload] = np.asarray(sampler(7)[1])
+        pipes[offload] = sampler._pipeline()
+    assert np.array_equal(rows["none"], rows["group"])
+    assert not _group_hooked(trained["denoiser"]) and _group_hooked(pipes["group"].vae)
+
+
+def _group_hooked(module) -> bool:
+    return any(getattr(m, "_diffusers_hook", None) is not None and m._diffusers_hook.get_hook("group_offloading")
+               is not None for m in module.modules())
 
 
 def test_merged_pipeline_equals_base_plus_lora(trained):
