@@ -356,15 +356,23 @@ def test_every_stage_boundary_meets_the_engine(name):
     _check_stage_boundaries(name, family.pipeline_layers(den), inputs, labels, pipeline_loss_fn(o))
 
 
-def test_ltx2_stage_boundaries_meet_the_engine():
+@pytest.mark.parametrize("variant", ["t2v", "i2v"])
+def test_ltx2_layers_cross_stage_boundaries(variant):
     """LTX-2's tuple (the audio placeholder's states, an absent LTX-2.3 prompt modulation as an empty
-    tensor) crosses a stage boundary after any layer."""
+    tensor) crosses a stage boundary after any layer; under ``i2v`` (a per-token timestep, the clip's for
+    the audio stream) the layers' prediction equals the loss's forward."""
     from diffpipe.config import ObjectiveConfig
     from diffpipe.training.pipeline import pipeline_loss_fn
 
-    family = get_family(ModelConfig(family="ltx2"))
+    family = get_family(ModelConfig(family="ltx2", variant=variant))
     den = _with_lora(family)
     latents = torch.randn(2, den.config.in_channels, 2, 4, 6, generator=torch.Generator().manual_seed(0))
     text = family.encode_text(family.load_text_encoders(), ["a red circle", "a blue square"])
-    inputs, labels = family.pipeline_inputs(latents, text, torch.Generator().manual_seed(3))
-    _check_stage_boundaries("ltx2", family.pipeline_layers(den), inputs, labels, pipeline_loss_fn(ObjectiveConfig()))
+    control = {"control": latents[:, :, :1] + 0.5} if variant == "i2v" else {}
+    inputs, labels = family.pipeline_inputs(latents, text, torch.Generator().manual_seed(3), **control)
+    layers = family.pipeline_layers(den)
+    with torch.no_grad():
+        prepared = family.prepare(latents, text, torch.Generator().manual_seed(3), objective=ObjectiveConfig(),
+                                  **control)
+        torch.testing.assert_close(run_layers(layers, inputs), family.predict(den, prepared), rtol=1e-5, atol=1e-5)
+    _check_stage_boundaries("ltx2", layers, inputs, labels, pipeline_loss_fn(ObjectiveConfig()))

@@ -128,19 +128,19 @@ def test_golden_losses_and_lora(run, golden):
     golden(cfg.model.family, "test_video_families::run", p)
 
 
-def _denoiser_output(family, denoiser, batch) -> torch.Tensor:
-    """The denoiser's raw output on a cached batch, fixed t and noise, through the family's loss."""
+def _denoiser_output(family, denoiser, batch, **aux) -> torch.Tensor:
+    """The denoiser's raw output on a cached batch, fixed t and noise, through the family's loss (``aux``:
+    its extra inputs, the control latents); the outputs of a loss that runs several forwards, concatenated."""
     out = []
     handle = denoiser.register_forward_hook(lambda m, a, o: out.append(o[0] if isinstance(o, tuple) else o.sample))
     noise = torch.randn(batch["latents"].shape, generator=torch.Generator().manual_seed(0))
     try:
         with torch.no_grad():
-            family.loss(
-                denoiser, batch["latents"], batch["text"], torch.Generator(), t=torch.tensor([0.3, 0.7]), noise=noise
-            )
+            family.loss(denoiser, batch["latents"], batch["text"], torch.Generator(), t=torch.tensor([0.3, 0.7]),
+                        noise=noise, **aux)
     finally:
         handle.remove()
-    return out[0]
+    return torch.cat(out)
 
 
 def test_lora_loads_in_stock_pipeline_and_matches_training(run):
@@ -252,7 +252,7 @@ def _first_transformer_call(family, **call) -> dict:
         return tuple(zeros)
 
     pipe.transformer.forward = recorder
-    pipe("a red circle", num_inference_steps=2, guidance_scale=1.0, output_type="latent",
+    pipe(prompt="a red circle", num_inference_steps=2, guidance_scale=1.0, output_type="latent",
          max_sequence_length=family.max_sequence_length, **call)
     return calls[0]
 
@@ -284,6 +284,11 @@ def test_helios_trains_the_first_chunk_as_the_pipeline_feeds_it(run):
     assert shift > 1  # the tiny scheduler shifts dynamically, as Helios-Base's
 
 
+#: LTX2Pipeline's other guidance terms off (each adds transformer calls), for a single conditional call.
+LTX2_UNGUIDED = {"audio_guidance_scale": 1.0, "stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0,
+                 "audio_modality_scale": 1.0}
+
+
 @pytest.mark.parametrize("run", ["ltx2"], indirect=True)
 def test_ltx2_trains_the_video_stream_as_the_pipeline_feeds_it(run):
     """LTX-2: the stock pipeline's first transformer call (recorded; the transformer returns zeros) gets
@@ -292,8 +297,7 @@ def test_ltx2_trains_the_video_stream_as_the_pipeline_feeds_it(run):
     would with the cross-modal attention on)."""
     cfg, p = run
     family = get_family(cfg.model)
-    first = _first_transformer_call(family, height=32, width=32, num_frames=9, audio_guidance_scale=1.0,
-                                    stg_scale=0.0, audio_stg_scale=0.0, modality_scale=1.0, audio_modality_scale=1.0)
+    first = _first_transformer_call(family, height=32, width=32, num_frames=9, **LTX2_UNGUIDED)
     text = family.encode_text(family.load_text_encoders(), ["a red circle"])
     torch.testing.assert_close(first["encoder_hidden_states"], text["prompt_embeds"], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(first["encoder_attention_mask"].float(), text["prompt_attention_mask"])
@@ -412,6 +416,57 @@ def _lora_reproduces_training(family, pipe, p, output):
 
 
 @pytest.fixture(scope="module")
+def ltx2_i2v(demo_clips, tmp_path_factory):
+    """LTX-2 image-to-video (``variant: i2v``): clips with their own first frame as the control."""
+    return _variant_run(tmp_path_factory, demo_clips / "demo", "ltx2-i2v", {"family": "ltx2", "variant": "i2v"},
+                        start_image=True, frames=9, sample_frames=9, control_from_first_frame=True)
+
+
+def test_ltx2_i2v_trains_what_the_pipeline_feeds(ltx2_i2v, golden, tmp_path):
+    """The stock I2V pipeline's first transformer call (recorded) starts from the image's latents, clean,
+    at timestep 0 on their tokens, as the loss's input with that image as control; that frame is out of
+    the loss; the exported LoRA loads into the I2V pipeline and reproduces training; a saved folder is
+    detected as i2v."""
+    family, p = ltx2_i2v
+    golden("ltx2", "test_video_families::ltx2_i2v", p)
+    assert family.uses_control and family.pipeline_class.__name__ == "LTX2ImageToVideoPipeline"
+    batch = CachedDataset.from_run(p).collate([0, 1])
+    control, latents = batch["control_latents"], batch["latents"]
+    assert control.shape == (2, 8, 1, *latents.shape[3:])
+    image = Image.new("RGB", (32, 32), (200, 30, 30))
+    first = _first_transformer_call(family, image=image, image_crf=0, height=32, width=32, num_frames=9,
+                                    **LTX2_UNGUIDED)
+    pixels = torch.tensor([200 / 127.5 - 1, 30 / 127.5 - 1, 30 / 127.5 - 1]).view(1, 3, 1, 1, 1).expand(1, 3, 1, 32, 32)
+    with torch.no_grad():
+        image_latents = family.encode_control(family.load_vae(), pixels, frames=1)["control"]
+    sigma0 = first["audio_timestep"][0] / 1000
+    shift = family.timestep_shift(2 * 4 * 4)
+    t = sigma0 / (shift - (shift - 1) * sigma0)
+    text = family.encode_text(family.load_text_encoders(), ["a red circle"])
+    x0 = torch.randn(1, 8, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    ours = family.prepare(x0, text, torch.Generator(), objective=ObjectiveConfig(), t=t.expand(1),
+                          control=image_latents)
+    given = 4 * 4  # the first latent frame's tokens
+    torch.testing.assert_close(ours.inputs["hidden_states"][:, :given], first["hidden_states"][:, :given],
+                               rtol=1e-5, atol=1e-5)
+    assert first["timestep"].shape == (1, 2 * given) and not first["timestep"][:, :given].any()
+    for key in ("timestep", "audio_timestep", "sigma"):
+        torch.testing.assert_close(ours.inputs[key], first[key].float(), rtol=1e-5, atol=1e-3)
+    assert not ours.mask[:, :given].any() and ours.mask[:, given:].min() == 1  # the given frame: no loss
+
+    _lora_reproduces_training(family, family.load_pipeline(), p,
+                              lambda denoiser: _denoiser_output(family, denoiser, batch, control=control))
+    with av.open(str(p.samples_dir / "sample-00.mp4")) as container:
+        assert len(list(container.decode(video=0))) == 9
+    with pytest.raises(ValueError, match="sample.images: LTX-2 i2v samples start from an image"):
+        family.sample_kwargs(SampleConfig(frames=9))
+    family.load_pipeline().save_pretrained(tmp_path)
+    assert get_family(ModelConfig(family="ltx2", flavor="local", path=str(tmp_path))).variant == "i2v"
+    with pytest.raises(ValueError, match="model.variant i2v needs a control image"):
+        family.prepare(latents, batch["text"], torch.Generator(), objective=ObjectiveConfig())
+
+
+@pytest.fixture(scope="module")
 def k5_i2v(demo_clips, tmp_path_factory):
     """Kandinsky 5 image-to-video (``variant: i2v``): clips with their own first frame as the control."""
     return _variant_run(tmp_path_factory, demo_clips / "demo", "kandinsky5-i2v",
@@ -441,20 +496,8 @@ def test_kandinsky5_i2v_trains_what_the_pipeline_feeds(k5_i2v, golden, tmp_path)
     torch.testing.assert_close(ours.inputs["hidden_states"], theirs)
     assert ours.mask[:, 0].abs().max() == 0 and ours.mask[:, 1:].min() == 1  # the given frame: no loss
 
-    eps = torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
-
-    def output(denoiser):
-        out = []
-        handle = denoiser.register_forward_hook(lambda m, a, o: out.append(o.sample))
-        try:
-            with torch.no_grad():
-                family.loss(denoiser, latents, batch["text"], torch.Generator(), t=torch.tensor([0.3, 0.7]),
-                            noise=eps, control=control)
-        finally:
-            handle.remove()
-        return torch.cat(out)
-
-    _lora_reproduces_training(family, pipe, p, output)
+    _lora_reproduces_training(family, pipe, p, lambda denoiser: _denoiser_output(family, denoiser, batch,
+                                                                                 control=control))
     with av.open(str(p.samples_dir / "sample-00.mp4")) as container:
         assert len(list(container.decode(video=0))) == 17
     with pytest.raises(ValueError, match="sample.frames 9: Kandinsky 5 i2v samples need at least 17 frames"):

@@ -9,9 +9,9 @@ SPEC = FamilySpec(
     name="ltx2",
     family_class="LTX2Family",
     model="LTX-2 19B",
-    tasks="text-to-video: the video stream of the audio-video transformer, modalities isolated (the audio "
-          "stream and the sound are not trained; samples generate sound, and keep the video); 24 fps, "
-          "8k+1 frames, sample sides multiples of 32",
+    tasks="text-to-video, image-to-video (`variant: i2v`, the same checkpoint): the video stream of the "
+          "audio-video transformer, modalities isolated (the audio stream and the sound are not trained; "
+          "samples generate sound, and keep the video); 24 fps, 8k+1 frames, sample sides multiples of 32",
     targets="the video stream's `attn1`/`attn2` `to_q/k/v/out.0`, `ff.net.0.proj`, `ff.net.2`",
     published=tuple(PUBLISHED),
     kohya=Kohya("ltx2", "ltx-2/lora", "https://github.com/Lightricks/LTX-2"),

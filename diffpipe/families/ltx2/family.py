@@ -20,6 +20,13 @@ the video prediction does not depend on the audio stream, which gets one placeho
 output is unused; this is the video-only training of Lightricks' own trainer. The default LoRA targets
 are the video stream's layers; the audio stream and the cross-modal attention keep their weights. At
 sampling the pipeline generates sound beside the video as before (the samples keep the video).
+
+``model.variant: i2v`` trains image-to-video (``LTX2ImageToVideoPipeline``: the same weights; a local
+folder saved with that pipeline is detected): each item's control image (usually
+``control_from_first_frame``) is cached as its one-frame latents, which replace the first latent frame,
+clean, with timestep 0 on its tokens, as the pipeline's ``prepare_latents`` and its per-token timestep
+build the input; that frame is left out of the loss (the pipeline never updates it). The cache holds the
+VAE's mode, as the pipeline encodes its image (``argmax``).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from diffusers import (
     AutoencoderKLLTX2Audio,
     AutoencoderKLLTX2Video,
     FlowMatchEulerDiscreteScheduler,
+    LTX2ImageToVideoPipeline,
     LTX2Pipeline,
     LTX2VideoTransformer3DModel,
 )
@@ -82,7 +90,9 @@ class LTX2Family(LTXGeometry, Family):
                            Gemma3Config, TINY_GEMMA, "ltx2.text_encoder", vision=TINY_VISION),
         "connectors": TextEncoder(LTX2TextConnectors, LTX2TextConnectors, _tiny_connectors, tokenizer="tokenizer"),
     }
-    pipeline_class = LTX2Pipeline
+    #: ``t2v``, and ``i2v`` (the first latent frame is the control image's, clean; the same checkpoint).
+    variants: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
+    pipeline_class = LTX2Pipeline  # the i2v variant's instances: LTX2ImageToVideoPipeline
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     is_video = True
     fps = 24.0
@@ -90,6 +100,17 @@ class LTX2Family(LTXGeometry, Family):
     #: cross-modal attention: PEFT matches whole name parts, so ``attn1.to_q`` is not ``audio_attn1.to_q``).
     default_lora_targets: ClassVar[list[str]] = [*targets.attention("attn1"), *targets.attention("attn2"),
                                                  *targets.feed_forward()]
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        from diffpipe.hub import pipeline_class
+
+        # One checkpoint serves both: a folder saved with the I2V pipeline defaults to i2v, any other to t2v.
+        saved = pipeline_class(Path(cfg.path) / "model_index.json") if cfg.flavor == "local" else None
+        self.variant = cfg.variant or ("i2v" if saved == LTX2ImageToVideoPipeline.__name__ else "t2v")
+        #: The image-to-video variant trains on control images (instance attributes: one variant).
+        self.uses_control = self.variant == "i2v"
+        self.pipeline_class = LTX2ImageToVideoPipeline if self.uses_control else LTX2Pipeline
 
     # -- components ------------------------------------------------------------------
     def text_pipeline(self, encoders: Any) -> Any:
@@ -100,7 +121,7 @@ class LTX2Family(LTXGeometry, Family):
         """The stock pipeline with every component, the audio VAE and vocoder included (its samples
         generate sound beside the video)."""
         text = self.load_text_encoders()
-        return LTX2Pipeline(
+        return self.pipeline_class(
             vae=self.load_vae(), transformer=self.load_denoiser(), scheduler=self.inference_scheduler(),
             audio_vae=self._model(AUDIO_VAE, "audio_vae"), vocoder=self._model(self._vocoder_model(), "vocoder"),
             **text.parts,
@@ -128,10 +149,17 @@ class LTX2Family(LTXGeometry, Family):
 
     # -- training ------------------------------------------------------------------
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
-                dtype=torch.float32) -> Prepared:
+                dtype=torch.float32, control: torch.Tensor | None = None) -> Prepared:
         """Packed flow-matching inputs of the video stream, its text and mask, the latent grid and frame
         rate, the modalities isolated (:meth:`predict` adds the audio placeholder). The grid is plain
-        numbers (from shapes): the loss also runs on the meta device."""
+        numbers (from shapes): the loss also runs on the meta device.
+
+        ``i2v``: the first latent frame is the control image's latents (``control``, ``[B, C, 1, h, w]``),
+        clean, its tokens at timestep 0 (the pipeline's ``timestep * (1 - conditioning_mask)``; the audio
+        stream and the prompt modulation keep the clip's timestep), and left out of the loss."""
+        if self.variant == "i2v" and control is None:
+            raise ValueError("model.variant i2v needs a control image per item (its first frame): set "
+                             "datasets[].control_path / control_column, or control_from_first_frame: true")
         o = objective
         x0 = video.check_video_latents(latents, self.name)
         t, noise = video.draw(o, x0, generator, t, noise)
@@ -145,8 +173,16 @@ class LTX2Family(LTXGeometry, Family):
         sigma = obj.shift_timesteps(t, o.shift or self.timestep_shift((f // pt) * (h // p) * (w // p)))
         timestep = sigma * self._scheduler_config.get("num_train_timesteps", 1000)
         device = x0.device
+        noisy = obj.flow_interpolate(x0, noise, sigma)
+        weights = self.loss_mask(mask, x0, o)
+        if self.variant == "i2v":
+            noisy = torch.cat([control[:, :, :1].to(noisy), noisy[:, :, 1:]], dim=2)
+            given = torch.zeros_like(x0[:, :1])
+            given[:, :, 0] = 1
+            keep = (1 - given).expand(x0.shape)  # the given first frame is not denoised
+            weights = keep if weights is None else keep * weights
         inputs = {
-            "hidden_states": pack(obj.flow_interpolate(x0, noise, sigma)).to(dtype),
+            "hidden_states": pack(noisy).to(dtype),
             "encoder_hidden_states": text["prompt_embeds"].to(device=device, dtype=dtype),
             "timestep": timestep,
             "sigma": timestep,  # the pipeline passes its timestep as both (LTX-2.3 reads sigma)
@@ -159,7 +195,10 @@ class LTX2Family(LTXGeometry, Family):
             "isolate_modalities": True,
             "use_cross_timestep": True,
         }
-        return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=self.loss_mask(mask, x0, o, pack))
+        if self.variant == "i2v":
+            inputs["timestep"] = timestep[:, None] * (1 - pack(given).squeeze(-1))
+            inputs["audio_timestep"] = timestep
+        return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=None if weights is None else pack(weights))
 
     def audio_placeholder(self, denoiser: torch.nn.Module, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
         """The audio stream's inputs while the video stream trains: one zero latent token and one zero text
@@ -178,22 +217,26 @@ class LTX2Family(LTXGeometry, Family):
         return denoiser(**inputs, **self.audio_placeholder(denoiser, inputs["hidden_states"]), return_dict=False)[0]
 
     def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:
-        """``(packed noisy, text, sigma * 1000, text mask, (F, h, w), fps)``."""
+        """``(packed noisy, text, video timestep, text mask, (F, h, w), fps, clip timestep)``: the video
+        timestep is per token under ``i2v``; the clip's (``sigma * 1000``) drives the audio stream and the
+        prompt modulation."""
         i = prepared.inputs
         device = i["hidden_states"].device
         return (i["hidden_states"], i["encoder_hidden_states"], i["timestep"], i["encoder_attention_mask"],
                 torch.tensor([i["num_frames"], i["height"], i["width"]], device=device),
-                torch.tensor(i["fps"], device=device))
+                torch.tensor(i["fps"], device=device), i.get("audio_timestep", i["timestep"]))
 
     # -- sampling ------------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
+        if self.variant == "i2v" and not cfg.images:
+            raise ValueError("sample.images: LTX-2 i2v samples start from an image; give one per sample.prompts")
         return {**super().sample_kwargs(cfg), "frame_rate": self.fps, "max_sequence_length": self.max_sequence_length}
 
     # -- pipeline parallelism ---------------------------------------------------------
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """Embedding, one layer per block, output (``layers.py``): the video stream with the audio
         placeholder carried along and the modalities isolated, as the loss runs it. Input tuple
-        ``(packed noisy, text, sigma * 1000, text mask, (F, h, w), fps)``; output ``(packed prediction,)``."""
+        :meth:`layer_inputs`; output ``(packed prediction,)``."""
         from diffpipe.families.ltx2.layers import ltx2_layers
 
         return ltx2_layers(common.unwrap(denoiser))

@@ -22,7 +22,7 @@ def _timestep_embedding(embed: nn.Module, timestep: torch.Tensor, b: int, dtype:
 
 
 class LTX2Embed(nn.Module):
-    """``(packed, context, timestep, text_mask, (F, h, w), fps)`` -> the block tuple: both streams' states
+    """``(packed, context, timestep, text_mask, (F, h, w), fps, clip timestep)`` -> the block tuple: both streams' states
     and text, their timestep modulations and rotary embeddings, the text bias, the output modulation."""
 
     def __init__(self, tr: nn.Module):
@@ -34,7 +34,7 @@ class LTX2Embed(nn.Module):
         self.prompt_modulation = tr.prompt_modulation and tr.config.use_prompt_adaln_single
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        hidden, context, timestep, mask, fhw, fps = inputs
+        hidden, context, timestep, mask, fhw, fps, clip_timestep = inputs
         c, b, device = self.config, hidden.shape[0], hidden.device
         f, h, w = (int(x) for x in fhw)
         cos, sin = self.rope(self.rope.prepare_video_coords(b, f, h, w, device, fps=float(fps)), device=device)
@@ -45,12 +45,12 @@ class LTX2Embed(nn.Module):
         audio_context = hidden.new_zeros(b, 1, text_width)
         hidden = self.proj_in(hidden)
         temb, embedded = _timestep_embedding(self.time_embed, timestep, b, hidden.dtype)
-        temb_audio, _ = _timestep_embedding(self.audio_time_embed, timestep, b, audio.dtype)
+        temb_audio, _ = _timestep_embedding(self.audio_time_embed, clip_timestep, b, audio.dtype)
         empty = hidden.new_zeros(0)
         temb_prompt = temb_prompt_audio = empty
         if self.prompt_modulation:  # LTX-2.3: the pipeline passes its timestep as sigma too
-            temb_prompt, _ = _timestep_embedding(self.prompt_adaln, timestep, b, hidden.dtype)
-            temb_prompt_audio, _ = _timestep_embedding(self.audio_prompt_adaln, timestep, b, audio.dtype)
+            temb_prompt, _ = _timestep_embedding(self.prompt_adaln, clip_timestep, b, hidden.dtype)
+            temb_prompt_audio, _ = _timestep_embedding(self.audio_prompt_adaln, clip_timestep, b, audio.dtype)
         if c.use_prompt_embeddings:  # LTX-2.0
             context = self.caption_projection(context).view(b, -1, hidden.shape[-1])
             audio_context = self.audio_caption_projection(audio_context).view(b, -1, audio.shape[-1])
