@@ -6,6 +6,9 @@ rule sample:
     params:
         config=RESOLVED,
         digest=dw.stage_digest(CFG, "sample"),
+    # gpu: the pipeline samples on the GPU (sample.offload decides how much of it stays in CPU memory).
+    resources:
+        gpu=1,
     log:
         out("logs/sample.log"),
     benchmark:
