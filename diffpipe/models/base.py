@@ -213,6 +213,8 @@ class Family(ABC):
         """The text cache key part: tokenizers, encoders and the dtype they encode in, and which
         encoders' captions are cached as token ids (``train.text_encoder``)."""
         identity = common.with_dtype(self.encoders_identity(), common.load_dtype(self.cfg, "text_encoder"))
+        if self.cfg.text_encoder_weights == "fp8":
+            identity = f"{identity}+fp8"
         return f"{identity}+ids:{','.join(self.trained_text)}" if self.trained_text else identity
 
     # -- text encoders trained beside the denoiser (train.text_encoder) -----
@@ -435,7 +437,20 @@ class Family(ABC):
                 out[name] = part.tiny(out[part.tokenizer or name.replace("text_encoder", "tokenizer")], self.cfg.seed)
             else:
                 out[name] = common.pretrained_text_encoder(part.cls, self.cfg, name)
-        return TextBundle(out, **self.text_settings())
+        return self.stored_text(TextBundle(out, **self.text_settings()))
+
+    def stored_text(self, bundle: Any) -> Any:
+        """The bundle with its encoders stored as ``model.text_encoder_weights`` says (fp8: float8 weights,
+        computed in ``model.text_encoder_dtype``); every loader of text encoders returns through it."""
+        if self.cfg.text_encoder_weights == "fp8":
+            from diffpipe.training.precision import enable_fp8_text_encoder
+
+            compute = common.load_dtype(self.cfg, "text_encoder")
+            parts = bundle.parts if hasattr(bundle, "parts") else vars(bundle)  # a family's own bundle class
+            for part in parts.values():
+                if isinstance(part, torch.nn.Module):
+                    enable_fp8_text_encoder(part, compute)
+        return bundle
 
     def load_tokenizer(self, name: str = "tokenizer") -> Any:
         """One declared tokenizer: the tiny flavor's, or the folder's subfolder ``name`` (no text settings:

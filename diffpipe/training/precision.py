@@ -106,6 +106,25 @@ def enable_fp8_base_weights(denoiser: torch.nn.Module, compute: torch.dtype) -> 
                          "check train.lora.targets")
 
 
+#: What fp8 text encoders keep in their compute dtype besides diffusers' defaults (norms): embeddings
+#: (by class and name) and a language model head, which shares its weight with the token embedding.
+FP8_TEXT_SKIPPED_PATTERNS = ("norm", "embed", "lm_head")
+
+
+def enable_fp8_text_encoder(encoder: torch.nn.Module, compute: torch.dtype) -> None:
+    """Store a frozen text encoder's weights in float8_e4m3fn, cast to ``compute`` layer by layer for each
+    forward (diffusers' ``apply_layerwise_casting``, which also works on transformers models); norms,
+    embeddings, a tied ``lm_head``, convolutions (a vision tower's patch embedding) and the modules the
+    model itself keeps in float32 (``_keep_in_fp32_modules``: T5's ``wo``, which casts its input to its
+    weight's dtype) keep ``compute``."""
+    from diffusers.hooks import apply_layerwise_casting
+
+    kept = tuple(rf"(^|\.){name}$" for name in getattr(encoder, "_keep_in_fp32_modules", None) or ())
+    apply_layerwise_casting(encoder, storage_dtype=torch.float8_e4m3fn, compute_dtype=compute,
+                            skip_modules_pattern=FP8_TEXT_SKIPPED_PATTERNS + kept,
+                            skip_modules_classes=(*FP8_SKIPPED_CLASSES, torch.nn.Embedding))
+
+
 def int8_layers(denoiser: torch.nn.Module) -> list[str]:
     """The Linear layers ``base_weights: int8`` quantises: frozen, not a LoRA layer, and not one that
     diffusers' layerwise casting keeps in 16/32 bits (norms and AdaLN modulation, embeddings, ``proj_in`` /

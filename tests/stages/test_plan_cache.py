@@ -251,3 +251,27 @@ def test_empty_shard_round_trip(tmp_path, cached):
     )
     assert summary["encoded"] == 0 and LatentShard(paths.latent_shard("s0000")).names == []
     assert np.isfinite(summary["wall_s"])
+
+
+def test_fp8_text_encoders_rekey_and_encode_the_text_cache(cached, tmp_path):
+    """``model.text_encoder_weights: fp8`` is in the text key: a spec planned without it is refused by the
+    fp8 cache job; planned with it, the job encodes every caption with float8-stored encoders (close to,
+    not equal to, the float32 shard's embeddings)."""
+    from diffpipe.data.cache.text import TextShard
+    from diffpipe.models import get_family
+
+    paths, _, model_cfg, cache_cfg, _ = cached
+    fp8 = model_cfg.model_copy(update={"text_encoder_weights": "fp8"})
+    with pytest.raises(ValueError, match="another model"):
+        cache_text(paths.text_spec("s0000"), tmp_path / "refused", fp8, cache_cfg)
+    spec = read_spec(paths.text_spec("s0000"))
+    spec["identity"] = get_family(fp8).text_identity()
+    spec_path = tmp_path / "spec.json"
+    spec_path.write_text(json.dumps(spec))
+    summary = cache_text(spec_path, tmp_path / "text", fp8, cache_cfg, store=tmp_path / "store")
+    assert summary["encoded"] == len(spec["items"]) > 0
+    ours, plain = TextShard(tmp_path / "text").tensors(), TextShard(paths.text_shard("s0000")).tensors()
+    assert ours.keys() == plain.keys()
+    for key, value in plain.items():
+        rel = ((ours[key].float() - value.float()).norm() / value.float().norm()).item()
+        assert 0 < rel < 0.2, f"{key}: relative error {rel:.3f}"

@@ -106,10 +106,10 @@ class HunyuanImageFamily(Family):
                               decoder_start_token_id=e.tokenizer_2.pad_token_id)
             with common.seeded(self.cfg.seed, f"{self.name}.text_encoder_2"):
                 e.text_encoder_2 = T5EncoderModel(config).eval()
-            return e
+            return self.stored_text(e)
         e.text_encoder = common.pretrained_text_encoder(Qwen2_5_VLForConditionalGeneration, self.cfg, "text_encoder")
         e.text_encoder_2 = common.pretrained_text_encoder(T5EncoderModel, self.cfg, "text_encoder_2")
-        return e
+        return self.stored_text(e)
 
     def load_pipeline(self) -> HunyuanImagePipeline:
         # Classifier-free guidance is a pipeline component here (the ``guider``): the folder's own

@@ -283,7 +283,7 @@ class QwenImageEditFamily(ReferenceTokens, QwenImageFamily):
             enc.text_encoder = tiny_vl_text_encoder(enc.tokenizer, self.cfg.seed, f"{self.name}.text_encoder")
         else:
             enc.text_encoder = common.pretrained_text_encoder(Qwen2_5_VLForConditionalGeneration, self.cfg, "text_encoder")
-        return enc
+        return self.stored_text(enc)
 
     def load_pipeline(self) -> QwenImageEditPipeline:
         enc = self.load_text_encoders()
