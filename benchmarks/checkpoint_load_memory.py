@@ -14,7 +14,10 @@ bfloat16:
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/checkpoint_load_memory.py
     .venv/bin/python benchmarks/checkpoint_load_memory.py --point folder DIR   # one point, JSON
 
-Target: peak within 10 % of the checkpoint's size.
+Target: peak within 10 % of the checkpoint's size. The ``t5-fp8`` point loads the same T5 and stores it in
+float8 as ``model.text_encoder_weights: fp8`` does (``precision.enable_fp8_text_encoder``): its weights, what
+the cache job moves to the GPU, shrink, while the peak also counts the bf16 file pages it was read from
+(the last column counts each tensor's storage once).
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ POINTS = {  # point -> (what is loaded, the file(s) it reads)
     "folder": ("FLUX.1-dev transformer, diffusers folder", "transformer"),
     "single-file": ("FLUX.1-dev transformer, one .safetensors file", "flux-reduced.safetensors"),
     "t5": ("T5-XXL encoder (text-cache job)", "text_encoder_2"),
+    "t5-fp8": ("T5-XXL encoder (text-cache job), `model.text_encoder_weights: fp8`", "text_encoder_2"),
 }
 
 
@@ -77,19 +81,34 @@ def point(name: str, root: Path) -> dict:
     cfg = ModelConfig(family="flux", flavor="local", path=str(root), dtype="bfloat16", text_encoder_dtype="bfloat16", **single)
     gc.collect()
     baseline = _rss("VmRSS")
-    if name == "t5":
+    if name.startswith("t5"):
         model = common.pretrained_text_encoder(T5EncoderModel, cfg, "text_encoder_2")
+        if name == "t5-fp8":  # what Family.stored_text applies to every text encoder it returns
+            from diffpipe.training.precision import enable_fp8_text_encoder
+
+            enable_fp8_text_encoder(model, torch.bfloat16)
     else:
         model = get_family(cfg).load_denoiser()
     # safetensors maps the file: read every tensor once, as the first training step does, so each page is
     # resident (the maximum of an integer view: no temporary copy of the tensor).
     for tensor in model.state_dict().values():
-        tensor.view(torch.int16).amax()
+        tensor.view(torch.int8 if tensor.element_size() == 1 else torch.int16).amax()
     peak = _rss("VmHWM")
+    gc.collect()
+    held = _rss("VmRSS")  # what the job holds while it encodes
     dtypes = sorted({str(t.dtype) for t in model.state_dict().values()})
     params = sum(t.numel() for t in model.parameters())
-    assert dtypes == [str(torch.bfloat16)], f"{name}: loaded dtypes {dtypes}"
-    return {"point": name, "file_bytes": size, "measured_bytes": peak - baseline, "params": params, "dtypes": dtypes}
+    expected = [str(torch.bfloat16), str(torch.float8_e4m3fn)] if name == "t5-fp8" else [str(torch.bfloat16)]
+    assert dtypes == sorted(expected), f"{name}: loaded dtypes {dtypes}"
+    return {"point": name, "file_bytes": size, "measured_bytes": peak - baseline, "held_bytes": held - baseline,
+            "weight_bytes": _unique_bytes(model), "params": params, "dtypes": dtypes}
+
+
+def _unique_bytes(model) -> int:
+    """The bytes of the module's tensors, each storage once (T5's token embedding is tied): what the job
+    moves to the GPU."""
+    seen = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in model.state_dict().values()}
+    return sum(seen.values())
 
 
 def main() -> None:
@@ -106,8 +125,8 @@ def main() -> None:
         return
     # A fixed mmap threshold, as in real_width_memory.py: RSS then follows the live tensors.
     env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
-    rows = ["| checkpoint (bf16, real width, reduced depth) | parameters | on disk | peak RSS of the load | peak / disk |",
-            "| --- | --- | --- | --- | --- |"]
+    rows = ["| checkpoint (bf16, real width, reduced depth) | parameters | on disk | peak RSS of the load | peak / disk "
+            "| weights held (to the GPU) |", "| --- | --- | --- | --- | --- | --- |"]
     with tempfile.TemporaryDirectory(prefix="diffpipe-load-") as tmp:
         subprocess.run([sys.executable, __file__, "--save", tmp], check=True, env=env)
         for name in args.points.split(","):
@@ -119,7 +138,8 @@ def main() -> None:
             r = json.loads(out.stdout.strip().splitlines()[-1])
             gib = 2**30
             rows.append(f"| {POINTS[name][0]} | {r['params'] / 1e9:.2f} B | {r['file_bytes'] / gib:.2f} GiB | "
-                        f"{r['measured_bytes'] / gib:.2f} GiB | {r['measured_bytes'] / r['file_bytes']:.2f} |")
+                        f"{r['measured_bytes'] / gib:.2f} GiB | {r['measured_bytes'] / r['file_bytes']:.2f} | "
+                        f"{r['weight_bytes'] / gib:.2f} GiB |")
             print(rows[-1], flush=True)
     print("\n".join(rows))
 
