@@ -64,6 +64,15 @@ def _torch_checks(cfg: Config | None, estimate) -> list[Check]:
     return checks
 
 
+def _smallest_gpu() -> int:
+    """The smallest visible GPU's memory in bytes (0: none)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0
+    return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+
+
 def _library_checks() -> list[Check]:
     checks = []
     for module, label, pip in (("flash_attn", "flash attention", "flash-attn"),
@@ -99,6 +108,56 @@ def _extension_lock_checks(now: float | None = None) -> list[Check]:
                   f"{len(stale)} build lock(s) older than {STALE_LOCK_SECONDS // 60} min, left by a killed build: "
                   + ", ".join(str(p) for p in stale) + " (DeepSpeed waits on such a lock forever when it starts)",
                   "when no build is running, delete " + " ".join(str(p) for p in stale))]
+
+
+def text_encoder_bytes(cfg: Config) -> int | None:
+    """The bytes of a local model's text encoders as a cache job holds them on one GPU (all at once): built
+    from the folder's configs on the meta device (no weights read), in ``model.text_encoder_dtype`` (``auto``:
+    bf16, the GPU's), stored as ``model.text_encoder_weights`` says; None for a tiny, hub-id or undeclared
+    text side."""
+    import torch
+    from diffusers import ModelMixin
+
+    from diffpipe.models import _common as common
+    from diffpipe.models import get_family
+    from diffpipe.models.components import TextEncoder
+    from diffpipe.training.precision import enable_fp8_text_encoder
+
+    m = cfg.model
+    if m.flavor != "local" or not m.path or not Path(m.path).is_dir():
+        return None
+    parts = get_family(m).text_parts
+    if not parts:
+        return None
+    dtype = common.load_dtype(m, "text_encoder", cuda=True)
+    total = 0
+    for name, part in parts.items():
+        if not isinstance(part, TextEncoder):
+            continue
+        with torch.device("meta"):
+            if issubclass(part.cls, ModelMixin):
+                model = part.cls.from_config(part.cls.load_config(m.path, subfolder=name))
+            else:
+                model = part.cls._from_config(part.config_cls.from_pretrained(m.path, subfolder=name))
+        model.to(dtype)
+        if m.text_encoder_weights == "fp8":
+            enable_fp8_text_encoder(model, dtype)
+        total += sum(t.nbytes for t in [*model.parameters(), *model.buffers()])  # tied weights once
+    return total
+
+
+def _text_encoder_checks(cfg: Config, gpu_bytes: int) -> list[Check]:
+    """Whether the cache jobs' text encoders fit the smallest GPU (``gpu_bytes``) beside the CUDA overhead."""
+    held = text_encoder_bytes(cfg)
+    if held is None or not gpu_bytes:
+        return []
+    need = held + CUDA_OVERHEAD_BYTES
+    stored = "stored in fp8" if cfg.model.text_encoder_weights == "fp8" else "in model.text_encoder_dtype"
+    detail = (f"the text-cache jobs hold {held / GiB:.1f} GiB of text encoders ({stored}) on a "
+              f"{gpu_bytes / GiB:.0f} GiB GPU")
+    fix = ("set model.text_encoder_weights: fp8 (about half the weights; part of the text cache key)"
+           if cfg.model.text_encoder_weights != "fp8" else "cache the text on a larger GPU")
+    return [Check("text encoders", need <= gpu_bytes, detail, fix)]
 
 
 def _existing(path: Path) -> Path:
@@ -156,7 +215,7 @@ def run_checks(cfg: Config | None = None, *, base: Path = Path("."), profile: Pa
         estimate = estimate_memory(cfg)
     checks = _torch_checks(cfg, estimate) + _library_checks() + _extension_lock_checks()
     if cfg is not None:
-        checks += _model_checks(cfg) + _disk_checks(cfg, base, min_free)
+        checks += _model_checks(cfg) + _text_encoder_checks(cfg, _smallest_gpu()) + _disk_checks(cfg, base, min_free)
     if profile is not None:
         checks += _slurm_checks(profile)
     return checks

@@ -48,3 +48,37 @@ def test_a_stale_torch_extension_build_lock_is_named_with_its_fix(tmp_path, monk
     check = {c.name: c for c in run_checks()}["torch extension builds"]
     assert not check.ok and str(lock) in check.detail and f"delete {lock}" in check.fix
     assert lock.exists()  # doctor reports; it changes nothing
+
+
+def test_text_encoders_are_sized_for_the_cache_jobs_gpu(tmp_path):
+    """The text encoders a cache job holds: counted on the meta device from a local folder's configs, in
+    bf16 they are the folder's weight count x 2 bytes (read from its safetensors files) and the models' own
+    small buffers; fp8 holds less;
+    a GPU between the two is told to set model.text_encoder_weights: fp8."""
+    from safetensors import safe_open
+
+    from diffpipe.config import ModelConfig
+    from diffpipe.doctor import CUDA_OVERHEAD_BYTES, _text_encoder_checks, text_encoder_bytes
+    from diffpipe.models import get_family
+
+    folder = tmp_path / "flux"
+    get_family(ModelConfig(family="flux")).load_pipeline().save_pretrained(folder)
+    numel = 0
+    for file in [*folder.glob("text_encoder/*.safetensors"), *folder.glob("text_encoder_2/*.safetensors")]:
+        with safe_open(str(file), "pt") as f:
+            numel += sum(torch.Size(f.get_slice(k).get_shape()).numel() for k in f.keys())
+    base = {"output_dir": str(tmp_path / "run"), "datasets": [{"name": "d", "path": str(tmp_path / "data")}]}
+
+    def cfg(**model):
+        return parse_config({**base, "model": {"path": str(folder), **model}})
+
+    plain, fp8 = cfg(), cfg(text_encoder_weights="fp8")
+    # Besides the files' weights: the buffers a model builds itself (CLIP's int64 position ids, 616 bytes).
+    assert 0 <= text_encoder_bytes(plain) - 2 * numel <= 1024
+    assert 0 < text_encoder_bytes(fp8) < 2 * numel
+    between = CUDA_OVERHEAD_BYTES + (text_encoder_bytes(plain) + text_encoder_bytes(fp8)) // 2
+    (warn,) = _text_encoder_checks(plain, between)
+    assert not warn.ok and "text_encoder_weights: fp8" in warn.fix and "text encoders" in warn.line()
+    (ok,) = _text_encoder_checks(fp8, between)
+    assert ok.ok and "stored in fp8" in ok.detail
+    assert _text_encoder_checks(parse_config(base), between) == []  # the tiny flavor: nothing to size
