@@ -210,6 +210,12 @@ class ModelConfig(_Section):
         "video-to-video pipeline's `overlap_history` takes the end of its input clip (4k+1; 17 or 37 as the "
         "pipeline suggests; null = 17). Samples pass it as `overlap_history`.", ge=1, le=MAX_FRAMES,
     )
+    first_frame_p: Float | None = Field(
+        None, description="ltx2 `variant: i2v`: the probability that an item trains with its first frame given "
+        "(image-to-video); the others train as text-to-video on the same clip, so one LoRA does both, as "
+        "Lightricks' trainer's `first_frame_conditioning_p` (which it sets to 0.1). null = 1: every item.",
+        gt=0, le=1,
+    )
     expert: Literal["high", "low", "both"] | None = Field(
         None,
         description="Wan 2.2 A14B: the expert to train, only on its own timesteps: `high` (`transformer`, "

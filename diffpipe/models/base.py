@@ -148,6 +148,8 @@ class Family(ABC):
     #: Whether each control is a first and a last frame (``datasets[].control_from_last_frame``; Wan FLF2V):
     #: the plan then requires that option of every dataset, and refuses it for every other family.
     uses_last_frame: ClassVar[bool] = False
+    #: Whether ``model.first_frame_p`` applies: some items given their first frame, the others text only.
+    mixes_first_frame: ClassVar[bool] = False
     #: Whether ``loss`` takes ``sizes``: each item's source size and crop (SDXL's add_time_ids).
     uses_sizes: ClassVar[bool] = False
     #: Whether the text encoder also sees each item's control image (an edit model's
@@ -171,6 +173,9 @@ class Family(ABC):
             raise ValueError(f"model.variant {cfg.variant!r}: family {self.name!r} has variants: {known}")
         if cfg.expert is not None and not self.variants:
             raise ValueError(f"model.expert {cfg.expert!r}: family {self.name!r} has no experts")
+        if cfg.first_frame_p is not None and not self.mixes_first_frame:
+            raise ValueError(f"model.first_frame_p: family {self.name!r} does not mix image- and text-to-video "
+                             "items (ltx2 variant i2v does)")
         allowed = ("vae", self.denoiser_name, *self.extra_single_files)
         for key in cfg.single_files:
             if key not in allowed:

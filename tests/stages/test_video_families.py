@@ -466,6 +466,37 @@ def test_ltx2_i2v_trains_what_the_pipeline_feeds(ltx2_i2v, golden, tmp_path):
         family.prepare(latents, batch["text"], torch.Generator(), objective=ObjectiveConfig())
 
 
+def test_ltx2_first_frame_p_mixes_image_and_text_to_video_items(ltx2_i2v):
+    """``model.first_frame_p``: each item is drawn given (its first frame clean, at timestep 0, out of the
+    loss: the i2v input) or not (exactly the t2v input on the same clip); the draw follows the generator."""
+    family, p = ltx2_i2v
+    batch = CachedDataset.from_run(p).collate([0, 1])
+    latents, control, text = batch["latents"], batch["control_latents"], batch["text"]
+    mixed = get_family(ModelConfig(family="ltx2", variant="i2v", first_frame_p=0.5))
+    t2v = get_family(ModelConfig(family="ltx2"))
+    t, noise = torch.tensor([0.3, 0.7]), torch.randn(latents.shape, generator=torch.Generator().manual_seed(0))
+    given = latents.shape[3] * latents.shape[4]  # the first latent frame's tokens
+    plain = t2v.prepare(latents, text, torch.Generator(), objective=ObjectiveConfig(), t=t, noise=noise)
+    always = family.prepare(latents, text, torch.Generator(), objective=ObjectiveConfig(), t=t, noise=noise,
+                            control=control)
+    seen = set()
+    for seed in range(16):
+        ours = mixed.prepare(latents, text, torch.Generator().manual_seed(seed), objective=ObjectiveConfig(), t=t,
+                             noise=noise, control=control)
+        drawn = (ours.inputs["timestep"][:, :given] == 0).all(1)
+        seen.add(tuple(drawn.tolist()))
+        for i, item_given in enumerate(drawn.tolist()):
+            like = always if item_given else plain
+            torch.testing.assert_close(ours.inputs["hidden_states"][i], like.inputs["hidden_states"][i])
+            torch.testing.assert_close(ours.inputs["timestep"][i], like.inputs["timestep"][i].expand(2 * given))  # 2 frames
+            assert ours.mask[i, :given].eq(0 if item_given else 1).all()
+    assert {(True, False), (False, True)} <= seen  # per item, not per batch
+    with pytest.raises(ValueError, match="only ltx2 variant i2v gives first frames"):
+        get_family(ModelConfig(family="ltx2", first_frame_p=0.1))
+    with pytest.raises(ValueError, match="does not mix image- and text-to-video"):
+        get_family(ModelConfig(family="wan", first_frame_p=0.1))
+
+
 @pytest.fixture(scope="module")
 def k5_i2v(demo_clips, tmp_path_factory):
     """Kandinsky 5 image-to-video (``variant: i2v``): clips with their own first frame as the control."""

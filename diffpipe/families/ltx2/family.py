@@ -26,7 +26,9 @@ folder saved with that pipeline is detected): each item's control image (usually
 ``control_from_first_frame``) is cached as its one-frame latents, which replace the first latent frame,
 clean, with timestep 0 on its tokens, as the pipeline's ``prepare_latents`` and its per-token timestep
 build the input; that frame is left out of the loss (the pipeline never updates it). The cache holds the
-VAE's mode, as the pipeline encodes its image (``argmax``).
+VAE's mode, as the pipeline encodes its image (``argmax``). ``model.first_frame_p`` gives the first frame
+to each item with that probability only, the others training as text-to-video on the same clip, so one
+LoRA serves both pipelines (Lightricks' trainer's ``first_frame_conditioning_p``).
 """
 
 from __future__ import annotations
@@ -93,6 +95,7 @@ class LTX2Family(LTXGeometry, Family):
     #: ``t2v``, and ``i2v`` (the first latent frame is the control image's, clean; the same checkpoint).
     variants: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
     pipeline_class = LTX2Pipeline  # the i2v variant's instances: LTX2ImageToVideoPipeline
+    mixes_first_frame = True
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     is_video = True
     fps = 24.0
@@ -111,6 +114,9 @@ class LTX2Family(LTXGeometry, Family):
         #: The image-to-video variant trains on control images (instance attributes: one variant).
         self.uses_control = self.variant == "i2v"
         self.pipeline_class = LTX2ImageToVideoPipeline if self.uses_control else LTX2Pipeline
+        if cfg.first_frame_p is not None and not self.uses_control:
+            raise ValueError("model.first_frame_p: only ltx2 variant i2v gives first frames (it needs each "
+                             "item's control image); set model.variant: i2v")
 
     # -- components ------------------------------------------------------------------
     def text_pipeline(self, encoders: Any) -> Any:
@@ -156,7 +162,8 @@ class LTX2Family(LTXGeometry, Family):
 
         ``i2v``: the first latent frame is the control image's latents (``control``, ``[B, C, 1, h, w]``),
         clean, its tokens at timestep 0 (the pipeline's ``timestep * (1 - conditioning_mask)``; the audio
-        stream and the prompt modulation keep the clip's timestep), and left out of the loss."""
+        stream and the prompt modulation keep the clip's timestep), and left out of the loss; with
+        ``model.first_frame_p``, only for the items drawn (the others as text-to-video)."""
         if self.variant == "i2v" and control is None:
             raise ValueError("model.variant i2v needs a control image per item (its first frame): set "
                              "datasets[].control_path / control_column, or control_from_first_frame: true")
@@ -176,10 +183,10 @@ class LTX2Family(LTXGeometry, Family):
         noisy = obj.flow_interpolate(x0, noise, sigma)
         weights = self.loss_mask(mask, x0, o)
         if self.variant == "i2v":
-            noisy = torch.cat([control[:, :, :1].to(noisy), noisy[:, :, 1:]], dim=2)
             given = torch.zeros_like(x0[:, :1])
-            given[:, :, 0] = 1
-            keep = (1 - given).expand(x0.shape)  # the given first frame is not denoised
+            given[:, :, 0] = self._first_frame_items(x0.shape[0], generator).to(given).view(-1, 1, 1, 1)
+            noisy = given * control[:, :, :1].to(noisy) + (1 - given) * noisy
+            keep = (1 - given).expand(x0.shape)  # a given first frame is not denoised
             weights = keep if weights is None else keep * weights
         inputs = {
             "hidden_states": pack(noisy).to(dtype),
@@ -199,6 +206,14 @@ class LTX2Family(LTXGeometry, Family):
             inputs["timestep"] = timestep[:, None] * (1 - pack(given).squeeze(-1))
             inputs["audio_timestep"] = timestep
         return Prepared(inputs, pack(obj.flow_target(x0, noise)), mask=None if weights is None else pack(weights))
+
+    def _first_frame_items(self, batch: int, generator: torch.Generator) -> torch.Tensor:
+        """``[B]`` 1 for the items given their first frame: all, or each with probability
+        ``model.first_frame_p`` (drawn from ``generator`` after the timesteps and noise)."""
+        p = self.cfg.first_frame_p
+        if p is None or p >= 1:
+            return torch.ones(batch)
+        return (torch.rand(batch, generator=generator, device=generator.device) < p).float().cpu()
 
     def audio_placeholder(self, denoiser: torch.nn.Module, hidden_states: torch.Tensor) -> dict[str, torch.Tensor]:
         """The audio stream's inputs while the video stream trains: one zero latent token and one zero text
