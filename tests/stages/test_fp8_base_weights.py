@@ -87,6 +87,26 @@ def test_fp8_unet_steps_with_and_without_checkpointing(checkpointing):
     assert all(p.grad is not None for p in lora) and sum(bool(p.grad.abs().sum() > 0) for p in lora) >= len(lora) // 2
 
 
+@pytest.mark.parametrize("variant", ["t2v", "i2v"])
+def test_fp8_ltx2_steps_with_checkpointing(variant):
+    """LTX-2's video stream under fp8 base weights and checkpointing, with the audio placeholder and (i2v)
+    the per-token timestep: the blocks' Linear weights are float8, and every LoRA B gets a gradient."""
+    family = get_family(ModelConfig(family="ltx2", variant=variant))
+    den = family.load_denoiser()
+    adapter.add_lora(den, peft.LoraConfig(r=2, lora_alpha=2, target_modules=family.lora_targets(None)))
+    den.to(torch.bfloat16)  # as DeepSpeed's bf16 mode casts the module
+    den.enable_gradient_checkpointing()
+    precision.prepare_denoiser(den.train(), TrainConfig(precision="bf16", base_weights="fp8",
+                                                        activation_checkpointing=True))
+    assert den.transformer_blocks[0].attn1.to_q.base_layer.weight.dtype == torch.float8_e4m3fn
+    latents = torch.randn(2, 8, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    text = family.encode_text(family.load_text_encoders(), ["a red circle", "a blue square"])
+    aux = {"control": latents[:, :, :1]} if variant == "i2v" else {}
+    family.loss(den, latents, text, torch.Generator().manual_seed(0), **aux).mean().backward()
+    b = [p for n, p in den.named_parameters() if "lora_B" in n]
+    assert b and all(p.grad is not None and p.grad.abs().sum() > 0 for p in b)
+
+
 def _train(tiny_run, cli, root, base_weights) -> list[float]:
     cfg = tiny_run.clone(root / base_weights, **TRAIN, base_weights=base_weights)
     result = cli("train", "-c", str(cfg))
