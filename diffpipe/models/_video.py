@@ -31,6 +31,15 @@ def check_video_latents(latents: torch.Tensor, family: str) -> torch.Tensor:
     return latents.float()
 
 
+def require_first_frame(control: torch.Tensor | None, variant: str) -> torch.Tensor:
+    """The control latents of an image-to-video variant's items (their first frames); a clear error naming
+    the dataset keys when the batch has none."""
+    if control is None:
+        raise ValueError(f"model.variant {variant} needs a control image per item (its first frame): set "
+                         "datasets[].control_path / control_column, or control_from_first_frame: true")
+    return control
+
+
 def draw(
     o: ObjectiveConfig,
     x0: torch.Tensor,

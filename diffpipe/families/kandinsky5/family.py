@@ -240,9 +240,8 @@ class Kandinsky5Family(Family):
         ``i2v``: the first latent frame is the control image's latents (``control``, ``[B, C, 1, h, w]``)
         and the condition mask marks it, as ``Kandinsky5I2VPipeline.prepare_latents`` builds the input;
         the pipeline never updates that frame, so the loss leaves it out."""
-        if self.variant == "i2v" and control is None:
-            raise ValueError("model.variant i2v needs a control image per item (its first frame): set "
-                             "datasets[].control_path / control_column, or control_from_first_frame: true")
+        if self.variant == "i2v":
+            video.require_first_frame(control, "i2v")
         o = objective
         x0 = video.check_video_latents(latents, self.name)
         t, noise = video.draw(o, x0, generator, t, noise)

@@ -164,9 +164,8 @@ class LTX2Family(LTXGeometry, Family):
         clean, its tokens at timestep 0 (the pipeline's ``timestep * (1 - conditioning_mask)``; the audio
         stream and the prompt modulation keep the clip's timestep), and left out of the loss; with
         ``model.first_frame_p``, only for the items drawn (the others as text-to-video)."""
-        if self.variant == "i2v" and control is None:
-            raise ValueError("model.variant i2v needs a control image per item (its first frame): set "
-                             "datasets[].control_path / control_column, or control_from_first_frame: true")
+        if self.variant == "i2v":
+            video.require_first_frame(control, "i2v")
         o = objective
         x0 = video.check_video_latents(latents, self.name)
         t, noise = video.draw(o, x0, generator, t, noise)

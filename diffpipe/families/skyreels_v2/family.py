@@ -66,6 +66,7 @@ from diffpipe.families.wan.family import VARIANTS as WAN_VARIANTS
 from diffpipe.families.wan.family import WanFamily, WanVariant
 from diffpipe.families.wan.flavors import TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
+from diffpipe.models import _video as video
 from diffpipe.models.base import Prepared
 from diffpipe.training import objectives as obj
 
@@ -197,9 +198,8 @@ class SkyReelsV2Family(WanFamily):
         if self.variant not in DF:
             return super().prepare(latents, text, generator, objective=objective, t=t, noise=noise, mask=mask,
                                    dtype=dtype, control=control, control_embeds=control_embeds)
-        if self.spec.image_to_video and control is None:
-            raise ValueError("model.variant df-i2v needs a control image per item (its first frame): set "
-                             "datasets[].control_path / control_column, or control_from_first_frame: true")
+        if self.spec.image_to_video:
+            video.require_first_frame(control, "df-i2v")
         x0, sigma, noise = self._draw(latents, generator, t, noise, objective)
         weights = self.loss_mask(mask, x0, objective)
         ready = 0  # leading latent frames given clean, at level 0, out of the loss
