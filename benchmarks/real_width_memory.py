@@ -2,10 +2,12 @@
 
 Each point builds a published denoiser at its real width but few blocks (FLUX.1-dev with 1 double and
 2 single blocks, Wan 14B and Qwen-Image with 2), straight in bf16, adds a rank-16 LoRA, applies the
-run's options (fp8 base weights, activation checkpointing) and trains one step through the code
+run's options (fp8, int8 or nf4 base weights, activation checkpointing) and trains one step through the code
 ``diffpipe train`` runs (``Trainable``, ``precision.prepare_denoiser``, the DeepSpeed engine with bf16,
 ``family.loss``, ``engine.backward`` and ``step``). Its peak resident memory (``VmHWM``) less the
-process's memory after the imports is compared with ``estimate_for`` of the same reduced model. On CPU
+process's memory after the imports is compared with ``estimate_for`` of the same reduced model; the peak
+is reset after the set-up, so it is the step's (``diffpipe train`` builds and quantises the weights in CPU
+memory, then moves them to the GPU). On CPU
 the weights, activations and optimizer state of the step live in RAM, so the peak is a proxy for the
 GPU's. Every point runs in a fresh process, one after the other:
 
@@ -36,6 +38,8 @@ OPTIONS = {
     "fp8+ckpt": {"base_weights": "fp8", "activation_checkpointing": True},
     "int8": {"base_weights": "int8"},
     "int8+ckpt": {"base_weights": "int8", "activation_checkpointing": True},
+    "nf4": {"base_weights": "nf4"},
+    "nf4+ckpt": {"base_weights": "nf4", "activation_checkpointing": True},
 }
 
 
@@ -93,6 +97,12 @@ def point(family: str, option: str, resolution: int, frames: int, height: int) -
     text = {k: torch.randn(1, *shape) for k, shape in spec.text.items()}
     if "prompt_embeds_mask" in text:
         text["prompt_embeds_mask"] = torch.ones(1, *spec.text["prompt_embeds_mask"], dtype=torch.long)
+    gc.collect()
+    # The step's peak, not the set-up's: the weights are built in bf16 before nf4 quantises them, as
+    # ``diffpipe train`` loads them in CPU memory before moving the quantised model to the GPU. Writing 5
+    # to clear_refs resets VmHWM to the current RSS (Linux 4.0+).
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
     start = time.perf_counter()
     loss = fam.loss(model.module, latents, text, torch.Generator().manual_seed(0), t=torch.tensor([0.5])).mean()
     model.backward(loss)

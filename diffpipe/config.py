@@ -805,13 +805,15 @@ class TrainConfig(_Section):
         description="Training precision: `auto` (bf16 on CUDA, fp32 on CPU), fp32, bf16 (CPU and GPU; DeepSpeed keeps "
         "float32 master copies of the trained weights), fp16 (GPU only, dynamic loss scaling).",
     )
-    base_weights: Literal["auto", "fp8", "int8"] = Field(
+    base_weights: Literal["auto", "fp8", "int8", "nf4"] = Field(
         "auto",
         description="Storage of the frozen denoiser weights during LoRA training: `auto` = the training precision; "
         "`fp8` = float8_e4m3fn, cast to the training precision layer by layer for each forward (diffusers' "
         "layerwise casting; norms, embeddings and the LoRA stay in 16/32 bits). Half the weight memory of bf16. "
         "`int8` = torchao's int8 weight-only quantisation of the frozen Linear weights (a scale per output "
-        "channel, dequantised in each matmul; the same layers kept as fp8 keeps), on CPU and GPU.",
+        "channel, dequantised in each matmul; the same layers kept as fp8 keeps), on CPU and GPU. `nf4` = QLoRA's "
+        "4-bit NormalFloat of the same layers (torchao's NF4Tensor: an absmax scale per 64 weights, those scales "
+        "in int8; dequantised in each matmul), about a quarter of bf16's weight memory, on CPU and GPU.",
     )
     attention_backend: Text = Field(
         "native",
@@ -935,14 +937,14 @@ class TrainConfig(_Section):
     @model_validator(mode="after")
     def _check_base_weights(self) -> TrainConfig:
         if self.base_weights != "auto" and self.mode == "full":
-            raise ValueError(f"train.base_weights: {self.base_weights} stores frozen weights in 8 bits; train.mode "
-                             "full trains every weight: use train.mode lora or base_weights auto")
+            raise ValueError(f"train.base_weights: {self.base_weights} stores frozen weights in 8 or 4 bits; "
+                             "train.mode full trains every weight: use train.mode lora or base_weights auto")
         if self.base_weights != "auto" and self.pipeline_stages > 1:
             raise ValueError(f"train.base_weights: {self.base_weights} needs train.pipeline_stages: 1")
-        if self.base_weights == "int8" and (self.block_swap or self.zero_stage == 3):
-            # Both move or partition the frozen weights; torchao's int8 tensors through them are untested.
-            raise ValueError("train.base_weights: int8 does not combine with block_swap or zero_stage 3 yet; use "
-                             "base_weights fp8 with them")
+        if self.base_weights in ("int8", "nf4") and (self.block_swap or self.zero_stage == 3):
+            # Both move or partition the frozen weights; torchao's tensors through them are untested.
+            raise ValueError(f"train.base_weights: {self.base_weights} does not combine with block_swap or "
+                             "zero_stage 3 yet; use base_weights fp8 with them")
         return self
 
     @model_validator(mode="after")

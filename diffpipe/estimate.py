@@ -10,7 +10,11 @@ adds the LoRA the config asks for, and counts:
   casts count), or at one byte plus a float32 scale per output channel
   where ``base_weights: int8`` quantises it (the same layers, torchao's
   int8 weight-only layout, whose matmul saves a bf16 copy of the weight for
-  the backward pass as fp8's casting does); ZeRO-3 divides them over the GPUs. ``train.block_swap: N``
+  the backward pass as fp8's casting does), or at half a byte plus NF4's
+  scales where ``nf4`` does (its autograd function saves the 4-bit weight:
+  no copy is saved, but each matmul dequantises its layer through
+  temporaries, the largest layer's counted with the activations); ZeRO-3
+  divides them over the GPUs. ``train.block_swap: N``
   moves the frozen weights of the last N blocks to CPU memory: they count
   as ``cpu_bytes``, and the largest of them as resident (the block that
   runs; see ``diffpipe.training.offload``);
@@ -58,7 +62,14 @@ from diffpipe.config import BF16_OPTIMIZERS, Config
 from diffpipe.models import get_family
 from diffpipe.models.published import PUBLISHED, Published, for_family
 from diffpipe.training import offload
-from diffpipe.training.precision import enable_fp8_base_weights, int8_layers, resolve_precision
+from diffpipe.training.precision import (
+    QUANTISED,
+    enable_fp8_base_weights,
+    nf4_bytes,
+    nf4_dequantise_bytes,
+    quantised_layers,
+    resolve_precision,
+)
 
 GiB = 2**30
 # float32 optimizer-state bytes per trainable parameter, by ``train.optimizer``.
@@ -403,13 +414,18 @@ def estimate_for(
             enable_fp8_base_weights(denoiser, dtype)
     trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
     frozen_bytes = sum(p.nbytes for p in denoiser.parameters() if not p.requires_grad)
-    if tc.base_weights == "int8":  # int8 weights and a float32 scale per output channel (torchao's layout)
+    workspace = 0  # transient bytes at the peak beside the saved activations (nf4's dequantisation)
+    if tc.base_weights in QUANTISED:
         modules = dict(denoiser.named_modules())
-        frozen_bytes -= sum(modules[n].weight.nbytes - modules[n].weight.numel() - 4 * modules[n].weight.shape[0]
-                            for n in int8_layers(denoiser))
-        # Its matmul multiplies by the weight cast to bf16, and autograd saves that copy for the backward
-        # pass, as under fp8: the meta forward counts those copies through fp8's casting of the same layers.
-        enable_fp8_base_weights(denoiser, dtype)
+        weights = [modules[n].weight for n in quantised_layers(denoiser, tc.base_weights)]
+        if tc.base_weights == "int8":  # int8 weights and a float32 scale per output channel (torchao's layout)
+            frozen_bytes -= sum(w.nbytes - w.numel() - 4 * w.shape[0] for w in weights)
+            # Its matmul multiplies by the weight cast to bf16, and autograd saves that copy for the backward
+            # pass, as under fp8: the meta forward counts those copies through fp8's casting of the same layers.
+            enable_fp8_base_weights(denoiser, dtype)
+        else:  # NF4: its autograd function saves the 4-bit weight itself, so the activations are bf16's
+            frozen_bytes -= sum(w.nbytes - nf4_bytes(w.numel(), width) for w in weights)
+            workspace = max((nf4_dequantise_bytes(w.numel(), width) for w in weights), default=0)
 
     block_bytes = tuple(sum(t.nbytes for t in offload.frozen_tensors(b)) for b in offload.swap_blocks(denoiser))
 
@@ -454,6 +470,8 @@ def estimate_for(
         # disabled one is a no-op there, _meta_autocast_disabled; the error may come from inside autocast).
         if "autocast" not in str(err) and not _raised_in(err, "autocast_mode.py"):
             raise
+    if activation_bytes is not None:
+        activation_bytes += workspace
     return MemoryEstimate(
         model=spec.name, gpus=gpus, zero_stage=z, precision=precision, resolution=resolution,
         batch_size=tc.batch_size, rank=rank, params=params, trainable=trainable, param_bytes=param_bytes,
@@ -505,8 +523,12 @@ def _fits_config(family: str, **train) -> Config:
 
 
 def fits_row(entry: tuple, bf16: MemoryEstimate, fp8: MemoryEstimate, ckpt: MemoryEstimate,
-             offloaded: MemoryEstimate) -> str:
-    """One row of :func:`fits_markdown` for a ``FITS_MODELS`` entry from its four estimates (``FITS_OPTIONS``)."""
+             offloaded: MemoryEstimate, nf4: MemoryEstimate) -> str:
+    """One row of :func:`fits_markdown` for a ``FITS_MODELS`` entry from its five estimates (``FITS_OPTIONS``).
+
+    The cheapest setting that fits is taken along the fp8 chain (fp8, checkpointing, block swap, activation
+    offload); where that needs system RAM (or nothing fits) and nf4 + checkpointing fits without it, the
+    cell names that too: 4-bit weights round more, swapping costs speed."""
     label, _, _, width, height, frames, peers = entry
     everything = ckpt.swapped(len(ckpt.block_bytes))
     both = offloaded.swapped(len(offloaded.block_bytes))
@@ -514,23 +536,28 @@ def fits_row(entry: tuple, bf16: MemoryEstimate, fp8: MemoryEstimate, ckpt: Memo
     cells = [f"{label} ({size})"] + [f"{e.total_bytes / GiB:.1f} GiB" for e in (bf16, fp8, ckpt)]
     cells.append(f"{everything.total_bytes / GiB:.1f} GiB ({everything.cpu_bytes / GiB:.1f} GiB)")
     cells.append(f"{both.total_bytes / GiB:.1f} GiB ({(both.cpu_bytes + both.activation_cpu_bytes) / GiB:.1f} GiB)")
+    cells.append(f"{nf4.total_bytes / GiB:.1f} GiB")
     for card in CARDS_GIB:
         budget = card * GiB - CONTEXT_BYTES
         if bf16.total_bytes <= budget:
-            cells.append("bf16")
+            cell = "bf16"
         elif fp8.total_bytes <= budget:
-            cells.append("fp8")
+            cell = "fp8"
         elif (n := ckpt.swap_to_fit(budget)) is not None:
-            cells.append("fp8 + checkpointing" + (f" + block_swap {n}" if n else ""))
+            cell = "fp8 + checkpointing" + (f" + block_swap {n}" if n else "")
         elif (n := offloaded.swap_to_fit(budget)) is not None:
-            cells.append("fp8 + checkpointing + activation_offload" + (f" + block_swap {n}" if n else ""))
+            cell = "fp8 + checkpointing + activation_offload" + (f" + block_swap {n}" if n else "")
         else:
-            cells.append("no")
+            cell = "no"
+        if ("block_swap" in cell or "offload" in cell or cell == "no") and nf4.total_bytes <= budget:
+            cell = "nf4 + checkpointing" if cell == "no" else f"{cell}, or nf4 + checkpointing"
+        cells.append(cell)
     return "| " + " | ".join([*cells, peers]) + " |"
 
 
 _FP8_CKPT = {"base_weights": "fp8", "activation_checkpointing": True}
-FITS_OPTIONS = ({}, {"base_weights": "fp8"}, _FP8_CKPT, {**_FP8_CKPT, "activation_offload": True})
+FITS_OPTIONS = ({}, {"base_weights": "fp8"}, _FP8_CKPT, {**_FP8_CKPT, "activation_offload": True},
+                {"base_weights": "nf4", "activation_checkpointing": True})
 
 
 def fits_markdown() -> str:
@@ -538,9 +565,9 @@ def fits_markdown() -> str:
     cheapest setting that fits 24 / 16 / 12 GiB cards (estimate + 1.5 GiB of CUDA context)."""
     rows = [
         "| model (size) | bf16 | fp8 | fp8 + checkpointing | + every block swapped (system RAM) | "
-        "+ activation offload (system RAM) | "
+        "+ activation offload (system RAM) | nf4 + checkpointing | "
         + " | ".join(f"fits {c} GiB" for c in CARDS_GIB) + " | other trainers' published figures |",
-        "| --- " * (7 + len(CARDS_GIB)) + "|",
+        "| --- " * (8 + len(CARDS_GIB)) + "|",
     ]
     for entry in FITS_MODELS:
         _, model, family, width, height, frames, _ = entry

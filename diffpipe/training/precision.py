@@ -15,7 +15,10 @@ casting hook puts the float8 storage back into that very tensor after the forwar
 Float8_e4m3fn"). A Linear saves a transposed view of its cast weight, which the swap leaves alone.
 
 ``train.base_weights: int8`` quantises the same Linear layers with torchao (int8 weights, a float scale
-per output channel, dequantised inside each matmul), on CPU and GPU alike.
+per output channel, dequantised inside each matmul), on CPU and GPU alike. ``nf4`` stores them as QLoRA's
+4-bit NormalFloat (torchao's ``NF4Tensor``: a 4-bit code per weight, an absmax scale per 64 weights, those
+scales themselves quantised to int8 in groups of 256), dequantised for each matmul in plain PyTorch, so it
+runs on CPU too; its autograd function saves the 4-bit weight, not a dequantised copy, for the backward.
 """
 
 from __future__ import annotations
@@ -79,8 +82,8 @@ def prepare_denoiser(denoiser: torch.nn.Module, tc: TrainConfig) -> torch.nn.Mod
         torch.backends.cudnn.allow_tf32 = True
     if tc.base_weights == "fp8":
         enable_fp8_base_weights(denoiser, compute_dtype(tc))
-    elif tc.base_weights == "int8":
-        enable_int8_base_weights(denoiser, compute_dtype(tc))
+    elif tc.base_weights in QUANTISED:
+        enable_quantised_base_weights(denoiser, compute_dtype(tc), tc.base_weights)
     if tc.attention_backend.lower() != "native":
         denoiser.set_attention_backend(tc.attention_backend.lower())
     if tc.compile:
@@ -125,45 +128,88 @@ def enable_fp8_text_encoder(encoder: torch.nn.Module, compute: torch.dtype) -> N
                             skip_modules_classes=(*FP8_SKIPPED_CLASSES, torch.nn.Embedding))
 
 
-def int8_layers(denoiser: torch.nn.Module) -> list[str]:
-    """The Linear layers ``base_weights: int8`` quantises: frozen, not a LoRA layer, and not one that
-    diffusers' layerwise casting keeps in 16/32 bits (norms and AdaLN modulation, embeddings, ``proj_in`` /
-    ``proj_out``), so int8 and fp8 store the same layers in 8 bits."""
+#: ``train.base_weights`` values stored as torchao tensor subclasses (:func:`enable_quantised_base_weights`).
+QUANTISED = ("int8", "nf4")
+#: QLoRA's NF4 layout: an absmax scale per 64 weights, those scales quantised to int8 in groups of 256.
+NF4_BLOCK, NF4_SCALER_BLOCK = 64, 256
+
+
+def nf4_scaler_block(numel: int) -> int | None:
+    """The scaler group NF4 uses for a weight of ``numel`` elements: 256 wherever the 64-weight blocks
+    divide by it (every Linear of the published models), else the largest power of two that divides them (the
+    tiny flavors' narrow layers); ``None`` where ``numel`` is not a multiple of 64 (that layer is not
+    quantised)."""
+    if numel % NF4_BLOCK:
+        return None
+    blocks, size = numel // NF4_BLOCK, NF4_SCALER_BLOCK
+    while blocks % size:
+        size //= 2
+    return size
+
+
+def nf4_bytes(numel: int, width: int) -> int:
+    """Bytes of torchao's ``NF4Tensor`` for a weight of ``numel`` elements quantised from a ``width``-byte
+    dtype: two 4-bit codes per byte, an int8 scale per block, a ``width`` factor per scaler group, the
+    scales' mean and the 16-entry code table."""
+    blocks = numel // NF4_BLOCK
+    return numel // 2 + blocks + blocks // nf4_scaler_block(numel) * width + width + 16 * width
+
+
+def nf4_dequantise_bytes(numel: int, width: int) -> int:
+    """Peak temporaries of dequantising one NF4 weight (torchao's ``get_original_weight``): each half of
+    the codes as int64 indices (8 bytes per weight in all), then both halves looked up, scaled and stacked
+    into the ``width``-byte weight, all alive at the stack."""
+    return numel * (8 + 3 * width)
+
+
+def quantised_layers(denoiser: torch.nn.Module, kind: str = "int8") -> list[str]:
+    """The Linear layers ``base_weights: int8`` / ``nf4`` quantise: frozen, not a LoRA layer, and not one
+    that diffusers' layerwise casting keeps in 16/32 bits (norms and AdaLN modulation, embeddings,
+    ``proj_in`` / ``proj_out``), so they store the layers fp8 stores in 8 bits; for ``nf4``, also only
+    weights of a multiple of 64 elements (every one at real size)."""
     import re
 
     from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 
     return [name for name, m in denoiser.named_modules()
             if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad and "lora_" not in name
-            and not any(re.search(p, name) for p in DEFAULT_SKIP_MODULES_PATTERN)]
+            and not any(re.search(p, name) for p in DEFAULT_SKIP_MODULES_PATTERN)
+            and (kind != "nf4" or nf4_scaler_block(m.weight.numel()) is not None)]
 
 
-def enable_int8_base_weights(denoiser: torch.nn.Module, compute: torch.dtype) -> None:
-    """Store :func:`int8_layers`' weights as int8 with a scale per output channel (torchao's
-    ``Int8WeightOnlyConfig``), dequantised to ``compute`` in each matmul. The LoRA wraps the quantised
-    layer unchanged (its own weights stay trainable in full precision).
+def enable_quantised_base_weights(denoiser: torch.nn.Module, compute: torch.dtype, kind: str) -> None:
+    """Store :func:`quantised_layers`' weights quantised from ``compute``, dequantised to it in each matmul:
+    ``int8`` with a scale per output channel (torchao's ``Int8WeightOnlyConfig``), ``nf4`` as torchao's
+    ``NF4Tensor`` (module docstring). The LoRA wraps the quantised layer unchanged (its own weights stay
+    trainable in full precision).
 
     Each quantised weight becomes a non-persistent buffer of its Linear: frozen, out of the optimizer and
-    of checkpoints as before, and moved by ``Module.to`` by reassignment; as a parameter, a tensor
-    subclass must be swapped in place, which DeepSpeed's weak references to parameters forbid.
+    of checkpoints as before, left alone by DeepSpeed's cast of the parameters, and moved by ``Module.to``
+    by reassignment; as a parameter, a tensor subclass must be swapped in place, which DeepSpeed's weak
+    references to parameters forbid.
     """
     try:
-        from torchao.quantization import Int8WeightOnlyConfig, quantize_
+        from torchao.quantization import Int8WeightOnlyConfig, NF4Tensor, quantize_
     except ImportError as err:
-        raise ValueError(f"train.base_weights int8 needs torchao ({err}); reinstall diffpipe's dependencies "
+        raise ValueError(f"train.base_weights {kind} needs torchao ({err}); reinstall diffpipe's dependencies "
                          "or use base_weights fp8") from err
-    chosen = set(int8_layers(denoiser))
+    chosen = quantised_layers(denoiser, kind)
     modules = dict(denoiser.named_modules())
     for name in chosen:  # quantised from the compute dtype: the dtype the matmul dequantises to
         modules[name].weight.data = modules[name].weight.data.to(compute)
-    quantize_(denoiser, Int8WeightOnlyConfig(), filter_fn=lambda module, name: name in chosen)
+    if kind == "int8":
+        names = set(chosen)
+        quantize_(denoiser, Int8WeightOnlyConfig(), filter_fn=lambda module, name: name in names)
     for name in chosen:
         layer = modules[name]
         weight = layer._parameters.pop("weight").detach()
+        if kind == "nf4":
+            weight = NF4Tensor.from_tensor(weight.contiguous(), NF4_BLOCK, nf4_scaler_block(weight.numel()))
         layer.register_buffer("weight", weight, persistent=False)
     bad = [n for n, p in denoiser.named_parameters() if p.requires_grad and type(p) is not torch.nn.Parameter]
     if bad:
-        raise ValueError(f"train.base_weights int8 quantised trained weights (e.g. {bad[0]}); check train.lora.targets")
+        raise ValueError(f"train.base_weights {kind} quantised trained weights (e.g. {bad[0]}); check "
+                         "train.lora.targets")
 
 
 def compile_blocks(denoiser: torch.nn.Module, **compile_kwargs) -> None:

@@ -1,4 +1,4 @@
-"""``diffpipe estimate`` accounts for fp8 and int8 storage, activation checkpointing, block swap and frames."""
+"""``diffpipe estimate`` accounts for fp8, int8 and nf4 storage, activation checkpointing, block swap and frames."""
 
 from __future__ import annotations
 
@@ -26,13 +26,14 @@ def flux():
                "fp8+ckpt": {"base_weights": "fp8", "activation_checkpointing": True},
                "swap": {"base_weights": "fp8", "activation_checkpointing": True, "block_swap": 1000},
                "offload": {"base_weights": "fp8", "activation_checkpointing": True, "activation_offload": True},
-               "half": {"activation_checkpointing": True, "checkpoint_fraction": 0.5}}
+               "half": {"activation_checkpointing": True, "checkpoint_fraction": 0.5},
+               "nf4+ckpt": {"base_weights": "nf4", "activation_checkpointing": True}}
     return {k: estimate_memory(_cfg("flux", 1024, **v), model="flux1-dev", rank=16) for k, v in options.items()}
 
 
 def test_the_docs_fits_table_holds_the_flux_estimate(flux):
     # The table is refreshed by `make docs` (too slow for every test run); its FLUX.1-dev row must be current.
-    row = fits_row(FITS_MODELS[0], flux["bf16"], flux["fp8"], flux["fp8+ckpt"], flux["offload"])
+    row = fits_row(FITS_MODELS[0], flux["bf16"], flux["fp8"], flux["fp8+ckpt"], flux["offload"], flux["nf4+ckpt"])
     assert row in (REPO_ROOT / "docs" / "training.md").read_text(), "run `make docs`"
 
 
@@ -62,7 +63,7 @@ def test_int8_counts_torchaos_bytes_of_the_fp8_layers(flux):
     import peft
 
     from diffpipe.models import get_family
-    from diffpipe.training.precision import enable_int8_base_weights
+    from diffpipe.training.precision import enable_quantised_base_weights
 
     int8 = estimate_memory(_cfg("flux", 1024, base_weights="int8"), model="flux1-dev", rank=16)
     meta = _fp8_model()
@@ -75,11 +76,28 @@ def test_int8_counts_torchaos_bytes_of_the_fp8_layers(flux):
     tiny = family.load_denoiser().to(torch.bfloat16).requires_grad_(False)
     tiny.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, target_modules=family.lora_targets(None)))
     before = {n: (b.numel(), b.shape[0]) for n, b in tiny.named_parameters() if not b.requires_grad}
-    enable_int8_base_weights(tiny, torch.bfloat16)
+    enable_quantised_base_weights(tiny, torch.bfloat16, "int8")
     quantised = {n: b for n, b in tiny.named_buffers() if type(b).__name__ == "Int8Tensor"}
     assert quantised and all(n in before for n in quantised)
     for name, b in quantised.items():
         assert b.qdata.dtype == torch.int8 and b.qdata.numel() + 4 * b.scale.numel() == before[name][0] + 4 * before[name][1]
+
+
+def test_nf4_counts_its_bytes_and_no_saved_weight_copies(flux):
+    """nf4 stores the same layers as fp8 at NF4's size, and saves no dequantised copy for the backward
+    pass (its autograd function keeps the 4-bit weight), so its activations are bf16's."""
+    from diffpipe.training.precision import nf4_bytes, nf4_dequantise_bytes
+
+    nf4 = estimate_memory(_cfg("flux", 1024, base_weights="nf4"), model="flux1-dev", rank=16)
+    cast = [m.weight for m in _fp8_model().modules()
+            if isinstance(m, torch.nn.Linear) and m.weight.dtype == torch.float8_e4m3fn]
+    assert flux["bf16"].param_bytes - nf4.param_bytes == sum(2 * w.numel() - nf4_bytes(w.numel(), 2) for w in cast)
+    # Plus the largest layer's dequantisation temporaries (a single block's proj_out, 15360 x 3072).
+    assert nf4.activation_bytes == flux["bf16"].activation_bytes + nf4_dequantise_bytes(15360 * 3072, 2)
+    # About 0.52 bytes per quantised weight; the AdaLN modulations (27%) stay bf16 as under fp8, so
+    # FLUX.1-dev's weights drop to 46% of bf16's.
+    assert 0.4 * flux["bf16"].param_bytes < nf4.param_bytes < 0.5 * flux["bf16"].param_bytes
+    assert nf4.total_bytes < flux["bf16"].total_bytes - 0.5 * flux["bf16"].param_bytes
 
 
 def test_block_swap_leaves_one_block_resident(flux):
