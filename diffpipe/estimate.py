@@ -500,6 +500,7 @@ FITS_MODELS = (
     ("Wan 2.1 T2V 14B", "wan2.2-t2v-a14b", "wan", 832, 480, 81,
      "musubi-tuner users report ~96 GB of system RAM for Wan 2.2 with offloading"),
     ("Wan 2.1 T2V 14B", "wan2.2-t2v-a14b", "wan", 832, 480, 33, ""),
+    ("FLUX.2 [dev]", "flux2-dev", "flux2", 1024, 1024, 1, ""),
     ("FLUX.2 [klein] 4B", "flux2-klein-4b", "flux2-klein", 1024, 1024, 1, ""),
     ("Z-Image Turbo", "z-image-turbo", "zimage", 1024, 1024, 1, ""),
     ("Krea 2", "krea-2", "krea2", 1024, 1024, 1, ""),

@@ -26,6 +26,7 @@ FAMILIES: dict[str, str] = {
     "flux": "flux",
     "flux-kontext": "flux_kontext",
     "flux-control": "flux_control",
+    "flux2": "flux2",
     "flux2-klein": "flux2_klein",
     "chroma": "chroma",
     "sana": "sana",
@@ -71,8 +72,6 @@ NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
     "HunyuanImage 2.1": (None, UNREGISTERED["hunyuanimage"] + " (the adapter is written: "
                          "`diffpipe/families/hunyuanimage/`, tiny and local flavors; published size checked: 17.43B)"),
     "OmniGen2": (None, "diffusers 0.42.1 has no OmniGen2 classes (only OmniGen v1's, without a LoRA loader)"),
-    "FLUX.2 [dev]": (None, "its text side (Mistral 3 through PixtralProcessor) needs torchvision, and " + _TORCHVISION
-                     + "; FLUX.2 [klein] is a family (`flux2-klein`)"),
     "Bria FIBO 2": ("BriaFibo2LoraLoaderMixin", "its text side is a Qwen3VLProcessor, which transformers builds only "
                     "with its video processor, and that needs torchvision; " + _TORCHVISION),
     "FLUX.3": ("Flux3LoraLoaderMixin", _MODULAR),

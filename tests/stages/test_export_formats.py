@@ -99,6 +99,8 @@ EXTRA_TARGETS = {
     "flux2-klein": ["norm_out.linear", "proj_out", "x_embedder", "context_embedder",
                     "time_guidance_embed.timestep_embedder.linear_1", "double_stream_modulation_img.linear",
                     "single_stream_modulation.linear", "single_transformer_blocks.0.attn.to_out"],
+    "flux2": ["norm_out.linear", "proj_out", "time_guidance_embed.guidance_embedder.linear_1",
+              "time_guidance_embed.guidance_embedder.linear_2", "double_stream_modulation_txt.linear"],
     "ernie-image": ["x_embedder.proj", "text_proj", "time_embedding.linear_1", "adaLN_modulation.1",
                     "final_norm.linear", "final_linear"],
     "krea2": ["img_in", "time_embed.linear_1", "time_mod_proj", "txt_in.linear_2", "text_fusion.projector",
@@ -320,6 +322,7 @@ SINGLE_FILE_CASES = {
     ),
     "mochi": (_tiny("mochi", num_layers=48), lambda sd: _mochi_norms(sd, 48)),
     "flux2-klein": (_tiny("flux2-klein"), lambda sd: _flux_norms(sd, 1, 1)),
+    "flux2": (_tiny("flux2"), lambda sd: _flux_norms(sd, 1, 1)),
     "ernie-image": (_tiny("ernie-image"), None),
     "krea2": (_tiny("krea2"), None),
     # What the converters read beside the LoRA-able layers (positions, tokens, norms, modulation tables).
@@ -492,6 +495,7 @@ BASE_MODEL_VERSION = {
     "cogview4": "cogview4",
     "zimage": "z_image",
     "flux2-klein": "flux2",
+    "flux2": "flux2",
     "ernie-image": "ernie_image",
     "krea2": "krea2",
     "auraflow": "auraflow",
@@ -650,6 +654,10 @@ def _flux2_kohya(key: str) -> bool:  # what diffusers' FLUX.2 kohya converter ma
     return "modulation" not in key
 
 
+def _flux2_dev_kohya(key: str) -> bool:  # nor FLUX.2 [dev]'s guidance embedder
+    return _flux2_kohya(key) and "guidance_in" not in key
+
+
 def _ideogram4_blocks(key: str) -> bool:  # diffusers' Ideogram 4 converter reads the blocks' layers only
     return key.startswith("diffusion_model.layers.")
 
@@ -675,6 +683,8 @@ PIPELINE_READS = {
     ("zimage", "comfyui"): (None, False),
     ("flux2-klein", "comfyui"): (_flux2_non_diffusers, False),
     ("flux2-klein", "kohya"): (_flux2_kohya, False),
+    ("flux2", "comfyui"): (_flux2_non_diffusers, False),
+    ("flux2", "kohya"): (_flux2_dev_kohya, False),
     ("ideogram4", "comfyui"): (_ideogram4_blocks, False),
 }
 

@@ -32,7 +32,7 @@ from diffpipe.training.adapter import apply_adapter
 pytestmark = pytest.mark.slow
 
 FAMILIES = ["sdxl", "sd3", "chroma", "lumina2", "zimage", "qwenimage", "hidream", "cogview4", "cosmos2", "sana",
-            "auraflow", "flux2-klein", "ernie-image", "krea2", "kandinsky5-image", "ideogram4"]
+            "auraflow", "flux2-klein", "flux2", "ernie-image", "krea2", "kandinsky5-image", "ideogram4"]
 
 
 @pytest.fixture(scope="module")

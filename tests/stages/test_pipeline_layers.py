@@ -252,6 +252,7 @@ PIPELINE_INPUT_CASES = {
     "lumina2": (4, {"shift": 2.0, "loss": "huber"}),
     "zimage": (4, {"shift": 2.0}),
     "flux2-klein": (16, {"timestep_sampling": "uniform"}),
+    "flux2": (16, {"shift": 2.0}),
     "ernie-image": (16, {"shift": 2.0}),
     "krea2": (4, {"timestep_sampling": "uniform"}),
     "ideogram4": (16, {"shift": 2.0}),

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from diffpipe.config import ModelConfig
@@ -122,26 +123,32 @@ def test_lumina2_layers_equal_forward_with_prompts_of_different_lengths():
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_flux2_klein_layers_equal_forward_over_several_blocks():
+@pytest.mark.parametrize("name", ["flux2-klein", "flux2"])
+def test_flux2_layers_equal_forward_over_several_blocks(name):
     """Two double and two single blocks: each single-block layer re-joins and splits the streams, which
-    must equal the forward's one join before the single blocks and one split after them."""
+    must equal the forward's one join before the single blocks and one split after them. FLUX.2 [dev]
+    (``flux2``) carries its distilled guidance in the first layer's tuple."""
     from diffusers import Flux2KleinPipeline, Flux2Transformer2DModel
 
-    from diffpipe.families.flux2_klein.flavors import TINY_TRANSFORMER
-
-    family = get_family(ModelConfig(family="flux2-klein"))
+    family = get_family(ModelConfig(family=name))
+    tiny = family.denoiser_model.tiny
     torch.manual_seed(0)
-    tr = Flux2Transformer2DModel(**{**TINY_TRANSFORMER, "num_layers": 2, "num_single_layers": 2}).eval()
+    tr = Flux2Transformer2DModel(**{**tiny, "num_layers": 2, "num_single_layers": 2}).eval()
     g = torch.Generator().manual_seed(0)
     latents = torch.randn(2, 16, 3, 4, generator=g)
     tokens = Flux2KleinPipeline._pack_latents(latents)
-    context = torch.randn(2, 7, TINY_TRANSFORMER["joint_attention_dim"], generator=g)
+    context = torch.randn(2, 7, tiny["joint_attention_dim"], generator=g)
     txt_ids, img_ids = Flux2KleinPipeline._prepare_text_ids(context), Flux2KleinPipeline._prepare_latent_ids(latents)
     sigma = torch.tensor([0.3, 0.8])
+    guidance = torch.tensor([1.0, 3.5]) if tiny["guidance_embeds"] else None
     with torch.no_grad():
-        expected = tr(hidden_states=tokens, timestep=sigma, encoder_hidden_states=context, txt_ids=txt_ids,
-                      img_ids=img_ids, return_dict=False)[0]
+        expected = tr(hidden_states=tokens, timestep=sigma, guidance=guidance, encoder_hidden_states=context,
+                      txt_ids=txt_ids, img_ids=img_ids, return_dict=False)[0]
         layers = family.pipeline_layers(tr)
-        got = run_layers(layers, (tokens, sigma, context, txt_ids, img_ids))
+        first = (tokens, sigma, *([guidance] if guidance is not None else []), context, txt_ids, img_ids)
+        got = run_layers(layers, first)
     assert len(layers) == 2 + 2 + 2
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    if guidance is not None:  # the guidance reaches the embedding
+        other = run_layers(layers, (tokens, sigma, guidance + 1, context, txt_ids, img_ids))
+        assert (other - got).abs().max() > 1e-4

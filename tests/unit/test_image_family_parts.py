@@ -11,6 +11,7 @@ from diffpipe.config import ModelConfig, ObjectiveConfig
 from diffpipe.data.cache.buckets import crop_top_left
 from diffpipe.families.sdxl.family import time_ids
 from diffpipe.models import get_family
+from diffpipe.models.components import TextBundle
 from diffpipe.training.objectives import sample_mode, weighting_scheme_weights
 
 CAPTIONS = ["a red circle", "x"]
@@ -83,14 +84,15 @@ def _pipeline_text(name, family, pipe):
     if name == "krea2":  # the fixed-length template block, twelve layers' states per token
         pe, mask = pipe.encode_prompt(CAPTIONS, max_sequence_length=family.max_sequence_length)
         return {"prompt_embeds": pe, "prompt_embeds_mask": mask}
-    if name == "flux2-klein":  # the chat template, padded to the length, three layers' states stacked
+    if name in ("flux2-klein", "flux2"):  # the chat template, padded to the length, three layers' states stacked
         pe, _ = pipe.encode_prompt(CAPTIONS, max_sequence_length=family.max_sequence_length)
         return {"prompt_embeds": pe}
     pe, mask = pipe._get_qwen_prompt_embeds(CAPTIONS)
     return {"prompt_embeds": pe, "prompt_embeds_mask": mask}
 
 
-@pytest.mark.parametrize("name", ["sdxl", "sd3", "chroma", "lumina2", "qwenimage", "hidream", "flux2-klein", "krea2"])
+@pytest.mark.parametrize("name", ["sdxl", "sd3", "chroma", "lumina2", "qwenimage", "hidream", "flux2-klein", "flux2",
+                                  "krea2"])
 def test_cached_text_equals_the_pipeline_encoding(name):
     family = get_family(ModelConfig(family=name))
     ours = family.encode_text(family.load_text_encoders(), CAPTIONS)
@@ -246,3 +248,45 @@ def test_edit_family_without_control_latents_names_the_dataset_keys(name):
     family = get_family(ModelConfig(family=name))
     with pytest.raises(ValueError, match=rf"'{name}' needs control latents .*control_path or control_column"):
         family.loss(None, torch.zeros(1, 4, 1, 8, 8), {}, torch.Generator())
+
+
+def test_flux2_dev_loss_inputs_are_the_pipelines_first_call():
+    """FLUX.2 [dev]: the stock pipeline's first transformer call, at the guidance the family trains with,
+    gets the loss's text, positions and guidance, and a noisy input of the loss's shape."""
+    family = get_family(ModelConfig(family="flux2"))
+    pipe = family.load_pipeline()
+    calls = []
+    handle = pipe.transformer.register_forward_pre_hook(lambda m, a, kw: calls.append(kw), with_kwargs=True)
+    try:
+        with torch.no_grad():
+            pipe(prompt=CAPTIONS, height=32, width=48, num_inference_steps=1, guidance_scale=family.train_guidance,
+                 max_sequence_length=family.max_sequence_length, output_type="latent",
+                 generator=torch.Generator().manual_seed(0))
+    finally:
+        handle.remove()
+    text = family.encode_text(family.load_text_encoders(), CAPTIONS)
+    p = family.prepare(torch.randn(2, 16, 1, 8, 12), text, torch.Generator().manual_seed(0), objective=ObjectiveConfig())
+    assert list(p.inputs) == ["hidden_states", "timestep", "guidance", "encoder_hidden_states", "txt_ids", "img_ids"]
+    for key in ("guidance", "encoder_hidden_states", "txt_ids", "img_ids"):
+        torch.testing.assert_close(p.inputs[key], calls[0][key], rtol=1e-5, atol=1e-5)
+    assert p.inputs["hidden_states"].shape == calls[0]["hidden_states"].shape
+
+
+def test_flux2_dev_tokenizer_takes_the_processors_chat_template(tmp_path):
+    """A FLUX.2 [dev] folder's ``tokenizer`` is a PixtralProcessor's: where the tokenizer files carry no chat
+    template, the processor's ``chat_template.json`` is read; with neither, the error names the folder."""
+    import json
+
+    from diffpipe.families.flux2.family import TINY_CHAT_TEMPLATE, MistralChatTokenizer, _tiny_tokenizer
+
+    tok = _tiny_tokenizer()
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "tokenizer")
+    with pytest.raises(ValueError, match=r"tokenizer: the FLUX.2 \[dev\] tokenizer has no chat template"):
+        MistralChatTokenizer.from_pretrained(tmp_path, subfolder="tokenizer")
+    (tmp_path / "tokenizer" / "chat_template.json").write_text(json.dumps({"chat_template": TINY_CHAT_TEMPLATE}))
+    loaded = MistralChatTokenizer.from_pretrained(tmp_path, subfolder="tokenizer")
+    assert loaded.chat_template == TINY_CHAT_TEMPLATE
+    family = get_family(ModelConfig(family="flux2"))
+    assert family.count_tokens(TextBundle({"tokenizer": loaded}), CAPTIONS) == family.count_tokens(
+        family.load_tokenizers(), CAPTIONS)

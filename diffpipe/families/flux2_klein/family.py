@@ -8,7 +8,7 @@ does; the cache stores that token grid, ``[B, 4C, H/16, W/16]`` at real size), `
 pipeline's ``_get_qwen3_prompt_embeds`` computes them, which this family calls) + ``tokenizer``,
 ``transformer`` (Flux2Transformer2DModel: no guidance embedding, 4-axis positions for text and image
 tokens), ``scheduler`` (flow matching with the resolution-dependent shift). The transformer sees
-``sigma`` and predicts the velocity ``noise - x0``. FLUX.2 [dev] (Mistral 3 text) is not this family.
+``sigma`` and predicts the velocity ``noise - x0``. FLUX.2 [dev] (Mistral 3 text) is the family ``flux2``.
 """
 
 from __future__ import annotations
@@ -87,6 +87,9 @@ class Flux2KleinFamily(TinyBatchNormVae, Family):
         AutoTokenizer, lambda: tiny_qwen3_tokenizer(TINY_LENGTH), Qwen3ForCausalLM, Qwen3Config, TINY_QWEN3,
         "flux2-klein.text_encoder")
     pipeline_class = Flux2KleinPipeline
+    #: The pipeline's static method that encodes captions, and the text encoder layers it stacks.
+    prompt_embeds_method: ClassVar[str] = "_get_qwen3_prompt_embeds"
+    text_layers: ClassVar[tuple[int, ...]] = TEXT_LAYERS
     patch = 2  # the VAE's latents are patchified 2x2 before the transformer (whose patch_size is 1)
     prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
     #: Attention of both streams and their feed-forwards in the double blocks, and the single blocks'
@@ -107,11 +110,12 @@ class Flux2KleinFamily(TinyBatchNormVae, Family):
         return bn_normalised(vae, common.vae_latents(vae, pixels)[:, :, 0], vae.config.batch_norm_eps)[:, :, None]
 
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
+        """The pipeline's own encoding (``prompt_embeds_method``), the ``text_layers`` stacked."""
         device = next(encoders.text_encoder.parameters()).device
         with torch.no_grad():
-            embeds = Flux2KleinPipeline._get_qwen3_prompt_embeds(
+            embeds = getattr(self.pipeline_class, self.prompt_embeds_method)(
                 encoders.text_encoder, encoders.tokenizer, list(captions), dtype=torch.float32, device=device,
-                max_sequence_length=encoders.max_sequence_length, hidden_states_layers=TEXT_LAYERS)
+                max_sequence_length=encoders.max_sequence_length, hidden_states_layers=self.text_layers)
         return {"prompt_embeds": embeds.float()}
 
     def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:

@@ -54,8 +54,9 @@ def _layer(original: str, segments: list[Segment]) -> Layer:
     return layer(original, segments, fold_scale=True, alpha_key=False)
 
 
-def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
-    """The table for a transformer with this config; ``out_features``: its module sizes."""
+def build(config: Mapping[str, Any], out_features: Mapping[str, int], family: str = "flux2-klein") -> KeyMap:
+    """The table for a transformer with this config; ``out_features``: its module sizes (``family``: the
+    family it is built for, ``flux2`` shares it)."""
     inner = config["num_attention_heads"] * config["attention_head_dim"]
     layers: list[Layer] = []
 
@@ -71,4 +72,4 @@ def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
     for i in range(config["num_single_layers"]):
         for o, d in SINGLE_PLAIN.items():
             add_plain(f"single_blocks.{i}.{o}", f"single_transformer_blocks.{i}.{d}")
-    return KeyMap("flux2-klein", layers, peft_names=True)
+    return KeyMap(family, layers, peft_names=True)

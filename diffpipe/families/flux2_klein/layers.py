@@ -9,9 +9,10 @@ from diffpipe.models.layers import _Block, _pipe_ready
 
 
 class Flux2Embed(nn.Module):
-    """``(tokens, sigma, context, txt_ids, img_ids)`` -> ``(hidden, context, temb, double-block image and text
-    modulations, single-block modulation, cos, sin)``: the forward's embedding, shared modulations and
-    positions (FLUX.2 modulates every block from three layers outside them)."""
+    """``(tokens, sigma, [guidance,] context, txt_ids, img_ids)`` -> ``(hidden, context, temb, double-block
+    image and text modulations, single-block modulation, cos, sin)``: the forward's embedding, shared
+    modulations and positions (FLUX.2 modulates every block from three layers outside them); ``guidance``:
+    FLUX.2 [dev]'s, as ``flux2`` prepares it."""
 
     def __init__(self, tr: nn.Module):
         super().__init__()
@@ -21,8 +22,12 @@ class Flux2Embed(nn.Module):
         self.mod_single = tr.single_stream_modulation
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        hidden, timestep, context, txt_ids, img_ids = inputs
-        temb = self.time_guidance_embed(timestep.to(hidden.dtype) * 1000, None)
+        if len(inputs) == 6:  # FLUX.2 [dev]: the distilled guidance after sigma
+            hidden, timestep, guidance, context, txt_ids, img_ids = inputs
+            guidance = guidance.to(hidden.dtype) * 1000
+        else:
+            (hidden, timestep, context, txt_ids, img_ids), guidance = inputs, None
+        temb = self.time_guidance_embed(timestep.to(hidden.dtype) * 1000, guidance)
         text_cos, text_sin = self.pos_embed(txt_ids[0] if txt_ids.ndim == 3 else txt_ids)
         img_cos, img_sin = self.pos_embed(img_ids[0] if img_ids.ndim == 3 else img_ids)
         return _pipe_ready((self.x_embedder(hidden), self.context_embedder(context), temb, self.mod_img(temb),

@@ -1,0 +1,23 @@
+"""Family ``flux2``: FLUX.2 [dev]."""
+
+from __future__ import annotations
+
+from diffpipe.families.flux2.flavors import PUBLISHED
+from diffpipe.models.spec import FamilySpec, Kohya
+
+SPEC = FamilySpec(
+    name="flux2",
+    family_class="Flux2Family",
+    model="FLUX.2 [dev]",
+    tasks="text-to-image (flow matching, guidance-distilled; Mistral 3 text, 3 layers stacked; FLUX.2 [klein]'s "
+          "transformer class and VAE; reference images not trained)",
+    targets="as `flux2-klein`",
+    published=tuple(PUBLISHED),
+    layers="diffpipe.families.flux2_klein.layers",
+    kohya=Kohya("flux2", "flux-2-dev/lora", "https://github.com/black-forest-labs/flux2"),
+    comfyui_readers="ComfyUI (original names, fused `qkv`), `Flux2Pipeline.load_lora_weights` (except a LoRA on "
+                    "`norm_out`)",
+    kohya_readers="ComfyUI; `Flux2Pipeline.load_lora_weights` (blocks, input embedders, timestep, output; not "
+                  "the guidance embedder)",
+    comfy_reads_diffusers="none",
+)
