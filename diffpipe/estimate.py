@@ -94,7 +94,8 @@ class MemoryEstimate:
     optimizer_bytes: int
     #: None where the forward cannot run on ``meta`` tensors (it reads tensor values, e.g. Lumina 2's mask).
     activation_bytes: int | None
-    #: True where activations are an upper bound (mixture-of-experts routing assumed to keep every token).
+    #: True where activations are an upper bound: the forward selects elements by value (``nonzero``:
+    #: mixture-of-experts routing, a text mask's real tokens), and on meta every element is assumed kept.
     activation_upper_bound: bool = False
     frames: int = 1
     height: int = 0  # 0: square (``resolution``)
@@ -149,7 +150,8 @@ class MemoryEstimate:
             f"  gradients        {self.grad_bytes / GiB:8.2f} GiB",
             f"  optimizer state  {self.optimizer_bytes / GiB:8.2f} GiB",
             f"  activations      {self.activation_bytes / GiB:8.2f} GiB"
-            + (" (upper bound: every token routed to every expert)" if self.activation_upper_bound else "")
+            + (" (upper bound: every token kept where the forward selects by value)"
+               if self.activation_upper_bound else "")
             if self.activation_bytes is not None
             else "  activations      not measurable on the meta device (the forward reads tensor values or opens autocast on their device)",
             f"  total per GPU    {self.total_bytes / GiB:8.2f} GiB (plus 1-2 GiB CUDA context and fragmentation)",
@@ -458,8 +460,9 @@ def estimate_for(
         activation_bytes, offloaded = measure()
     except NotImplementedError as err:
         if "nonzero" in str(err):
-            # Mixture-of-experts routing (HiDream) selects tokens with ``nonzero``: on meta, assume
-            # every token reaches every expert, an upper bound on what the real routing keeps.
+            # Mixture-of-experts routing (HiDream) and boolean-mask indexing (HunyuanImage's text and its
+            # padding, reordered) select with ``nonzero``: on meta, assume every element is selected, an
+            # upper bound on what the real selection keeps.
             import torch.fx.experimental._config as fx_config
 
             with fx_config.patch(meta_nonzero_assume_all_nonzero=True):

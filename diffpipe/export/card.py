@@ -41,10 +41,10 @@ def how_to_load(fmt: str, family: str) -> str:
     from diffpipe.families import spec
 
     s = spec(family)
-    if fmt == "diffusers":
-        return HOW_TO_LOAD[fmt] + comfy_diffusers_note(family)
     if fmt in s.how_to_load:
         return s.how_to_load[fmt]
+    if fmt == "diffusers":
+        return HOW_TO_LOAD[fmt] + comfy_diffusers_note(family)
     if fmt == "kohya" and not s.a1111:
         return _KOHYA_ELSEWHERE
     return HOW_TO_LOAD[fmt]

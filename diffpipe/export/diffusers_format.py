@@ -40,7 +40,7 @@ def export_diffusers(
     layers = {f"{name}_lora_layers": sd for name, (sd, _) in parts.items()}
     configs = {f"{name}_lora_adapter_metadata": config_dict(cfg) for name, (_, cfg) in parts.items()}
     with atomic_path(out_file) as tmp_file, tempfile.TemporaryDirectory(dir=tmp_file.parent) as tmp:
-        family.pipeline_class.save_lora_weights(
+        (family.lora_writer or family.pipeline_class).save_lora_weights(
             tmp,
             **layers, **configs,
             weight_name=DIFFUSERS_WEIGHTS,

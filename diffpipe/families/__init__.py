@@ -40,6 +40,7 @@ FAMILIES: dict[str, str] = {
     "qwenimage-edit": "qwenimage_edit",
     "hidream": "hidream",
     "cogview4": "cogview4",
+    "hunyuanimage": "hunyuanimage",
     "cosmos2": "cosmos2",
     "wan": "wan",
     "skyreels-v2": "skyreels_v2",
@@ -55,10 +56,7 @@ FAMILIES: dict[str, str] = {
 }
 
 #: Folders that are not families yet, and why (their published sizes still feed the docs).
-UNREGISTERED: dict[str, str] = {
-    "hunyuanimage": "diffusers 0.42.1's HunyuanImagePipeline has no LoRA loader, so the diffusers-format "
-                    "export the workflow always writes and load_lora_weights cannot work",
-}
+UNREGISTERED: dict[str, str] = {}
 
 
 _TORCHVISION = ("the torchvision wheels for torch 2.13 on PyPI are built for the CUDA torch and fail to import "
@@ -69,8 +67,6 @@ _MODULAR = "diffusers 0.42.1 ships it only as a modular pipeline; diffpipe build
 #: mixin for it, or None; the reason)``. ``tests/unit/test_family_contract.py`` checks that every LoRA
 #: loader mixin of the pinned diffusers is used by a registered family's pipeline or listed here.
 NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
-    "HunyuanImage 2.1": (None, UNREGISTERED["hunyuanimage"] + " (the adapter is written: "
-                         "`diffpipe/families/hunyuanimage/`, tiny and local flavors; published size checked: 17.43B)"),
     "OmniGen2": (None, "diffusers 0.42.1 has no OmniGen2 classes (only OmniGen v1's, without a LoRA loader)"),
     "Bria FIBO 2": ("BriaFibo2LoraLoaderMixin", "its text side is a Qwen3VLProcessor, which transformers builds only "
                     "with its video processor, and that needs torchvision; " + _TORCHVISION),

@@ -197,6 +197,11 @@ class Family(ABC):
         """Extra ``load_lora_weights`` arguments that route the exported LoRA into ``denoiser_attr``."""
         return {}
 
+    def load_lora(self, pipe: Any, file: str | Path, **load_kwargs: Any) -> None:
+        """Load an exported diffusers-format LoRA into the stock pipeline: its ``load_lora_weights``
+        (``load_kwargs``: a part's routing, :attr:`lora_load_kwargs`)."""
+        pipe.load_lora_weights(str(file), **load_kwargs)
+
     @property
     def denoiser_parts(self) -> tuple[DenoiserPart, ...]:
         """The pipeline components one run trains (see :class:`DenoiserPart`): ``denoiser_attr`` alone."""
@@ -350,6 +355,9 @@ class Family(ABC):
     #: The diffusers pipeline class (its ``save_lora_weights`` writes our export); a family whose pipeline
     #: depends on the model (a variant) makes it a property.
     pipeline_class: ClassVar[type]
+    #: The class whose ``save_lora_weights`` writes the diffusers file when the pipeline has no LoRA loader
+    #: (None: the pipeline's own); :meth:`load_lora` then says how the file loads.
+    lora_writer: ClassVar[type | None] = None
     #: Keyword arguments the stock pipeline takes besides its components (``safety_checker=None``, ...).
     pipeline_extras: ClassVar[dict[str, Any]] = {}
 

@@ -103,7 +103,7 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
             apply_adapter(getattr(pipe, family.denoiser_attr), lora_file)
         else:
             for file, load_kwargs in _part_files(family, Path(lora_file)):
-                pipe.load_lora_weights(str(file), **load_kwargs)  # each into its expert, if several
+                family.load_lora(pipe, file, **load_kwargs)  # each into its expert, if several
         tuned = _render(pipe, family, cfg, kwargs)
         for i, sample in enumerate(tuned):
             _save(sample, tmp / f"sample-{i:02d}", family)

@@ -32,7 +32,8 @@ from diffpipe.training.adapter import apply_adapter
 pytestmark = pytest.mark.slow
 
 FAMILIES = ["sdxl", "sd3", "chroma", "lumina2", "zimage", "qwenimage", "hidream", "cogview4", "cosmos2", "sana",
-            "auraflow", "flux2-klein", "flux2", "ernie-image", "krea2", "kandinsky5-image", "ideogram4"]
+            "auraflow", "flux2-klein", "flux2", "ernie-image", "krea2", "kandinsky5-image", "ideogram4",
+            "hunyuanimage"]
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +108,7 @@ def test_lora_loads_in_stock_pipeline_and_matches_training(run):
     pipe = family.load_pipeline()
     assert isinstance(pipe, family.pipeline_class)
     base = _denoiser_output(family, getattr(pipe, family.denoiser_name), batch)
-    pipe.load_lora_weights(str(p.export_diffusers))
+    family.load_lora(pipe, p.export_diffusers)
     loaded = _denoiser_output(family, getattr(pipe, family.denoiser_name), batch)
     expected = _denoiser_output(family, apply_adapter(family.load_denoiser(), p.adapter_dir), batch)
     assert (loaded - base).abs().max() > 1e-5, "the LoRA does not change the output"

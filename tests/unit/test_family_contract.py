@@ -153,3 +153,14 @@ def test_every_lora_loader_of_diffusers_is_a_family_or_said_not_to_be():
     assert listed <= set(mixins), f"not in the pinned diffusers: {sorted(listed - set(mixins))}"
     assert not used & listed, f"families exist for {sorted(used & listed)}: take them off NOT_IMPLEMENTED"
     assert set(mixins) == used | listed, f"neither a family nor listed: {sorted(set(mixins) - used - listed)}"
+
+
+def test_a_pipeline_without_a_lora_loader_gets_the_familys_writer_loader_and_card_line():
+    """HunyuanImage 2.1's pipeline has neither ``save_lora_weights`` nor ``load_lora_weights`` (diffusers
+    0.42.1): the family names a writer, loads through the transformer, and its card says so."""
+    from diffpipe.export.card import how_to_load
+
+    cls = spec("hunyuanimage").family_type()
+    assert not hasattr(cls.pipeline_class, "load_lora_weights") and not hasattr(cls.pipeline_class, "save_lora_weights")
+    assert cls.lora_writer is not None and cls.load_lora is not Family.load_lora
+    assert 'pipe.transformer.load_lora_adapter("{path}", prefix="transformer")' in how_to_load("diffusers", "hunyuanimage")

@@ -11,9 +11,9 @@ encoded by the pipeline's own ``encode_prompt`` on a pipeline of the text
 components alone, so the cache equals what sampling computes. Flow matching,
 velocity ``noise - x0`` at the scheduler's timestep (``sigma * 1000``).
 
-Not registered in ``diffpipe/families/__init__.py`` yet: diffusers 0.42.1's ``HunyuanImagePipeline``
-has no LoRA loader, so the diffusers-format export (which the workflow always
-writes) and ``load_lora_weights`` cannot work. Importing this module registers it.
+diffusers 0.42.1's ``HunyuanImagePipeline`` has no LoRA loader (no ``load_lora_weights``): the
+diffusers-format file loads through the transformer's own PEFT mixin, ``pipe.transformer.load_lora_adapter(
+file, prefix="transformer")`` (:meth:`HunyuanImageFamily.load_lora`, the model card's line).
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from diffusers import (
     HunyuanImagePipeline,
     HunyuanImageTransformer2DModel,
 )
+from diffusers.loaders import QwenImageLoraLoaderMixin
 from transformers import (
     AutoTokenizer,
     ByT5Tokenizer,
@@ -82,6 +83,9 @@ class HunyuanImageFamily(Family):
     vae_model = Model(AutoencoderKLHunyuanImage, TINY_VAE)
     denoiser_model = Model(HunyuanImageTransformer2DModel, TINY_TRANSFORMER)
     pipeline_class = HunyuanImagePipeline
+    #: The pipeline has no saver: a single-transformer pipeline's mixin writes the same ``transformer.``
+    #: layout with the adapter config in the header, which the transformer's ``load_lora_adapter`` reads.
+    lora_writer = QwenImageLoraLoaderMixin
     #: Attention of both streams and the feed-forwards of the double blocks (Flux-like blocks).
     default_lora_targets: ClassVar[list[str]] = targets.dual_stream()
 
@@ -123,6 +127,11 @@ class HunyuanImageFamily(Family):
                     guiders[name] = AdaptiveProjectedMixGuidance.from_pretrained(self.cfg.path, subfolder=name)
         return self.load_text_encoders().pipeline(
             scheduler=self.inference_scheduler(), vae=self.load_vae(), transformer=self.load_denoiser(), **guiders)
+
+    def load_lora(self, pipe: HunyuanImagePipeline, file: str | Path, **load_kwargs: Any) -> None:
+        """The pipeline has no ``load_lora_weights`` (diffusers 0.42.1); its transformer's PEFT mixin reads
+        the diffusers file's ``transformer.`` keys (the scale is folded into them, so no alphas)."""
+        pipe.transformer.load_lora_adapter(str(file), prefix="transformer", **load_kwargs)
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         # No guidance_scale argument: CFG strength lives in the guider component.
@@ -184,6 +193,3 @@ class HunyuanImageFamily(Family):
             "encoder_attention_mask_2": text["prompt_embeds_mask_2"].to(device=device, dtype=torch.long),
         }
         return self.flow_prepared(f, inputs, mask, objective)
-
-    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
-        raise NotImplementedError("hunyuanimage: pipeline-parallel layers are not implemented yet")

@@ -22,5 +22,9 @@ PUBLISHED: list[Published] = [
     Published(
         "hunyuanimage-2.1", "hunyuanimage", "HunyuanImageTransformer2DModel", {"text_embed_2_dim": 1472},
         17e9, 2, "tencent/HunyuanImage-2.1 model card: 17B parameters",
+        # The pipeline's lengths: 1000 Qwen2.5-VL tokens (3584 wide), 128 glyph tokens (ByT5, 1472 wide).
+        text={"prompt_embeds": (1000, 3584), "prompt_embeds_mask": (1000,), "prompt_embeds_2": (128, 1472),
+              "prompt_embeds_mask_2": (128,)},
+        latent_channels=64, vae_factor=32,
     ),
 ]
