@@ -68,8 +68,11 @@ _MODULAR = "diffusers 0.42.1 ships it only as a modular pipeline; diffpipe build
 #: loader mixin of the pinned diffusers is used by a registered family's pipeline or listed here.
 NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
     "OmniGen2": (None, "diffusers 0.42.1 has no OmniGen2 classes (only OmniGen v1's, without a LoRA loader)"),
-    "Bria FIBO 2": ("BriaFibo2LoraLoaderMixin", "its text side is a Qwen3VLProcessor, which transformers builds only "
-                    "with its video processor, and that needs torchvision; " + _TORCHVISION),
+    "Bria FIBO 2": ("BriaFibo2LoraLoaderMixin", "not written yet. Its pipeline encodes with a Qwen3VLProcessor, which "
+                    "transformers builds only with torchvision (" + _TORCHVISION + "); for text the processor's "
+                    "tokenizer would serve, as for FLUX.2 [dev], but Fibo 2 also reads structured JSON captions, "
+                    "draws images of their text for Qwen3-VL and guides with a JSON null caption, which the caches "
+                    "and caption dropout would have to follow"),
     "FLUX.3": ("Flux3LoraLoaderMixin", _MODULAR),
     "Anima": ("AnimaLoraLoaderMixin", _MODULAR),
     "MiniMax H3": ("MiniMaxH3LoraLoaderMixin", _MODULAR),
