@@ -324,6 +324,69 @@ def test_ltx2_trains_the_video_stream_as_the_pipeline_feeds_it(run):
         assert not torch.allclose(video, denoiser(**joint, return_dict=False)[0])
 
 
+def _ltx23_folder(folder):
+    """The tiny LTX-2 pipeline rebuilt with LTX-2.3's architecture and saved as a folder: gated attention
+    and prompt modulation in both streams, no caption projection in the transformer, and per-modality text
+    projections in the connectors, which then run at the streams' widths."""
+    from diffusers import LTX2VideoTransformer3DModel
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    from diffpipe.families.ltx2.flavors import TINY_CONNECTORS, TINY_TRANSFORMER
+
+    pipe = get_family(ModelConfig(family="ltx2")).load_pipeline()
+    t = TINY_TRANSFORMER
+    torch.manual_seed(0)
+    transformer = LTX2VideoTransformer3DModel(**t, gated_attn=True, cross_attn_mod=True, audio_gated_attn=True,
+                                              audio_cross_attn_mod=True, use_prompt_embeddings=False)
+    connectors = LTX2TextConnectors(**{
+        **TINY_CONNECTORS, "per_modality_projections": True, "video_gated_attn": True, "audio_gated_attn": True,
+        "video_hidden_dim": t["num_attention_heads"] * t["attention_head_dim"],
+        "audio_hidden_dim": t["audio_num_attention_heads"] * t["audio_attention_head_dim"],
+        "video_connector_attention_head_dim": t["attention_head_dim"],
+        "audio_connector_attention_head_dim": t["audio_attention_head_dim"]})
+    type(pipe)(**{**pipe.components, "transformer": transformer, "connectors": connectors}).save_pretrained(folder)
+    return folder
+
+
+def test_ltx2_3_folder_trains_what_the_pipeline_feeds(tmp_path):
+    """LTX-2.3 (a local folder of its architecture): the cached text is the connectors' per-modality output
+    the pipeline's first transformer call gets, with the same timestep as ``sigma`` (its prompt modulation
+    reads it); the video prediction ignores the audio placeholder; a LoRA step reaches every B; the
+    pipeline-parallel layers give the denoiser's prediction."""
+    from diffpipe.export.keymaps import keymap_for_model
+    from diffpipe.models.layers import run_layers
+    from diffpipe.training import adapter
+
+    family = get_family(ModelConfig(family="ltx2", flavor="local", path=str(_ltx23_folder(tmp_path / "ltx23"))))
+    den = family.load_denoiser()
+    assert den.config.cross_attn_mod and not den.config.use_prompt_embeddings and den.prompt_modulation
+    first = _first_transformer_call(family, height=32, width=32, num_frames=9, **LTX2_UNGUIDED)
+    text = family.encode_text(family.load_text_encoders(), ["a red circle"])
+    assert text["prompt_embeds"].shape[-1] == den.config.cross_attention_dim  # the video projection's width
+    torch.testing.assert_close(first["encoder_hidden_states"], text["prompt_embeds"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(first["encoder_attention_mask"].float(), text["prompt_attention_mask"])
+    sigma0 = first["timestep"][0] / 1000
+    shift = family.timestep_shift(2 * 4 * 4)
+    t = sigma0 / (shift - (shift - 1) * sigma0)
+    latents = torch.randn(1, 8, 2, 4, 4, generator=torch.Generator().manual_seed(0))
+    prepared = family.prepare(latents, text, torch.Generator(), objective=ObjectiveConfig(), t=t.expand(1))
+    ours = prepared.inputs
+    for key in ("timestep", "sigma"):
+        torch.testing.assert_close(ours[key], first[key].float(), rtol=1e-5, atol=1e-3)
+    with torch.no_grad():
+        video = family.predict(den, prepared)
+        audio = family.audio_placeholder(den, ours["hidden_states"])
+        noisy = {**ours, **{k: torch.randn_like(v) for k, v in audio.items() if k != "audio_encoder_attention_mask"}}
+        assert torch.equal(video, den(**noisy, return_dict=False)[0])
+        torch.testing.assert_close(run_layers(family.pipeline_layers(den), family.layer_inputs(prepared)), video,
+                                   rtol=1e-5, atol=1e-5)
+    keymap_for_model("ltx2", den).check_covers(den)  # its gates and prompt modulation have original names
+    adapter.add_lora(den, peft.LoraConfig(r=2, lora_alpha=2, target_modules=family.lora_targets(None)))
+    family.loss(den, latents, text, torch.Generator().manual_seed(0)).mean().backward()
+    b = [p for n, p in den.named_parameters() if "lora_B" in n]
+    assert b and all(p.grad is not None and p.grad.abs().sum() > 0 for p in b)
+
+
 @pytest.mark.parametrize("run", ["cosmos2-video"], indirect=True)
 def test_video2world_condition_equals_the_pipeline_construction(run, monkeypatch):
     """Cosmos-Predict2 Video2World: a cached clip's first latent frames are what the stock pipeline's

@@ -8,7 +8,7 @@ from diffpipe.models.spec import FamilySpec, Kohya
 SPEC = FamilySpec(
     name="ltx2",
     family_class="LTX2Family",
-    model="LTX-2 19B",
+    model="LTX-2 19B; LTX-2.3 from a local folder (its architecture tested on a tiny rebuild)",
     tasks="text-to-video, image-to-video (`variant: i2v`, the same checkpoint): the video stream of the "
           "audio-video transformer, modalities isolated (the audio stream and the sound are not trained; "
           "samples generate sound, and keep the video); 24 fps, 8k+1 frames, sample sides multiples of 32",

@@ -29,6 +29,10 @@ build the input; that frame is left out of the loss (the pipeline never updates 
 VAE's mode, as the pipeline encodes its image (``argmax``). ``model.first_frame_p`` gives the first frame
 to each item with that probability only, the others training as text-to-video on the same clip, so one
 LoRA serves both pipelines (Lightricks' trainer's ``first_frame_conditioning_p``).
+
+LTX-2.3 folders load the same way: gated attention and prompt modulation in both streams (fed ``sigma``),
+no caption projection in the transformer, and per-modality text projections in the connectors, whose video
+output the cache then holds at the attention's width (tested on a tiny rebuild of that architecture).
 """
 
 from __future__ import annotations
