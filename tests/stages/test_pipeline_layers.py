@@ -121,7 +121,7 @@ def test_wan_layers_and_inputs_reproduce_the_loss(variant, expert):
         assert (inputs[1] < family.boundary_ratio * 1000).all()
 
 
-@pytest.mark.parametrize("name", ["cogvideox", "hunyuanvideo", "ltxvideo", "ltx2", pytest.param(
+@pytest.mark.parametrize("name", ["cogvideox", "hunyuanvideo", "ltxvideo", "ltx2", "helios", pytest.param(
     "mochi", marks=pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning"))])  # Mochi's rope
 def test_video_layers_equal_forward_and_reproduce_the_loss(name):
     """Video families: the layers' prediction equals the transformer's, and pipeline_inputs + the
@@ -135,7 +135,7 @@ def test_video_layers_equal_forward_and_reproduce_the_loss(name):
     text = family.encode_text(family.load_text_encoders(), ["a red circle", "a blue square moving left to right"])
     o = ObjectiveConfig(min_snr_gamma=5.0) if name == "cogvideox" else ObjectiveConfig()
     layers = _layers_reproduce_the_loss(family, den, latents, text, o)
-    blocks = [*den.transformer_blocks, *getattr(den, "single_transformer_blocks", [])]
+    blocks = getattr(den, "blocks", None) or [*den.transformer_blocks, *getattr(den, "single_transformer_blocks", [])]
     assert len(layers) == len(blocks) + 2
 
 
@@ -377,3 +377,17 @@ def test_ltx2_layers_cross_stage_boundaries(variant):
                                   **control)
         torch.testing.assert_close(run_layers(layers, inputs), family.predict(den, prepared), rtol=1e-5, atol=1e-5)
     _check_stage_boundaries("ltx2", layers, inputs, labels, pipeline_loss_fn(ObjectiveConfig()))
+
+
+def test_helios_layers_cross_stage_boundaries():
+    """Helios' tuple (the history's rotary positions and timestep modulation before the chunk's, the chunk's
+    token count) crosses a stage boundary after any layer."""
+    from diffpipe.config import ObjectiveConfig
+    from diffpipe.training.pipeline import pipeline_loss_fn
+
+    family = get_family(ModelConfig(family="helios"))
+    den = _with_lora(family)
+    latents = torch.randn(2, den.config.in_channels, 2, 4, 6, generator=torch.Generator().manual_seed(0))
+    text = family.encode_text(family.load_text_encoders(), ["a red circle", "a blue square"])
+    inputs, labels = family.pipeline_inputs(latents, text, torch.Generator().manual_seed(3))
+    _check_stage_boundaries("helios", family.pipeline_layers(den), inputs, labels, pipeline_loss_fn(ObjectiveConfig()))

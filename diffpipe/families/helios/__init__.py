@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.helios.flavors import PUBLISHED
-from diffpipe.models.spec import Absent, FamilySpec, diffusers_files_only
+from diffpipe.models.spec import FamilySpec, diffusers_files_only
 
 SPEC = FamilySpec(
     name="helios",
@@ -15,5 +15,4 @@ SPEC = FamilySpec(
     published=tuple(PUBLISHED),
     **diffusers_files_only("not written yet: Helios' LoRAs use Wan's names (diffusers reads them with Wan's "
                            "converters), but its history patch embeddings are not in Wan's key map"),
-    layers=Absent("not written yet: the first layer would carry the history latents and frame indices"),
 )

@@ -35,7 +35,7 @@ from diffusers.pipelines.helios.pipeline_helios import calculate_shift
 from diffpipe.families.helios.flavors import TINY_SCHEDULER, TINY_TRANSFORMER
 from diffpipe.families.wan.family import WanFamily, WanVariant
 from diffpipe.families.wan.flavors import TINY_VAE
-from diffpipe.models.base import Family, Prepared
+from diffpipe.models.base import Prepared
 
 #: The pipeline's defaults: history windows (long, mid, the last frame), latent frames per chunk.
 HISTORY_SIZES = (16, 2, 1)
@@ -76,8 +76,13 @@ class HeliosFamily(WanFamily):
     model_label = "Helios"
     extra_single_files = ()
     pipeline_class = HeliosPipeline
-    #: Not Wan's layers: this family's spec says why it has none.
-    pipeline_layers = Family.pipeline_layers
+    def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """Embedding (the chunk, its history windows and the timestep modulation), one layer per block,
+        output (``layers.py``). Input tuple: ``prepared.inputs`` in order (Wan's, then the history's)."""
+        from diffpipe.families.helios.layers import helios_layers
+        from diffpipe.models import _common as common
+
+        return helios_layers(common.unwrap(denoiser))
 
     @staticmethod
     def detect_variant(path: str | Path) -> str | None:
