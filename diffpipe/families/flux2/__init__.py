@@ -10,10 +10,12 @@ SPEC = FamilySpec(
     family_class="Flux2Family",
     model="FLUX.2 [dev]",
     tasks="text-to-image (flow matching, guidance-distilled; Mistral 3 text, 3 layers stacked; FLUX.2 [klein]'s "
-          "transformer class and VAE; reference images not trained)",
+          "transformer class and VAE); editing with up to 10 reference images (`variant: edit`, the same "
+          "checkpoint)",
     targets="as `flux2-klein`",
     published=tuple(PUBLISHED),
     layers="diffpipe.families.flux2_klein.layers",
+    layers_refused="`variant: edit`",
     kohya=Kohya("flux2", "flux-2-dev/lora", "https://github.com/black-forest-labs/flux2"),
     comfyui_readers="ComfyUI (original names, fused `qkv`), `Flux2Pipeline.load_lora_weights` (except a LoRA on "
                     "`norm_out`)",
