@@ -53,6 +53,21 @@ def run_stages(config, *, cwd, monkeypatch, empty_caption: bool = False,
         invoke(stage, "-c", c, cwd=cwd, monkeypatch=monkeypatch)
 
 
+def run_config(cfg: dict, root, name: str, **kwargs):
+    """Write ``cfg`` as ``root/<name>.yaml`` and run its stages in ``root`` (:func:`run_stages`, ``kwargs``)
+    under a one-process rendezvous of their own; returns the config's path."""
+    import yaml
+
+    config = root / f"{name}.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    monkeypatch = rendezvous()
+    try:
+        run_stages(str(config), cwd=root, monkeypatch=monkeypatch, **kwargs)
+    finally:
+        monkeypatch.undo()
+    return config
+
+
 def edit_outputs(family, denoiser, batch, control=None):
     """An edit family's forward on a cached batch at fixed t and noise: ``((sequence length, img_shapes,
     raw output), loss)``, the transformer's inputs seen through a hook; ``control`` replaces the batch's."""

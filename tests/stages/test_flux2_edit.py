@@ -12,9 +12,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import yaml
 from PIL import Image
-from stage_cli import rendezvous, run_stages
+from stage_cli import run_config
 
 from diffpipe.config import ModelConfig, load_config
 from diffpipe.data.cache.reader import CachedDataset
@@ -50,13 +49,7 @@ def run(tmp_path_factory):
         "sample": {"prompts": ["swap the colours"], "steps": 2, "width": SIZE[0], "height": SIZE[1],
                    "images": [str(root / "ref1" / "item_0.png")]},
     }
-    config = root / "flux2-edit.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    monkeypatch = rendezvous()
-    try:
-        run_stages(str(config), cwd=root, monkeypatch=monkeypatch)
-    finally:
-        monkeypatch.undo()
+    config = run_config(cfg, root, "flux2-edit")
     return load_config(config), RunPaths(root / "run"), root
 
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-import yaml
 from diffusers import FluxControlPipeline
 from PIL import Image
-from stage_cli import rendezvous, run_stages
+from stage_cli import run_config
 
 from diffpipe.config import load_config
 from diffpipe.data.cache.reader import CachedDataset
@@ -48,14 +47,7 @@ def run(tmp_path_factory):
         "sample": {"prompts": ["a circle"], "steps": 2, "width": 32, "height": 32,
                    "images": [str(root / "controls" / "shape_000.png")]},
     }
-    config = root / "control.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    monkeypatch = rendezvous()
-    try:
-        run_stages(str(config), cwd=root, monkeypatch=monkeypatch)
-    finally:
-        monkeypatch.undo()
-    return load_config(config), RunPaths(root / "run")
+    return load_config(run_config(cfg, root, "control")), RunPaths(root / "run")
 
 
 def test_stages_write_their_outputs(run):
