@@ -10,7 +10,7 @@ SPEC = FamilySpec(
     family_class="Flux2Family",
     model="FLUX.2 [dev]",
     tasks="text-to-image (flow matching, guidance-distilled; Mistral 3 text, 3 layers stacked; FLUX.2 [klein]'s "
-          "transformer class and VAE); editing with up to 10 reference images (`variant: edit`, the same "
+          "transformer class and VAE); editing with up to 4 reference images (`variant: edit`, the same "
           "checkpoint)",
     targets="as `flux2-klein`",
     published=tuple(PUBLISHED),

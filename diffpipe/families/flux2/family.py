@@ -35,6 +35,7 @@ from diffusers import Flux2Pipeline, Flux2Transformer2DModel
 from diffusers.pipelines.flux2.pipeline_flux2 import format_input
 from transformers import AutoTokenizer, Mistral3Config, Mistral3ForConditionalGeneration
 
+from diffpipe.config import MAX_REFERENCES
 from diffpipe.families.flux2.flavors import TINY_LENGTH, TINY_TEXT, TINY_TRANSFORMER, TINY_VISION
 from diffpipe.families.flux2_klein.family import Flux2KleinFamily
 from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
@@ -83,8 +84,6 @@ def chat_prompts(tokenizer: Any, captions: list[str]) -> list[str]:
     return [tokenizer.apply_chat_template(m, tokenize=False) for m in format_input(prompts=list(captions))]
 
 
-#: References per item under ``variant: edit`` (FLUX.2 [dev]'s model card: up to 10 reference images).
-MAX_REFERENCES = 10
 
 
 def reference_tokens(control: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -117,7 +116,7 @@ class Flux2Family(Flux2KleinFamily):
         #: ``variant: edit`` trains with reference images (instance attributes: one variant).
         self.variant = cfg.variant
         self.uses_control = self.variant == "edit"
-        self.max_references = MAX_REFERENCES if self.uses_control else 1
+        self.max_references = MAX_REFERENCES if self.uses_control else 1  # the datasets' limit
 
     # -- encoding --------------------------------------------------------------
     def count_tokens(self, encoders: TextBundle, captions: list[str]) -> dict[str, list[int]]:
