@@ -165,7 +165,7 @@ def nf4_dequantise_bytes(numel: int, width: int) -> int:
 def quantised_layers(denoiser: torch.nn.Module, kind: str = "int8") -> list[str]:
     """The Linear layers ``base_weights: int8`` / ``nf4`` quantise: frozen, not a LoRA layer, and not one
     that diffusers' layerwise casting keeps in 16/32 bits (norms and AdaLN modulation, embeddings,
-    ``proj_in`` / ``proj_out``), so they store the layers fp8 stores in 8 bits; for ``nf4``, also only
+    ``proj_in`` / ``proj_out``), so they are the layers fp8 stores in float8; for ``nf4``, also only
     weights of a multiple of 64 elements (every one at real size)."""
     import re
 

@@ -84,8 +84,6 @@ def chat_prompts(tokenizer: Any, captions: list[str]) -> list[str]:
     return [tokenizer.apply_chat_template(m, tokenize=False) for m in format_input(prompts=list(captions))]
 
 
-
-
 def reference_tokens(control: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference latents ``[B, C, R, h, w]`` (cached like the target: patchified, normalised) -> their packed
     tokens one after the other ``[B, R*h*w, C]`` and positions ``[B, R*h*w, 4]``, as
@@ -127,7 +125,8 @@ class Flux2Family(Flux2KleinFamily):
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32, control: torch.Tensor | None = None):
         """FLUX.2 [klein]'s inputs with the distilled guidance after ``sigma`` (the pipeline passes it in
-        float32; the transformer scales it by 1000 as the timestep)."""
+        float32; the transformer scales it by 1000 as the timestep); under ``variant: edit`` the references'
+        tokens and positions in ``extra["reference"]``."""
         p = super().prepare(latents, text, generator, objective=objective, t=t, noise=noise, mask=mask, dtype=dtype)
         items = list(p.inputs.items())
         hidden = items[0][1]
