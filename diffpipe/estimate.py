@@ -471,7 +471,10 @@ def estimate_for(
     except RuntimeError as err:
         # Mochi's rotary embedding opens an enabled torch.autocast on its tensors' device: not on meta (a
         # disabled one is a no-op there, _meta_autocast_disabled; the error may come from inside autocast).
-        if "autocast" not in str(err) and not _raised_in(err, "autocast_mode.py"):
+        # A forward that branches on a tensor's value (HunyuanVideo 1.5's all-zero image embeddings) cannot
+        # run on meta either: its activations stay unmeasured, as for Lumina 2's mask above.
+        reads_value = "cannot be called on meta tensors" in str(err)
+        if not reads_value and "autocast" not in str(err) and not _raised_in(err, "autocast_mode.py"):
             raise
     if activation_bytes is not None:
         activation_bytes += workspace

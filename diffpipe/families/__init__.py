@@ -49,6 +49,7 @@ FAMILIES: dict[str, str] = {
     "ltx2": "ltx2",
     "cogvideox": "cogvideox",
     "hunyuanvideo": "hunyuanvideo",
+    "hunyuanvideo15": "hunyuanvideo15",
     "kandinsky5": "kandinsky5",
     "kandinsky5-image": "kandinsky5_image",
     "cosmos2-video": "cosmos2_video",
@@ -68,6 +69,9 @@ _MODULAR = "diffusers 0.42.1 ships it only as a modular pipeline; diffpipe build
 #: loader mixin of the pinned diffusers is used by a registered family's pipeline or listed here.
 NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
     "OmniGen2": (None, "diffusers 0.42.1 has no OmniGen2 classes (only OmniGen v1's, without a LoRA loader)"),
+    "PixArt-α / PixArt-Σ": (None, "diffusers 0.42.1's PixArt pipelines have no LoRA loader and its "
+                           "PixArtTransformer2DModel no PEFT mixin (no `load_lora_adapter`), so no diffusers API "
+                           "would load the LoRA"),
     "Bria FIBO 2": ("BriaFibo2LoraLoaderMixin", "not written yet. Its pipeline encodes with a Qwen3VLProcessor, which "
                     "transformers builds only with torchvision (" + _TORCHVISION + "); for text the processor's "
                     "tokenizer would serve, as for FLUX.2 [dev], but Fibo 2 also reads structured JSON captions, "

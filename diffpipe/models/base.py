@@ -814,6 +814,24 @@ def get_family(cfg: ModelConfig) -> Family:
     return cls(hub.resolved(cfg))  # a Hugging Face id becomes its cached snapshot folder
 
 
+class TransformerLoRA:
+    """Families whose stock pipeline has no LoRA loader (put before the base family in the bases): a
+    single-transformer pipeline's mixin writes the diffusers file (the same ``transformer.`` layout, the
+    adapter config in the header), and the transformer's own PEFT mixin loads it
+    (``spec.loads_through_transformer`` puts that on the model card)."""
+
+    @property
+    def lora_writer(self) -> type:
+        from diffusers.loaders import QwenImageLoraLoaderMixin
+
+        return QwenImageLoraLoaderMixin
+
+    def load_lora(self, pipe: Any, file: str | Path, **load_kwargs: Any) -> None:
+        """``pipe.transformer.load_lora_adapter``: the diffusers file's ``transformer.`` keys (the scale is
+        folded into them, so no alphas)."""
+        pipe.transformer.load_lora_adapter(str(file), prefix="transformer", **load_kwargs)
+
+
 class ReferenceTokens:
     """Edit families (put before the base family in the bases): the control latents become reference tokens
     (``prepared.extra["reference"]``, from :meth:`reference_tokens`) beside the base family's inputs; the

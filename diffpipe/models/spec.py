@@ -159,6 +159,14 @@ def generic_comfy_names(kohya: Kohya, names: str) -> dict[str, Any]:
     }
 
 
+def loads_through_transformer(pipeline: str) -> dict[str, Any]:
+    """The model card's diffusers line of a family whose stock pipeline has no LoRA loader (``pipeline``: its
+    class name): the transformer's own PEFT mixin loads the file (:class:`~diffpipe.models.base.
+    TransformerLoRA`). Spread into :class:`FamilySpec` (``**loads_through_transformer(...)``)."""
+    return {"how_to_load": {"diffusers": "`pipe.transformer.load_lora_adapter(\"{path}\", prefix=\"transformer\")` "
+                                         f"(diffusers 0.42.1's {pipeline} has no `load_lora_weights`)"}}
+
+
 def diffusers_files_only(reason: str) -> dict[str, Any]:
     """The spec fields of a family whose LoRA is written for diffusers/PEFT only: no kohya metadata, no
     key map to the original checkpoint names (both absent for ``reason``), and no ComfyUI or kohya

@@ -150,6 +150,9 @@ def tokenizer_fingerprint(tokenizer) -> str:
         return digest({"class": type(tokenizer).__name__, "tokenizer": tokenizer_fingerprint(tokenizer.tokenizer),
                        "image_processor": [type(tokenizer.image_processor).__name__,
                                            tokenizer.image_processor.to_dict()]})
+    if not hasattr(tokenizer, "backend_tokenizer"):  # a Python tokenizer (ByT5's bytes): its vocabulary
+        return digest({"class": type(tokenizer).__name__, "vocab": tokenizer.get_vocab(),
+                       "model_max_length": tokenizer.model_max_length})
     backend = json.loads(tokenizer.backend_tokenizer.to_str())
     # Padding and truncation are per-call state that transformers leaves on
     # the backend (and save_pretrained then writes): not part of the identity.

@@ -50,6 +50,7 @@ SPECS = {
     "ltxvideo": (9, (2, 3, 5), 9),  # 25 fps: 14 frames available -> 8k+1 = 9; sides multiples of 8: 40x24
     "cogvideox": (9, (3, 4, 6), 9),  # 8 fps clips of 9 frames; an odd latent count decodes back to 9 frames
     "hunyuanvideo": (5, (2, 4, 6), 5),  # 24 fps: 13 available, bucket 5 (4k+1)
+    "hunyuanvideo15": (5, (2, 3, 5), 5),  # 24 fps, 4k+1 frames; sides multiples of 8: 40x24
     "mochi": (7, (2, 4, 6), 7),  # 30 fps: 16 available, bucket 7 (6k+1)
     "cosmos2-video": (9, (3, 4, 6), 9),  # 16 fps: the 9 demo frames (4k+1)
     "skyreels-v2": (5, (2, 4, 6), 5),  # 24 fps, Wan's 4k+1 frames
@@ -150,7 +151,7 @@ def test_lora_loads_in_stock_pipeline_and_matches_training(run):
     pipe = family.load_pipeline()
     assert isinstance(pipe, family.pipeline_class)
     base = _denoiser_output(family, pipe.transformer, batch)
-    pipe.load_lora_weights(str(p.export_diffusers))
+    family.load_lora(pipe, p.export_diffusers)
     loaded = _denoiser_output(family, pipe.transformer, batch)
     expected = _denoiser_output(family, apply_adapter(family.load_denoiser(), p.adapter_dir), batch)
     assert (loaded - base).abs().max() > 1e-5, "the LoRA does not change the output"
@@ -177,6 +178,10 @@ def test_text_cache_equals_the_pipeline_prompt_embeds(run):
                 captions, prompt_template=tpl, max_sequence_length=enc.max_sequence_length
             )
             theirs = {"prompt_embeds": embeds, "prompt_attention_mask": mask, "pooled_prompt_embeds": pooled}
+        elif family.name == "hunyuanvideo15":  # Qwen2.5-VL's states after the template, ByT5's of quoted text
+            embeds, mask, embeds_2, mask_2 = pipe.encode_prompt(captions, batch_size=2, dtype=torch.float32)
+            theirs = {"prompt_embeds": embeds, "prompt_embeds_mask": mask, "prompt_embeds_2": embeds_2,
+                      "prompt_embeds_mask_2": mask_2}
         elif family.name in ("skyreels-v2", "helios"):  # Wan's: zeros past each prompt's tokens, no mask
             embeds, _ = pipe.encode_prompt(captions, do_classifier_free_guidance=False,
                                            max_sequence_length=enc.max_sequence_length)
@@ -287,6 +292,36 @@ def test_helios_trains_the_first_chunk_as_the_pipeline_feeds_it(run):
 #: LTX2Pipeline's other guidance terms off (each adds transformer calls), for a single conditional call.
 LTX2_UNGUIDED = {"audio_guidance_scale": 1.0, "stg_scale": 0.0, "audio_stg_scale": 0.0, "modality_scale": 1.0,
                  "audio_modality_scale": 1.0}
+
+
+@pytest.mark.parametrize("run", ["hunyuanvideo15"], indirect=True)
+def test_hunyuanvideo15_trains_what_the_pipeline_feeds(run):
+    """HunyuanVideo 1.5: the stock pipeline's first transformer call (hooked) gets the cached text of both
+    encoders, zero condition latents and mask stacked after the noisy clip, zero image embeddings (its
+    text-to-video switch), and the timestep of the loss at the same shift."""
+    cfg, _ = run
+    family = get_family(cfg.model)
+    pipe = family.load_pipeline()
+    calls = []
+    pipe.transformer.register_forward_pre_hook(lambda m, a, kw: calls.append(kw), with_kwargs=True)
+    with torch.no_grad():
+        pipe(prompt="a red circle", height=24, width=40, num_frames=5, num_inference_steps=2, output_type="latent")
+    first = calls[0]
+    text = family.encode_text(family.load_text_encoders(), ["a red circle"])
+    latents = torch.randn(1, 4, 2, 3, 5, generator=torch.Generator().manual_seed(0))
+    sigma0 = first["timestep"][0] / 1000
+    shift = family.shift_for(latents)
+    t = sigma0 / (shift - (shift - 1) * sigma0)  # the fraction whose shifted level is the pipeline's first
+    ours = family.prepare(latents, text, torch.Generator(), objective=ObjectiveConfig(), t=t.expand(1)).inputs
+    assert set(ours) | {"image_embeds"} == {k for k, v in first.items() if isinstance(v, torch.Tensor)}
+    assert ours["hidden_states"].shape == first["hidden_states"].shape == (1, 9, 2, 3, 5)
+    assert not first["hidden_states"][:, 4:].any() and not ours["hidden_states"][:, 4:].any()
+    embeds = family.image_embeds(pipe.transformer, ours["hidden_states"])  # what predict adds
+    assert embeds.shape == first["image_embeds"].shape and not first["image_embeds"].any() and not embeds.any()
+    for key in ("encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2",
+                "encoder_attention_mask_2", "timestep"):
+        torch.testing.assert_close(ours[key], first[key].float(), rtol=1e-5, atol=1e-3)
+    assert shift > 1
 
 
 @pytest.mark.parametrize("run", ["ltx2"], indirect=True)

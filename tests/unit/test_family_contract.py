@@ -155,12 +155,18 @@ def test_every_lora_loader_of_diffusers_is_a_family_or_said_not_to_be():
     assert set(mixins) == used | listed, f"neither a family nor listed: {sorted(set(mixins) - used - listed)}"
 
 
-def test_a_pipeline_without_a_lora_loader_gets_the_familys_writer_loader_and_card_line():
-    """HunyuanImage 2.1's pipeline has neither ``save_lora_weights`` nor ``load_lora_weights`` (diffusers
-    0.42.1): the family names a writer, loads through the transformer, and its card says so."""
+@pytest.mark.parametrize("name", family_names())
+def test_a_pipeline_without_a_lora_loader_gets_a_writer_a_loader_and_a_card_line(name):
+    """Where the stock pipeline has neither ``save_lora_weights`` nor ``load_lora_weights`` (diffusers 0.42.1's
+    HunyuanImage and HunyuanVideo 1.5 pipelines), the family writes and loads through the transformer and its
+    card says so; every other pipeline writes and loads the file itself."""
     from diffpipe.export.card import how_to_load
+    from diffpipe.models import get_family
+    from diffpipe.models.base import TransformerLoRA
 
-    cls = spec("hunyuanimage").family_type()
-    assert not hasattr(cls.pipeline_class, "load_lora_weights") and not hasattr(cls.pipeline_class, "save_lora_weights")
-    assert cls.lora_writer is not None and cls.load_lora is not Family.load_lora
-    assert 'pipe.transformer.load_lora_adapter("{path}", prefix="transformer")' in how_to_load("diffusers", "hunyuanimage")
+    family = get_family(ModelConfig(family=name))
+    own = hasattr(family.pipeline_class, "load_lora_weights")
+    assert own == hasattr(family.pipeline_class, "save_lora_weights")
+    assert own != isinstance(family, TransformerLoRA), name
+    line = how_to_load("diffusers", name)
+    assert ('pipe.transformer.load_lora_adapter("{path}", prefix="transformer")' in line) != own, line

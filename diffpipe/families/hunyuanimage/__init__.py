@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.hunyuanimage.flavors import PUBLISHED
-from diffpipe.models.spec import Absent, FamilySpec, diffusers_files_only
+from diffpipe.models.spec import Absent, FamilySpec, diffusers_files_only, loads_through_transformer
 
 SPEC = FamilySpec(
     name="hunyuanimage",
@@ -14,8 +14,6 @@ SPEC = FamilySpec(
     published=tuple(PUBLISHED),
     **diffusers_files_only("not written yet: diffusers 0.42.1 has no LoRA converter for HunyuanImage 2.1 to "
                            "check original names against"),
-    # HunyuanImagePipeline has no LoRA loader in diffusers 0.42.1; its transformer's PEFT mixin reads the file.
-    how_to_load={"diffusers": "`pipe.transformer.load_lora_adapter(\"{path}\", prefix=\"transformer\")` "
-                              "(diffusers 0.42.1's HunyuanImagePipeline has no `load_lora_weights`)"},
+    **loads_through_transformer("HunyuanImagePipeline"),
     layers=Absent("not implemented yet"),
 )

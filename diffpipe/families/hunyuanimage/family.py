@@ -13,7 +13,7 @@ velocity ``noise - x0`` at the scheduler's timestep (``sigma * 1000``).
 
 diffusers 0.42.1's ``HunyuanImagePipeline`` has no LoRA loader (no ``load_lora_weights``): the
 diffusers-format file loads through the transformer's own PEFT mixin, ``pipe.transformer.load_lora_adapter(
-file, prefix="transformer")`` (:meth:`HunyuanImageFamily.load_lora`, the model card's line).
+file, prefix="transformer")`` (:class:`~diffpipe.models.base.TransformerLoRA`, the model card's line).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from diffusers import (
     HunyuanImagePipeline,
     HunyuanImageTransformer2DModel,
 )
-from diffusers.loaders import QwenImageLoraLoaderMixin
 from transformers import (
     AutoTokenizer,
     ByT5Tokenizer,
@@ -45,7 +44,7 @@ from diffpipe.families.hunyuanimage.flavors import TINY_BYT5, TINY_SCHEDULER, TI
 from diffpipe.families.qwenimage.family import tiny_qwen_tokenizer, tiny_qwen_vl
 from diffpipe.models import _common as common
 from diffpipe.models import targets
-from diffpipe.models.base import Family, Prepared
+from diffpipe.models.base import Family, Prepared, TransformerLoRA
 from diffpipe.models.components import Model
 from diffpipe.models.tokenizers import tokenizer_fingerprint
 from diffpipe.utils import digest
@@ -77,15 +76,12 @@ class HunyuanText:
         return pipe
 
 
-class HunyuanImageFamily(Family):
+class HunyuanImageFamily(TransformerLoRA, Family):
     name = "hunyuanimage"
     scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
     vae_model = Model(AutoencoderKLHunyuanImage, TINY_VAE)
     denoiser_model = Model(HunyuanImageTransformer2DModel, TINY_TRANSFORMER)
     pipeline_class = HunyuanImagePipeline
-    #: The pipeline has no saver: a single-transformer pipeline's mixin writes the same ``transformer.``
-    #: layout with the adapter config in the header, which the transformer's ``load_lora_adapter`` reads.
-    lora_writer = QwenImageLoraLoaderMixin
     #: Attention of both streams and the feed-forwards of the double blocks (Flux-like blocks).
     default_lora_targets: ClassVar[list[str]] = targets.dual_stream()
 
@@ -127,11 +123,6 @@ class HunyuanImageFamily(Family):
                     guiders[name] = AdaptiveProjectedMixGuidance.from_pretrained(self.cfg.path, subfolder=name)
         return self.load_text_encoders().pipeline(
             scheduler=self.inference_scheduler(), vae=self.load_vae(), transformer=self.load_denoiser(), **guiders)
-
-    def load_lora(self, pipe: HunyuanImagePipeline, file: str | Path, **load_kwargs: Any) -> None:
-        """The pipeline has no ``load_lora_weights`` (diffusers 0.42.1); its transformer's PEFT mixin reads
-        the diffusers file's ``transformer.`` keys (the scale is folded into them, so no alphas)."""
-        pipe.transformer.load_lora_adapter(str(file), prefix="transformer", **load_kwargs)
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         # No guidance_scale argument: CFG strength lives in the guider component.
