@@ -421,9 +421,8 @@ class DatasetConfig(_Section):
         description="Folder of control / reference images (edit pairs, image-to-video first frames), same stems "
         "as the media files. Each is resized and cropped like its target and cached as conditioning latents. "
         f"A list of up to {MAX_REFERENCES} folders gives each item several reference images, one from each "
-        "folder in order (Qwen-Image-Edit `variant: 2509 | 2511`, flux2 `variant: edit`); an item missing any "
-        "of them is "
-        "`missing_control`.",
+        "folder in order (Qwen-Image-Edit `variant: 2509 | 2511`, flux2 / flux2-klein `variant: edit`); an item "
+        "missing any of them is `missing_control`.",
     )
     control_column: Text | list[Text] | None = Field(
         None,

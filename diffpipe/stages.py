@@ -181,7 +181,7 @@ def plan(cfg: Config, paths: Any) -> Any:
             raise ValueError(
                 f"datasets[{ds.name}]: {ds.references} reference images per item, but this model ({family.name}"
                 f"{' ' + family.variant if getattr(family, 'variant', None) else ''}) takes at most "
-                f"{family.max_references}; several references are for Qwen-Image-Edit `variant: 2509 | 2511` and flux2 `variant: edit`"
+                f"{family.max_references}; several references are for Qwen-Image-Edit `variant: 2509 | 2511` and flux2 / flux2-klein `variant: edit`"
             )
         if ds.control_from_last_frame != family.uses_last_frame:
             raise ValueError(

@@ -31,7 +31,7 @@ def _render(pipe, family, cfg: SampleConfig, kwargs: dict) -> list[list[Image.Im
     for i, image in enumerate(cfg.images or []):
         if isinstance(image, list) and len(image) > family.max_references:
             raise ValueError(f"sample.images[{i}]: {len(image)} images for one prompt; {family.name} takes at most "
-                             f"{family.max_references} (several are for Qwen-Image-Edit `variant: 2509 | 2511` and flux2 `variant: edit`)")
+                             f"{family.max_references} (several are for Qwen-Image-Edit `variant: 2509 | 2511` and flux2 / flux2-klein `variant: edit`)")
     if cfg.videos and not family.continues_video:
         raise ValueError(f"sample.videos: {family.name} samples do not continue a clip (SkyReels V2 df-v2v's do)")
     out = []

@@ -1,4 +1,4 @@
-"""FLUX.2 [dev] editing (``flux2``, ``model.variant: edit``): two reference images per item.
+"""FLUX.2 editing (``flux2-klein`` and ``flux2``, ``model.variant: edit``): two reference images per item.
 
 validate → plan → cache (targets and both references' latents) → 2 DeepSpeed steps → diffusers export →
 sample, in-process through the Typer app. Then, against the stock ``Flux2Pipeline``: the reference tokens
@@ -17,7 +17,7 @@ from stage_cli import run_config
 
 from diffpipe.config import ModelConfig, load_config
 from diffpipe.data.cache.reader import CachedDataset
-from diffpipe.families.flux2.family import reference_tokens
+from diffpipe.families.flux2_klein.family import reference_tokens
 from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter
@@ -26,9 +26,9 @@ pytestmark = pytest.mark.slow
 SIZE = (96, 64)  # width, height: the pipeline takes references of 64 pixels a side or more
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    root = tmp_path_factory.mktemp("flux2-edit")
+@pytest.fixture(scope="module", params=["flux2-klein", "flux2"])
+def run(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"{request.param}-edit")
     rng = np.random.default_rng(0)
     for folder in ("data", "ref1", "ref2"):
         (root / folder).mkdir()
@@ -40,7 +40,7 @@ def run(tmp_path_factory):
         Image.fromarray(img[..., ::-1].copy()).save(root / "ref2" / f"item_{i}.png")
     cfg = {
         "output_dir": "run",
-        "model": {"family": "flux2", "flavor": "tiny", "variant": "edit"},
+        "model": {"family": request.param, "flavor": "tiny", "variant": "edit"},
         "datasets": [{"name": "edits", "path": str(root / "data"),
                       "control_path": [str(root / "ref1"), str(root / "ref2")], "resolution": 64}],
         "cache": {"shards": 1, "workers": 0},
@@ -54,10 +54,10 @@ def run(tmp_path_factory):
 
 
 def test_stages_write_their_outputs_and_golden(run, golden):
-    _, p, _ = run
+    cfg, p, _ = run
     for f in [p.adapter_file, p.metrics, p.export_diffusers, p.sample_grid]:
         assert f.exists(), f
-    golden("flux2", "test_flux2_edit::run", p)
+    golden(cfg.model.family, "test_flux2_edit::run", p)
 
 
 def test_reference_tokens_are_the_pipelines(run):
@@ -113,11 +113,12 @@ def test_each_reference_conditions_the_loss_and_the_lora_loads(run):
     torch.testing.assert_close(loaded, expected, rtol=1e-5, atol=1e-5)
 
 
-def test_edit_variant_checks():
-    family = get_family(ModelConfig(family="flux2", variant="edit"))
+@pytest.mark.parametrize("name", ["flux2-klein", "flux2"])
+def test_edit_variant_checks(name):
+    family = get_family(ModelConfig(family=name, variant="edit"))
     text = {"prompt_embeds": torch.zeros(1, 8, family.denoiser_model.tiny["joint_attention_dim"])}
     with pytest.raises(ValueError, match="control_path"):
         family.loss(None, torch.zeros(1, 16, 1, 4, 4), text, torch.Generator())
     with pytest.raises(ValueError, match="pipeline parallelism is not implemented"):
-        get_family(ModelConfig(family="flux2", variant="edit")).pipeline_layers(None)
-    assert not get_family(ModelConfig(family="flux2")).uses_control
+        family.pipeline_layers(None)
+    assert not get_family(ModelConfig(family=name)).uses_control

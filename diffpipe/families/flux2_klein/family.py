@@ -9,17 +9,26 @@ pipeline's ``_get_qwen3_prompt_embeds`` computes them, which this family calls) 
 ``transformer`` (Flux2Transformer2DModel: no guidance embedding, 4-axis positions for text and image
 tokens), ``scheduler`` (flow matching with the resolution-dependent shift). The transformer sees
 ``sigma`` and predicts the velocity ``noise - x0``. FLUX.2 [dev] (Mistral 3 text) is the family ``flux2``.
+
+``model.variant: edit`` trains editing with reference images (the same checkpoints and pipelines, their
+``image`` argument; FLUX.2 [dev] inherits it): each item's control images (``datasets[].control_path``, a
+list for several) are cached one by one as latents like the target's, packed into tokens and appended after
+the target's with the positions the pipelines' ``prepare_image_latents`` gives them (time axis 10, 20, ...);
+the transformer's output for them is dropped, so the loss covers the target. The pipelines resize a
+reference above 1024x1024 pixels to that area; the cache keeps it at the target's size (the same for a
+target up to 1024x1024).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, ClassVar
 
 import torch
 from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline, Flux2Transformer2DModel
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
-from diffpipe.config import SampleConfig
+from diffpipe.config import MAX_REFERENCES, SampleConfig
 from diffpipe.families.flux2_klein.flavors import (
     TINY_LENGTH,
     TINY_QWEN3,
@@ -77,6 +86,16 @@ def _pack(x: torch.Tensor, *_shape: int) -> torch.Tensor:
     return Flux2KleinPipeline._pack_latents(x)
 
 
+def reference_tokens(control: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Reference latents ``[B, C, R, h, w]`` (cached like the target: patchified, normalised) -> their packed
+    tokens one after the other ``[B, R*h*w, C]`` and positions ``[B, R*h*w, 4]``, as the FLUX.2 pipelines'
+    ``prepare_image_latents`` builds them from their list of images (time axis 10, 20, ... per reference)."""
+    refs = [control[:, :, k] for k in range(control.shape[2])]
+    ids = Flux2KleinPipeline._prepare_image_ids([r[:1] for r in refs]).to(control.device)
+    tokens = torch.cat([Flux2KleinPipeline._pack_latents(r) for r in refs], dim=1)
+    return tokens, ids.expand(control.shape[0], -1, -1)
+
+
 class Flux2KleinFamily(TinyBatchNormVae, Family):
     name = "flux2-klein"
     token_streams: ClassVar[dict[str, tuple[str, str]]] = {"qwen3": ("tokenizer", "sequence")}
@@ -98,6 +117,15 @@ class Flux2KleinFamily(TinyBatchNormVae, Family):
         *targets.attention(), *targets.added_projections(), "ff.linear_in", "ff.linear_out",
         "ff_context.linear_in", "ff_context.linear_out", "attn.to_qkv_mlp_proj"]
 
+    variants: ClassVar[tuple[str, ...]] = ("edit",)
+
+    def __init__(self, cfg):
+        super().__init__(cfg)
+        #: ``variant: edit`` trains editing with reference images (instance attributes: one variant).
+        self.variant = cfg.variant
+        self.uses_control = self.variant == "edit"
+        self.max_references = MAX_REFERENCES if self.uses_control else 1  # the datasets' limit
+
     def shift_for(self, x0: torch.Tensor) -> float:
         # One token per cached latent cell. (Sampling's shift also depends on the step count,
         # ``compute_empirical_mu``; training has none, so it uses the scheduler's resolution rule.)
@@ -108,6 +136,11 @@ class Flux2KleinFamily(TinyBatchNormVae, Family):
         """``Flux2KleinPipeline._encode_vae_image``: the latent mode patchified 2x2, then ``(x - mean) / std``
         with the VAE's batch-norm statistics; ``[B, 4C, 1, h/2, w/2]``. The pipeline's decode inverts it."""
         return bn_normalised(vae, common.vae_latents(vae, pixels)[:, :, 0], vae.config.batch_norm_eps)[:, :, None]
+
+    def encode_control(self, vae: torch.nn.Module, control: torch.Tensor, *, frames: int) -> dict[str, torch.Tensor]:
+        """References ``[B, 3, R, H, W]`` (one per frame) each encoded as an image -> ``[B, C, R, h, w]``."""
+        return {"control": torch.cat([self.encode_pixels(vae, control[:, :, k : k + 1])
+                                      for k in range(control.shape[2])], dim=2)}
 
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         """The pipeline's own encoding (``prompt_embeds_method``), the ``text_layers`` stacked."""
@@ -123,9 +156,10 @@ class Flux2KleinFamily(TinyBatchNormVae, Family):
 
     # -- training ----------------------------------------------------------------
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
-                dtype=torch.float32) -> Prepared:
+                dtype=torch.float32, control: torch.Tensor | None = None) -> Prepared:
         """Packed noisy tokens, ``sigma`` (the pipeline's timestep / 1000), the caption states and the text
-        and image positions the pipeline builds; the packed target ``noise - x0``."""
+        and image positions the pipeline builds; the packed target ``noise - x0``. Under ``variant: edit``
+        the references' tokens and positions go in ``extra["reference"]`` (appended in :meth:`predict`)."""
         f = self.flow_draw(latents, generator, objective, t, noise, _pack)
         device = f.x0.device
         embeds = text["prompt_embeds"].to(device=device, dtype=dtype)
@@ -136,7 +170,26 @@ class Flux2KleinFamily(TinyBatchNormVae, Family):
             "txt_ids": Flux2KleinPipeline._prepare_text_ids(embeds).to(device),
             "img_ids": Flux2KleinPipeline._prepare_latent_ids(f.x0).to(device),
         }
-        return self.flow_prepared(f, inputs, mask, objective)
+        p = self.flow_prepared(f, inputs, mask, objective)
+        if self.uses_control:
+            p.extra["reference"] = reference_tokens(self.reference_image(control, latents))
+        return p
+
+    def reference_image(self, control: torch.Tensor | None, latents: torch.Tensor) -> torch.Tensor:
+        """The reference latents ``[B, C, R, h, w]`` on the latents' device (one reference: ``R = 1``)."""
+        if control is not None and control.ndim == 5 and 1 <= control.shape[2] <= self.max_references:
+            return control.to(latents.device).float()
+        return super().reference_image(control, latents)[:, :, None]
+
+    def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
+        """The forward with the references' tokens after the target's (``variant: edit``); the target's output."""
+        if "reference" not in prepared.extra:
+            return super().predict(denoiser, prepared)
+        tokens, ids = prepared.extra["reference"]
+        x, img_ids = prepared.inputs["hidden_states"], prepared.inputs["img_ids"]
+        inputs = {**prepared.inputs, "hidden_states": torch.cat([x, tokens.to(x)], dim=1),
+                  "img_ids": torch.cat([img_ids, ids.to(img_ids)], dim=1)}
+        return super().predict(denoiser, dataclasses.replace(prepared, inputs=inputs))[:, : x.shape[1]]
 
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
@@ -148,6 +201,9 @@ class Flux2KleinFamily(TinyBatchNormVae, Family):
 
         Input tuple ``(packed noisy, sigma, prompt_embeds, txt_ids, img_ids)``; output ``(packed prediction,)``.
         """
+        if self.uses_control:
+            raise ValueError(f"{self.name} variant edit: pipeline parallelism is not implemented (the layers would "
+                             "carry the reference tokens); set train.pipeline_stages: 1")
         from diffpipe.families.flux2_klein.layers import flux2_layers
 
         return flux2_layers(common.unwrap(denoiser))
