@@ -49,9 +49,10 @@ def draw_image(
     sample_t: Callable[[ObjectiveConfig, int, torch.Generator], torch.Tensor] | None = None,
     offset_noise: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(t, noise)`` float32 on ``x0``'s device (``[B]``, like ``x0`` ``[B,C,h,w]``).
+    """``(t, noise)`` float32 on ``x0``'s device (``[B]``, like ``x0`` ``[B,C,h,w]``; a clip's
+    ``[B,C,F,h,w]``: :func:`diffpipe.models._video.draw`).
 
-    Given ones are kept (eval: fixed quantiles and noise; noise may come like the
+    Given ones are kept (eval: fixed quantiles and noise; an image's noise may come like the
     latents, ``[B,C,1,h,w]``); missing ones are drawn from ``generator``.
     ``default``: the sampling when ``objective.timestep_sampling`` is unset;
     ``sample_t``: a family's own draw (SD3's weighting-scheme densities);
@@ -63,7 +64,7 @@ def draw_image(
         noise = torch.randn(x0.shape, generator=generator, device=generator.device)
         if offset_noise and o.offset_noise:
             noise = obj.add_offset_noise(noise, o.offset_noise, generator)
-    elif noise.ndim == 5:
+    elif noise.ndim == x0.ndim + 1:
         noise = common.single_frame(noise, family)
     return t.to(x0.device).float(), noise.to(x0.device).float()
 

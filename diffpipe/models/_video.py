@@ -15,10 +15,9 @@ from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 
 from diffpipe.config import ObjectiveConfig
 from diffpipe.models import _common as common
-from diffpipe.models._draws import draw_t
+from diffpipe.models._draws import draw_image
 from diffpipe.models.components import TextBundle, TextEncoder, Tokenizer
 from diffpipe.models.tokenizers import t5_tokenizer
-from diffpipe.training import objectives as obj
 
 TINY_T5 = {"d_model": 32, "d_kv": 8, "d_ff": 37, "num_layers": 2, "num_heads": 4, "relative_attention_num_buckets": 8}
 TINY_LENGTH = 64  # the demo captions fit (the tiny tokenizer spells most words by characters)
@@ -49,20 +48,15 @@ def draw(
     *,
     default: str = "logit_normal",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(t, noise)`` on ``x0``'s device: given ones kept, missing ones drawn from ``generator``.
+    """``(t, noise)`` on ``x0``'s device: given ones kept, missing ones drawn from ``generator``
+    (:func:`~diffpipe.models._draws.draw_image`, with ``objective.offset_noise``).
 
     ``default``: the sampling used when ``objective.timestep_sampling`` is unset
     (logit-normal for flow models, uniform for DDPM-style ones).
     """
-    if t is None:
-        t = draw_t(o, x0.shape[0], generator, default=default)
-    if noise is None:
-        noise = torch.randn(x0.shape, generator=generator, device=generator.device)
-        if o.offset_noise:
-            noise = obj.add_offset_noise(noise, o.offset_noise, generator)
-    elif noise.ndim == x0.ndim - 1:  # an image's noise without its frame axis
+    if noise is not None and noise.ndim == x0.ndim - 1:  # an image's noise without its frame axis
         noise = noise[:, :, None]
-    return t.to(x0.device).float(), noise.to(x0.device).float()
+    return draw_image(o, x0, generator, t, noise, family="", default=default, offset_noise=True)
 
 
 # -- one T5 encoder -------------------------------------------------------------

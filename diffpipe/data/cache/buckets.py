@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 from functools import lru_cache
 from pathlib import Path
 from typing import BinaryIO
@@ -140,6 +141,16 @@ def crop_top_left(
     return round(spare_h * crop[0]), round(left)
 
 
+def _fitted(src: str | Path | BinaryIO, channels: Callable[[Image.Image], Image.Image], size: tuple[int, int],
+            crop: tuple[float, float], flip: bool, max_pixels: int) -> Image.Image:
+    """The decoded image, upright (EXIF), as ``channels`` makes it, cover-cropped to ``size``, flipped if asked."""
+    with open_image(src, max_pixels) as img:
+        img.load()
+        ImageOps.exif_transpose(img, in_place=True)
+        out = cover_crop(channels(img), size, crop)
+    return out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else out
+
+
 def load_image_array(
     src: str | Path | BinaryIO,
     size: tuple[int, int],
@@ -153,13 +164,7 @@ def load_image_array(
     Raises:
         ValueError: the header declares more than ``max_pixels`` (nothing decoded).
     """
-    with open_image(src, max_pixels) as img:
-        img.load()
-        ImageOps.exif_transpose(img, in_place=True)
-        rgb = cover_crop(to_rgb(img), size, crop)
-    if flip:
-        rgb = rgb.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    arr = np.asarray(rgb, dtype=np.float32)  # [H, W, 3]
+    arr = np.asarray(_fitted(src, to_rgb, size, crop, flip, max_pixels), dtype=np.float32)  # [H, W, 3]
     arr = arr.transpose(2, 0, 1)[:, None] / np.float32(127.5) - np.float32(1.0)
     return np.ascontiguousarray(arr, dtype=np.float32)
 
@@ -191,13 +196,7 @@ def load_mask_array(
     flip), so a mask of the target's aspect ratio lines up at any resolution.
     Refused like :func:`load_image_array` when it declares more than ``max_pixels``.
     """
-    with open_image(src, max_pixels) as img:
-        img.load()
-        ImageOps.exif_transpose(img, in_place=True)
-        gray = cover_crop(mask_channel(img), size, crop)
-    if flip:
-        gray = gray.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
-    arr = np.asarray(gray, dtype=np.float32) / np.float32(255.0)
+    arr = np.asarray(_fitted(src, mask_channel, size, crop, flip, max_pixels), dtype=np.float32) / np.float32(255.0)
     return np.ascontiguousarray(np.clip(arr, 0.0, 1.0)[None, None], dtype=np.float32)
 
 

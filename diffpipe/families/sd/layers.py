@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -43,32 +45,26 @@ class UNetTextTimeEmbed(UNetEmbed):
         return _pipe_ready((h, emb, context, h))
 
 
-class UNetDown(nn.Module):
-    def __init__(self, block: nn.Module):
+def _run_block(block: nn.Module, h: torch.Tensor, emb: torch.Tensor, context: torch.Tensor, **kwargs: Any) -> Any:
+    """A UNet block on ``h``, with the text ``context`` only when it has cross attention."""
+    if getattr(block, "has_cross_attention", False):
+        kwargs["encoder_hidden_states"] = context
+    return block(hidden_states=h, temb=emb, **kwargs)
+
+
+class UNetBlock(nn.Module):
+    """A down block (its outputs join the skip residuals) or the mid block."""
+
+    def __init__(self, block: nn.Module, skips: bool):
         super().__init__()
-        self.block = block
+        self.block, self.skips = block, skips
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         h, emb, context, *res = inputs
-        if getattr(self.block, "has_cross_attention", False):
-            h, new = self.block(hidden_states=h, temb=emb, encoder_hidden_states=context)
-        else:
-            h, new = self.block(hidden_states=h, temb=emb)
-        return (h, emb, context, *res, *new)
-
-
-class UNetMid(nn.Module):
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        h, emb, context, *res = inputs
-        if getattr(self.block, "has_cross_attention", False):
-            h = self.block(h, emb, encoder_hidden_states=context)
-        else:
-            h = self.block(h, emb)
-        return (h, emb, context, *res)
+        if self.skips:
+            h, new = _run_block(self.block, h, emb, context)
+            return (h, emb, context, *res, *new)
+        return (_run_block(self.block, h, emb, context), emb, context, *res)
 
 
 class UNetUp(nn.Module):
@@ -84,11 +80,7 @@ class UNetUp(nn.Module):
         skips, res = tuple(res[-n:]), res[:-n]
         # Like UNet2DConditionModel: force the upsampled size when it is not a clean doubling.
         size = res[-1].shape[2:] if res and not self.is_final else None
-        if getattr(self.block, "has_cross_attention", False):
-            h = self.block(hidden_states=h, temb=emb, res_hidden_states_tuple=skips,
-                           encoder_hidden_states=context, upsample_size=size)
-        else:
-            h = self.block(hidden_states=h, temb=emb, res_hidden_states_tuple=skips, upsample_size=size)
+        h = _run_block(self.block, h, emb, context, res_hidden_states_tuple=skips, upsample_size=size)
         return (h, emb, context, *res)
 
 
@@ -109,9 +101,9 @@ def unet_layers(unet: nn.Module) -> list[nn.Module]:
     if kind not in (None, "text_time"):
         raise NotImplementedError(f"unet layers: addition_embed_type {kind!r} is not supported")
     layers: list[nn.Module] = [UNetTextTimeEmbed(unet) if kind == "text_time" else UNetEmbed(unet)]
-    layers += [UNetDown(b) for b in unet.down_blocks]
+    layers += [UNetBlock(b, skips=True) for b in unet.down_blocks]
     if unet.mid_block is not None:
-        layers.append(UNetMid(unet.mid_block))
+        layers.append(UNetBlock(unet.mid_block, skips=False))
     ups = list(unet.up_blocks)
     layers += [UNetUp(b, i == len(ups) - 1) for i, b in enumerate(ups)]
     layers.append(UNetOut(unet))
