@@ -8,6 +8,7 @@ sample job pays only for its own family's imports.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 from typing import TYPE_CHECKING
 
@@ -16,7 +17,7 @@ from diffpipe.models.spec import Absent
 if TYPE_CHECKING:
     from diffpipe.models.spec import FamilySpec
 
-__all__ = ["FAMILIES", "NOT_IMPLEMENTED", "UNREGISTERED", "Absent", "family_names", "spec", "specs"]
+__all__ = ["FAMILIES", "NOT_IMPLEMENTED", "UNREGISTERED", "Absent", "family_names", "name_of_module", "spec", "specs"]
 
 #: ``model.family`` name -> its folder under ``diffpipe/families/``.
 FAMILIES: dict[str, str] = {
@@ -87,16 +88,29 @@ NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
 }
 
 
+def name_of_module(module: str) -> str | None:
+    """The registered family whose folder holds ``module`` (``diffpipe.families.flux_kontext.family`` ->
+    ``flux-kontext``), or None."""
+    parts = module.split(".")
+    if parts[:2] != ["diffpipe", "families"] or len(parts) < 3:
+        return None
+    return next((name for name, folder in FAMILIES.items() if folder == parts[2]), None)
+
+
 def family_names() -> list[str]:
     """The registered families' names, sorted."""
     return sorted(FAMILIES)
 
 
 def spec(name: str) -> FamilySpec:
-    """The spec of a registered family; a clear error naming the known ones."""
+    """The spec of a registered family, its name and published models filled in (its folder's ``SPEC``
+    leaves them out); a clear error naming the known ones."""
     if name not in FAMILIES:
         raise ValueError(f"model.family: unknown family {name!r}; known: {', '.join(family_names())}")
-    return importlib.import_module(f"{__name__}.{FAMILIES[name]}").SPEC
+    package = f"{__name__}.{FAMILIES[name]}"
+    declared = importlib.import_module(package).SPEC
+    published = declared.published or tuple(importlib.import_module(f"{package}.flavors").PUBLISHED)
+    return dataclasses.replace(declared, name=name, published=published)
 
 
 def specs() -> list[FamilySpec]:

@@ -129,6 +129,7 @@ class FlowDraw:
 class Family(ABC):
     """One model family (SD-style UNet, Flux-style transformer, ...)."""
 
+    #: The ``model.family`` name; derived from the registry for a class in a family folder's ``family.py``.
     name: ClassVar[str]
     #: Attribute of the stock pipeline that holds the denoiser, also the LoRA key prefix (``unet`` for UNets).
     denoiser_name: ClassVar[str] = "transformer"
@@ -347,6 +348,9 @@ class Family(ABC):
     #: ``load_vae`` / ``load_denoiser``.
     vae_model: ClassVar[Any] = None
     denoiser_model: ClassVar[Any] = None
+    #: The VAE, denoiser, scheduler and pipeline declared at once
+    #: (:class:`~diffpipe.models.components.Models`, tiny configs by the flavors' shared names).
+    models: ClassVar[Any] = None
     #: The scheduler: its class and tiny config (a local folder's ``scheduler/`` config otherwise).
     scheduler_model: ClassVar[Any] = None
     #: The tokenizers and text encoders by the pipeline's argument names, in the order their identities
@@ -362,9 +366,26 @@ class Family(ABC):
     pipeline_extras: ClassVar[dict[str, Any]] = {}
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
+        """Derives what a family class does not spell out: its ``name`` from its folder's registry line,
+        its components from ``models``, its ``token_streams`` from its tokenizers' streams."""
+        from diffpipe.models.components import Tokenizer
+
         super().__init_subclass__(**kwargs)
+        if "name" not in cls.__dict__:
+            from diffpipe.families import name_of_module
+
+            cls.name = name_of_module(cls.__module__) or getattr(cls, "name", "")
+        if cls.__dict__.get("models") is not None:
+            for attr, value in cls.models.declared().items():
+                setattr(cls, attr, value)
         if cls.__dict__.get("vae_model") is not None and "vae_class" not in cls.__dict__:
             cls.vae_class = cls.vae_model.cls
+        parts = cls.__dict__.get("text_parts")
+        if isinstance(parts, dict) and "token_streams" not in cls.__dict__:
+            streams = {part.stream: (name, part.limit) for name, part in parts.items()
+                       if isinstance(part, Tokenizer) and part.stream}
+            if streams:
+                cls.token_streams = streams
 
     def _declared(self, what: str) -> Any:
         value = getattr(self, what)

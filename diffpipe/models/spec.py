@@ -3,14 +3,15 @@
 Each family is a folder ``diffpipe/families/<name>/`` with the same file names:
 
 - ``__init__.py``: its ``SPEC`` (this class), the one object the rest of diffpipe reads;
-- ``family.py``: the :class:`~diffpipe.models.base.Family` subclass (components, encoding, training inputs,
-  sampling);
+- ``family.py``: the one :class:`~diffpipe.models.base.Family` subclass it defines (components, encoding,
+  training inputs, sampling), named by the registry;
 - ``layers.py``: its pipeline-parallel layer list (or ``SPEC.layers`` is :class:`Absent` with the reason,
   or names another family's ``layers.py`` it shares);
 - ``keymap.py``: ``DENOISER`` and ``build(config, out_features)``, the key map between our module names
   and the original checkpoint's, behind the ComfyUI and kohya formats and ``import-lora`` (or
   ``SPEC.keymap`` is :class:`Absent`);
-- ``flavors.py``: its tiny configs and ``PUBLISHED``, the published models' denoiser configs.
+- ``flavors.py``: its tiny configs (``TINY_VAE``, ``TINY_TRANSFORMER``, ``TINY_SCHEDULER`` by these names, which
+  :class:`~diffpipe.models.components.Models` reads) and ``PUBLISHED``, the published models' denoiser configs.
 
 ``diffpipe/families/__init__.py`` is the registry (one line per family).
 ``tests/unit/test_family_contract.py`` checks every registered family against this layout, and the
@@ -83,14 +84,17 @@ class Published:
 ComfyReads = Literal["all", "part", "none", "no-model"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FamilySpec:
-    """One model family: where its parts are, and what the docs and the model card say about it."""
+    """One model family: where its parts are, and what the docs and the model card say about it.
+
+    A folder's ``SPEC`` leaves ``name`` and ``published`` out: the registry (``diffpipe.families.spec``)
+    fills them in from the family's registry line and its ``flavors.PUBLISHED``. Its family class is the
+    one :class:`~diffpipe.models.base.Family` subclass its ``family.py`` defines.
+    """
 
     #: The ``model.family`` name (``flux-kontext``); the folder is the name with ``-`` as ``_``.
-    name: str
-    #: The :class:`~diffpipe.models.base.Family` subclass's name in the folder's ``family.py``.
-    family_class: str
+    name: str = ""
     #: The models it covers, for the docs ("FLUX.1 dev / schnell").
     model: str
     #: What it trains, for the docs ("text-to-image"; video: frame rate and frame rule).
@@ -98,7 +102,7 @@ class FamilySpec:
     #: The default LoRA targets in words, for the docs (the list itself is ``Family.default_lora_targets``).
     targets: str
     #: The published models (``flavors.PUBLISHED``), flagship first.
-    published: tuple[Published, ...]
+    published: tuple[Published, ...] = ()
     #: Its kohya metadata: fixed, a function of the denoiser's config (SD 1.x vs 2.x vs SDXL), or absent.
     kohya: Kohya | Callable[[Mapping[str, Any]], Kohya] | Absent
     #: Which tools read its ComfyUI and kohya files, for docs/formats.md.
@@ -123,10 +127,19 @@ class FamilySpec:
         return f"diffpipe.families.{self.name.replace('-', '_')}"
 
     def family_type(self) -> type:
-        """The Family subclass (imports the family's ``family.py`` and its diffusers classes)."""
+        """The :class:`~diffpipe.models.base.Family` subclass the folder's ``family.py`` defines (exactly one;
+        imports it and its diffusers classes)."""
         import importlib
 
-        return getattr(importlib.import_module(f"{self.package}.family"), self.family_class)
+        from diffpipe.models.base import Family
+
+        module = importlib.import_module(f"{self.package}.family")
+        found = [c for c in vars(module).values()
+                 if isinstance(c, type) and issubclass(c, Family) and c.__module__ == module.__name__]
+        if len(found) != 1:
+            raise TypeError(f"{module.__name__} must define exactly one Family subclass, not "
+                            f"{[c.__name__ for c in found]}")
+        return found[0]
 
     def keymap_module(self) -> Any:
         """The ``keymap.py`` module; a clear error when the family has none."""

@@ -182,7 +182,7 @@ def test_cogvideox_layers_with_sincos_positions():
     """CogVideoX-2b-style models (sin-cos positions, no rotary embedding) through the same layers."""
     from diffusers import CogVideoXTransformer3DModel
 
-    from diffpipe.families.cogvideox.family import TINY_TRANSFORMER
+    from diffpipe.families.cogvideox.flavors import TINY_TRANSFORMER
 
     family = get_family(ModelConfig(family="cogvideox"))
     torch.manual_seed(0)
@@ -217,7 +217,7 @@ def test_cosmos2_layers_equal_forward(extra_pos):
     """Cosmos-Predict2 (no learnable positions) and the learnable-position variant: layers equal forward."""
     from diffusers import CosmosTransformer3DModel
 
-    from diffpipe.families.cosmos2.family import TINY_TRANSFORMER
+    from diffpipe.families.cosmos2.flavors import TINY_TRANSFORMER
 
     family = get_family(ModelConfig(family="cosmos2"))
     torch.manual_seed(0)

@@ -74,12 +74,11 @@ def test_an_unknown_family_is_an_error_naming_the_known_ones():
 
 _TOY = {
     "__init__.py": '''
-        from diffpipe.families.toy.flavors import PUBLISHED
         from diffpipe.models.spec import Absent, FamilySpec, Kohya
 
         SPEC = FamilySpec(
-            name="toy", family_class="ToyFamily", model="Toy 1", tasks="text-to-image", targets="as `sd`",
-            published=tuple(PUBLISHED), kohya=Kohya("toy_v1", "toy-1/lora", "https://example.org/toy"),
+            model="Toy 1", tasks="text-to-image", targets="as `sd`",
+            kohya=Kohya("toy_v1", "toy-1/lora", "https://example.org/toy"),
             comfyui_readers="ComfyUI", kohya_readers="ComfyUI", comfy_reads_diffusers="none",
             layers=Absent("toys do not pipeline"),
         )
@@ -90,7 +89,6 @@ _TOY = {
 
 
         class ToyFamily(SDFamily):
-            name = "toy"
             pipeline_layers = Family.pipeline_layers
     ''',
     "flavors.py": '''
@@ -105,37 +103,49 @@ _TOY = {
 }
 
 
-def test_adding_a_family_is_one_folder_and_one_registry_line(tmp_path, monkeypatch):
-    """The family ``toy`` exists only as a folder on the package path plus its registry line; every
-    reader of family facts (lookup, docs tables, key maps, kohya metadata, model card, estimate) finds it."""
+@pytest.fixture
+def toy_folder(tmp_path, monkeypatch):
+    """The family ``toy``: a folder on the package path holding ``_TOY``'s files, and its registry line."""
     folder = tmp_path / "toy"
     folder.mkdir()
     for file, text in _TOY.items():
         (folder / file).write_text(textwrap.dedent(text).lstrip())
     monkeypatch.setattr(families, "__path__", [*families.__path__, str(tmp_path)])
     monkeypatch.setitem(FAMILIES, "toy", "toy")
-    try:
-        from diffpipe.export.card import how_to_load
-        from diffpipe.export.keymaps import keymap_for, mapped_families
-        from diffpipe.export.kohya import base_model_version
-        from diffpipe.models import family_names as names
-        from diffpipe.models import get_family
-        from diffpipe.models.published import for_family
-        from diffpipe.models.tables import families_markdown, formats_markdown, pipeline_markdown
+    yield folder
+    for mod in [m for m in sys.modules if m.startswith("diffpipe.families.toy")]:
+        del sys.modules[mod]
 
-        family = get_family(ModelConfig(family="toy"))
-        assert type(family).__name__ == "ToyFamily" and "toy" in names()
-        assert "toy" in mapped_families() and keymap_for(family).family == "sd"
-        assert base_model_version("toy", {}) == ("toy_v1", "toy-1/lora", "https://example.org/toy")
-        assert "A1111/Forge do not run this model" in how_to_load("kohya", "toy")
-        assert [p.name for p in for_family("toy")] == ["toy-1"]
-        assert "| `toy` | Toy 1 |" in families_markdown() and "| `toy` | ComfyUI |" in formats_markdown()
-        assert "| `toy` | refused: toys do not pipeline |" in pipeline_markdown()
-        with pytest.raises(ValueError, match="toys do not pipeline"):
-            family.pipeline_layers(None)
-    finally:
-        for mod in [m for m in sys.modules if m.startswith("diffpipe.families.toy")]:
-            del sys.modules[mod]
+
+def test_a_family_folder_defines_exactly_one_family_class(toy_folder):
+    with (toy_folder / "family.py").open("a") as f:
+        f.write("\n\nclass OtherFamily(ToyFamily):\n    pass\n")
+    with pytest.raises(TypeError, match=r"must define exactly one Family subclass, not \['ToyFamily', 'OtherFamily'\]"):
+        spec("toy").family_type()
+
+
+def test_adding_a_family_is_one_folder_and_one_registry_line(toy_folder):
+    """The family ``toy`` exists only as a folder on the package path plus its registry line; every
+    reader of family facts (lookup, docs tables, key maps, kohya metadata, model card, estimate) finds it.
+    Its spec and class leave out what the registry derives: the name, the published models, the class."""
+    from diffpipe.export.card import how_to_load
+    from diffpipe.export.keymaps import keymap_for, mapped_families
+    from diffpipe.export.kohya import base_model_version
+    from diffpipe.models import family_names as names
+    from diffpipe.models import get_family
+    from diffpipe.models.published import for_family
+    from diffpipe.models.tables import families_markdown, formats_markdown, pipeline_markdown
+
+    family = get_family(ModelConfig(family="toy"))
+    assert type(family).__name__ == "ToyFamily" and family.name == "toy" and "toy" in names()
+    assert "toy" in mapped_families() and keymap_for(family).family == "sd"
+    assert base_model_version("toy", {}) == ("toy_v1", "toy-1/lora", "https://example.org/toy")
+    assert "A1111/Forge do not run this model" in how_to_load("kohya", "toy")
+    assert [p.name for p in for_family("toy")] == ["toy-1"]
+    assert "| `toy` | Toy 1 |" in families_markdown() and "| `toy` | ComfyUI |" in formats_markdown()
+    assert "| `toy` | refused: toys do not pipeline |" in pipeline_markdown()
+    with pytest.raises(ValueError, match="toys do not pipeline"):
+        family.pipeline_layers(None)
 
 
 def test_every_lora_loader_of_diffusers_is_a_family_or_said_not_to_be():
@@ -146,9 +156,9 @@ def test_every_lora_loader_of_diffusers_is_a_family_or_said_not_to_be():
     from diffpipe.families import NOT_IMPLEMENTED
 
     mixins = {n: getattr(lora_pipeline, n) for n in dir(lora_pipeline)
-              if n.endswith("LoraLoaderMixin") and n != "LoraLoaderMixin"}
+          if n.endswith("LoraLoaderMixin") and n != "LoraLoaderMixin"}
     used = {n for n, m in mixins.items() for name in family_names()
-            if issubclass(spec(name).family_type()(ModelConfig(family=name)).pipeline_class, m)}
+        if issubclass(spec(name).family_type()(ModelConfig(family=name)).pipeline_class, m)}
     listed = {mixin for mixin, _ in NOT_IMPLEMENTED.values() if mixin}
     assert listed <= set(mixins), f"not in the pinned diffusers: {sorted(listed - set(mixins))}"
     assert not used & listed, f"families exist for {sorted(used & listed)}: take them off NOT_IMPLEMENTED"

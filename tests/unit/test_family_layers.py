@@ -48,7 +48,7 @@ def test_chroma_layers_equal_forward():
     family = get_family(ModelConfig(family="chroma"))
     from diffusers import ChromaTransformer2DModel
 
-    from diffpipe.families.chroma.family import TINY_TRANSFORMER
+    from diffpipe.families.chroma.flavors import TINY_TRANSFORMER
 
     torch.manual_seed(0)  # two blocks of each kind, so the modulation offsets matter
     tr = ChromaTransformer2DModel(**{**TINY_TRANSFORMER, "num_layers": 2, "num_single_layers": 2}).eval()
@@ -69,7 +69,7 @@ def test_chroma_layers_equal_forward():
 def test_hidream_layers_equal_forward():
     from diffusers import HiDreamImageTransformer2DModel
 
-    from diffpipe.families.hidream.family import TINY_TRANSFORMER
+    from diffpipe.families.hidream.flavors import TINY_TRANSFORMER
 
     torch.manual_seed(0)  # two blocks of each kind, so the per-block Llama states matter
     config = {**TINY_TRANSFORMER, "num_layers": 2, "num_single_layers": 2, "llama_layers": [0, 1, 1, 0]}

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.families.auraflow.flavors import PUBLISHED
 from diffpipe.models.spec import Absent, FamilySpec, Kohya, generic_comfy_names
 
 SPEC = FamilySpec(
-    name="auraflow",
-    family_class="AuraFlowFamily",
     model="AuraFlow v0.1-0.3",
     tasks="text-to-image (flow matching)",
     targets="attention of both streams, the feed-forwards of both block kinds",
-    published=tuple(PUBLISHED),
     # No kohya-family trainer names it: the metadata says what the file is in the same scheme.
     **generic_comfy_names(Kohya("auraflow", "auraflow/lora", "https://huggingface.co/fal/AuraFlow"),
                           "the original checkpoint's layer names: `double_layers.N.attn.w2q`, "

@@ -17,27 +17,23 @@ from diffusers import AuraFlowPipeline, AuraFlowTransformer2DModel, AutoencoderK
 from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.auraflow.flavors import TINY_LENGTH, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_UMT5, TINY_VAE
+from diffpipe.families.auraflow import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
+from diffpipe.models.components import Models, TextBundle, TextPart, one_text_encoder
 from diffpipe.models.tokenizers import t5_tokenizer
 
 MAX_LENGTH = 256  # AuraFlowPipeline's default max_sequence_length
 
 
 class AuraFlowFamily(Family):
-    name = "auraflow"
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"umt5": ("tokenizer", "sequence")}
-    vae_model = Model(AutoencoderKL, TINY_VAE)
-    denoiser_model = Model(AuraFlowTransformer2DModel, TINY_TRANSFORMER)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
+    models = Models(AutoencoderKL, AuraFlowTransformer2DModel, FlowMatchEulerDiscreteScheduler, AuraFlowPipeline,
+                    flavors)
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
-        AutoTokenizer, lambda: t5_tokenizer(TINY_LENGTH), UMT5EncoderModel, UMT5Config, TINY_UMT5,
-        "auraflow.text_encoder", common.T5_IDS)
-    pipeline_class = AuraFlowPipeline
-    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+        AutoTokenizer, lambda: t5_tokenizer(flavors.TINY_LENGTH), UMT5EncoderModel, UMT5Config, flavors.TINY_UMT5,
+        "auraflow.text_encoder", common.T5_IDS, stream="umt5")
+    prompt_tokens = (flavors.TINY_LENGTH, MAX_LENGTH)
     #: Attention of both streams (joint blocks) and of the single blocks, and their feed-forwards.
     default_lora_targets: ClassVar[list[str]] = [*targets.attention(), *targets.added_projections(), "ff.linear_1", "ff.linear_2", "ff.out_projection"]
 

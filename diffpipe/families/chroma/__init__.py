@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.families.chroma.flavors import PUBLISHED
 from diffpipe.models.spec import FamilySpec, Kohya
 
 SPEC = FamilySpec(
-    name="chroma",
-    family_class="ChromaFamily",
     model="Chroma1-HD",
     tasks="text-to-image",
     targets="as `flux`",
-    published=tuple(PUBLISHED),
     kohya=Kohya("chroma", "chroma/lora", "https://huggingface.co/lodestones/Chroma"),
     comfyui_readers="ComfyUI, `ChromaPipeline.load_lora_weights` (not for a LoRA on `distilled_guidance_layer`, which diffusers' reader rejects)",
     kohya_readers="ComfyUI, `ChromaPipeline.load_lora_weights` (same limit)",

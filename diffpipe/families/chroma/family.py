@@ -26,8 +26,6 @@ from diffpipe.models.tokenizers import t5_tokenizer
 
 
 class ChromaFamily(FluxFamily):
-    name = "chroma"
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"t5": ("tokenizer", "sequence")}
     pipeline_class = ChromaPipeline
     trainable_text_encoders: ClassVar[dict[str, str]] = {}  # its one T5 encoder stays cached
     #: Flux's targets (the blocks are Flux's), which also hit the single blocks' q/k/v.
@@ -35,7 +33,7 @@ class ChromaFamily(FluxFamily):
     denoiser_model = Model(ChromaTransformer2DModel, TINY_TRANSFORMER)
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
         T5TokenizerFast, lambda: t5_tokenizer(TINY_T5_LENGTH), T5EncoderModel, T5Config, TINY_T5,
-        "chroma.text_encoder", common.T5_IDS)
+        "chroma.text_encoder", common.T5_IDS, stream="t5")
 
     prompt_tokens = (TINY_T5_LENGTH, 512)  # ChromaPipeline's default max_sequence_length
     prompt_tokenizer = "tokenizer"

@@ -35,25 +35,22 @@ from diffusers.models.embeddings import get_3d_rotary_pos_embed
 from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_region_for_grid
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.cogvideox.flavors import TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
+from diffpipe.families.cogvideox import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models import targets
 from diffpipe.models._draws import ddpm_parts
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model
+from diffpipe.models.components import Models
 
 MAX_LENGTH = 226  # CogVideoXPipeline's max_sequence_length (the transformer's max_text_seq_length)
 
 
 class CogVideoXFamily(video.T5TextFamily, Family):
-    name = "cogvideox"
     vae_per_frame = False
     prompt_tokens = (video.TINY_LENGTH, MAX_LENGTH)
-    vae_model = Model(AutoencoderKLCogVideoX, TINY_VAE)
-    scheduler_model = Model(CogVideoXDDIMScheduler, TINY_SCHEDULER)
-    denoiser_model = Model(CogVideoXTransformer3DModel, TINY_TRANSFORMER)
-    pipeline_class = CogVideoXPipeline
+    models = Models(AutoencoderKLCogVideoX, CogVideoXTransformer3DModel, CogVideoXDDIMScheduler, CogVideoXPipeline,
+                    flavors)
     is_video = True
     fps = 8.0
     default_lora_targets: ClassVar[list[str]] = [*targets.attention("attn1"), *targets.feed_forward()]

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from diffpipe.families.cogview4.flavors import PUBLISHED
 from diffpipe.models.spec import FamilySpec, Kohya
 
 _IMPORT = "`diffpipe import-lora {path}` (to continue training); elsewhere use the diffusers file"
 
 SPEC = FamilySpec(
-    name="cogview4",
-    family_class="CogView4Family",
     model="CogView4-6B",
     tasks="text-to-image (per-prompt text length)",
     targets="`attn1.to_q/k/v/out.0`, `ff.net.0.proj`, `ff.net.2`",
-    published=tuple(PUBLISHED),
     kohya=Kohya("cogview4", "cogview4/lora", "https://github.com/THUDM/CogView4"),
     comfyui_readers="THUDM's SAT names (fused `query_key_value`); ComfyUI has no CogView4 model and diffusers has no reader: `diffpipe import-lora` reads it, use the diffusers file elsewhere",
     kohya_readers="`diffpipe import-lora`",

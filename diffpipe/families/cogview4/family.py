@@ -35,11 +35,11 @@ from diffusers.pipelines.cogview4.pipeline_cogview4 import calculate_shift
 from transformers import AutoTokenizer, GlmConfig, GlmModel, PreTrainedTokenizerBase
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.cogview4.flavors import TINY_GLM, TINY_LENGTH, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
+from diffpipe.families.cogview4 import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
+from diffpipe.models.components import Models, TextBundle, TextPart, one_text_encoder
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 
 PAD_MULTIPLE = 16  # the pipeline pads every prompt on the left to a multiple of this
@@ -59,16 +59,14 @@ def tiny_glm_tokenizer(max_length: int) -> PreTrainedTokenizerBase:
 
 
 class CogView4Family(Family):
-    name = "cogview4"
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"glm": ("tokenizer", "sequence")}
-    vae_model = Model(AutoencoderKL, TINY_VAE)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    denoiser_model = Model(CogView4Transformer2DModel, TINY_TRANSFORMER)
+    #: The pipeline's LoRA loader is CogView4LoraLoaderMixin.
+    models = Models(AutoencoderKL, CogView4Transformer2DModel, FlowMatchEulerDiscreteScheduler, CogView4Pipeline,
+                    flavors)
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
-        AutoTokenizer, lambda: tiny_glm_tokenizer(TINY_LENGTH), GlmModel, GlmConfig, TINY_GLM, "cogview4.text_encoder")
-    pipeline_class = CogView4Pipeline  # its LoRA loader: CogView4LoraLoaderMixin
+        AutoTokenizer, lambda: tiny_glm_tokenizer(flavors.TINY_LENGTH), GlmModel, GlmConfig, flavors.TINY_GLM,
+        "cogview4.text_encoder", stream="glm")
     min_pixel_multiple = 16  # the pipeline refuses sides not divisible by 16
-    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    prompt_tokens = (flavors.TINY_LENGTH, MAX_LENGTH)
     #: The attention projections of every block (one joint attention over text
     #: and image tokens) and the feed-forward both streams share.
     default_lora_targets: ClassVar[list[str]] = [*targets.attention("attn1"), *targets.feed_forward()]

@@ -51,14 +51,14 @@ from diffusers.loaders import CosmosLoraLoaderMixin
 from diffusers.utils import is_cosmos_guardrail_available, is_torchvision_available
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.cosmos2.flavors import TINY_LENGTH, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
+from diffpipe.families.cosmos2 import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models import targets
 from diffpipe.models._draws import draw_image
 from diffpipe.models._video import T5Text
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model
+from diffpipe.models.components import Models
 from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 512  # the pipeline's max_sequence_length
@@ -97,11 +97,8 @@ def edm_weight(t: torch.Tensor) -> torch.Tensor:
 
 
 class Cosmos2Family(video.T5TextFamily, Family):
-    name = "cosmos2"
-    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
-    vae_model = Model(AutoencoderKLWan, TINY_VAE)
-    denoiser_model = Model(CosmosTransformer3DModel, TINY_TRANSFORMER)
-    pipeline_class = Cosmos2TextToImagePipeline
+    prompt_tokens = (flavors.TINY_LENGTH, MAX_LENGTH)
+    models = Models(AutoencoderKLWan, CosmosTransformer3DModel, None, Cosmos2TextToImagePipeline, flavors)
     min_pixel_multiple = 16  # the pipeline refuses sides not divisible by 16
     #: Cosmos-Predict2's own LoRA targets (``q_proj, k_proj, v_proj, output_proj,
     #: mlp.layer1, mlp.layer2``) in diffusers names: self- and cross-attention
@@ -112,7 +109,7 @@ class Cosmos2Family(video.T5TextFamily, Family):
 
     def inference_scheduler(self) -> FlowMatchEulerDiscreteScheduler:
         if self.cfg.flavor == "tiny":
-            return FlowMatchEulerDiscreteScheduler(**TINY_SCHEDULER)
+            return FlowMatchEulerDiscreteScheduler(**flavors.TINY_SCHEDULER)
         return FlowMatchEulerDiscreteScheduler.from_pretrained(self.cfg.path, subfolder="scheduler")
 
     def safety_checker(self) -> PassThroughSafetyChecker | None:

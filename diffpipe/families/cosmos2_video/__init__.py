@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.families.cosmos2_video.flavors import PUBLISHED
 from diffpipe.models.spec import Absent, FamilySpec, Kohya
 
 SPEC = FamilySpec(
-    name="cosmos2-video",
-    family_class="Cosmos2VideoFamily",
     model="Cosmos-Predict2 Video2World 2B / 14B",
     tasks="image/video-to-video: the clip's first 1 or 2 latent frames condition the rest (no control image needed); 16 fps, 4k+1 frames; samples need `sample.images`",
     targets="as `cosmos2`",
-    published=tuple(PUBLISHED),
     kohya=Kohya("cosmos_predict2", "cosmos-predict2/lora", "https://github.com/nvidia-cosmos/cosmos-predict2"),
     comfyui_readers="ComfyUI (Cosmos-Predict2 names without `net.`); diffusers has no reader: use the diffusers file",
     kohya_readers="ComfyUI",

@@ -110,7 +110,6 @@ class Cosmos2VideoFamily(Cosmos2Family):
     #: Not the parent family's layers: this family's spec says why it has none.
     pipeline_layers = Family.pipeline_layers
     denoiser_model = Model(CosmosTransformer3DModel, TINY_TRANSFORMER_V2W)
-    name = "cosmos2-video"
     pipeline_class = Cosmos2VideoToWorldPipeline
     is_video = True
     fps = 16.0

@@ -23,19 +23,12 @@ from diffusers import (
 from transformers import AutoTokenizer, Mistral3Config, Mistral3Model
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.ernie_image.flavors import (
-    TINY_LENGTH,
-    TINY_SCHEDULER,
-    TINY_TEXT,
-    TINY_TRANSFORMER,
-    TINY_VAE,
-    TINY_VISION,
-)
+from diffpipe.families.ernie_image import flavors
 from diffpipe.families.flux2_klein.family import TinyBatchNormVae, bn_normalised
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
+from diffpipe.models.components import Models, TextBundle, TextPart, one_text_encoder
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 
 #: The cache's caption length (longer captions are flagged by validation; the pipeline itself truncates at
@@ -46,21 +39,17 @@ BN_EPS = 1e-5
 
 
 def _tiny_tokenizer() -> Any:
-    return llm_tokenizer(TINY_LENGTH, bos="<s>", eos="</s>", pad="<pad>")
+    return llm_tokenizer(flavors.TINY_LENGTH, bos="<s>", eos="</s>", pad="<pad>")
 
 
 class ErnieImageFamily(TinyBatchNormVae, Family):
-    name = "ernie-image"
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"mistral": ("tokenizer", "sequence")}
-    vae_model = Model(AutoencoderKLFlux2, TINY_VAE)
-    denoiser_model = Model(ErnieImageTransformer2DModel, TINY_TRANSFORMER)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
+    models = Models(AutoencoderKLFlux2, ErnieImageTransformer2DModel, FlowMatchEulerDiscreteScheduler,
+                    ErnieImagePipeline, flavors)
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
-        AutoTokenizer, _tiny_tokenizer, Mistral3Model, Mistral3Config, TINY_TEXT, "ernie-image.text_encoder",
-        vision=TINY_VISION)
-    pipeline_class = ErnieImagePipeline
+        AutoTokenizer, _tiny_tokenizer, Mistral3Model, Mistral3Config, flavors.TINY_TEXT, "ernie-image.text_encoder",
+        vision=flavors.TINY_VISION, stream="mistral")
     patch = 2  # the latents are patchified 2x2 before the transformer (whose patch_size is 1)
-    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    prompt_tokens = (flavors.TINY_LENGTH, MAX_LENGTH)
     pipeline_extras: ClassVar[dict[str, Any]] = {"pe": None, "pe_tokenizer": None}
     #: The attention projections and the gated feed-forward of every layer.
     default_lora_targets: ClassVar[list[str]] = [

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.families.flux.flavors import PUBLISHED
 from diffpipe.models.spec import FamilySpec, Kohya
 
 SPEC = FamilySpec(
-    name="flux",
-    family_class="FluxFamily",
     model="FLUX.1 dev / schnell",
     tasks="text-to-image",
     targets="attention of both streams, double-block feed-forwards",
-    published=tuple(PUBLISHED),
     kohya=Kohya("flux1", "flux-1-dev/lora", "https://github.com/black-forest-labs/flux"),
     comfyui_readers="ComfyUI (fused `qkv`/`linear1`), `FluxPipeline.load_lora_weights`",
     kohya_readers="Forge, ComfyUI, `FluxPipeline.load_lora_weights`",

@@ -21,9 +21,6 @@ from diffusers import (
     FluxTransformer2DModel,
 )
 from transformers import (
-    CLIPTextConfig,
-    CLIPTextModel,
-    CLIPTokenizer,
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
@@ -34,8 +31,8 @@ from diffpipe.families.flux.flavors import TINY_SCHEDULER, TINY_T5, TINY_T5_LENG
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
-from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer
+from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer, clip_text_encoder
+from diffpipe.models.tokenizers import t5_tokenizer
 
 # FluxPipeline refuses longer T5 prompts.
 MAX_T5_LENGTH = 512
@@ -49,18 +46,13 @@ def _clip_pooled(encoder: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
 
 
 class FluxFamily(Family):
-    name = "flux"
     vae_shift = True
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {
-        "clip": ("tokenizer", "tokenizer"), "t5": ("tokenizer_2", "sequence")}
     # Seeded as "lux.vae" / "lux.transformer" since the tiny flavor's first weights (golden losses).
     vae_model = Model(AutoencoderKL, TINY_VAE, seed="lux")
     denoiser_model = Model(FluxTransformer2DModel, TINY_TRANSFORMER, seed="lux")
     text_parts: ClassVar[dict[str, TextPart]] = {
-        "tokenizer": Tokenizer(CLIPTokenizer, clip_tokenizer),
-        "text_encoder": TextEncoder(CLIPTextModel, CLIPTextConfig,
-                                    lambda tok, seed: common.tiny_clip_text_encoder(tok, seed, "flux.text_encoder")),
-        "tokenizer_2": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(TINY_T5_LENGTH)),
+        **clip_text_encoder("flux.text_encoder", "text_encoder", stream="clip"),
+        "tokenizer_2": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(TINY_T5_LENGTH), "t5"),
         "text_encoder_2": TextEncoder(T5EncoderModel, T5Config, _tiny_t5),
     }
     pipeline_class = FluxPipeline

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from diffpipe.families.flux2.flavors import PUBLISHED
 from diffpipe.models.spec import FamilySpec, Kohya
 
 SPEC = FamilySpec(
-    name="flux2",
-    family_class="Flux2Family",
     model="FLUX.2 [dev]",
     tasks="text-to-image (flow matching, guidance-distilled; Mistral 3 text, 3 layers stacked; FLUX.2 [klein]'s "
           "transformer class and VAE); editing with up to 4 reference images (`variant: edit`, the same "
           "checkpoint)",
     targets="as `flux2-klein`",
-    published=tuple(PUBLISHED),
     layers="diffpipe.families.flux2_klein.layers",
     layers_refused="`variant: edit`",
     kohya=Kohya("flux2", "flux-2-dev/lora", "https://github.com/black-forest-labs/flux2"),

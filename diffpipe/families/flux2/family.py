@@ -73,12 +73,10 @@ def chat_prompts(tokenizer: Any, captions: list[str]) -> list[str]:
 
 
 class Flux2Family(Flux2KleinFamily):
-    name = "flux2"
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"mistral": ("tokenizer", "sequence")}
     denoiser_model = Model(Flux2Transformer2DModel, TINY_TRANSFORMER)
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
         MistralChatTokenizer, _tiny_tokenizer, Mistral3ForConditionalGeneration, Mistral3Config, TINY_TEXT,
-        "flux2.text_encoder", vision=TINY_VISION)
+        "flux2.text_encoder", vision=TINY_VISION, stream="mistral")
     pipeline_class = Flux2Pipeline
     prompt_embeds_method: ClassVar[str] = "_get_mistral_3_small_prompt_embeds"
     text_layers: ClassVar[tuple[int, ...]] = TEXT_LAYERS

@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-from diffpipe.families.flux2_klein.flavors import PUBLISHED
 from diffpipe.models.spec import FamilySpec, Kohya
 
 SPEC = FamilySpec(
-    name="flux2-klein",
-    family_class="Flux2KleinFamily",
     model="FLUX.2 [klein] 4B / 9B (base and distilled)",
     tasks="text-to-image (flow matching; Qwen3 text, 2x2-patchified latents normalised by the VAE's batch norm); "
           "editing with up to 4 reference images (`variant: edit`, the same checkpoints)",
     targets="attention of both streams `attn.to_q/k/v/out.0`, `add_q/k/v_proj`, `to_add_out`, the double "
             "blocks' `ff(_context).linear_in/out`, the single blocks' fused `attn.to_qkv_mlp_proj`",
-    published=tuple(PUBLISHED),
     layers_refused="`variant: edit`",
     kohya=Kohya("flux2", "flux-2-klein/lora", "https://github.com/black-forest-labs/flux2"),
     comfyui_readers="ComfyUI (original names, fused `qkv`), `Flux2KleinPipeline.load_lora_weights` (except a "

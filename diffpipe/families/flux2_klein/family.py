@@ -29,17 +29,11 @@ from diffusers import AutoencoderKLFlux2, FlowMatchEulerDiscreteScheduler, Flux2
 from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from diffpipe.config import MAX_REFERENCES, SampleConfig
-from diffpipe.families.flux2_klein.flavors import (
-    TINY_LENGTH,
-    TINY_QWEN3,
-    TINY_SCHEDULER,
-    TINY_TRANSFORMER,
-    TINY_VAE,
-)
+from diffpipe.families.flux2_klein import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
+from diffpipe.models.components import Models, TextBundle, TextPart, one_text_encoder
 from diffpipe.models.llm_tokenizers import tiny_qwen3_tokenizer
 
 MAX_LENGTH = 512  # Flux2KleinPipeline's default max_sequence_length
@@ -97,20 +91,17 @@ def reference_tokens(control: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
 
 
 class Flux2KleinFamily(TinyBatchNormVae, Family):
-    name = "flux2-klein"
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"qwen3": ("tokenizer", "sequence")}
-    vae_model = Model(AutoencoderKLFlux2, TINY_VAE)
-    denoiser_model = Model(Flux2Transformer2DModel, TINY_TRANSFORMER)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
+    models = Models(AutoencoderKLFlux2, Flux2Transformer2DModel, FlowMatchEulerDiscreteScheduler, Flux2KleinPipeline,
+                    flavors)
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
-        AutoTokenizer, lambda: tiny_qwen3_tokenizer(TINY_LENGTH), Qwen3ForCausalLM, Qwen3Config, TINY_QWEN3,
-        "flux2-klein.text_encoder")
-    pipeline_class = Flux2KleinPipeline
+        AutoTokenizer, lambda: tiny_qwen3_tokenizer(flavors.TINY_LENGTH), Qwen3ForCausalLM, Qwen3Config,
+        flavors.TINY_QWEN3,
+        "flux2-klein.text_encoder", stream="qwen3")
     #: The pipeline's static method that encodes captions, and the text encoder layers it stacks.
     prompt_embeds_method: ClassVar[str] = "_get_qwen3_prompt_embeds"
     text_layers: ClassVar[tuple[int, ...]] = TEXT_LAYERS
     patch = 2  # the VAE's latents are patchified 2x2 before the transformer (whose patch_size is 1)
-    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    prompt_tokens = (flavors.TINY_LENGTH, MAX_LENGTH)
     #: Attention of both streams and their feed-forwards in the double blocks, and the single blocks'
     #: fused QKV + MLP input projection.
     default_lora_targets: ClassVar[list[str]] = [

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from diffpipe.families.flux_control.flavors import PUBLISHED
 from diffpipe.models.spec import FamilySpec, diffusers_files_only
 
 _NO_REFERENCE = ("a control LoRA widens the input layer (`img_in`, 64 -> 128 inputs); no independent reader here "
                  "shows how ComfyUI or kohya tools load that widening, so these files are not written")
 
 SPEC = FamilySpec(
-    name="flux-control",
-    family_class="FluxControlFamily",
     model="FLUX.1 [dev] with a control LoRA (as BFL's FLUX.1-Depth/Canny-dev-lora)",
     tasks="image-to-image control (a control image per item: depth map, edges, ...), concatenated to the "
           "latents along the channels; samples need `sample.images`",
     targets="as `flux`, plus the widened input layer `x_embedder`",
-    published=tuple(PUBLISHED),
     **diffusers_files_only(_NO_REFERENCE),
     layers="diffpipe.families.flux.layers",
 )

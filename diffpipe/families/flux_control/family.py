@@ -50,7 +50,6 @@ def widen_input(transformer: FluxTransformer2DModel) -> FluxTransformer2DModel:
 
 
 class FluxControlFamily(FluxFamily):
-    name = "flux-control"
     pipeline_class = FluxControlPipeline
     trainable_text_encoders: ClassVar[dict[str, str]] = {}  # text-encoder training is tested on flux only
     uses_control = True

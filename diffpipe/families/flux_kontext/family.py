@@ -42,7 +42,6 @@ class FluxKontextFamily(ReferenceTokens, FluxFamily):
     #: Not the parent family's layers: this family's spec says why it has none.
     pipeline_layers = Family.pipeline_layers
     reference_tokens = staticmethod(reference_tokens)
-    name = "flux-kontext"
     pipeline_class = FluxKontextPipeline
     uses_control = True
 

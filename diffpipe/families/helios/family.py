@@ -68,7 +68,6 @@ def first_chunk_history(batch: int, channels: int, frames: int, height: int, wid
 
 
 class HeliosFamily(WanFamily):
-    name = "helios"
     fps = 24.0
     variants: ClassVar[tuple[str, ...]] = ()
     variant_table = VARIANTS

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.families.hidream.flavors import PUBLISHED
 from diffpipe.models.spec import FamilySpec, Kohya
 
 SPEC = FamilySpec(
-    name="hidream",
-    family_class="HiDreamFamily",
     model="HiDream-I1 (Full / Dev / Fast)",
     tasks="text-to-image",
     targets="attention of both streams, the MoE's shared expert",
-    published=tuple(PUBLISHED),
     kohya=Kohya("hidream", "hidream-i1/lora", "https://github.com/HiDream-ai/HiDream-I1"),
     comfyui_readers="ComfyUI, `HiDreamImagePipeline.load_lora_weights`",
     kohya_readers="ComfyUI",

@@ -26,9 +26,7 @@ from diffusers import (
 )
 from transformers import (
     AutoTokenizer,
-    CLIPTextConfig,
     CLIPTextModelWithProjection,
-    CLIPTokenizer,
     LlamaConfig,
     LlamaForCausalLM,
     T5Config,
@@ -37,20 +35,12 @@ from transformers import (
 )
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.hidream.flavors import (
-    TINY_LENGTH,
-    TINY_LLAMA,
-    TINY_SCHEDULER,
-    TINY_T5,
-    TINY_TRANSFORMER,
-    TINY_VAE,
-)
-from diffpipe.families.sd3.family import _tiny_clip
+from diffpipe.families.hidream import flavors
 from diffpipe.models import _common as common
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer, clip_text_encoder
+from diffpipe.models.components import Models, TextBundle, TextEncoder, TextPart, Tokenizer, clip_text_encoder
 from diffpipe.models.llm_tokenizers import llm_tokenizer
-from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer
+from diffpipe.models.tokenizers import t5_tokenizer
 
 MAX_LENGTH = 128  # the pipeline's default max_sequence_length
 
@@ -66,28 +56,24 @@ def unpatchify(patches: torch.Tensor, shape: torch.Size, p: int) -> torch.Tensor
     return x.permute(0, 1, 2, 4, 3, 5).reshape(b, c, h, w)
 
 
-_tiny_t5 = common.tiny_text_model(T5EncoderModel, T5Config, TINY_T5, "hidream.text_encoder_3", common.T5_IDS)
+_tiny_t5 = common.tiny_text_model(T5EncoderModel, T5Config, flavors.TINY_T5, "hidream.text_encoder_3", common.T5_IDS)
 
-_tiny_llama = common.tiny_text_model(LlamaForCausalLM, LlamaConfig, TINY_LLAMA, "hidream.text_encoder_4")
+_tiny_llama = common.tiny_text_model(LlamaForCausalLM, LlamaConfig, flavors.TINY_LLAMA, "hidream.text_encoder_4")
 
 class HiDreamFamily(Family):
-    name = "hidream"
     vae_shift = True
-    vae_model = Model(AutoencoderKL, TINY_VAE)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    denoiser_model = Model(HiDreamImageTransformer2DModel, TINY_TRANSFORMER)
+    models = Models(AutoencoderKL, HiDreamImageTransformer2DModel, FlowMatchEulerDiscreteScheduler,
+                    HiDreamImagePipeline, flavors)
     text_parts: ClassVar[dict[str, TextPart]] = {
-        "tokenizer": Tokenizer(CLIPTokenizer, clip_tokenizer),
-        "text_encoder": TextEncoder(CLIPTextModelWithProjection, CLIPTextConfig, _tiny_clip("hidream.text_encoder")),
+        **clip_text_encoder("hidream.text_encoder", "text_encoder", cls=CLIPTextModelWithProjection),
         **clip_text_encoder("hidream.text_encoder_2", cls=CLIPTextModelWithProjection),
-        "tokenizer_3": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(TINY_LENGTH)),
+        "tokenizer_3": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(flavors.TINY_LENGTH)),
         "text_encoder_3": TextEncoder(T5EncoderModel, T5Config, _tiny_t5),
-        "tokenizer_4": Tokenizer(AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH, bos="<|begin_of_text|>",
+        "tokenizer_4": Tokenizer(AutoTokenizer, lambda: llm_tokenizer(flavors.TINY_LENGTH, bos="<|begin_of_text|>",
                                                                       eos="<|eot_id|>")),
         "text_encoder_4": TextEncoder(LlamaForCausalLM, LlamaConfig, _tiny_llama),
     }
-    pipeline_class = HiDreamImagePipeline
-    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    prompt_tokens = (flavors.TINY_LENGTH, MAX_LENGTH)
     prompt_tokenizer = "tokenizer_3"
     #: Attention of both streams and the shared expert of every MoE feed-forward
     #: (the routed experts are left alone, as in diffusers' HiDream LoRA example).
@@ -127,10 +113,7 @@ class HiDreamFamily(Family):
     # -- training ----------------------------------------------------------------
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32) -> Prepared:
-        """Flow-matching inputs with the four text encoders' embeddings (Llama's ``[layers, B, L, D]``).
-
-        The target is ``x0 - noise``: the pipeline steps with ``-pred`` as the velocity ``noise - x0``.
-        """
+        """Flow-matching inputs with the four text encoders' embeddings (Llama's ``[layers, B, L, D]``)."""
         f = self.flow_draw(latents, generator, objective, t, noise)
         device = f.x0.device
         inputs = {

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.families.hunyuanimage.flavors import PUBLISHED
 from diffpipe.models.spec import Absent, FamilySpec, diffusers_files_only, loads_through_transformer
 
 SPEC = FamilySpec(
-    name="hunyuanimage",
-    family_class="HunyuanImageFamily",
     model="HunyuanImage 2.1",
     tasks="text-to-image (flow matching; Qwen2.5-VL text plus a ByT5 glyph encoder for quoted text)",
     targets="as `flux`",
-    published=tuple(PUBLISHED),
     **diffusers_files_only("not written yet: diffusers 0.42.1 has no LoRA converter for HunyuanImage 2.1 to "
                            "check original names against"),
     **loads_through_transformer("HunyuanImagePipeline"),

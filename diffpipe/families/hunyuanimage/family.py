@@ -40,12 +40,12 @@ from transformers import (
 )
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.hunyuanimage.flavors import TINY_BYT5, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
+from diffpipe.families.hunyuanimage import flavors
 from diffpipe.families.qwenimage.family import tiny_qwen_tokenizer, tiny_qwen_vl
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared, TransformerLoRA
-from diffpipe.models.components import Model
+from diffpipe.models.components import Models
 from diffpipe.models.tokenizers import tokenizer_fingerprint
 from diffpipe.utils import digest
 
@@ -77,11 +77,8 @@ class HunyuanText:
 
 
 class HunyuanImageFamily(TransformerLoRA, Family):
-    name = "hunyuanimage"
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    vae_model = Model(AutoencoderKLHunyuanImage, TINY_VAE)
-    denoiser_model = Model(HunyuanImageTransformer2DModel, TINY_TRANSFORMER)
-    pipeline_class = HunyuanImagePipeline
+    models = Models(AutoencoderKLHunyuanImage, HunyuanImageTransformer2DModel, FlowMatchEulerDiscreteScheduler,
+                    HunyuanImagePipeline, flavors)
     #: Attention of both streams and the feed-forwards of the double blocks (Flux-like blocks).
     default_lora_targets: ClassVar[list[str]] = targets.dual_stream()
 
@@ -101,7 +98,8 @@ class HunyuanImageFamily(TransformerLoRA, Family):
         if self.cfg.flavor == "tiny":
             e.text_encoder = tiny_qwen_vl(e.tokenizer, self.cfg.seed, f"{self.name}.text_encoder",
                                           num_hidden_layers=3)
-            config = T5Config(**TINY_BYT5, vocab_size=len(e.tokenizer_2), pad_token_id=e.tokenizer_2.pad_token_id,
+            config = T5Config(**flavors.TINY_BYT5, vocab_size=len(e.tokenizer_2),
+                              pad_token_id=e.tokenizer_2.pad_token_id,
                               eos_token_id=e.tokenizer_2.eos_token_id,
                               decoder_start_token_id=e.tokenizer_2.pad_token_id)
             with common.seeded(self.cfg.seed, f"{self.name}.text_encoder_2"):

@@ -51,12 +51,12 @@ from transformers import (
 )
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.hunyuanvideo.flavors import TINY_LENGTH, TINY_LLAMA, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
+from diffpipe.families.hunyuanvideo import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer, clip_text_encoder
+from diffpipe.models.components import Models, TextBundle, TextEncoder, TextPart, Tokenizer, clip_text_encoder
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 from diffpipe.training import objectives as obj
 
@@ -65,7 +65,7 @@ _LLAMA_SPECIALS = ("<|start_header_id|>", "<|end_header_id|>")
 
 
 def tiny_llama_tokenizer() -> PreTrainedTokenizerBase:
-    return llm_tokenizer(TINY_LENGTH, bos="<|begin_of_text|>", eos="<|eot_id|>", extra=_LLAMA_SPECIALS)
+    return llm_tokenizer(flavors.TINY_LENGTH, bos="<|begin_of_text|>", eos="<|eot_id|>", extra=_LLAMA_SPECIALS)
 
 
 def template_for(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
@@ -74,20 +74,17 @@ def template_for(tokenizer: PreTrainedTokenizerBase) -> dict[str, Any]:
     return {"template": DEFAULT_PROMPT_TEMPLATE["template"], "crop_start": len(tokenizer(prefix).input_ids)}
 
 
-_tiny_llama = common.tiny_text_model(LlamaModel, LlamaConfig, TINY_LLAMA, "hunyuanvideo.text_encoder")
+_tiny_llama = common.tiny_text_model(LlamaModel, LlamaConfig, flavors.TINY_LLAMA, "hunyuanvideo.text_encoder")
 
 class HunyuanVideoFamily(Family):
-    name = "hunyuanvideo"
     vae_per_frame = False
-    vae_model = Model(AutoencoderKLHunyuanVideo, TINY_VAE)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    denoiser_model = Model(HunyuanVideoTransformer3DModel, TINY_TRANSFORMER)
+    models = Models(AutoencoderKLHunyuanVideo, HunyuanVideoTransformer3DModel, FlowMatchEulerDiscreteScheduler,
+                    HunyuanVideoPipeline, flavors)
     text_parts: ClassVar[dict[str, TextPart]] = {
         "tokenizer": Tokenizer(AutoTokenizer, tiny_llama_tokenizer),
         "text_encoder": TextEncoder(LlamaModel, LlamaConfig, _tiny_llama),
         **clip_text_encoder("hunyuanvideo.text_encoder_2"),
     }
-    pipeline_class = HunyuanVideoPipeline
     is_video = True
     fps = 24.0
     default_lora_targets: ClassVar[list[str]] = [*targets.dual_stream(), "proj_mlp"]

@@ -46,19 +46,12 @@ from transformers import (
 )
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.hunyuanvideo15.flavors import (
-    TINY_BYT5,
-    TINY_LENGTH,
-    TINY_SCHEDULER,
-    TINY_TEXT,
-    TINY_TRANSFORMER,
-    TINY_VAE,
-)
+from diffpipe.families.hunyuanvideo15 import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared, TransformerLoRA
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.components import Models, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.llm_tokenizers import tiny_qwen3_tokenizer
 from diffpipe.training import objectives as obj
 
@@ -68,14 +61,14 @@ GLYPH_LENGTH = 256  # the pipeline's tokenizer_2_max_length (ByT5 bytes of the q
 
 
 def _tiny_qwen() -> Any:
-    return tiny_qwen3_tokenizer(TINY_LENGTH + CROP)
+    return tiny_qwen3_tokenizer(flavors.TINY_LENGTH + CROP)
 
 
 @functools.cache
 def _stand_in_vae() -> AutoencoderKLHunyuanVideo15:
     """A tiny VAE for pipelines that only encode text: the pipeline's constructor reads a VAE's config when
     one is given at all (None fails there), and ``encode_prompt`` never touches it."""
-    return AutoencoderKLHunyuanVideo15(**TINY_VAE)
+    return AutoencoderKLHunyuanVideo15(**flavors.TINY_VAE)
 
 
 def _text_only(**parts: Any) -> HunyuanVideo15Pipeline:
@@ -91,22 +84,19 @@ def _bare_pipeline() -> HunyuanVideo15Pipeline:
 
 
 class HunyuanVideo15Family(TransformerLoRA, Family):
-    name = "hunyuanvideo15"
     vae_per_frame = False
-    vae_model = Model(AutoencoderKLHunyuanVideo15, TINY_VAE)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    denoiser_model = Model(HunyuanVideo15Transformer3DModel, TINY_TRANSFORMER)
+    models = Models(AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel, FlowMatchEulerDiscreteScheduler,
+                    HunyuanVideo15Pipeline, flavors)
     token_streams: ClassVar[dict[str, tuple[str, str]]] = {"qwen": ("tokenizer", "sequence")}
     text_parts: ClassVar[dict[str, TextPart]] = {
         "tokenizer": Tokenizer(AutoTokenizer, _tiny_qwen),
         "text_encoder": TextEncoder(Qwen2_5_VLTextModel, Qwen2_5_VLTextConfig, common.tiny_text_model(
-            Qwen2_5_VLTextModel, Qwen2_5_VLTextConfig, TINY_TEXT, "hunyuanvideo15.text_encoder")),
+            Qwen2_5_VLTextModel, Qwen2_5_VLTextConfig, flavors.TINY_TEXT, "hunyuanvideo15.text_encoder")),
         "tokenizer_2": Tokenizer(ByT5Tokenizer, ByT5Tokenizer),
         "text_encoder_2": TextEncoder(T5EncoderModel, T5Config, common.tiny_text_model(
-            T5EncoderModel, T5Config, TINY_BYT5, "hunyuanvideo15.text_encoder_2", common.T5_IDS)),
+            T5EncoderModel, T5Config, flavors.TINY_BYT5, "hunyuanvideo15.text_encoder_2", common.T5_IDS)),
     }
-    pipeline_class = HunyuanVideo15Pipeline
-    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    prompt_tokens = (flavors.TINY_LENGTH, MAX_LENGTH)
     prompt_drop = CROP
     is_video = True
     fps = 24.0

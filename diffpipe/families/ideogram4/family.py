@@ -32,18 +32,11 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3VLConfig, 
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.flux2_klein.family import TinyBatchNormVae
-from diffpipe.families.ideogram4.flavors import (
-    TINY_LENGTH,
-    TINY_SCHEDULER,
-    TINY_TEXT,
-    TINY_TRANSFORMER,
-    TINY_VAE,
-    TINY_VISION,
-)
+from diffpipe.families.ideogram4 import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
+from diffpipe.models.components import Models, TextBundle, TextPart, one_text_encoder
 from diffpipe.models.llm_tokenizers import tiny_qwen3_vl_tokenizer
 
 #: The cache's caption length (the pipeline's default is 2048; the pad length does not change its output).
@@ -80,17 +73,14 @@ def _pack(x: torch.Tensor, b: int, c: int, h: int, w: int) -> torch.Tensor:
 
 
 class Ideogram4Family(TinyBatchNormVae, Family):
-    name = "ideogram4"
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"qwen3-vl": ("tokenizer", "sequence")}
-    vae_model = Model(AutoencoderKLFlux2, TINY_VAE)
-    denoiser_model = Model(Ideogram4Transformer2DModel, TINY_TRANSFORMER)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
+    models = Models(AutoencoderKLFlux2, Ideogram4Transformer2DModel, FlowMatchEulerDiscreteScheduler,
+                    Ideogram4Pipeline, flavors)
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
-        AutoTokenizer, lambda: tiny_qwen3_vl_tokenizer(TINY_LENGTH), Qwen3VLModel, Qwen3VLConfig, TINY_TEXT,
-        "ideogram4.text_encoder", ids=("pad", "eos"), vision=TINY_VISION)
-    pipeline_class = Ideogram4Pipeline
+        AutoTokenizer, lambda: tiny_qwen3_vl_tokenizer(flavors.TINY_LENGTH), Qwen3VLModel, Qwen3VLConfig,
+        flavors.TINY_TEXT,
+        "ideogram4.text_encoder", ids=("pad", "eos"), vision=flavors.TINY_VISION, stream="qwen3-vl")
     patch = PATCH
-    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    prompt_tokens = (flavors.TINY_LENGTH, MAX_LENGTH)
     #: The attention projections and the SwiGLU feed-forward of every block.
     default_lora_targets: ClassVar[list[str]] = [
         *targets.attention("attention"), "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]

@@ -2,19 +2,15 @@
 
 from __future__ import annotations
 
-from diffpipe.families.kandinsky5.flavors import PUBLISHED
 from diffpipe.models.spec import FamilySpec, diffusers_files_only
 
 _NO_REFERENCE = "not checked against an independent reference of Kandinsky 5's original checkpoint names yet"
 
 SPEC = FamilySpec(
-    name="kandinsky5",
-    family_class="Kandinsky5Family",
     model="Kandinsky 5.0 T2V Lite / Pro, I2V Lite / Pro (`variant: i2v`); the regular-attention checkpoints",
     tasks="text-to-video (images train as 1-frame clips), image-to-video; 24 fps, 4k+1 frames; Qwen2.5-VL + "
           "CLIP text",
     targets="self/cross attention `to_query/key/value`, `out_layer`, feed-forward `in_layer`/`out_layer` "
             "(text blocks included)",
-    published=tuple(PUBLISHED),
     **diffusers_files_only(_NO_REFERENCE),
 )

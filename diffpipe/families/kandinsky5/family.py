@@ -61,20 +61,13 @@ from transformers import (
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.hunyuanvideo.family import HunyuanVideoFamily
-from diffpipe.families.kandinsky5.flavors import (
-    TINY_LENGTH,
-    TINY_SCHEDULER,
-    TINY_TEXT,
-    TINY_TRANSFORMER,
-    TINY_VAE,
-    TINY_VISION,
-)
+from diffpipe.families.kandinsky5 import flavors
 from diffpipe.families.qwenimage.family import tiny_qwen_tokenizer
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import (
-    Model,
+    Models,
     TextBundle,
     TextPart,
     clip_text_encoder,
@@ -125,24 +118,23 @@ def _tiny_modulations(model: Kandinsky5Transformer3DModel, seed: int) -> Kandins
 
 
 class Kandinsky5Family(Family):
-    name = "kandinsky5"
     vae_per_frame = False
-    vae_model = Model(AutoencoderKLHunyuanVideo, TINY_VAE)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    denoiser_model = Model(Kandinsky5Transformer3DModel, TINY_TRANSFORMER)
+    #: The i2v variant's pipeline instances are Kandinsky5I2VPipeline.
+    models = Models(AutoencoderKLHunyuanVideo, Kandinsky5Transformer3DModel, FlowMatchEulerDiscreteScheduler,
+                    Kandinsky5T2VPipeline, flavors)
     text_parts: ClassVar[dict[str, TextPart]] = {
-        **one_text_encoder(AutoTokenizer, lambda: tiny_qwen_tokenizer(TINY_LENGTH), Qwen2_5_VLForConditionalGeneration,
-                           Qwen2_5_VLConfig, TINY_TEXT, "kandinsky5.text_encoder", ids=("pad", "eos"),
-                           vision=TINY_VISION),
+        **one_text_encoder(AutoTokenizer, lambda: tiny_qwen_tokenizer(flavors.TINY_LENGTH),
+                           Qwen2_5_VLForConditionalGeneration,
+                           Qwen2_5_VLConfig, flavors.TINY_TEXT, "kandinsky5.text_encoder", ids=("pad", "eos"),
+                           vision=flavors.TINY_VISION),
         **clip_text_encoder("kandinsky5.text_encoder_2"),
     }
     #: ``t2v`` (text-to-video) and ``i2v`` (the image-to-video checkpoints: the first latent frame is the
     #: control image's latents, marked in the condition mask); a local folder's is read from its pipeline class.
     variants: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
-    pipeline_class = Kandinsky5T2VPipeline  # the i2v variant's instances: Kandinsky5I2VPipeline
     is_video = True
     fps = 24.0
-    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    prompt_tokens = (flavors.TINY_LENGTH, MAX_LENGTH)
     #: The pipeline's prompt template (its ``prompt_template``).
     template: ClassVar[str] = TEMPLATE
     #: Attention (self and cross) and feed-forward linears of every block, the text blocks' included.

@@ -3,17 +3,13 @@
 from __future__ import annotations
 
 from diffpipe.families.kandinsky5.__init__ import _NO_REFERENCE
-from diffpipe.families.kandinsky5_image.flavors import PUBLISHED
 from diffpipe.models.spec import FamilySpec, diffusers_files_only
 
 SPEC = FamilySpec(
-    name="kandinsky5-image",
-    family_class="Kandinsky5ImageFamily",
     model="Kandinsky 5.0 Image Lite: text-to-image (`variant: t2i`, the default) and editing (`i2i`)",
     tasks="text-to-image on the video models' transformer, FLUX.1's VAE; Qwen2.5-VL + CLIP text; editing: the "
           "image to edit (each item's control image) as visual-condition channels and seen by the text encoder",
     targets="as `kandinsky5`",
-    published=tuple(PUBLISHED),
     layers="diffpipe.families.kandinsky5.layers",
     layers_refused="`variant: i2i`",
     **diffusers_files_only(_NO_REFERENCE),

@@ -38,10 +38,10 @@ from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForCondition
 
 from diffpipe.families.kandinsky5.family import Kandinsky5Family, folder_variant, template_start
 from diffpipe.families.kandinsky5.flavors import TINY_LENGTH
-from diffpipe.families.kandinsky5_image.flavors import TINY_EDIT_TRANSFORMER, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
+from diffpipe.families.kandinsky5_image import flavors
 from diffpipe.families.qwenimage_edit.family import _load_processor, tiny_processor, tiny_vl_text_encoder
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, Tokenizer, clip_text_encoder
+from diffpipe.models.components import Model, Models, TextBundle, TextEncoder, Tokenizer, clip_text_encoder
 
 #: The image's place in the editing template.
 VISION_SLOT = "<|vision_start|><|image_pad|><|vision_end|>"
@@ -74,16 +74,13 @@ EDIT_TEXT_PARTS = {
 
 
 class Kandinsky5ImageFamily(Kandinsky5Family):
-    name = "kandinsky5-image"
     vae_per_frame = True
     vae_shift = False
-    vae_model = Model(AutoencoderKL, TINY_VAE)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    denoiser_model = Model(Kandinsky5Family.denoiser_model.cls, TINY_TRANSFORMER)
+    models = Models(AutoencoderKL, None, FlowMatchEulerDiscreteScheduler, Kandinsky5T2IPipeline, flavors)
+    denoiser_model = Model(Kandinsky5Family.denoiser_model.cls, flavors.TINY_TRANSFORMER)
     #: ``t2i`` (text-to-image) and ``i2i`` (the editing checkpoints); a local folder's is read from its
     #: pipeline class.
     variants: ClassVar[tuple[str, ...]] = ("t2i", "i2i")
-    pipeline_class = Kandinsky5T2IPipeline
     is_video = False
     template: ClassVar[str] = _BARE.prompt_template
 
@@ -95,7 +92,7 @@ class Kandinsky5ImageFamily(Kandinsky5Family):
         if self.uses_control:
             self.pipeline_class = Kandinsky5I2IPipeline
             self.template = _BARE_EDIT.prompt_template
-            self.denoiser_model = Model(Kandinsky5Family.denoiser_model.cls, TINY_EDIT_TRANSFORMER)
+            self.denoiser_model = Model(Kandinsky5Family.denoiser_model.cls, flavors.TINY_EDIT_TRANSFORMER)
             self.text_parts = EDIT_TEXT_PARTS
 
     def rope_scale(self, height: int, width: int) -> tuple[float, float, float]:

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.families.krea2.flavors import PUBLISHED
 from diffpipe.models.spec import FamilySpec, Kohya, generic_comfy_names
 
 SPEC = FamilySpec(
-    name="krea2",
-    family_class="Krea2Family",
     model="Krea 2 Base, Krea 2 Turbo",
     tasks="text-to-image (flow matching; Qwen3-VL text at 12 layers, fused inside the transformer)",
     targets="attention `attn.to_q/k/v/out.0`, its `to_gate`, SwiGLU `ff.gate/up/down` (text-fusion blocks included)",
-    published=tuple(PUBLISHED),
     # No kohya-family trainer names it: the metadata says what the file is in the same scheme.
     **generic_comfy_names(Kohya("krea2", "krea-2/lora", "https://github.com/huggingface/diffusers"),
                           "the original checkpoint's layer names: `blocks.N.attn.wq`, `blocks.N.mlp.gate`, ..."),

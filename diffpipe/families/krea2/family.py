@@ -24,18 +24,11 @@ from diffusers import (
 from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLModel
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.krea2.flavors import (
-    TINY_LENGTH,
-    TINY_SCHEDULER,
-    TINY_TEXT,
-    TINY_TRANSFORMER,
-    TINY_VAE,
-    TINY_VISION,
-)
+from diffpipe.families.krea2 import flavors
 from diffpipe.families.qwenimage.family import QwenImageFamily, tiny_qwen_tokenizer
 from diffpipe.models import _common as common
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
+from diffpipe.models.components import Models, TextBundle, TextPart, one_text_encoder
 
 MAX_LENGTH = 512  # Krea2Pipeline's default max_sequence_length
 _PACKING = SimpleNamespace(patch_size=2)  # what Krea2Pipeline._pack_latents reads of the pipeline
@@ -46,17 +39,14 @@ def _pack(x: torch.Tensor, b: int, c: int, h: int, w: int) -> torch.Tensor:
 
 
 class Krea2Family(Family):
-    name = "krea2"
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"qwen3-vl": ("tokenizer", "sequence")}
-    vae_model = Model(AutoencoderKLQwenImage, TINY_VAE)
-    denoiser_model = Model(Krea2Transformer2DModel, TINY_TRANSFORMER)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
+    models = Models(AutoencoderKLQwenImage, Krea2Transformer2DModel, FlowMatchEulerDiscreteScheduler, Krea2Pipeline,
+                    flavors)
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
-        AutoTokenizer, lambda: tiny_qwen_tokenizer(TINY_LENGTH), Qwen3VLModel, Qwen3VLConfig, TINY_TEXT, "krea2.text_encoder",
-        ids=("pad", "eos"), vision=TINY_VISION)
-    pipeline_class = Krea2Pipeline
+        AutoTokenizer, lambda: tiny_qwen_tokenizer(flavors.TINY_LENGTH), Qwen3VLModel, Qwen3VLConfig,
+        flavors.TINY_TEXT, "krea2.text_encoder",
+        ids=("pad", "eos"), vision=flavors.TINY_VISION, stream="qwen3-vl")
     patch = 2  # the pipeline packs 2x2 latents into a token
-    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    prompt_tokens = (flavors.TINY_LENGTH, MAX_LENGTH)
     #: Attention (q, k, v, output and its gate) and SwiGLU feed-forward of every block, text-fusion blocks
     #: included.
     default_lora_targets: ClassVar[list[str]] = [

@@ -55,52 +55,40 @@ from diffusers.pipelines.ltx2.vocoder import LTX2Vocoder, LTX2VocoderWithBWE
 from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGeneration
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.ltx2.flavors import (
-    TINY_AUDIO_VAE,
-    TINY_CONNECTORS,
-    TINY_GEMMA,
-    TINY_LENGTH,
-    TINY_TRANSFORMER,
-    TINY_VAE,
-    TINY_VISION,
-    TINY_VOCODER,
-)
+from diffpipe.families.ltx2 import flavors
 from diffpipe.families.ltxvideo.family import LTXGeometry
-from diffpipe.families.ltxvideo.flavors import TINY_SCHEDULER
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, one_text_encoder
+from diffpipe.models.components import Model, Models, TextBundle, TextEncoder, TextPart, one_text_encoder
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 1024  # LTX2Pipeline's default max_sequence_length
-AUDIO_VAE = Model(AutoencoderKLLTX2Audio, TINY_AUDIO_VAE)
+AUDIO_VAE = Model(AutoencoderKLLTX2Audio, flavors.TINY_AUDIO_VAE)
 VOCODERS = {cls.__name__: cls for cls in (LTX2Vocoder, LTX2VocoderWithBWE)}
 
 
 def _tiny_connectors(tokenizer: Any, seed: int) -> torch.nn.Module:
     with common.seeded(seed, "ltx2.connectors"):
-        return LTX2TextConnectors(**TINY_CONNECTORS).eval()
+        return LTX2TextConnectors(**flavors.TINY_CONNECTORS).eval()
 
 
 class LTX2Family(LTXGeometry, Family):
-    name = "ltx2"
-    vae_model = Model(AutoencoderKLLTX2Video, TINY_VAE)
-    denoiser_model = Model(LTX2VideoTransformer3DModel, TINY_TRANSFORMER)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
+    #: The i2v variant's pipeline instances are LTX2ImageToVideoPipeline.
+    models = Models(AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel, FlowMatchEulerDiscreteScheduler,
+                    LTX2Pipeline, flavors)
     token_streams: ClassVar[dict[str, tuple[str, str]]] = {"gemma": ("tokenizer", "sequence")}
     text_parts: ClassVar[dict[str, TextPart]] = {
-        **one_text_encoder(AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH), Gemma3ForConditionalGeneration,
-                           Gemma3Config, TINY_GEMMA, "ltx2.text_encoder", vision=TINY_VISION),
+        **one_text_encoder(AutoTokenizer, lambda: llm_tokenizer(flavors.TINY_LENGTH), Gemma3ForConditionalGeneration,
+                           Gemma3Config, flavors.TINY_GEMMA, "ltx2.text_encoder", vision=flavors.TINY_VISION),
         "connectors": TextEncoder(LTX2TextConnectors, LTX2TextConnectors, _tiny_connectors, tokenizer="tokenizer"),
     }
     #: ``t2v``, and ``i2v`` (the first latent frame is the control image's, clean; the same checkpoint).
     variants: ClassVar[tuple[str, ...]] = ("t2v", "i2v")
-    pipeline_class = LTX2Pipeline  # the i2v variant's instances: LTX2ImageToVideoPipeline
     mixes_first_frame = True
-    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    prompt_tokens = (flavors.TINY_LENGTH, MAX_LENGTH)
     is_video = True
     fps = 24.0
     #: The video stream's self and text attention and feed-forward of every block (not ``audio_*``, not the
@@ -143,7 +131,7 @@ class LTX2Family(LTXGeometry, Family):
         index = Path(self.cfg.path or "") / "model_index.json"
         name = json.loads(index.read_text()).get("vocoder", [None, None])[1] if self.cfg.path and index.is_file() \
             else None
-        return Model(VOCODERS.get(name, LTX2Vocoder), TINY_VOCODER)
+        return Model(VOCODERS.get(name, LTX2Vocoder), flavors.TINY_VOCODER)
 
     # -- encoding ------------------------------------------------------------------
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from diffpipe.families.ltxvideo.flavors import TINY_SCHEDULER as LTX_TINY_SCHEDULER
 from diffpipe.models import tiny
 from diffpipe.models.spec import Published
 
@@ -73,7 +74,8 @@ TINY_CONNECTORS = {
     "connector_rope_base_seq_len": TINY_LENGTH,
 }
 
-#: LTX-2's scheduler is LTX-Video's (``diffpipe.families.ltxvideo.flavors.TINY_SCHEDULER``).
+#: LTX-2's scheduler is LTX-Video's.
+TINY_SCHEDULER = LTX_TINY_SCHEDULER
 
 
 #: Published models, the flagship first.

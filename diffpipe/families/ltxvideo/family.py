@@ -28,12 +28,12 @@ import torch
 from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LTXPipeline, LTXVideoTransformer3DModel
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.ltxvideo.flavors import TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
+from diffpipe.families.ltxvideo import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model
+from diffpipe.models.components import Models
 from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 128  # LTXPipeline's default max_sequence_length
@@ -68,12 +68,9 @@ class LTXGeometry:
 
 
 class LTXVideoFamily(LTXGeometry, video.T5TextFamily, Family):
-    name = "ltxvideo"
     prompt_tokens = (video.TINY_LENGTH, MAX_LENGTH)
-    vae_model = Model(AutoencoderKLLTXVideo, TINY_VAE)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    denoiser_model = Model(LTXVideoTransformer3DModel, TINY_TRANSFORMER)
-    pipeline_class = LTXPipeline
+    models = Models(AutoencoderKLLTXVideo, LTXVideoTransformer3DModel, FlowMatchEulerDiscreteScheduler, LTXPipeline,
+                    flavors)
     is_video = True
     fps = 25.0
     default_lora_targets: ClassVar[list[str]] = [*targets.attention(""), *targets.feed_forward()]

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.families.lumina2.flavors import PUBLISHED
 from diffpipe.models.spec import FamilySpec, Kohya
 
 SPEC = FamilySpec(
-    name="lumina2",
-    family_class="Lumina2Family",
     model="Lumina Image 2.0",
     tasks="text-to-image",
     targets="attention, SwiGLU `feed_forward.linear_1/2/3`",
-    published=tuple(PUBLISHED),
     kohya=Kohya("lumina2", "lumina-2/lora", "https://github.com/Alpha-VLLM/Lumina-Image-2.0"),
     comfyui_readers="ComfyUI; `Lumina2Pipeline.load_lora_weights` only when every block layer incl. `norm1.linear` is trained",
     kohya_readers="ComfyUI (sd-scripts names)",

@@ -24,11 +24,11 @@ from diffusers import (
 from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.lumina2.flavors import TINY_GEMMA, TINY_LENGTH, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE8
+from diffpipe.families.lumina2 import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
+from diffpipe.models.components import Model, Models, TextBundle, TextPart, one_text_encoder
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 
 #: The system prompt ``Lumina2Pipeline`` puts before every prompt.
@@ -40,16 +40,13 @@ MAX_LENGTH = 256  # the pipeline's default max_sequence_length
 
 
 class Lumina2Family(Family):
-    name = "lumina2"
     vae_shift = True
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"gemma": ("tokenizer", "sequence")}
-    vae_model = Model(AutoencoderKL, TINY_VAE8)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    denoiser_model = Model(Lumina2Transformer2DModel, TINY_TRANSFORMER)
+    vae_model = Model(AutoencoderKL, flavors.TINY_VAE8)
+    models = Models(None, Lumina2Transformer2DModel, FlowMatchEulerDiscreteScheduler, Lumina2Pipeline, flavors)
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
-        AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH), Gemma2Model, Gemma2Config, TINY_GEMMA, "lumina2.text_encoder")
-    pipeline_class = Lumina2Pipeline
-    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+        AutoTokenizer, lambda: llm_tokenizer(flavors.TINY_LENGTH), Gemma2Model, Gemma2Config, flavors.TINY_GEMMA,
+        "lumina2.text_encoder", stream="gemma")
+    prompt_tokens = (flavors.TINY_LENGTH, MAX_LENGTH)
     #: diffusers' Lumina2 LoRA example: the attention projections and the
     #: SwiGLU feed-forward of every block (refiners included).
     default_lora_targets: ClassVar[list[str]] = [*targets.attention(), "feed_forward.linear_1", "feed_forward.linear_2", "feed_forward.linear_3"]
@@ -74,10 +71,7 @@ class Lumina2Family(Family):
     # -- training ----------------------------------------------------------------
     def prepare(self, latents, text, generator, *, objective, t=None, noise=None, mask=None,
                 dtype=torch.float32) -> Prepared:
-        """Flow-matching inputs with Lumina's timestep (0 = noise, 1 = image) and the text mask.
-
-        The target is ``x0 - noise``: the pipeline steps with ``-pred`` as the velocity ``noise - x0``.
-        """
+        """Flow-matching inputs with Lumina's timestep (0 = noise, 1 = image) and the text mask."""
         f = self.flow_draw(latents, generator, objective, t, noise)
         device = f.x0.device
         inputs = {

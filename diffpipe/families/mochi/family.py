@@ -31,12 +31,12 @@ import torch
 from diffusers import AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, MochiPipeline, MochiTransformer3DModel
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.mochi.flavors import TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
+from diffpipe.families.mochi import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model
+from diffpipe.models.components import Models
 from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 256  # MochiPipeline's default max_sequence_length
@@ -44,12 +44,9 @@ SPATIAL, TEMPORAL, PATCH = 8, 6, 2  # what MochiPipeline assumes
 
 
 class MochiFamily(video.T5TextFamily, Family):
-    name = "mochi"
     prompt_tokens = (video.TINY_LENGTH, MAX_LENGTH)
-    vae_model = Model(AutoencoderKLMochi, TINY_VAE)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    denoiser_model = Model(MochiTransformer3DModel, TINY_TRANSFORMER)
-    pipeline_class = MochiPipeline
+    models = Models(AutoencoderKLMochi, MochiTransformer3DModel, FlowMatchEulerDiscreteScheduler, MochiPipeline,
+                    flavors)
     is_video = True
     fps = 30.0
     frame_rule = (TEMPORAL, 1)

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.families.qwenimage.flavors import PUBLISHED
 from diffpipe.models.spec import FamilySpec, Kohya
 
 SPEC = FamilySpec(
-    name="qwenimage",
-    family_class="QwenImageFamily",
     model="Qwen-Image",
     tasks="text-to-image",
     targets="joint attention of both streams, image MLP",
-    published=tuple(PUBLISHED),
     kohya=Kohya("qwen_image", "Qwen-Image/lora", "https://github.com/QwenLM/Qwen-Image"),
     comfyui_readers="ComfyUI, `QwenImagePipeline.load_lora_weights`",
     kohya_readers="ComfyUI, musubi-tuner names, `QwenImagePipeline.load_lora_weights`",

@@ -31,18 +31,11 @@ from transformers import (
 )
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.qwenimage.flavors import (
-    TINY_LENGTH,
-    TINY_SCHEDULER,
-    TINY_TEXT,
-    TINY_TRANSFORMER,
-    TINY_VAE,
-    TINY_VISION,
-)
+from diffpipe.families.qwenimage import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
+from diffpipe.models.components import Models, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 
 # The pipeline's prompt template and how many leading tokens it drops.
@@ -62,25 +55,22 @@ def tiny_qwen_tokenizer(max_length: int) -> PreTrainedTokenizerBase:
 
 def tiny_qwen_vl(tok: PreTrainedTokenizerBase, seed: int, component: str,
                  **text_overrides) -> Qwen2_5_VLForConditionalGeneration:
-    text = {**TINY_TEXT, **text_overrides, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id}
+    text = {**flavors.TINY_TEXT, **text_overrides, "vocab_size": len(tok), "pad_token_id": tok.pad_token_id}
     config = Qwen2_5_VLConfig(text_config=text,
-                              vision_config=TINY_VISION, vocab_size=len(tok))
+                              vision_config=flavors.TINY_VISION, vocab_size=len(tok))
     with common.seeded(seed, component):
         return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
 class QwenImageFamily(Family):
-    name = "qwenimage"
-    vae_model = Model(AutoencoderKLQwenImage, TINY_VAE)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    denoiser_model = Model(QwenImageTransformer2DModel, TINY_TRANSFORMER)
+    models = Models(AutoencoderKLQwenImage, QwenImageTransformer2DModel, FlowMatchEulerDiscreteScheduler,
+                    QwenImagePipeline, flavors)
     text_parts: ClassVar[dict[str, TextPart]] = {
-        "tokenizer": Tokenizer(AutoTokenizer, lambda: tiny_qwen_tokenizer(TINY_LENGTH + DROP)),
+        "tokenizer": Tokenizer(AutoTokenizer, lambda: tiny_qwen_tokenizer(flavors.TINY_LENGTH + DROP)),
         "text_encoder": TextEncoder(Qwen2_5_VLForConditionalGeneration, Qwen2_5_VLConfig,
                                     lambda tok, seed: tiny_qwen_vl(tok, seed, "qwenimage.text_encoder")),
     }
-    pipeline_class = QwenImagePipeline
-    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    prompt_tokens = (flavors.TINY_LENGTH, MAX_LENGTH)
     prompt_drop = DROP
     #: diffusers' Qwen-Image LoRA examples: attention of both streams and
     #: the image-stream MLP of every block.

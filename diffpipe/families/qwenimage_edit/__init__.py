@@ -2,17 +2,13 @@
 
 from __future__ import annotations
 
-from diffpipe.families.qwenimage_edit.flavors import PUBLISHED
 from diffpipe.models.spec import Absent, FamilySpec, Kohya
 
 SPEC = FamilySpec(
-    name="qwenimage-edit",
-    family_class="QwenImageEditFamily",
     model="Qwen-Image-Edit; Qwen-Image-Edit-2509 and 2511 (Edit-Plus: `variant` `2509` or `2511`)",
     tasks="image editing (a control image per item; the text encoder sees it too); Edit-Plus: up to 4 reference "
           "images per item (`control_path` as a list of folders)",
     targets="as `qwenimage`",
-    published=tuple(PUBLISHED),
     kohya=Kohya("qwen_image", "Qwen-Image-Edit/lora", "https://github.com/QwenLM/Qwen-Image"),
     comfyui_readers="ComfyUI, `QwenImageEditPipeline.load_lora_weights`",
     kohya_readers="ComfyUI, musubi-tuner names, `QwenImageEditPipeline.load_lora_weights`",

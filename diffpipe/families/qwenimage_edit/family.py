@@ -58,8 +58,8 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLIm
 from transformers.processing_utils import ProcessorMixin
 
 from diffpipe.config import MAX_REFERENCES, ModelConfig, SampleConfig
-from diffpipe.families.qwenimage.family import MAX_LENGTH, TINY_TEXT, TINY_VISION, QwenImageFamily
-from diffpipe.families.qwenimage.flavors import TINY_TRANSFORMER
+from diffpipe.families.qwenimage.family import MAX_LENGTH, QwenImageFamily
+from diffpipe.families.qwenimage.flavors import TINY_TEXT, TINY_TRANSFORMER, TINY_VISION
 from diffpipe.families.qwenimage_edit.flavors import TINY_LENGTH, TINY_PIXELS
 from diffpipe.models import _common as common
 from diffpipe.models.base import Family, Prepared, ReferenceTokens
@@ -212,7 +212,6 @@ def references_tokens(control: torch.Tensor) -> tuple[torch.Tensor, list[tuple[i
 class QwenImageEditFamily(ReferenceTokens, QwenImageFamily):
     #: Not the parent family's layers: this family's spec says why it has none.
     pipeline_layers = Family.pipeline_layers
-    name = "qwenimage-edit"
     pipeline_class = QwenImageEditPipeline
     uses_control = True
     text_uses_control = True

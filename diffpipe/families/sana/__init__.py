@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.families.sana.flavors import PUBLISHED
 from diffpipe.models.spec import Absent, FamilySpec, Kohya, generic_comfy_names
 
 SPEC = FamilySpec(
-    name="sana",
-    family_class="SanaFamily",
     model="Sana 1.6B / 600M",
     tasks="text-to-image (flow matching; DC-AE latents, 32x compression)",
     targets="self and cross attention `attn1/attn2.to_q/k/v/out.0`, the Mix-FFN 1x1 convolutions `ff.conv_inverted`, `ff.conv_point`",
-    published=tuple(PUBLISHED),
     # No kohya-family trainer names it: the metadata says what the file is in the same scheme.
     **generic_comfy_names(Kohya("sana", "sana/lora", "https://github.com/NVlabs/Sana"),
                           "the original checkpoint's layer names: `blocks.N.attn.qkv` (q, k, v fused), "

@@ -18,25 +18,21 @@ from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, 
 from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.sana.flavors import TINY_GEMMA, TINY_LENGTH, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
+from diffpipe.families.sana import flavors
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
+from diffpipe.models.components import Models, TextBundle, TextPart, one_text_encoder
 from diffpipe.models.llm_tokenizers import llm_tokenizer
 
 MAX_LENGTH = 300  # SanaPipeline's default max_sequence_length
 
 
 class SanaFamily(Family):
-    name = "sana"
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"gemma": ("tokenizer", "sequence")}
-    vae_model = Model(AutoencoderDC, TINY_VAE)
-    denoiser_model = Model(SanaTransformer2DModel, TINY_TRANSFORMER)
-    scheduler_model = Model(DPMSolverMultistepScheduler, TINY_SCHEDULER)
+    models = Models(AutoencoderDC, SanaTransformer2DModel, DPMSolverMultistepScheduler, SanaPipeline, flavors)
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
-        AutoTokenizer, lambda: llm_tokenizer(TINY_LENGTH), Gemma2Model, Gemma2Config, TINY_GEMMA, "sana.text_encoder")
-    pipeline_class = SanaPipeline
-    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+        AutoTokenizer, lambda: llm_tokenizer(flavors.TINY_LENGTH), Gemma2Model, Gemma2Config, flavors.TINY_GEMMA,
+        "sana.text_encoder", stream="gemma")
+    prompt_tokens = (flavors.TINY_LENGTH, MAX_LENGTH)
     #: Self and cross attention of every block and the 1x1 convolutions of its Mix-FFN.
     default_lora_targets: ClassVar[list[str]] = [*targets.attention("attn1"), *targets.attention("attn2"), "ff.conv_inverted", "ff.conv_point"]
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from diffpipe.families.sd.flavors import PUBLISHED
 from diffpipe.models.spec import FamilySpec, Kohya
 
 _GENERATIVE_MODELS = "https://github.com/Stability-AI/generative-models"
@@ -16,12 +15,9 @@ def _kohya(unet_config) -> Kohya:
 
 
 SPEC = FamilySpec(
-    name="sd",
-    family_class="SDFamily",
     model="SD 1.x / 2.x (epsilon or `prediction_type: v_prediction`, optional `zero_terminal_snr`)",
     tasks="text-to-image",
     targets="attention, `proj_in/out`, feed-forward, ResNet `conv1/2`, `time_emb_proj`",
-    published=tuple(PUBLISHED),
     kohya=_kohya,
     comfyui_readers="ComfyUI `models/loras/`, *LoraLoaderModelOnly*",
     kohya_readers="A1111/Forge `<lora:kohya_lora:1>`, ComfyUI, `StableDiffusionPipeline.load_lora_weights`",

@@ -21,15 +21,13 @@ from diffusers import (
     StableDiffusionPipeline,
     UNet2DConditionModel,
 )
-from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
 from diffpipe.config import ObjectiveConfig
 from diffpipe.families.sd.flavors import TINY_SCHEDULER, TINY_UNET, TINY_VAE
 from diffpipe.models import _common as common
 from diffpipe.models._draws import ddpm_parts, draw_image
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer
-from diffpipe.models.tokenizers import clip_tokenizer
+from diffpipe.models.components import Model, TextBundle, TextPart, clip_text_encoder
 from diffpipe.training import objectives as obj
 
 
@@ -42,15 +40,9 @@ def _no_attention_mask(encoder: torch.nn.Module) -> None:
 
 
 class SDFamily(Family):
-    name = "sd"
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"clip": ("tokenizer", "tokenizer")}
     vae_model = Model(AutoencoderKL, TINY_VAE)
     denoiser_model = Model(UNet2DConditionModel, TINY_UNET)
-    text_parts: ClassVar[dict[str, TextPart]] = {
-        "tokenizer": Tokenizer(CLIPTokenizer, clip_tokenizer),
-        "text_encoder": TextEncoder(CLIPTextModel, CLIPTextConfig,
-                                    lambda tok, seed: common.tiny_clip_text_encoder(tok, seed, "sd.text_encoder")),
-    }
+    text_parts: ClassVar[dict[str, TextPart]] = clip_text_encoder("sd.text_encoder", "text_encoder", stream="clip")
     pipeline_extras: ClassVar[dict[str, Any]] = {
         "safety_checker": None, "feature_extractor": None, "requires_safety_checker": False,
     }

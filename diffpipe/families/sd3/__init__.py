@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.families.sd3.flavors import PUBLISHED
 from diffpipe.models.spec import FamilySpec, Kohya
 
 SPEC = FamilySpec(
-    name="sd3",
-    family_class="SD3Family",
     model="SD 3 / 3.5 (`objective.weighting_scheme`)",
     tasks="text-to-image",
     targets="joint attention of both streams, both feed-forwards",
-    published=tuple(PUBLISHED),
     kohya=Kohya("sd3", "stable-diffusion-3/lora", "https://github.com/Stability-AI/sd3.5"),
     comfyui_readers="ComfyUI (MMDiT names, fused `qkv`)",
     kohya_readers="ComfyUI (sd-scripts names); diffusers has no reader for either: use the diffusers file",

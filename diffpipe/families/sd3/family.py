@@ -25,52 +25,38 @@ from diffusers import (
     StableDiffusion3Pipeline,
 )
 from transformers import (
-    CLIPTextConfig,
     CLIPTextModelWithProjection,
-    CLIPTokenizer,
     T5Config,
     T5EncoderModel,
     T5TokenizerFast,
 )
 
 from diffpipe.config import ObjectiveConfig, SampleConfig
-from diffpipe.families.sd3.flavors import TINY_SCHEDULER, TINY_T5, TINY_T5_LENGTH, TINY_TRANSFORMER, TINY_VAE
+from diffpipe.families.sd3 import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer, clip_text_encoder
-from diffpipe.models.tokenizers import clip_tokenizer, t5_tokenizer
+from diffpipe.models.components import Models, TextBundle, TextEncoder, TextPart, Tokenizer, clip_text_encoder
+from diffpipe.models.tokenizers import t5_tokenizer
 from diffpipe.training import objectives as obj
 
 #: StableDiffusion3Pipeline's default T5 length.
 T5_LENGTH = 256
 
 
-def _tiny_clip(component: str):
-    """The tiny CLIP-with-projection encoder of ``component``, as a ``TextEncoder.tiny`` builder."""
-    return lambda tok, seed: common.tiny_clip_text_encoder(tok, seed, component, cls=CLIPTextModelWithProjection)
-
-
-
 class SD3Family(Family):
-    name = "sd3"
     vae_shift = True
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {
-        "clip_l": ("tokenizer", "tokenizer"), "clip_g": ("tokenizer_2", "tokenizer"), "t5": ("tokenizer_3", "sequence")}
-    vae_model = Model(AutoencoderKL, TINY_VAE)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    denoiser_model = Model(SD3Transformer2DModel, TINY_TRANSFORMER)
+    models = Models(AutoencoderKL, SD3Transformer2DModel, FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline,
+                    flavors)
     text_parts: ClassVar[dict[str, TextPart]] = {
-        "tokenizer": Tokenizer(CLIPTokenizer, clip_tokenizer),
-        "text_encoder": TextEncoder(CLIPTextModelWithProjection, CLIPTextConfig, _tiny_clip("sd3.text_encoder")),
-        **clip_text_encoder("sd3.text_encoder_2", cls=CLIPTextModelWithProjection),
-        "tokenizer_3": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(TINY_T5_LENGTH)),
+        **clip_text_encoder("sd3.text_encoder", "text_encoder", cls=CLIPTextModelWithProjection, stream="clip_l"),
+        **clip_text_encoder("sd3.text_encoder_2", cls=CLIPTextModelWithProjection, stream="clip_g"),
+        "tokenizer_3": Tokenizer(T5TokenizerFast, lambda: t5_tokenizer(flavors.TINY_T5_LENGTH), "t5"),
         "text_encoder_3": TextEncoder(T5EncoderModel, T5Config,
-                                      common.tiny_text_model(T5EncoderModel, T5Config, TINY_T5,
+                                      common.tiny_text_model(T5EncoderModel, T5Config, flavors.TINY_T5,
                                                              "sd3.text_encoder_3", common.T5_IDS)),
     }
-    pipeline_class = StableDiffusion3Pipeline
-    prompt_tokens = (TINY_T5_LENGTH, T5_LENGTH)
+    prompt_tokens = (flavors.TINY_T5_LENGTH, T5_LENGTH)
     prompt_tokenizer = "tokenizer_3"
     #: diffusers' SD3 DreamBooth LoRA example: attention of both streams
     #: (image ``to_*``, text ``add_*_proj`` / ``to_add_out``) and both

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.families.sdxl.flavors import PUBLISHED
 from diffpipe.models.spec import FamilySpec, Kohya
 
 SPEC = FamilySpec(
-    name="sdxl",
-    family_class="SDXLFamily",
     model="SDXL 1.0 (size/crop conditioning from the bucket and crop used)",
     tasks="text-to-image",
     targets="as `sd`",
-    published=tuple(PUBLISHED),
     kohya=Kohya("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora", "https://github.com/Stability-AI/generative-models"),
     comfyui_readers="ComfyUI",
     kohya_readers="A1111/Forge, ComfyUI, `StableDiffusionXLPipeline.load_lora_weights` (SGM block names)",

@@ -25,18 +25,14 @@ from diffusers import (
     UNet2DConditionModel,
 )
 from transformers import (
-    CLIPTextConfig,
-    CLIPTextModel,
     CLIPTextModelWithProjection,
-    CLIPTokenizer,
 )
 
 from diffpipe.families.sd.family import TINY_SCHEDULER, SDFamily
 from diffpipe.families.sdxl.flavors import TINY_UNET, TINY_VAE_XL
 from diffpipe.models import _common as common
 from diffpipe.models.base import Prepared, ids_name
-from diffpipe.models.components import Model, TextBundle, TextEncoder, TextPart, Tokenizer, clip_text_encoder
-from diffpipe.models.tokenizers import clip_tokenizer
+from diffpipe.models.components import Model, TextBundle, TextPart, clip_text_encoder
 
 
 def time_ids(original_hw: torch.Tensor, crop_top_left: torch.Tensor, target_hw: torch.Tensor) -> torch.Tensor:
@@ -54,16 +50,11 @@ def _clip_states(encoder: torch.nn.Module, ids: torch.Tensor) -> tuple[torch.Ten
 
 
 class SDXLFamily(SDFamily):
-    name = "sdxl"
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {
-        "clip_l": ("tokenizer", "tokenizer"), "clip_g": ("tokenizer_2", "tokenizer")}
     vae_model = Model(AutoencoderKL, TINY_VAE_XL)
     denoiser_model = Model(UNet2DConditionModel, TINY_UNET)
     text_parts: ClassVar[dict[str, TextPart]] = {
-        "tokenizer": Tokenizer(CLIPTokenizer, clip_tokenizer),
-        "text_encoder": TextEncoder(CLIPTextModel, CLIPTextConfig,
-                                    lambda tok, seed: common.tiny_clip_text_encoder(tok, seed, "sdxl.text_encoder")),
-        **clip_text_encoder("sdxl.text_encoder_2", cls=CLIPTextModelWithProjection),
+        **clip_text_encoder("sdxl.text_encoder", "text_encoder", stream="clip_l"),
+        **clip_text_encoder("sdxl.text_encoder_2", cls=CLIPTextModelWithProjection, stream="clip_g"),
     }
     pipeline_extras: ClassVar[dict[str, Any]] = {"add_watermarker": False}
     uses_sizes = True

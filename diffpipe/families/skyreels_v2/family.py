@@ -91,7 +91,6 @@ _FPS_INDEX = {16: 0}
 
 
 class SkyReelsV2Family(WanFamily):
-    name = "skyreels-v2"
     fps = 24.0
     variants: ClassVar[tuple[str, ...]] = tuple(VARIANTS)
     variant_table = VARIANTS

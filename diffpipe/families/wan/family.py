@@ -225,7 +225,6 @@ def unshift_timesteps(sigma: float, shift: float) -> float:
 
 
 class WanFamily(Family):
-    name = "wan"
     token_streams: ClassVar[dict[str, tuple[str, str]]] = {"umt5": ("tokenizer", "sequence")}
     vae_class = AutoencoderKLWan
     vae_needs_fp32 = True  # the Wan repos and diffusers examples run this causal 3D VAE in float32

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.families.zimage.flavors import PUBLISHED
 from diffpipe.models.spec import FamilySpec, Kohya
 
 SPEC = FamilySpec(
-    name="zimage",
-    family_class="ZImageFamily",
     model="Z-Image (Turbo)",
     tasks="text-to-image (flow matching; Qwen3 text, one token stream for text and image)",
     targets="attention `attention.to_q/k/v/out.0`, SwiGLU `feed_forward.w1/w2/w3` (refiners included)",
-    published=tuple(PUBLISHED),
     kohya=Kohya("z_image", "Z-Image/lora", "https://github.com/Tongyi-MAI/Z-Image"),
     comfyui_readers="ComfyUI (maps `to_q/k/v` onto its fused `qkv`), `ZImagePipeline.load_lora_weights`",
     kohya_readers="`ZImagePipeline.load_lora_weights`",

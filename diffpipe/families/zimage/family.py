@@ -19,11 +19,11 @@ from torch.nn.utils.rnn import pad_sequence
 from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3Config, Qwen3Model
 
 from diffpipe.config import SampleConfig
-from diffpipe.families.zimage.flavors import TINY_LENGTH, TINY_QWEN3, TINY_SCHEDULER, TINY_TRANSFORMER, TINY_VAE
+from diffpipe.families.zimage import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
-from diffpipe.models.components import Model, TextBundle, TextPart, one_text_encoder
+from diffpipe.models.components import Models, TextBundle, TextPart, one_text_encoder
 from diffpipe.models.llm_tokenizers import tiny_qwen3_tokenizer
 
 MAX_LENGTH = 512  # ZImagePipeline's default max_sequence_length
@@ -35,18 +35,13 @@ def chat_prompts(tokenizer: PreTrainedTokenizerBase, captions: list[str]) -> lis
 
 
 class ZImageFamily(Family):
-    name = "zimage"
     vae_shift = True
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"qwen3": ("tokenizer", "sequence")}
-    vae_model = Model(AutoencoderKL, TINY_VAE)
-    scheduler_model = Model(FlowMatchEulerDiscreteScheduler, TINY_SCHEDULER)
-    denoiser_model = Model(ZImageTransformer2DModel, TINY_TRANSFORMER)
+    models = Models(AutoencoderKL, ZImageTransformer2DModel, FlowMatchEulerDiscreteScheduler, ZImagePipeline, flavors)
     text_parts: ClassVar[dict[str, TextPart]] = one_text_encoder(
-        AutoTokenizer, lambda: tiny_qwen3_tokenizer(TINY_LENGTH), Qwen3Model, Qwen3Config, TINY_QWEN3,
-        "zimage.text_encoder")
-    pipeline_class = ZImagePipeline
+        AutoTokenizer, lambda: tiny_qwen3_tokenizer(flavors.TINY_LENGTH), Qwen3Model, Qwen3Config, flavors.TINY_QWEN3,
+        "zimage.text_encoder", stream="qwen3")
     patch = 2  # the pipeline's patch side (the config lists all_patch_size)
-    prompt_tokens = (TINY_LENGTH, MAX_LENGTH)
+    prompt_tokens = (flavors.TINY_LENGTH, MAX_LENGTH)
     #: The attention projections and the SwiGLU feed-forward of every block (refiners included).
     default_lora_targets: ClassVar[list[str]] = [
         *targets.attention("attention"), "feed_forward.w1", "feed_forward.w2", "feed_forward.w3"]
