@@ -50,7 +50,7 @@ def draw_image(
     offset_noise: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(t, noise)`` float32 on ``x0``'s device (``[B]``, like ``x0`` ``[B,C,h,w]``; a clip's
-    ``[B,C,F,h,w]``: :func:`diffpipe.models._video.draw`).
+    ``[B,C,F,h,w]``, whose noise may come like an image's).
 
     Given ones are kept (eval: fixed quantiles and noise; an image's noise may come like the
     latents, ``[B,C,1,h,w]``); missing ones are drawn from ``generator``.
@@ -66,6 +66,8 @@ def draw_image(
             noise = obj.add_offset_noise(noise, o.offset_noise, generator)
     elif noise.ndim == x0.ndim + 1:
         noise = common.single_frame(noise, family)
+    elif noise.ndim == x0.ndim - 1:  # an image's noise for a clip: its one frame
+        noise = noise[:, :, None]
     return t.to(x0.device).float(), noise.to(x0.device).float()
 
 

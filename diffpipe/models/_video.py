@@ -8,12 +8,12 @@ replays a run (the families' ``prepare`` draws here, for the loss and the pipeli
 
 from __future__ import annotations
 
+from functools import partial
 from typing import Any
 
 import torch
 from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 
-from diffpipe.config import ObjectiveConfig
 from diffpipe.models import _common as common
 from diffpipe.models._draws import draw_image
 from diffpipe.models.components import TextBundle, TextEncoder, Tokenizer
@@ -39,24 +39,9 @@ def require_first_frame(control: torch.Tensor | None, variant: str) -> torch.Ten
     return control
 
 
-def draw(
-    o: ObjectiveConfig,
-    x0: torch.Tensor,
-    generator: torch.Generator,
-    t: torch.Tensor | None,
-    noise: torch.Tensor | None,
-    *,
-    default: str = "logit_normal",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(t, noise)`` on ``x0``'s device: given ones kept, missing ones drawn from ``generator``
-    (:func:`~diffpipe.models._draws.draw_image`, with ``objective.offset_noise``).
-
-    ``default``: the sampling used when ``objective.timestep_sampling`` is unset
-    (logit-normal for flow models, uniform for DDPM-style ones).
-    """
-    if noise is not None and noise.ndim == x0.ndim - 1:  # an image's noise without its frame axis
-        noise = noise[:, :, None]
-    return draw_image(o, x0, generator, t, noise, family="", default=default, offset_noise=True)
+#: A clip's ``(t, noise)`` (:func:`~diffpipe.models._draws.draw_image`, with ``objective.offset_noise``):
+#: ``video.draw(objective, x0, generator, t, noise, default=...)``.
+draw = partial(draw_image, family="video", offset_noise=True)
 
 
 # -- one T5 encoder -------------------------------------------------------------

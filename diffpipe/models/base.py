@@ -507,6 +507,15 @@ class Family(ABC):
         ``encode_prompt`` (so the cache equals what sampling computes)."""
         return self.pipeline_class(vae=None, **{self.denoiser_name: None}, scheduler=None, **encoders.parts)
 
+    def pipeline_prompt(self, encoders: Any, captions: list[str]) -> Any:
+        """What the stock pipeline's ``encode_prompt`` returns for ``captions`` without guidance, at the
+        bundle's ``max_sequence_length``, on the text encoder's device, without gradients."""
+        device = next(encoders.text_encoder.parameters()).device
+        with torch.no_grad():
+            return self.text_pipeline(encoders).encode_prompt(
+                list(captions), do_classifier_free_guidance=False, device=device,
+                max_sequence_length=encoders.max_sequence_length)
+
     def load_pipeline(self) -> Any:
         """The family's stock diffusers pipeline with every component, on CPU, eval mode."""
         text = self.load_text_encoders()

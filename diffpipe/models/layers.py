@@ -38,7 +38,9 @@ def run_layers(layers: list[nn.Module], inputs: tuple[torch.Tensor, ...]) -> tor
     return x[0]
 
 
-class _Block(nn.Module):
+class BlockLayer(nn.Module):
+    """A pipeline-parallel layer around one block of the denoiser (its ``forward`` unpacks the stage inputs)."""
+
     def __init__(self, block: nn.Module):
         super().__init__()
         self.block = block

@@ -39,11 +39,7 @@ class AuraFlowFamily(Family):
 
     # -- encoding --------------------------------------------------------------
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
-        pipe = self.text_pipeline(encoders)
-        device = next(encoders.text_encoder.parameters()).device
-        with torch.no_grad():
-            embeds, _, _, _ = pipe.encode_prompt(list(captions), do_classifier_free_guidance=False, device=device,
-                                                 max_sequence_length=encoders.max_sequence_length)
+        embeds, _, _, _ = self.pipeline_prompt(encoders, captions)
         return {"prompt_embeds": embeds.float()}
 
     # -- training ----------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import _Block, _pipe_ready
+from diffpipe.models.layers import BlockLayer, _pipe_ready
 
 
 class CogVideoXEmbed(nn.Module):
@@ -27,7 +27,7 @@ class CogVideoXEmbed(nn.Module):
         return _pipe_ready((hidden[:, n:], hidden[:, :n], emb, cos, sin, fhw))
 
 
-class CogVideoXBlock(_Block):
+class CogVideoXBlock(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, context, emb, cos, sin, fhw = inputs
         hidden, context = self.block(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import _pipe_ready
+from diffpipe.models.layers import BlockLayer, _pipe_ready
 
 
 class CogView4Embed(nn.Module):
@@ -29,11 +29,7 @@ class CogView4Embed(nn.Module):
         return _pipe_ready((hidden, context, temb, cos, sin, hw))
 
 
-class CogView4Block(nn.Module):
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
+class CogView4Block(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, context, temb, cos, sin, hw = inputs
         # Detached: the attention applies the rotation in place, which backward cannot undo

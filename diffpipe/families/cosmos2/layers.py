@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import _pipe_ready, optional
+from diffpipe.models.layers import BlockLayer, _pipe_ready, optional
 
 
 # Tuple: (hidden, context, embedded_timestep, temb, rope_cos, rope_sin, extra_pos, fhw); ``extra_pos``
@@ -42,11 +42,7 @@ class CosmosEmbed(nn.Module):
         return _pipe_ready((hidden, context, embedded, temb, cos, sin, extra, fhw))
 
 
-class CosmosBlock(nn.Module):
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
+class CosmosBlock(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, context, embedded, temb, cos, sin, extra, fhw = inputs
         hidden = self.block(hidden, context, embedded, temb, (cos, sin), optional(extra))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import _Block, _pipe_ready
+from diffpipe.models.layers import BlockLayer, _pipe_ready
 
 
 class ErnieEmbed(nn.Module):
@@ -43,7 +43,7 @@ class ErnieEmbed(nn.Module):
         return _pipe_ready((x, rotary.contiguous(), mask.float(), c, tr.adaLN_modulation(c), size))
 
 
-class ErnieBlock(_Block):
+class ErnieBlock(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         x, rotary, mask, c, mod, size = inputs
         temb = [m.unsqueeze(0).expand(x.shape[0], -1, -1).contiguous() for m in mod.chunk(6, dim=-1)]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import _pipe_ready
+from diffpipe.models.layers import BlockLayer, _pipe_ready
 
 
 class FluxEmbed(nn.Module):
@@ -30,12 +30,8 @@ class FluxEmbed(nn.Module):
         return _pipe_ready((hidden, context, temb, cos, sin))
 
 
-class FluxBlock(nn.Module):
+class FluxBlock(BlockLayer):
     """A double-stream or single-stream block (both take and return both streams)."""
-
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, context, temb, cos, sin = inputs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import _Block, _pipe_ready
+from diffpipe.models.layers import BlockLayer, _pipe_ready
 
 
 class Flux2Embed(nn.Module):
@@ -35,7 +35,7 @@ class Flux2Embed(nn.Module):
                             torch.cat([text_sin, img_sin])))
 
 
-class Flux2Double(_Block):
+class Flux2Double(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, context, temb, mod_img, mod_txt, mod_single, cos, sin = inputs
         context, hidden = self.block(hidden_states=hidden, encoder_hidden_states=context, temb_mod_img=mod_img,

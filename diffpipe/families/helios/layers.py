@@ -13,7 +13,7 @@ import torch
 from diffusers.models.transformers.transformer_helios import center_down_sample_3d, pad_for_3d_conv
 from torch import nn
 
-from diffpipe.models.layers import _Block, _pipe_ready
+from diffpipe.models.layers import BlockLayer, _pipe_ready
 
 #: The history windows in the order the forward puts them before the chunk (each before the previous).
 _WINDOWS = (("short", None, None), ("mid", (2, 4, 4), (2, 2, 2)), ("long", (4, 8, 8), (4, 4, 4)))
@@ -71,7 +71,7 @@ class HeliosEmbed(nn.Module):
         return _pipe_ready((hidden.contiguous(), context.contiguous(), proj, temb, rope.contiguous(), grid))
 
 
-class HeliosBlock(_Block):
+class HeliosBlock(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, context, proj, temb, rope, grid = inputs
         return (self.block(hidden, context, proj, rope, int(grid[3])), context, proj, temb, rope, grid)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import _Block, _pipe_ready
+from diffpipe.models.layers import BlockLayer, _pipe_ready
 
 
 class HunyuanVideoEmbed(nn.Module):
@@ -34,7 +34,7 @@ class HunyuanVideoEmbed(nn.Module):
         return _pipe_ready((hidden, context, temb, mask, cos, sin, fhw))
 
 
-class HunyuanVideoBlock(_Block):
+class HunyuanVideoBlock(BlockLayer):
     """A dual- or single-stream block (both take and return both streams)."""
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:

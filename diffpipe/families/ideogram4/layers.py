@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_ideogram4 import LLM_TOKEN_INDICATOR, OUTPUT_IMAGE_INDICATOR
 from torch import nn
 
-from diffpipe.models.layers import _Block, _pipe_ready
+from diffpipe.models.layers import BlockLayer, _pipe_ready
 
 
 class Ideogram4Embed(nn.Module):
@@ -37,7 +37,7 @@ class Ideogram4Embed(nn.Module):
                             indicator))
 
 
-class Ideogram4Block(_Block):
+class Ideogram4Block(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, adaln, cos, sin, mask, indicator = inputs
         hidden = self.block(hidden, mask.bool(), (cos, sin), adaln)

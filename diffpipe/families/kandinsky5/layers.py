@@ -11,7 +11,7 @@ import torch
 from diffusers.models.transformers.transformer_kandinsky import fractal_flatten, fractal_unflatten
 from torch import nn
 
-from diffpipe.models.layers import _Block, _pipe_ready
+from diffpipe.models.layers import BlockLayer, _pipe_ready
 
 
 class Kandinsky5Embed(nn.Module):
@@ -40,7 +40,7 @@ class Kandinsky5Embed(nn.Module):
         return _pipe_ready((visual, text, time, rope, torch.tensor(shape, device=visual.device)))
 
 
-class Kandinsky5Block(_Block):
+class Kandinsky5Block(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         visual, text, time, rope, grid = inputs
         return (self.block(visual, text, time, rope.detach(), None), text, time, rope, grid)

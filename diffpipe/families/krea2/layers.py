@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffpipe.models.layers import _Block, _pipe_ready
+from diffpipe.models.layers import BlockLayer, _pipe_ready
 
 
 class Krea2Embed(nn.Module):
@@ -32,7 +32,7 @@ class Krea2Embed(nn.Module):
         return _pipe_ready((hidden, temb, temb_mod, cos, sin, mask.float(), text_mask.float()))
 
 
-class Krea2Block(_Block):
+class Krea2Block(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, temb, temb_mod, cos, sin, mask, text_mask = inputs
         hidden = self.block(hidden, temb_mod, (cos, sin), mask.bool()[:, None, None, :])

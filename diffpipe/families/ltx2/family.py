@@ -137,11 +137,8 @@ class LTX2Family(LTXGeometry, Family):
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
         """The connectors' video text and mask for each caption, from the pipeline's own ``encode_prompt``
         (Gemma's stacked hidden states, left-padded) and its ``connectors`` call."""
-        pipe = self.text_pipeline(encoders)
-        device = next(encoders.text_encoder.parameters()).device
+        embeds, mask, _, _ = self.pipeline_prompt(encoders, captions)
         with torch.no_grad():
-            embeds, mask, _, _ = pipe.encode_prompt(list(captions), do_classifier_free_guidance=False,
-                                                    max_sequence_length=encoders.max_sequence_length, device=device)
             text, _, text_mask = encoders.connectors(embeds, mask, padding_side=encoders.tokenizer.padding_side)
         return {"prompt_embeds": text.float(), "prompt_attention_mask": text_mask.float()}
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import _Block, _pipe_ready, optional
+from diffpipe.models.layers import BlockLayer, _pipe_ready, optional
 
 _EMBEDDERS = ("rope", "audio_rope", "proj_in", "audio_proj_in", "time_embed", "audio_time_embed")
 _PROMPT = ("caption_projection", "audio_caption_projection", "prompt_adaln", "audio_prompt_adaln")
@@ -58,7 +58,7 @@ class LTX2Embed(nn.Module):
                             cos, sin, audio_cos, audio_sin, bias, embedded))
 
 
-class LTX2Block(_Block):
+class LTX2Block(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         (hidden, audio, context, audio_context, temb, temb_audio, temb_prompt, temb_prompt_audio,
          cos, sin, audio_cos, audio_sin, bias, embedded) = inputs

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import _Block, _pipe_ready
+from diffpipe.models.layers import BlockLayer, _pipe_ready
 
 
 class LTXEmbed(nn.Module):
@@ -29,7 +29,7 @@ class LTXEmbed(nn.Module):
         return _pipe_ready((hidden, context, temb, embedded, cos, sin, bias))
 
 
-class LTXBlock(_Block):
+class LTXBlock(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, context, temb, embedded, cos, sin, bias = inputs
         hidden = self.block(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import _pipe_ready
+from diffpipe.models.layers import BlockLayer, _pipe_ready
 
 
 # Tuple: (joint, temb, rope, mask, lengths, hw). ``joint``: each sample's caption tokens then its
@@ -43,11 +43,7 @@ class Lumina2Embed(nn.Module):
         return _pipe_ready((joint, temb, torch.view_as_real(rope).contiguous(), mask, lengths, hw))
 
 
-class Lumina2Block(nn.Module):
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
+class Lumina2Block(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         joint, temb, rope, mask, lengths, hw = inputs
         # Detached: rotary tables are constants (as in the CogView4 layers).

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import _Block, _pipe_ready
+from diffpipe.models.layers import BlockLayer, _pipe_ready
 
 
 class MochiEmbed(nn.Module):
@@ -29,7 +29,7 @@ class MochiEmbed(nn.Module):
         return _pipe_ready((hidden, context, temb, mask, cos, sin, fhw))
 
 
-class MochiBlock(_Block):
+class MochiBlock(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, context, temb, mask, cos, sin, fhw = inputs
         hidden, context = self.block(

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffpipe.models.layers import BlockLayer
+
 
 class QwenEmbed(nn.Module):
     """``(packed, timestep, context, mask, fhw)`` -> ``(hidden, context, mask, temb, img_rope, txt_rope)``.
@@ -32,11 +34,7 @@ class QwenEmbed(nn.Module):
         return (hidden, context, mask.to(torch.bool), temb, img_rope, txt_rope)
 
 
-class QwenBlock(nn.Module):
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
+class QwenBlock(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, context, mask, temb, img_rope, txt_rope = inputs
         rope = (torch.view_as_complex(img_rope), torch.view_as_complex(txt_rope))

@@ -41,11 +41,7 @@ class SanaFamily(Family):
 
     # -- encoding --------------------------------------------------------------
     def encode_text(self, encoders: TextBundle, captions: list[str]) -> dict[str, torch.Tensor]:
-        pipe = self.text_pipeline(encoders)
-        device = next(encoders.text_encoder.parameters()).device
-        with torch.no_grad():
-            embeds, mask, _, _ = pipe.encode_prompt(list(captions), do_classifier_free_guidance=False, device=device,
-                                                    max_sequence_length=encoders.max_sequence_length)
+        embeds, mask, _, _ = self.pipeline_prompt(encoders, captions)
         return {"prompt_embeds": embeds.float(), "prompt_attention_mask": mask.float()}
 
     # -- training ----------------------------------------------------------------

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffpipe.models.layers import BlockLayer
+
 
 class SD3Embed(nn.Module):
     """``(noisy, timestep, pooled, context)`` -> ``(hidden, context, temb, size)``."""
@@ -21,11 +23,7 @@ class SD3Embed(nn.Module):
         return (hidden, self.context_embedder(context), self.time_text_embed(timestep, pooled), size)
 
 
-class SD3Block(nn.Module):
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
+class SD3Block(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, context, temb, size = inputs
         new_context, hidden = self.block(hidden_states=hidden, encoder_hidden_states=context, temb=temb)

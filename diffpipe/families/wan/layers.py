@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import _pipe_ready
+from diffpipe.models.layers import BlockLayer, _pipe_ready
 
 
 class WanEmbed(nn.Module):
@@ -36,11 +36,7 @@ class WanEmbed(nn.Module):
         return _pipe_ready((hidden, context, proj, temb, cos, sin, fhw))
 
 
-class WanBlock(nn.Module):
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
+class WanBlock(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, context, proj, temb, cos, sin, fhw = inputs
         return (self.block(hidden, context, proj, (cos, sin)), context, proj, temb, cos, sin, fhw)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import _pipe_ready
+from diffpipe.models.layers import BlockLayer, _pipe_ready
 
 PATCH, FRAME_PATCH = 2, 1  # the only patch sizes the published models have (the forward's defaults)
 KEY = f"{PATCH}-{FRAME_PATCH}"
@@ -54,11 +54,7 @@ class ZImageEmbed(nn.Module):
         return _pipe_ready((unified, torch.view_as_real(freqs).contiguous(), mask, adaln, sizes))
 
 
-class ZImageBlock(nn.Module):
-    def __init__(self, block: nn.Module):
-        super().__init__()
-        self.block = block
-
+class ZImageBlock(BlockLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         unified, freqs, mask, adaln, sizes = inputs
         # Detached: rotary tables are constants (as in the Lumina 2 layers).
