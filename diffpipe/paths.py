@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 SNAKEFILE = REPO_ROOT / "Snakefile"
@@ -56,6 +57,23 @@ LOGS = "logs"
 BENCHMARKS = "benchmarks"
 
 
+class _At:
+    """A run's path: the template joined onto the run's ``root`` (``paths.manifest``)."""
+
+    def __init__(self, template: str):
+        self.template = template
+
+    def __get__(self, paths: RunPaths | None, owner: type | None = None) -> Any:
+        return self if paths is None else paths.root / self.template
+
+
+class _AtShard(_At):
+    """A shard's path: ``paths.latent_spec("s0000")``."""
+
+    def __get__(self, paths: RunPaths | None, owner: type | None = None) -> Any:
+        return self if paths is None else (lambda shard: paths.root / self.template.format(shard=shard))
+
+
 @dataclass(frozen=True)
 class RunPaths:
     """Concrete paths of one run, rooted at ``root`` (the config's output_dir)."""
@@ -65,114 +83,43 @@ class RunPaths:
     def __init__(self, root: str | Path):
         object.__setattr__(self, "root", Path(root))
 
-    def _p(self, rel: str, **kw: str) -> Path:
-        return self.root / rel.format(**kw)
-
-    @property
-    def manifest(self) -> Path:
-        return self._p(MANIFEST)
-
-    @property
-    def report_json(self) -> Path:
-        return self._p(REPORT_JSON)
-
-    @property
-    def report_html(self) -> Path:
-        return self._p(REPORT_HTML)
-
-    @property
-    def plan_dir(self) -> Path:
-        return self._p(PLAN_DIR)
-
-    @property
-    def plan_summary(self) -> Path:
-        return self._p(PLAN_SUMMARY)
-
-    def latent_spec(self, shard: str) -> Path:
-        return self._p(LATENT_SPEC, shard=shard)
-
-    def text_spec(self, shard: str) -> Path:
-        return self._p(TEXT_SPEC, shard=shard)
-
-    @property
-    def plan_state(self) -> Path:
-        return self._p(PLAN_STATE)
-
-    @property
-    def empty_spec(self) -> Path:
-        return self._p(EMPTY_SPEC)
+    manifest = _At(MANIFEST)
+    report_json = _At(REPORT_JSON)
+    report_html = _At(REPORT_HTML)
+    plan_dir = _At(PLAN_DIR)
+    plan_summary = _At(PLAN_SUMMARY)
+    latent_spec = _AtShard(LATENT_SPEC)
+    text_spec = _AtShard(TEXT_SPEC)
+    plan_state = _At(PLAN_STATE)
+    empty_spec = _At(EMPTY_SPEC)
+    latent_shard = _AtShard(LATENT_SHARD)
+    text_shard = _AtShard(TEXT_SHARD)
+    text_empty = _At(TEXT_EMPTY)
+    train_dir = _At(TRAIN_DIR)
+    adapter_dir = _At(ADAPTER_DIR)
+    adapter_file = _At(ADAPTER_FILE)
+    metrics = _At(METRICS)
+    tensorboard = _At(TENSORBOARD)
+    checkpoints = _At(CHECKPOINTS)
+    epoch_loras = _At(EPOCH_LORAS)
+    export_dir = _At(EXPORT_DIR)
+    export_diffusers = _At(EXPORT_DIFFUSERS)
+    samples_dir = _At(SAMPLES_DIR)
+    sample_grid = _At(SAMPLE_GRID)
+    benchmarks = _At(BENCHMARKS)
 
     def cache_store(self, cache_dir: str | None = None) -> Path:
         """The content-addressed store: ``cache.dir`` when set, else under output_dir."""
-        return Path(cache_dir) if cache_dir else self._p(CACHE_STORE)
-
-    def latent_shard(self, shard: str) -> Path:
-        return self._p(LATENT_SHARD, shard=shard)
-
-    def text_shard(self, shard: str) -> Path:
-        return self._p(TEXT_SHARD, shard=shard)
-
-    @property
-    def text_empty(self) -> Path:
-        return self._p(TEXT_EMPTY)
-
-    @property
-    def train_dir(self) -> Path:
-        return self._p(TRAIN_DIR)
-
-    @property
-    def adapter_dir(self) -> Path:
-        return self._p(ADAPTER_DIR)
-
-    @property
-    def adapter_file(self) -> Path:
-        return self._p(ADAPTER_FILE)
-
-    @property
-    def metrics(self) -> Path:
-        return self._p(METRICS)
-
-    @property
-    def tensorboard(self) -> Path:
-        return self._p(TENSORBOARD)
-
-    @property
-    def checkpoints(self) -> Path:
-        return self._p(CHECKPOINTS)
-
-    @property
-    def epoch_loras(self) -> Path:
-        return self._p(EPOCH_LORAS)
-
-    @property
-    def export_dir(self) -> Path:
-        return self._p(EXPORT_DIR)
-
-    @property
-    def export_diffusers(self) -> Path:
-        return self._p(EXPORT_DIFFUSERS)
+        return Path(cache_dir) if cache_dir else self.root / CACHE_STORE
 
     def export_file(self, fmt: str, suffix: str = "") -> Path:
         """Where ``fmt`` is written (a folder for ``peft`` and ``merged``); ``suffix``: another trained part's."""
         return self.export_dir / export_name(fmt, suffix)
 
-    @property
-    def samples_dir(self) -> Path:
-        return self._p(SAMPLES_DIR)
-
-    @property
-    def sample_grid(self) -> Path:
-        return self._p(SAMPLE_GRID)
-
-    @property
-    def benchmarks(self) -> Path:
-        return self._p(BENCHMARKS)
-
     def shard_names(self, kind: str = "latents") -> list[str]:
         """Shard names the plan wrote (sorted), read from its spec files."""
         folder = self.plan_dir / kind
         return sorted(p.stem for p in folder.glob("*.json"))
-
 
 #: Export-name suffix of Wan 2.2 A14B's low-noise expert when a run trains both experts.
 LOW_NOISE_SUFFIX = "_low_noise"

@@ -151,14 +151,8 @@ def _fitted(src: str | Path | BinaryIO, channels: Callable[[Image.Image], Image.
     return out.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else out
 
 
-def load_image_array(
-    src: str | Path | BinaryIO,
-    size: tuple[int, int],
-    *,
-    crop: tuple[float, float] = (0.5, 0.5),
-    flip: bool = False,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
-) -> np.ndarray:
+def load_image_array(src: str | Path | BinaryIO, size: tuple[int, int], *, crop: tuple[float, float] = (0.5, 0.5),
+                     flip: bool = False, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
     """:func:`load_image` as numpy (no torch: safe in forked decoding workers).
 
     Raises:
@@ -182,14 +176,8 @@ def mask_channel(img: Image.Image) -> Image.Image:
     return to_rgb(img).convert("L")
 
 
-def load_mask_array(
-    src: str | Path | BinaryIO,
-    size: tuple[int, int],
-    *,
-    crop: tuple[float, float] = (0.5, 0.5),
-    flip: bool = False,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
-) -> np.ndarray:
+def load_mask_array(src: str | Path | BinaryIO, size: tuple[int, int], *, crop: tuple[float, float] = (0.5, 0.5),
+                    flip: bool = False, max_pixels: int = DEFAULT_MAX_PIXELS) -> np.ndarray:
     """Decode a mask into float32 ``[1, 1, H, W]`` in [0, 1], resized and cropped like its target.
 
     The same :func:`cover_crop` as the target (same bucket, crop position and
@@ -200,13 +188,7 @@ def load_mask_array(
     return np.ascontiguousarray(np.clip(arr, 0.0, 1.0)[None, None], dtype=np.float32)
 
 
-def load_image(
-    src: str | Path | BinaryIO,
-    size: tuple[int, int],
-    *,
-    crop: tuple[float, float] = (0.5, 0.5),
-    flip: bool = False,
-    max_pixels: int = DEFAULT_MAX_PIXELS,
-) -> torch.Tensor:
+def load_image(src: str | Path | BinaryIO, size: tuple[int, int], *, crop: tuple[float, float] = (0.5, 0.5),
+               flip: bool = False, max_pixels: int = DEFAULT_MAX_PIXELS) -> torch.Tensor:
     """Decode an image into float32 ``[3, 1, H, W]`` in [-1, 1] for bucket ``(H, W)``."""
     return torch.from_numpy(load_image_array(src, size, crop=crop, flip=flip, max_pixels=max_pixels))

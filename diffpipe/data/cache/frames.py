@@ -47,15 +47,8 @@ def resample_indices(n_src: int, src_fps: float, dst_fps: float, n_out: int, sta
     return idx
 
 
-def frame_bucket(
-    n_src: int,
-    src_fps: float,
-    dst_fps: float,
-    buckets: list[int] | None = None,
-    *,
-    step: int = 4,
-    offset: int = 1,
-) -> int:
+def frame_bucket(n_src: int, src_fps: float, dst_fps: float, buckets: list[int] | None = None, *, step: int = 4,
+                 offset: int = 1) -> int:
     """Frames a clip is cut to: the largest valid bucket it holds after resampling.
 
     ``buckets`` are snapped to the rule first; without buckets, the longest
@@ -100,17 +93,8 @@ def strided_indices(n_src: int, n_out: int) -> list[int]:
     return [start + i * stride for i in range(n_out)]
 
 
-def clip_windows(
-    n_src: int,
-    src_fps: float,
-    dst_fps: float,
-    buckets: list[int] | None = None,
-    *,
-    step: int = 4,
-    offset: int = 1,
-    mode: str = "first",
-    count: int | None = None,
-) -> list[list[int]]:
+def clip_windows(n_src: int, src_fps: float, dst_fps: float, buckets: list[int] | None = None, *, step: int = 4,
+                 offset: int = 1, mode: str = "first", count: int | None = None) -> list[list[int]]:
     """The source frame indices of each training window of a clip (empty: too short for every bucket).
 
     Every window has the frame count :func:`frame_bucket` picks. ``mode``:

@@ -279,18 +279,9 @@ def _index_rows(entries: list[LatentEntry]) -> list[tuple[str, str, int]]:
     return [(e.key, arr, r) for arr, g in groups.items() for r, e in enumerate(sorted(g, key=lambda e: e.id))]
 
 
-def cache_latents(
-    spec_path: str | Path,
-    out_path: str | Path,
-    model_cfg: ModelConfig,
-    cache_cfg: CacheConfig,
-    *,
-    store: str | Path | None = None,
-    regenerate: bool = False,
-    trust: bool = False,
-    device: str | None = None,
-    workers: int | None = None,
-) -> dict[str, Any]:
+def cache_latents(spec_path: str | Path, out_path: str | Path, model_cfg: ModelConfig, cache_cfg: CacheConfig, *,
+                  store: str | Path | None = None, regenerate: bool = False, trust: bool = False,
+                  device: str | None = None, workers: int | None = None) -> dict[str, Any]:
     """Build the Zarr shard of one latent spec, encoding only keys the store lacks; returns the summary.
 
     Steps: reuse what the store holds (:func:`_stored_latents`), decode and encode the rest
@@ -554,17 +545,9 @@ def _cache_text_spec(
     return summary
 
 
-def cache_text(
-    spec_path: str | Path,
-    out_path: str | Path,
-    model_cfg: ModelConfig,
-    cache_cfg: CacheConfig,
-    *,
-    store: str | Path | None = None,
-    regenerate: bool = False,
-    device: str | None = None,
-    trained_text: list[str] | tuple[str, ...] = (),
-) -> dict[str, Any]:
+def cache_text(spec_path: str | Path, out_path: str | Path, model_cfg: ModelConfig, cache_cfg: CacheConfig, *,
+               store: str | Path | None = None, regenerate: bool = False, device: str | None = None,
+               trained_text: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """Build the Arrow shard of one text spec, encoding only captions the store lacks; returns the summary.
 
     ``trained_text`` (``train.text_encoder.encoders``): encoders whose captions are cached as token ids."""
