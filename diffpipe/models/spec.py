@@ -8,8 +8,9 @@ Each family is a folder ``diffpipe/families/<name>/`` with the same file names:
 - ``layers.py``: its pipeline-parallel layer list (or ``SPEC.layers`` is :class:`Absent` with the reason,
   or names another family's ``layers.py`` it shares);
 - ``keymap.py``: ``DENOISER`` and ``build(config, out_features)``, the key map between our module names
-  and the original checkpoint's, behind the ComfyUI and kohya formats and ``import-lora`` (or
-  ``SPEC.keymap`` is :class:`Absent`);
+  and the original checkpoint's, behind the ComfyUI and kohya formats and ``import-lora``, and ``KOHYA``,
+  the metadata a kohya file carries (:class:`Kohya`, or a function of the denoiser config giving one);
+  or ``SPEC.keymap`` is :class:`Absent`, and neither format is written;
 - ``flavors.py``: its tiny configs (``TINY_VAE``, ``TINY_TRANSFORMER``, ``TINY_SCHEDULER`` by these names, which
   :class:`~diffpipe.models.components.Models` reads) and ``PUBLISHED``, the published models' denoiser configs.
 
@@ -78,6 +79,16 @@ class Published:
         return rounded == self.params or abs(count - self.params) <= 0.01 * self.params
 
 
+def published_series(family: str, cls: str, **shared: Any) -> Callable[..., Published]:
+    """A constructor of one family's published models with one denoiser class and the fields they share
+    (``text``, ``latent_channels``, ...): ``series(name, config, params, params_digits, source, **own)``."""
+    def published(name: str, config: dict[str, Any], params: float, params_digits: int, source: str,
+                  **own: Any) -> Published:
+        return Published(name, family, cls, config, params, params_digits, source, **{**shared, **own})
+
+    return published
+
+
 #: How ComfyUI reads the family's diffusers-format file: ``all`` (it maps the ``transformer.`` names),
 #: ``part`` (only the non-attention layers of a UNet), ``none`` (nothing: use the comfyui file),
 #: ``no-model`` (ComfyUI has no model for this family).
@@ -103,9 +114,7 @@ class FamilySpec:
     targets: str
     #: The published models (``flavors.PUBLISHED``), flagship first.
     published: tuple[Published, ...] = ()
-    #: Its kohya metadata: fixed, a function of the denoiser's config (SD 1.x vs 2.x vs SDXL), or absent.
-    kohya: Kohya | Callable[[Mapping[str, Any]], Kohya] | Absent
-    #: Which tools read its ComfyUI and kohya files, for docs/formats.md.
+    #: Which tools read its ComfyUI and kohya files, for docs/formats.md ("-": the files are not written).
     comfyui_readers: str
     kohya_readers: str
     #: How ComfyUI reads its diffusers file (the model card's note).
@@ -151,24 +160,24 @@ class FamilySpec:
         return importlib.import_module(f"{self.package}.keymap")
 
     def kohya_for(self, denoiser_config: Mapping[str, Any]) -> Kohya:
-        """Its kohya metadata for a denoiser with this config; a clear error when it has none."""
-        if isinstance(self.kohya, Absent):
+        """Its kohya metadata (the key map's ``KOHYA``) for a denoiser with this config; a clear error when it
+        has none."""
+        if isinstance(self.keymap, Absent):
             raise ValueError(f"kohya format: no sd-scripts base model version for family {self.name!r}: "
-                             f"{self.kohya.reason}")
-        return self.kohya if isinstance(self.kohya, Kohya) else self.kohya(denoiser_config)
+                             f"{self.keymap.reason}")
+        kohya = self.keymap_module().KOHYA
+        return kohya if isinstance(kohya, Kohya) else kohya(denoiser_config)
 
 
-def generic_comfy_names(kohya: Kohya, names: str) -> dict[str, Any]:
+def generic_comfy_names(names: str) -> dict[str, Any]:
     """The spec fields of a family whose comfyui/kohya files only ComfyUI's generic LoRA names (and
-    ``diffpipe import-lora``) read: no kohya-family trainer names the model, so ``kohya`` is metadata in
-    the same scheme; ``names`` says what follows ``diffusion_model.`` (the original layer names). Spread
-    into :class:`FamilySpec`."""
+    ``diffpipe import-lora``) read (no kohya-family trainer names the model, so its key map's ``KOHYA`` is
+    metadata in the same scheme); ``names`` says what follows ``diffusion_model.`` (the original layer
+    names). Spread into :class:`FamilySpec`."""
     return {
-        "kohya": kohya,
         "comfyui_readers": f"ComfyUI's generic LoRA names (`diffusion_model.` + {names}); `diffpipe import-lora`",
         "kohya_readers": "ComfyUI's generic LoRA names (`lora_unet_` + the original layer path); "
                          "`diffpipe import-lora`",
-        "comfy_reads_diffusers": "none",
     }
 
 
@@ -181,8 +190,7 @@ def loads_through_transformer(pipeline: str) -> dict[str, Any]:
 
 
 def diffusers_files_only(reason: str) -> dict[str, Any]:
-    """The spec fields of a family whose LoRA is written for diffusers/PEFT only: no kohya metadata, no
-    key map to the original checkpoint names (both absent for ``reason``), and no ComfyUI or kohya
-    reader. Spread into :class:`FamilySpec` (``**diffusers_files_only(reason)``)."""
-    return {"kohya": Absent(reason), "keymap": Absent(reason), "comfyui_readers": "-", "kohya_readers": "-",
-            "comfy_reads_diffusers": "none"}
+    """The spec fields of a family whose LoRA is written for diffusers/PEFT only: no key map to the original
+    checkpoint names (absent for ``reason``), so no kohya metadata and no ComfyUI or kohya reader. Spread
+    into :class:`FamilySpec` (``**diffusers_files_only(reason)``)."""
+    return {"keymap": Absent(reason), "comfyui_readers": "-", "kohya_readers": "-"}

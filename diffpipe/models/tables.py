@@ -16,9 +16,7 @@ def _formats(s) -> str:
     """The export formats a family writes: all five, or the ones its missing spec parts leave."""
     have = ["diffusers", "peft", "merged"]
     if not isinstance(s.keymap, Absent):
-        have.insert(2, "comfyui")
-        if not isinstance(s.kohya, Absent):
-            have.insert(3, "kohya")
+        have[2:2] = ["comfyui", "kohya"]
     return "all five" if len(have) == 5 else ", ".join(have)
 
 

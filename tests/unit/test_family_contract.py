@@ -50,13 +50,11 @@ def test_each_family_folder_holds_its_spec_parts(name):
 
     if isinstance(s.keymap, Absent):
         assert s.keymap.reason and not (folder / "keymap.py").exists()
+        with pytest.raises(ValueError, match="kohya format: no sd-scripts base model version"):
+            s.kohya_for(s.published[0].config)
     else:
         keymap = s.keymap_module()
         assert keymap.DENOISER.__name__ == s.published[0].cls and callable(keymap.build)
-
-    if isinstance(s.kohya, Absent):
-        assert s.kohya.reason
-    else:
         k = s.kohya_for(s.published[0].config)
         assert isinstance(k, Kohya) and all((k.base_model_version, k.architecture, k.implementation))
 
@@ -74,12 +72,11 @@ def test_an_unknown_family_is_an_error_naming_the_known_ones():
 
 _TOY = {
     "__init__.py": '''
-        from diffpipe.models.spec import Absent, FamilySpec, Kohya
+        from diffpipe.models.spec import Absent, FamilySpec
 
         SPEC = FamilySpec(
             model="Toy 1", tasks="text-to-image", targets="as `sd`",
-            kohya=Kohya("toy_v1", "toy-1/lora", "https://example.org/toy"),
-            comfyui_readers="ComfyUI", kohya_readers="ComfyUI", comfy_reads_diffusers="none",
+            comfyui_readers="ComfyUI", kohya_readers="ComfyUI",
             layers=Absent("toys do not pipeline"),
         )
     ''',
@@ -99,6 +96,9 @@ _TOY = {
     ''',
     "keymap.py": '''
         from diffpipe.families.sd.keymap import DENOISER, build  # noqa: F401
+        from diffpipe.models.spec import Kohya
+
+        KOHYA = Kohya("toy_v1", "toy-1/lora", "https://example.org/toy")
     ''',
 }
 

@@ -17,8 +17,11 @@ from typing import Any
 from diffusers import AuraFlowTransformer2DModel
 
 from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, layer, swapped_halves
+from diffpipe.models.spec import Kohya
 
 DENOISER = AuraFlowTransformer2DModel
+#: No kohya-family trainer names it: the metadata says what the file is in the same scheme.
+KOHYA = Kohya("auraflow", "auraflow/lora", "https://huggingface.co/fal/AuraFlow")
 
 TOP_LEVEL = {
     "cond_seq_linear": "context_embedder",

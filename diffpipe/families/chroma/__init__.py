@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec, Kohya
+from diffpipe.models.spec import FamilySpec
 
 SPEC = FamilySpec(
     model="Chroma1-HD",
     tasks="text-to-image",
     targets="as `flux`",
-    kohya=Kohya("chroma", "chroma/lora", "https://huggingface.co/lodestones/Chroma"),
     comfyui_readers="ComfyUI, `ChromaPipeline.load_lora_weights` (not for a LoRA on `distilled_guidance_layer`, which diffusers' reader rejects)",
     kohya_readers="ComfyUI, `ChromaPipeline.load_lora_weights` (same limit)",
     comfy_reads_diffusers="all",

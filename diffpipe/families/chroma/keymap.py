@@ -20,8 +20,10 @@ from diffusers import ChromaTransformer2DModel
 
 from diffpipe.export.keymaps.base import KeyMap
 from diffpipe.families.flux.keymap import transformer_layers
+from diffpipe.models.spec import Kohya
 
 DENOISER = ChromaTransformer2DModel
+KOHYA = Kohya("chroma", "chroma/lora", "https://huggingface.co/lodestones/Chroma")
 
 TOP_LEVEL = {
     "img_in": "x_embedder",

@@ -39,8 +39,10 @@ from typing import Any
 from diffusers import CogVideoXTransformer3DModel
 
 from diffpipe.export.keymaps.base import KeyMap, kohya_name, plain
+from diffpipe.models.spec import Kohya
 
 DENOISER = CogVideoXTransformer3DModel
+KOHYA = Kohya("cogvideox", "cogvideox/lora", "https://github.com/THUDM/CogVideo")
 
 # Outside the blocks: our name -> ComfyUI's.
 TOP_LEVEL = {

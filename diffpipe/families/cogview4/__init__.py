@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec, Kohya
+from diffpipe.models.spec import FamilySpec
 
 _IMPORT = "`diffpipe import-lora {path}` (to continue training); elsewhere use the diffusers file"
 
@@ -10,7 +10,6 @@ SPEC = FamilySpec(
     model="CogView4-6B",
     tasks="text-to-image (per-prompt text length)",
     targets="`attn1.to_q/k/v/out.0`, `ff.net.0.proj`, `ff.net.2`",
-    kohya=Kohya("cogview4", "cogview4/lora", "https://github.com/THUDM/CogView4"),
     comfyui_readers="THUDM's SAT names (fused `query_key_value`); ComfyUI has no CogView4 model and diffusers has no reader: `diffpipe import-lora` reads it, use the diffusers file elsewhere",
     kohya_readers="`diffpipe import-lora`",
     comfy_reads_diffusers="no-model",

@@ -33,8 +33,10 @@ from typing import Any
 from diffusers import CogView4Transformer2DModel
 
 from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name, swapped_halves
+from diffpipe.models.spec import Kohya
 
 DENOISER = CogView4Transformer2DModel
+KOHYA = Kohya("cogview4", "cogview4/lora", "https://github.com/THUDM/CogView4")
 
 # Outside the blocks: original -> ours.
 TOP_LEVEL = {

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec, Kohya
+from diffpipe.models.spec import FamilySpec
 
 SPEC = FamilySpec(
     model="Cosmos-Predict2 2B / 14B",
     tasks="text-to-image",
     targets="self and cross attention `attn1/attn2.to_q/k/v/out.0`, `ff.net.0.proj`, `ff.net.2`",
-    kohya=Kohya("cosmos_predict2", "cosmos-predict2/lora", "https://github.com/nvidia-cosmos/cosmos-predict2"),
     comfyui_readers="ComfyUI (Cosmos-Predict2 names without `net.`); diffusers has no reader: use the diffusers file",
     kohya_readers="ComfyUI",
-    comfy_reads_diffusers="none",
 )

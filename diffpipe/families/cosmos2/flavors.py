@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.models import tiny
-from diffpipe.models.spec import Published
+from diffpipe.models.spec import Published, published_series
 
 # -- tiny flavor ----------------------------------------
 TINY_LENGTH = 32
@@ -35,24 +35,17 @@ TINY_TRANSFORMER = {
 TINY_SCHEDULER = {"num_train_timesteps": 1000, "shift": 1.0, "use_karras_sigmas": True}
 
 
+_cosmos = published_series("cosmos2", "CosmosTransformer3DModel", text={"prompt_embeds": (512, 1024)},
+                           latent_channels=16)
+#: Cosmos-Predict2's text-to-image layout: rope scaled in space only, no learnable position embedding.
+_T2I = {"rope_scale": (1.0, 4.0, 4.0), "extra_pos_embed_type": None}
+
 #: Published models, the flagship first.
 PUBLISHED: list[Published] = [
-    Published(
-        "cosmos-predict2-2b-t2i", "cosmos2", "CosmosTransformer3DModel",
-        {"num_attention_heads": 16, "num_layers": 28, "rope_scale": (1.0, 4.0, 4.0),
-         "extra_pos_embed_type": None},
-        2e9, 1,
-        "nvidia/Cosmos-Predict2-2B-Text2Image: 'text to image generation (2 billion parameters)' (Cosmos "
-        "Predict2 model matrix; a one-digit headline, the transformer has 1.96B)",
-        text={"prompt_embeds": (512, 1024)}, latent_channels=16,
-    ),
-    Published(
-        "cosmos-predict2-14b-t2i", "cosmos2", "CosmosTransformer3DModel",
-        {"num_attention_heads": 40, "num_layers": 36, "rope_scale": (1.0, 4.0, 4.0),
-         "extra_pos_embed_type": None},
-        14e9, 2,
-        "nvidia/Cosmos-Predict2-14B-Text2Image: 'text to image generation (14 billion parameters)' (Cosmos "
-        "Predict2 model matrix; the transformer has 14.27B)",
-        text={"prompt_embeds": (512, 1024)}, latent_channels=16,
-    ),
+    _cosmos("cosmos-predict2-2b-t2i", {**_T2I, "num_attention_heads": 16, "num_layers": 28}, 2e9, 1,
+            "nvidia/Cosmos-Predict2-2B-Text2Image: 'text to image generation (2 billion parameters)' (Cosmos "
+            "Predict2 model matrix; a one-digit headline, the transformer has 1.96B)"),
+    _cosmos("cosmos-predict2-14b-t2i", {**_T2I, "num_attention_heads": 40, "num_layers": 36}, 14e9, 2,
+            "nvidia/Cosmos-Predict2-14B-Text2Image: 'text to image generation (14 billion parameters)' (Cosmos "
+            "Predict2 model matrix; the transformer has 14.27B)"),
 ]

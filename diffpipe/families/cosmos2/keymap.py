@@ -23,8 +23,10 @@ from typing import Any
 from diffusers import CosmosTransformer3DModel
 
 from diffpipe.export.keymaps.base import KeyMap, kohya_name, plain
+from diffpipe.models.spec import Kohya
 
 DENOISER = CosmosTransformer3DModel
+KOHYA = Kohya("cosmos_predict2", "cosmos-predict2/lora", "https://github.com/nvidia-cosmos/cosmos-predict2")
 
 TOP_LEVEL = {
     "x_embedder.proj.1": "patch_embed.proj",

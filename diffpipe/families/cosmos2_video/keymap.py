@@ -12,8 +12,10 @@ from typing import Any
 
 from diffpipe.export.keymaps.base import KeyMap
 from diffpipe.families.cosmos2 import keymap as cosmos2
+from diffpipe.models.spec import Kohya
 
 DENOISER = cosmos2.DENOISER
+KOHYA = Kohya("cosmos_predict2", "cosmos-predict2/lora", "https://github.com/nvidia-cosmos/cosmos-predict2")
 
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:

@@ -14,8 +14,11 @@ from typing import Any
 from diffusers import ErnieImageTransformer2DModel
 
 from diffpipe.export.keymaps.base import KeyMap, same_names
+from diffpipe.models.spec import Kohya
 
 DENOISER = ErnieImageTransformer2DModel
+#: No kohya-family trainer names it: the metadata says what the file is in the same scheme.
+KOHYA = Kohya("ernie_image", "ernie-image/lora", "https://huggingface.co/baidu/ERNIE-Image")
 
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:

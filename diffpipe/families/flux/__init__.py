@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec, Kohya
+from diffpipe.models.spec import FamilySpec
 
 SPEC = FamilySpec(
     model="FLUX.1 dev / schnell",
     tasks="text-to-image",
     targets="attention of both streams, double-block feed-forwards",
-    kohya=Kohya("flux1", "flux-1-dev/lora", "https://github.com/black-forest-labs/flux"),
     comfyui_readers="ComfyUI (fused `qkv`/`linear1`), `FluxPipeline.load_lora_weights`",
     kohya_readers="Forge, ComfyUI, `FluxPipeline.load_lora_weights`",
     comfy_reads_diffusers="all",

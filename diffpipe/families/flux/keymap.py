@@ -19,8 +19,10 @@ from typing import Any
 from diffusers import FluxTransformer2DModel
 
 from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name
+from diffpipe.models.spec import Kohya
 
 DENOISER = FluxTransformer2DModel
+KOHYA = Kohya("flux1", "flux-1-dev/lora", "https://github.com/black-forest-labs/flux")
 
 MLP_RATIO = 4.0
 

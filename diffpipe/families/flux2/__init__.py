@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec, Kohya
+from diffpipe.models.spec import FamilySpec
 
 SPEC = FamilySpec(
     model="FLUX.2 [dev]",
@@ -12,10 +12,8 @@ SPEC = FamilySpec(
     targets="as `flux2-klein`",
     layers="diffpipe.families.flux2_klein.layers",
     layers_refused="`variant: edit`",
-    kohya=Kohya("flux2", "flux-2-dev/lora", "https://github.com/black-forest-labs/flux2"),
     comfyui_readers="ComfyUI (original names, fused `qkv`), `Flux2Pipeline.load_lora_weights` (except a LoRA on "
                     "`norm_out`)",
     kohya_readers="ComfyUI; `Flux2Pipeline.load_lora_weights` (blocks, input embedders, timestep, output; not "
                   "the guidance embedder)",
-    comfy_reads_diffusers="none",
 )

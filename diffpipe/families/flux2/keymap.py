@@ -8,8 +8,10 @@ from typing import Any
 
 from diffpipe.export.keymaps.base import KeyMap
 from diffpipe.families.flux2_klein import keymap as klein
+from diffpipe.models.spec import Kohya
 
 DENOISER = klein.DENOISER
+KOHYA = Kohya("flux2", "flux-2-dev/lora", "https://github.com/black-forest-labs/flux2")
 
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec, Kohya
+from diffpipe.models.spec import FamilySpec
 
 SPEC = FamilySpec(
     model="FLUX.2 [klein] 4B / 9B (base and distilled)",
@@ -11,9 +11,7 @@ SPEC = FamilySpec(
     targets="attention of both streams `attn.to_q/k/v/out.0`, `add_q/k/v_proj`, `to_add_out`, the double "
             "blocks' `ff(_context).linear_in/out`, the single blocks' fused `attn.to_qkv_mlp_proj`",
     layers_refused="`variant: edit`",
-    kohya=Kohya("flux2", "flux-2-klein/lora", "https://github.com/black-forest-labs/flux2"),
     comfyui_readers="ComfyUI (original names, fused `qkv`), `Flux2KleinPipeline.load_lora_weights` (except a "
                     "LoRA on `norm_out`)",
     kohya_readers="ComfyUI; `Flux2KleinPipeline.load_lora_weights` (blocks, input embedders, timestep, output)",
-    comfy_reads_diffusers="none",
 )

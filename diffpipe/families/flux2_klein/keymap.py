@@ -24,8 +24,10 @@ from diffusers import Flux2Transformer2DModel
 
 from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, layer, swapped_halves
 from diffpipe.families.flux.keymap import double_blocks  # the double blocks' fused qkv, as in FLUX.1
+from diffpipe.models.spec import Kohya
 
 DENOISER = Flux2Transformer2DModel
+KOHYA = Kohya("flux2", "flux-2-klein/lora", "https://github.com/black-forest-labs/flux2")
 
 DOUBLE_PLAIN = {
     "img_attn.proj": "attn.to_out.0",

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import Absent, FamilySpec, Kohya
+from diffpipe.models.spec import Absent, FamilySpec
 
 SPEC = FamilySpec(
     model="FLUX.1 Kontext",
     tasks="image editing (a control image per item)",
     targets="as `flux`",
-    kohya=Kohya("flux1", "flux-1-kontext-dev/lora", "https://github.com/black-forest-labs/flux"),
     comfyui_readers="ComfyUI (Flux names, fused `qkv`/`linear1`), `FluxKontextPipeline.load_lora_weights`",
     kohya_readers="ComfyUI, `FluxKontextPipeline.load_lora_weights`",
     comfy_reads_diffusers="all",

@@ -15,8 +15,10 @@ from typing import Any
 
 from diffpipe.export.keymaps.base import KeyMap
 from diffpipe.families.flux import keymap as flux
+from diffpipe.models.spec import Kohya
 
 DENOISER = flux.DENOISER
+KOHYA = Kohya("flux1", "flux-1-kontext-dev/lora", "https://github.com/black-forest-labs/flux")
 
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:

@@ -20,8 +20,10 @@ from typing import Any
 from diffusers import HiDreamImageTransformer2DModel
 
 from diffpipe.export.keymaps.base import KeyMap, kohya_name, plain
+from diffpipe.models.spec import Kohya
 
 DENOISER = HiDreamImageTransformer2DModel
+KOHYA = Kohya("hidream", "hidream-i1/lora", "https://github.com/HiDream-ai/HiDream-I1")
 
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:

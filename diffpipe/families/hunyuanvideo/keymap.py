@@ -39,8 +39,10 @@ from typing import Any
 from diffusers import HunyuanVideoTransformer3DModel
 
 from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name, swapped_halves
+from diffpipe.models.spec import Kohya
 
 DENOISER = HunyuanVideoTransformer3DModel
+KOHYA = Kohya("hunyuan_video", "hunyuan-video/lora", "https://github.com/Tencent/HunyuanVideo")
 
 TOP_LEVEL = {
     "img_in.proj": "x_embedder.proj",

@@ -2,17 +2,14 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec, Kohya
+from diffpipe.models.spec import FamilySpec
 
 SPEC = FamilySpec(
     model="Ideogram 4",
     tasks="text-to-image (flow matching; Qwen3-VL text at 13 layers, one packed text + image sequence; the "
           "unconditional transformer of its guidance is loaded for samples, not trained)",
     targets="attention `attention.to_q/k/v/out.0`, SwiGLU `feed_forward.w1/w2/w3`",
-    # No kohya-family trainer names it: the metadata says what the file is in the same scheme.
-    kohya=Kohya("ideogram4", "ideogram-4/lora", "https://github.com/huggingface/diffusers"),
     comfyui_readers="`Ideogram4Pipeline.load_lora_weights` (the blocks' layers; ai-toolkit's layout: "
                     "`diffusion_model.` + the original names, fused `attention.qkv`); `diffpipe import-lora`",
     kohya_readers="ComfyUI's generic LoRA names (`lora_unet_` + the original layer path); `diffpipe import-lora`",
-    comfy_reads_diffusers="none",
 )

@@ -18,8 +18,11 @@ from typing import Any
 from diffusers import Ideogram4Transformer2DModel
 
 from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name, layer, plain
+from diffpipe.models.spec import Kohya
 
 DENOISER = Ideogram4Transformer2DModel
+#: No kohya-family trainer names it: the metadata says what the file is in the same scheme.
+KOHYA = Kohya("ideogram4", "ideogram-4/lora", "https://github.com/huggingface/diffusers")
 
 #: The original attention's names: fused q, k, v, and the output projection.
 QKV = ("attention.to_q", "attention.to_k", "attention.to_v")

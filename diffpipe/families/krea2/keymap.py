@@ -15,8 +15,11 @@ from typing import Any
 from diffusers import Krea2Transformer2DModel
 
 from diffpipe.export.keymaps.base import KeyMap, kohya_name, plain
+from diffpipe.models.spec import Kohya
 
 DENOISER = Krea2Transformer2DModel
+#: No kohya-family trainer names it: the metadata says what the file is in the same scheme.
+KOHYA = Kohya("krea2", "krea-2/lora", "https://github.com/huggingface/diffusers")
 
 #: diffusers prefix -> original prefix (the converter's prefix table, inverted; at most one applies).
 PREFIXES = (

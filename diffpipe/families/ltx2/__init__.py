@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec, Kohya
+from diffpipe.models.spec import FamilySpec
 
 SPEC = FamilySpec(
     model="LTX-2 19B; LTX-2.3 from a local folder (its architecture tested on a tiny rebuild)",
@@ -10,8 +10,6 @@ SPEC = FamilySpec(
           "audio-video transformer, modalities isolated (the audio stream and the sound are not trained; "
           "samples generate sound, and keep the video); 24 fps, 8k+1 frames, sample sides multiples of 32",
     targets="the video stream's `attn1`/`attn2` `to_q/k/v/out.0`, `ff.net.0.proj`, `ff.net.2`",
-    kohya=Kohya("ltx2", "ltx-2/lora", "https://github.com/Lightricks/LTX-2"),
     comfyui_readers="ComfyUI (`diffusion_model.` + the original layer names), `LTX2Pipeline.load_lora_weights`",
     kohya_readers="ComfyUI (`lora_unet_` + the original layer path)",
-    comfy_reads_diffusers="none",
 )

@@ -20,8 +20,10 @@ from diffusers import LTX2VideoTransformer3DModel
 
 from diffpipe.export.keymaps.base import KeyMap
 from diffpipe.families.ltxvideo.keymap import renamed_keymap
+from diffpipe.models.spec import Kohya
 
 DENOISER = LTX2VideoTransformer3DModel
+KOHYA = Kohya("ltx2", "ltx-2/lora", "https://github.com/Lightricks/LTX-2")
 
 # Our top-level prefix -> the original's; every other name is the same.
 RENAMED = {

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec, Kohya
+from diffpipe.models.spec import FamilySpec
 
 SPEC = FamilySpec(
     model="LTX-Video 0.9",
     tasks="text-to-video; 25 fps, 8k+1 frames, sample sides multiples of 32",
     targets="`to_q/k/v/out.0`, `ff.net.0.proj`, `ff.net.2`",
-    kohya=Kohya("ltx_video", "ltx-video/lora", "https://github.com/Lightricks/LTX-Video"),
     comfyui_readers="ComfyUI, `LTXPipeline.load_lora_weights` (except a LoRA on `proj_in`/`time_embed`, which diffusers' reader does not rename)",
     kohya_readers="ComfyUI",
-    comfy_reads_diffusers="none",
 )

@@ -24,8 +24,10 @@ from typing import Any
 from diffusers import LTXVideoTransformer3DModel
 
 from diffpipe.export.keymaps.base import KeyMap, kohya_name, plain
+from diffpipe.models.spec import Kohya
 
 DENOISER = LTXVideoTransformer3DModel
+KOHYA = Kohya("ltx_video", "ltx-video/lora", "https://github.com/Lightricks/LTX-Video")
 
 # Our top-level prefix -> the original's; every other name is the same.
 RENAMED = {"proj_in": "patchify_proj", "time_embed": "adaln_single"}

@@ -26,8 +26,10 @@ from typing import Any
 from diffusers import Lumina2Transformer2DModel
 
 from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name
+from diffpipe.models.spec import Kohya
 
 DENOISER = Lumina2Transformer2DModel
+KOHYA = Kohya("lumina2", "lumina-2/lora", "https://github.com/Alpha-VLLM/Lumina-Image-2.0")
 
 TOP_LEVEL = {
     "x_embedder": "x_embedder",

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec, Kohya
+from diffpipe.models.spec import FamilySpec
 
 SPEC = FamilySpec(
     model="Mochi 1 preview",
     tasks="text-to-video; 30 fps, 6k+1 frames",
     targets="attention of both streams, both feed-forwards",
-    kohya=Kohya("mochi", "mochi-1/lora", "https://github.com/genmoai/mochi"),
     comfyui_readers="ComfyUI (fused `qkv_x`/`qkv_y`); diffusers has no reader: use the diffusers file",
     kohya_readers="ComfyUI",
-    comfy_reads_diffusers="none",
 )

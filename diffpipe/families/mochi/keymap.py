@@ -25,8 +25,10 @@ from typing import Any
 from diffusers import MochiTransformer3DModel
 
 from diffpipe.export.keymaps.base import KeyMap, Segment, layer, swapped_halves
+from diffpipe.models.spec import Kohya
 
 DENOISER = MochiTransformer3DModel
+KOHYA = Kohya("mochi", "mochi-1/lora", "https://github.com/genmoai/mochi")
 
 TOP_LEVEL = {
     "x_embedder.proj": "patch_embed.proj",

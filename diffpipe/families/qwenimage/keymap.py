@@ -15,8 +15,10 @@ from typing import Any
 from diffusers import QwenImageTransformer2DModel
 
 from diffpipe.export.keymaps.base import KeyMap, same_names
+from diffpipe.models.spec import Kohya
 
 DENOISER = QwenImageTransformer2DModel
+KOHYA = Kohya("qwen_image", "Qwen-Image/lora", "https://github.com/QwenLM/Qwen-Image")
 
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:

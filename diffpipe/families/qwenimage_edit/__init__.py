@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import Absent, FamilySpec, Kohya
+from diffpipe.models.spec import Absent, FamilySpec
 
 SPEC = FamilySpec(
     model="Qwen-Image-Edit; Qwen-Image-Edit-2509 and 2511 (Edit-Plus: `variant` `2509` or `2511`)",
     tasks="image editing (a control image per item; the text encoder sees it too); Edit-Plus: up to 4 reference "
           "images per item (`control_path` as a list of folders)",
     targets="as `qwenimage`",
-    kohya=Kohya("qwen_image", "Qwen-Image-Edit/lora", "https://github.com/QwenLM/Qwen-Image"),
     comfyui_readers="ComfyUI, `QwenImageEditPipeline.load_lora_weights`",
     kohya_readers="ComfyUI, musubi-tuner names, `QwenImageEditPipeline.load_lora_weights`",
     comfy_reads_diffusers="all",

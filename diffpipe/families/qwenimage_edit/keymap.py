@@ -14,8 +14,10 @@ from typing import Any
 
 from diffpipe.export.keymaps.base import KeyMap
 from diffpipe.families.qwenimage import keymap as qwenimage
+from diffpipe.models.spec import Kohya
 
 DENOISER = qwenimage.DENOISER
+KOHYA = Kohya("qwen_image", "Qwen-Image-Edit/lora", "https://github.com/QwenLM/Qwen-Image")
 
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:

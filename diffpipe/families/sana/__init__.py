@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import Absent, FamilySpec, Kohya, generic_comfy_names
+from diffpipe.models.spec import Absent, FamilySpec, generic_comfy_names
 
 SPEC = FamilySpec(
     model="Sana 1.6B / 600M",
     tasks="text-to-image (flow matching; DC-AE latents, 32x compression)",
     targets="self and cross attention `attn1/attn2.to_q/k/v/out.0`, the Mix-FFN 1x1 convolutions `ff.conv_inverted`, `ff.conv_point`",
-    # No kohya-family trainer names it: the metadata says what the file is in the same scheme.
-    **generic_comfy_names(Kohya("sana", "sana/lora", "https://github.com/NVlabs/Sana"),
-                          "the original checkpoint's layer names: `blocks.N.attn.qkv` (q, k, v fused), "
+    **generic_comfy_names("the original checkpoint's layer names: `blocks.N.attn.qkv` (q, k, v fused), "
                           "`blocks.N.cross_attn.kv_linear`, ..."),
     layers=Absent("not implemented yet"),
 )

@@ -17,8 +17,11 @@ from typing import Any
 from diffusers import SanaTransformer2DModel
 
 from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, layer
+from diffpipe.models.spec import Kohya
 
 DENOISER = SanaTransformer2DModel
+#: No kohya-family trainer names it: the metadata says what the file is in the same scheme.
+KOHYA = Kohya("sana", "sana/lora", "https://github.com/NVlabs/Sana")
 
 TOP_LEVEL = {
     "x_embedder.proj": "patch_embed.proj",

@@ -19,8 +19,19 @@ from diffusers import UNet2DConditionModel
 
 from diffpipe.export.keymaps.base import KeyMap, kohya_name, plain
 from diffpipe.models import targets
+from diffpipe.models.spec import Kohya
 
 DENOISER = UNet2DConditionModel
+
+_GENERATIVE_MODELS = "https://github.com/Stability-AI/generative-models"
+
+
+def KOHYA(unet_config: Mapping[str, Any]) -> Kohya:  # every key map's KOHYA; here a function
+    """SD 2.x UNets cross-attend to 1024-wide OpenCLIP states, SD 1.x to 768-wide CLIP ones."""
+    if unet_config.get("cross_attention_dim") == 1024:
+        return Kohya("sd_v2", "stable-diffusion-v2-512/lora", _GENERATIVE_MODELS)
+    return Kohya("sd_v1", "stable-diffusion-v1/lora", _GENERATIVE_MODELS)
+
 
 # ResNet block: our name -> original name (ldm ``ResBlock``).
 RESNET = {

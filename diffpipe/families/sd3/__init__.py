@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec, Kohya
+from diffpipe.models.spec import FamilySpec
 
 SPEC = FamilySpec(
     model="SD 3 / 3.5 (`objective.weighting_scheme`)",
     tasks="text-to-image",
     targets="joint attention of both streams, both feed-forwards",
-    kohya=Kohya("sd3", "stable-diffusion-3/lora", "https://github.com/Stability-AI/sd3.5"),
     comfyui_readers="ComfyUI (MMDiT names, fused `qkv`)",
     kohya_readers="ComfyUI (sd-scripts names); diffusers has no reader for either: use the diffusers file",
     comfy_reads_diffusers="all",

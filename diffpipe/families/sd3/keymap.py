@@ -20,8 +20,10 @@ from typing import Any
 from diffusers import SD3Transformer2DModel
 
 from diffpipe.export.keymaps.base import KeyMap, Segment, layer, swapped_halves
+from diffpipe.models.spec import Kohya
 
 DENOISER = SD3Transformer2DModel
+KOHYA = Kohya("sd3", "stable-diffusion-3/lora", "https://github.com/Stability-AI/sd3.5")
 
 TOP_LEVEL = {
     "x_embedder.proj": "pos_embed.proj",

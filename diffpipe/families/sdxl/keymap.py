@@ -18,8 +18,10 @@ from diffusers import UNet2DConditionModel
 
 from diffpipe.export.keymaps.base import KeyMap
 from diffpipe.families.sd.keymap import unet_table
+from diffpipe.models.spec import Kohya
 
 DENOISER = UNet2DConditionModel
+KOHYA = Kohya("sdxl_base_v1-0", "stable-diffusion-xl-v1-base/lora", "https://github.com/Stability-AI/generative-models")
 
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:

@@ -2,19 +2,17 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec, Kohya
+from diffpipe.models.spec import FamilySpec
 
 SPEC = FamilySpec(
     model="SkyReels V2 T2V 14B (`variant: t2v`), I2V 14B (`i2v`), diffusion forcing 1.3B / 14B (`df`; from an image: `df-i2v`; continuing a clip: `df-v2v`); 540P, 720P",
     tasks="text-to-video, image-to-video (conditioned as Wan 2.1 I2V), diffusion forcing (a noise level per latent "
           "frame; text-, image- or video-to-video) on Wan 2.1's architecture (images train as 1-frame clips); 24 fps, 4k+1 frames",
     targets="as `wan`",
-    kohya=Kohya("wan", "wan2.1/lora", "https://github.com/SkyworkAI/SkyReels-V2"),
     comfyui_readers="ComfyUI (as a Wan model), `SkyReelsV2Pipeline.load_lora_weights` and the I2V pipeline's "
                     "(except a LoRA on `patch_embedding`)",
     kohya_readers="ComfyUI, musubi-tuner's Wan layout; `SkyReelsV2Pipeline.load_lora_weights` with the default "
                   "(block) targets",
-    comfy_reads_diffusers="none",
     layers="diffpipe.families.wan.layers",
     layers_refused="`variant: i2v`, `df`, `df-i2v`, `df-v2v`",
 )

@@ -10,5 +10,7 @@ from __future__ import annotations
 from diffusers import SkyReelsV2Transformer3DModel
 
 from diffpipe.families.wan.keymap import build  # noqa: F401  (the table is Wan's)
+from diffpipe.models.spec import Kohya
 
 DENOISER = SkyReelsV2Transformer3DModel
+KOHYA = Kohya("wan", "wan2.1/lora", "https://github.com/SkyworkAI/SkyReels-V2")

@@ -22,8 +22,10 @@ from typing import Any
 from diffusers import WanTransformer3DModel
 
 from diffpipe.export.keymaps.base import KeyMap, Layer, kohya_name, plain
+from diffpipe.models.spec import Kohya
 
 DENOISER = WanTransformer3DModel
+KOHYA = Kohya("wan", "wan2.1/lora", "https://github.com/Wan-Video/Wan2.1")
 
 TOP_LEVEL = {
     "patch_embedding": "patch_embedding",

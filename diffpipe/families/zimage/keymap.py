@@ -15,8 +15,10 @@ from typing import Any
 from diffusers import ZImageTransformer2DModel
 
 from diffpipe.export.keymaps.base import KeyMap, same_names
+from diffpipe.models.spec import Kohya
 
 DENOISER = ZImageTransformer2DModel
+KOHYA = Kohya("z_image", "Z-Image/lora", "https://github.com/Tongyi-MAI/Z-Image")
 
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
