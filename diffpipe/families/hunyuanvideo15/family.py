@@ -87,9 +87,8 @@ class HunyuanVideo15Family(TransformerLoRA, Family):
     vae_per_frame = False
     models = Models(AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel, FlowMatchEulerDiscreteScheduler,
                     HunyuanVideo15Pipeline, flavors)
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"qwen": ("tokenizer", "sequence")}
     text_parts: ClassVar[dict[str, TextPart]] = {
-        "tokenizer": Tokenizer(AutoTokenizer, _tiny_qwen),
+        "tokenizer": Tokenizer(AutoTokenizer, _tiny_qwen, "qwen"),
         "text_encoder": TextEncoder(Qwen2_5_VLTextModel, Qwen2_5_VLTextConfig, common.tiny_text_model(
             Qwen2_5_VLTextModel, Qwen2_5_VLTextConfig, flavors.TINY_TEXT, "hunyuanvideo15.text_encoder")),
         "tokenizer_2": Tokenizer(ByT5Tokenizer, ByT5Tokenizer),

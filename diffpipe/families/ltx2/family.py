@@ -79,10 +79,10 @@ class LTX2Family(LTXGeometry, Family):
     #: The i2v variant's pipeline instances are LTX2ImageToVideoPipeline.
     models = Models(AutoencoderKLLTX2Video, LTX2VideoTransformer3DModel, FlowMatchEulerDiscreteScheduler,
                     LTX2Pipeline, flavors)
-    token_streams: ClassVar[dict[str, tuple[str, str]]] = {"gemma": ("tokenizer", "sequence")}
     text_parts: ClassVar[dict[str, TextPart]] = {
         **one_text_encoder(AutoTokenizer, lambda: llm_tokenizer(flavors.TINY_LENGTH), Gemma3ForConditionalGeneration,
-                           Gemma3Config, flavors.TINY_GEMMA, "ltx2.text_encoder", vision=flavors.TINY_VISION),
+                           Gemma3Config, flavors.TINY_GEMMA, "ltx2.text_encoder", vision=flavors.TINY_VISION,
+                           stream="gemma"),
         "connectors": TextEncoder(LTX2TextConnectors, LTX2TextConnectors, _tiny_connectors, tokenizer="tokenizer"),
     }
     #: ``t2v``, and ``i2v`` (the first latent frame is the control image's, clean; the same checkpoint).
