@@ -180,3 +180,22 @@ def test_a_pipeline_without_a_lora_loader_gets_a_writer_a_loader_and_a_card_line
     assert own != isinstance(family, TransformerLoRA), name
     line = how_to_load("diffusers", name)
     assert ('pipe.transformer.load_lora_adapter("{path}", prefix="transformer")' in line) != own, line
+
+
+def test_models_and_tokenizer_streams_become_the_attributes_the_base_class_reads():
+    """``models = Models(...)`` declares the three models (tiny configs by the flavors' shared names) and the
+    pipeline; each tokenizer's ``stream`` becomes ``token_streams``, in the text parts' order."""
+    from diffusers import AutoencoderDC, DPMSolverMultistepScheduler, SanaPipeline, SanaTransformer2DModel
+
+    from diffpipe.families.sana import flavors
+    from diffpipe.families.sana.family import SanaFamily
+    from diffpipe.families.sd3.family import SD3Family
+
+    assert (SanaFamily.vae_model.cls, SanaFamily.denoiser_model.cls, SanaFamily.scheduler_model.cls) == (
+        AutoencoderDC, SanaTransformer2DModel, DPMSolverMultistepScheduler)
+    assert SanaFamily.vae_model.tiny is flavors.TINY_VAE and SanaFamily.denoiser_model.tiny is flavors.TINY_TRANSFORMER
+    assert SanaFamily.scheduler_model.tiny is flavors.TINY_SCHEDULER and SanaFamily.pipeline_class is SanaPipeline
+    assert SanaFamily.vae_class is AutoencoderDC and SanaFamily.name == "sana"
+    assert SanaFamily.token_streams == {"gemma": ("tokenizer", "sequence")}
+    assert list(SD3Family.token_streams.items()) == [
+        ("clip_l", ("tokenizer", "tokenizer")), ("clip_g", ("tokenizer_2", "tokenizer")), ("t5", ("tokenizer_3", "sequence"))]
