@@ -10,25 +10,40 @@ that lists it, never a silently dropped layer.
 
 from __future__ import annotations
 
-import json
+import functools
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import peft
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from diffpipe.export.convert import Lora, _pattern_value, adapter_from_loras, from_original, module_loras
-from diffpipe.export.keymaps import KeyMap, denoiser_skeleton, keymap_for_model
-from diffpipe.export.keymaps.base import LORA_LAYERS, kohya_name
-from diffpipe.export.lycoris import Product, adapter_from_products, read_products
-from diffpipe.export.original_io import read_original
+from diffpipe.export.import_checks import (
+    Shapes,
+    adapter_metadata,
+    alpha_pattern,
+    alpha_value,
+    check_lora,
+    check_magnitude,
+    check_product,
+    module_shapes,
+    text_encoder_shapes,
+)
+from diffpipe.export.keymaps import KeyMap, Layer, denoiser_skeleton, keymap_for_model
+from diffpipe.export.keymaps.base import kohya_name
+from diffpipe.export.lycoris import Product, adapter_from_products, module_products, read_products
+from diffpipe.export.original_io import LAYOUT_KEY, read_original
 from diffpipe.export.text_encoders import TextLoras, clip_module, module_of_kohya
 from diffpipe.models.base import Family
-from diffpipe.training.adapter import CONFIG_NAME, adapter_kind, load_adapter, save_adapter
+from diffpipe.training.adapter import CONFIG_NAME, WEIGHTS_NAME, adapter_kind, load_adapter, save_adapter
 from diffpipe.training.text_encoders import load_text_adapters
 
+#: A module's (or a file layer's) weight shape in the model, None where it has none.
+Expect = Callable[[str], tuple[int, ...] | None]
 COMFY_PREFIX = "diffusion_model."
 KOHYA_PREFIX = "lora_unet_"
 
@@ -79,16 +94,17 @@ def detect_format(source: Path, family: Family) -> str:
                      f"(expected {family.denoiser_name}.*, diffusion_model.* or lora_unet_*), e.g. {keys[:3]}")
 
 
-def _diffusers_loras(source: Path, prefix: str) -> tuple[dict[str, Lora], dict[str, torch.Tensor]]:
-    """The LoRAs of one component (keys ``prefix``: ``unet.``, ``text_encoder.``) of a diffusers file."""
+def _diffusers_loras(source: Path, prefix: str, expect: Expect | None = None,
+                     ) -> tuple[dict[str, Lora], dict[str, torch.Tensor]]:
+    """The LoRAs of one component (keys ``prefix``: ``unet.``, ``text_encoder.``) of a diffusers file,
+    each checked (``expect``: a module's weight shape in the model, to check shapes against)."""
+    expect = expect or (lambda module: None)
     tensors = {k.removeprefix(prefix): v for k, v in load_file(str(source)).items() if k.startswith(prefix)}
     with safe_open(str(source), framework="pt") as f:
         header = f.metadata() or {}
-    cfg = {}
-    if "lora_adapter_metadata" in header:
-        packed = json.loads(header["lora_adapter_metadata"])
-        cfg = {k.removeprefix(prefix): v for k, v in packed.items() if k.startswith(prefix)}
-    alphas = {k.removesuffix(".alpha"): float(v) for k, v in tensors.items() if k.endswith(".alpha")}
+    cfg = adapter_metadata(source, header, prefix)
+    alphas = {k.removesuffix(".alpha"): alpha_value(source, prefix + k, v)
+              for k, v in tensors.items() if k.endswith(".alpha")}
     loras = {}
     for key, down in tensors.items():
         if not key.endswith(".lora_A.weight"):
@@ -96,22 +112,25 @@ def _diffusers_loras(source: Path, prefix: str) -> tuple[dict[str, Lora], dict[s
         module = key.removesuffix(".lora_A.weight")
         up = tensors.get(f"{module}.lora_B.weight")
         if up is None:
-            raise ValueError(f"{source}: {module} has lora_A but no lora_B")
+            raise ValueError(f"{source}: {prefix}{module} has lora_A but no lora_B")
+        check_lora(source, (prefix + key, f"{prefix}{module}.lora_B.weight"), down, up, expect(module))
         rank = down.shape[0]
         alpha = alphas.get(module)
         if alpha is None:
             # PEFT's rule: patterns match a module name or its dotted suffix; rsLoRA scales by sqrt(rank).
-            alpha = float(_pattern_value(cfg.get("alpha_pattern") or {}, module, cfg.get("lora_alpha", rank)))
+            alpha = float(_pattern_value(cfg["alpha_pattern"], module, cfg.get("lora_alpha", rank)))
             if cfg.get("use_rslora"):
                 alpha *= math.sqrt(rank)
         loras[module] = Lora(down.float(), up.float(), alpha)
     # DoRA: the learned magnitude per output row, beside its LoRA.
-    magnitudes = {k.removesuffix(".lora_magnitude_vector"): v.float() for k, v in tensors.items()
+    magnitudes = {k.removesuffix(".lora_magnitude_vector"): v for k, v in tensors.items()
                   if k.endswith(".lora_magnitude_vector")}
     other = sorted(set(magnitudes) - set(loras))
     if other:
         raise ValueError(f"{source}: DoRA magnitude without a LoRA for {other[:3]}")
-    return loras, magnitudes
+    for module, v in magnitudes.items():
+        check_magnitude(source, f"{prefix}{module}.lora_magnitude_vector", v, expect(module))
+    return loras, {m: v.float() for m, v in magnitudes.items()}
 
 
 def _original_index(keymap: KeyMap, fmt: str) -> dict:
@@ -124,21 +143,39 @@ def _original_index(keymap: KeyMap, fmt: str) -> dict:
     return index
 
 
-def _original_loras(source: Path, keymap: KeyMap, fmt: str, text_prefixes: tuple[str, ...]) -> dict[str, Lora]:
-    named, layout, _ = read_original(source)
-    named = {k: v for k, v in named.items() if not k.startswith(text_prefixes)}
+def _layer_shapes(index: dict[str, Layer], shapes: Shapes) -> dict[str, tuple[int, ...]]:
+    """A file's layer name -> the weight shape its LoRA updates: all its modules' rows (a fused layer) by
+    its modules' input shape (they share one input)."""
+    return {name: (layer.out_features, *shapes[layer.modules[0]][1:]) for name, layer in index.items()
+            if layer.modules[0] in shapes}
+
+
+def _original_loras(source: Path, keymap: KeyMap, fmt: str, text_prefixes: tuple[str, ...],
+                    shapes: Shapes) -> dict[str, Lora]:
     index = _original_index(keymap, fmt)
+    named, layout, _ = read_original(source, _layer_shapes(index, shapes).get)
+    named = {k: v for k, v in named.items() if not k.startswith(text_prefixes)}
     unmapped = sorted(set(named) - set(index))
     if unmapped:
         raise ValueError(f"{source}: {len(unmapped)} layer(s) are not in the {keymap.family} key map "
                          f"(wrong family or model?), e.g. {unmapped[:5]}")
-    return from_original({index[name]: lora for name, lora in named.items()}, layout)
+    by_original = {layer.original: layer for layer in index.values()}
+    for original, blocks in (layout or {}).items():
+        layer = by_original.get(original)
+        stray = sorted({m for m, _, _ in blocks} - set(layer.modules if layer else ()))
+        if stray:
+            raise ValueError(f"{source}: {LAYOUT_KEY}[{original!r}] names {stray[:3]}, not modules of that layer "
+                             "in the key map")
+    try:
+        return from_original({index[name]: lora for name, lora in named.items()}, layout)
+    except ValueError as err:  # a layout whose ranks do not add up to the file's
+        raise ValueError(f"{source}: {LAYOUT_KEY}: {err}") from None
 
 
-def _original_products(source: Path, keymap: KeyMap, fmt: str) -> dict[str, Product]:
+def _original_products(source: Path, keymap: KeyMap, fmt: str, shapes: Shapes) -> dict[str, Product]:
     """A comfyui/kohya file's LoKr or LoHa layers, by our module (each layer one whole module)."""
-    named = read_products(load_file(str(source)), str(source))
     index = _original_index(keymap, fmt)
+    named = read_products(load_file(str(source)), str(source), _layer_shapes(index, shapes).get)
     unmapped = sorted(set(named) - set(index))
     if unmapped:
         raise ValueError(f"{source}: {len(unmapped)} layer(s) are not in the {keymap.family} key map "
@@ -157,29 +194,32 @@ def _is_lycoris(source: Path) -> bool:
 
 
 def import_lora(source: str | Path, out_dir: str | Path, family: Family, *, fmt: str | None = None) -> ImportResult:
-    """Convert ``source`` into a PEFT adapter folder at ``out_dir`` that training can continue from."""
+    """Convert ``source`` into a PEFT adapter folder at ``out_dir`` that training can continue from.
+
+    Everything is checked against the model before anything is written (``import_checks``)."""
     source, out_dir = Path(source), Path(out_dir)
     fmt = fmt or detect_format(source, family)
     skeleton = denoiser_skeleton(family)
+    shapes = module_shapes(skeleton)
     magnitudes: dict[str, torch.Tensor] = {}
     sd = cfg = None
     if fmt == "peft":
         sd, cfg = load_adapter(source)
+        _check_peft(source, sd, cfg, shapes.get)
         kind = adapter_kind(cfg)
         mods = module_loras(sd, cfg) if kind == "lora" else {k.rsplit(".", 1)[0].removesuffix(".lora_A")
                                                             .removesuffix(".lora_B"): None for k in sd}
     elif fmt == "diffusers":
-        mods, magnitudes = _diffusers_loras(source, f"{family.denoiser_name}.")
+        mods, magnitudes = _diffusers_loras(source, f"{family.denoiser_name}.", shapes.get)
     elif fmt in ("comfyui", "kohya"):
         keymap = keymap_for_model(family.name, skeleton)
         if _is_lycoris(source):
-            sd, cfg = adapter_from_products(mods := _original_products(source, keymap, fmt))
+            sd, cfg = adapter_from_products(mods := _original_products(source, keymap, fmt, shapes))
         else:
-            mods = _original_loras(source, keymap, fmt, _text_prefixes(family, fmt))
+            mods = _original_loras(source, keymap, fmt, _text_prefixes(family, fmt), shapes)
     else:
         raise ValueError(f"unknown LoRA format {fmt!r}; choose from peft, diffusers, comfyui, kohya")
-    lora_able = {n for n, m in skeleton.named_modules() if isinstance(m, LORA_LAYERS)}
-    missing = sorted(set(mods) - lora_able)
+    missing = sorted(set(mods) - set(shapes))
     if missing:
         raise ValueError(f"{source}: {len(missing)} module(s) do not exist in the {family.name} denoiser, e.g. {missing[:3]}")
     if sd is None or (fmt == "peft" and adapter_kind(cfg) == "lora"):
@@ -194,24 +234,80 @@ def import_lora(source: str | Path, out_dir: str | Path, family: Family, *, fmt:
     return ImportResult(fmt, len(mods) + text_modules, out_dir)
 
 
+def _check_peft(folder: Path, sd: dict[str, torch.Tensor], cfg: peft.PeftConfig, expect: Expect) -> None:
+    """A PEFT folder's adapter: its config's alpha and rank settings, then every module's tensors."""
+    cfg_file, weights = folder / CONFIG_NAME, folder / WEIGHTS_NAME
+    kind = adapter_kind(cfg)
+    alpha_value(cfg_file, "lora_alpha" if kind in ("lora", "dora") else "alpha",
+                cfg.lora_alpha if kind in ("lora", "dora") else cfg.alpha)
+    alpha_pattern(cfg_file, "alpha_pattern", cfg.alpha_pattern)
+    for key, rank in (("r", cfg.r), *((f"rank_pattern[{k!r}]", v) for k, v in (cfg.rank_pattern or {}).items())):
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ValueError(f"{cfg_file}: {key}: a rank is a whole number >= 1, not {rank!r}")
+    if kind in ("lokr", "loha"):
+        try:
+            products = module_products(sd, cfg)
+        except ValueError as err:  # a tensor that is not LoKr's or LoHa's
+            raise ValueError(f"{weights}: {err}") from None
+        for module, p in products.items():
+            check_product(weights, module, kind, p.tensors, expect(module))
+        return
+    ups = {k.removesuffix(".lora_B.weight") for k in sd if k.endswith(".lora_B.weight")}
+    for key, value in sd.items():
+        module, _, leaf = key.rpartition(".lora_")
+        if leaf == "A.weight":
+            if module not in ups:
+                raise ValueError(f"{weights}: {key} has no {module}.lora_B.weight")
+            check_lora(weights, (key, f"{module}.lora_B.weight"), value, sd[f"{module}.lora_B.weight"],
+                       expect(module))
+        elif leaf == "magnitude_vector":
+            check_magnitude(weights, key, value, expect(module))
+        elif leaf != "B.weight" or f"{module}.lora_A.weight" not in sd:
+            raise ValueError(f"{weights}: {key} is not part of a LoRA (lora_A / lora_B / DoRA magnitude pairs)")
+
+
+def _text_expect(family: Family, name: str) -> Expect:
+    """Text encoder ``name``'s module weight shapes by module path (its skeleton built on first use)."""
+    shapes = functools.cache(lambda: text_encoder_shapes(family, name))
+    cls = family.text_parts[name].cls
+    return lambda module: shapes().get(clip_module(module, cls))
+
+
+def _kohya_text_expect(family: Family, expects: dict[str, Expect]) -> Expect:
+    """A kohya text-encoder layer name's weight shape (None for other names)."""
+    def expect(layer: str) -> tuple[int, ...] | None:
+        for name, prefix in family.trainable_text_encoders.items():
+            if layer.startswith(f"{prefix}_"):
+                module = module_of_kohya(layer.removeprefix(f"{prefix}_"), family.text_parts[name].cls)
+                return None if module is None else expects[name](module)
+        return None
+    return expect
+
+
 def _text_adapters(source: Path, family: Family, fmt: str) -> TextLoras:
-    """The text encoders' LoRAs in ``source`` (PEFT folders per encoder), by encoder."""
+    """The text encoders' LoRAs in ``source`` (PEFT folders per encoder), by encoder, each checked."""
+    expects = {name: _text_expect(family, name) for name in family.trainable_text_encoders}
     if fmt == "peft":
-        return load_text_adapters(source)
-    found: dict[str, dict[str, Lora]] = {}
+        found = load_text_adapters(source)
+        for name, (sd, cfg) in found.items():
+            if name not in expects:
+                raise ValueError(f"{source / name}: family {family.name!r} trains no text encoder {name!r}")
+            _check_peft(source / name, sd, cfg, expects[name])
+        return found
+    loras: dict[str, dict[str, Lora]] = {}
     if fmt == "diffusers":
         for name in family.trainable_text_encoders:
-            loras, magnitudes = _diffusers_loras(source, f"{name}.")
+            part, magnitudes = _diffusers_loras(source, f"{name}.", expects[name])
             if magnitudes:
                 raise ValueError(f"{source}: DoRA on {name} is not read (the stock pipelines load a text "
                                  "encoder's LoRA only)")
-            if loras:  # files from other transformers versions may nest CLIP's layers otherwise
-                found[name] = {clip_module(m, family.text_parts[name].cls): lora for m, lora in loras.items()}
+            if part:  # files from other transformers versions may nest CLIP's layers otherwise
+                loras[name] = {clip_module(m, family.text_parts[name].cls): lora for m, lora in part.items()}
     elif family.trainable_text_encoders:  # kohya names, in kohya and ComfyUI files
         with safe_open(str(source), framework="pt") as f:
             if not any(k.startswith(_text_prefixes(family, fmt)) for k in f.keys()):
                 return {}  # the denoiser's LoRA alone (LoKr and LoHa files among them)
-        named = read_original(source)[0]
+        named = read_original(source, _kohya_text_expect(family, expects))[0]
         for name, prefix in family.trainable_text_encoders.items():
             for key, lora in named.items():
                 if not key.startswith(f"{prefix}_"):
@@ -220,6 +316,9 @@ def _text_adapters(source: Path, family: Family, fmt: str) -> TextLoras:
                 if module is None:
                     raise ValueError(f"{source}: text-encoder layer {key} is not one kohya names (the encoder "
                                      "layers' self_attn q/k/v/out_proj and mlp fc1/fc2)")
-                found.setdefault(name, {})[module] = lora
-    return {name: adapter_from_loras(loras) for name, loras in found.items()}
-
+                loras.setdefault(name, {})[module] = lora
+    for name, part in loras.items():
+        missing = sorted(m for m in part if expects[name](m) is None)
+        if missing:
+            raise ValueError(f"{source}: {len(missing)} module(s) do not exist in {name}, e.g. {missing[:3]}")
+    return {name: adapter_from_loras(part) for name, part in loras.items()}

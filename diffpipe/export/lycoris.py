@@ -16,6 +16,7 @@ is refused by name; train those modules as plain LoRA or export diffusers/peft/m
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from diffpipe.export.convert import _exact, _pattern_value
+from diffpipe.export.import_checks import alpha_value, check_product
 from diffpipe.export.keymaps import KeyMap, Layer
 from diffpipe.export.metadata import tensors_digest
 from diffpipe.export.original_io import DIGEST_KEY
@@ -102,11 +104,13 @@ def write_products(products: dict[str, Product], names: dict[str, str], out_file
     return out_file
 
 
-def read_products(tensors: dict[str, torch.Tensor], source: str) -> dict[str, Product]:
+def read_products(tensors: dict[str, torch.Tensor], source: str,
+                  expect: Callable[[str], tuple[int, ...] | None] | None = None) -> dict[str, Product]:
     """Layer name -> ``Product`` from a file's LyCORIS tensors, scale as ComfyUI and A1111 apply it.
 
     LoKr: ``alpha / dim`` only with alpha and a factored matrix (dim: rank of ``w2_b``, else of
-    ``w1_b``); LoHa: ``alpha / rank``; 1.0 without alpha.
+    ``w1_b``); LoHa: ``alpha / rank``; 1.0 without alpha. Each layer is checked first
+    (``import_checks.check_product``; ``expect``: a layer name's weight shape in the model, if known).
     """
     parts: dict[str, dict[str, torch.Tensor]] = {}
     for key, value in tensors.items():
@@ -120,11 +124,14 @@ def read_products(tensors: dict[str, torch.Tensor], source: str) -> dict[str, Pr
         if not kind or unknown:
             raise ValueError(f"{source}: layer {name} holds {unknown or sorted(t)}, not LoKr or LoHa tensors "
                              "(Tucker-decomposed convolutions and mixed kinds are not supported)")
+        check_product(source, name, kind, t, expect(name) if expect else None)
+        if alpha is not None:
+            alpha = alpha_value(source, f"{name}.alpha", alpha)
         if kind == "loha":
             dim = t["hada_w1_b"].shape[0]
         else:
             dim = t["lokr_w2_b"].shape[0] if "lokr_w2_b" in t else t["lokr_w1_b"].shape[0] if "lokr_w1_b" in t else None
-        scale = float(alpha) / dim if alpha is not None and dim is not None else 1.0
+        scale = alpha / dim if alpha is not None and dim is not None else 1.0
         out[name] = Product(kind, t, scale)
     if len({p.kind for p in out.values()}) > 1:
         raise ValueError(f"{source}: mixes LoKr and LoHa layers; diffpipe adapters hold one kind")

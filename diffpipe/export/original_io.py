@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import json
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -10,6 +10,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from diffpipe.export.convert import Layout, Lora
+from diffpipe.export.import_checks import alpha_value, check_lora, fused_layout
 from diffpipe.export.metadata import tensors_digest
 from diffpipe.utils import atomic_path, stable_json
 
@@ -49,18 +50,23 @@ def write_original(loras: dict[str, Lora], layout: Layout, out_file: str | Path,
     return out_file
 
 
-def read_original(path: str | Path) -> tuple[dict[str, Lora], Layout | None, dict[str, str]]:
-    """Layer name -> ``Lora`` (alpha = rank when the file has none), the fused layout, the header."""
+def read_original(path: str | Path, expect: Callable[[str], tuple[int, ...] | None] | None = None,
+                  ) -> tuple[dict[str, Lora], Layout | None, dict[str, str]]:
+    """Layer name -> ``Lora`` (alpha = rank when the file has none), the fused layout, the header.
+
+    Every layer is checked (``import_checks``): ranks, finite values, alpha; ``expect`` gives a layer
+    name's weight shape in the model (None: not known here) to check the matrices' shapes against.
+    """
     tensors = load_file(str(path))
     with safe_open(str(path), framework="pt") as f:
         header = dict(f.metadata() or {})
-    parts: dict[str, dict[str, torch.Tensor]] = {}
+    parts: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}
     unknown = []
     for key, t in tensors.items():
         for kind, suffixes in (("down", DOWN), ("up", UP), ("alpha", (ALPHA,))):
             suffix = next((s for s in suffixes if key.endswith(s)), None)
             if suffix:
-                parts.setdefault(key.removesuffix(suffix), {})[kind] = t
+                parts.setdefault(key.removesuffix(suffix), {})[kind] = (key, t)
                 break
         else:
             unknown.append(key)
@@ -71,10 +77,9 @@ def read_original(path: str | Path) -> tuple[dict[str, Lora], Layout | None, dic
     for name, p in parts.items():
         if "down" not in p or "up" not in p:
             raise ValueError(f"{path}: layer {name} lacks its {'down' if 'down' not in p else 'up'} matrix")
-        rank = p["down"].shape[0]
-        alpha = float(p["alpha"]) if "alpha" in p else float(rank)
-        loras[name] = Lora(p["down"].float(), p["up"].float(), alpha)
-    layout = None
-    if LAYOUT_KEY in header:
-        layout = {k: [tuple(b) for b in v] for k, v in json.loads(header[LAYOUT_KEY]).items()}
+        (down_key, down), (up_key, up) = p["down"], p["up"]
+        check_lora(path, (down_key, up_key), down, up, expect(name) if expect else None)
+        alpha = alpha_value(path, *p["alpha"]) if "alpha" in p else float(down.shape[0])
+        loras[name] = Lora(down.float(), up.float(), alpha)
+    layout = fused_layout(path, LAYOUT_KEY, header[LAYOUT_KEY]) if LAYOUT_KEY in header else None
     return loras, layout, header

@@ -180,11 +180,19 @@ def load_adapter(directory: str | Path) -> tuple[dict[str, torch.Tensor], peft.L
             raise FileNotFoundError(f"adapter file missing: {f}")
     raw = load_file(str(weights))
     sd = {k.removeprefix(PEFT_PREFIX): v for k, v in raw.items()}
-    fields = json.loads(cfg_file.read_text())
+    try:
+        fields = json.loads(cfg_file.read_text())
+    except (ValueError, RecursionError) as err:  # RecursionError: JSON nested too deeply
+        raise ValueError(f"{cfg_file}: not valid JSON ({type(err).__name__}: {err})") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{cfg_file}: must be a JSON object (PEFT config field -> value)")
     kind = str(fields.pop("peft_type", "LORA")).upper()
     if kind not in _CONFIGS:
         raise ValueError(f"{cfg_file}: peft_type {kind} is not one diffpipe reads ({', '.join(_CONFIGS)})")
-    return sd, _CONFIGS[kind](**fields)
+    try:
+        return sd, _CONFIGS[kind](**fields)
+    except (TypeError, ValueError) as err:  # an unknown field, or a value PEFT refuses
+        raise ValueError(f"{cfg_file}: not a PEFT {kind} config: {err}") from None
 
 
 def apply_adapter(denoiser: torch.nn.Module, directory: str | Path) -> torch.nn.Module:
