@@ -10,6 +10,7 @@ import errno
 import functools
 import json
 import os
+import shlex
 import sys
 import traceback
 from contextlib import nullcontext
@@ -203,7 +204,8 @@ def init(
     except FileExistsError:
         raise typer.BadParameter(taken, param_hint="--out") from None
     _say(f"init: wrote {out}")
-    _say(f"next: diffpipe validate -c {out}   (check the data), then: diffpipe run -c {out}")
+    quoted = shlex.quote(str(out))
+    _say(f"next: diffpipe validate -c {quoted}   (check the data), then: diffpipe run -c {quoted}")
 
 
 @app.command()
