@@ -325,7 +325,7 @@ def train(
     from diffpipe.training import engine, trackers
 
     cfg, paths = _setup(config, "train")
-    if problems := trackers.missing_packages(cfg.train.trackers):  # before any model loads
+    if problems := trackers.problems(cfg.train.trackers):  # before any model loads
         raise ConfigError("\n".join(problems))
     launched = engine.in_launched_rank()
     # One trainer per run folder, and none beside a `diffpipe run` other than the run's own
