@@ -162,3 +162,18 @@ def test_the_offline_download_hint_quotes_what_it_pastes(monkeypatch):
     with pytest.raises(hub.HubError) as err:
         hub.snapshot("org/name", "my branch; rm -rf x")
     assert "`huggingface-cli download org/name --revision 'my branch; rm -rf x'`" in str(err.value)
+
+
+def test_run_stops_on_a_missing_model_before_snakemake(tmp_path, monkeypatch):
+    from diffpipe import runner
+
+    def started(*args, **kwargs):
+        raise AssertionError("Snakemake started")
+
+    monkeypatch.setattr(runner.subprocess, "call", started)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"output_dir": "run", "model": {"path": "./absent"},
+                                      "datasets": [{"name": "d", "path": "d"}]}))
+    with pytest.raises(ConfigError, match=r"model.path './absent': no such folder"):
+        runner.run_workflow(config, workdir=tmp_path)
+    assert not (tmp_path / "run").exists()
