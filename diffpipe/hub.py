@@ -72,10 +72,10 @@ def _absolute(value: str, base: Path | None) -> Path:
     return path if path.is_absolute() else (base or Path.cwd()) / path
 
 
-def local_model_folder(value: str, base: Path | None = None) -> Path | None:
-    """The existing, non-empty local folder ``model.path`` names, or None for a Hugging Face id.
+def local_model_folder(value: str, base: Path | None = None, *, key: str = "model.path") -> Path | None:
+    """The existing, non-empty local folder ``model.path`` (``key``) names, or None for a Hugging Face id.
 
-    A ConfigError naming the value for a local-looking path that does not exist, a name that is neither a
+    A ConfigError naming the key and value for a local-looking path that does not exist, a name that is neither a
     folder nor an id (refused before any download), a file and an empty folder.
     """
     path = _absolute(value, base)
@@ -83,16 +83,16 @@ def local_model_folder(value: str, base: Path | None = None) -> Path | None:
         if not any(path.iterdir()):
             shadow = (f"; it shadows the Hugging Face id {value}: remove the empty folder to use that model"
                       if _REPO_ID.match(value) else "")
-            raise ConfigError(f"model.path {value!r} is an empty folder ({path}): put a diffusers model there "
+            raise ConfigError(f"{key} {value!r} is an empty folder ({path}): put a diffusers model there "
                               f"(model_index.json and its component folders){shadow}")
         return path
     if path.exists():
-        raise ConfigError(f"model.path {value!r} is a file ({path}), not a diffusers model folder; a single-file "
+        raise ConfigError(f"{key} {value!r} is a file ({path}), not a diffusers model folder; a single-file "
                           "checkpoint goes in model.single_files, beside a model folder for the component configs")
     if _looks_local(value):
-        raise ConfigError(f"model.path {value!r}: no such folder ({path}); check the path")
+        raise ConfigError(f"{key} {value!r}: no such folder ({path}); check the path")
     if not _REPO_ID.match(value):
-        raise ConfigError(f"model.path {value!r} is neither a folder here ({path}) nor a Hugging Face id "
+        raise ConfigError(f"{key} {value!r} is neither a folder here ({path}) nor a Hugging Face id "
                           "(org/name); check the path, or write the id as org/name")
     return None
 
@@ -104,24 +104,25 @@ def check_local_model(cfg: ModelConfig, base: Path | None = None) -> None:
         check_complete(folder, cfg.path)
 
 
-def check_complete(folder: Path, value: str) -> None:
-    """``folder`` holds ``model_index.json`` and a non-empty folder for each component it lists."""
+def check_complete(folder: Path, value: str, *, key: str = "model.path") -> None:
+    """``folder`` (``key``: ``value``) holds ``model_index.json`` and a non-empty folder for each component
+    it lists."""
     index_file = folder / "model_index.json"
     if not index_file.is_file():
-        raise ConfigError(f"model.path {value!r}: {folder} has no model_index.json, so it is not a complete "
+        raise ConfigError(f"{key} {value!r}: {folder} has no model_index.json, so it is not a complete "
                           "diffusers model folder (save one with the pipeline's save_pretrained, or download the "
                           "whole repository)")
     try:
         index = json.loads(index_file.read_text())
     except (OSError, ValueError) as err:
-        raise ConfigError(f"model.path {value!r}: {index_file} is not readable JSON ({err})") from None
+        raise ConfigError(f"{key} {value!r}: {index_file} is not readable JSON ({err})") from None
     if not isinstance(index, dict):
-        raise ConfigError(f"model.path {value!r}: {index_file} is not a diffusers model index (not a mapping)")
+        raise ConfigError(f"{key} {value!r}: {index_file} is not a diffusers model index (not a mapping)")
     listed = [name for name, entry in index.items() if not name.startswith("_") and isinstance(entry, list)
               and entry and entry[0] is not None]
     missing = sorted(n for n in listed if not (folder / n).is_dir() or not any((folder / n).iterdir()))
     if missing:
-        raise ConfigError(f"model.path {value!r}: {folder} lacks the component folders {', '.join(missing)} "
+        raise ConfigError(f"{key} {value!r}: {folder} lacks the component folders {', '.join(missing)} "
                           "(listed in its model_index.json, absent or empty); download the complete model again")
 
 

@@ -65,13 +65,11 @@ def resolve_model(model: str, family: str | None = None) -> ModelConfig:
         if name not in family_names():
             raise ConfigError(f"--model {model}: unknown family {name!r}; choose from {', '.join(family_names())}")
         return ModelConfig(family=name, flavor="tiny")
-    folder = Path(model).expanduser()
-    is_id = hub.is_model_id(model)
-    if not is_id and not folder.is_dir():
-        if folder.exists():
-            raise ConfigError(f"--model {model} is a file; give a diffusers model folder (holding model_index.json)")
-        raise ConfigError(f"--model {model}: no such folder. Pass a local diffusers model folder, a Hugging Face "
-                          "id (org/name), or tiny:<family> for the offline tiny model")
+    try:  # a missing, empty or incomplete folder, or a name that is no id: refused before any download
+        if (folder := hub.local_model_folder(model, key="--model")) is not None:
+            hub.check_complete(folder, model, key="--model")
+    except ConfigError as err:
+        raise ConfigError(f"{err} (or pass tiny:<family> for the offline tiny model)") from None
     index_file = hub.model_index(model)
     class_name = hub.pipeline_class(index_file)
     detected = hub.pipeline_families().get(class_name) if class_name else None

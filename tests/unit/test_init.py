@@ -112,3 +112,20 @@ def test_init_quotes_the_commands_it_writes(images, tmp_path, monkeypatch):
     text = (tmp_path / "my run.yaml").read_text()
     assert "diffpipe run -c 'my run.yaml'" in text and "diffpipe doctor -c 'my run.yaml'" in text
     assert "diffpipe validate -c 'my run.yaml'" in result.output
+
+
+@pytest.mark.parametrize("make, says", [("empty", "is an empty folder"), ("incomplete", "lacks the component folders vae"),
+                                        ("absent", "no such folder"), ("name", "neither a folder here")])
+def test_init_refuses_an_empty_or_incomplete_model_folder(images, tmp_path, monkeypatch, make, says):
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "model"
+    if make in ("empty", "incomplete"):
+        model.mkdir()
+    if make == "incomplete":
+        (model / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline",
+                                                            "vae": ["diffusers", "AutoencoderKL"]}))
+    value = "models" if make == "name" else str(model)
+    result = runner.invoke(app, ["init", str(images), "--model", value, "--family", "sd", "-o", "c.yaml",
+                                 "--no-estimate"])
+    assert result.exit_code == 2 and says in result.output and "--model" in result.output, result.output
+    assert not (tmp_path / "c.yaml").exists()
