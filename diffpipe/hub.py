@@ -89,8 +89,8 @@ def local_model_folder(value: str, base: Path | None = None, *, key: str = "mode
     if path.exists():
         raise ConfigError(f"{key} {value!r} is a file ({path}), not a diffusers model folder; a single-file "
                           "checkpoint goes in model.single_files, beside a model folder for the component configs")
-    if _looks_local(value):
-        raise ConfigError(f"{key} {value!r}: no such folder ({path}); check the path")
+    if _looks_local(value):  # the folder shown without `..` (the check itself used the path as written)
+        raise ConfigError(f"{key} {value!r}: no such folder ({os.path.normpath(path)}); check the path")
     if not _REPO_ID.match(value):
         raise ConfigError(f"{key} {value!r} is neither a folder here ({path}) nor a Hugging Face id "
                           "(org/name); check the path, or write the id as org/name")
