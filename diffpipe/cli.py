@@ -10,6 +10,7 @@ import errno
 import functools
 import json
 import os
+import shlex
 import sys
 import traceback
 from contextlib import nullcontext
@@ -203,7 +204,8 @@ def init(
     except FileExistsError:
         raise typer.BadParameter(taken, param_hint="--out") from None
     _say(f"init: wrote {out}")
-    _say(f"next: diffpipe validate -c {out}   (check the data), then: diffpipe run -c {out}")
+    quoted = shlex.quote(str(out))
+    _say(f"next: diffpipe validate -c {quoted}   (check the data), then: diffpipe run -c {quoted}")
 
 
 @app.command()
@@ -323,7 +325,7 @@ def train(
     from diffpipe.training import engine, trackers
 
     cfg, paths = _setup(config, "train")
-    if problems := trackers.missing_packages(cfg.train.trackers):  # before any model loads
+    if problems := trackers.problems(cfg.train.trackers):  # before any model loads
         raise ConfigError("\n".join(problems))
     launched = engine.in_launched_rank()
     # One trainer per run folder, and none beside a `diffpipe run` other than the run's own

@@ -12,7 +12,11 @@ as it does a local folder's, so another revision with other weights re-encodes a
 weights under any revision do not.
 
 A value is an id when no file or folder of that name exists (relative paths start at the working
-folder, where every stage runs) and it has the hub's ``org/name`` shape.
+folder, where every stage runs) and it has the hub's ``org/name`` shape. :func:`resolved` refuses, before any
+load or download, a path that looks local (absolute, ``./``, ``../``, ``~``) and does not exist, a relative
+name that is neither a folder nor an id, a file, and an empty folder (one that shadows an id says so);
+:func:`check_local_model` (``diffpipe validate``, ``diffpipe run`` through :func:`prefetch`) also refuses a
+folder without ``model_index.json`` or without a component folder that file lists.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import functools
 import json
 import os
 import re
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -57,6 +62,70 @@ def _local(value: str, base: Path | None) -> bool:
     return (path if path.is_absolute() or base is None else base / path).exists()
 
 
+def _looks_local(value: str) -> bool:
+    """Written as a path, never an id: absolute, ``./``, ``../`` or ``~``."""
+    return value in (".", "..") or value.startswith(("./", "../", "~", ".\\", "..\\")) or Path(value).is_absolute()
+
+
+def _absolute(value: str, base: Path | None) -> Path:
+    path = Path(value).expanduser()
+    return path if path.is_absolute() else (base or Path.cwd()) / path
+
+
+def local_model_folder(value: str, base: Path | None = None, *, key: str = "model.path") -> Path | None:
+    """The existing, non-empty local folder ``model.path`` (``key``) names, or None for a Hugging Face id.
+
+    A ConfigError naming the key and value for a local-looking path that does not exist, a name that is neither a
+    folder nor an id (refused before any download), a file and an empty folder.
+    """
+    path = _absolute(value, base)
+    if path.is_dir():
+        if not any(path.iterdir()):
+            shadow = (f"; it shadows the Hugging Face id {value}: remove the empty folder to use that model"
+                      if _REPO_ID.match(value) else "")
+            raise ConfigError(f"{key} {value!r} is an empty folder ({path}): put a diffusers model there "
+                              f"(model_index.json and its component folders){shadow}")
+        return path
+    if path.exists():
+        raise ConfigError(f"{key} {value!r} is a file ({path}), not a diffusers model folder; a single-file "
+                          "checkpoint goes in model.single_files, beside a model folder for the component configs")
+    if _looks_local(value):  # the folder shown without `..` (the check itself used the path as written)
+        raise ConfigError(f"{key} {value!r}: no such folder ({os.path.normpath(path)}); check the path")
+    if not _REPO_ID.match(value):
+        raise ConfigError(f"{key} {value!r} is neither a folder here ({path}) nor a Hugging Face id "
+                          "(org/name); check the path, or write the id as org/name")
+    return None
+
+
+def check_local_model(cfg: ModelConfig, base: Path | None = None) -> None:
+    """Before any work: the local folder ``cfg.path`` names exists and is complete (an id is checked where it
+    is resolved). A ConfigError names the value and what is missing."""
+    if cfg.flavor == "local" and cfg.path and (folder := local_model_folder(cfg.path, base)) is not None:
+        check_complete(folder, cfg.path)
+
+
+def check_complete(folder: Path, value: str, *, key: str = "model.path") -> None:
+    """``folder`` (``key``: ``value``) holds ``model_index.json`` and a non-empty folder for each component
+    it lists."""
+    index_file = folder / "model_index.json"
+    if not index_file.is_file():
+        raise ConfigError(f"{key} {value!r}: {folder} has no model_index.json, so it is not a complete "
+                          "diffusers model folder (save one with the pipeline's save_pretrained, or download the "
+                          "whole repository)")
+    try:
+        index = json.loads(index_file.read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"{key} {value!r}: {index_file} is not readable JSON ({err})") from None
+    if not isinstance(index, dict):
+        raise ConfigError(f"{key} {value!r}: {index_file} is not a diffusers model index (not a mapping)")
+    listed = [name for name, entry in index.items() if not name.startswith("_") and isinstance(entry, list)
+              and entry and entry[0] is not None]
+    missing = sorted(n for n in listed if not (folder / n).is_dir() or not any((folder / n).iterdir()))
+    if missing:
+        raise ConfigError(f"{key} {value!r}: {folder} lacks the component folders {', '.join(missing)} "
+                          "(listed in its model_index.json, absent or empty); download the complete model again")
+
+
 def is_model_id(value: str, base: Path | None = None) -> bool:
     """``org/name`` that is not an existing local file or folder."""
     return bool(_REPO_ID.match(value)) and not _local(value, base)
@@ -72,8 +141,10 @@ def split_file_id(value: str, base: Path | None = None) -> tuple[str, str] | Non
 
 def _missing(repo_id: str, what: str, revision: str | None, why: str) -> HubError:
     rev = f" at revision {revision!r}" if revision else ""
-    fix = ("unset HF_HUB_OFFLINE to download it, or download it where there is a network "
-           f"(`huggingface-cli download {repo_id}" + (f" --revision {revision}" if revision else "") + "`) into "
+    # Quoted: the user pastes it into a shell.
+    command = "huggingface-cli download " + shlex.quote(repo_id) + (
+        f" --revision {shlex.quote(revision)}" if revision else "")
+    fix = (f"unset HF_HUB_OFFLINE to download it, or download it where there is a network (`{command}`) into "
            "this cache"
            if offline() else "check the id, the revision and your network; for a gated model accept its licence "
            "on huggingface.co and log in (`huggingface-cli login`, or set HF_TOKEN)")
@@ -173,10 +244,18 @@ def file(repo_id: str, filename: str, revision: str | None = None) -> Path:
                   revision=revision, cache_dir=str(cache_dir()))
 
 
+def _not_here(value: str, base: Path | None, err: HubError) -> HubError:
+    """An id's error that also says no local folder has that name (the user may have meant one)."""
+    return HubError(f"no such folder in {base or Path.cwd()}, and as a Hugging Face id: {err}")
+
+
 def model_index(path: str, revision: str | None = None, base: Path | None = None) -> Path:
     """``model_index.json`` of a local folder or an id (only that file is fetched for an id)."""
     if is_model_id(path, base):
-        return file(path, "model_index.json", revision)
+        try:
+            return file(path, "model_index.json", revision)
+        except HubError as err:
+            raise _not_here(path, base, err) from None
     folder = Path(path).expanduser()
     return (folder if folder.is_absolute() or base is None else base / folder) / "model_index.json"
 
@@ -222,8 +301,11 @@ def resolved(cfg: ModelConfig) -> ModelConfig:
     The written value stays readable as ``cfg.origin`` (export metadata names the id, not the cache).
     """
     update: dict = {}
-    if cfg.path and is_model_id(cfg.path):
-        update["path"] = str(snapshot(cfg.path, cfg.revision, cfg.weight_variant))
+    if cfg.flavor == "local" and cfg.path and local_model_folder(cfg.path) is None:
+        try:
+            update["path"] = str(snapshot(cfg.path, cfg.revision, cfg.weight_variant))
+        except HubError as err:
+            raise HubError(f"model.path {cfg.path!r}: {_not_here(cfg.path, None, err)}") from None
     files = {}
     for key, value in cfg.single_files.items():
         parts = split_file_id(value)
@@ -241,6 +323,11 @@ def prefetch(cfg: ModelConfig) -> bool:
     """Resolve (download once) every id of ``cfg``; whether there was one.
 
     ``diffpipe run`` calls this before Snakemake starts and then runs the jobs with ``HF_HUB_OFFLINE=1``,
-    so every job reads the same snapshot from the cache instead of asking the hub again.
+    so every job reads the same snapshot from the cache instead of asking the hub again. A local folder or
+    a snapshot that lacks ``model_index.json`` or a component it lists is a ConfigError here, before any job.
     """
-    return resolved(cfg) is not cfg
+    check_local_model(cfg)
+    out = resolved(cfg)
+    if out is not cfg and out.path != cfg.path:
+        check_complete(Path(out.path), cfg.path)
+    return out is not cfg

@@ -18,6 +18,8 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
+import shlex
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,13 +65,11 @@ def resolve_model(model: str, family: str | None = None) -> ModelConfig:
         if name not in family_names():
             raise ConfigError(f"--model {model}: unknown family {name!r}; choose from {', '.join(family_names())}")
         return ModelConfig(family=name, flavor="tiny")
-    folder = Path(model).expanduser()
-    is_id = hub.is_model_id(model)
-    if not is_id and not folder.is_dir():
-        if folder.exists():
-            raise ConfigError(f"--model {model} is a file; give a diffusers model folder (holding model_index.json)")
-        raise ConfigError(f"--model {model}: no such folder. Pass a local diffusers model folder, a Hugging Face "
-                          "id (org/name), or tiny:<family> for the offline tiny model")
+    try:  # a missing, empty or incomplete folder, or a name that is no id: refused before any download
+        if (folder := hub.local_model_folder(model, key="--model")) is not None:
+            hub.check_complete(folder, model, key="--model")
+    except ConfigError as err:
+        raise ConfigError(f"{err} (or pass tiny:<family> for the offline tiny model)") from None
     index_file = hub.model_index(model)
     class_name = hub.pipeline_class(index_file)
     detected = hub.pipeline_families().get(class_name) if class_name else None
@@ -131,6 +131,17 @@ def _q(text: str) -> str:
     return json.dumps(text, ensure_ascii=False)
 
 
+#: Characters that end a line in YAML (and control characters): none may reach the comments and commands init writes.
+_LINE_BREAKS = re.compile(r"[\x00-\x1f\x7f\x85\u2028\u2029]")
+
+
+def _one_line(what: str, value: str | None) -> None:
+    """Refuse a name with a line break: written into a comment, the rest of it would be live YAML."""
+    if value is not None and _LINE_BREAKS.search(value):
+        raise ConfigError(f"{what} {value!r} holds a line break or another control character, which the config "
+                          "init writes cannot hold in its comments and commands; rename it")
+
+
 def _estimate_comment(text: str) -> str:
     try:
         from diffpipe.estimate import estimate_memory
@@ -145,6 +156,9 @@ def _estimate_comment(text: str) -> str:
 def init_config(dataset: str | Path, model: str, *, family: str | None = None, trigger: str | None = None,
                 output_dir: str | None = None, estimate: bool = True, name_of_file: str = "<this file>") -> str:
     """The text of a commented config for ``dataset`` and ``model`` (checked by parsing it)."""
+    for what, value in (("dataset folder", str(dataset)), ("--model", model), ("--output-dir", output_dir),
+                        ("--out", name_of_file)):
+        _one_line(what, value)
     mcfg = resolve_model(model, family)
     scan = scan_dataset(dataset)
     dataset = str(dataset).rstrip("/") or "/"
@@ -169,11 +183,12 @@ def init_config(dataset: str | Path, model: str, *, family: str | None = None, t
                "    # aspect ratios: the nine classic buckets from 1:2 to 2:1 (images of other shapes found)\n")
     caption_line = (f"    caption_prefix: {_q(prefix)}   # trigger word put before every caption\n" if trigger else
                     '    # caption_prefix: "mytoken, "   # a trigger word put before every caption\n')
+    config = shlex.quote(name_of_file)  # commands to copy into a shell
     text = (
-        f"# Written by `diffpipe init {dataset} --model {model}` for {scan.images} images.\n"
-        f"# Run it:   diffpipe run -c {name_of_file}\n"
+        f"# Written by `diffpipe init {shlex.quote(dataset)} --model {shlex.quote(model)}` for {scan.images} images.\n"
+        f"# Run it:   diffpipe run -c {config}\n"
         "# Every key: docs/configuration.md, the config reference (or `diffpipe schema --markdown`).\n"
-        f"# Check the machine against it: diffpipe doctor -c {name_of_file}\n"
+        f"# Check the machine against it: diffpipe doctor -c {config}\n"
         f"output_dir: {_q(out)}\n\n"
         f"model:\n{model_lines}\n"
         "datasets:\n"
@@ -204,6 +219,6 @@ def init_config(dataset: str | Path, model: str, *, family: str | None = None, t
         raise ConfigError(f"{err}\n(choose another folder with --output-dir)") from None
     if estimate:
         sized = " (the tiny model is sized as its family's published one)" if tiny else ""
-        text += (f"\n# GPU memory, from `diffpipe estimate -c {name_of_file}` (1 GPU){sized}:\n"
+        text += (f"\n# GPU memory, from `diffpipe estimate -c {config}` (1 GPU){sized}:\n"
                  + _estimate_comment(text))
     return text

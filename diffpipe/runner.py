@@ -88,9 +88,9 @@ def run_workflow(
     workdir = Path(workdir).resolve()
     cfg = load_config(config, base=workdir)  # fail fast with our own error before Snakemake starts
     check_snakemake_paths(cfg)
-    from diffpipe.training.trackers import missing_packages
+    from diffpipe.training import trackers
 
-    if problems := missing_packages(cfg.train.trackers):  # before the cache jobs, not after them
+    if problems := trackers.problems(cfg.train.trackers):  # before the cache jobs, not after them
         raise ConfigError("\n".join(problems))
     run_paths = RunPaths(workdir / cfg.output_dir)
     cmd = snakemake_command(config, profile=Path(profile) if profile else None, cores=cores, dry_run=dry_run,

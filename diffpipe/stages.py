@@ -161,8 +161,10 @@ def validate(cfg: Config, paths: Any, *, rehash: bool = False, workers: int | No
     """Check every dataset file; write the manifest and the reports (``diffpipe validate``)."""
     from diffpipe.data.dataset.discover import run_folders
     from diffpipe.data.dataset.validate import FamilyTokenCounter, run_validation
+    from diffpipe.hub import check_local_model
 
     cfg = _as(cfg, "validate")
+    check_local_model(cfg.model)  # a missing or incomplete model folder fails here, before any file is read
     return run_validation(cfg.datasets, cfg.validation, manifest_path=paths.manifest,
                           report_json=paths.report_json, report_html=paths.report_html, rehash=rehash,
                           tokens=FamilyTokenCounter(cfg.model) if tokens else None, workers=workers,

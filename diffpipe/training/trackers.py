@@ -17,16 +17,63 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import netrc
 import os
 from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from PIL import Image
 
 #: tracker -> (module it imports, the pip package that provides it).
 PACKAGES = {"tensorboard": ("tensorboard", "tensorboard"), "wandb": ("wandb", "wandb"),
             "mlflow": ("mlflow", "mlflow-skinny")}
+
+
+def problems(names: list[str]) -> list[str]:
+    """One line per tracker in ``names`` that cannot log: its package is not installed, or W&B has no login.
+
+    ``diffpipe run`` (before Snakemake) and ``diffpipe train`` (before the model loads) stop on them.
+    """
+    return missing_packages(names) + ([line] if "wandb" in names and (line := wandb_login_problem()) else [])
+
+
+#: ``WANDB_MODE`` values that log without an account.
+_WANDB_LOCAL = {"offline", "dryrun", "disabled"}
+
+
+def wandb_login_problem() -> str | None:
+    """None when W&B can log without asking: offline or disabled mode, a key in the environment, or the
+    netrc entry ``wandb login`` writes for the server's host. Read here, with no network, because
+    ``wandb.init`` would otherwise fail only after the model has loaded."""
+    mode = os.environ.get("WANDB_MODE", "").strip().lower()
+    disabled = os.environ.get("WANDB_DISABLED", "").strip().lower() in ("1", "true", "yes")
+    if mode in _WANDB_LOCAL or disabled or os.environ.get("WANDB_API_KEY") or os.environ.get(
+            "WANDB_IDENTITY_TOKEN_FILE"):
+        return None
+    host = urlsplit(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").netloc
+    if _netrc_has(host):
+        return None
+    return (f"train.trackers: wandb has no login for {host}: run `wandb login` (it writes the key to your "
+            "netrc file), or set WANDB_API_KEY; WANDB_MODE=offline logs without an account (`wandb sync` "
+            "uploads later); or remove wandb from train.trackers")
+
+
+def _netrc_has(host: str) -> bool:
+    """Whether the netrc file W&B reads (``NETRC``, else ``~/.netrc`` or ``~/_netrc``) holds a key for ``host``."""
+    if value := os.environ.get("NETRC"):
+        candidates = [Path(value).expanduser()]
+    else:
+        candidates = [Path("~/.netrc").expanduser(), Path("~/_netrc").expanduser()]
+    path = next((p for p in candidates if p.is_file()), None)
+    if path is None or not host:
+        return False
+    try:
+        entry = netrc.netrc(str(path)).authenticators(host)
+    except (netrc.NetrcParseError, OSError):
+        return False  # W&B cannot read it either
+    return bool(entry and entry[2])
 
 
 def missing_packages(names: list[str]) -> list[str]:

@@ -124,3 +124,17 @@ def test_a_missing_tracker_package_stops_train_before_it_starts(tiny_run, tmp_pa
     assert result.exit_code == 2, result.output
     assert "train.trackers: wandb needs the wandb package" in result.output and "pip install wandb" in result.output
     assert not (tmp_path / "run" / "train" / "metrics.jsonl").exists()
+
+
+def test_wandb_without_a_login_stops_train_before_the_model_loads(tiny_run, tmp_path, monkeypatch):
+    from diffpipe.training import loop
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))  # no ~/.netrc
+    for name in ("WANDB_API_KEY", "WANDB_IDENTITY_TOKEN_FILE", "WANDB_MODE", "WANDB_DISABLED", "NETRC"):
+        monkeypatch.delenv(name, raising=False)
+    loaded = []
+    monkeypatch.setattr(loop, "get_family", lambda cfg: loaded.append(cfg) or pytest.fail("the model loaded"))
+    config = tiny_run.clone(tmp_path, trackers=["wandb"])
+    result = CliRunner().invoke(app, ["train", "-c", str(config)])
+    assert result.exit_code == 2, result.output
+    assert "train.trackers: wandb" in result.output and "wandb login" in result.output and loaded == []

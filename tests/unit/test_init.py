@@ -82,3 +82,50 @@ def test_validate_a_folder_from_inside_it_asks_for_out(images, monkeypatch):
     result = runner.invoke(app, ["validate", ".", "--no-tokens"])
     assert result.exit_code == 2 and "--out" in result.output, result.output
     assert not (images / "runs").exists()
+
+
+@pytest.mark.parametrize("where, says", [("dataset", "dataset folder"), ("out", "--out"), ("output_dir", "--output-dir"),
+                                         ("model", "--model")])
+@pytest.mark.parametrize("brk", ["\n", "\r", "\u2028"])
+def test_init_refuses_a_line_break_in_a_name_it_writes(images, tmp_path, monkeypatch, where, says, brk):
+    """A name init writes into the config (comments, commands) is one line: a line break would end the
+    comment and turn the rest into live YAML, or break the YAML it parses."""
+    monkeypatch.chdir(tmp_path)
+    odd = f"x{brk}model: {{evil: 1}}"
+    dataset = tmp_path / odd if where == "dataset" else images
+    if where == "dataset":
+        import shutil
+
+        shutil.copytree(images, dataset)
+    out = odd if where == "out" else "c.yaml"
+    args = ["init", str(dataset), "--model", odd if where == "model" else "tiny:sd", "-o", out, "--no-estimate"]
+    args += ["--output-dir", odd] if where == "output_dir" else []
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and says in result.output and "line break" in result.output, result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ([odd] if where == "dataset" else [])
+
+
+def test_init_quotes_the_commands_it_writes(images, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = runner.invoke(app, ["init", str(images), "--model", "tiny:sd", "-o", "my run.yaml", "--no-estimate"])
+    assert result.exit_code == 0, result.output
+    text = (tmp_path / "my run.yaml").read_text()
+    assert "diffpipe run -c 'my run.yaml'" in text and "diffpipe doctor -c 'my run.yaml'" in text
+    assert "diffpipe validate -c 'my run.yaml'" in result.output
+
+
+@pytest.mark.parametrize("make, says", [("empty", "is an empty folder"), ("incomplete", "lacks the component folders vae"),
+                                        ("absent", "no such folder"), ("name", "neither a folder here")])
+def test_init_refuses_an_empty_or_incomplete_model_folder(images, tmp_path, monkeypatch, make, says):
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "model"
+    if make in ("empty", "incomplete"):
+        model.mkdir()
+    if make == "incomplete":
+        (model / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionPipeline",
+                                                            "vae": ["diffusers", "AutoencoderKL"]}))
+    value = "models" if make == "name" else str(model)
+    result = runner.invoke(app, ["init", str(images), "--model", value, "--family", "sd", "-o", "c.yaml",
+                                 "--no-estimate"])
+    assert result.exit_code == 2 and says in result.output and "--model" in result.output, result.output
+    assert not (tmp_path / "c.yaml").exists()

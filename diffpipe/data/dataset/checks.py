@@ -47,16 +47,27 @@ class FamilyTokenCounter:
         self._family: Any = None
         self._tok: Any = None
         self._thread: threading.Thread | None = None
+        self._error: Exception | None = None
         self._lock = threading.Lock()
 
     def prefetch(self) -> None:
         """Start loading the tokenizers in a thread (imports take seconds) while files are probed."""
         if self._thread is None and self._tok is None:
-            self._thread = threading.Thread(target=self._load, daemon=True)
+            self._thread = threading.Thread(target=self._load_kept, daemon=True)
             self._thread.start()
+
+    def _load_kept(self) -> None:
+        """The thread's load: a failure is kept for the caller's next :meth:`_load`, which raises it as its
+        own (a thread's exception would print a traceback, and the caller would load again)."""
+        try:
+            self._load()
+        except Exception as err:  # noqa: BLE001 - whatever it is, the caller raises it
+            self._error = err
 
     def _load(self) -> None:
         with self._lock:
+            if self._error is not None:
+                raise self._error
             if self._tok is None:
                 from diffpipe.models import get_family
 

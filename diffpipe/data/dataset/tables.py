@@ -21,7 +21,10 @@ one such folder per split), else every ``*.parquet`` below the folder
 (metadata files aside) whose split, read from the hub's names
 (``data/train-00000-of-00002.parquet``, ``train/0000.parquet``), is the
 configured one. Rows are streamed batch by batch, never read whole; pyarrow
-alone reads them (the ``datasets`` library is not needed).
+alone reads them (the ``datasets`` library is not needed). One Parquet cell is
+read from its row group's column: a small group whole (kept for the next rows),
+a large one (:data:`WHOLE_GROUP_BYTES`) batch by batch from the memory-mapped
+file, forward from the last row read, so a cell costs a batch, not the group.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import functools
 import json
 import os
 import re
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,6 +48,12 @@ _LOCATOR = re.compile(r"^(parquet|arrow):(.+)#row=(\d+)&column=([^#&]+)$")
 _SPLIT_NAME = re.compile(r"^(?P<split>[A-Za-z0-9_.]+?)(-\d{5}-of-\d{5})?$")
 #: Rows per streamed batch: a batch of images is held in memory at once.
 BATCH_ROWS = 64
+#: A row group whose media column holds more than this (uncompressed) is read batch by batch for a cell, not
+#: whole: one cell then costs a batch of memory, not the group (a 320 MB group read whole for one cell
+#: peaked at 1.6 GB of RSS). Smaller groups are read whole and kept, for neighbouring rows.
+WHOLE_GROUP_BYTES = 32 << 20
+#: Media bytes a batch of such a group holds, about (one row at least).
+STREAM_BATCH_BYTES = 8 << 20
 
 
 class TableError(ValueError):
@@ -129,11 +139,14 @@ def _cell_value(cell: Cell) -> Any:
         if not 0 <= cell.row < table.num_rows:
             raise OSError(f"{cell.file} has {table.num_rows} rows, no row {cell.row}")
         return table.column(cell.column)[cell.row].as_py()
-    groups = _parquet_groups(cell.file, size, mtime)
-    for g, (start, n) in enumerate(groups):
+    groups = _parquet_groups(cell.file, size, mtime, cell.column)
+    for g, (start, n, nbytes) in enumerate(groups):
         if start <= cell.row < start + n:
-            return _parquet_group(cell.file, size, mtime, g, cell.column)[cell.row - start].as_py()
-    raise OSError(f"{cell.file} has {sum(n for _, n in groups)} rows, no row {cell.row}")
+            if nbytes <= WHOLE_GROUP_BYTES:
+                return _parquet_group(cell.file, size, mtime, g, cell.column)[cell.row - start].as_py()
+            rows = max(1, min(BATCH_ROWS, STREAM_BATCH_BYTES * n // nbytes))
+            return _streamed_cell((cell.file, size, mtime, g, cell.column, rows), cell.row - start)
+    raise OSError(f"{cell.file} has {sum(n for _, n, _ in groups)} rows, no row {cell.row}")
 
 
 @functools.lru_cache(maxsize=4)
@@ -150,16 +163,18 @@ def _arrow_table(file: str, size: int, mtime: int) -> Any:
 
 
 @functools.lru_cache(maxsize=16)
-def _parquet_groups(file: str, size: int, mtime: int) -> list[tuple[int, int]]:
-    """(first row, rows) of each row group of a Parquet file."""
+def _parquet_groups(file: str, size: int, mtime: int, column: str) -> list[tuple[int, int, int]]:
+    """(first row, rows, uncompressed bytes of ``column``) of each row group of a Parquet file."""
     import pyarrow.parquet as pq
 
     meta = pq.read_metadata(file)
+    leaves = [i for i in range(meta.num_columns)
+              if (path := meta.schema.column(i).path) == column or path.startswith(f"{column}.")]
     out, start = [], 0
     for g in range(meta.num_row_groups):
-        n = meta.row_group(g).num_rows
-        out.append((start, n))
-        start += n
+        group = meta.row_group(g)
+        out.append((start, group.num_rows, sum(group.column(i).total_uncompressed_size for i in leaves)))
+        start += group.num_rows
     return out
 
 
@@ -170,6 +185,49 @@ def _parquet_group(file: str, size: int, mtime: int, group: int, column: str) ->
 
     with pq.ParquetFile(file) as f:
         return f.read_row_group(group, columns=[column]).column(column)
+
+
+class _GroupCursor:
+    """One large row group's column, read forward in batches: only the current batch is in memory."""
+
+    def __init__(self, key: tuple[str, int, int, int, str, int]):
+        import pyarrow.parquet as pq
+
+        file, _, _, group, column, rows = self.key = key
+        # Memory-mapped, not pre-buffered: an uncompressed page is read as a slice of the map, so only the
+        # pages of the rows read are touched (a read buffer would copy each page, and without one the
+        # reader copies the whole column chunk first).
+        self._file = pq.ParquetFile(file, memory_map=True, pre_buffer=False)
+        self._batches = self._file.iter_batches(batch_size=rows, row_groups=[group], columns=[column])
+        self.start, self.batch = 0, None  # rows of the group before ``batch``
+
+    def get(self, row: int) -> Any:
+        """Row ``row`` of the group (not before the current batch)."""
+        while self.batch is None or row >= self.start + self.batch.num_rows:
+            self.start += 0 if self.batch is None else self.batch.num_rows
+            self.batch = next(self._batches, None)
+            if self.batch is None:
+                raise OSError(f"{self.key[0]}: row group {self.key[3]} ended before its row {row}")
+        return self.batch.column(0)[row - self.start].as_py()
+
+    def close(self) -> None:
+        self.batch = None
+        self._file.close()
+
+
+_CURSOR: list[_GroupCursor] = []  # at most one: the last large group read
+_CURSOR_LOCK = threading.Lock()  # the cache jobs may decode in threads
+
+
+def _streamed_cell(key: tuple[str, int, int, int, str, int], row: int) -> Any:
+    """Row ``row`` of a large row group: forward from the last row read when it is ahead (the cache jobs
+    read table rows in order), else from the group's first row again."""
+    with _CURSOR_LOCK:
+        if _CURSOR and (_CURSOR[0].key != key or row < _CURSOR[0].start):
+            _CURSOR.pop().close()
+        if not _CURSOR:
+            _CURSOR.append(_GroupCursor(key))
+        return _CURSOR[0].get(row)
 
 
 # -- layouts -------------------------------------------------------------------------------------
