@@ -81,7 +81,7 @@ def _not_ours(root: Path, marker: dict | None) -> NotOurFolderError:
         f"Snakemake deletes a job's old outputs before it runs the job{deletes}, so diffpipe runs only into a "
         "new or empty folder, or one a diffpipe run made. Choose another output_dir, or move those files away. "
         "(A run folder of an earlier diffpipe, from before diffpipe recorded its run folders, has no record: "
-        "delete it or move it away to run again.)")
+        "move it away to run again; set cache.dir to its cache/store to reuse the entries it encoded.)")
 
 
 def _files_in(root: Path) -> str:
