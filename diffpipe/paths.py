@@ -55,6 +55,9 @@ SAMPLES_DIR = "samples"
 SAMPLE_GRID = "samples/grid.png"
 LOGS = "logs"
 BENCHMARKS = "benchmarks"
+#: The rules' directory() outputs: Snakemake deletes each, with all it holds, before the job
+#: that writes it, so ``diffpipe run`` checks them first (diffpipe.ownership; a test reads the rules).
+DIRECTORY_OUTPUTS = (PLAN_DIR, LATENT_SHARD, SAMPLES_DIR)
 
 
 class _At:

@@ -18,6 +18,7 @@ from rich.table import Table
 
 from diffpipe import hub, runlock
 from diffpipe.config import ConfigError, load_config
+from diffpipe.ownership import check_run_folder
 from diffpipe.paths import REPO_ROOT, SNAKEFILE, RunPaths
 from diffpipe.workflow import check_snakemake_paths
 
@@ -93,6 +94,7 @@ def run_workflow(
     if problems := trackers.problems(cfg.train.trackers):  # before the cache jobs, not after them
         raise ConfigError("\n".join(problems))
     run_paths = RunPaths(workdir / cfg.output_dir)
+    check_run_folder(run_paths.root)  # before Snakemake deletes old outputs there, and before the lock file
     cmd = snakemake_command(config, profile=Path(profile) if profile else None, cores=cores, dry_run=dry_run,
                             targets=list(targets), extra=list(extra), workdir=workdir)
     # Rules call `diffpipe ...`: make sure it is this installation's.

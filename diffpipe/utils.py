@@ -7,10 +7,11 @@ import hashlib
 import json
 import os
 import shutil
+import stat
 import tempfile
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 HASH_NAME = "sha256"
@@ -40,11 +41,14 @@ def digest(obj: Any) -> str:
 
 
 #: The file diffpipe writes into every folder it creates (and into output folders it
-#: writes files into), listing what it wrote there: the proof that a later run may
-#: replace that folder or those files without losing anything of the user's.
+#: writes files into), recording what it wrote there: each entry's kind, and a file's
+#: size and modification time as written. An entry is diffpipe's to replace only while
+#: it still matches its record, so a user's file under a recorded name, a file changed
+#: since, or a marker copied into another folder proves nothing.
 OUTPUT_MARKER = ".diffpipe-output.json"
-#: Entries that are no one's data: Snakemake stamps every directory output with this file.
-_IGNORED = {OUTPUT_MARKER, ".snakemake_timestamp"}
+_MARKER_FORMAT = 2  # 1 (before #38): names only, which a copied marker could fake
+#: The empty file Snakemake writes into every directory() output after its job.
+SNAKEMAKE_STAMP = ".snakemake_timestamp"
 _SHOWN = 5
 
 
@@ -108,31 +112,86 @@ def _sync_under(folder: Path, missing_ok: bool = False) -> None:
 
 
 def _entries(folder: Path) -> set[str]:
-    """Relative POSIX paths of everything under ``folder`` (files, folders, links), the marker aside."""
+    """Relative POSIX paths of everything under ``folder`` (files, folders, links), its marker aside."""
     out = set()
     for root, dirs, files in os.walk(folder):
         rel = Path(root).relative_to(folder)
         out.update((rel / name).as_posix() for name in dirs + files)
-    return out - _IGNORED
+    return out - {OUTPUT_MARKER}
 
 
-def _marker_entries(folder: Path) -> set[str]:
-    """What diffpipe recorded writing into ``folder`` (nothing when there is no readable marker)."""
+def _stamp(path: Path) -> dict[str, Any] | None:
+    """What shows an entry is still the one written: its kind, a file's (or link's) size and mtime.
+
+    None when it is gone (nothing there to lose). A folder's content is stamped entry by entry.
+    """
     try:
-        data = json.loads((folder / OUTPUT_MARKER).read_text())
-        return {str(e) for e in data["entries"]} if data.get("written_by") == "diffpipe" else set()
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return set()
+        st = path.lstat()
+    except FileNotFoundError:
+        return None
+    if stat.S_ISDIR(st.st_mode):
+        return {"kind": "dir"}
+    return {"kind": "link" if stat.S_ISLNK(st.st_mode) else "file", "size": st.st_size, "mtime_ns": st.st_mtime_ns}
 
 
-def _marker_text(entries: set[str]) -> str:
-    note = "diffpipe wrote these entries here; a later diffpipe run may replace them (and only them)"
-    return json.dumps({"written_by": "diffpipe", "note": note, "entries": sorted(entries)}, indent=1) + "\n"
+def read_marker(folder: str | os.PathLike) -> dict[str, Any] | None:
+    """``folder``'s :data:`OUTPUT_MARKER`; None when missing, damaged, or of an earlier format (proving nothing)."""
+    try:
+        data = json.loads((Path(folder) / OUTPUT_MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    if not (isinstance(data, dict) and data.get("written_by") == "diffpipe" and data.get("format") == _MARKER_FORMAT
+            and isinstance(data.get("entries"), dict)):
+        return None
+    return data
+
+
+def _marker_json(entries: dict[str, Any], base: dict[str, Any] | None = None) -> str:
+    note = ("diffpipe wrote these entries here; a later diffpipe may replace an entry while its kind, size "
+            "and modification time are as recorded, and nothing else")
+    data = {**(base or {}), "written_by": "diffpipe", "format": _MARKER_FORMAT, "note": note,
+            "entries": dict(sorted(entries.items()))}
+    return json.dumps(data, indent=1) + "\n"
+
+
+def write_marker(folder: str | os.PathLike, entries: dict[str, Any], base: dict[str, Any] | None = None,
+                 *, durable: bool = True) -> None:
+    """Write ``folder``'s marker, atomically: ``entries`` (relative path -> stamp; None: claimed, not yet
+    written) and the other fields of ``base`` (the marker it replaces)."""
+    write_text_atomic(Path(folder) / OUTPUT_MARKER, _marker_json(entries, base), durable=durable)
+
+
+def foreign_entries(folder: str | os.PathLike) -> list[str]:
+    """What under ``folder`` diffpipe cannot prove it wrote: ``[]`` when replacing ``folder`` loses nothing.
+
+    An entry is proven by its record in the folder's marker (its stamp unchanged).
+    Snakemake's :data:`SNAKEMAKE_STAMP` counts as no one's data only empty, at the
+    top of a folder with a marker; a user's file of that name is kept. Files come
+    first, then folders (a user's folder lists as itself and each file in it).
+    """
+    folder = Path(folder)
+    marker = read_marker(folder)
+    recorded = marker["entries"] if marker else {}
+    out = []
+    for rel in _entries(folder):
+        now = _stamp(folder / rel)
+        if now is None or recorded.get(rel) == now:
+            continue
+        if rel == SNAKEMAKE_STAMP and marker and now["kind"] == "file" and now["size"] == 0:
+            continue
+        out.append(rel)
+    return sorted(out, key=lambda rel: ((folder / rel).is_dir(), rel))
 
 
 def _examples(names: list[str]) -> str:
     shown = ", ".join(names[:_SHOWN])
     return shown + (f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else "")
+
+
+#: How a refusal ends: why a recorded name may not be enough.
+_RECORD_NOTE = (f"(diffpipe records what it writes, with each file's size and modification time, in {OUTPUT_MARKER}: "
+                "a file changed since, a record copied from another folder, or an output of a diffpipe from before "
+                "that record is not proven to be diffpipe's; delete it yourself if it is.)")
 
 
 def check_replaceable(target: str | os.PathLike, *, is_dir: bool = False) -> None:
@@ -150,23 +209,22 @@ def check_replaceable(target: str | os.PathLike, *, is_dir: bool = False) -> Non
         kind = "a symbolic link" if target.is_symlink() else "a file"
         raise NotOurFolderError(f"{target} is {kind}, not a folder; diffpipe writes a folder there and never "
                                 "replaces a file with one. Choose a new or empty folder.")
-    foreign = sorted(_entries(target) - _marker_entries(target))
+    foreign = foreign_entries(target)
     if foreign:
         raise NotOurFolderError(
             f"{target} holds files diffpipe did not write ({_examples(foreign)}); diffpipe never replaces "
-            f"such a folder. Choose a new or empty folder, or move those files away. (diffpipe lists what it "
-            f"writes in {OUTPUT_MARKER}; an output of a diffpipe from before that marker has none: delete it "
-            "if it is one.)")
+            f"such a folder. Choose a new or empty folder, or move those files away. {_RECORD_NOTE}")
 
 
-def _holds_user_data(path: Path) -> bool:
-    """Would writing ``path`` lose something? A file does; a folder unless empty or all diffpipe's.
+def _holds_user_data(path: Path, recorded: dict[str, Any] | None) -> bool:
+    """Would writing ``path`` lose something? A file unless as recorded; a folder unless empty or all diffpipe's.
 
     (Snakemake creates the folders of a job's outputs before it runs: those are empty.)
     """
     if path.is_dir() and not path.is_symlink():
-        return bool(_entries(path) - _marker_entries(path))
-    return path.exists() or path.is_symlink()
+        return bool(foreign_entries(path))
+    now = _stamp(path)
+    return now is not None and now != recorded
 
 
 def _make_parents(folder: Path) -> list[Path]:
@@ -184,27 +242,65 @@ def claim_files(folder: str | os.PathLike, names: Iterable[str]) -> Path:
     """Make ``folder`` ready to receive diffpipe's files ``names`` without touching a user's.
 
     For writers that put several outputs into a folder a user may name (``export
-    --out``): a name that exists there but was not written by diffpipe raises
-    :class:`NotOurFolderError` before anything is written; every other file in
-    the folder stays as it is. The names are recorded in the folder's marker.
+    --out``, ``demo-data``): a name that exists there and is not, as recorded in
+    the folder's marker, the file diffpipe wrote (a user's file, or one edited
+    since) raises :class:`NotOurFolderError` before anything is written; every
+    other file in the folder stays as it is. The names are claimed in the marker,
+    and each write under one (:func:`atomic_path`) records what it wrote.
     """
     folder, names = Path(folder), set(names)
     if folder.exists() and not folder.is_dir():
         raise NotOurFolderError(f"{folder} is a file, not a folder; choose a new or empty folder.")
     folder.mkdir(parents=True, exist_ok=True)
-    ours = _marker_entries(folder)
-    clash = sorted(n for n in names - ours if _holds_user_data(folder / n))
+    marker = read_marker(folder)
+    if marker is None and (folder / OUTPUT_MARKER).exists() and not _is_diffpipe_json(folder):
+        raise NotOurFolderError(f"{folder / OUTPUT_MARKER} is not diffpipe's record (the name diffpipe keeps its "
+                                "record under); move it away or choose another folder.")
+    recorded = dict(marker["entries"]) if marker else {}
+    clash = sorted(n for n in names if _holds_user_data(folder / n, recorded.get(n)))
     if clash:
         raise NotOurFolderError(
-            f"{folder} already holds {_examples(clash)}, which diffpipe did not write; diffpipe never "
-            "overwrites a user's file. Choose a new or empty folder, or move those files away.")
-    if not names <= ours:
-        write_text_atomic(folder / OUTPUT_MARKER, _marker_text(ours | names))
+            f"{folder} already holds {_examples(clash)}, which diffpipe did not write (or which changed since); "
+            f"diffpipe never overwrites a user's file. Choose a new or empty folder, or move those files away. "
+            f"{_RECORD_NOTE}")
+    claimed = {**recorded, **{n: recorded.get(n) for n in names}}
+    if marker is None or claimed != recorded:
+        write_marker(folder, claimed, marker)
     return folder
 
 
-def _write_marker(folder: Path, entries: set[str]) -> None:
-    (folder / OUTPUT_MARKER).write_text(_marker_text(entries))
+def record_files(folder: str | os.PathLike, rels: Iterable[str], *, durable: bool = True) -> None:
+    """Record in ``folder``'s marker that the files ``rels`` (relative paths, as they are now) are
+    diffpipe's, and the folders they are in: for an output folder diffpipe fills file by file (the
+    plan's). The marker then lists exactly these; anything else in ``folder`` stays unproven."""
+    folder, entries = Path(folder), {}
+    for rel in map(PurePosixPath, rels):
+        entries |= {parent.as_posix(): {"kind": "dir"} for parent in list(rel.parents)[:-1]}
+        entries[rel.as_posix()] = _stamp(folder / rel)
+    marker = read_marker(folder)
+    if marker is None or marker["entries"] != entries:
+        write_marker(folder, entries, marker, durable=durable)
+
+
+def _is_diffpipe_json(folder: Path) -> bool:
+    """Is ``folder``'s marker one diffpipe wrote, of any format (an earlier one may be replaced)?"""
+    try:
+        data = json.loads((folder / OUTPUT_MARKER).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(data, dict) and data.get("written_by") == "diffpipe"
+
+
+def _record_written(target: Path, durable: bool) -> None:
+    """After diffpipe wrote ``target``: record its stamp where its folder's marker claims the name."""
+    if target.name == OUTPUT_MARKER:
+        return
+    marker = read_marker(target.parent)
+    if marker is None or target.name not in marker["entries"]:
+        return
+    entries = {**marker["entries"], target.name: _stamp(target)}
+    if entries != marker["entries"]:
+        write_marker(target.parent, entries, marker, durable=durable)
 
 
 @contextmanager
@@ -216,11 +312,12 @@ def atomic_path(target: str | os.PathLike, *, is_dir: bool = False, durable: boo
     is synced before the rename and the folder after it, so a power loss
     leaves the old ``target`` or the complete new one, never an empty file.
 
-    A folder (``is_dir``) gets the :data:`OUTPUT_MARKER` listing what it holds.
+    A folder (``is_dir``) gets the :data:`OUTPUT_MARKER` recording what it holds.
     An existing ``target`` folder is replaced only when it is empty or holds
-    nothing but what diffpipe wrote there; any other folder, a file where a
+    nothing but what diffpipe wrote there, unchanged; any other folder, a file where a
     folder goes, or a folder where a file goes raises :class:`NotOurFolderError`
-    (checked on entry, before the work, and again before the rename).
+    (checked on entry, before the work, and again before the rename). A ``target``
+    whose name the parent's marker claims (:func:`claim_files`) is recorded there.
     """
     target = Path(target)
     check_replaceable(target, is_dir=is_dir)
@@ -231,8 +328,8 @@ def atomic_path(target: str | os.PathLike, *, is_dir: bool = False, durable: boo
         inner.mkdir()
     try:
         yield inner
-        if is_dir:
-            _write_marker(inner, _entries(inner))
+        if is_dir:  # stamped before the rename, which changes no file's size or time
+            (inner / OUTPUT_MARKER).write_text(_marker_json({rel: _stamp(inner / rel) for rel in _entries(inner)}))
         if durable:
             _sync_under(inner) if is_dir else fsync_file(inner)
         if target.exists() or target.is_symlink():
@@ -240,6 +337,7 @@ def atomic_path(target: str | os.PathLike, *, is_dir: bool = False, durable: boo
             if is_dir:  # set the old folder aside (removed with the temp folder), then rename
                 os.replace(target, tmp / f".old-{target.name}")
         os.replace(inner, target)
+        _record_written(target, durable)
         if durable:
             for folder in [target.parent, *created]:
                 fsync_dir(folder)

@@ -16,6 +16,7 @@ from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.data.dataset.demo import write_demo_dataset
 from diffpipe.data.dataset.validate import run_validation
 from diffpipe.paths import RunPaths, shard_name
+from diffpipe.utils import OUTPUT_MARKER
 
 DEMO = Path(__file__).resolve().parents[2] / "config" / "demo_data"
 
@@ -39,6 +40,7 @@ def _specs(paths):
     return {
         p.relative_to(paths.plan_dir).as_posix(): p.read_bytes()
         for p in paths.plan_dir.rglob("*.json")
+        if p.name != OUTPUT_MARKER  # the plan's record of what it wrote (#38)
     }
 
 

@@ -78,6 +78,32 @@ def test_hostile_names_run_end_to_end_and_run_nothing(hostile):
     assert str(p.export_diffusers) in first.stderr, first.stderr[-3000:]
 
 
+def test_run_into_a_users_folder_with_plan_and_samples_is_refused_before_snakemake(tmp_path):
+    """#38 case 1: Snakemake deletes a directory() output (plan/, samples/) before its job: refused first."""
+    work = tmp_path / "work"
+    work.mkdir()
+    data = tmp_path / "data"
+    write_demo_dataset(data, n=4, size=32)
+    user = tmp_path / f"mine {HOSTILE}"
+    files = {"plan/my plan $(touch PWNED).md": "plans", "samples/holiday.png": "pixels", "notes.txt": "mine"}
+    for rel, text in files.items():
+        (user / rel).parent.mkdir(parents=True, exist_ok=True)
+        (user / rel).write_text(text)
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"output_dir": str(user), "cache": {"shards": 1},
+                                      "datasets": [{"name": "d", "path": str(data), "resolution": 32}]}))
+    started = time.time()
+    run = diffpipe("run", "-c", str(config), "--cores", "1", cwd=work, timeout=300)
+    assert run.returncode == 1, run.stderr[-3000:]
+    flat = " ".join(run.stderr.split())
+    assert " ".join(str(user).split()) in flat and "Traceback" not in run.stderr, run.stderr
+    assert "plan/my plan $(touch PWNED).md" in flat and "samples/holiday.png" in flat, run.stderr
+    found = {p.relative_to(user).as_posix(): p.read_text() for p in user.rglob("*") if p.is_file()}
+    assert found == files  # nothing written there (no resolved config, no lock file), nothing deleted
+    assert not (work / ".snakemake").exists(), "Snakemake started"
+    assert not pwned(tmp_path) and time.time() - started < 60
+
+
 def _log(out: str, name: str) -> str:
     return f"{out}/logs/{name}.log"
 

@@ -47,7 +47,7 @@ from diffpipe.data.cache.frames import clip_windows
 from diffpipe.data.cache.latents import bucket_name
 from diffpipe.data.dataset.aux_images import ROLES, problem_reasons
 from diffpipe.paths import RunPaths, shard_name
-from diffpipe.utils import digest, stable_json, write_if_changed
+from diffpipe.utils import digest, record_files, stable_json, write_if_changed
 
 SPEC_VERSION = 2
 EMPTY_ID = "__empty__"
@@ -368,6 +368,10 @@ def make_plan(
         common["max_pixels"] = int(max_pixels)
     _write_specs(paths, result, names, latents, texts, common, latent_identity, text_identity, cache_cfg.dtype)
     _write_summary(paths, result, names, latents, texts, global_batch, cache_cfg.dtype)
+    # Snakemake deletes plan/ before the plan job: `diffpipe run` first checks it holds only these.
+    planned_files = [paths.plan_summary, paths.empty_spec, *(f(n) for n in names for f in (paths.latent_spec,
+                                                                                           paths.text_spec))]
+    record_files(paths.plan_dir, [p.relative_to(paths.plan_dir).as_posix() for p in planned_files])
     # Outside the plan folder: Snakemake deletes a checkpoint's output before rerunning it.
     write_if_changed(paths.plan_state, _spec_json({"shards": cache_cfg.shards, "assignment": assignment}))
     return result
