@@ -31,6 +31,7 @@ LONGEST_FIRST = (
     "tests/stages/test_fp8_base_weights.py",  # 70 s
     "tests/stages/test_train_resume.py",  # 70 s
     "tests/stages/test_export_formats.py",  # 58 s
+    "tests/unit/test_family_runs.py",  # 45 s: every family and variant takes a step
     "tests/workflow/test_sbatch_preview.py",  # 41 s
     "tests/stages/test_full_finetune.py",  # 37 s
     "tests/unit/test_estimate.py",  # 30 s

@@ -26,6 +26,7 @@ from diffusers.loaders.lora_conversion_utils import (
 )
 from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
 from diffusers.loaders.single_file_utils import convert_ldm_unet_checkpoint
+from family_tables import missing_rows, row
 from peft.tuners.lora import LoraLayer
 from PIL import Image
 from safetensors import safe_open
@@ -112,6 +113,13 @@ EXTRA_TARGETS = {
                   "final_layer.linear", "final_layer.adaln_modulation"],
 }
 
+_EXTRA_ROW = ("EXTRA_TARGETS in tests/stages/test_export_formats.py",
+              "[the layers its key map treats specially, beyond the default LoRA targets]")
+
+
+def _extra_targets(name: str) -> list[str]:
+    return row(EXTRA_TARGETS, name, *_EXTRA_ROW)
+
 
 def _forward_inputs(family) -> tuple[tuple, dict]:
     """The denoiser's arguments in the family's training loss, on two tiny encoded samples."""
@@ -175,7 +183,7 @@ def trained(request, tmp_path_factory):
     inputs = _forward_inputs(family)
     denoiser = family.load_denoiser()
     base_out = _out(denoiser, inputs)
-    targets = family.lora_targets(None) + EXTRA_TARGETS[name]
+    targets = family.lora_targets(None) + _extra_targets(name)
     lora_cfg = peft_config(LoraConfig(rank=4, alpha=6.0, targets=targets), targets)
     add_lora(denoiser, lora_cfg)
     g = torch.Generator().manual_seed(1)
@@ -502,6 +510,15 @@ BASE_MODEL_VERSION = {
     "sana": "sana",
     "ideogram4": "ideogram4",
 }
+_BASE_ROW = ("BASE_MODEL_VERSION in tests/stages/test_export_formats.py",
+             '"<ss_base_model_version sd-scripts or musubi-tuner write for it>"')
+
+
+def test_every_family_with_a_key_map_has_its_rows():
+    """Every registered family with a key map is exported here: each needs its rows in both tables."""
+    missing = missing_rows(FAMILIES, EXTRA_TARGETS, *_EXTRA_ROW) + missing_rows(FAMILIES, BASE_MODEL_VERSION,
+                                                                               *_BASE_ROW)
+    assert not missing, "\n".join(missing)
 
 
 def test_every_format_written_with_metadata_and_card(trained):
@@ -527,7 +544,7 @@ def test_every_format_written_with_metadata_and_card(trained):
         "modelspec.resolution",
         "modelspec.sai_model_spec",
     } <= set(meta)
-    assert meta["ss_base_model_version"] == BASE_MODEL_VERSION[trained["family"].name]
+    assert meta["ss_base_model_version"] == row(BASE_MODEL_VERSION, trained["family"].name, *_BASE_ROW)
     card = trained["card"].read_text()
     assert all(fmt in card for fmt in FORMATS)
     # How to load: A1111/Forge only where they run the model; CogView4's original names only in our import.
@@ -980,7 +997,7 @@ def test_cli_exports_a_deepspeed_checkpoint(trained, tmp_path):
     # DeepSpeed saves the module state dict (frozen weights excluded) and our client state.
     module = {k: v for k, v in trained["denoiser"].state_dict().items() if "lora_" in k}
     torch.save({"module": module, "step": 7}, ckpt / "mp_rank_00_model_states.pt")
-    targets = family.lora_targets(None) + EXTRA_TARGETS[family.name]
+    targets = family.lora_targets(None) + _extra_targets(family.name)
     cfg = {
         "output_dir": str(run),
         "datasets": [{"name": "d", "path": str(tmp_path / "data")}],  # apart from the run folder

@@ -17,12 +17,15 @@ import peft
 import pytest
 import torch
 from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+from family_tables import row
 
 from diffpipe.config import ModelConfig, SampleConfig
 from diffpipe.models import _common, family_names, get_family
 from diffpipe.models.base import Family
 from diffpipe.training.objectives import shift_timesteps
 
+#: Two representatives, a UNet and a transformer, checked in depth; every registered family and variant
+#: takes a training step in tests/unit/test_family_runs.py. A family added here needs its rows below.
 FAMILIES = ["sd", "flux"]
 CAPTIONS = ["a red circle", "a blue square on green", "The quick brown fox, 42!", "x"]
 LATENT_CHANNELS = {"sd": 4, "flux": 1}
@@ -132,7 +135,8 @@ def test_identities_equal_in_a_fresh_process():
 # -- encoding ------------------------------------------------------------------
 def test_encode_pixels(family, parts):
     lat = parts.latents
-    assert lat.shape == (4, LATENT_CHANNELS[family.name], 1, 16, 16)
+    channels = row(LATENT_CHANNELS, family.name, "LATENT_CHANNELS in tests/stages/test_families.py", "<its VAE's latent channels>")
+    assert lat.shape == (4, channels, 1, 16, 16)
     assert lat.dtype == torch.float32 and torch.isfinite(lat).all()
     assert torch.equal(lat, family.encode_pixels(parts.vae, parts.pixels))
     # Frames are encoded independently: two frames give two single-frame latents.
@@ -145,7 +149,9 @@ def test_encode_pixels(family, parts):
 
 def test_encode_text(family, parts):
     text = parts.text
-    assert {k: tuple(v.shape) for k, v in text.items()} == TEXT_SHAPES[family.name]
+    shapes = row(TEXT_SHAPES, family.name, "TEXT_SHAPES in tests/stages/test_families.py",
+                 "{<text key>: (4, *its shape) for the 4 captions}")
+    assert {k: tuple(v.shape) for k, v in text.items()} == shapes
     for v in text.values():
         assert v.dtype == torch.float32 and not v.requires_grad
     again = family.encode_text(parts.encoders, CAPTIONS)

@@ -21,6 +21,7 @@ import peft
 import pytest
 import torch
 import yaml
+from family_tables import image_families
 from stage_cli import rendezvous, run_stages
 
 from diffpipe.config import ModelConfig, load_config
@@ -31,9 +32,8 @@ from diffpipe.training.adapter import apply_adapter
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ["sdxl", "sd3", "chroma", "lumina2", "zimage", "qwenimage", "hidream", "cogview4", "cosmos2", "sana",
-            "auraflow", "flux2-klein", "flux2", "ernie-image", "krea2", "kandinsky5-image", "ideogram4",
-            "hunyuanimage"]
+#: Every registered image family but those with a module of their own (``tests/family_tables.py``).
+FAMILIES = image_families()
 
 
 @pytest.fixture(scope="module")

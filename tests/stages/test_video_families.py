@@ -29,6 +29,7 @@ import peft
 import pytest
 import torch
 import yaml
+from family_tables import missing_rows, row, video_families
 from PIL import Image
 from stage_cli import rendezvous, run_stages
 
@@ -68,10 +69,23 @@ def demo_clips(tmp_path_factory):
     return root
 
 
-@pytest.fixture(scope="module", params=sorted(SPECS))
+_SPECS_ROW = ("SPECS in tests/stages/test_video_families.py",
+              "(frame bucket, latent (F, h, w), sample frames) for its frame rate and frame rule")
+
+
+def _spec(name: str) -> tuple:
+    return row(SPECS, name, *_SPECS_ROW)
+
+
+def test_every_video_family_has_a_row():
+    """Every registered video family without a module of its own runs here: each needs its SPECS row."""
+    assert not (missing := missing_rows(video_families(), SPECS, *_SPECS_ROW)), "\n".join(missing)
+
+
+@pytest.fixture(scope="module", params=video_families())
 def run(request, demo_clips, tmp_path_factory):
     name = request.param
-    bucket, _, frames = SPECS[name]
+    bucket, _, frames = _spec(name)
     monkeypatch = rendezvous()
     root = tmp_path_factory.mktemp(name)
     data = demo_clips / ("eight_fps" if name == "cogvideox" else "demo")
@@ -106,7 +120,7 @@ def run(request, demo_clips, tmp_path_factory):
 
 def test_clips_take_the_family_frame_rule(run):
     cfg, p = run
-    bucket, latent_shape, _ = SPECS[cfg.model.family]
+    bucket, latent_shape, _ = _spec(cfg.model.family)
     items = read_spec(p.latent_spec("s0000"))["items"]
     assert items and all(it["bucket"][0] == bucket and len(it["frames"]) == bucket for it in items)
     ds = CachedDataset.from_run(p)
@@ -120,7 +134,7 @@ def test_stages_write_their_outputs(run):
     assert len(p.metrics.read_text().splitlines()) == 2
     with av.open(str(p.samples_dir / "sample-00.mp4")) as container:
         clip = list(container.decode(video=0))
-    assert len(clip) == SPECS[cfg.model.family][2] and (clip[0].width, clip[0].height) == (32, 32)
+    assert len(clip) == _spec(cfg.model.family)[2] and (clip[0].width, clip[0].height) == (32, 32)
 
 
 def test_golden_losses_and_lora(run, golden):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 
@@ -30,16 +32,23 @@ class WanEmbed(nn.Module):
         seq = hidden.shape[1] if self.expand else None
         if seq is not None:
             timestep = timestep[:, None].expand(b, seq).flatten()
-        temb, proj, context, _ = self.condition_embedder(timestep, context, None, timestep_seq_len=seq)
+        # Only Wan's embedder takes ``timestep_seq_len`` (SkyReels-V2's, sharing these layers, does not).
+        per_token = {} if seq is None else {"timestep_seq_len": seq}
+        temb, proj, context, _ = self.condition_embedder(timestep, context, None, **per_token)
         proj = proj.unflatten(2, (6, -1)) if seq is not None else proj.unflatten(1, (6, -1))
         fhw = torch.tensor([f // pt, h // ph, w // pw], device=noisy.device)
         return _pipe_ready((hidden, context, proj, temb, cos, sin, fhw))
 
 
 class WanBlock(BlockLayer):
+    def __init__(self, block: nn.Module):
+        super().__init__(block)
+        # SkyReels-V2's blocks (sharing these layers) also take an attention mask, None for its full attention.
+        self.mask = (None,) if "attention_mask" in inspect.signature(block.forward).parameters else ()
+
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         hidden, context, proj, temb, cos, sin, fhw = inputs
-        return (self.block(hidden, context, proj, (cos, sin)), context, proj, temb, cos, sin, fhw)
+        return (self.block(hidden, context, proj, (cos, sin), *self.mask), context, proj, temb, cos, sin, fhw)
 
 
 class WanOut(nn.Module):
