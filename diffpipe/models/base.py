@@ -819,14 +819,18 @@ class Family(ABC):
         noise: torch.Tensor | None = None,
         **aux: Any,
     ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]:
-        """``(first-layer inputs, (target, per-sample weights))`` from :meth:`prepare`, as ``loss`` builds them.
+        """``(first-layer inputs, (target, per-sample weights[, element mask]))`` from :meth:`prepare`, as
+        ``loss`` builds them.
 
-        Loss masks are refused under pipeline stages (the last stage's loss sees no mask).
+        The element mask is the family's own (an image-to-video variant's conditioning frames, weight 0),
+        present when :meth:`prepare` sets one, so the last stage's loss leaves out what ``loss`` leaves out.
+        Dataset loss masks are refused under pipeline stages.
         """
         p = self.prepare(latents, text, generator, objective=objective or ObjectiveConfig(), t=t, noise=noise,
                          dtype=dtype, **aux)
         weights = torch.ones(p.target.shape[0]) if p.weights is None else p.weights
-        return self.layer_inputs(p), (p.target, weights.to(p.target.device))
+        labels = (p.target, weights.to(p.target.device))
+        return self.layer_inputs(p), labels if p.mask is None else (*labels, p.mask)
 
 
 def family_names() -> list[str]:

@@ -161,12 +161,14 @@ def build_pipeline_engine(layers: list[torch.nn.Module], bounds: list[int], loss
 
 
 def pipeline_loss_fn(objective: ObjectiveConfig) -> Callable:
-    """DeepSpeed's ``loss_fn(outputs, labels)`` on the last stage; labels are ``(target, weights)``."""
+    """DeepSpeed's ``loss_fn(outputs, labels)`` on the last stage; labels are ``(target, weights)``, with the
+    family's element mask third where it has one (:meth:`Family.pipeline_inputs`)."""
 
-    def loss_fn(outputs: Any, labels: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def loss_fn(outputs: Any, labels: tuple[torch.Tensor, ...]) -> torch.Tensor:
         pred = outputs[0] if isinstance(outputs, tuple) else outputs
-        target, weights = labels
-        return obj.per_sample_loss(pred, target, weights, kind=objective.loss, huber_c=objective.huber_c).mean()
+        target, weights, *mask = labels
+        return obj.per_sample_loss(pred, target, weights, kind=objective.loss, huber_c=objective.huber_c,
+                                   mask=mask[0] if mask else None).mean()
 
     return loss_fn
 

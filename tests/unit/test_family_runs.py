@@ -25,11 +25,6 @@ from diffpipe.families import FAMILIES
 
 pytestmark = pytest.mark.filterwarnings("ignore:In CPU autocast:UserWarning")  # Mochi's rope
 
-#: Cases whose pipeline loss is not the family's, found by this contract and not fixed here: the i2v
-#: variants' loss masks the conditioning frame, and ``pipeline_inputs`` drops that mask (the pipeline's
-#: last stage computes an unmasked loss), so pipeline-parallel training of these variants trains on the
-#: given frame too. ``strict``: the mark must go once it is fixed.
-PIPELINE_LOSS_DROPS_THE_MASK = {"ltx2-i2v", "kandinsky5-i2v"}
 
 
 @pytest.fixture(scope="module", params=cases(), ids=lambda c: c.id)
@@ -49,10 +44,7 @@ def test_one_training_step(built):
     CHECKS["step"](built)
 
 
-def test_pipeline_layers_compose_to_the_forward(built, request):
-    if built.case.id in PIPELINE_LOSS_DROPS_THE_MASK:
-        request.applymarker(pytest.mark.xfail(raises=ContractError, strict=True,
-                                              reason="pipeline_inputs drops the i2v loss mask"))
+def test_pipeline_layers_compose_to_the_forward(built):
     CHECKS["layers"](built)
 
 
