@@ -67,6 +67,21 @@ def _short(v: Any) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
+def run_group(cmd: list[str], *, timeout: float, **kwargs: Any) -> tuple[int | str, str, str]:
+    """Run ``cmd`` in its own process group; at ``timeout`` the whole group is killed (Snakemake's jobs,
+    a worker's children). Returns (exit code or ``"timeout"``, stdout, stderr)."""
+    import signal
+
+    proc = subprocess.Popen(cmd, start_new_session=True, text=True, **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+        return proc.returncode, out or "", err or ""
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        return "timeout", out or "", err or ""
+
+
 def read_rows(out: Path) -> list[dict[str, Any]]:
     file = out / RESULTS
     if not file.is_file():

@@ -23,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kit import ROOT, Run, read_rows  # noqa: E402
+from kit import ROOT, Run, read_rows, run_group  # noqa: E402
 
 CHECKS = ["a", "b", "c", "d", "e"]
 SITE = Path("/tmp/site")
@@ -104,10 +104,9 @@ def orchestrate(args, run: Run) -> int:
         if run.dry:
             cmd.append("--dry-run")
         with open(run.out / "worker.txt", "a") as log:
-            try:
-                rc = subprocess.run(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, timeout=run.left + 60).returncode
-            except subprocess.TimeoutExpired:
-                rc = "timeout"
+            # A point in flight at the deadline may finish within a minute; then the worker and its
+            # children (Snakemake's jobs) are killed.
+            rc, _, _ = run_group(cmd, timeout=run.left + 60, env=env, stdout=log, stderr=subprocess.STDOUT)
         done = {r["check"] for r in read_rows(run.out) if r["status"] == "done" or r["check"] == "env"}
         left = [c for c in todo if c not in done]
         if rc == 0 or not left:

@@ -22,7 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from kit import ROOT, Run
+from kit import ROOT, Run, run_group
+
+TIMEOUT_S = 240
 
 
 def write_config(scratch: Path) -> Path:
@@ -55,25 +57,24 @@ def check_a(run: Run, scratch: Path) -> None:
     cmd = [sys.executable, "-m", "diffpipe", "run", "--config", str(config), "--workdir", str(scratch)]
     if run.dry:
         cmd.append("--dry-run")
-    timeout = max(30.0, run.left)
+    # A normal run takes 1-2 minutes on the GPU; past TIMEOUT_S the later checks matter more.
+    timeout = max(30.0, min(run.left, TIMEOUT_S))
     start = time.time()
-    try:
-        proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        run.row("a", "demo workflow bf16", "error", error=f"stopped after {timeout:.0f} s")
-        return
+    rc, stdout, stderr = run_group(cmd, timeout=timeout, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE)
     wall = time.time() - start
-    (run.out / "log.txt").open("a").write(f"--- check a: {' '.join(cmd)}\n{proc.stdout[-6000:]}{proc.stderr[-6000:]}\n")
-    fields: dict[str, Any] = {"rc": proc.returncode, "wall_s": round(wall, 1)}
+    with open(run.out / "log.txt", "a") as log:
+        log.write(f"--- check a: {' '.join(cmd)}\n{stdout[-6000:]}{stderr[-6000:]}\n")
+    fields: dict[str, Any] = {"rc": rc, "wall_s": round(wall, 1)}
     if run.dry:
-        fields["jobs_planned"] = proc.stdout.count("rule ") + proc.stderr.count("rule ")
-        run.row("a", "demo workflow bf16 (snakemake dry run)", "dry-run" if proc.returncode == 0 else "error",
-                **fields, **({} if proc.returncode == 0 else {"error": proc.stderr[-2000:]}))
+        fields["jobs_planned"] = stdout.count("rule ") + stderr.count("rule ")
+        run.row("a", "demo workflow bf16 (snakemake dry run)", "dry-run" if rc == 0 else "error",
+                **fields, **({} if rc == 0 else {"error": stderr[-2000:]}))
         return
     fields.update(outputs(scratch / "demo-run"))
-    ok = proc.returncode == 0 and fields.get("cuda_peak_mb", 0) > 0 and fields["exports"] and fields["samples"]
+    ok = rc == 0 and fields.get("cuda_peak_mb", 0) > 0 and fields["exports"] and fields["samples"]
     run.row("a", "demo workflow bf16", "ok" if ok else "error", **fields,
-            **({} if ok else {"error": (proc.stderr or proc.stdout)[-2000:]}))
+            **({} if ok else {"error": (stderr or stdout)[-2000:]}))
 
 
 def outputs(root: Path) -> dict[str, Any]:

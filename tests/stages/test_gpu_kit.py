@@ -66,3 +66,13 @@ def test_the_carried_wheels_pin_the_versions_the_suite_passes_with():
     # polars' wheel (54 MB) does not fit beside the rest; it need not travel while no module imports it.
     assert "polars" not in carried
     assert not [p for p in (ROOT / "diffpipe").rglob("*.py") if re.search(r"^\s*(import|from) polars", p.read_text(), re.M)]
+
+
+def test_a_run_out_of_time_still_leaves_a_row_for_every_check(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(KIT / "run.py"), "--dry-run", "--out", str(out), "--budget", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["check"], r["status"]) for r in rows] == [(c, "skipped") for c in ("env", *"abcde")]
+    assert all("no time left" in r["reason"] for r in rows) and "| e | (whole check) | skipped |" in proc.stdout
