@@ -35,6 +35,11 @@ def test_the_dry_run_runs_every_check_and_writes_its_rows(tmp_path):
         r = by["b", f"flux {option}"]
         assert r["status"] == "dry-run" and r["s_per_step"] > 0 and r["flops_per_step"] > 0
         assert r["estimate_bytes"] > 0 and len(r["step_times"]) == 2
+    same = by["b", "block swap prefetch: same step as no swap (tiny flux, every block)"]
+    assert same["status"] == "ok" and same["max_rel_diff"] == 0 and same["copier"] == "SyncCopier"
+    # 5 blocks, each loaded in the forward and in its recomputation; every load but the very first (no block
+    # runs before it to start its copy) found its copy under way.
+    assert same["onloads"] == 10 and same["prefetched"] == 9
     swap = by["b", "flux fp8+ckpt+swap_half"]
     assert swap["swapped_blocks"] == 2 and swap["prefetched"] == swap["onloads"] > 0
     assert by["b", "block swap slowdown"]["swap_over_no_swap"] > 0

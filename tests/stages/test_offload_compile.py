@@ -143,8 +143,9 @@ def test_block_swap_on_a_side_stream_gives_the_same_step_on_cuda():
     want_loss = family.loss(ref, latents, text, torch.Generator("cuda").manual_seed(1)).mean()
     want_loss.backward()
     want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
-    assert torch.equal(loss.detach(), want_loss.detach())
-    assert all(torch.equal(grads[k], want[k]) for k in want)
+    # Some CUDA attention backward kernels sum in a run-dependent order: equal up to that.
+    assert torch.allclose(loss.detach(), want_loss.detach(), rtol=1e-6)
+    assert all(torch.allclose(grads[k], want[k], rtol=1e-5, atol=1e-8) for k in want)
 
 
 def test_block_swap_settings_are_checked():
