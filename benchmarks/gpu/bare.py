@@ -98,8 +98,9 @@ def check_c(run: Run, diffpipe_row: dict[str, Any] | None) -> None:
             fields["peak_bytes"] = torch.cuda.max_memory_allocated()
         ours = (diffpipe_row or {}).get("s_per_step")
         if ours:
-            fields.update(diffpipe_s_per_step=ours, diffpipe_over_bare=ours / s, goal="<= 1.10",
-                          meets_goal=ours / s <= 1.10)
+            fields.update(diffpipe_s_per_step=ours, diffpipe_over_bare=ours / s)
+            if not run.dry:  # tiny CPU steps prove nothing about the goal
+                fields.update(goal="<= 1.10", meets_goal=ours / s <= 1.10)
         else:
             fields["note"] = "no diffpipe bf16+ckpt time from check b to compare with"
         run.row("c", "flux bf16+ckpt bare diffusers+peft loop", "dry-run" if run.dry else "ok", **fields)

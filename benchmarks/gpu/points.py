@@ -240,8 +240,8 @@ def check_b(run: Run, matmul: float | None) -> None:
     swap, base = rows.get("fp8+ckpt+swap_half", {}), rows.get("fp8+ckpt", {})
     if swap.get("s_per_step") and base.get("s_per_step"):
         ratio = swap["s_per_step"] / base["s_per_step"]
-        run.row("b", "block swap slowdown", "dry-run" if run.dry else "ok", swap_over_no_swap=ratio,
-                goal="<= 1.3", meets_goal=ratio <= 1.3)
+        goal = {} if run.dry else {"goal": "<= 1.3", "meets_goal": ratio <= 1.3}  # tiny CPU steps prove nothing
+        run.row("b", "block swap slowdown", "dry-run" if run.dry else "ok", swap_over_no_swap=ratio, **goal)
 
 
 #: Attention backends tried in check d besides torch's SDPA (``native``); each one this machine cannot run

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import subprocess
 import sys
 import time
@@ -23,9 +24,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kit import ROOT, Run, read_rows, run_group  # noqa: E402
+from kit import ROOT, Run, read_rows  # noqa: E402
 
 CHECKS = ["a", "b", "c", "d", "e"]
+ROW_LINE = re.compile(r"\[(env|a|b|c|d|e)\] ")  # what Run.row logs
 SITE = Path("/tmp/site")
 
 
@@ -103,10 +105,9 @@ def orchestrate(args, run: Run) -> int:
                "--checks", ",".join(todo), "--steps", str(run.steps), "--warmup", str(run.warmup)]
         if run.dry:
             cmd.append("--dry-run")
-        with open(run.out / "worker.txt", "a") as log:
-            # A point in flight at the deadline may finish within a minute; then the worker and its
-            # children (Snakemake's jobs) are killed.
-            rc, _, _ = run_group(cmd, timeout=run.left + 60, env=env, stdout=log, stderr=subprocess.STDOUT)
+        # A point in flight at the deadline may finish within a minute; then the worker and its
+        # children (Snakemake's jobs) are killed.
+        rc = _watch(cmd, env, run.left + 60, run.out / "worker.txt")
         done = {r["check"] for r in read_rows(run.out) if r["status"] == "done" or r["check"] == "env"}
         left = [c for c in todo if c not in done]
         if rc == 0 or not left:
@@ -121,11 +122,39 @@ def orchestrate(args, run: Run) -> int:
     return 0
 
 
+def _watch(cmd: list[str], env: dict[str, str], timeout: float, log: Path) -> int | str:
+    """Run the worker in its own process group: all its output to ``log``, its row lines (``[check] ...``)
+    echoed here as they come (the device tool returns the end of this output even after a kill)."""
+    import signal
+    import threading
+
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+
+    def pump() -> None:
+        with open(log, "a") as f:
+            for line in proc.stdout:
+                f.write(line)
+                if ROW_LINE.match(line):
+                    print(line, end="", flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        rc: int | str = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        rc = "timeout"
+    reader.join(timeout=10)
+    return rc
+
+
 def summary(run: Run) -> None:
     """summary.md: one line per row (check, point, status, the main figures), printed too."""
     keys = ["s_per_step", "peak_bytes", "estimate_bytes", "estimate_over_measured", "tflops_per_device", "mfu",
             "mfu_vs_measured_matmul", "speedup_vs_native", "compile_s", "diffpipe_over_bare", "swap_over_no_swap",
-            "rc", "steps", "cuda_peak_mb", "reason", "error"]
+            "rc", "steps", "cuda_peak_mb", "copier", "max_rel_diff", "reason", "error"]
     lines = ["| check | point | status | figures |", "| --- | --- | --- | --- |"]
     for r in read_rows(run.out):
         if r["status"] == "done":

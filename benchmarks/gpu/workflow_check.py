@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -51,6 +52,14 @@ def launcher(scratch: Path) -> Path:
 
 
 def check_a(run: Run, scratch: Path) -> None:
+    marker = scratch / ".diffpipe-gpu-kit"
+    if marker.is_file():  # a rerun on a warm machine: the workflow must run again, not find its outputs
+        shutil.rmtree(scratch / "demo-run", ignore_errors=True)
+    elif scratch.exists() and any(scratch.iterdir()):
+        run.row("a", "demo workflow bf16", "error", error=f"{scratch} exists and was not made by the kit")
+        return
+    scratch.mkdir(parents=True, exist_ok=True)
+    marker.touch()
     config, bin_dir = write_config(scratch), launcher(scratch)
     env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}",
                PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
