@@ -6,7 +6,7 @@ Reads ``wheels.txt`` (beside this file): binary wheels are downloaded for CPytho
 x86-64 with ``--no-deps``; lines marked ``sdist`` (DeepSpeed, connection-pool) are built here into
 pure-Python wheels (``pip wheel --no-deps --no-build-isolation``, ``DS_BUILD_OPS=0``). Wheels in .whl that
 the list no longer names are removed (only in the folder this script made). Then every carried wheel's
-requirements are checked against the other wheels, the GPU image's packages (``gpu_image_packages.txt``)
+requirements, and diffpipe's own (pyproject.toml), are checked against the other wheels, the GPU image's packages (``gpu_image_packages.txt``)
 and ``left_out.txt``; and the repository as it travels (tracked and untracked-not-ignored files, shared/)
 plus .whl is summed. Exit 1 if a requirement is unmet or the total passes 64 MiB.
 """
@@ -111,14 +111,21 @@ def requirements(whl: Path) -> list[str]:
 
 
 def unmet(keep: list[Path]) -> dict[str, list[str]]:
+    """Requirements of diffpipe (pyproject.toml) and of each carried wheel that nothing provides."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
     carried = {norm(w.name.split("-")[0]) for w in keep}
     image = {norm(n) for n in read_list(HERE / "gpu_image_packages.txt")}
     left_out = {norm(line.split(":")[0]) for line in read_list(HERE / "left_out.txt")}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    needs = [(norm(Requirement(r).name), "diffpipe") for r in project]
+    needs += [(req, whl.name.split("-")[0]) for whl in keep for req in requirements(whl)]
     problems: dict[str, list[str]] = {}
-    for whl in keep:
-        for req in requirements(whl):
-            if req not in carried | image | left_out:
-                problems.setdefault(req, []).append(whl.name.split("-")[0])
+    for req, by in needs:
+        if req not in carried | image | left_out:
+            problems.setdefault(req, []).append(by)
     return problems
 
 

@@ -163,6 +163,7 @@ def summary(run: Run) -> None:
         if r["check"] == "env":
             figs = ", ".join(f"{k}={r.get(k)}" for k in ("gpu", "nvidia_smi", "torch", "cuda", "matmul_bf16_tflops")
                              if k in r)
+            figs += "; " + " ".join(f"{k}={v}" for k, v in (r.get("packages") or {}).items() if v)
         lines.append(f"| {r['check']} | {r['point']} | {r['status']} | {figs.replace('|', '/')} |")
     text = "\n".join(lines) + "\n"
     (run.out / "summary.md").write_text(text)
