@@ -46,6 +46,7 @@ def test_the_dry_run_runs_every_check_and_writes_its_rows(tmp_path):
     assert by["c", "flux bf16+ckpt bare diffusers+peft loop"]["diffpipe_over_bare"] > 0
     assert by["d", "flux bf16+ckpt attention _native_math"]["speedup_vs_native"] > 0
     # GPU-only pieces are skipped by name, with the reason, never given a figure.
+    assert by["b", "block swap side-stream copies (StreamCopier)"]["status"] == "skipped"
     for name in ("_native_flash", "_native_cudnn", "flash", "compile"):
         point = f"flux bf16+ckpt {'attention ' if name != 'compile' else ''}{name}"
         assert by["d", point]["status"] == "skipped" and by["d", point]["reason"]
