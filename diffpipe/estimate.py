@@ -111,11 +111,13 @@ class MemoryEstimate:
 
     def swapped(self, n: int) -> MemoryEstimate:
         """This estimate with the last ``n`` blocks swapped (all if fewer): their frozen weights move to
-        CPU memory, and the largest of them counts once, resident while it runs."""
+        CPU memory, and the two largest of them count, resident: the block that runs and the next one,
+        whose copy is prefetched meanwhile (``training.offload``)."""
         moved = self.block_bytes[len(self.block_bytes) - min(n, len(self.block_bytes)):] if n else ()
         gpus = self.gpus if self.zero_stage == 3 else 1
+        resident = sum(sorted(moved)[-2:])
         return replace(self, block_swap=n, cpu_bytes=sum(moved),
-                       param_bytes=self.param_bytes - (sum(moved) - max(moved, default=0)) // gpus)
+                       param_bytes=self.param_bytes - (sum(moved) - resident) // gpus)
 
     def swap_to_fit(self, budget: int) -> int | None:
         """The fewest blocks to swap for ``total_bytes <= budget``; None if swapping all is not enough."""

@@ -2,9 +2,16 @@
 
 ``train.block_swap: N`` keeps the frozen weights (and buffers) of the last ``N`` repeated blocks (the
 elements of the denoiser's top-level ``ModuleList``s: Flux's double and single blocks, Wan's and
-Qwen-Image's blocks) in CPU memory. A forward pre-hook copies a block's frozen tensors to the GPU; a
+Qwen-Image's blocks) in CPU memory. A forward pre-hook puts a block's frozen tensors on the GPU; a
 forward hook points them back at the CPU copies (see :class:`BlockSwap` for when). Trainable tensors (the LoRA) never move, so DeepSpeed's
 optimizer keeps stepping the tensors it was handed.
+
+Prefetch: while block i computes, the copy of the block that runs next (i+1 in the forward pass, i-1
+in the recomputations of the backward pass, which run in reverse) is already under way, so copies
+overlap compute. On CUDA the copies run on a side stream from pinned host memory, and the compute
+stream waits on an event recorded after each block's copy (:class:`StreamCopier`); on CPU the same
+order of copies runs synchronously (:class:`SyncCopier`), so results are identical with or without
+swap. The GPU then holds up to two swapped blocks: the one running and the next.
 
 Why activation checkpointing is required: autograd keeps what a layer needs for its backward pass, and a
 frozen Linear's backward needs its weight, so without recomputation every block's GPU copy would stay
@@ -25,6 +32,8 @@ from weights already on the GPU, so a GPU run briefly holds them twice: install 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -43,6 +52,59 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
 
+@dataclass
+class Copy:
+    """A block's device tensors, and (CUDA) the event recorded on the copy stream after they were written."""
+
+    tensors: list[torch.Tensor]
+    event: object | None = None
+
+
+class SyncCopier:
+    """Copies on the calling thread, done when :meth:`start` returns (CPU, or any device without streams)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def start(self, homes: list[torch.Tensor]) -> Copy:
+        # copy=True: on a CPU-only machine the "device" copy is still a fresh tensor, as on a GPU.
+        return Copy([h.to(self.device, copy=True) for h in homes])
+
+    def finish(self, copy: Copy) -> list[torch.Tensor]:
+        """The tensors, ready for the compute stream."""
+        return copy.tensors
+
+
+class StreamCopier(SyncCopier):
+    """CUDA: copies from pinned host memory on a side stream; the compute stream waits on their event."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.stream = torch.cuda.Stream(device)
+
+    def start(self, homes: list[torch.Tensor]) -> Copy:
+        # Allocated and written on the side stream; the sources are pinned and never written, so the copy
+        # need not wait for the compute stream.
+        with torch.cuda.stream(self.stream):
+            tensors = [h.to(self.device, non_blocking=True, copy=True) for h in homes]
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return Copy(tensors, event)
+
+    def finish(self, copy: Copy) -> list[torch.Tensor]:
+        compute = torch.cuda.current_stream(self.device)
+        compute.wait_event(copy.event)
+        for t in copy.tensors:
+            # Used on the compute stream from now on: the allocator must not hand this memory back to the
+            # side stream until the compute stream is done with it.
+            t.record_stream(compute)
+        return copy.tensors
+
+
+def copier_for(device: torch.device) -> SyncCopier:
+    return StreamCopier(device) if device.type == "cuda" else SyncCopier(device)
+
+
 class BlockSwap:
     """Hooks that keep the frozen tensors of ``blocks`` in CPU memory except while a block runs.
 
@@ -51,13 +113,25 @@ class BlockSwap:
     and autograd saves some parameters themselves (a norm's or a convolution's weight), which would
     see the CPU copy if it were swapped back at once: there the swap back waits until the next block
     is brought in (the backward pass has then finished with this block) or the backward pass ends.
+
+    Prefetch order: a block's pre-hook starts the copy of the block that runs next (the next swapped
+    block in the forward pass, the previous one in the backward pass); ``before``, the block that runs
+    just before the first swapped one, starts that block's copy; and with gradients on, the last
+    swapped block's copy for its recomputation starts as soon as its forward returns (the backward
+    pass recomputes it first). At most one copy waits ahead: starting one drops any other.
     """
 
-    def __init__(self, blocks: list[torch.nn.Module], device: torch.device):
+    def __init__(self, blocks: list[torch.nn.Module], device: torch.device, *,
+                 before: torch.nn.Module | None = None, copier: SyncCopier | None = None):
         self.device = device
+        self.copier = copier or copier_for(device)
         self.onloads = 0  # how many times a block was brought to the device (tests read it)
+        self.prefetched = 0  # of those, how many found their copy already started
         pin = device.type == "cuda"
+        self._order = list(blocks)
+        self._index = {block: i for i, block in enumerate(self._order)}
         self._home: dict[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._ahead: dict[torch.nn.Module, Copy] = {}  # copies started before their block runs
         self._pending: list[torch.nn.Module] = []  # recomputed blocks still needed by the backward pass
         self._handles = []
         for block in blocks:
@@ -69,6 +143,8 @@ class BlockSwap:
             self._offload(block)
             self._handles.append(block.register_forward_pre_hook(self._pre))
             self._handles.append(block.register_forward_hook(self._post))
+        if before is not None and self._order:
+            self._handles.append(before.register_forward_pre_hook(self._pre_before))
 
     @property
     def cpu_bytes(self) -> int:
@@ -78,21 +154,47 @@ class BlockSwap:
     @torch.compiler.disable()
     def _pre(self, block: torch.nn.Module, args) -> None:
         self._flush()
-        if _in_backward():
+        backward = _in_backward()
+        if backward:
             # A recomputation may stop early, before the block returns (torch's checkpoint stops
             # once it has what the backward pass needs): the swap back cannot wait for _post.
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
             self._pending.append(block)
-        # copy=True: on a CPU-only machine the "device" copy is still a fresh tensor, as on a GPU.
-        for t, home in self._home[block]:
-            t.data = home.to(self.device, non_blocking=True, copy=True)
+        copy = self._ahead.pop(block, None)
+        self.prefetched += copy is not None
+        tensors = self.copier.finish(copy or self.copier.start(self._homes(block)))
+        for (t, _), dev in zip(self._home[block], tensors, strict=True):
+            t.data = dev
         self.onloads += 1
+        i = self._index[block] + (-1 if backward else 1)
+        if 0 <= i < len(self._order):
+            self._prefetch(self._order[i])
+
+    @torch.compiler.disable()
+    def _pre_before(self, module: torch.nn.Module, args) -> None:
+        if not _in_backward():
+            self._prefetch(self._order[0])
 
     @torch.compiler.disable()
     def _post(self, block: torch.nn.Module, args, output):
         if not _in_backward():
             self._offload(block)
+            if block is self._order[-1] and torch.is_grad_enabled():
+                self._prefetch(block)  # the backward pass recomputes the last block first
         return output
+
+    def _prefetch(self, block: torch.nn.Module) -> None:
+        if block in self._ahead:
+            return
+        self._ahead.clear()  # a copy nobody took (the pass went another way) frees its memory
+        self._ahead[block] = self.copier.start(self._homes(block))
+
+    def _homes(self, block: torch.nn.Module) -> list[torch.Tensor]:
+        return [home for _, home in self._home[block]]
+
+    def _end_backward(self) -> None:
+        self._flush()
+        self._ahead.clear()  # the last recomputation prefetched a block no backward needs
 
     def _flush(self) -> None:
         while self._pending:
@@ -106,17 +208,19 @@ class BlockSwap:
         """Bring every block back to the device and drop the hooks."""
         for h in self._handles:
             h.remove()
+        self._ahead.clear()
         for pairs in self._home.values():
             for t, home in pairs:
                 t.data = home.to(self.device)
         self._handles, self._home = [], {}
 
 
-def install(denoiser: torch.nn.Module, n_blocks: int, device: torch.device) -> BlockSwap | None:
+def install(denoiser: torch.nn.Module, n_blocks: int, device: torch.device, *,
+            copier: SyncCopier | None = None) -> BlockSwap | None:
     """Swap the last ``n_blocks`` blocks of ``denoiser`` (all of them if fewer); None when ``n_blocks`` is 0.
 
     Call after DeepSpeed built its engine: it moves and casts the module, which would pull the CPU
-    copies back.
+    copies back. ``copier``: how copies are made (default: a side CUDA stream on CUDA, in place on CPU).
     """
     if not n_blocks:
         return None
@@ -127,4 +231,6 @@ def install(denoiser: torch.nn.Module, n_blocks: int, device: torch.device) -> B
         # (the SD UNets checkpoint each resnet and attention inside their blocks).
         raise ValueError(f"train.block_swap: {type(denoiser).__name__} has no repeated transformer blocks to "
                          "swap (supported: transformer denoisers such as Flux, Qwen-Image, Wan)")
-    return BlockSwap(blocks[-n_blocks:], device)
+    n = min(n_blocks, len(blocks))
+    before = blocks[-n - 1] if n < len(blocks) else None
+    return BlockSwap(blocks[-n:], device, before=before, copier=copier)

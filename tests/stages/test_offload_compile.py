@@ -68,6 +68,86 @@ def test_block_swap_gives_the_same_step_and_never_moves_the_lora():
     assert all(p.device.type == "cpu" for p in den.parameters())
 
 
+class _RecordingCopier(offload.SyncCopier):
+    """The CPU copier, noting which block's copy starts when (the first home tensor's address)."""
+
+    def __init__(self, device: torch.device):
+        super().__init__(device)
+        self.started: list[int] = []
+
+    def start(self, homes):
+        self.started.append(homes[0].data_ptr())
+        return super().start(homes)
+
+
+def _deeper_flux():
+    """The tiny Flux with 2 double and 3 single blocks, a LoRA with non-zero B, checkpointing on."""
+    import diffusers
+
+    from diffpipe.families.flux.flavors import TINY_TRANSFORMER
+
+    family = get_family(ModelConfig(family="flux"))
+    torch.manual_seed(0)
+    den = diffusers.FluxTransformer2DModel(**{**TINY_TRANSFORMER, "num_layers": 2, "num_single_layers": 3})
+    den.requires_grad_(False).add_adapter(peft.LoraConfig(r=4, lora_alpha=4, target_modules=family.lora_targets(None),
+                                                          init_lora_weights=False))
+    den.enable_gradient_checkpointing()
+    return den.train(), family
+
+
+def test_block_swap_prefetches_the_next_block_in_forward_and_in_the_backward_recomputation():
+    den, family = _deeper_flux()
+    ref = copy.deepcopy(den)
+    torch.manual_seed(2)
+    latents, text = INPUTS["flux"]()
+    copier = _RecordingCopier(torch.device("cpu"))
+    swap = offload.install(den, 4, torch.device("cpu"), copier=copier)  # blocks 1-4 of 5: block 0 runs first
+    which = {pairs[0][1].data_ptr(): i for i, pairs in enumerate(swap._home.values())}
+    loss = family.loss(den, latents, text, torch.Generator().manual_seed(1)).mean()
+    # Forward: block 0 starts the first swapped block's copy, each swapped block the next one's, and the
+    # last one its own again for the backward pass, which recomputes it first.
+    assert [which[p] for p in copier.started] == [0, 1, 2, 3, 3]
+    loss.backward()
+    # Backward: recomputations run last to first; each starts the copy of the one before it.
+    assert [which[p] for p in copier.started] == [0, 1, 2, 3, 3, 2, 1, 0]
+    # Every load found its copy under way; nothing is held once the backward pass is over.
+    assert swap.onloads == swap.prefetched == 8 and not swap._ahead and not swap._pending
+    assert all(t.data_ptr() == h.data_ptr() for pairs in swap._home.values() for t, h in pairs)
+    grads = {n: p.grad.clone() for n, p in den.named_parameters() if p.requires_grad}
+    want_loss, want = _step(ref, family, latents, text)
+    assert torch.equal(loss.detach(), want_loss)
+    assert grads.keys() == want.keys() and all(torch.equal(grads[k], want[k]) for k in want)
+    # Without gradients (sampling) the forward prefetches in order and keeps nothing for a backward pass.
+    copier.started.clear()
+    with torch.no_grad():
+        out = family.loss(den, latents, text, torch.Generator().manual_seed(1)).mean()
+    assert [which[p] for p in copier.started] == [0, 1, 2, 3] and not swap._ahead
+    assert torch.equal(out, want_loss)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_block_swap_on_a_side_stream_gives_the_same_step_on_cuda():
+    den, family = _deeper_flux()
+    den.cuda()
+    ref = copy.deepcopy(den)
+    torch.manual_seed(2)
+    latents, text = INPUTS["flux"]()
+    latents, text = latents.cuda(), {k: v.cuda() for k, v in text.items()}
+    swap = offload.install(den, 4, torch.device("cuda"))
+    assert isinstance(swap.copier, offload.StreamCopier)
+    loss = family.loss(den, latents, text, torch.Generator("cuda").manual_seed(1)).mean()
+    loss.backward()
+    assert swap.prefetched == swap.onloads == 8
+    grads = {n: p.grad.clone() for n, p in den.named_parameters() if p.requires_grad}
+    want_loss = family.loss(ref, latents, text, torch.Generator("cuda").manual_seed(1)).mean()
+    want_loss.backward()
+    want = {n: p.grad for n, p in ref.named_parameters() if p.requires_grad}
+    # Some CUDA attention backward kernels sum in a run-dependent order: equal up to that.
+    assert torch.allclose(loss.detach(), want_loss.detach(), rtol=1e-6)
+    assert all(torch.allclose(grads[k], want[k], rtol=1e-5, atol=1e-8) for k in want)
+
+
 def test_block_swap_settings_are_checked():
     with pytest.raises(ValueError, match="activation_checkpointing"):
         TrainConfig(block_swap=4)

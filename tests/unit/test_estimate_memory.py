@@ -100,13 +100,14 @@ def test_nf4_counts_its_bytes_and_no_saved_weight_copies(flux):
     assert nf4.total_bytes < flux["bf16"].total_bytes - 0.5 * flux["bf16"].param_bytes
 
 
-def test_block_swap_leaves_one_block_resident(flux):
+def test_block_swap_leaves_two_blocks_resident(flux):
     fp8, swap = flux["fp8+ckpt"], flux["swap"]
     blocks = offload.swap_blocks(_fp8_model())
     assert swap.cpu_bytes == sum(t.nbytes for b in blocks for t in offload.frozen_tensors(b))
     assert swap.cpu_bytes > 0.9 * (fp8.param_bytes - 0.5 * GiB)  # nearly every weight is in a block
-    assert swap.param_bytes == fp8.param_bytes - swap.cpu_bytes + max(
-        sum(t.nbytes for t in offload.frozen_tensors(b)) for b in offload.swap_blocks(_fp8_model()))
+    # The block that runs and the next one, whose copy is prefetched meanwhile.
+    sizes = sorted(sum(t.nbytes for t in offload.frozen_tensors(b)) for b in offload.swap_blocks(_fp8_model()))
+    assert swap.param_bytes == fp8.param_bytes - swap.cpu_bytes + sizes[-1] + sizes[-2]
     assert swap.total_bytes < 5 * GiB and "blocks swapped" in swap.table()
 
 

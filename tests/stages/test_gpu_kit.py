@@ -1,0 +1,84 @@
+"""The GPU kit (benchmarks/gpu/) cannot rot between GPU lendings: its dry run runs here, on CPU, through the
+same functions and row writing as on the GPU, at tiny width and depth, and every check leaves its rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+KIT = ROOT / "benchmarks" / "gpu"
+OPTIONS = ["bf16+ckpt", "fp8+ckpt", "int8+ckpt", "nf4+ckpt", "fp8+ckpt+swap_half"]
+
+
+def test_the_dry_run_runs_every_check_and_writes_its_rows(tmp_path):
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("OUT", None)
+    proc = subprocess.run([sys.executable, str(KIT / "run.py"), "--dry-run", "--out", str(out)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:] + (out / "worker.txt").read_text()[-3000:]
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert not [r for r in rows if r["status"] in ("error", "oom")], (out / "worker.txt").read_text()[-3000:]
+    by = {(r["check"], r["point"]): r for r in rows}
+    env_row = by["env", "environment"]
+    assert env_row["torch"] and env_row["matmul_bf16_tflops"] > 0 and "diffusers" in env_row["packages"]
+    # Each check ran to its end, in the order of the issue.
+    assert [r["check"] for r in rows if r["status"] == "done"] == ["a", "b", "c", "d", "e"]
+    assert by["a", "demo workflow bf16 (snakemake dry run)"]["status"] == "dry-run"
+    assert by["a", "demo workflow bf16 (snakemake dry run)"]["jobs_planned"] > 0
+    for option in OPTIONS:  # the real code path measured something: a step time, FLOPs and an estimate
+        r = by["b", f"flux {option}"]
+        assert r["status"] == "dry-run" and r["s_per_step"] > 0 and r["flops_per_step"] > 0
+        assert r["estimate_bytes"] > 0 and len(r["step_times"]) == 2
+    same = by["b", "block swap prefetch: same step as no swap (tiny flux, every block)"]
+    assert same["status"] == "ok" and same["max_rel_diff"] == 0 and same["copier"] == "SyncCopier"
+    # 5 blocks, each loaded in the forward and in its recomputation; every load but the very first (no block
+    # runs before it to start its copy) found its copy under way.
+    assert same["onloads"] == 10 and same["prefetched"] == 9
+    swap = by["b", "flux fp8+ckpt+swap_half"]
+    assert swap["swapped_blocks"] == 2 and swap["prefetched"] == swap["onloads"] > 0
+    assert by["b", "block swap slowdown"]["swap_over_no_swap"] > 0
+    assert by["c", "flux bf16+ckpt bare diffusers+peft loop"]["diffpipe_over_bare"] > 0
+    assert by["d", "flux bf16+ckpt attention _native_math"]["speedup_vs_native"] > 0
+    # GPU-only pieces are skipped by name, with the reason, never given a figure.
+    assert by["b", "block swap side-stream copies (StreamCopier)"]["status"] == "skipped"
+    for name in ("_native_flash", "_native_cudnn", "flash", "compile"):
+        point = f"flux bf16+ckpt {'attention ' if name != 'compile' else ''}{name}"
+        assert by["d", point]["status"] == "skipped" and by["d", point]["reason"]
+    assert by["e", "qwenimage nf4+ckpt"]["status"] == by["e", "wan fp8+ckpt+swap_half"]["status"] == "dry-run"
+    summary = (out / "summary.md").read_text()
+    assert summary.count("\n") == len([r for r in rows if r["status"] != "done"]) + 2
+
+
+def _pins(text: str) -> dict[str, str]:
+    pins = {}
+    for line in text.splitlines():
+        line = line.split("#")[0].strip()
+        if "==" in line:
+            name, version = line.split()[0].split("==")
+            pins[re.sub(r"[-_.]+", "-", name).lower()] = version
+    return pins
+
+
+def test_the_carried_wheels_pin_the_versions_the_suite_passes_with():
+    carried, tested = _pins((KIT / "wheels.txt").read_text()), _pins((ROOT / "constraints.txt").read_text())
+    assert {"diffusers", "deepspeed", "torchao", "zarr", "snakemake", "pydantic"} <= carried.keys()
+    assert {k: v for k, v in carried.items() if k in tested} == {k: tested[k] for k in carried if k in tested}
+    # polars' wheel (54 MB) does not fit beside the rest; it need not travel while no module imports it.
+    assert "polars" not in carried
+    assert not [p for p in (ROOT / "diffpipe").rglob("*.py") if re.search(r"^\s*(import|from) polars", p.read_text(), re.M)]
+
+
+def test_a_run_out_of_time_still_leaves_a_row_for_every_check(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(KIT / "run.py"), "--dry-run", "--out", str(out), "--budget", "1"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["check"], r["status"]) for r in rows] == [(c, "skipped") for c in ("env", *"abcde")]
+    assert all("no time left" in r["reason"] for r in rows) and "| e | (whole check) | skipped |" in proc.stdout
