@@ -5,7 +5,7 @@ from __future__ import annotations
 import csv
 import os
 import shlex
-import subprocess
+import signal
 import sys
 import time
 from contextlib import nullcontext
@@ -16,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from diffpipe import hub, runlock
+from diffpipe import hub, runlock, runproc
 from diffpipe.config import ConfigError, load_config
 from diffpipe.paths import REPO_ROOT, SNAKEFILE, RunPaths
 from diffpipe.workflow import check_snakemake_paths
@@ -34,6 +34,7 @@ class RunSummary:
     jobs: list[str]  # jobs that ran in this invocation, e.g. "cache_text/s0001"
     stage_seconds: dict[str, float]
     wall_seconds: float
+    interrupted_by: int | None = None  # SIGINT, SIGTERM or SIGHUP: every process of the run was stopped
 
     @property
     def jobs_ran(self) -> int:
@@ -105,18 +106,25 @@ def run_workflow(
         env["DIFFPIPE_REGENERATE"] = "1"
         cmd += ["--forcerun", *REGENERATE_RULES]
     start = time.time()
+    say = lambda m: console.print(m, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
     # Snakemake's own lock is per working directory: a second run on this output_dir
     # from another folder would pass it. A dry run writes nothing and is not locked.
-    lock = nullcontext() if dry_run else runlock.hold(run_paths.root, runlock.RUN_LOCK, "diffpipe run",
-                                                       warn=lambda m: console.print(m, markup=False, highlight=False, soft_wrap=True))
+    lock = nullcontext() if dry_run else runlock.hold(run_paths.root, runlock.RUN_LOCK, "diffpipe run", warn=say)
     with lock as held:
+        fds = ()
         if held is not None:
+            runlock.check_no_jobs(run_paths.root)  # an earlier run's Snakemake may be gone, a job not
             runlock.check_free(run_paths.root, runlock.TRAIN_LOCK, "diffpipe train")
             env[runlock.HELD_ENV] = runlock.held_env(held)  # the jobs run under this lock
-        rc = subprocess.call(cmd, env=env, cwd=workdir)
+            # Snakemake holds the lock too: a kill -9 of this process alone leaves the run locked.
+            fds = tuple(fd for fd in [runlock.held_fd(held)] if fd is not None)
+            if stale := runproc.clear_stale_snakemake_lock(workdir, run_paths.root):
+                say(f"diffpipe run: removed Snakemake's lock left by an interrupted run on this output_dir ("
+                    f"{', '.join(f.name for f in stale)} in {stale[0].parent}); no process of that run is alive")
+        finished = runproc.run_group(cmd, env=env, cwd=workdir, pass_fds=fds, say=say)
     wall = time.time() - start
     jobs, seconds = _benchmarks(run_paths.benchmarks, since=start)
-    summary = RunSummary(rc, jobs, seconds, wall)
+    summary = RunSummary(finished.returncode, jobs, seconds, wall, finished.signal)
     if not dry_run:
         _print_summary(console, summary, run_paths)
     return summary
@@ -140,6 +148,11 @@ def _benchmarks(folder: Path, since: float) -> tuple[list[str], dict[str, float]
 
 
 def _print_summary(console: Console, s: RunSummary, p: RunPaths) -> None:
+    if s.interrupted_by is not None:
+        console.print(f"[bold red]interrupted[/] ({signal.Signals(s.interrupted_by).name}): no process of the run is "
+                      "left and its locks are released; `diffpipe run` again continues (training resumes from its "
+                      f"last checkpoint). Logs: {escape(str(p.root / 'logs'))}", soft_wrap=True)
+        return
     if s.returncode != 0:
         console.print(f"[bold red]workflow failed[/] (Snakemake exit {s.returncode}); see the logs in "
                       f"{escape(str(p.root / 'logs'))}", soft_wrap=True)
