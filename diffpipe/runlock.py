@@ -156,7 +156,7 @@ def check_no_jobs(folder: str | Path) -> None:
     """Raise :class:`FolderLocked` while a job of a run on ``folder`` still runs (its Snakemake may be gone)."""
     path = Path(folder) / JOBS_LOCK
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)  # NFS emulates flock with fcntl: LOCK_EX needs write access
     except FileNotFoundError:
         return
     try:
@@ -184,7 +184,7 @@ def join_run(wait_s: float = 10.0) -> None:
     for held in map(Path, _held()):
         if held.name != RUN_LOCK or not held.parent.is_dir():
             continue
-        fd = os.open(held.parent / JOBS_LOCK, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        fd = os.open(held.parent / JOBS_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         end = time.monotonic() + wait_s
         while True:
             try:

@@ -57,7 +57,9 @@ class _Group:
 
     @contextmanager
     def forwarding(self) -> Iterator[None]:
-        old = {s: signal.signal(s, self._on_signal) for s in _FORWARDED}
+        # A signal ignored here stays ignored (nohup's SIGHUP, SIGINT in a shell's background job); Snakemake
+        # inherits that too.
+        old = {s: signal.signal(s, self._on_signal) for s in _FORWARDED if signal.getsignal(s) != signal.SIG_IGN}
         try:
             yield
         finally:
@@ -115,7 +117,7 @@ class _Group:
             time.sleep(0.2)
 
     def _alive(self) -> bool:
-        _reap()
+        _reap(self.pgid)
         try:
             os.killpg(self.pgid, 0)
         except ProcessLookupError:
@@ -130,11 +132,14 @@ def _forwarded(signum: int) -> int:
     return signal.SIGTERM if signum == signal.SIGHUP else signum
 
 
-def _reap() -> None:
-    """Collect the exit of orphaned jobs handed to this process (the subreaper); Snakemake is collected already."""
+def _reap(pgid: int) -> None:
+    """Collect the exit of the group's orphans handed to this process (the subreaper); Snakemake's already is.
+
+    Only children of that group: another child of this process keeps its status for its own ``wait``.
+    """
     while True:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
+            pid, _ = os.waitpid(-pgid, os.WNOHANG)
         except ChildProcessError:
             return
         if pid == 0:

@@ -44,6 +44,18 @@ def test_a_signal_stops_every_process_of_the_group(tmp_path, monkeypatch, sig):
     assert any(signal.Signals(sig).name in line for line in said), said
 
 
+def test_a_signal_ignored_by_diffpipe_run_stays_ignored(tmp_path):
+    """`nohup diffpipe run &`: closing the terminal does not stop the run."""
+    old = signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    try:
+        threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGHUP)).start()
+        done = runproc.run_group(["sleep", "1.5"], env=dict(os.environ), cwd=tmp_path)
+        assert signal.getsignal(signal.SIGHUP) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGHUP, old)
+    assert done.signal is None and done.returncode == 0
+
+
 def test_processes_left_by_an_ended_leader_are_stopped(tmp_path):
     said = []
     # Children that outlive their parent, as jobs outlive a killed Snakemake.
