@@ -8,7 +8,6 @@ import shlex
 import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from diffpipe import hub, runlock, runproc
+from diffpipe import hub, runproc
 from diffpipe.config import ConfigError, load_config
 from diffpipe.paths import REPO_ROOT, SNAKEFILE, RunPaths
 from diffpipe.workflow import check_snakemake_paths
@@ -94,8 +93,9 @@ def run_workflow(
     if problems := missing_packages(cfg.train.trackers):  # before the cache jobs, not after them
         raise ConfigError("\n".join(problems))
     run_paths = RunPaths(workdir / cfg.output_dir)
+    # An interrupted job reruns whatever the profile says (Snakemake would refuse, naming --rerun-incomplete).
     cmd = snakemake_command(config, profile=Path(profile) if profile else None, cores=cores, dry_run=dry_run,
-                            targets=list(targets), extra=list(extra), workdir=workdir)
+                            targets=list(targets), extra=["--rerun-incomplete", *extra], workdir=workdir)
     # Rules call `diffpipe ...`: make sure it is this installation's.
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
     if not dry_run and hub.prefetch(cfg.model):
@@ -107,20 +107,7 @@ def run_workflow(
         cmd += ["--forcerun", *REGENERATE_RULES]
     start = time.time()
     say = lambda m: console.print(m, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
-    # Snakemake's own lock is per working directory: a second run on this output_dir
-    # from another folder would pass it. A dry run writes nothing and is not locked.
-    lock = nullcontext() if dry_run else runlock.hold(run_paths.root, runlock.RUN_LOCK, "diffpipe run", warn=say)
-    with lock as held:
-        fds = ()
-        if held is not None:
-            runlock.check_no_jobs(run_paths.root)  # an earlier run's Snakemake may be gone, a job not
-            runlock.check_free(run_paths.root, runlock.TRAIN_LOCK, "diffpipe train")
-            env[runlock.HELD_ENV] = runlock.held_env(held)  # the jobs run under this lock
-            # Snakemake holds the lock too: a kill -9 of this process alone leaves the run locked.
-            fds = tuple(fd for fd in [runlock.held_fd(held)] if fd is not None)
-            if stale := runproc.clear_stale_snakemake_lock(workdir, run_paths.root):
-                say(f"diffpipe run: removed Snakemake's lock left by an interrupted run on this output_dir ("
-                    f"{', '.join(f.name for f in stale)} in {stale[0].parent}); no process of that run is alive")
+    with runproc.run_lock(run_paths.root, workdir, env, say=say, dry_run=dry_run) as fds:
         finished = runproc.run_group(cmd, env=env, cwd=workdir, pass_fds=fds, say=say)
     wall = time.time() - start
     jobs, seconds = _benchmarks(run_paths.benchmarks, since=start)

@@ -8,9 +8,9 @@ holds every job. It returns only when no process of the group is left: a second 
 also makes itself the "subreaper" of the jobs Snakemake leaves behind, so their
 exits are collected even where process 1 of a container never collects them.
 
-Before a run starts, :func:`clear_stale_snakemake_lock` removes the lock files an
-interrupted Snakemake left for this run folder, once the run lock proved that no
-process of that run is alive.
+:func:`run_lock` holds the run folder for the run and, once the locks proved that
+no process of an earlier run is alive, removes the lock files an interrupted
+Snakemake left for this run folder (:func:`clear_stale_snakemake_lock`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from diffpipe import runlock
 
 GRACE_S = 30.0  # after the first forwarded signal: time for jobs to stop before they are killed
 _FORWARDED = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -153,7 +155,31 @@ def _become_subreaper() -> None:
         pass
 
 
-# -- Snakemake's own lock ----------------------------------------------------------------
+# -- the run lock and Snakemake's own lock ---------------------------------------------------
+@contextmanager
+def run_lock(root: Path, workdir: Path, env: dict[str, str], *, say: Callable[[str], None],
+             dry_run: bool = False) -> Iterator[tuple[int, ...]]:
+    """Hold the run folder ``root`` for a run; yields the descriptors Snakemake must inherit.
+
+    Snakemake's own lock is per working directory: a second run on this output_dir
+    from another folder would pass it. A dry run writes nothing and is not locked.
+    Sets :data:`runlock.HELD_ENV` in ``env``: the jobs run under this lock.
+    """
+    if dry_run:
+        yield ()
+        return
+    with runlock.hold(root, runlock.RUN_LOCK, "diffpipe run", warn=say) as held:
+        runlock.check_no_jobs(root)  # an earlier run's Snakemake may be gone, a job not
+        runlock.check_free(root, runlock.TRAIN_LOCK, "diffpipe train")
+        env[runlock.HELD_ENV] = runlock.held_env(held)
+        if stale := clear_stale_snakemake_lock(workdir, root):
+            say(f"diffpipe run: removed Snakemake's lock left by an interrupted run on this output_dir "
+                f"({', '.join(f.name for f in stale)} in {stale[0].parent}); no process of that run is alive")
+        # Snakemake holds the lock too: a kill -9 of diffpipe alone leaves the run locked.
+        fd = runlock.held_fd(held)
+        yield () if fd is None else (fd,)
+
+
 def clear_stale_snakemake_lock(workdir: Path, output_dir: Path) -> list[Path]:
     """Remove the lock files Snakemake left in ``workdir`` for a run on ``output_dir``; returns them.
 
