@@ -48,6 +48,7 @@ def _levels(
     if quiet and verbose:
         raise typer.BadParameter("give --quiet or --verbose, not both", param_hint="--quiet")
     logs.configure(quiet=quiet, verbose=verbose)
+    runlock.join_run()  # a job of a `diffpipe run`: keep the run locked while this process lives
 
 
 ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="Experiment config (YAML).")]
@@ -313,6 +314,9 @@ def train(
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest checkpoint.")] = False,
     checkpoint: Annotated[str | None, typer.Option(
         help="Resume from this checkpoint (a name under train/checkpoints, or a path); implies --resume.")] = None,
+    auto_resume: Annotated[bool, typer.Option(
+        "--auto-resume", help="Resume from the latest checkpoint if it fits this config, data and process count, "
+        "else start at step 1 saying why (what the workflow's train job does).")] = False,
 ) -> None:
     """Train a LoRA with DeepSpeed on the cached latents and text embeddings.
 
@@ -342,10 +346,11 @@ def train(
             argv = ["train", "--config", str(config), "--processes", str(processes)]
             argv += ["--resume"] if resume else []
             argv += ["--checkpoint", checkpoint] if checkpoint else []
+            argv += ["--auto-resume"] if auto_resume else []
             raise typer.Exit(engine.launch_local(processes, argv))
         from diffpipe.training.loop import train as run_training
 
-        run_training(cfg, paths, resume=resume, checkpoint=checkpoint, log=_say)
+        run_training(cfg, paths, resume=resume, checkpoint=checkpoint, log=_say, auto_resume=auto_resume)
         if launched and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             # A rank of several: close the process group before exit, or gloo's threads may still run at
             # interpreter shutdown and abort the process ("terminate called without an active exception").
@@ -487,6 +492,8 @@ def run(
     summary = run_workflow(config, profile=profile or DEFAULT_PROFILE, cores=cores, dry_run=dry_run,
                            targets=target or [], extra=ctx.args, workdir=workdir, console=console,
                            regenerate=regenerate)
+    if summary.interrupted_by is not None:
+        raise typer.Exit(128 + summary.interrupted_by)  # as a shell reports a command a signal stopped
     raise typer.Exit(0 if summary.returncode == 0 else 1)
 
 

@@ -5,10 +5,9 @@ from __future__ import annotations
 import csv
 import os
 import shlex
-import subprocess
+import signal
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,7 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from diffpipe import hub, runlock
+from diffpipe import hub, runproc
 from diffpipe.config import ConfigError, load_config
 from diffpipe.ownership import check_run_folder
 from diffpipe.paths import REPO_ROOT, SNAKEFILE, RunPaths
@@ -35,6 +34,7 @@ class RunSummary:
     jobs: list[str]  # jobs that ran in this invocation, e.g. "cache_text/s0001"
     stage_seconds: dict[str, float]
     wall_seconds: float
+    interrupted_by: int | None = None  # SIGINT, SIGTERM or SIGHUP: every process of the run was stopped
 
     @property
     def jobs_ran(self) -> int:
@@ -94,31 +94,28 @@ def run_workflow(
     if problems := trackers.problems(cfg.train.trackers):  # before the cache jobs, not after them
         raise ConfigError("\n".join(problems))
     run_paths = RunPaths(workdir / cfg.output_dir)
-    check_run_folder(run_paths.root)  # before Snakemake deletes old outputs there, and before the lock file
-    cmd = snakemake_command(config, profile=Path(profile) if profile else None, cores=cores, dry_run=dry_run,
-                            targets=list(targets), extra=list(extra), workdir=workdir)
     # Rules call `diffpipe ...`: make sure it is this installation's.
     env = dict(os.environ, PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    # The model first: a missing or incomplete one stops the run before its folder is claimed.
     if not dry_run and hub.prefetch(cfg.model):
         # A Hugging Face id is downloaded here, once; the jobs read that snapshot from the cache.
         env["HF_HUB_OFFLINE"] = "1"
+    check_run_folder(run_paths.root)  # before Snakemake deletes old outputs there, and before the lock file
+    # An interrupted job reruns whatever the profile says (Snakemake would refuse, naming --rerun-incomplete).
+    extra = ["--rerun-incomplete", *extra]
     if regenerate:
         # The cache jobs read this and encode every entry again; Snakemake must rerun them.
         env["DIFFPIPE_REGENERATE"] = "1"
-        cmd += ["--forcerun", *REGENERATE_RULES]
+        extra += ["--forcerun", *REGENERATE_RULES]  # options, before the "--" that ends them
+    cmd = snakemake_command(config, profile=Path(profile) if profile else None, cores=cores, dry_run=dry_run,
+                            targets=list(targets), extra=extra, workdir=workdir)
     start = time.time()
-    # Snakemake's own lock is per working directory: a second run on this output_dir
-    # from another folder would pass it. A dry run writes nothing and is not locked.
-    lock = nullcontext() if dry_run else runlock.hold(run_paths.root, runlock.RUN_LOCK, "diffpipe run",
-                                                       warn=lambda m: console.print(m, markup=False, highlight=False, soft_wrap=True))
-    with lock as held:
-        if held is not None:
-            runlock.check_free(run_paths.root, runlock.TRAIN_LOCK, "diffpipe train")
-            env[runlock.HELD_ENV] = runlock.held_env(held)  # the jobs run under this lock
-        rc = subprocess.call(cmd, env=env, cwd=workdir)
+    say = lambda m: console.print(m, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
+    with runproc.run_lock(run_paths.root, workdir, env, say=say, dry_run=dry_run) as fds:
+        finished = runproc.run_group(cmd, env=env, cwd=workdir, pass_fds=fds, say=say)
     wall = time.time() - start
     jobs, seconds = _benchmarks(run_paths.benchmarks, since=start)
-    summary = RunSummary(rc, jobs, seconds, wall)
+    summary = RunSummary(finished.returncode, jobs, seconds, wall, finished.signal)
     if not dry_run:
         _print_summary(console, summary, run_paths)
     return summary
@@ -142,6 +139,11 @@ def _benchmarks(folder: Path, since: float) -> tuple[list[str], dict[str, float]
 
 
 def _print_summary(console: Console, s: RunSummary, p: RunPaths) -> None:
+    if s.interrupted_by is not None:
+        console.print(f"[bold red]interrupted[/] ({signal.Signals(s.interrupted_by).name}): no process of the run is "
+                      "left and its locks are released; `diffpipe run` again continues (training resumes from its "
+                      f"last checkpoint). Logs: {escape(str(p.root / 'logs'))}", soft_wrap=True)
+        return
     if s.returncode != 0:
         console.print(f"[bold red]workflow failed[/] (Snakemake exit {s.returncode}); see the logs in "
                       f"{escape(str(p.root / 'logs'))}", soft_wrap=True)

@@ -36,6 +36,7 @@ import pickle
 import random
 import re
 import shutil
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -472,6 +473,12 @@ def _barrier() -> None:
 
 
 def fault_point(point: str, step: int) -> None:
-    """Test hook: ``DIFFPIPE_FAULT=<point>:<step>`` kills the process here (e.g. mid-checkpoint)."""
-    if os.environ.get("DIFFPIPE_FAULT") == f"{point}:{step}":
+    """Test hook: ``DIFFPIPE_FAULT=<point>:<step>`` kills the process here (e.g. mid-checkpoint).
+
+    ``<point>:<step>:hang`` parks it here instead, until a signal ends it (the interrupt tests).
+    """
+    fault = os.environ.get("DIFFPIPE_FAULT")
+    if fault == f"{point}:{step}":
         os._exit(17)
+    while fault == f"{point}:{step}:hang":
+        time.sleep(1)

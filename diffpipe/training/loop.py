@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import shutil
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -31,6 +32,8 @@ from diffpipe.training.sample import TrainingSampler
 from diffpipe.training.schedules import lr_lambda
 from diffpipe.training.trainable import Trainable
 from diffpipe.utils import stable_json, write_text_atomic
+
+METRICS_COPY = "metrics.jsonl"  # in each checkpoint: the run's metrics up to its step
 
 
 @dataclass
@@ -72,14 +75,17 @@ class DataOrder:
 
 
 def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str | None = None,
-          log=print, data: CachedDataset | None = None) -> TrainResult:
+          log=print, data: CachedDataset | None = None, auto_resume: bool = False) -> TrainResult:
     """Train a LoRA (or, with ``train.mode: full``, the whole denoiser) on the caches of ``paths``.
 
     ``resume`` continues from the latest checkpoint (or ``checkpoint``, a
     name under ``train/checkpoints`` or a path) with identical results.
+    ``auto_resume`` does so when the latest checkpoint fits this config, data and
+    process count, and starts at step 1 otherwise (the workflow's train job).
     ``data`` trains on that dataset instead of the run's caches (``diffpipe bench``'s synthetic batches).
     """
-    return Trainer(cfg, paths, resume=resume, checkpoint=checkpoint, log=log, data=data).run()
+    return Trainer(cfg, paths, resume=resume, checkpoint=checkpoint, log=log, data=data,
+                   auto_resume=auto_resume).run()
 
 
 class Trainer:
@@ -87,9 +93,10 @@ class Trainer:
     :meth:`setup_monitors`), then :meth:`step` per optimizer step and :meth:`finish`."""
 
     def __init__(self, cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str | None = None,
-                 log=print, data: CachedDataset | None = None):
+                 log=print, data: CachedDataset | None = None, auto_resume: bool = False):
         self.cfg, self.tc, self.paths, self.log = cfg, cfg.train, paths, log
         self.resume, self.checkpoint, self.data, self.own_data = resume, checkpoint, data, data is None
+        self.auto_resume = auto_resume
 
     def run(self) -> TrainResult:
         self.setup_data()
@@ -127,9 +134,14 @@ class Trainer:
         self.items = _data_items(data)
         self.run_meta = {"config": self.cfg.model_dump(mode="json"), "world_size": dist.world_size,
                          "data_digest": ckpt.items_digest(self.items)}
-        resuming = self.resume or self.checkpoint
         # Refused early, before any model is loaded.
-        self.resume_from = _check_resume(self.paths, self.run_meta, self.items, self.checkpoint) if resuming else None
+        if self.resume or self.checkpoint:
+            self.resume_from = _check_resume(self.paths, self.run_meta, self.items, self.checkpoint)
+        elif self.auto_resume:
+            self.resume_from = _fitting_checkpoint(self.paths, self.run_meta, self.items,
+                                                   self.log if dist.is_main else (lambda *_: None))
+        else:
+            self.resume_from = None
 
     def setup_model(self) -> None:
         """The denoiser with its trainable parameters, precision options, the DeepSpeed engine (plain or
@@ -139,7 +151,7 @@ class Trainer:
         if tc.base_weights == "auto":
             denoiser.to(engine.device())
         self.trained = trained = Trainable(denoiser, family, self.cfg, is_main=dist.is_main,
-                                           continue_lora=not (self.resume or self.checkpoint))
+                                           continue_lora=self.resume_from is None)
         precision.prepare_denoiser(denoiser, tc)  # fp8 base weights, attention backend, compile
         # 8-bit base weights are stored while the denoiser is still in CPU memory: the GPU never holds its
         # 16-bit copy (FLUX.1-dev's 22 GiB would not fit a 24 GB card before fp8 / int8 halved it).
@@ -213,6 +225,9 @@ class Trainer:
                 trained.save(folder, step=step, epoch=epoch)
             if self.ema is not None and self.dist.is_main:
                 self.ema.save(folder.parent / EMA_STATE)
+            if self.dist.is_main and self.paths.metrics.is_file():
+                # The loss history so far: Snakemake deletes metrics.jsonl before it reruns an interrupted job.
+                shutil.copyfile(self.paths.metrics, folder.parent / METRICS_COPY)
 
         return ckpt.save_checkpoint(
             self.model, self.paths.checkpoints, step=step, rank=self.dist.rank, keep_last=self.tc.keep_checkpoints,
@@ -435,11 +450,29 @@ def _check_resume(paths: RunPaths, run_meta: dict[str, Any], items: dict[str, di
     return path
 
 
+def _fitting_checkpoint(paths: RunPaths, run_meta: dict[str, Any], items: dict[str, dict[str, Any]],
+                        log) -> Path | None:
+    """The latest checkpoint when it fits this config, processes and data; else None, saying why.
+
+    An interrupted workflow's train job reruns from scratch otherwise: the steps
+    done are lost and the new checkpoints replace the ones it could resume from.
+    """
+    if not ckpt.list_checkpoints(paths.checkpoints):
+        return None
+    try:
+        return _check_resume(paths, run_meta, items, None)
+    except (ckpt.ResumeError, ckpt.CheckpointError) as err:
+        log(f"train: starting at step 1, not resuming: {err}")
+        return None
+
+
 def _resume(model, gen: torch.Generator, paths: RunPaths, path: Path, rank: int, world_size: int) -> int:
     """Load the checkpoint's weights, optimizer, scheduler and RNG states; returns its step."""
     step = int(ckpt.read_meta(path)["step"])
     ckpt.set_rng_state(gen, ckpt.load_checkpoint(model, path, rank=rank, world_size=world_size))
     if rank == 0:
+        if not paths.metrics.exists() and (path / METRICS_COPY).is_file():
+            write_text_atomic(paths.metrics, (path / METRICS_COPY).read_text())
         ckpt.truncate_metrics(paths.metrics, step)
     return step
 

@@ -174,6 +174,7 @@ def test_cosmos2_safety_checker_stand_in_is_for_the_tiny_flavor_only(monkeypatch
     checker = get_family(ModelConfig(family="cosmos2")).safety_checker()
     frames = np.zeros((1, 8, 8, 3), dtype=np.uint8)
     assert checker.check_text_safety("anything") and checker.check_video_safety(frames) is frames
+    (tmp_path / "model_index.json").write_text("{}")  # a model folder is never empty (hub.resolved)
     local = get_family(ModelConfig(family="cosmos2", flavor="local", path=str(tmp_path)))
     monkeypatch.setattr("diffpipe.families.cosmos2.family.is_cosmos_guardrail_available", lambda: False)
     with pytest.raises(ValueError, match="pip install cosmos_guardrail"):

@@ -170,7 +170,7 @@ def test_run_stops_on_a_missing_model_before_snakemake(tmp_path, monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("Snakemake started")
 
-    monkeypatch.setattr(runner.subprocess, "call", started)
+    monkeypatch.setattr(runner.runproc, "run_group", started)
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({"output_dir": "run", "model": {"path": "./absent"},
                                       "datasets": [{"name": "d", "path": "d"}]}))

@@ -60,7 +60,7 @@ def test_run_stops_before_snakemake(no_login, monkeypatch):
     def started(*args, **kwargs):
         raise AssertionError("Snakemake started")
 
-    monkeypatch.setattr(runner.subprocess, "call", started)
+    monkeypatch.setattr(runner.runproc, "run_group", started)
     config = no_login / "c.yaml"
     config.write_text(yaml.safe_dump({"output_dir": str(no_login / "run"), "datasets": [{"name": "d", "path": "d"}],
                                       "train": {"trackers": ["wandb"]}}))

@@ -130,7 +130,7 @@ def test_every_rule_command_parses_to_its_argv(hostile):
                              *tail("cache_text/s0000")],
         "cache_empty_text": ["diffpipe", "cache", "empty", "--config", resolved, *tail("cache_empty_text")],
         "train": ["srun", "--kill-on-bad-exit=1", LAUNCHER_WORD, "diffpipe", "train", "--config", resolved,
-                  "--processes", "1", *tail("train")],
+                  "--processes", "1", "--auto-resume", *tail("train")],
         "export": ["diffpipe", "export", "--config", resolved, *formats, *tail("export")],
         "sample": ["diffpipe", "sample", "--config", resolved, *tail("sample")],
     }

@@ -12,6 +12,8 @@ rule train:
         config=RESOLVED,
         digest=dw.stage_digest(CFG, "train"),
         launcher=dw.launcher_args,
+    # --auto-resume: a rerun after an interruption continues from the last checkpoint
+    # that fits (Snakemake reruns an incomplete job; the checkpoints are not its outputs).
     # gpu: processes on this node (diffpipe train launches them). mpi: a launcher
     # put before the command; a profile sets it to srun for multi-node runs,
     # and every srun task then becomes one rank (see profiles/slurm).
@@ -23,4 +25,5 @@ rule train:
     benchmark:
         out("benchmarks/train.tsv")
     shell:
-        "{params.launcher} diffpipe train --config {params.config:q} --processes {resources.gpu:q} > {log:q} 2>&1"
+        "{params.launcher} diffpipe train --config {params.config:q} --processes {resources.gpu:q} --auto-resume"
+        " > {log:q} 2>&1"
