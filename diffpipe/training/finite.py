@@ -1,10 +1,9 @@
 """Non-finite is never saved: NaN / inf losses and gradients skip their optimizer step, weights that are
 not finite are never written, and an adapter file holding them is refused by export and sample.
 
-The checks are one fused reduction each (``torch._foreach_norm`` with ``ord=inf``: the largest absolute
-value of every tensor, NaN when a tensor holds one), run on the tensors where they already are, in
-their own dtype: no copy of the weights or gradients. Only when that finds something are the tensors
-looked at one by one, to name them.
+The checks are one fused reduction each (``torch._foreach_norm``: NaN or inf when a tensor holds one),
+run on the tensors where they already are, in their own dtype: no copy of the weights or gradients.
+Only when that finds something are the tensors looked at one by one, to confirm and to name them.
 """
 
 from __future__ import annotations
@@ -25,18 +24,23 @@ class NonFiniteError(ValueError):
 
 
 def all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    """Are all values of all ``tensors`` finite? One fused max-abs per device and dtype (exact: no overflow)."""
+    """Are all values of all ``tensors`` finite? One fused L2 norm per device and dtype (NaN and inf
+    propagate into it); only when that is not finite, which huge finite values can also cause, are the
+    tensors checked one by one."""
     groups: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
         if t.is_floating_point() and t.numel():
             groups.setdefault((t.device, t.dtype), []).append(t)
-    return all(bool(torch.isfinite(torch.stack(torch._foreach_norm(ts, float("inf")))).all())
-               for ts in groups.values())
+    for ts in groups.values():
+        if not bool(torch.isfinite(torch.stack(torch._foreach_norm(ts))).all()):
+            if not all(bool(torch.isfinite(t).all()) for t in ts):
+                return False
+    return True
 
 
 def nonfinite_names(named: Iterable[tuple[str, torch.Tensor]]) -> list[str]:
     """The names of the tensors holding a NaN or an inf, checked tensor by tensor."""
-    return [name for name, t in named if t.is_floating_point() and not all_finite([t])]
+    return [name for name, t in named if t.is_floating_point() and not bool(torch.isfinite(t).all())]
 
 
 def describe(names: list[str]) -> str:
@@ -60,7 +64,7 @@ def check_safetensors_file(path: str | Path, *, what: str) -> None:
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118  (safe_open is no mapping)
             t = f.get_tensor(key)
-            if t.is_floating_point() and not all_finite([t]):
+            if t.is_floating_point() and not bool(torch.isfinite(t).all()):
                 bad.append(key)
     if bad:
         raise _refused(what, path, bad)
