@@ -73,8 +73,9 @@ def check_safetensors_file(path: str | Path, *, what: str) -> None:
 def _refused(what: str, source: str | Path, names: list[str]) -> NonFiniteError:
     return NonFiniteError(
         f"{what}: {source} holds {len(names)} tensor(s) with NaN or inf values: {describe(names)}. The training "
-        "that wrote it diverged: export a checkpoint from before it (`diffpipe export --checkpoint step-NNNNNN`; "
-        "train/metrics.jsonl shows where the loss stopped being finite) or train again with a lower train.lr")
+        "that wrote it diverged: use the LoRA of a checkpoint from before it (`diffpipe export --checkpoint "
+        "step-NNNNNN` exports one; train/metrics.jsonl shows where the loss stopped being finite) or train again "
+        "with a lower train.lr")
 
 
 class StepGuard:
