@@ -69,7 +69,8 @@ def nan_item_run(tiny_run, tmp_path_factory):
     from diffpipe.training.loop import train
 
     root = tmp_path_factory.mktemp("nan-item")
-    cfg_file = tiny_run.clone(root, epochs=2, save_every_epochs=0, eval={"quantiles": []})
+    cfg_file = tiny_run.clone(root, epochs=2, save_every_epochs=0, eval={"quantiles": []},
+                              checkpoint_every_steps=1, keep_checkpoints=0)
     cfg, paths = load_config(cfg_file), RunPaths(root / "run")
     data = CachedDataset.from_run(paths)
     bad = data.items[3]
@@ -80,11 +81,11 @@ def nan_item_run(tiny_run, tmp_path_factory):
         result = train(cfg, paths, log=lines.append, data=data)
     finally:
         monkeypatch.undo()
-    return cfg_file, paths, result, lines
+    return cfg_file, paths, result, lines, data
 
 
 def test_nan_items_skip_their_steps_and_the_run_finishes(nan_item_run):
-    _, paths, result, lines = nan_item_run
+    _, paths, result, lines, _ = nan_item_run
     rows = read_metrics(paths.metrics)
     skipped = [r["step"] for r in rows if not math.isfinite(r["loss"])]
     assert len(skipped) == 2 and result.skipped_steps == 2  # the item is drawn once per epoch
@@ -94,6 +95,32 @@ def test_nan_items_skip_their_steps_and_the_run_finishes(nan_item_run):
     assert [f"step {s}:" in w for s, w in zip(skipped, warnings, strict=True)] == [True, True]
     assert math.isfinite(result.last_loss) or rows[-1]["step"] in skipped
     assert _finite(load_adapter(paths.adapter_dir)[0])
+
+
+def test_resume_after_a_skipped_step_is_exact(nan_item_run, tmp_path, monkeypatch):
+    """The skip count is part of the checkpoint: resumed just after a skipped step, the run logs the same
+    losses and counts and ends with the same LoRA as the uninterrupted one."""
+    from diffpipe.training.loop import train
+
+    cfg_file, paths, _, _, data = nan_item_run
+    rows = read_metrics(paths.metrics)
+    after = next(r["step"] for r in rows if not math.isfinite(r["loss"])) + 1
+    shutil.copytree(paths.root, tmp_path / "run")
+    copy = RunPaths(tmp_path / "run")
+    for ckpt in list_checkpoints(copy.checkpoints):
+        if int(ckpt.name.removeprefix("step-")) > after:
+            shutil.rmtree(ckpt)
+    shutil.rmtree(copy.adapter_dir)
+    cfg = load_config(cfg_file).model_copy(update={"output_dir": str(copy.root)})
+    rendezvous(monkeypatch)
+    train(cfg, copy, resume=True, log=lambda *_: None, data=data)
+    again = read_metrics(copy.metrics)
+    def pick(rs):  # as JSON text: NaN losses compare equal
+        return json.dumps([[r["step"], r["loss"], r["skipped_steps"]] for r in rs])
+
+    assert pick(again) == pick(rows)
+    a, b = load_file(str(copy.adapter_dir / WEIGHTS_NAME)), load_file(str(paths.adapter_dir / WEIGHTS_NAME))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_nonfinite_weights_are_never_written(tiny_run, cli, tmp_path):
@@ -140,7 +167,7 @@ def _fails(*args, cwd, monkeypatch) -> str:
 
 
 def test_export_and_sample_refuse_a_nonfinite_adapter(nan_item_run, tmp_path, monkeypatch):
-    cfg_file, paths, _, _ = nan_item_run
+    cfg_file, paths, *_ = nan_item_run
     # A diffusers file exported from the (finite) adapter, then a NaN planted in one of its tensors.
     good = tmp_path / "good"
     CliRunner().invoke(app, ["export", "-c", str(cfg_file), "-f", "diffusers", "--out", str(good)])
