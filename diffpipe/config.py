@@ -888,6 +888,11 @@ class TrainConfig(_Section):
         0, description="Also a full checkpoint every N minutes of training (0: off).", ge=0
     )
     keep_checkpoints: Int = Field(3, description="Keep only the newest K full checkpoints (0: keep all).", ge=0, le=10_000)
+    max_nonfinite_steps: Int = Field(
+        5, description="Optimizer steps whose loss or gradients are not finite (NaN, inf) are skipped with a "
+        "warning; this many in a row stop the run with an error (exit 1). Weights that are not finite are never "
+        "saved.", ge=1, le=MAX_STEPS,
+    )
     mode: Literal["lora", "full"] = Field(
         "lora",
         description="`lora`: train a LoRA on the frozen denoiser; `full`: fine-tune every denoiser weight "

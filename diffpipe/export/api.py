@@ -20,7 +20,8 @@ from diffpipe.export.peft_format import export_peft
 from diffpipe.export.text_encoders import TextLoras, kohya_tensors
 from diffpipe.models.base import Family, split_parts
 from diffpipe.paths import EXPORT_CARD, EXPORT_NAMES, FORMATS, RunPaths, export_name
-from diffpipe.training.adapter import PEFT_PREFIX, adapter_kind, load_adapter
+from diffpipe.training.adapter import PEFT_PREFIX, WEIGHTS_NAME, adapter_kind, load_adapter
+from diffpipe.training.finite import check_tensors
 from diffpipe.training.text_encoders import load_text_adapters
 from diffpipe.utils import claim_files
 
@@ -69,6 +70,10 @@ def export_lora(
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
     state_dict, lora_cfg = load_adapter(adapter_dir)
     text = load_text_adapters(adapter_dir)  # the text encoders trained beside it (train.text_encoder)
+    # A diverged run's weights: refused before anything is written, naming the tensors.
+    check_tensors(state_dict, adapter_dir / WEIGHTS_NAME, what="export")
+    for name, (sd, _) in text.items():
+        check_tensors(sd, adapter_dir / name / WEIGHTS_NAME, what="export")
     kind = adapter_kind(lora_cfg)
     _check_formats_read(kind, formats)
     # out_dir may be a user's folder (--out): refuse before writing if a name we write is theirs.

@@ -20,6 +20,7 @@ from peft.utils import get_peft_model_state_dict, set_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from diffpipe.config import LoraConfig
+from diffpipe.training.finite import check_tensors
 from diffpipe.utils import atomic_path, stable_json
 
 PEFT_PREFIX = "base_model.model."
@@ -85,6 +86,7 @@ def load_lora_file(path: str | Path, denoiser_name: str) -> dict[str, torch.Tens
 def init_from(denoiser: torch.nn.Module, path: str | Path, denoiser_name: str) -> None:
     """Load an existing LoRA into the freshly added adapter; every adapter tensor must be covered."""
     sd = load_lora_file(path, denoiser_name)
+    check_tensors(sd, path, what="train.lora.init_from")
     own = get_peft_model_state_dict(denoiser)
     missing = sorted(set(own) - set(sd))
     unknown = sorted(set(sd) - set(own))

@@ -234,6 +234,15 @@ def broadcast_flag(flag: bool, world_size: int) -> bool:
     return bool(t.item())
 
 
+def any_over_ranks(flag: bool, world_size: int) -> bool:
+    """True on every rank when ``flag`` is True on any (collective)."""
+    if world_size == 1:
+        return flag
+    t = torch.tensor([int(flag)], device=device())
+    torch.distributed.all_reduce(t, op=torch.distributed.ReduceOp.MAX)
+    return bool(t.item())
+
+
 def all_gather_strings(value: str, world_size: int) -> list[str]:
     if world_size == 1:
         return [value]

@@ -20,7 +20,7 @@ from diffpipe.models import _common as common
 from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training import checkpoint as ckpt
-from diffpipe.training import checkpointing, engine, offload, pipeline, precision
+from diffpipe.training import checkpointing, engine, finite, offload, pipeline, precision
 from diffpipe.training.ema import STATE_NAME as EMA_STATE
 from diffpipe.training.ema import Ema
 from diffpipe.training.eval import Evaluator, aux_inputs, eval_dataset
@@ -45,6 +45,7 @@ class TrainResult:
     adapter_dir: Path
     seconds: float
     resumed_from: int = 0
+    skipped_steps: int = 0  # optimizer steps skipped for a loss or gradients that were not finite
 
 
 class DataOrder:
@@ -159,8 +160,11 @@ class Trainer:
         self.params = trained.all_params
 
         def make_scheduler(optimizer):
-            return torch.optim.lr_scheduler.LambdaLR(
+            scheduler = torch.optim.lr_scheduler.LambdaLR(
                 optimizer, lr_lambda(total=self.order.total, warmup=tc.warmup_steps, kind=tc.lr_schedule))
+            # After the scheduler: it wraps optimizer.step itself, and must wrap the real method.
+            self.guard = finite.StepGuard(optimizer)
+            return scheduler
 
         if tc.pipeline_stages > 1:
             layers = family.pipeline_layers(denoiser)
@@ -181,8 +185,10 @@ class Trainer:
         """Resume from the checkpoint asked for, or record the run's config; returns the first step."""
         dist, paths = self.dist, self.paths
         start = 0
+        self.streak = finite.Streak(self.tc.max_nonfinite_steps)
         if self.resume_from is not None:
             start = _resume(self.model, self.gen, paths, self.resume_from, dist.rank, dist.world_size)
+            self.streak.load(ckpt.read_meta(self.resume_from).get("nonfinite", {}))
             if self.ema is not None:
                 self.ema.load(self.resume_from / EMA_STATE)
             if dist.is_main:
@@ -216,6 +222,7 @@ class Trainer:
 
     # -- the loop ---------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:
+        self.check_weights(step, f"checkpoint {ckpt.checkpoint_name(step)}")
         epoch, in_epoch = divmod(step, self.order.steps_per_epoch)
         trained = self.trained
         # The LoRA goes in as an adapter folder too (for export); full weights live in DeepSpeed's files.
@@ -231,12 +238,27 @@ class Trainer:
 
         return ckpt.save_checkpoint(
             self.model, self.paths.checkpoints, step=step, rank=self.dist.rank, keep_last=self.tc.keep_checkpoints,
-            meta={**self.run_meta, "epoch": epoch, "step_in_epoch": in_epoch},
+            meta={**self.run_meta, "epoch": epoch, "step_in_epoch": in_epoch, "nonfinite": self.streak.state()},
             rng=ckpt.rng_state(self.gen), write_adapter=write_adapter, data_items=self.items,
         )
 
+    def check_weights(self, step: int, what: str) -> None:
+        """Refuse to write ``what`` when a trained weight is not finite on any rank (collective), naming them."""
+        local = [getattr(p, "ds_tensor", p) for p in self.params]  # ZeRO-3: this rank's partition
+        ok = finite.all_finite(local)
+        if engine.any_over_ranks(not ok, self.dist.world_size):
+            names = {id(p): n for n, p in self.trained.training_module().named_parameters()}
+            bad = finite.nonfinite_names((names.get(id(p), "?"), t) for p, t in zip(self.params, local, strict=True))
+            found = ckpt.list_checkpoints(self.paths.checkpoints)
+            raise finite.NonFiniteError(
+                f"train: step {step}: {len(bad) or 'some'} trained tensor(s) hold NaN or inf values"
+                f"{': ' + finite.describe(bad) if bad else ' (on another process)'}; {what} was not written. "
+                "Training diverged: lower train.lr or keep train.grad_clip on. "
+                + (f"The newest checkpoint, {found[-1]}, is untouched." if found else "This run wrote no checkpoint."))
+
     def step(self, step: int) -> None:
-        """One optimizer step, its metrics (and evals when due), per-epoch LoRA, samples and checkpoint."""
+        """One optimizer step (skipped when its loss or gradients are not finite), its metrics (and evals when
+        due), per-epoch LoRA, samples and checkpoint."""
         tc, order, data, model = self.tc, self.order, self.data, self.model
         done, epoch = step + 1, step // order.steps_per_epoch
         t0 = time.perf_counter()
@@ -245,14 +267,17 @@ class Trainer:
             if tc.pipeline_stages > 1:
                 loss, grad_norm = _pipeline_step(model, self.family, data, micro, self.gen, tc.caption_dropout,
                                                  tc.objective, epoch)
-                split = {}
+                step_loss, split = engine.mean_over_ranks(loss, self.dist.world_size), {}
             else:
-                loss, grad_norm, split = _train_step(model, self.family, data, micro, self.gen, self.params,
-                                                     tc.caption_dropout, tc.objective, epoch,
-                                                     offload_activations=tc.activation_offload)
-        if self.ema is not None:
+                step_loss, grad_norm, split = _train_step(model, self.family, data, micro, self.gen, self.params,
+                                                          tc.caption_dropout, tc.objective, epoch,
+                                                          offload_activations=tc.activation_offload,
+                                                          guard=self.guard, world_size=self.dist.world_size)
+        # Skipped by the guard or by DeepSpeed's own overflow check; every rank counts the same steps.
+        skipped = engine.any_over_ranks(self.guard.take() or not model.was_step_applied()
+                                        or not math.isfinite(step_loss), self.dist.world_size)
+        if self.ema is not None and not skipped:
             self.ema.update(done)
-        step_loss = engine.mean_over_ranks(loss, self.dist.world_size)
         dt = time.perf_counter() - t0
         self.losses.append(step_loss)
         due = done == order.total or (tc.eval.every_steps and done % tc.eval.every_steps == 0)
@@ -260,19 +285,27 @@ class Trainer:
         self.metrics.log(done, epoch=epoch, loss=step_loss, lr=self.scheduler.get_last_lr()[0], grad_norm=grad_norm,
                          samples_per_s=self.samples_per_step / dt, step_time=dt,
                          peak_memory_mb=peak_memory_mb(model.device), elapsed_s=time.perf_counter() - self.t_start,
-                         **self.flops.fields(dt), **evals, **self._split_losses(split))
+                         skipped_steps=self.streak.total + skipped, **self.flops.fields(dt), **evals,
+                         **self._split_losses(split))
         self.profiler.step()
+        self.streak.record(done, skipped, loss=step_loss, grad_norm=grad_norm, log=self.log if self.dist.is_main
+                           else lambda *_: None, last_checkpoint=_newest(self.paths.checkpoints) if skipped else None)
         epoch_end = done % order.steps_per_epoch == 0
         if epoch_end and not self.trained.full and tc.save_every_epochs and (epoch + 1) % tc.save_every_epochs == 0:
+            self.check_weights(done, f"the epoch {epoch + 1} LoRA")
             self.trained.save(self.paths.epoch_loras / f"epoch-{epoch + 1:04d}", step=done, epoch=epoch + 1)
         if self.dist.is_main and _sample_due(tc, done, epoch_end, epoch):
             with self.ema.applied() if self.ema is not None and tc.ema.samples else contextlib.nullcontext():
                 self.metrics.image("samples", self.sampler(done)[1], done)
         ckpt.fault_point("after-step", done)
         if self.trigger.due(done):
-            self.save_checkpoint(done)
-            self.trigger.saved()
-            self.last_saved = done
+            if self.streak.in_a_row:  # the weights are those of the last good step: its checkpoint stays newest
+                if self.dist.is_main:
+                    self.log(f"train: step {done}: checkpoint put off (the step was skipped)")
+            else:
+                self.save_checkpoint(done)
+                self.trigger.saved()
+                self.last_saved = done
 
     def _split_losses(self, split: dict[str, torch.Tensor]) -> dict[str, float]:
         """``loss_train`` / ``loss_reg``: the step's mean unweighted loss of each role's items over every rank
@@ -296,6 +329,7 @@ class Trainer:
             self.save_checkpoint(order.total)
         self.metrics.close()
         out = trained.output_dir(paths)
+        self.check_weights(order.total, f"the trained {trained.kind}")
         if self.ema is None:
             trained.save(out, step=order.total, epoch=order.epochs)
         else:  # the average and the raw weights: one is the run's adapter, the other beside it
@@ -309,24 +343,28 @@ class Trainer:
         if dist.is_main:
             plot_loss(read_metrics(paths.metrics), paths.train_dir / "loss.png")
             summary = {"steps": order.total, "resumed_from": start, "world_size": dist.world_size,
-                       "ranks_agree": agree, "seconds": seconds, "offload": engine.offload_in_effect(self.model)}
+                       "ranks_agree": agree, "seconds": seconds, "offload": engine.offload_in_effect(self.model),
+                       "skipped_steps": self.streak.total}
             write_text_atomic(paths.train_dir / "summary.json", stable_json(summary))
             if losses:
                 self.log(f"train: {len(losses)} steps in {seconds:.1f} s; loss {losses[0]:.4f} -> {losses[-1]:.4f}")
         first, last = (losses[0], losses[-1]) if losses else (math.nan, math.nan)
-        return TrainResult(order.total, order.epochs, first, last, trained.output_dir(paths), seconds, start)
+        return TrainResult(order.total, order.epochs, first, last, trained.output_dir(paths), seconds, start,
+                           self.streak.total)
 
 
 def _train_step(model, family, data: CachedDataset, micro_batches: list[list[int]], gen: torch.Generator,
                 params: list[torch.nn.Parameter], caption_dropout: float,
                 objective: ObjectiveConfig, epoch: int = 0, *,
-                offload_activations: bool = False) -> tuple[torch.Tensor, float | None, dict]:
+                offload_activations: bool = False, guard: finite.StepGuard | None = None,
+                world_size: int = 1) -> tuple[float, float | None, dict]:
     """One optimizer step over ``grad_accum`` micro-batches; DeepSpeed steps at the boundary.
     ``offload_activations``: the forward's saved tensors wait in CPU memory (``train.activation_offload``).
+    ``guard``: told to skip the step when its loss, averaged over the ``world_size`` ranks, is not finite.
 
-    Returns the mean loss and the gradient norm before clipping.
+    Returns the mean loss over the micro-batches and ranks, and the gradient norm before clipping.
     """
-    micro_losses, norm = [], None
+    micro_losses, norm, step_loss = [], None, math.nan
     parts: dict[str, list[torch.Tensor]] = {"loss_train": [], "loss_reg": []}
     for idx in micro_batches:
         batch = data.collate(idx, epoch)
@@ -339,14 +377,19 @@ def _train_step(model, family, data: CachedDataset, micro_batches: list[list[int
                                      **aux_inputs(family, batch, model.device))
         loss = weighted_loss(per_sample, batch, parts)
         model.backward(loss)
-        if model.zero_optimization_stage() == 0 and model.is_gradient_accumulation_boundary():
-            # Without ZeRO, DeepSpeed reports no norm; grads are all-reduced by now.
-            norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
-        model.step()
         micro_losses.append(loss.detach())
+        if model.is_gradient_accumulation_boundary():
+            # The same value on every rank, so all of them skip together (or none does).
+            step_loss = engine.mean_over_ranks(torch.stack(micro_losses).mean(), world_size)
+            if guard is not None:
+                guard.skip_next = not math.isfinite(step_loss)
+            if model.zero_optimization_stage() == 0:
+                # Without ZeRO, DeepSpeed reports no norm; grads are all-reduced by now.
+                norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        model.step()
     ds_norm = model.get_global_grad_norm()
     split = {k: torch.cat(v) if v else torch.zeros(0, device=model.device) for k, v in parts.items()}
-    return torch.stack(micro_losses).mean(), float(ds_norm) if ds_norm is not None else norm, split
+    return step_loss, float(ds_norm) if ds_norm is not None else norm, split
 
 
 def weighted_loss(per_sample: torch.Tensor, batch: dict[str, Any], parts: dict[str, list[torch.Tensor]]
@@ -439,6 +482,11 @@ class _CheckpointTrigger:
         self.last = time.monotonic()
         if self.is_main:
             self.request.unlink(missing_ok=True)
+
+
+def _newest(root: Path) -> Path | None:
+    found = ckpt.list_checkpoints(root)
+    return found[-1] if found else None
 
 
 def _check_resume(paths: RunPaths, run_meta: dict[str, Any], items: dict[str, dict[str, Any]],

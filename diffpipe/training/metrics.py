@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import resource
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ def plot_loss(rows: list[dict[str, Any]], out: Path, size: tuple[int, int] = (64
     pad = 40
     img = Image.new("RGB", size, "white")
     draw = ImageDraw.Draw(img)
-    losses = [r["loss"] for r in rows if "loss" in r]
+    losses = [r["loss"] for r in rows if "loss" in r and math.isfinite(r["loss"])]  # skipped steps' NaN left out
     draw.text((pad, 8), f"training loss ({len(losses)} steps)", fill="black")
     if len(losses) >= 2:
         lo, hi = min(losses), max(losses)

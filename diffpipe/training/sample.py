@@ -17,7 +17,8 @@ from diffpipe.data.cache.video import write_mp4
 from diffpipe.data.dataset.media import DEFAULT_MAX_PIXELS, decoded_frames, open_image, open_video
 from diffpipe.models import get_family
 from diffpipe.paths import EXPORT_NAMES, export_name
-from diffpipe.training.adapter import apply_adapter
+from diffpipe.training.adapter import WEIGHTS_NAME, apply_adapter
+from diffpipe.training.finite import check_safetensors_file
 from diffpipe.utils import atomic_path
 
 
@@ -89,6 +90,7 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
     """
     family = get_family(model_cfg)
     out_dir = Path(out_dir)
+    _check_finite(family, Path(lora_file))  # before minutes of loading and rendering the base model
     # Entered first: a folder of the user's is refused before minutes of rendering.
     with atomic_path(out_dir, is_dir=True) as tmp:
         pipe = family.load_pipeline()
@@ -140,6 +142,19 @@ def place(pipe, offload: str, *, device: torch.device | None = None, keep: Colle
         else:
             module.to(device)
     return offload
+
+
+def _check_finite(family, lora_file: Path) -> None:
+    """Refuse a LoRA holding NaN or inf values (a diverged training), naming its tensors."""
+    if lora_file.is_dir():
+        files = [lora_file / WEIGHTS_NAME, *sorted(lora_file.glob(f"text_encoder*/{WEIGHTS_NAME}"))]
+    elif lora_file.is_file():
+        files = [file for file, _ in _part_files(family, lora_file)]
+    else:
+        return  # the loaders name a missing file
+    for file in files:
+        if file.is_file():
+            check_safetensors_file(file, what="sample")
 
 
 def _part_files(family, lora_file: Path) -> list[tuple[Path, dict]]:

@@ -41,6 +41,11 @@ def test_init_and_continue_from_file(family, tmp_path):
     adapter.add_lora(small, adapter.peft_config(LoraConfig(rank=2), family.lora_targets(None)))
     with pytest.raises(ValueError, match="set train.lora.rank"):
         adapter.init_from(small, tmp_path / "a", "unet")
+    key = sorted(sd)[1]
+    sd[key][0] = float("nan")  # a diverged run's LoRA: refused, naming the tensor
+    adapter.save_adapter(tmp_path / "nan", sd, cfg)
+    with pytest.raises(ValueError, match=rf"train.lora.init_from: .* 1 tensor\(s\) with NaN or inf values: {key}"):
+        adapter.init_from(fresh, tmp_path / "nan", "unet")
 
 
 def test_activation_checkpointing_gives_the_same_gradients(family):
