@@ -48,6 +48,7 @@ from safetensors.torch import save_file
 
 from diffpipe.config import ConfigError
 from diffpipe.training.adapter import load_adapter
+from diffpipe.training.finite import check_tensors
 from diffpipe.utils import atomic_path, digest, fsync_dir, fsync_tree, write_text_atomic
 
 META_NAME = "diffpipe.json"
@@ -77,6 +78,8 @@ RESUME_SAFE_KEYS = (
     "train.sample_every_epochs",
     # What is measured and logged, never what is trained:
     "train.count_flops",
+    # When a diverging run stops: no step it trains differs.
+    "train.max_nonfinite_steps",
     "train.peak_tflops",
     "train.profile",
     "bench",
@@ -457,9 +460,10 @@ def adapter_from_checkpoint(ckpt_dir: str | Path, out_adapter_dir: str | Path) -
     if not (ckpt_dir / META_NAME).is_file() or not src.is_dir():
         raise FileNotFoundError(f"{ckpt_dir} is not a complete diffpipe checkpoint (no {META_NAME} or {ADAPTER_NAME}/)")
     try:
-        load_adapter(src)  # fails early on a damaged adapter
+        weights, _ = load_adapter(src)  # fails early on a damaged adapter
     except Exception as err:  # SafetensorError, JSON, PEFT's config errors
         raise _damaged(src, ckpt_dir, f"is damaged ({type(err).__name__}: {err})") from None
+    check_tensors(weights, src, what="export")  # a diverged LoRA is refused before any copy of it is written
     with atomic_path(out_adapter_dir, is_dir=True) as tmp:
         for f in src.iterdir():
             shutil.copy2(f, tmp / f.name)

@@ -29,7 +29,7 @@ from diffpipe.config import load_config
 from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import WEIGHTS_NAME, load_adapter
-from diffpipe.training.checkpoint import list_checkpoints
+from diffpipe.training.checkpoint import ADAPTER_NAME, list_checkpoints
 from diffpipe.training.metrics import read_metrics
 
 TRAIN = {"max_steps": 8, "checkpoint_every_steps": 1, "keep_checkpoints": 1, "save_every_epochs": 0,
@@ -186,4 +186,11 @@ def test_export_and_sample_refuse_a_nonfinite_adapter(nan_item_run, tmp_path, mo
     out = _fails("sample", "-c", str(cfg_file), "--lora", str(adapter), "--out", str(tmp_path / "s2"),
                  cwd=tmp_path, monkeypatch=monkeypatch)
     assert key in out and not (tmp_path / "s2").exists()
+    # A checkpoint whose LoRA holds a NaN: `export CHECKPOINT` refuses it before copying its adapter out.
+    ckpt = tmp_path / "ckpts" / "step-000001"
+    shutil.copytree(list_checkpoints(paths.checkpoints)[0], ckpt)
+    key = _plant_nan(ckpt / ADAPTER_NAME / WEIGHTS_NAME, "lora_B")
+    out = _fails("export", str(ckpt), "--out", str(tmp_path / "e2"), cwd=tmp_path, monkeypatch=monkeypatch)
+    assert key.removeprefix("base_model.model.") in out and not (tmp_path / "e2").exists()
+    assert sorted(p.name for p in ckpt.parent.iterdir()) == ["step-000001"]  # no .adapter-* copy left
     assert yaml.safe_load(cfg_file.read_text())  # the config is untouched

@@ -16,6 +16,8 @@ def test_config_differences_names_meaningful_keys_only():
            "datasets": [{"name": "e", "path": "/y"}]}
     assert config_differences(saved, now) == ["datasets.0.name", "train.lora.rank", "train.lr"]
     assert config_differences(saved, saved) == []
+    # How many non-finite steps in a row stop a run may change on resume: no trained step differs.
+    assert config_differences({"train": {"max_nonfinite_steps": 5}}, {"train": {"max_nonfinite_steps": 20}}) == []
 
 
 def test_check_resumable_message(tmp_path):
