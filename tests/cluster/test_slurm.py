@@ -121,8 +121,10 @@ def test_workflow_on_slurm_matches_local_run(slurm, tmp_path):
     try:
         profile = cluster_profile(tmp_path / "profile", partition="debug")
         remote = run_workflow(config, profile=profile, workdir=tmp_path / "cluster")
-    finally:
-        finish_local_reference(local_train, config, tmp_path / "local")
+    except BaseException:
+        local_train.wait(timeout=1500)  # no ranks left running after the test; the cluster's error is raised
+        raise
+    finish_local_reference(local_train, config, tmp_path / "local")
     assert remote.returncode == 0
 
     logs = tmp_path / "cluster" / ".snakemake" / "slurm_logs"
