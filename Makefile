@@ -1,5 +1,5 @@
 # diffpipe: `make demo` runs the whole workflow on the embedded tiny model and
-# demo dataset; `make test` runs the test suite. Both create .venv on first use.
+# demo dataset; `make test` runs the test suite, `make test-fast` its unit tests. Both create .venv on first use.
 #
 # Override the torch build for your CUDA version, e.g.
 #   make demo TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
@@ -12,7 +12,7 @@ TEST_WORKERS ?= $(shell n=$$(( $$(nproc 2>/dev/null || echo 2) + 1 )); [ $$n -gt
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.diffpipe-installed
 
-.PHONY: venv demo test lint schema clean-demo
+.PHONY: venv demo test test-fast lint schema clean-demo
 
 venv: $(STAMP)
 
@@ -30,6 +30,11 @@ demo: venv
 
 test: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+
+# The edit loop: unit tests and the family contract (each family's tiny flavor takes a step), no
+# end-to-end runs; about 2 minutes on 2 cores. `make test` stays the full suite (what CI runs).
+test-fast: venv
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests/unit
 
 lint: venv
 	$(BIN)/ruff check diffpipe tests benchmarks

@@ -17,16 +17,19 @@ torch.set_num_threads(1)
 # files in collection order (`--no-loadscope-reorder`: xdist would otherwise sort files by
 # test count, starting the 1-test SLURM file last), and a worker takes its next file once
 # at most 2 of its tests are left. So the longest files are collected first, in the order
-# that keeps two long ones off one worker; seconds from one suite run on 2 cores, 3 workers.
+# that keeps two long ones off one worker. Seconds: the suite run of 2026-11-27 (2 cores, 3 workers),
+# less what the split files moved out (bench: grid and convergence; the hybrid pipeline test went
+# to test_data_parallel.py, beside the ZeRO-1 run it reuses) and what the smaller SLURM run saves.
 LONGEST_FIRST = (
     "tests/workflow/test_demo_workflow.py",  # 250 s
-    "tests/multiprocess/test_pipeline_parallel.py",  # 260 s
-    "tests/cluster/test_slurm.py",  # 280 s, one test: its worker takes the next file at once
-    "tests/stages/test_bench.py",  # 145 s: every bench point is a process
+    "tests/multiprocess/test_pipeline_parallel.py",  # 190 s: its bf16 runs are slow on CPU
+    "tests/cluster/test_slurm.py",  # 220 s, one test: its worker takes the next file at once
+    "tests/stages/test_bench.py",  # 80 s: every bench point is a process
+    "tests/multiprocess/test_data_parallel.py",  # 150 s
+    "tests/workflow/test_safety_workflow.py",  # 147 s
     "tests/stages/test_tabular_datasets.py",  # 125 s: one `diffpipe run` from a hub dataset
-    "tests/multiprocess/test_data_parallel.py",  # 100 s
     "tests/stages/test_text_encoder_training.py",  # 105 s
-    "tests/workflow/test_safety_workflow.py",  # 95 s
+    "tests/stages/test_bench_convergence.py",  # 70 s: a process per precision
     "tests/stages/test_video_families.py",  # 73 s
     "tests/stages/test_fp8_base_weights.py",  # 70 s
     "tests/stages/test_train_resume.py",  # 70 s

@@ -45,3 +45,12 @@ def make_tiny_run(root: Path, family: str = "sd", images: int = 8) -> TinyRun:
     cfg = parse_config(run.config(root / "run"))
     stages.prepare_data(cfg, RunPaths(cfg.output_dir))
     return run
+
+
+def bench_config(run: TinyRun, tmp_path: Path, train: dict | None = None, **bench) -> str:
+    """A config file for ``diffpipe bench`` on ``run``'s caches: 1 warm-up step, 2 measured, ``bench`` keys added."""
+    cfg = run.config(tmp_path / "run", **(train or {}))
+    cfg["bench"] = {"warmup_steps": 1, "steps": 2, **bench}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)

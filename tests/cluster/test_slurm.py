@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -15,7 +17,10 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from typer.testing import CliRunner
 
+from diffpipe.cli import app
+from diffpipe.data.dataset.demo import write_demo_dataset
 from diffpipe.paths import REPO_ROOT, RunPaths
 from diffpipe.runner import run_workflow
 from diffpipe.training.metrics import read_metrics
@@ -63,54 +68,63 @@ def cluster_profile(dest: Path, partition: str) -> Path:
     return dest
 
 
-def local_reference(config: Path, workdir: Path) -> None:
-    """The same stages run locally through the CLI (the commands the rules run), in this process
-    but for training, which runs on 2 processes (our launcher) like the 2 srun ranks. Cheaper than a
+def start_local_reference(config: Path, workdir: Path) -> subprocess.Popen:
+    """The same stages run locally through the CLI (the commands the rules run): the data stages in this
+    process, then training on 2 processes (our launcher, like the 2 srun ranks), started here and left
+    running while the cluster runs (``finish_local_reference`` waits for it and exports). Cheaper than a
     second Snakemake run; the workflow itself is what the cluster run and the demo workflow test check."""
-    import subprocess
-    import sys
-
-    from typer.testing import CliRunner
-
-    from diffpipe.cli import app
-
-    monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.chdir(workdir)  # the config's output_dir is relative, as in the rules
-    try:
-        runner, c = CliRunner(), str(config)
+    runner, c = CliRunner(), str(config)
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.chdir(workdir)  # the config's output_dir is relative, as in the rules
         for args in (["validate"], ["plan"], ["cache", "empty"]):
             result = runner.invoke(app, [*args, "-c", c])
             assert result.exit_code == 0, (args, result.output)
-        paths = RunPaths(workdir / "run")
-        for shard in paths.shard_names("latents"):
+        for shard in RunPaths(workdir / "run").shard_names("latents"):
             for kind in ("latents", "text"):
                 result = runner.invoke(app, ["cache", kind, "-c", c, "--shard", shard])
                 assert result.exit_code == 0, (kind, result.output)
-        train = subprocess.run([sys.executable, "-m", "diffpipe", "train", "-c", c, "--processes", "2"], cwd=workdir,
-                               capture_output=True, text=True, timeout=1500)
-        assert train.returncode == 0, train.stderr[-3000:]
-        result = runner.invoke(app, ["export", "-c", c])
+    with open(workdir / "train.log", "w") as log:  # a file, not a pipe: a full pipe would stall the ranks
+        return subprocess.Popen([sys.executable, "-m", "diffpipe", "train", "-c", c, "--processes", "2"],
+                                cwd=workdir, stdout=log, stderr=subprocess.STDOUT)
+
+
+def finish_local_reference(train: subprocess.Popen, config: Path, workdir: Path) -> None:
+    assert train.wait(timeout=1500) == 0, (workdir / "train.log").read_text()[-3000:]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        monkeypatch.chdir(workdir)
+        result = CliRunner().invoke(app, ["export", "-c", str(config)])
         assert result.exit_code == 0, result.output
-    finally:
-        monkeypatch.undo()
+
+
+def small_demo_config(root: Path) -> Path:
+    """The demo config on 8 demo images at 32 px, 2 training steps of batch 2 per rank (so each of the
+    2 ranks trains on its own items) and a 1-step sample of one prompt: every rule still runs, as one
+    job each (one cache shard), and each job costs little more than its interpreter start-up."""
+    write_demo_dataset(root / "data", n=8, size=32)
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "demo.yaml").read_text())
+    cfg.update(output_dir="run")
+    cfg["datasets"][0].update(path=str(root / "data"), resolution=32)
+    cfg["train"].update(max_steps=2, batch_size=2)
+    cfg["cache"] = {"shards": 1}  # fewer jobs: each costs an interpreter start-up
+    cfg["sample"].update(steps=1, prompts=cfg["sample"]["prompts"][:1])
+    config = root / "config.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    return config
 
 
 def test_workflow_on_slurm_matches_local_run(slurm, tmp_path):
-    shutil.copytree(REPO_ROOT / "config" / "demo_data", tmp_path / "data")
-    cfg = yaml.safe_load((REPO_ROOT / "config" / "demo.yaml").read_text())
-    cfg.update(output_dir="run")
-    cfg["datasets"][0]["path"] = str(tmp_path / "data")
-    cfg["train"].update(max_steps=3)
-    cfg["cache"] = {"shards": 1}  # fewer jobs: each costs an interpreter start-up
-    cfg["sample"]["steps"] = 2
-    config = tmp_path / "config.yaml"
-    config.write_text(yaml.safe_dump(cfg))
+    config = small_demo_config(tmp_path)
     (tmp_path / "local").mkdir()
     (tmp_path / "cluster").mkdir()
 
-    local_reference(config, tmp_path / "local")
-    profile = cluster_profile(tmp_path / "profile", partition="debug")
-    remote = run_workflow(config, profile=profile, workdir=tmp_path / "cluster")
+    local_train = start_local_reference(config, tmp_path / "local")
+    try:
+        profile = cluster_profile(tmp_path / "profile", partition="debug")
+        remote = run_workflow(config, profile=profile, workdir=tmp_path / "cluster")
+    except BaseException:
+        local_train.wait(timeout=1500)  # no ranks left running after the test; the cluster's error is raised
+        raise
+    finish_local_reference(local_train, config, tmp_path / "local")
     assert remote.returncode == 0
 
     logs = tmp_path / "cluster" / ".snakemake" / "slurm_logs"
