@@ -387,7 +387,7 @@ def export(
     from diffpipe.config import ExportConfig
     from diffpipe.export import export_lora
     from diffpipe.export.locate import locate, model_config_from_adapter
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
 
     if run_or_checkpoint is None and config is None:
         raise typer.BadParameter("give a run folder, an adapter folder or checkpoint, or --config",
@@ -419,7 +419,7 @@ def import_lora_cmd(
     """
     from diffpipe.config import ModelConfig
     from diffpipe.export import import_lora
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
 
     if config is None and family is None:
         raise typer.BadParameter("give --config (the base model) or --family (tiny flavor)", param_hint="--config")

@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from diffpipe import config_paths, yamlload
+from diffpipe.policy import resolve_actions
 
 
 class ConfigError(ValueError):
@@ -141,6 +142,7 @@ class ModelConfig(_Section):
         if path is None or data["flavor"] != "local":
             return {**data, "family": data.get("family") or "sd"}
         from diffpipe import hub
+        from diffpipe.families import detect_family
 
         base = Path((info.context or {}).get("base") or ".").absolute()
         revision = data.get("revision") if isinstance(data.get("revision"), str) else None
@@ -150,7 +152,7 @@ class ModelConfig(_Section):
             index = hub.model_index(data["path"], revision, base)
         except ConfigError as err:
             raise ValueError(f"model.path {data['path']!r}: {err}") from None
-        detected = hub.detect_family(index)
+        detected = detect_family(index)
         if given is None and detected is None and not index.is_file():
             data["family"] = "sd"  # a local folder without an index: the default before detection existed
         elif given is None:
@@ -546,9 +548,6 @@ class ValidationConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> ValidationConfig:
-        # Imported here: diffpipe.data.dataset.policy is light, but config must import first.
-        from diffpipe.data.dataset.policy import resolve_actions
-
         lo, hi = self.aspect_range
         if not 0 < lo <= hi:
             raise ValueError(f"validation.aspect_range must be [smallest, largest] > 0, got {[lo, hi]}")

@@ -21,7 +21,6 @@ folder without ``model_index.json`` or without a component folder that file list
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -269,30 +268,6 @@ def pipeline_class(index_file: Path) -> str | None:
     except (ValueError, AttributeError) as err:
         raise ConfigError(f"{index_file}: not a diffusers model index ({err})") from None
     return name if isinstance(name, str) else None
-
-
-@functools.cache
-def pipeline_families() -> dict[str, str]:
-    """diffusers pipeline class name -> family name, from the registered families themselves."""
-    from diffpipe.config import ModelConfig
-    from diffpipe.models import family_names, get_family
-
-    table: dict[str, str] = {}
-    for name in family_names():
-        family = get_family(ModelConfig(family=name))
-        for variant in getattr(family, "variants", ()) or (None,):
-            try:
-                one = get_family(ModelConfig(family=name, variant=variant)) if variant else family
-            except ValueError:  # a variant that needs more settings (Wan 2.2 A14B: an expert)
-                continue
-            table.setdefault(one.pipeline_class.__name__, name)
-    return table
-
-
-def detect_family(index_file: Path) -> str | None:
-    """The family whose pipeline a ``model_index.json`` names (None: absent, or no family's pipeline)."""
-    name = pipeline_class(index_file)
-    return pipeline_families().get(name) if name else None
 
 
 def resolved(cfg: ModelConfig) -> ModelConfig:

@@ -160,7 +160,8 @@ def validate(cfg: Config, paths: Any, *, rehash: bool = False, workers: int | No
              console: Any = None) -> Any:
     """Check every dataset file; write the manifest and the reports (``diffpipe validate``)."""
     from diffpipe.data.dataset.discover import run_folders
-    from diffpipe.data.dataset.validate import FamilyTokenCounter, run_validation
+    from diffpipe.data.dataset.validate import run_validation
+    from diffpipe.families.token_counter import FamilyTokenCounter
     from diffpipe.hub import check_local_model
 
     cfg = _as(cfg, "validate")
@@ -174,7 +175,7 @@ def validate(cfg: Config, paths: Any, *, rehash: bool = False, workers: int | No
 def plan(cfg: Config, paths: Any) -> Any:
     """Assign the manifest's items to shards and write the shard specs (``diffpipe plan``)."""
     from diffpipe.data.cache.plan import make_plan
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
 
     cfg = _as(cfg, "plan")
     family = get_family(cfg.model).with_trained_text(cfg.train.text_encoder.encoders)
@@ -200,7 +201,7 @@ def plan(cfg: Config, paths: Any) -> Any:
 
 def cache_latents(cfg: Config, paths: Any, shard: str, *, regenerate: bool = False, trust: bool = False) -> Any:
     """Build one latent shard (``diffpipe cache latents``)."""
-    from diffpipe.data.cache.jobs import cache_latents as build
+    from diffpipe.cache_jobs import cache_latents as build
 
     cfg = _as(cfg, "cache")
     return build(paths.latent_spec(shard), paths.latent_shard(shard), cfg.model, cfg.cache,
@@ -209,7 +210,7 @@ def cache_latents(cfg: Config, paths: Any, shard: str, *, regenerate: bool = Fal
 
 def cache_text(cfg: Config, paths: Any, shard: str, *, regenerate: bool = False) -> Any:
     """Build one text shard (``diffpipe cache text``)."""
-    from diffpipe.data.cache.jobs import cache_text as build
+    from diffpipe.cache_jobs import cache_text as build
 
     cfg = _as(cfg, "cache")
     return build(paths.text_spec(shard), paths.text_shard(shard), cfg.model, cfg.cache,
@@ -219,7 +220,7 @@ def cache_text(cfg: Config, paths: Any, shard: str, *, regenerate: bool = False)
 
 def cache_empty(cfg: Config, paths: Any, *, regenerate: bool = False) -> Any:
     """Encode the empty caption (``diffpipe cache empty``)."""
-    from diffpipe.data.cache.jobs import cache_empty_text
+    from diffpipe.cache_jobs import cache_empty_text
 
     cfg = _as(cfg, "cache")
     return cache_empty_text(paths.text_empty, cfg.model, cfg.cache, spec_path=paths.empty_spec,

@@ -64,7 +64,7 @@ def _deepspeed_states(path: Path) -> Path | None:
 
 def adapter_from_deepspeed(checkpoint: Path, cfg: Config, out_dir: Path) -> Path:
     """Write the LoRA tensors of a DeepSpeed checkpoint (frozen weights excluded) as an adapter folder."""
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
     from diffpipe.training.checkpoint import load_torch_file
     from diffpipe.training.engine import deepspeed_safe_types
 

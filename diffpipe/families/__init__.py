@@ -9,15 +9,21 @@ sample job pays only for its own family's imports.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
 from typing import TYPE_CHECKING
 
+from diffpipe import hub
+from diffpipe.config import ModelConfig
 from diffpipe.models.spec import Absent
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
+    from diffpipe.models.base import Family
     from diffpipe.models.spec import FamilySpec
 
-__all__ = ["FAMILIES", "NOT_IMPLEMENTED", "UNREGISTERED", "Absent", "family_names", "name_of_module", "spec", "specs"]
+__all__ = ["FAMILIES", "NOT_IMPLEMENTED", "UNREGISTERED", "Absent", "family_names", "detect_family", "get_family", "pipeline_families", "spec", "specs"]
 
 #: ``model.family`` name -> its folder under ``diffpipe/families/``.
 FAMILIES: dict[str, str] = {
@@ -88,15 +94,6 @@ NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
 }
 
 
-def name_of_module(module: str) -> str | None:
-    """The registered family whose folder holds ``module`` (``diffpipe.families.flux_kontext.family`` ->
-    ``flux-kontext``), or None."""
-    parts = module.split(".")
-    if parts[:2] != ["diffpipe", "families"] or len(parts) < 3:
-        return None
-    return next((name for name, folder in FAMILIES.items() if folder == parts[2]), None)
-
-
 def family_names() -> list[str]:
     """The registered families' names, sorted."""
     return sorted(FAMILIES)
@@ -116,3 +113,30 @@ def spec(name: str) -> FamilySpec:
 def specs() -> list[FamilySpec]:
     """Every registered family's spec, in the registry's order (the docs' table order)."""
     return [spec(name) for name in FAMILIES]
+
+
+def get_family(cfg: ModelConfig) -> Family:
+    """The family instance for a model config; a clear error for an unknown name."""
+    cls = spec(cfg.family).family_type()
+    return cls(hub.resolved(cfg))  # a Hugging Face id becomes its cached snapshot folder
+
+
+@functools.cache
+def pipeline_families() -> dict[str, str]:
+    """diffusers pipeline class name -> family name, from the registered families themselves."""
+    table: dict[str, str] = {}
+    for name in family_names():
+        family = get_family(ModelConfig(family=name))
+        for variant in getattr(family, "variants", ()) or (None,):
+            try:
+                one = get_family(ModelConfig(family=name, variant=variant)) if variant else family
+            except ValueError:  # a variant that needs more settings (Wan 2.2 A14B: an expert)
+                continue
+            table.setdefault(one.pipeline_class.__name__, name)
+    return table
+
+
+def detect_family(index_file: Path) -> str | None:
+    """The family whose pipeline a ``model_index.json`` names (None: absent, or no family's pipeline)."""
+    name = hub.pipeline_class(index_file)
+    return pipeline_families().get(name) if name else None

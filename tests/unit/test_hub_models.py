@@ -14,8 +14,8 @@ from diffpipe import hub
 from diffpipe.cli import app
 from diffpipe.config import ConfigError, ModelConfig, parse_config
 from diffpipe.data.dataset.demo import write_demo_dataset
+from diffpipe.families import get_family
 from diffpipe.init import resolve_model
-from diffpipe.models import get_family
 
 REPO = "some-org/tiny-model"
 REV_A, REV_SAME, REV_B = "a" * 40, "c" * 40, "b" * 40
