@@ -22,8 +22,9 @@ from rich.console import Console
 from rich.text import Text
 
 from diffpipe import logs, runlock, stages
-from diffpipe.config import Config, ConfigError, load_config
+from diffpipe.config import Config, ConfigError
 from diffpipe.paths import RunPaths
+from diffpipe.resolve import load_config
 
 app = typer.Typer(
     help="diffpipe: fingerprinted data → sharded caches → DeepSpeed LoRA training → export → samples.",
@@ -144,8 +145,8 @@ def validate(
     Example: diffpipe validate -c config/demo.yaml
     Example: diffpipe validate my_images/
     """
-    from diffpipe.config import parse_config
     from diffpipe.data.dataset.validate import kept_copy, print_summary
+    from diffpipe.resolve import parse_config
 
     if (folder is None) == (config is None):
         raise typer.BadParameter("give a dataset FOLDER or --config, one of them", param_hint="FOLDER")

@@ -27,7 +27,8 @@ from pathlib import Path
 from PIL import Image
 
 from diffpipe import hub
-from diffpipe.config import ConfigError, ModelConfig, ValidationConfig, parse_config
+from diffpipe.config import ConfigError, ModelConfig, ValidationConfig
+from diffpipe.resolve import parse_config
 
 #: Training side (pixels) a family's published models are usually trained at.
 _USUAL_SIDE = {"sd": 512}

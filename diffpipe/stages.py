@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from diffpipe.config import Config
+from diffpipe.resolve import resolve
 from diffpipe.utils import digest
 
 # Rerun triggers: a stage reruns when one of these changes.
@@ -152,8 +153,10 @@ def view(cfg: Config, stage: str) -> ConfigView | Config:
 # The CLI, the tests' helpers and the benchmarks call these, so each stage is wired
 # once (arguments included) and reads its config only through its view.
 def _as(cfg: Config | ConfigView, stage: str) -> Any:
-    return cfg if isinstance(cfg, ConfigView) and cfg._stage == stage else view(
-        cfg._cfg if isinstance(cfg, ConfigView) else cfg, stage)
+    if isinstance(cfg, ConfigView) and cfg._stage == stage:
+        return cfg
+    # Resolved here too: a config parsed by diffpipe.config alone has a local model's family still to read.
+    return view(resolve(cfg._cfg if isinstance(cfg, ConfigView) else cfg), stage)
 
 
 def validate(cfg: Config, paths: Any, *, rehash: bool = False, workers: int | None = None, tokens: bool = True,

@@ -14,8 +14,9 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from diffpipe.config import Config, ModelConfig, load_config
+from diffpipe.config import Config, ModelConfig
 from diffpipe.paths import RunPaths
+from diffpipe.resolve import load_config
 from diffpipe.training.adapter import WEIGHTS_NAME, peft_config, save_adapter
 
 RESOLVED = "resolved-config.yaml"

@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 
 from diffpipe import hub
 from diffpipe.cli import app
-from diffpipe.config import ConfigError, ModelConfig, parse_config
+from diffpipe.config import ConfigError, ModelConfig
 from diffpipe.families.token_counter import FamilyTokenCounter
+from diffpipe.resolve import parse_config
 
 _INDEX = {"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
           "vae": ["diffusers", "AutoencoderKL"], "tokenizer": ["transformers", "CLIPTokenizer"],
