@@ -31,15 +31,15 @@ from pathlib import Path
 
 import torch
 
+from diffpipe.cache_jobs import cache_latents, cache_text
 from diffpipe.config import CacheConfig, DatasetConfig, LoraConfig, ModelConfig, ValidationConfig
 from diffpipe.data.cache.buckets import load_image
-from diffpipe.data.cache.jobs import cache_latents, cache_text
 from diffpipe.data.cache.latents import LatentShard
 from diffpipe.data.cache.plan import make_plan, read_spec
 from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.data.dataset.demo import demo_item
 from diffpipe.data.dataset.validate import run_validation
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 
 MODEL = ModelConfig(family="sd")

@@ -15,7 +15,7 @@ bfloat16:
     .venv/bin/python benchmarks/checkpoint_load_memory.py --point folder DIR   # one point, JSON
 
 Target: peak within 10 % of the checkpoint's size. The ``t5-fp8`` point loads the same T5 and stores it in
-float8 as ``model.text_encoder_weights: fp8`` does (``precision.enable_fp8_text_encoder``): its weights, what
+float8 as ``model.text_encoder_weights: fp8`` does (``diffpipe.models.casting.enable_fp8_text_encoder``): its weights, what
 the cache job moves to the GPU, shrink, while the peak also counts the bf16 file pages it was read from
 (the last column counts each tensor's storage once).
 """
@@ -52,7 +52,7 @@ def save(root: Path) -> None:
     from safetensors.torch import save_file
     from transformers import T5Config, T5EncoderModel
 
-    from diffpipe.models.published import PUBLISHED
+    from diffpipe.families.published import PUBLISHED
 
     spec = PUBLISHED["flux1-dev"]
     torch.manual_seed(0)
@@ -72,8 +72,8 @@ def point(name: str, root: Path) -> dict:
     from transformers import T5EncoderModel
 
     from diffpipe.config import ModelConfig
+    from diffpipe.families import get_family
     from diffpipe.models import _common as common
-    from diffpipe.models import get_family
 
     files = root / POINTS[name][1]
     size = sum(f.stat().st_size for f in ([files] if files.is_file() else files.rglob("*.safetensors")))
@@ -84,7 +84,7 @@ def point(name: str, root: Path) -> dict:
     if name.startswith("t5"):
         model = common.pretrained_text_encoder(T5EncoderModel, cfg, "text_encoder_2")
         if name == "t5-fp8":  # what Family.stored_text applies to every text encoder it returns
-            from diffpipe.training.precision import enable_fp8_text_encoder
+            from diffpipe.models.casting import enable_fp8_text_encoder
 
             enable_fp8_text_encoder(model, torch.bfloat16)
     else:

@@ -59,8 +59,8 @@ def point(family: str, option: str, resolution: int, frames: int, height: int) -
 
     from diffpipe.config import Config
     from diffpipe.estimate import estimate_for
-    from diffpipe.models import get_family
-    from diffpipe.models.published import PUBLISHED
+    from diffpipe.families import get_family
+    from diffpipe.families.published import PUBLISHED
     from diffpipe.training import engine, precision
     from diffpipe.training.optim import build_optimizer
     from diffpipe.training.trainable import Trainable

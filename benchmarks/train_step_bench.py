@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from diffpipe.config import LoraConfig, ModelConfig, parse_config
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training import adapter
 from diffpipe.training.metrics import read_metrics

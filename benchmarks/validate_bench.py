@@ -26,7 +26,8 @@ from pathlib import Path
 
 from diffpipe.config import DatasetConfig, ModelConfig, ValidationConfig
 from diffpipe.data.dataset.demo import demo_item
-from diffpipe.data.dataset.validate import FamilyTokenCounter, run_validation
+from diffpipe.data.dataset.validate import run_validation
+from diffpipe.families.token_counter import FamilyTokenCounter
 
 
 def make_dataset(root: Path, n: int, size: int) -> None:

@@ -22,8 +22,9 @@ from rich.console import Console
 from rich.text import Text
 
 from diffpipe import logs, runlock, stages
-from diffpipe.config import Config, ConfigError, load_config
+from diffpipe.config import Config, ConfigError
 from diffpipe.paths import RunPaths
+from diffpipe.resolve import load_config
 
 app = typer.Typer(
     help="diffpipe: fingerprinted data → sharded caches → DeepSpeed LoRA training → export → samples.",
@@ -145,8 +146,8 @@ def validate(
     Example: diffpipe validate -c config/demo.yaml
     Example: diffpipe validate my_images/
     """
-    from diffpipe.config import parse_config
     from diffpipe.data.dataset.validate import kept_copy, print_summary
+    from diffpipe.resolve import parse_config
 
     if (folder is None) == (config is None):
         raise typer.BadParameter("give a dataset FOLDER or --config, one of them", param_hint="FOLDER")
@@ -392,7 +393,7 @@ def export(
     from diffpipe.config import ExportConfig
     from diffpipe.export import export_lora
     from diffpipe.export.locate import locate, model_config_from_adapter
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
 
     if run_or_checkpoint is None and config is None:
         raise typer.BadParameter("give a run folder, an adapter folder or checkpoint, or --config",
@@ -424,7 +425,7 @@ def import_lora_cmd(
     """
     from diffpipe.config import ModelConfig
     from diffpipe.export import import_lora
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
 
     if config is None and family is None:
         raise typer.BadParameter("give --config (the base model) or --family (tiny flavor)", param_hint="--config")

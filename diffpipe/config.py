@@ -28,6 +28,7 @@ from pydantic import (
 )
 
 from diffpipe import config_paths, yamlload
+from diffpipe.policy import resolve_actions
 
 
 class ConfigError(ValueError):
@@ -132,38 +133,17 @@ class ModelConfig(_Section):
 
     @model_validator(mode="before")
     @classmethod
-    def _default_flavor_and_family(cls, data: Any, info: ValidationInfo) -> Any:
-        """A path alone means a diffusers model (flavor local) whose family its ``model_index.json`` names."""
+    def _default_flavor_and_family(cls, data: Any) -> Any:
+        """A path alone means a diffusers model (flavor local) whose family its ``model_index.json`` names:
+        parsing reads no file, the resolution step (``diffpipe.families.resolve_family``) reads it."""
         if not isinstance(data, dict):
             return data
         path = data.get("path") if isinstance(data.get("path"), str) else None
         data = {**data, "flavor": data.get("flavor") or ("local" if path else "tiny")}
         if path is None or data["flavor"] != "local":
             return {**data, "family": data.get("family") or "sd"}
-        from diffpipe import hub
-
-        base = Path((info.context or {}).get("base") or ".").absolute()
-        revision = data.get("revision") if isinstance(data.get("revision"), str) else None
-        given = data.get("family")
-        # A local folder or an id: its model_index.json names the family (or contradicts the given one).
-        try:
-            index = hub.model_index(data["path"], revision, base)
-        except ConfigError as err:
-            raise ValueError(f"model.path {data['path']!r}: {err}") from None
-        detected = hub.detect_family(index)
-        if given is None and detected is None and not index.is_file():
-            data["family"] = "sd"  # a local folder without an index: the default before detection existed
-        elif given is None:
-            if detected is None:
-                raise ValueError(
-                    f"model.family is not given and cannot be detected from {index} (missing, or a pipeline "
-                    "no family loads): set model.family"
-                )
-            data["family"] = detected
-        elif detected is not None and detected != given:
-            raise ValueError(f"model.family {given!r} does not match the model at model.path {data['path']!r}: "
-                             f"its {index} names a {detected} pipeline; set model.family: {detected} or remove it")
         return data
+
     dtype: LoadDtype = Field(
         "auto",
         description="dtype the denoiser loads in (straight from the weight files, no float32 copy first): `auto` = "
@@ -232,7 +212,7 @@ class ModelConfig(_Section):
 
     @model_validator(mode="after")
     def _check_zero_terminal_snr(self) -> ModelConfig:
-        if self.zero_terminal_snr and self.family not in ("sd", "sdxl"):
+        if self.zero_terminal_snr and self.family is not None and self.family not in ("sd", "sdxl"):
             raise ValueError(
                 f"model.zero_terminal_snr applies to the DDPM families sd and sdxl, not {self.family!r} (flow "
                 "matching already ends at pure noise); remove it"
@@ -546,9 +526,6 @@ class ValidationConfig(_Section):
 
     @model_validator(mode="after")
     def _check(self) -> ValidationConfig:
-        # Imported here: diffpipe.data.dataset.policy is light, but config must import first.
-        from diffpipe.data.dataset.policy import resolve_actions
-
         lo, hi = self.aspect_range
         if not 0 < lo <= hi:
             raise ValueError(f"validation.aspect_range must be [smallest, largest] > 0, got {[lo, hi]}")

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from diffpipe import paths as layout
+from diffpipe.model_ids import is_model_id, split_file_id
 
 if TYPE_CHECKING:
     from diffpipe.config import Config
@@ -76,11 +77,9 @@ def dataset_folders(cfg: Config) -> list[tuple[str, str]]:
 
 def model_inputs(cfg: Config) -> list[tuple[str, str]]:
     """(key, path) of the other files and folders a run reads: the model, a LoRA to start from, sample images."""
-    from diffpipe import hub
-
     # A Hugging Face id is read from the hub cache, not from a folder of the run.
-    found = [("model.path", cfg.model.path)] if cfg.model.path and not hub.is_model_id(cfg.model.path) else []
-    found += [(f"model.single_files.{k}", v) for k, v in cfg.model.single_files.items() if not hub.split_file_id(v)]
+    found = [("model.path", cfg.model.path)] if cfg.model.path and not is_model_id(cfg.model.path) else []
+    found += [(f"model.single_files.{k}", v) for k, v in cfg.model.single_files.items() if not split_file_id(v)]
     found += [("train.lora.init_from", cfg.train.lora.init_from)] if cfg.train.lora.init_from else []
     for i, v in enumerate(cfg.sample.images or []):
         found += [(f"sample.images[{i}][{k}]", p) for k, p in enumerate(v)] if isinstance(v, list) else [

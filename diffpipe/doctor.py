@@ -118,10 +118,10 @@ def text_encoder_bytes(cfg: Config) -> int | None:
     import torch
     from diffusers import ModelMixin
 
+    from diffpipe.families import get_family
     from diffpipe.models import _common as common
-    from diffpipe.models import get_family
+    from diffpipe.models.casting import enable_fp8_text_encoder
     from diffpipe.models.components import TextEncoder
-    from diffpipe.training.precision import enable_fp8_text_encoder
 
     m = cfg.model
     if m.flavor != "local" or not m.path or not Path(m.path).is_dir():

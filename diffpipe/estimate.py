@@ -59,8 +59,8 @@ import peft
 import torch
 
 from diffpipe.config import BF16_OPTIMIZERS, Config
-from diffpipe.models import get_family
-from diffpipe.models.published import PUBLISHED, Published, for_family
+from diffpipe.families import get_family
+from diffpipe.families.published import PUBLISHED, Published, for_family
 from diffpipe.training import offload
 from diffpipe.training.precision import (
     QUANTISED,
@@ -362,7 +362,7 @@ def estimate_memory(
 
     ``resolution`` (pixels; default: the largest dataset resolution), ``rank``
     (default: ``train.lora.rank``), ``model`` (a name in
-    ``diffpipe.models.published``; default: the local folder's config, else the
+    ``diffpipe.families.published``; default: the local folder's config, else the
     family's flagship), ``frames`` (video families; default: the largest
     dataset frame bucket, else 1) and ``height`` (default: ``resolution``,
     square; ``resolution`` is then the width) override the config.

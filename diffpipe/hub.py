@@ -21,7 +21,6 @@ folder without ``model_index.json`` or without a component folder that file list
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import re
@@ -30,13 +29,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from diffpipe.config import ConfigError
+from diffpipe.model_ids import REPO_ID, is_model_id, split_file_id
 
 if TYPE_CHECKING:
     from diffpipe.config import ModelConfig
 
-_NAME = r"[A-Za-z0-9][A-Za-z0-9._-]*"
-_REPO_ID = re.compile(rf"^{_NAME}/{_NAME}$")
-_REPO_FILE = re.compile(rf"^({_NAME}/{_NAME})/(.+)$")
 _TRUE = {"1", "true", "yes", "on"}
 
 
@@ -55,11 +52,6 @@ def cache_dir() -> Path:
 def offline() -> bool:
     """Whether ``HF_HUB_OFFLINE`` (or ``TRANSFORMERS_OFFLINE``) forbids the network."""
     return any(os.environ.get(k, "").strip().lower() in _TRUE for k in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
-def _local(value: str, base: Path | None) -> bool:
-    path = Path(value).expanduser()
-    return (path if path.is_absolute() or base is None else base / path).exists()
 
 
 def _looks_local(value: str) -> bool:
@@ -82,7 +74,7 @@ def local_model_folder(value: str, base: Path | None = None, *, key: str = "mode
     if path.is_dir():
         if not any(path.iterdir()):
             shadow = (f"; it shadows the Hugging Face id {value}: remove the empty folder to use that model"
-                      if _REPO_ID.match(value) else "")
+                      if REPO_ID.match(value) else "")
             raise ConfigError(f"{key} {value!r} is an empty folder ({path}): put a diffusers model there "
                               f"(model_index.json and its component folders){shadow}")
         return path
@@ -91,7 +83,7 @@ def local_model_folder(value: str, base: Path | None = None, *, key: str = "mode
                           "checkpoint goes in model.single_files, beside a model folder for the component configs")
     if _looks_local(value):  # the folder shown without `..` (the check itself used the path as written)
         raise ConfigError(f"{key} {value!r}: no such folder ({os.path.normpath(path)}); check the path")
-    if not _REPO_ID.match(value):
+    if not REPO_ID.match(value):
         raise ConfigError(f"{key} {value!r} is neither a folder here ({path}) nor a Hugging Face id "
                           "(org/name); check the path, or write the id as org/name")
     return None
@@ -124,19 +116,6 @@ def check_complete(folder: Path, value: str, *, key: str = "model.path") -> None
     if missing:
         raise ConfigError(f"{key} {value!r}: {folder} lacks the component folders {', '.join(missing)} "
                           "(listed in its model_index.json, absent or empty); download the complete model again")
-
-
-def is_model_id(value: str, base: Path | None = None) -> bool:
-    """``org/name`` that is not an existing local file or folder."""
-    return bool(_REPO_ID.match(value)) and not _local(value, base)
-
-
-def split_file_id(value: str, base: Path | None = None) -> tuple[str, str] | None:
-    """``org/name/file.safetensors`` -> ``(org/name, file.safetensors)``; None for a local file."""
-    match = _REPO_FILE.match(value)
-    if not match or _local(value, base):
-        return None
-    return match.group(1), match.group(2)
 
 
 def _missing(repo_id: str, what: str, revision: str | None, why: str) -> HubError:
@@ -269,30 +248,6 @@ def pipeline_class(index_file: Path) -> str | None:
     except (ValueError, AttributeError) as err:
         raise ConfigError(f"{index_file}: not a diffusers model index ({err})") from None
     return name if isinstance(name, str) else None
-
-
-@functools.cache
-def pipeline_families() -> dict[str, str]:
-    """diffusers pipeline class name -> family name, from the registered families themselves."""
-    from diffpipe.config import ModelConfig
-    from diffpipe.models import family_names, get_family
-
-    table: dict[str, str] = {}
-    for name in family_names():
-        family = get_family(ModelConfig(family=name))
-        for variant in getattr(family, "variants", ()) or (None,):
-            try:
-                one = get_family(ModelConfig(family=name, variant=variant)) if variant else family
-            except ValueError:  # a variant that needs more settings (Wan 2.2 A14B: an expert)
-                continue
-            table.setdefault(one.pipeline_class.__name__, name)
-    return table
-
-
-def detect_family(index_file: Path) -> str | None:
-    """The family whose pipeline a ``model_index.json`` names (None: absent, or no family's pipeline)."""
-    name = pipeline_class(index_file)
-    return pipeline_families().get(name) if name else None
 
 
 def resolved(cfg: ModelConfig) -> ModelConfig:

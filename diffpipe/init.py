@@ -27,7 +27,8 @@ from pathlib import Path
 from PIL import Image
 
 from diffpipe import hub
-from diffpipe.config import ConfigError, ModelConfig, ValidationConfig, parse_config
+from diffpipe.config import ConfigError, ModelConfig, ValidationConfig
+from diffpipe.resolve import parse_config
 
 #: Training side (pixels) a family's published models are usually trained at.
 _USUAL_SIDE = {"sd": 512}
@@ -56,7 +57,7 @@ def resolve_model(model: str, family: str | None = None) -> ModelConfig:
 
     An id is resolved like ``model.path`` (see :mod:`diffpipe.hub`): only its ``model_index.json`` is read here.
     """
-    from diffpipe.models import family_names
+    from diffpipe.families import family_names, pipeline_families
 
     if model == "tiny" or model.startswith("tiny:"):
         name = model.partition(":")[2] or family or "sd"
@@ -72,7 +73,7 @@ def resolve_model(model: str, family: str | None = None) -> ModelConfig:
         raise ConfigError(f"{err} (or pass tiny:<family> for the offline tiny model)") from None
     index_file = hub.model_index(model)
     class_name = hub.pipeline_class(index_file)
-    detected = hub.pipeline_families().get(class_name) if class_name else None
+    detected = pipeline_families().get(class_name) if class_name else None
     if class_name is not None and detected is None and family is None:
         raise ConfigError(f"{index_file}: pipeline {class_name!r} is not a family diffpipe trains; pass "
                           f"--family (one of {', '.join(family_names())}) if it is one of them")

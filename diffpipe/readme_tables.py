@@ -13,8 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from diffpipe.config import reference_markdown
-from diffpipe.data.dataset.policy import policy_markdown
-from diffpipe.models.tables import families_markdown, formats_markdown, not_implemented_markdown, pipeline_markdown
+from diffpipe.families.tables import families_markdown, formats_markdown, not_implemented_markdown, pipeline_markdown
+from diffpipe.policy import policy_markdown
 from diffpipe.utils import write_text_atomic
 
 

@@ -16,9 +16,10 @@ from rich.markup import escape
 from rich.table import Table
 
 from diffpipe import hub, runproc
-from diffpipe.config import ConfigError, load_config
+from diffpipe.config import ConfigError
 from diffpipe.ownership import check_run_folder
 from diffpipe.paths import REPO_ROOT, SNAKEFILE, RunPaths
+from diffpipe.resolve import load_config
 from diffpipe.workflow import check_snakemake_paths
 
 DEFAULT_PROFILE = REPO_ROOT / "profiles" / "default"

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from diffpipe.config import Config
+from diffpipe.resolve import resolve
 from diffpipe.utils import digest
 
 # Rerun triggers: a stage reruns when one of these changes.
@@ -152,15 +153,18 @@ def view(cfg: Config, stage: str) -> ConfigView | Config:
 # The CLI, the tests' helpers and the benchmarks call these, so each stage is wired
 # once (arguments included) and reads its config only through its view.
 def _as(cfg: Config | ConfigView, stage: str) -> Any:
-    return cfg if isinstance(cfg, ConfigView) and cfg._stage == stage else view(
-        cfg._cfg if isinstance(cfg, ConfigView) else cfg, stage)
+    if isinstance(cfg, ConfigView) and cfg._stage == stage:
+        return cfg
+    # Resolved here too: a config parsed by diffpipe.config alone has a local model's family still to read.
+    return view(resolve(cfg._cfg if isinstance(cfg, ConfigView) else cfg), stage)
 
 
 def validate(cfg: Config, paths: Any, *, rehash: bool = False, workers: int | None = None, tokens: bool = True,
              console: Any = None) -> Any:
     """Check every dataset file; write the manifest and the reports (``diffpipe validate``)."""
     from diffpipe.data.dataset.discover import run_folders
-    from diffpipe.data.dataset.validate import FamilyTokenCounter, run_validation
+    from diffpipe.data.dataset.validate import run_validation
+    from diffpipe.families.token_counter import FamilyTokenCounter
     from diffpipe.hub import check_local_model
 
     cfg = _as(cfg, "validate")
@@ -174,7 +178,7 @@ def validate(cfg: Config, paths: Any, *, rehash: bool = False, workers: int | No
 def plan(cfg: Config, paths: Any) -> Any:
     """Assign the manifest's items to shards and write the shard specs (``diffpipe plan``)."""
     from diffpipe.data.cache.plan import make_plan
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
 
     cfg = _as(cfg, "plan")
     family = get_family(cfg.model).with_trained_text(cfg.train.text_encoder.encoders)
@@ -200,7 +204,7 @@ def plan(cfg: Config, paths: Any) -> Any:
 
 def cache_latents(cfg: Config, paths: Any, shard: str, *, regenerate: bool = False, trust: bool = False) -> Any:
     """Build one latent shard (``diffpipe cache latents``)."""
-    from diffpipe.data.cache.jobs import cache_latents as build
+    from diffpipe.cache_jobs import cache_latents as build
 
     cfg = _as(cfg, "cache")
     return build(paths.latent_spec(shard), paths.latent_shard(shard), cfg.model, cfg.cache,
@@ -209,7 +213,7 @@ def cache_latents(cfg: Config, paths: Any, shard: str, *, regenerate: bool = Fal
 
 def cache_text(cfg: Config, paths: Any, shard: str, *, regenerate: bool = False) -> Any:
     """Build one text shard (``diffpipe cache text``)."""
-    from diffpipe.data.cache.jobs import cache_text as build
+    from diffpipe.cache_jobs import cache_text as build
 
     cfg = _as(cfg, "cache")
     return build(paths.text_spec(shard), paths.text_shard(shard), cfg.model, cfg.cache,
@@ -219,7 +223,7 @@ def cache_text(cfg: Config, paths: Any, shard: str, *, regenerate: bool = False)
 
 def cache_empty(cfg: Config, paths: Any, *, regenerate: bool = False) -> Any:
     """Encode the empty caption (``diffpipe cache empty``)."""
-    from diffpipe.data.cache.jobs import cache_empty_text
+    from diffpipe.cache_jobs import cache_empty_text
 
     cfg = _as(cfg, "cache")
     return cache_empty_text(paths.text_empty, cfg.model, cfg.cache, spec_path=paths.empty_spec,

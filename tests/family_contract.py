@@ -21,8 +21,7 @@ from typing import Any
 import torch
 
 from diffpipe.config import LoraConfig, ModelConfig, ObjectiveConfig
-from diffpipe.families import Absent, family_names, spec
-from diffpipe.models import get_family
+from diffpipe.families import Absent, family_names, get_family, spec
 from diffpipe.models.base import Family
 from diffpipe.models.layers import run_layers
 from diffpipe.models.spec import FamilySpec, Kohya

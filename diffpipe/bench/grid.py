@@ -7,7 +7,8 @@ from typing import Any
 
 import yaml
 
-from diffpipe.config import BENCH_AXES, Config, ConfigError, parse_config
+from diffpipe.config import BENCH_AXES, Config, ConfigError
+from diffpipe.resolve import parse_config
 
 #: Columns of every point's settings in ``runs_summary.csv`` (the axes, then any ``train.`` keys swept).
 SETTINGS = list(BENCH_AXES)

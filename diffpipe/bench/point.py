@@ -30,8 +30,8 @@ def run(spec_file: Path) -> int:
     spec = json.loads(spec_file.read_text())
     status = spec_file.parent / "status.json"
     try:
-        from diffpipe.config import parse_config
         from diffpipe.paths import RunPaths
+        from diffpipe.resolve import parse_config
         from diffpipe.training.loop import train
 
         cfg = parse_config(spec["config"], str(spec_file))

@@ -21,7 +21,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from diffpipe.bench import grid as g
 from diffpipe.bench import plot
 from diffpipe.config import Config, ConfigError
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training.metrics import read_metrics
 from diffpipe.utils import write_text_atomic

@@ -17,7 +17,7 @@ from safetensors.torch import load_file, save_file
 
 from diffpipe.config import Config, ConfigError
 from diffpipe.data.cache.reader import CachedDataset, _Item
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.utils import atomic_path
 
 CAPTION = "a photo of a red circle on a white background"

@@ -1,6 +1,6 @@
 """Data stages, in two packages: ``dataset`` (discovery, captions and metadata, checks and policy,
 validation, the manifest and its report) and ``cache`` (the shard plan with its buckets and frames,
-the content-addressed store, the latent and text formats, the cache jobs, the reader).
+the content-addressed store, the latent and text formats, the reader; the cache jobs that encode with a family are ``diffpipe.cache_jobs``).
 
 Exports resolve lazily (PEP 562): the Snakefile imports ``dataset_files``
 while building its DAG, and that must not pay for importing torch.
@@ -21,9 +21,6 @@ _EXPORTS = {
     "snap_frames": "cache.frames",
     "Store": "cache.store",
     "to_rgb": "cache.buckets",
-    "cache_empty_text": "cache.jobs",
-    "cache_latents": "cache.jobs",
-    "cache_text": "cache.jobs",
     "write_demo_dataset": "dataset.demo",
     "dataset_files": "dataset.discover",
     "LatentEntry": "cache.latents",
@@ -53,9 +50,6 @@ __all__ = [
     "TextShard",
     "ValidationResult",
     "bucket_sizes",
-    "cache_empty_text",
-    "cache_latents",
-    "cache_text",
     "choose_bucket",
     "dataset_files",
     "frame_bucket",
@@ -82,7 +76,6 @@ if TYPE_CHECKING:
         to_rgb,
     )
     from diffpipe.data.cache.frames import frame_bucket, resample_indices, snap_frames
-    from diffpipe.data.cache.jobs import cache_empty_text, cache_latents, cache_text
     from diffpipe.data.cache.latents import LatentEntry, LatentShard, write_latent_shard
     from diffpipe.data.cache.plan import PlanResult, make_plan, read_spec
     from diffpipe.data.cache.reader import CachedDataset

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from diffpipe.export.keymaps.base import LORA_LAYERS
 from diffpipe.models.base import Family
+from diffpipe.models.keymap import LORA_LAYERS
 
 #: Module name (or a file's layer name) -> the weight shape its update must have.
 Shapes = Mapping[str, tuple[int, ...]]

@@ -34,11 +34,11 @@ from diffpipe.export.import_checks import (
     text_encoder_shapes,
 )
 from diffpipe.export.keymaps import KeyMap, Layer, denoiser_skeleton, keymap_for_model
-from diffpipe.export.keymaps.base import kohya_name
 from diffpipe.export.lycoris import Product, adapter_from_products, module_products, read_products
 from diffpipe.export.original_io import LAYOUT_KEY, read_original
 from diffpipe.export.text_encoders import TextLoras, clip_module, module_of_kohya
 from diffpipe.models.base import Family
+from diffpipe.models.keymap import kohya_name
 from diffpipe.training.adapter import CONFIG_NAME, WEIGHTS_NAME, adapter_kind, load_adapter, save_adapter
 from diffpipe.training.text_encoders import load_text_adapters
 

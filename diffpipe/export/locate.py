@@ -14,8 +14,9 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from diffpipe.config import Config, ModelConfig, load_config
+from diffpipe.config import Config, ModelConfig
 from diffpipe.paths import RunPaths
+from diffpipe.resolve import load_config
 from diffpipe.training.adapter import WEIGHTS_NAME, peft_config, save_adapter
 
 RESOLVED = "resolved-config.yaml"
@@ -64,7 +65,7 @@ def _deepspeed_states(path: Path) -> Path | None:
 
 def adapter_from_deepspeed(checkpoint: Path, cfg: Config, out_dir: Path) -> Path:
     """Write the LoRA tensors of a DeepSpeed checkpoint (frozen weights excluded) as an adapter folder."""
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
     from diffpipe.training.checkpoint import load_torch_file
     from diffpipe.training.engine import deepspeed_safe_types
 

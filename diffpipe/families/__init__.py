@@ -9,15 +9,21 @@ sample job pays only for its own family's imports.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from diffpipe import hub
+from diffpipe.config import ConfigError, ModelConfig
 from diffpipe.models.spec import Absent
 
 if TYPE_CHECKING:
+    from diffpipe.models.base import Family
     from diffpipe.models.spec import FamilySpec
 
-__all__ = ["FAMILIES", "NOT_IMPLEMENTED", "UNREGISTERED", "Absent", "family_names", "name_of_module", "spec", "specs"]
+__all__ = ["FAMILIES", "NOT_IMPLEMENTED", "UNREGISTERED", "Absent", "family_names", "detect_family", "get_family", "pipeline_families",
+           "resolve_family", "spec", "specs"]
 
 #: ``model.family`` name -> its folder under ``diffpipe/families/``.
 FAMILIES: dict[str, str] = {
@@ -88,15 +94,6 @@ NOT_IMPLEMENTED: dict[str, tuple[str | None, str]] = {
 }
 
 
-def name_of_module(module: str) -> str | None:
-    """The registered family whose folder holds ``module`` (``diffpipe.families.flux_kontext.family`` ->
-    ``flux-kontext``), or None."""
-    parts = module.split(".")
-    if parts[:2] != ["diffpipe", "families"] or len(parts) < 3:
-        return None
-    return next((name for name, folder in FAMILIES.items() if folder == parts[2]), None)
-
-
 def family_names() -> list[str]:
     """The registered families' names, sorted."""
     return sorted(FAMILIES)
@@ -116,3 +113,68 @@ def spec(name: str) -> FamilySpec:
 def specs() -> list[FamilySpec]:
     """Every registered family's spec, in the registry's order (the docs' table order)."""
     return [spec(name) for name in FAMILIES]
+
+
+def get_family(cfg: ModelConfig) -> Family:
+    """The family instance for a model config (resolved: :func:`resolve_family`); a clear error for an
+    unknown name."""
+    cfg = resolve_family(cfg)
+    cls = spec(cfg.family).family_type()
+    return cls(hub.resolved(cfg))  # a Hugging Face id becomes its cached snapshot folder
+
+
+@functools.cache
+def pipeline_families() -> dict[str, str]:
+    """diffusers pipeline class name -> family name, from the registered families themselves."""
+    table: dict[str, str] = {}
+    for name in family_names():
+        family = get_family(ModelConfig(family=name))
+        for variant in getattr(family, "variants", ()) or (None,):
+            try:
+                one = get_family(ModelConfig(family=name, variant=variant)) if variant else family
+            except ValueError:  # a variant that needs more settings (Wan 2.2 A14B: an expert)
+                continue
+            table.setdefault(one.pipeline_class.__name__, name)
+    return table
+
+
+def detect_family(index_file: Path) -> str | None:
+    """The family whose pipeline a ``model_index.json`` names (None: absent, or no family's pipeline)."""
+    name = hub.pipeline_class(index_file)
+    return pipeline_families().get(name) if name else None
+
+
+def _family(cfg: ModelConfig, base: Path) -> str:
+    """The family of the local model ``cfg`` names: detected, or the given one checked against the model."""
+    try:
+        index = hub.model_index(cfg.path, cfg.revision, base)
+    except ConfigError as err:
+        raise ConfigError(f"model.path {cfg.path!r}: {err}") from None
+    detected = detect_family(index)
+    if cfg.family is None and detected is None and not index.is_file():
+        return "sd"  # a local folder without an index: the default before detection existed
+    if cfg.family is None:
+        if detected is None:
+            raise ConfigError(f"model.family is not given and cannot be detected from {index} (missing, or a "
+                              "pipeline no family loads): set model.family")
+        return detected
+    if detected is not None and detected != cfg.family:
+        raise ConfigError(f"model.family {cfg.family!r} does not match the model at model.path {cfg.path!r}: its "
+                          f"{index} names a {detected} pipeline; set model.family: {detected} or remove it")
+    return cfg.family
+
+
+def resolve_family(cfg: ModelConfig, base: str | Path | None = None) -> ModelConfig:
+    """``cfg`` with its family read from the local model's ``model_index.json`` (relative paths start at
+    ``base``, default the working folder); a tiny flavor is returned as it is."""
+    if cfg.flavor != "local" or cfg.path is None:
+        return cfg
+    family = _family(cfg, Path(base or ".").absolute())
+    if family == cfg.family:
+        return cfg
+    try:
+        out = ModelConfig.model_validate({**cfg.model_dump(exclude_unset=True), "family": family})
+    except ValueError as err:  # a check that needs the family (model.zero_terminal_snr)
+        raise ConfigError(f"model: {err}") from None
+    out._origin = cfg._origin
+    return out

@@ -60,21 +60,16 @@ _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16":
 _ROLE_KEYS = {"denoiser": "dtype", "text_encoder": "text_encoder_dtype", "vae": "vae_dtype"}
 
 
-def load_dtype(cfg: Any, role: str, *, cuda: bool | None = None) -> torch.dtype:
+def load_dtype(cfg: Any, role: str, *, cuda: bool | None = None, vae_fp32: bool = False) -> torch.dtype:
     """The dtype a component loads and computes in: ``model.dtype`` (role ``denoiser``),
     ``model.text_encoder_dtype`` or ``model.vae_dtype``. ``auto``: float32 on CPU; bfloat16 on CUDA,
-    except the VAE of a family that declares ``vae_needs_fp32``."""
+    except the VAE when ``vae_fp32`` (the family declares ``vae_needs_fp32``: ``Family.vae_dtype``)."""
     value = getattr(cfg, _ROLE_KEYS[role])
     if value != "auto":
         return _DTYPE_NAMES[value]
     cuda = torch.cuda.is_available() if cuda is None else cuda
-    if not cuda:
+    if not cuda or (role == "vae" and vae_fp32):
         return torch.float32
-    if role == "vae":
-        from diffpipe.models.base import get_family
-
-        if type(get_family(cfg)).vae_needs_fp32:
-            return torch.float32
     return torch.bfloat16
 
 
@@ -84,12 +79,14 @@ def with_dtype(identity: str, dtype: torch.dtype) -> str:
     return identity if dtype == torch.float32 else digest([identity, str(dtype)])
 
 
-def component(cls: type, cfg: Any, family: str, subfolder: str, tiny: Mapping[str, Any]) -> torch.nn.Module:
+def component(cls: type, cfg: Any, family: str, subfolder: str, tiny: Mapping[str, Any],
+              dtype: torch.dtype | None = None) -> torch.nn.Module:
     """A diffusers model of a family, in eval mode, in its configured dtype (:func:`load_dtype`; the
     ``vae`` subfolder is the VAE, any other the denoiser): tiny flavor = ``cls(**tiny)`` with weights
     seeded from ``model.seed`` and ``family.subfolder`` (built in float32, then cast, so a tiny bf16
-    model is the float32 one rounded); local = the folder's ``subfolder``, loaded straight in the dtype."""
-    dtype = load_dtype(cfg, "vae" if subfolder == "vae" else "denoiser")
+    model is the float32 one rounded); local = the folder's ``subfolder``, loaded straight in the dtype
+    (``dtype``, when given, replaces :func:`load_dtype`'s)."""
+    dtype = dtype or load_dtype(cfg, "vae" if subfolder == "vae" else "denoiser")
     if cfg.flavor == "tiny":
         with seeded(cfg.seed, f"{family}.{subfolder}"):
             model = cls(**tiny)

@@ -15,7 +15,7 @@ import torch
 
 from diffpipe.config import ObjectiveConfig
 from diffpipe.models import _common as common
-from diffpipe.training import objectives as obj
+from diffpipe.models import objectives as obj
 
 
 def draw_t(

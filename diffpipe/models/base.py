@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from abc import ABC, abstractmethod
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
@@ -35,8 +36,9 @@ import torch
 from diffpipe.config import ModelConfig, ObjectiveConfig, SampleConfig
 from diffpipe.data.cache.frames import snap_frames
 from diffpipe.models import _common as common
+from diffpipe.models import objectives as obj
 from diffpipe.models._draws import draw_image
-from diffpipe.training import objectives as obj
+from diffpipe.models.spec import Absent
 
 if TYPE_CHECKING:
     from diffpipe.models.spec import Published
@@ -79,6 +81,13 @@ def split_parts(state_dict: dict[str, torch.Tensor], parts: tuple[DenoiserPart, 
     if empty:
         raise ValueError(f"the adapter has no tensors for {', '.join(empty)}; was it trained with every part?")
     return out
+
+
+def _folder_family(module: str) -> str | None:
+    """The family a class in a family folder belongs to: the folder's name with ``-`` for ``_``
+    (``diffpipe.families.flux_kontext.family`` -> ``flux-kontext``), the rule every registry line follows."""
+    parts = module.split(".")
+    return parts[2].replace("_", "-") if parts[:2] == ["diffpipe", "families"] and len(parts) > 2 else None
 
 
 def ids_name(encoder: str) -> str:
@@ -218,7 +227,11 @@ class Family(ABC):
 
     def vae_identity(self) -> str:
         """The latent cache key part: the VAE's weights and config, and the dtype it encodes in."""
-        return common.with_dtype(self.vae_weights_identity(), common.load_dtype(self.cfg, "vae"))
+        return common.with_dtype(self.vae_weights_identity(), self.vae_dtype())
+
+    def vae_dtype(self, *, cuda: bool | None = None) -> torch.dtype:
+        """The dtype the VAE loads and encodes in (``model.vae_dtype``; ``auto`` minds ``vae_needs_fp32``)."""
+        return common.load_dtype(self.cfg, "vae", cuda=cuda, vae_fp32=self.vae_needs_fp32)
 
     def text_identity(self) -> str:
         """The text cache key part: tokenizers, encoders and the dtype they encode in, and which
@@ -372,9 +385,7 @@ class Family(ABC):
 
         super().__init_subclass__(**kwargs)
         if "name" not in cls.__dict__:
-            from diffpipe.families import name_of_module
-
-            cls.name = name_of_module(cls.__module__) or getattr(cls, "name", "")
+            cls.name = _folder_family(cls.__module__) or getattr(cls, "name", "")
         if cls.__dict__.get("models") is not None:
             for attr, value in cls.models.declared().items():
                 setattr(cls, attr, value)
@@ -417,7 +428,8 @@ class Family(ABC):
         return self._declared("scheduler_model").cls.from_config(self._scheduler_config)
 
     def _model(self, model: Any, subfolder: str) -> torch.nn.Module:
-        return common.component(model.cls, self.cfg, model.seed or self.name, subfolder, model.tiny)
+        dtype = self.vae_dtype() if subfolder == "vae" else None
+        return common.component(model.cls, self.cfg, model.seed or self.name, subfolder, model.tiny, dtype)
 
     def load_vae(self) -> torch.nn.Module:
         """The declared VAE (``vae_model``), in eval mode, in ``model.vae_dtype``."""
@@ -477,7 +489,7 @@ class Family(ABC):
         """The bundle with its encoders stored as ``model.text_encoder_weights`` says (fp8: float8 weights,
         computed in ``model.text_encoder_dtype``); every loader of text encoders returns through it."""
         if self.cfg.text_encoder_weights == "fp8":
-            from diffpipe.training.precision import enable_fp8_text_encoder
+            from diffpipe.models.casting import enable_fp8_text_encoder
 
             compute = common.load_dtype(self.cfg, "text_encoder")
             parts = bundle.parts if hasattr(bundle, "parts") else vars(bundle)  # a family's own bundle class
@@ -698,7 +710,7 @@ class Family(ABC):
         from :meth:`loss_mask`. ``base_target`` (``[B]`` bool, or None): the items whose target is the base
         model's prediction (:meth:`preserved_target`). ``aux``: the family's extra inputs (``control``, ``sizes``, ...).
         """
-        from diffpipe.training.objectives import per_sample_loss
+        from diffpipe.models.objectives import per_sample_loss
 
         o = objective or ObjectiveConfig()
         # No denoiser: a caller checking the inputs alone (the errors prepare raises).
@@ -713,7 +725,7 @@ class Family(ABC):
         """Output preservation (``datasets[].prior_target: base``): the target of the items ``which``
         (``[B]`` bool) is the base model's prediction on the same inputs, the LoRA switched off and
         no gradient taken; the others keep ``prepared.target``."""
-        from diffpipe.training.adapter import adapters_disabled
+        from diffpipe.models.casting import adapters_disabled
 
         if not bool(which.any()):
             return prepared.target
@@ -751,7 +763,7 @@ class Family(ABC):
         """
         if mask is None:
             return None
-        from diffpipe.training.objectives import mask_weights
+        from diffpipe.models.objectives import mask_weights
 
         m = mask.to(device=x0.device, dtype=torch.float32)
         if x0.ndim == 4 and m.ndim == 5:  # image families drop the frame axis
@@ -801,9 +813,9 @@ class Family(ABC):
 
         Families with layers (their folder's ``layers.py``) override this; the others' spec says why not.
         """
-        from diffpipe.families import Absent, spec
-
-        layers = spec(self.name).layers
+        # The family's folder is imported with its class: its SPEC says why there are no layers.
+        folder = sys.modules.get(type(self).__module__.rpartition(".")[0])
+        layers = getattr(getattr(folder, "SPEC", None), "layers", None)
         why = f"is {layers.reason}" if isinstance(layers, Absent) else "has no layer list"
         raise ValueError(f"{self.name}: pipeline parallelism {why}; set train.pipeline_stages: 1")
 
@@ -831,21 +843,6 @@ class Family(ABC):
         weights = torch.ones(p.target.shape[0]) if p.weights is None else p.weights
         labels = (p.target, weights.to(p.target.device))
         return self.layer_inputs(p), labels if p.mask is None else (*labels, p.mask)
-
-
-def family_names() -> list[str]:
-    from diffpipe.families import family_names as names
-
-    return names()
-
-
-def get_family(cfg: ModelConfig) -> Family:
-    """The family instance for a model config; a clear error for an unknown name."""
-    from diffpipe import hub
-    from diffpipe.families import spec
-
-    cls = spec(cfg.family).family_type()
-    return cls(hub.resolved(cfg))  # a Hugging Face id becomes its cached snapshot folder
 
 
 class TransformerLoRA:

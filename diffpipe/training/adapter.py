@@ -7,10 +7,8 @@ a valid PEFT artifact; exporters read it from there.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -98,25 +96,6 @@ def init_from(denoiser: torch.nn.Module, path: str | Path, denoiser_name: str) -
         raise ValueError(f"train.lora.init_from {path}: shape {tuple(sd[bad[0]].shape)} for {bad[0]}, the "
                          f"adapter has {tuple(own[bad[0]].shape)}; set train.lora.rank to the file's rank")
     set_peft_model_state_dict(denoiser, {k: v.float() for k, v in sd.items()})
-
-
-@contextlib.contextmanager
-def adapters_disabled(module: torch.nn.Module) -> Iterator[None]:
-    """``module`` (or a DeepSpeed engine holding it) as its base model: every PEFT adapter layer
-    switched off for the block, then on again with each parameter's ``requires_grad`` as it was."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
-    layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
-    trained = {p: p.requires_grad for layer in layers for p in layer.parameters()}
-    for layer in layers:
-        layer.enable_adapters(False)
-    try:
-        yield
-    finally:
-        for layer in layers:
-            layer.enable_adapters(True)
-        for p, flag in trained.items():
-            p.requires_grad_(flag)
 
 
 def add_lora(denoiser: torch.nn.Module, config: peft.LoraConfig) -> list[torch.nn.Parameter]:

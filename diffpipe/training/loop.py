@@ -16,8 +16,8 @@ import yaml
 
 from diffpipe.config import Config, ObjectiveConfig, TrainConfig
 from diffpipe.data.cache.reader import CachedDataset
+from diffpipe.families import get_family
 from diffpipe.models import _common as common
-from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training import checkpoint as ckpt
 from diffpipe.training import checkpointing, engine, finite, offload, pipeline, precision

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 
 from diffpipe.config import ObjectiveConfig, TrainConfig
+from diffpipe.models import objectives as obj
 from diffpipe.training import adapter
-from diffpipe.training import objectives as obj
 from diffpipe.training.engine import deepspeed_config
 from diffpipe.training.optim import build_optimizer
 

@@ -26,10 +26,9 @@ from __future__ import annotations
 import torch
 
 from diffpipe.config import BF16_OPTIMIZERS, TrainConfig
+from diffpipe.models.casting import FP8_SKIPPED_CLASSES
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-#: Layers ``base_weights: fp8`` keeps in the compute dtype by class (module docstring).
-FP8_SKIPPED_CLASSES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
 #: Backends that run without CUDA (torch SDPA and its math kernel; flex attention).
 _CPU_BACKENDS = {"native", "_native_math", "flex"}
 
@@ -107,25 +106,6 @@ def enable_fp8_base_weights(denoiser: torch.nn.Module, compute: torch.dtype) -> 
     if bad:
         raise ValueError(f"train.base_weights fp8 cast trained weights to float8 (e.g. {bad[0]}); "
                          "check train.lora.targets")
-
-
-#: What fp8 text encoders keep in their compute dtype besides diffusers' defaults (norms): embeddings
-#: (by class and name) and a language model head, which shares its weight with the token embedding.
-FP8_TEXT_SKIPPED_PATTERNS = ("norm", "embed", "lm_head")
-
-
-def enable_fp8_text_encoder(encoder: torch.nn.Module, compute: torch.dtype) -> None:
-    """Store a frozen text encoder's weights in float8_e4m3fn, cast to ``compute`` layer by layer for each
-    forward (diffusers' ``apply_layerwise_casting``, which also works on transformers models); norms,
-    embeddings, a tied ``lm_head``, convolutions (a vision tower's patch embedding) and the modules the
-    model itself keeps in float32 (``_keep_in_fp32_modules``: T5's ``wo``, which casts its input to its
-    weight's dtype) keep ``compute``."""
-    from diffusers.hooks import apply_layerwise_casting
-
-    kept = tuple(rf"(^|\.){name}$" for name in getattr(encoder, "_keep_in_fp32_modules", None) or ())
-    apply_layerwise_casting(encoder, storage_dtype=torch.float8_e4m3fn, compute_dtype=compute,
-                            skip_modules_pattern=FP8_TEXT_SKIPPED_PATTERNS + kept,
-                            skip_modules_classes=(*FP8_SKIPPED_CLASSES, torch.nn.Embedding))
 
 
 #: ``train.base_weights`` values stored as torchao tensor subclasses (:func:`enable_quantised_base_weights`).

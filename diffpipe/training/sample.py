@@ -15,7 +15,7 @@ from PIL import Image, ImageDraw
 from diffpipe.config import ModelConfig, SampleConfig
 from diffpipe.data.cache.video import write_mp4
 from diffpipe.data.dataset.media import DEFAULT_MAX_PIXELS, decoded_frames, open_image, open_video
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import EXPORT_NAMES, export_name
 from diffpipe.training.adapter import WEIGHTS_NAME, apply_adapter
 from diffpipe.training.finite import check_safetensors_file

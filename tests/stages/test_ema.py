@@ -12,7 +12,7 @@ import torch
 from diffusers import StableDiffusionPipeline
 
 from diffpipe.config import load_config, parse_config
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import load_adapter
 from diffpipe.training.checkpoint import list_checkpoints

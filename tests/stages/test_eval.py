@@ -4,7 +4,7 @@ import torch
 
 from diffpipe.config import EvalConfig, ModelConfig
 from diffpipe.data.cache.reader import CachedDataset
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training.eval import Evaluator, eval_batches
 

@@ -36,8 +36,7 @@ from diffpipe.config import LoraConfig, ModelConfig
 from diffpipe.export import export_lora, import_lora
 from diffpipe.export.convert import to_original
 from diffpipe.export.keymaps import keymap_for_model, mapped_families
-from diffpipe.families import family_names, spec
-from diffpipe.models import get_family
+from diffpipe.families import family_names, get_family, spec
 from diffpipe.models.spec import Absent
 from diffpipe.paths import FORMATS
 from diffpipe.training.adapter import (
@@ -901,7 +900,7 @@ def test_full_size_export_reads_back_with_diffusers_converter(family, fmt):
     import diffusers
 
     from diffpipe.export.convert import Lora
-    from diffpipe.export.keymaps.base import kohya_name
+    from diffpipe.models.keymap import kohya_name
 
     cls_name, kwargs, targets = FULL_SIZE[family]
     with torch.device("meta"):

@@ -20,9 +20,10 @@ from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 from family_tables import row
 
 from diffpipe.config import ModelConfig, SampleConfig
-from diffpipe.models import _common, family_names, get_family
+from diffpipe.families import family_names, get_family
+from diffpipe.models import _common
 from diffpipe.models.base import Family
-from diffpipe.training.objectives import shift_timesteps
+from diffpipe.models.objectives import shift_timesteps
 
 #: Two representatives, a UNet and a transformer, checked in depth; every registered family and variant
 #: takes a training step in tests/unit/test_family_runs.py. A family added here needs its rows below.
@@ -116,7 +117,7 @@ def test_seed_changes_identities(family):
 def test_identities_equal_in_a_fresh_process():
     code = (
         "import json, sys; from diffpipe.config import ModelConfig; "
-        "from diffpipe.models import get_family\n"
+        "from diffpipe.families import get_family\n"
         "fams = [get_family(ModelConfig(family=n)) for n in sys.argv[1:]]\n"
         "print(json.dumps([[f.vae_identity(), f.text_identity()] for f in fams]))"
     )

@@ -17,8 +17,8 @@ from stage_cli import run_config
 
 from diffpipe.config import ModelConfig, load_config
 from diffpipe.data.cache.reader import CachedDataset
+from diffpipe.families import get_family
 from diffpipe.families.flux2_klein.family import reference_tokens
-from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter
 

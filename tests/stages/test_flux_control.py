@@ -20,8 +20,8 @@ from stage_cli import run_config
 from diffpipe.config import load_config
 from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.data.dataset.demo import write_demo_dataset
+from diffpipe.families import get_family
 from diffpipe.families.flux.family import FluxFamily
-from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter
 

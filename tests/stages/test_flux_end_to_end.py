@@ -20,7 +20,7 @@ import yaml
 from stage_cli import rendezvous, run_stages
 
 from diffpipe.config import load_config
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import REPO_ROOT, RunPaths
 from diffpipe.training.adapter import apply_adapter
 

@@ -24,8 +24,8 @@ from stage_cli import rendezvous, run_stages
 from diffpipe.config import load_config
 from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.data.dataset.demo import write_demo_dataset
+from diffpipe.families import get_family
 from diffpipe.families.flux_kontext.family import reference_tokens
-from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from diffpipe.config import ModelConfig, TrainConfig
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training import adapter, precision
 from diffpipe.training.metrics import read_metrics

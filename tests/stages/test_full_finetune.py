@@ -5,7 +5,7 @@ import torch
 from diffusers import UNet2DConditionModel
 
 from diffpipe.config import ModelConfig
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training.checkpoint import adapter_from_checkpoint, list_checkpoints
 

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from diffpipe.cli import app
 from diffpipe.config import ModelConfig
 from diffpipe.data.dataset.demo import write_demo_dataset
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training.engine import free_port
 

@@ -26,7 +26,7 @@ from stage_cli import rendezvous, run_stages
 
 from diffpipe.config import ModelConfig, load_config
 from diffpipe.data.cache.reader import CachedDataset
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import REPO_ROOT, RunPaths
 from diffpipe.training.adapter import apply_adapter
 

@@ -20,14 +20,14 @@ import torch
 import yaml
 from PIL import Image
 
+from diffpipe.cache_jobs import cache_empty_text, cache_latents, cache_text
 from diffpipe.config import CacheConfig, DatasetConfig, ModelConfig, ValidationConfig
-from diffpipe.data.cache.jobs import cache_empty_text, cache_latents, cache_text
 from diffpipe.data.cache.latents import LatentShard
 from diffpipe.data.cache.plan import make_plan
 from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.data.dataset.demo import write_demo_dataset
 from diffpipe.data.dataset.validate import run_validation
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.utils import OUTPUT_MARKER
 

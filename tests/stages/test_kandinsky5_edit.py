@@ -24,8 +24,8 @@ from diffpipe.config import ModelConfig, ObjectiveConfig, load_config
 from diffpipe.data.cache.plan import read_spec
 from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.data.cache.text import TextShard
+from diffpipe.families import get_family
 from diffpipe.families.kandinsky5_image.family import VISION_SLOT
-from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter
 

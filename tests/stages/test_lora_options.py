@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from diffpipe.config import LoraConfig, ModelConfig
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.training import adapter
 
 

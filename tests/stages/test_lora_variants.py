@@ -21,7 +21,7 @@ from test_export_formats import _forward_inputs, _out
 from diffpipe.config import LoraConfig, ModelConfig
 from diffpipe.export import export_lora, import_lora
 from diffpipe.export.keymaps import keymap_for_model
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.training.adapter import add_lora, apply_adapter, lora_state_dict, peft_config, save_adapter
 
 TOL = 1e-5

@@ -24,15 +24,15 @@ from PIL import Image
 from stage_cli import rendezvous
 from typer.testing import CliRunner
 
+from diffpipe.cache_jobs import cache_latents, cache_text
 from diffpipe.cli import app
 from diffpipe.config import CacheConfig, ModelConfig, ObjectiveConfig, ValidationConfig, parse_config
-from diffpipe.data.cache.jobs import cache_latents, cache_text
 from diffpipe.data.cache.plan import make_plan
 from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.data.dataset.demo import write_demo_dataset
 from diffpipe.data.dataset.discover import dataset_files
 from diffpipe.data.dataset.validate import run_validation
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training.loop import DataOrder
 
@@ -329,7 +329,7 @@ def test_masked_loss_is_the_hand_computed_weighted_mean(run):
         snr_masked = family.loss(denoiser, batch["latents"], batch["text"], torch.Generator(), t=t,
                                  noise=noise, objective=o, mask=batch["mask"])
     torch.testing.assert_close(ones, plain, rtol=1e-6, atol=0)  # all-ones mask = unmasked
-    from diffpipe.training import objectives as obj
+    from diffpipe.models import objectives as obj
 
     schedule = family.noise_scheduler().alphas_cumprod
     snr_w = obj.min_snr_weights(schedule, obj.ddpm_timesteps(t, len(schedule)), gamma=1.0)

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from diffpipe.config import ModelConfig, ObjectiveConfig
-from diffpipe.models import get_family
-from diffpipe.training import objectives as obj
+from diffpipe.families import get_family
+from diffpipe.models import objectives as obj
 
 
 def _inputs(family, b=3):

@@ -18,8 +18,8 @@ from PIL import Image
 
 from diffpipe.config import ConfigError, ModelConfig, ObjectiveConfig, parse_config
 from diffpipe.data.cache.buckets import crop_top_left, load_image_array
-from diffpipe.models import get_family
-from diffpipe.training import objectives as obj
+from diffpipe.families import get_family
+from diffpipe.models import objectives as obj
 
 VPRED_ZTSNR = {"prediction_type": "v_prediction", "zero_terminal_snr": True}
 
@@ -222,7 +222,7 @@ def _stripes(w: int, h: int) -> Image.Image:
 
 @pytest.fixture(scope="module")
 def sdxl_run(tmp_path_factory):
-    from diffpipe.data.cache.jobs import cache_latents, cache_text
+    from diffpipe.cache_jobs import cache_latents, cache_text
     from diffpipe.data.cache.plan import make_plan, read_spec
     from diffpipe.data.cache.reader import CachedDataset
     from diffpipe.data.dataset.validate import run_validation

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from diffpipe.config import ModelConfig, TrainConfig
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training import checkpointing, offload, precision
 from diffpipe.training.metrics import read_metrics

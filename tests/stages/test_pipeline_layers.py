@@ -5,7 +5,7 @@ import torch
 from diffusers import FluxPipeline
 
 from diffpipe.config import LoraConfig, ModelConfig
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.models.layers import run_layers
 from diffpipe.training import adapter
 from diffpipe.training.pipeline import balanced_split, layer_sizes, manual_split

@@ -7,9 +7,9 @@ import pytest
 import torch
 from PIL import Image
 
+from diffpipe.cache_jobs import cache_empty_text, cache_latents, cache_text
 from diffpipe.config import CacheConfig, DatasetConfig, ModelConfig, ValidationConfig
 from diffpipe.data.cache.buckets import choose_bucket, load_image
-from diffpipe.data.cache.jobs import cache_empty_text, cache_latents, cache_text
 from diffpipe.data.cache.latents import LatentShard
 from diffpipe.data.cache.plan import make_plan, read_spec
 from diffpipe.data.cache.reader import CachedDataset
@@ -126,7 +126,7 @@ def test_model_change_rekeys_and_fewer_shards_remove_specs(planned):
 
 @pytest.fixture(scope="module")
 def cached(tmp_path_factory):
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
 
     root = tmp_path_factory.mktemp("cache")
     data = root / "data"
@@ -260,7 +260,7 @@ def test_fp8_text_encoders_rekey_and_encode_the_text_cache(cached, tmp_path):
     fp8 cache job; planned with it, the job encodes every caption with float8-stored encoders (close to,
     not equal to, the float32 shard's embeddings)."""
     from diffpipe.data.cache.text import TextShard
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
 
     paths, _, model_cfg, cache_cfg, _ = cached
     fp8 = model_cfg.model_copy(update={"text_encoder_weights": "fp8"})

@@ -28,8 +28,8 @@ from diffpipe.config import load_config
 from diffpipe.data.cache.plan import read_spec
 from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.data.cache.text import TextShard
+from diffpipe.families import get_family
 from diffpipe.families.qwenimage_edit.family import reference_tokens
-from diffpipe.models import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter
 

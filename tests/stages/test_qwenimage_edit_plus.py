@@ -32,7 +32,7 @@ from diffpipe.config import ModelConfig, load_config, parse_config
 from diffpipe.data.cache.plan import read_spec
 from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.data.cache.text import TextShard
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter
 
@@ -184,7 +184,7 @@ def test_plus_variants_and_published_sizes():
     assert (plain.max_references, plus.max_references) == (1, 4)
     assert plain.text_identity() != plus.text_identity()
     assert not plus._denoiser_config.get("zero_cond_t")
-    from diffpipe.models.published import for_family
+    from diffpipe.families.published import for_family
 
     sized = {s.name for s in for_family("qwenimage-edit") if plus.sizes(s)}
     assert sized == {"qwen-image-edit-2509"}

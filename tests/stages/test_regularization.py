@@ -17,7 +17,7 @@ import yaml
 from diffpipe import stages
 from diffpipe.config import ObjectiveConfig, load_config
 from diffpipe.data.cache.reader import CachedDataset
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.training.loop import weighted_loss
 from diffpipe.training.metrics import read_metrics

@@ -24,7 +24,7 @@ from diffpipe.cli import app
 from diffpipe.config import LoraConfig, ModelConfig
 from diffpipe.export import export_lora
 from diffpipe.export.text_encoders import clip_module
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.training.adapter import PEFT_PREFIX, add_lora, lora_state_dict, peft_config, save_adapter
 
 runner = CliRunner()

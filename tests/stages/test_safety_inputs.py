@@ -26,9 +26,9 @@ from diffpipe.data.cache.plan import make_plan
 from diffpipe.data.dataset import media
 from diffpipe.data.dataset.demo import write_demo_dataset
 from diffpipe.data.dataset.metadata import read_metadata
-from diffpipe.data.dataset.policy import REASONS, resolve_actions, status_of
 from diffpipe.data.dataset.validate import print_summary, run_validation
 from diffpipe.paths import RunPaths
+from diffpipe.policy import REASONS, resolve_actions, status_of
 
 LIMIT = ValidationConfig(max_pixels=1_000_000)
 
@@ -185,8 +185,8 @@ def test_cache_decoders_check_the_header_again(tmp_path):
 def test_a_swapped_in_bomb_stops_the_cache_job_naming_it(tmp_path):
     """validation.max_pixels reaches the cache job through the plan: a file swapped for a bomb
     after validation (and trusted, not re-hashed) is refused from its header."""
-    from diffpipe.data.cache.jobs import cache_latents
-    from diffpipe.models import get_family
+    from diffpipe.cache_jobs import cache_latents
+    from diffpipe.families import get_family
 
     root = tmp_path / "data"
     write_demo_dataset(root, n=2, size=32)

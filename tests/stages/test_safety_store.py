@@ -19,9 +19,9 @@ import time
 
 import pytest
 
+from diffpipe.cache_jobs import cache_latents
 from diffpipe.config import load_config
 from diffpipe.data.cache import store as store_mod
-from diffpipe.data.cache.jobs import cache_latents
 from diffpipe.data.cache.latents import LatentShard
 from diffpipe.data.cache.store import INDEX_SUFFIX, Store, prune
 from diffpipe.paths import RunPaths

@@ -20,7 +20,8 @@ from safetensors.torch import save_file
 from diffpipe.config import ConfigError, ModelConfig, load_config
 from diffpipe.export.keymaps import keymap_for_model
 from diffpipe.export.metadata import denoiser_fingerprint
-from diffpipe.models import _common, get_family
+from diffpipe.families import get_family
+from diffpipe.models import _common
 
 # Wan's original names of the tensors outside the LoRA key map (diffusers name pattern -> original).
 WAN_EXTRAS = [

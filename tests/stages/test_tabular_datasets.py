@@ -26,14 +26,14 @@ import yaml
 from PIL import Image
 from typer.testing import CliRunner
 
+from diffpipe.cache_jobs import _decode, cache_latents, cache_text
 from diffpipe.cli import app
 from diffpipe.config import CacheConfig, DatasetConfig, ModelConfig, ValidationConfig
-from diffpipe.data.cache.jobs import _decode, cache_latents, cache_text
 from diffpipe.data.cache.plan import make_plan
 from diffpipe.data.dataset.media import probe
 from diffpipe.data.dataset.tables import TableError, find_tables, parse_locator
 from diffpipe.data.dataset.validate import run_validation
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 
 datasets = pytest.importorskip("datasets")  # the dev extra installs it; never counted as a pass

@@ -23,7 +23,7 @@ from stage_cli import invoke, rendezvous, run_stages
 
 from diffpipe.config import ModelConfig, load_config, parse_config
 from diffpipe.data.cache.text import TextShard
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.models.base import ids_name
 from diffpipe.paths import REPO_ROOT, RunPaths
 from diffpipe.training.adapter import apply_state, load_adapter

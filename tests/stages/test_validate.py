@@ -18,8 +18,9 @@ from diffpipe.config import DatasetConfig, ModelConfig, ValidationConfig
 from diffpipe.data.dataset.demo import write_demo_dataset
 from diffpipe.data.dataset.discover import dataset_files
 from diffpipe.data.dataset.media import probe
-from diffpipe.data.dataset.policy import REASONS
-from diffpipe.data.dataset.validate import FamilyTokenCounter, item_id, run_validation
+from diffpipe.data.dataset.validate import item_id, run_validation
+from diffpipe.families.token_counter import FamilyTokenCounter
+from diffpipe.policy import REASONS
 
 VCFG = ValidationConfig(min_size=16, min_frames=2, max_pixels=50_000)
 ROOT_USER = os.geteuid() == 0

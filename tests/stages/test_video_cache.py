@@ -22,7 +22,7 @@ from diffpipe.data.cache.latents import LatentShard, storage_to_tensor
 from diffpipe.data.cache.plan import read_spec
 from diffpipe.data.cache.video import load_video_array, select_frames
 from diffpipe.data.dataset.demo import write_demo_dataset
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 
 

@@ -33,14 +33,14 @@ from family_tables import missing_rows, row, video_families
 from PIL import Image
 from stage_cli import rendezvous, run_stages
 
+from diffpipe.cache_jobs import _decode
 from diffpipe.config import ModelConfig, ObjectiveConfig, SampleConfig, load_config
-from diffpipe.data.cache.jobs import _decode
 from diffpipe.data.cache.plan import read_spec
 from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.data.dataset.demo_video import write_demo_clips
+from diffpipe.families import get_family
+from diffpipe.families.published import PUBLISHED
 from diffpipe.families.wan import i2v as wan_i2v
-from diffpipe.models import get_family
-from diffpipe.models.published import PUBLISHED
 from diffpipe.paths import REPO_ROOT, RunPaths
 from diffpipe.training.adapter import apply_adapter
 

@@ -27,9 +27,9 @@ from diffpipe.data.cache.plan import read_spec
 from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.data.dataset.demo import write_demo_dataset
 from diffpipe.data.dataset.demo_video import write_demo_clips
+from diffpipe.families import get_family
+from diffpipe.families.published import PUBLISHED
 from diffpipe.families.wan.family import detect_variant
-from diffpipe.models import get_family
-from diffpipe.models.published import PUBLISHED
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter, load_adapter
 

@@ -26,14 +26,14 @@ from PIL import Image
 from stage_cli import invoke as _cli
 from stage_cli import rendezvous, run_stages
 
+from diffpipe.cache_jobs import _decode
 from diffpipe.config import DatasetConfig, ModelConfig, ObjectiveConfig, SampleConfig
-from diffpipe.data.cache.jobs import _decode
 from diffpipe.data.cache.plan import _entries, read_spec
 from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.data.dataset.demo_video import write_demo_clips
+from diffpipe.families import get_family
+from diffpipe.families.published import PUBLISHED
 from diffpipe.families.wan import i2v as wan_i2v
-from diffpipe.models import get_family
-from diffpipe.models.published import PUBLISHED
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import apply_adapter
 

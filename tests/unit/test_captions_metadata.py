@@ -17,7 +17,7 @@ from diffpipe.data.dataset.captions import (
     normalize_tags,
 )
 from diffpipe.data.dataset.metadata import parse_records, pick_column, relative_path
-from diffpipe.data.dataset.policy import REASONS, policy_markdown, resolve_actions
+from diffpipe.policy import REASONS, policy_markdown, resolve_actions
 
 line = st.text(st.characters(blacklist_categories=("Cs", "Cc", "Zl", "Zp")), max_size=30)
 SETTINGS = settings(max_examples=150, deadline=None)

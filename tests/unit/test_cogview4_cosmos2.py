@@ -11,10 +11,10 @@ from peft.utils import get_peft_model_state_dict
 
 from diffpipe.config import ModelConfig
 from diffpipe.export.diffusers_format import export_diffusers
+from diffpipe.families import get_family
 from diffpipe.families.cogview4.family import padded_length
 from diffpipe.families.cosmos2.family import PassThroughSafetyChecker
-from diffpipe.models import get_family
-from diffpipe.training import objectives as obj
+from diffpipe.models import objectives as obj
 
 CAPTIONS = ["a white circle on a black background", "x", "", "a white triangle " * 8]
 

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from diffpipe.config import ModelConfig, ObjectiveConfig, SampleConfig
+from diffpipe.families import get_family
 from diffpipe.families.cosmos2_video.family import SIGMA_CONDITIONING, condition_indicator
-from diffpipe.models import get_family
-from diffpipe.models.published import PUBLISHED
+from diffpipe.families.published import PUBLISHED
 
 
 @pytest.fixture(autouse=True)

@@ -59,7 +59,7 @@ def test_text_encoders_are_sized_for_the_cache_jobs_gpu(tmp_path):
 
     from diffpipe.config import ModelConfig
     from diffpipe.doctor import CUDA_OVERHEAD_BYTES, _text_encoder_checks, text_encoder_bytes
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
 
     folder = tmp_path / "flux"
     get_family(ModelConfig(family="flux")).load_pipeline().save_pretrained(folder)

@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 from diffpipe.cli import app
 from diffpipe.config import Config, ModelConfig
 from diffpipe.estimate import GiB, estimate_memory, saved_activation_bytes
-from diffpipe.models import family_names, get_family
-from diffpipe.models.published import PUBLISHED, for_family
+from diffpipe.families import family_names, get_family
+from diffpipe.families.published import PUBLISHED, for_family
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

@@ -7,7 +7,7 @@ import torch
 
 from diffpipe.config import Config
 from diffpipe.estimate import FITS_MODELS, GiB, estimate_memory, fits_row
-from diffpipe.models.published import PUBLISHED
+from diffpipe.families.published import PUBLISHED
 from diffpipe.readme_tables import REPO_ROOT
 from diffpipe.training import offload
 
@@ -62,7 +62,7 @@ def test_int8_counts_torchaos_bytes_of_the_fp8_layers(flux):
     """int8 stores the layers fp8 casts, at torchao's real size (checked on a quantised tiny model)."""
     import peft
 
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
     from diffpipe.training.precision import enable_quantised_base_weights
 
     int8 = estimate_memory(_cfg("flux", 1024, base_weights="int8"), model="flux1-dev", rank=16)
@@ -124,7 +124,7 @@ def test_activation_offload_moves_the_block_inputs_to_system_ram(flux):
 def _fp8_model():
     import peft
 
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
     from diffpipe.training.precision import enable_fp8_base_weights
 
     meta = PUBLISHED["flux1-dev"].build_meta().to(torch.bfloat16).requires_grad_(False)

@@ -131,10 +131,10 @@ def test_adding_a_family_is_one_folder_and_one_registry_line(toy_folder):
     from diffpipe.export.card import how_to_load
     from diffpipe.export.keymaps import keymap_for, mapped_families
     from diffpipe.export.kohya import base_model_version
-    from diffpipe.models import family_names as names
-    from diffpipe.models import get_family
-    from diffpipe.models.published import for_family
-    from diffpipe.models.tables import families_markdown, formats_markdown, pipeline_markdown
+    from diffpipe.families import family_names as names
+    from diffpipe.families import get_family
+    from diffpipe.families.published import for_family
+    from diffpipe.families.tables import families_markdown, formats_markdown, pipeline_markdown
 
     family = get_family(ModelConfig(family="toy"))
     assert type(family).__name__ == "ToyFamily" and family.name == "toy" and "toy" in names()
@@ -171,7 +171,7 @@ def test_a_pipeline_without_a_lora_loader_gets_a_writer_a_loader_and_a_card_line
     HunyuanImage and HunyuanVideo 1.5 pipelines), the family writes and loads through the transformer and its
     card says so; every other pipeline writes and loads the file itself."""
     from diffpipe.export.card import how_to_load
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
     from diffpipe.models.base import TransformerLoRA
 
     family = get_family(ModelConfig(family=name))

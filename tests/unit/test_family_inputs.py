@@ -8,7 +8,8 @@ that can drift from the first (the pipeline-layer tests compare the two only whe
 import pytest
 
 from diffpipe.config import ModelConfig
-from diffpipe.models.base import Family, family_names, get_family
+from diffpipe.families import family_names, get_family
+from diffpipe.models.base import Family
 
 #: Families that refuse pipeline parallelism in ``pipeline_inputs`` itself, with the reason.
 REFUSES_PIPELINE_INPUTS = {"cosmos2-video": "cosmos2's single-frame layer tuple does not apply to its clips"}

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffpipe.config import ModelConfig
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.models.layers import run_layers
 
 

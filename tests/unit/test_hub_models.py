@@ -12,10 +12,11 @@ from typer.testing import CliRunner
 
 from diffpipe import hub
 from diffpipe.cli import app
-from diffpipe.config import ConfigError, ModelConfig, parse_config
+from diffpipe.config import ConfigError, ModelConfig
 from diffpipe.data.dataset.demo import write_demo_dataset
+from diffpipe.families import get_family, resolve_family
 from diffpipe.init import resolve_model
-from diffpipe.models import get_family
+from diffpipe.resolve import parse_config
 
 REPO = "some-org/tiny-model"
 REV_A, REV_SAME, REV_B = "a" * 40, "c" * 40, "b" * 40
@@ -60,8 +61,9 @@ def test_an_existing_local_folder_is_never_an_id(tmp_path):
 
 
 def test_an_id_resolves_to_its_snapshot_and_names_the_family(hub_cache):
-    cfg = ModelConfig(path=REPO)  # no flavor, no family
-    assert (cfg.flavor, cfg.family, cfg.origin) == ("local", "sd", REPO)
+    cfg = ModelConfig(path=REPO)  # no flavor, no family: parsing reads no file
+    assert (cfg.flavor, cfg.family, cfg.origin) == ("local", None, REPO)
+    assert resolve_family(cfg).family == "sd"  # the resolution step reads the id's model_index.json
     family = get_family(cfg)
     assert family.cfg.path == str(hub_cache / "hub" / "models--some-org--tiny-model" / "snapshots" / REV_A)
     assert family.cfg.origin == REPO  # what export metadata names

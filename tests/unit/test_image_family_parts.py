@@ -9,10 +9,10 @@ import torch
 
 from diffpipe.config import ModelConfig, ObjectiveConfig
 from diffpipe.data.cache.buckets import crop_top_left
+from diffpipe.families import get_family
 from diffpipe.families.sdxl.family import time_ids
-from diffpipe.models import get_family
 from diffpipe.models.components import TextBundle
-from diffpipe.training.objectives import sample_mode, weighting_scheme_weights
+from diffpipe.models.objectives import sample_mode, weighting_scheme_weights
 
 CAPTIONS = ["a red circle", "x"]
 

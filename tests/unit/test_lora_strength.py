@@ -52,7 +52,7 @@ def test_diffusers_file_with_rank_pattern_imports_at_its_strength(tmp_path):
     from diffpipe.export.convert import Lora, adapter_from_loras, fold_scale
     from diffpipe.export.diffusers_format import export_diffusers
     from diffpipe.export.import_lora import _diffusers_loras
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
 
     family = get_family(ModelConfig(family="sd", flavor="tiny"))
     g = torch.Generator().manual_seed(0)

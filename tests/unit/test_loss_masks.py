@@ -11,11 +11,11 @@ import torch
 from diffusers import FluxPipeline
 from PIL import Image
 
+from diffpipe.cache_jobs import latent_mask
 from diffpipe.config import ConfigError, ModelConfig, ObjectiveConfig, parse_config
 from diffpipe.data.cache.buckets import load_mask_array
-from diffpipe.data.cache.jobs import latent_mask
-from diffpipe.models import family_names, get_family
-from diffpipe.training import objectives as obj
+from diffpipe.families import family_names, get_family
+from diffpipe.models import objectives as obj
 
 
 def test_weighted_reduction_matches_hand_computation():

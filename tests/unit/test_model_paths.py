@@ -12,8 +12,9 @@ from typer.testing import CliRunner
 
 from diffpipe import hub
 from diffpipe.cli import app
-from diffpipe.config import ConfigError, ModelConfig, parse_config
-from diffpipe.data.dataset.checks import FamilyTokenCounter
+from diffpipe.config import ConfigError, ModelConfig
+from diffpipe.families.token_counter import FamilyTokenCounter
+from diffpipe.resolve import parse_config
 
 _INDEX = {"_class_name": "StableDiffusionPipeline", "unet": ["diffusers", "UNet2DConditionModel"],
           "vae": ["diffusers", "AutoencoderKL"], "tokenizer": ["transformers", "CLIPTokenizer"],
@@ -140,12 +141,12 @@ def test_validate_names_the_model_problem_without_a_traceback(make, tmp_path):
 def test_a_token_counter_thread_keeps_its_error_for_the_caller(monkeypatch):
     """The tokenizers load in a thread while files are probed: its failure is raised once, where they are
     needed, not printed as a thread's traceback first."""
-    import diffpipe.models
+    import diffpipe.families.token_counter
 
     def broken(cfg):
         raise ConfigError("model.path 'x': broken")
 
-    monkeypatch.setattr(diffpipe.models, "get_family", broken)
+    monkeypatch.setattr(diffpipe.families.token_counter, "get_family", broken)
     printed = []
     monkeypatch.setattr(threading, "excepthook", printed.append)
     counter = FamilyTokenCounter(ModelConfig())

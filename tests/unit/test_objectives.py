@@ -8,7 +8,7 @@ import pytest
 import torch
 from diffusers import DDPMScheduler, FlowMatchEulerDiscreteScheduler
 
-from diffpipe.training import objectives as obj
+from diffpipe.models import objectives as obj
 
 
 def _gen(seed: int = 0) -> torch.Generator:

@@ -7,8 +7,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from diffpipe.config import ModelConfig, TrainConfig
+from diffpipe.families import get_family
 from diffpipe.models import _common as common
-from diffpipe.models import get_family
 from diffpipe.training.engine import deepspeed_config
 from diffpipe.training.precision import check, resolve_precision
 
@@ -24,13 +24,14 @@ def test_auto_precision_is_bf16_on_cuda_and_fp32_on_cpu():
 
 def test_auto_dtypes_by_device_and_family():
     sd, flux = ModelConfig(family="sd"), ModelConfig(family="flux")
-    get_family(sd), get_family(flux)  # registers both
     for role in ("denoiser", "text_encoder", "vae"):
         assert common.load_dtype(flux, role, cuda=False) == torch.float32
         assert common.load_dtype(flux, role, cuda=True) == torch.bfloat16
-    assert common.load_dtype(sd, "vae", cuda=True) == torch.float32  # SD's VAE stays in float32
+    assert get_family(flux).vae_dtype(cuda=True) == torch.bfloat16
+    assert get_family(sd).vae_dtype(cuda=True) == torch.float32  # SD's VAE stays in float32
+    assert get_family(sd).vae_dtype(cuda=False) == torch.float32
     assert common.load_dtype(sd, "denoiser", cuda=True) == torch.bfloat16
-    assert common.load_dtype(ModelConfig(family="sd", vae_dtype="bfloat16"), "vae", cuda=True) == torch.bfloat16
+    assert get_family(ModelConfig(family="sd", vae_dtype="bfloat16")).vae_dtype(cuda=True) == torch.bfloat16
 
 
 class _Float32Outputs(TorchDispatchMode):
@@ -103,7 +104,7 @@ def test_fp8_text_encoders_store_float8_and_encode_close(name):
     CLIP's pooled output) of the float32 encoders' and not equal; the text cache key changes."""
     import re
 
-    from diffpipe.training.precision import FP8_TEXT_SKIPPED_PATTERNS
+    from diffpipe.models.casting import FP8_TEXT_SKIPPED_PATTERNS
 
     plain, fp8 = get_family(ModelConfig(family=name)), get_family(ModelConfig(family=name, text_encoder_weights="fp8"))
     encoders = fp8.load_text_encoders()

@@ -20,7 +20,7 @@ from typer.testing import CliRunner
 from diffpipe.cli import app
 from diffpipe.config import LoraConfig, ModelConfig
 from diffpipe.export import export_lora
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.training.adapter import add_lora, lora_state_dict, peft_config, save_adapter
 from diffpipe.utils import (
     OUTPUT_MARKER,

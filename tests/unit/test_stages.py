@@ -7,7 +7,7 @@ from diffpipe import workflow as dw
 from diffpipe.config import parse_config
 from diffpipe.export.api import export_lora
 from diffpipe.export.locate import locate
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 
 
 def _cfg(tmp_path, **over):

@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from diffpipe.cli import app
 from diffpipe.config import load_config
-from diffpipe.models import get_family
+from diffpipe.families import get_family
 from diffpipe.paths import REPO_ROOT, RunPaths
 from diffpipe.runner import DEFAULT_PROFILE, run_workflow
 from diffpipe.sbatch import dry_run_jobs

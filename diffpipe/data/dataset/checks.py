@@ -1,24 +1,23 @@
 """Checks over probed manifest rows: geometry, caption tokens, duplicates, eval split.
 
 Each function adds reason codes (and a sentence) to row dicts; the policy
-(:mod:`diffpipe.data.dataset.policy`) decides later what a reason does to the row.
-Token counts come from a :class:`TokenCounter`, by default the model
-family's real tokenizers, loaded only when a caption needs counting.
+(:mod:`diffpipe.policy`) decides later what a reason does to the row.
+Token counts come from a :class:`TokenCounter`: the stages pass the model family's real tokenizers
+(:class:`diffpipe.families.token_counter.FamilyTokenCounter`), loaded only when a caption needs counting.
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
-import threading
 from collections import Counter
 from pathlib import Path
 from typing import Any, Protocol
 
-from diffpipe.config import DatasetConfig, ModelConfig, ValidationConfig
+from diffpipe.config import DatasetConfig, ValidationConfig
 from diffpipe.data.dataset import captions as cap
 from diffpipe.data.dataset.metadata import relative_path
-from diffpipe.data.dataset.policy import Action
+from diffpipe.policy import Action
 from diffpipe.utils import digest
 
 #: Reasons found by reading media content: reused with the hash while the content is unchanged
@@ -36,51 +35,6 @@ class TokenCounter(Protocol):
     def limits(self) -> dict[str, int]: ...
 
     def count(self, texts: list[str]) -> dict[str, list[int]]: ...
-
-
-class FamilyTokenCounter:
-    """A :class:`TokenCounter` from the model config; loads the tokenizers on first use only."""
-
-    def __init__(self, model: ModelConfig):
-        self.model = model
-        self.key = digest(["tokens", model.model_dump(mode="json")])[:16]
-        self._family: Any = None
-        self._tok: Any = None
-        self._thread: threading.Thread | None = None
-        self._error: Exception | None = None
-        self._lock = threading.Lock()
-
-    def prefetch(self) -> None:
-        """Start loading the tokenizers in a thread (imports take seconds) while files are probed."""
-        if self._thread is None and self._tok is None:
-            self._thread = threading.Thread(target=self._load_kept, daemon=True)
-            self._thread.start()
-
-    def _load_kept(self) -> None:
-        """The thread's load: a failure is kept for the caller's next :meth:`_load`, which raises it as its
-        own (a thread's exception would print a traceback, and the caller would load again)."""
-        try:
-            self._load()
-        except Exception as err:  # noqa: BLE001 - whatever it is, the caller raises it
-            self._error = err
-
-    def _load(self) -> None:
-        with self._lock:
-            if self._error is not None:
-                raise self._error
-            if self._tok is None:
-                from diffpipe.models import get_family
-
-                self._family = get_family(self.model)
-                self._tok = self._family.load_tokenizers()
-
-    def limits(self) -> dict[str, int]:
-        self._load()
-        return self._family.token_limits(self._tok)
-
-    def count(self, texts: list[str]) -> dict[str, list[int]]:
-        self._load()
-        return self._family.count_tokens(self._tok, texts)
 
 
 def add_reason(row: dict[str, Any], reason: str, note: str) -> None:

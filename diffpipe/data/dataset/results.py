@@ -10,7 +10,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from diffpipe.config import ValidationConfig
-from diffpipe.data.dataset.policy import Action
+from diffpipe.policy import Action
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Each media file becomes one manifest row with its content hash, size,
 geometry, captions, token counts, split and status. Problems carry a stable
-reason code (:mod:`diffpipe.data.dataset.policy`) whose action decides the row's
+reason code (:mod:`diffpipe.policy`) whose action decides the row's
 status: ``skip`` leaves it out of training, ``warn`` keeps it, ``error``
 stops the run. Nothing in a dataset is ever modified.
 
@@ -32,9 +32,8 @@ from rich.table import Table
 from diffpipe.config import DatasetConfig, ValidationConfig
 from diffpipe.data.dataset import aux_images, table_items
 from diffpipe.data.dataset import captions as cap
-from diffpipe.data.dataset.checks import (  # noqa: F401  (FamilyTokenCounter: used through this module)
+from diffpipe.data.dataset.checks import (
     PROBE_REASONS,
-    FamilyTokenCounter,
     TokenCounter,
     add_reason,
     assign_split,
@@ -45,10 +44,10 @@ from diffpipe.data.dataset.checks import (  # noqa: F401  (FamilyTokenCounter: u
 )
 from diffpipe.data.dataset.discover import Listing, list_dataset, printable
 from diffpipe.data.dataset.metadata import MetadataTable, read_metadata
-from diffpipe.data.dataset.policy import REASONS, resolve_actions, status_of
 from diffpipe.data.dataset.pool import probe_files
 from diffpipe.data.dataset.report import write_reports
 from diffpipe.data.dataset.results import Issue, ValidationResult
+from diffpipe.policy import REASONS, resolve_actions, status_of
 from diffpipe.utils import atomic_path, digest
 
 #: Bump when probing changes, so a new version re-probes every file.

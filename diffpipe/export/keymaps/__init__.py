@@ -12,8 +12,8 @@ from typing import Any
 
 import torch
 
-from diffpipe.export.keymaps.base import LORA_LAYERS, KeyMap, Layer, Segment
 from diffpipe.models.base import Family
+from diffpipe.models.keymap import LORA_LAYERS, KeyMap, Layer, Segment
 
 Builder = Callable[[Mapping[str, Any], Mapping[str, int]], KeyMap]
 

@@ -16,7 +16,7 @@ from typing import Any
 
 from diffusers import AuraFlowTransformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, layer, swapped_halves
+from diffpipe.models.keymap import KeyMap, Layer, Segment, layer, swapped_halves
 from diffpipe.models.spec import Kohya
 
 DENOISER = AuraFlowTransformer2DModel

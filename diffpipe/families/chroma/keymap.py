@@ -18,8 +18,8 @@ from typing import Any
 
 from diffusers import ChromaTransformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap
 from diffpipe.families.flux.keymap import transformer_layers
+from diffpipe.models.keymap import KeyMap
 from diffpipe.models.spec import Kohya
 
 DENOISER = ChromaTransformer2DModel

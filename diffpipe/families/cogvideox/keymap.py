@@ -38,7 +38,7 @@ from typing import Any
 
 from diffusers import CogVideoXTransformer3DModel
 
-from diffpipe.export.keymaps.base import KeyMap, kohya_name, plain
+from diffpipe.models.keymap import KeyMap, kohya_name, plain
 from diffpipe.models.spec import Kohya
 
 DENOISER = CogVideoXTransformer3DModel

@@ -32,7 +32,7 @@ from typing import Any
 
 from diffusers import CogView4Transformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name, swapped_halves
+from diffpipe.models.keymap import KeyMap, Layer, Segment, kohya_name, swapped_halves
 from diffpipe.models.spec import Kohya
 
 DENOISER = CogView4Transformer2DModel

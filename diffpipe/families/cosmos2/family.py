@@ -54,12 +54,12 @@ from diffpipe.config import SampleConfig
 from diffpipe.families.cosmos2 import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
+from diffpipe.models import objectives as obj
 from diffpipe.models import targets
 from diffpipe.models._draws import draw_image
 from diffpipe.models._video import T5Text
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Models
-from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 512  # the pipeline's max_sequence_length
 SIGMA_DATA = 1.0  # the pipeline's (fixed) sigma_data

@@ -55,9 +55,9 @@ from diffpipe.families.cosmos2.family import SIGMA_DATA, Cosmos2Family, edm_weig
 from diffpipe.families.cosmos2_video.flavors import TINY_TRANSFORMER_V2W
 from diffpipe.models import _common as common
 from diffpipe.models import _video
+from diffpipe.models import objectives as obj
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model
-from diffpipe.training import objectives as obj
 
 #: The pipeline's ``sigma_conditioning``: the noise level the conditioned frames are read at.
 SIGMA_CONDITIONING = 1e-4

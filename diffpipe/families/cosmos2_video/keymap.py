@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from diffpipe.export.keymaps.base import KeyMap
 from diffpipe.families.cosmos2 import keymap as cosmos2
+from diffpipe.models.keymap import KeyMap
 from diffpipe.models.spec import Kohya
 
 DENOISER = cosmos2.DENOISER

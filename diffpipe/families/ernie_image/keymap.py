@@ -13,7 +13,7 @@ from typing import Any
 
 from diffusers import ErnieImageTransformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap, same_names
+from diffpipe.models.keymap import KeyMap, same_names
 from diffpipe.models.spec import Kohya
 
 DENOISER = ErnieImageTransformer2DModel

@@ -18,7 +18,7 @@ from typing import Any
 
 from diffusers import FluxTransformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name
+from diffpipe.models.keymap import KeyMap, Layer, Segment, kohya_name
 from diffpipe.models.spec import Kohya
 
 DENOISER = FluxTransformer2DModel

@@ -22,8 +22,8 @@ from typing import Any
 
 from diffusers import Flux2Transformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, layer, swapped_halves
 from diffpipe.families.flux.keymap import double_blocks  # the double blocks' fused qkv, as in FLUX.1
+from diffpipe.models.keymap import KeyMap, Layer, Segment, layer, swapped_halves
 from diffpipe.models.spec import Kohya
 
 DENOISER = Flux2Transformer2DModel

@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from diffpipe.export.keymaps.base import KeyMap
 from diffpipe.families.flux import keymap as flux
+from diffpipe.models.keymap import KeyMap
 from diffpipe.models.spec import Kohya
 
 DENOISER = flux.DENOISER

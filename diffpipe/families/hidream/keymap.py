@@ -19,7 +19,7 @@ from typing import Any
 
 from diffusers import HiDreamImageTransformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap, kohya_name, plain
+from diffpipe.models.keymap import KeyMap, kohya_name, plain
 from diffpipe.models.spec import Kohya
 
 DENOISER = HiDreamImageTransformer2DModel

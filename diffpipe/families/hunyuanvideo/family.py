@@ -54,11 +54,11 @@ from diffpipe.config import SampleConfig
 from diffpipe.families.hunyuanvideo import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
+from diffpipe.models import objectives as obj
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Models, TextBundle, TextEncoder, TextPart, Tokenizer, clip_text_encoder
 from diffpipe.models.llm_tokenizers import llm_tokenizer
-from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 256  # HunyuanVideoPipeline's default max_sequence_length
 _LLAMA_SPECIALS = ("<|start_header_id|>", "<|end_header_id|>")

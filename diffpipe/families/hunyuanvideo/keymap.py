@@ -38,7 +38,7 @@ from typing import Any
 
 from diffusers import HunyuanVideoTransformer3DModel
 
-from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name, swapped_halves
+from diffpipe.models.keymap import KeyMap, Layer, Segment, kohya_name, swapped_halves
 from diffpipe.models.spec import Kohya
 
 DENOISER = HunyuanVideoTransformer3DModel

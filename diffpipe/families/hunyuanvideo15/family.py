@@ -49,11 +49,11 @@ from diffpipe.config import SampleConfig
 from diffpipe.families.hunyuanvideo15 import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
+from diffpipe.models import objectives as obj
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared, TransformerLoRA
 from diffpipe.models.components import Models, TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.llm_tokenizers import tiny_qwen3_tokenizer
-from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 1000  # the pipeline's tokenizer_max_length: prompt tokens after the cropped template
 CROP = 108  # the pipeline's prompt_template_encode_start_idx: the template's tokens before the prompt

@@ -17,7 +17,7 @@ from typing import Any
 
 from diffusers import Ideogram4Transformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name, layer, plain
+from diffpipe.models.keymap import KeyMap, Layer, Segment, kohya_name, layer, plain
 from diffpipe.models.spec import Kohya
 
 DENOISER = Ideogram4Transformer2DModel

@@ -65,6 +65,7 @@ from diffpipe.families.kandinsky5 import flavors
 from diffpipe.families.qwenimage.family import tiny_qwen_tokenizer
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
+from diffpipe.models import objectives as obj
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import (
     Models,
@@ -73,7 +74,6 @@ from diffpipe.models.components import (
     clip_text_encoder,
     one_text_encoder,
 )
-from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 512  # Kandinsky5T2VPipeline's default max_sequence_length
 I2V_MIN_FRAMES = 17  # Kandinsky5I2VPipeline.normalize_first_frame reads latent frames 4 and on

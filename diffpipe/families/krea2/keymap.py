@@ -14,7 +14,7 @@ from typing import Any
 
 from diffusers import Krea2Transformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap, kohya_name, plain
+from diffpipe.models.keymap import KeyMap, kohya_name, plain
 from diffpipe.models.spec import Kohya
 
 DENOISER = Krea2Transformer2DModel

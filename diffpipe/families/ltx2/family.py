@@ -59,11 +59,11 @@ from diffpipe.families.ltx2 import flavors
 from diffpipe.families.ltxvideo.family import LTXGeometry
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
+from diffpipe.models import objectives as obj
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, Models, TextBundle, TextEncoder, TextPart, one_text_encoder
 from diffpipe.models.llm_tokenizers import llm_tokenizer
-from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 1024  # LTX2Pipeline's default max_sequence_length
 AUDIO_VAE = Model(AutoencoderKLLTX2Audio, flavors.TINY_AUDIO_VAE)

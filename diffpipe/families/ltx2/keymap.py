@@ -18,8 +18,8 @@ from typing import Any
 
 from diffusers import LTX2VideoTransformer3DModel
 
-from diffpipe.export.keymaps.base import KeyMap
 from diffpipe.families.ltxvideo.keymap import renamed_keymap
+from diffpipe.models.keymap import KeyMap
 from diffpipe.models.spec import Kohya
 
 DENOISER = LTX2VideoTransformer3DModel

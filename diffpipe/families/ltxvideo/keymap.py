@@ -23,7 +23,7 @@ from typing import Any
 
 from diffusers import LTXVideoTransformer3DModel
 
-from diffpipe.export.keymaps.base import KeyMap, kohya_name, plain
+from diffpipe.models.keymap import KeyMap, kohya_name, plain
 from diffpipe.models.spec import Kohya
 
 DENOISER = LTXVideoTransformer3DModel

@@ -25,7 +25,7 @@ from typing import Any
 
 from diffusers import Lumina2Transformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, kohya_name
+from diffpipe.models.keymap import KeyMap, Layer, Segment, kohya_name
 from diffpipe.models.spec import Kohya
 
 DENOISER = Lumina2Transformer2DModel

@@ -34,10 +34,10 @@ from diffpipe.config import SampleConfig
 from diffpipe.families.mochi import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
+from diffpipe.models import objectives as obj
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Models
-from diffpipe.training import objectives as obj
 
 MAX_LENGTH = 256  # MochiPipeline's default max_sequence_length
 SPATIAL, TEMPORAL, PATCH = 8, 6, 2  # what MochiPipeline assumes

@@ -24,7 +24,7 @@ from typing import Any
 
 from diffusers import MochiTransformer3DModel
 
-from diffpipe.export.keymaps.base import KeyMap, Segment, layer, swapped_halves
+from diffpipe.models.keymap import KeyMap, Segment, layer, swapped_halves
 from diffpipe.models.spec import Kohya
 
 DENOISER = MochiTransformer3DModel

@@ -14,7 +14,7 @@ from typing import Any
 
 from diffusers import QwenImageTransformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap, same_names
+from diffpipe.models.keymap import KeyMap, same_names
 from diffpipe.models.spec import Kohya
 
 DENOISER = QwenImageTransformer2DModel

@@ -12,8 +12,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from diffpipe.export.keymaps.base import KeyMap
 from diffpipe.families.qwenimage import keymap as qwenimage
+from diffpipe.models.keymap import KeyMap
 from diffpipe.models.spec import Kohya
 
 DENOISER = qwenimage.DENOISER

@@ -16,7 +16,7 @@ from typing import Any
 
 from diffusers import SanaTransformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap, Layer, Segment, layer
+from diffpipe.models.keymap import KeyMap, Layer, Segment, layer
 from diffpipe.models.spec import Kohya
 
 DENOISER = SanaTransformer2DModel

@@ -25,10 +25,10 @@ from diffusers import (
 from diffpipe.config import ObjectiveConfig
 from diffpipe.families.sd.flavors import TINY_SCHEDULER, TINY_UNET, TINY_VAE
 from diffpipe.models import _common as common
+from diffpipe.models import objectives as obj
 from diffpipe.models._draws import ddpm_parts, draw_image
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Model, TextBundle, TextPart, clip_text_encoder
-from diffpipe.training import objectives as obj
 
 
 def _no_attention_mask(encoder: torch.nn.Module) -> None:

@@ -17,8 +17,8 @@ from typing import Any
 
 from diffusers import UNet2DConditionModel
 
-from diffpipe.export.keymaps.base import KeyMap, kohya_name, plain
 from diffpipe.models import targets
+from diffpipe.models.keymap import KeyMap, kohya_name, plain
 from diffpipe.models.spec import Kohya
 
 DENOISER = UNet2DConditionModel

@@ -10,7 +10,7 @@ with logit-normal timesteps by default, or the SD3 paper's timestep densities
 and loss weightings (Esser et al. 2024, section 3.1) through
 ``train.objective.weighting_scheme`` (``logit_normal``, ``mode``,
 ``sigma_sqrt``, ``cosmap``, ``none``; pure functions in
-:mod:`diffpipe.training.objectives`).
+:mod:`diffpipe.models.objectives`).
 """
 
 from __future__ import annotations
@@ -34,11 +34,11 @@ from transformers import (
 from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.families.sd3 import flavors
 from diffpipe.models import _common as common
+from diffpipe.models import objectives as obj
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Models, TextBundle, TextEncoder, TextPart, Tokenizer, clip_text_encoder
 from diffpipe.models.tokenizers import t5_tokenizer
-from diffpipe.training import objectives as obj
 
 #: StableDiffusion3Pipeline's default T5 length.
 T5_LENGTH = 256

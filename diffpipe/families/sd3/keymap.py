@@ -19,7 +19,7 @@ from typing import Any
 
 from diffusers import SD3Transformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap, Segment, layer, swapped_halves
+from diffpipe.models.keymap import KeyMap, Segment, layer, swapped_halves
 from diffpipe.models.spec import Kohya
 
 DENOISER = SD3Transformer2DModel

@@ -16,8 +16,8 @@ from typing import Any
 
 from diffusers import UNet2DConditionModel
 
-from diffpipe.export.keymaps.base import KeyMap
 from diffpipe.families.sd.keymap import unet_table
+from diffpipe.models.keymap import KeyMap
 from diffpipe.models.spec import Kohya
 
 DENOISER = UNet2DConditionModel

@@ -67,8 +67,8 @@ from diffpipe.families.wan.family import WanFamily, WanVariant
 from diffpipe.families.wan.flavors import TINY_TRANSFORMER, TINY_VAE
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
+from diffpipe.models import objectives as obj
 from diffpipe.models.base import Prepared
-from diffpipe.training import objectives as obj
 
 #: The versions: Wan 2.1's tiny parts (T2V, and I2V's 36-channel transformer with its image embedder), seeded
 #: apart; each pipeline's published flow shift.

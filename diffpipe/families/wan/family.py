@@ -82,12 +82,12 @@ from diffpipe.families.wan import i2v as wan_i2v
 from diffpipe.families.wan.experts import WanExperts
 from diffpipe.families.wan.flavors import TINY_LENGTH, TINY_TRANSFORMER, TINY_UMT5, TINY_VAE, TINY_VAE_22
 from diffpipe.models import _common as common
+from diffpipe.models import objectives as obj
 from diffpipe.models import targets
 from diffpipe.models.base import DenoiserPart, Family, Prepared
 from diffpipe.models.components import TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.tokenizers import t5_tokenizer
 from diffpipe.paths import LOW_NOISE_SUFFIX
-from diffpipe.training import objectives as obj
 from diffpipe.utils import digest
 
 MAX_LENGTH = 512  # WanPipeline's default max_sequence_length
@@ -366,7 +366,7 @@ class WanFamily(Family):
         if self.cfg.flavor == "tiny":
             with common.seeded(self.cfg.seed, self._seed("vae")):
                 return AutoencoderKLWan(**self.spec.vae).eval()
-        return common.local_component(AutoencoderKLWan, self.cfg, "vae")
+        return common.local_component(AutoencoderKLWan, self.cfg, "vae", self.vae_dtype())
 
     def _load_transformer(self, attr: str) -> WanTransformer3DModel:
         if self.cfg.flavor == "tiny":

@@ -21,7 +21,7 @@ from typing import Any
 
 from diffusers import WanTransformer3DModel
 
-from diffpipe.export.keymaps.base import KeyMap, Layer, kohya_name, plain
+from diffpipe.models.keymap import KeyMap, Layer, kohya_name, plain
 from diffpipe.models.spec import Kohya
 
 DENOISER = WanTransformer3DModel

@@ -14,7 +14,7 @@ from typing import Any
 
 from diffusers import ZImageTransformer2DModel
 
-from diffpipe.export.keymaps.base import KeyMap, same_names
+from diffpipe.models.keymap import KeyMap, same_names
 from diffpipe.models.spec import Kohya
 
 DENOISER = ZImageTransformer2DModel

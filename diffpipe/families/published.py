@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import importlib
 
+from diffpipe.families import FAMILIES, UNREGISTERED, spec
 from diffpipe.models.spec import Published
 
 __all__ = ["PUBLISHED", "Published", "for_family", "published"]
 
 
 def _gather() -> dict[str, Published]:
-    from diffpipe.families import FAMILIES, UNREGISTERED
-
     out: dict[str, Published] = {}
     for name in [*FAMILIES, *UNREGISTERED]:
         for p in importlib.import_module(f"diffpipe.families.{name.replace('-', '_')}.flavors").PUBLISHED:
@@ -41,6 +40,4 @@ def published(name: str) -> Published:
 
 def for_family(family: str) -> list[Published]:
     """The published models of one family (the first is its flagship), from its spec."""
-    from diffpipe.families import spec
-
     return list(spec(family).published)

@@ -287,7 +287,7 @@ def cache_latents(spec_path: str | Path, out_path: str | Path, model_cfg: ModelC
     Steps: reuse what the store holds (:func:`_stored_latents`), decode and encode the rest
     (:func:`_encode_latents`), publish the shard (:func:`_publish_latents`).
     """
-    from diffpipe.models import get_family  # heavy imports only when a job runs
+    from diffpipe.families import get_family  # heavy imports only when a job runs
 
     start = time.perf_counter()
     spec_path, out_path = Path(spec_path), Path(out_path)
@@ -551,7 +551,7 @@ def cache_text(spec_path: str | Path, out_path: str | Path, model_cfg: ModelConf
     """Build the Arrow shard of one text spec, encoding only captions the store lacks; returns the summary.
 
     ``trained_text`` (``train.text_encoder.encoders``): encoders whose captions are cached as token ids."""
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
 
     start = time.perf_counter()
     spec_path, out_path = Path(spec_path), Path(out_path)
@@ -588,7 +588,7 @@ def cache_empty_text(
     ``spec_path`` is the plan's ``empty.json``; without it the spec is built here. ``trained_text``: as
     :func:`cache_text`.
     """
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
 
     start = time.perf_counter()
     out_path = Path(out_path)
