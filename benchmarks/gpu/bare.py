@@ -17,7 +17,7 @@ from points import shape_for
 def _lora_targets() -> list[str]:
     """The module names diffpipe puts its FLUX LoRA on (only the names: the loop below is plain PEFT)."""
     from diffpipe.config import ModelConfig
-    from diffpipe.models import get_family
+    from diffpipe.families import get_family
 
     return list(get_family(ModelConfig(family="flux")).lora_targets(None))
 

@@ -56,7 +56,7 @@ class Shape:
 
 
 def shape_for(family: str, dry: bool) -> Shape:
-    from diffpipe.models.published import PUBLISHED
+    from diffpipe.families.published import PUBLISHED
 
     name, width, height, frames = REAL[family]
     spec = PUBLISHED[name]
@@ -109,7 +109,7 @@ class Point:
         import diffusers
         import torch
 
-        from diffpipe.models import get_family
+        from diffpipe.families import get_family
         from diffpipe.training import engine, offload, precision
         from diffpipe.training.flops import StepFlops
         from diffpipe.training.optim import build_optimizer
@@ -321,8 +321,8 @@ def swap_matches(run: Run) -> None:
     import torch
 
     from diffpipe.config import ModelConfig
+    from diffpipe.families import get_family
     from diffpipe.families.flux.flavors import TINY_TRANSFORMER
-    from diffpipe.models import get_family
     from diffpipe.training import offload
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
