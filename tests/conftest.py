@@ -24,6 +24,7 @@ LONGEST_FIRST = (
     "tests/workflow/test_demo_workflow.py",  # 250 s
     "tests/multiprocess/test_pipeline_parallel.py",  # 190 s: its bf16 runs are slow on CPU
     "tests/cluster/test_slurm.py",  # 220 s, one test: its worker takes the next file at once
+    "tests/workflow/test_interrupts.py",  # 180 s: four `diffpipe run`s stopped by signals
     "tests/stages/test_bench.py",  # 80 s: every bench point is a process
     "tests/multiprocess/test_data_parallel.py",  # 150 s
     "tests/workflow/test_safety_workflow.py",  # 147 s
@@ -33,6 +34,8 @@ LONGEST_FIRST = (
     "tests/stages/test_video_families.py",  # 73 s
     "tests/stages/test_fp8_base_weights.py",  # 70 s
     "tests/stages/test_train_resume.py",  # 70 s
+    "tests/stages/test_nonfinite.py",  # 90 s: diverging runs, a resume
+    "tests/stages/test_gpu_kit.py",  # 50 s: the GPU kit's dry run, a process per check
     "tests/stages/test_export_formats.py",  # 58 s
     "tests/unit/test_family_runs.py",  # 45 s: every family and variant takes a step
     "tests/workflow/test_sbatch_preview.py",  # 41 s
