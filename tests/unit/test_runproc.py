@@ -24,6 +24,13 @@ def _gone(pids: list[int]) -> bool:
     return True
 
 
+def _read_pids(tmp_path) -> list[str]:
+    try:
+        return (tmp_path / "pids").read_text().split()
+    except FileNotFoundError:
+        return []
+
+
 def _sleepers(tmp_path) -> list[int]:
     return [int(p) for p in (tmp_path / "pids").read_text().split()]
 
@@ -31,14 +38,27 @@ def _sleepers(tmp_path) -> list[int]:
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_a_signal_stops_every_process_of_the_group(tmp_path, monkeypatch, sig):
     monkeypatch.setattr(runproc, "GRACE_S", 2.0)
+    # As from a terminal: the signal has its default action here. A test worker may have been started with
+    # it ignored, and run_group rightly leaves an ignored signal ignored (the nohup test below).
+    default = signal.default_int_handler if sig == signal.SIGINT else signal.SIG_DFL
+    old = signal.signal(sig, default)
     said = []
     # The shell ignores nothing; its background sleeps ignore SIGINT (as a non-interactive shell's do):
     # the grace period ends them.
     script = f"sleep 300 & echo $! > {tmp_path}/pids; sleep 300 & echo $! >> {tmp_path}/pids; wait"
-    timer = threading.Timer(1.5, os.kill, (os.getpid(), sig))
-    timer.start()
+    def signal_once_started():  # after the group's processes exist, however loaded the machine is
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(_read_pids(tmp_path)) < 2:
+            time.sleep(0.05)
+        time.sleep(0.3)
+        os.kill(os.getpid(), sig)
+
+    threading.Thread(target=signal_once_started, daemon=True).start()
     start = time.monotonic()
-    done = runproc.run_group(["bash", "-c", script], env=dict(os.environ), cwd=tmp_path, say=said.append)
+    try:
+        done = runproc.run_group(["bash", "-c", script], env=dict(os.environ), cwd=tmp_path, say=said.append)
+    finally:
+        signal.signal(sig, old)
     assert done.signal == sig and time.monotonic() - start < 15
     assert _gone(_sleepers(tmp_path))
     assert any(signal.Signals(sig).name in line for line in said), said
