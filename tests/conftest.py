@@ -24,7 +24,6 @@ LONGEST_FIRST = (
     "tests/workflow/test_demo_workflow.py",  # 250 s
     "tests/multiprocess/test_pipeline_parallel.py",  # 190 s: its bf16 runs are slow on CPU
     "tests/cluster/test_slurm.py",  # 220 s, one test: its worker takes the next file at once
-    "tests/workflow/test_interrupts.py",  # 180 s: four `diffpipe run`s stopped by signals
     "tests/stages/test_bench.py",  # 80 s: every bench point is a process
     "tests/multiprocess/test_data_parallel.py",  # 150 s
     "tests/workflow/test_safety_workflow.py",  # 147 s
