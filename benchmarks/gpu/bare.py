@@ -2,7 +2,9 @@
 
 Same transformer (FLUX.1-dev's config, random bf16 weights built on the device), same LoRA (rank 16 on the
 same module names), same shapes (batch 1, 1024 px: 64x64 packed latent tokens, 512 T5 tokens), diffusers'
-own gradient checkpointing, a flow-matching loss, ``torch.optim.AdamW`` on the LoRA, gradient clipping.
+own gradient checkpointing, a flow-matching loss, ``torch.optim.AdamW`` on the LoRA, gradient clipping, and
+the same CUDA defaults as every diffpipe stage (``cuda_defaults``: TF32, SDPA off its cuDNN kernels, which
+fail this step on torch 2.11 + H200), so the ratio compares loops, not attention kernels.
 ``diffpipe``'s step time over this loop's (check b's ``bf16+ckpt`` row) is the training overhead; goal <= 1.10.
 """
 
@@ -29,6 +31,9 @@ class BareFlux:
         import torch
         from diffusers import FluxPipeline
 
+        from diffpipe.models._common import cuda_defaults
+
+        cuda_defaults()
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         shape = shape_for("flux", dry)
         spec = shape.spec
@@ -83,6 +88,9 @@ def check_c(run: Run, diffpipe_row: dict[str, Any] | None) -> None:
     import torch
 
     loop = None
+    # What earlier checks left allocated in this process (check b's engine, say) is not the loop's:
+    # the peak is reported above it, as check b's points report theirs.
+    base = torch.cuda.memory_allocated() if torch.cuda.is_available() else 0
     try:
         with timed() as setup:
             loop = BareFlux(run.dry)
@@ -95,7 +103,7 @@ def check_c(run: Run, diffpipe_row: dict[str, Any] | None) -> None:
                                   "warmup_s": [round(x, 3) for x in warm], "setup_s": round(setup(), 1),
                                   "loss": loop.loss}
         if torch.cuda.is_available():
-            fields["peak_bytes"] = torch.cuda.max_memory_allocated()
+            fields.update(peak_bytes=torch.cuda.max_memory_allocated() - base, allocated_before_bytes=base)
         ours = (diffpipe_row or {}).get("s_per_step")
         if ours:
             fields.update(diffpipe_s_per_step=ours, diffpipe_over_bare=ours / s)

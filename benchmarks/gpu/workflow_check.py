@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,8 +83,24 @@ def check_a(run: Run, scratch: Path) -> None:
         return
     fields.update(outputs(scratch / "demo-run"))
     ok = rc == 0 and fields.get("cuda_peak_mb", 0) > 0 and fields["exports"] and fields["samples"]
-    run.row("a", "demo workflow bf16", "ok" if ok else "error", **fields,
-            **({} if ok else {"error": (stderr or stdout)[-2000:]}))
+    if not ok:
+        logs = failed_job_logs(stdout + stderr)
+        with open(run.out / "log.txt", "a") as log:
+            log.writelines(f"--- failed job's log {path}\n{tail}\n" for path, tail in logs.items())
+        fields.update(error=(stderr or stdout)[-1500:], job_logs={p: t[-2500:] for p, t in logs.items()})
+    run.row("a", "demo workflow bf16", "ok" if ok else "error", **fields)
+
+
+def failed_job_logs(text: str, lines: int = 60) -> dict[str, str]:
+    """The last ``lines`` lines of each log Snakemake names for a failed job (``log: PATH (check log ...``):
+    the job's own traceback, which Snakemake's output leaves out."""
+    found = {}
+    for path in dict.fromkeys(re.findall(r"log: (\S+) \(check log file", text)):
+        try:
+            found[path] = "\n".join(Path(path).read_text(errors="replace").splitlines()[-lines:])
+        except OSError as err:
+            found[path] = f"(unreadable: {err})"
+    return found
 
 
 def outputs(root: Path) -> dict[str, Any]:

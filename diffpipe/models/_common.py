@@ -56,6 +56,21 @@ TINY_CLIP = {
 }
 
 
+def cuda_defaults() -> None:
+    """Process-wide CUDA settings every stage that runs a model applies (nothing on the CPU).
+
+    TF32 matmuls. PyTorch's SDPA kept off its cuDNN kernels: with torch 2.11 (cuDNN 9.19) on an H200,
+    FLUX.1's 1024-px LoRA step fails in the cuDNN attention kernel (``mha_graph.execute`` not good, then
+    an illegal memory access that kills the process), also in a bare diffusers + PEFT loop; with SDPA's
+    flash and memory-efficient kernels the same step runs (benchmarks/gpu, check b). The setting only
+    narrows what ``attention_backend: native`` may pick; ``_native_cudnn`` still asks for cuDNN.
+    """
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        torch.backends.cuda.enable_cudnn_sdp(False)
+
+
 _DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _ROLE_KEYS = {"denoiser": "dtype", "text_encoder": "text_encoder_dtype", "vae": "vae_dtype"}
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from diffpipe.config import BF16_OPTIMIZERS, TrainConfig
+from diffpipe.models._common import cuda_defaults
 from diffpipe.models.casting import FP8_SKIPPED_CLASSES
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -75,10 +76,8 @@ def check(tc: TrainConfig) -> None:
 
 def prepare_denoiser(denoiser: torch.nn.Module, tc: TrainConfig) -> torch.nn.Module:
     """Apply ``base_weights``, ``attention_backend`` and ``compile`` (after the LoRA is added);
-    TF32 matmuls on CUDA. Returns the denoiser (the same module)."""
-    if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    the CUDA defaults (:func:`~diffpipe.models._common.cuda_defaults`). Returns the denoiser (the same module)."""
+    cuda_defaults()
     if tc.base_weights == "fp8":
         enable_fp8_base_weights(denoiser, compute_dtype(tc))
     elif tc.base_weights in QUANTISED:

@@ -16,6 +16,7 @@ from diffpipe.config import ModelConfig, SampleConfig
 from diffpipe.data.cache.video import write_mp4
 from diffpipe.data.dataset.media import DEFAULT_MAX_PIXELS, decoded_frames, open_image, open_video
 from diffpipe.families import get_family
+from diffpipe.models._common import cuda_defaults
 from diffpipe.paths import EXPORT_NAMES, export_name
 from diffpipe.training.adapter import WEIGHTS_NAME, apply_adapter
 from diffpipe.training.finite import check_safetensors_file
@@ -126,6 +127,7 @@ def place(pipe, offload: str, *, device: torch.device | None = None, keep: Colle
     (diffusers' group offloading; on the CPU the hooks onload to the CPU)."""
     from diffusers.hooks import apply_group_offloading
 
+    cuda_defaults()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     modules = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module) and name not in keep}
     if offload == "auto":

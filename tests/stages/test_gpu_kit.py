@@ -82,3 +82,21 @@ def test_a_run_out_of_time_still_leaves_a_row_for_every_check(tmp_path):
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [(r["check"], r["status"]) for r in rows] == [(c, "skipped") for c in ("env", *"abcde")]
     assert all("no time left" in r["reason"] for r in rows) and "| e | (whole check) | skipped |" in proc.stdout
+
+
+def test_a_failed_workflow_row_carries_the_failed_jobs_own_log(tmp_path):
+    """On the GPU, check a's first failure came back as Snakemake's summary alone; the job's traceback is
+    in the log Snakemake names, which the row now carries."""
+    sys.path.insert(0, str(KIT))
+    try:
+        from workflow_check import failed_job_logs
+    finally:
+        sys.path.remove(str(KIT))
+    log = tmp_path / "logs" / "train.log"
+    log.parent.mkdir()
+    log.write_text("".join(f"line {i}\n" for i in range(100)) + "RuntimeError: the real cause\n")
+    snakemake = f"Error in rule train:\n    log: {log} (check log file(s) for error details)\n" * 2
+    logs = failed_job_logs(snakemake + f"    log: {tmp_path / 'gone.log'} (check log file(s) for error details)")
+    assert list(logs) == [str(log), str(tmp_path / "gone.log")]
+    assert logs[str(log)].endswith("RuntimeError: the real cause") and "line 41\n" in logs[str(log)]
+    assert "line 40\n" not in logs[str(log)] and logs[str(tmp_path / "gone.log")].startswith("(unreadable")
