@@ -5,12 +5,15 @@ device (no memory, no weights: the published config, or the local folder's),
 adds the LoRA the config asks for, and counts:
 
 - **parameters**: every denoiser weight in the training dtype, or at one
-  byte where ``train.base_weights: fp8`` stores it in float8 (diffusers'
-  layerwise casting is applied to the meta model, so exactly the layers it
-  casts count), or at one byte plus a float32 scale per output channel
-  where ``base_weights: int8`` quantises it (the same layers, torchao's
-  int8 weight-only layout, whose matmul saves a bf16 copy of the weight for
-  the backward pass as fp8's casting does), or at half a byte plus NF4's
+  byte plus a bf16 scale per output channel where ``train.base_weights:
+  fp8`` stores it as scaled float8 (applied to the meta model, so exactly
+  the layers it stores count; each matmul dequantises its layer into one
+  transient copy, the largest layer's counted with the activations), or at
+  one byte plus a float32 scale per output channel where ``base_weights:
+  int8`` quantises it (the same layers, torchao's int8 weight-only layout,
+  whose matmul saves a bf16 copy of the weight for the backward pass: the
+  meta model counts those copies through diffusers' layerwise casting of
+  the same layers), or at half a byte plus NF4's
   scales where ``nf4`` does (its autograd function saves the 4-bit weight:
   no copy is saved, but each matmul dequantises its layer through
   temporaries, the largest layer's counted with the activations); ZeRO-3
@@ -29,9 +32,9 @@ adds the LoRA the config asks for, and counts:
   counted once (by storage), weights excluded. Attention is counted as a
   fused kernel (flash / memory-efficient attention, as on a GPU) keeps it:
   query, key, value, output and the log-sum-exp, never the score matrix.
-  Under fp8 the layer's compute-dtype copy of its weight is saved too (a
-  frozen Linear's backward needs it), so fp8 without checkpointing saves
-  no memory at the peak. With ``train.activation_checkpointing`` the same
+  Under int8 the layer's compute-dtype copy of its weight is saved too (a
+  frozen Linear's backward needs it); scaled fp8 and nf4 save their codes,
+  which are weights. With ``train.activation_checkpointing`` the same
   forward runs with diffusers' checkpointing switched on and every
   checkpointed block counted apart: what the block receives is kept for
   the whole step, what it saves internally only while it is recomputed,
@@ -64,6 +67,8 @@ from diffpipe.families.published import PUBLISHED, Published, for_family
 from diffpipe.training import offload
 from diffpipe.training.precision import (
     QUANTISED,
+    ScaledFp8Linear,
+    cast_layerwise_fp8,
     enable_fp8_base_weights,
     nf4_bytes,
     nf4_dequantise_bytes,
@@ -283,7 +288,8 @@ def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False,
     apart by address, so every storage seen is held until the end: a freed one's address could be
     reused (layerwise casting replaces the weights' storages at every forward).
     """
-    weights = {_storage_key(p): p.untyped_storage() for p in denoiser.parameters()}
+    # Buffers too: scaled fp8's codes and scales are buffers its matmul saves.
+    weights = {_storage_key(p): p.untyped_storage() for p in [*denoiser.parameters(), *denoiser.buffers()]}
     kept: dict[int, torch.UntypedStorage] = {}  # held until the backward pass
     largest = 0  # the largest checkpointed block's own saves (held while it is recomputed)
     partial = checkpointing and fraction < 1
@@ -415,10 +421,13 @@ def estimate_for(
         denoiser.add_adapter(peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=targets))
         denoiser.to(dtype)
         if tc.base_weights == "fp8":
-            enable_fp8_base_weights(denoiser, dtype)
+            enable_fp8_base_weights(denoiser)
     trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
     frozen_bytes = sum(p.nbytes for p in denoiser.parameters() if not p.requires_grad)
-    workspace = 0  # transient bytes at the peak beside the saved activations (nf4's dequantisation)
+    workspace = 0  # transient bytes at the peak beside the saved activations (a dequantised weight)
+    fp8 = [m for m in denoiser.modules() if isinstance(m, ScaledFp8Linear)]
+    frozen_bytes += sum(m.weight.nbytes + m.weight_scale.nbytes for m in fp8)
+    workspace = max((m.weight.numel() * width for m in fp8), default=0)
     if tc.base_weights in QUANTISED:
         modules = dict(denoiser.named_modules())
         weights = [modules[n].weight for n in quantised_layers(denoiser, tc.base_weights)]
@@ -426,7 +435,7 @@ def estimate_for(
             frozen_bytes -= sum(w.nbytes - w.numel() - 4 * w.shape[0] for w in weights)
             # Its matmul multiplies by the weight cast to bf16, and autograd saves that copy for the backward
             # pass, as under fp8: the meta forward counts those copies through fp8's casting of the same layers.
-            enable_fp8_base_weights(denoiser, dtype)
+            cast_layerwise_fp8(denoiser, dtype)
         else:  # NF4: its autograd function saves the 4-bit weight itself, so the activations are bf16's
             frozen_bytes -= sum(w.nbytes - nf4_bytes(w.numel(), width) for w in weights)
             workspace = max((nf4_dequantise_bytes(w.numel(), width) for w in weights), default=0)

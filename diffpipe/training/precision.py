@@ -5,14 +5,16 @@ fp16). Under bf16 DeepSpeed casts the module's parameters to bf16 and its optimi
 float32 master copies of the trained ones (``FP16_Optimizer`` with bf16 at ZeRO 0, the ZeRO
 optimizers' float32 partitions above), so the LoRA is stepped in float32.
 
-``train.base_weights: fp8`` stores the frozen Linear/Conv weights in float8_e4m3fn through diffusers'
-layerwise casting: each layer is cast to the compute dtype for its forward and back after. diffusers'
-default skip patterns keep norms (and the AdaLN modulation Linears named ``norm*``), positional and
-patch embeddings, ``proj_in``/``proj_out`` and PEFT's LoRA layers out of it, and convolutions stay in
-the compute dtype: a convolution saves its weight tensor itself for the backward pass, and the
-casting hook puts the float8 storage back into that very tensor after the forward, so the backward
-(or a checkpoint's recomputation) would read float8 ("expected scalar type BFloat16 but found
-Float8_e4m3fn"). A Linear saves a transposed view of its cast weight, which the swap leaves alone.
+``train.base_weights: fp8`` stores the frozen Linear weights as scaled float8_e4m3fn: a scale per output
+channel (the row's largest magnitude over e4m3's 448, rounded up to a bfloat16 value, so any later cast of
+it is exact) maps each row onto fp8's full range, so small weights keep their 3 mantissa bits instead of
+falling into fp8's subnormals as a plain cast lets them. Each matmul dequantises its layer to the compute
+dtype (:class:`ScaledFp8Linear`); the autograd function saves the 1-byte codes, not a 16-bit copy, and
+dequantises again for the backward. Codes and scales are non-persistent buffers held as integer views
+(uint8, uint16): frozen, out of the optimizer and of checkpoints, and left alone by module-wide dtype casts
+(DeepSpeed's bf16 mode casts the whole module). The layers are those diffusers' layerwise casting would
+cast (:func:`quantised_layers`): norms and AdaLN modulation Linears (named ``norm*``), positional and patch
+embeddings, ``proj_in``/``proj_out``, convolutions and PEFT's LoRA layers stay in 16/32 bits.
 
 ``train.base_weights: int8`` quantises the same Linear layers with torchao (int8 weights, a float scale
 per output channel, dequantised inside each matmul), on CPU and GPU alike. ``nf4`` stores them as QLoRA's
@@ -79,7 +81,7 @@ def prepare_denoiser(denoiser: torch.nn.Module, tc: TrainConfig) -> torch.nn.Mod
     the CUDA defaults (:func:`~diffpipe.models._common.cuda_defaults`). Returns the denoiser (the same module)."""
     cuda_defaults()
     if tc.base_weights == "fp8":
-        enable_fp8_base_weights(denoiser, compute_dtype(tc))
+        enable_fp8_base_weights(denoiser)
     elif tc.base_weights in QUANTISED:
         enable_quantised_base_weights(denoiser, compute_dtype(tc), tc.base_weights)
     if tc.attention_backend.lower() != "native":
@@ -89,22 +91,83 @@ def prepare_denoiser(denoiser: torch.nn.Module, tc: TrainConfig) -> torch.nn.Mod
     return denoiser
 
 
-def enable_fp8_base_weights(denoiser: torch.nn.Module, compute: torch.dtype) -> None:
-    """Store the frozen weights in float8_e4m3fn, computing in ``compute`` (see module docstring).
+#: float8_e4m3fn's largest finite value.
+FP8_MAX = 448.0
 
-    diffusers' default skip patterns are used (no ``skip_modules_pattern``): only then does it add
-    PEFT's layer names, so ``lora_A``/``lora_B`` keep their dtype and stay trainable. Convolutions are
-    skipped by class (module docstring).
-    """
-    if not hasattr(denoiser, "enable_layerwise_casting"):
-        raise ValueError(f"train.base_weights fp8: {type(denoiser).__name__} is not a diffusers model "
-                         "(no layerwise casting); use base_weights auto")
-    denoiser.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute,
-                                      skip_modules_classes=FP8_SKIPPED_CLASSES)
+
+class _ScaledFp8Matmul(torch.autograd.Function):
+    """``x @ (codes * scale).T + bias``, saving the codes (1 byte a weight) rather than the dequantised weight."""
+
+    @staticmethod
+    def forward(ctx, x, codes, scale, bias):
+        ctx.save_for_backward(codes, scale)
+        ctx.bias_grad = bias is not None and bias.requires_grad
+        return torch.nn.functional.linear(x, dequantise_fp8(codes, scale, x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        codes, scale = ctx.saved_tensors
+        grad_x = grad @ dequantise_fp8(codes, scale, grad.dtype) if ctx.needs_input_grad[0] else None
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
+        return grad_x, None, None, grad_bias
+
+
+def dequantise_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The weight in ``dtype`` from its e4m3 codes (uint8 view) and bf16 row scales (uint16 view): one
+    ``dtype`` copy, scaled in place."""
+    return codes.view(torch.float8_e4m3fn).to(dtype).mul_(scale.view(torch.bfloat16).to(dtype))
+
+
+class ScaledFp8Linear(torch.nn.Linear):
+    """A frozen ``nn.Linear`` whose ``weight`` buffer holds e4m3 codes (uint8 view) and ``weight_scale`` a
+    bfloat16 scale per output channel (uint16 view); a subclass, so PEFT still wraps it as a Linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _ScaledFp8Matmul.apply(x, self.weight, self.weight_scale, self.bias)
+
+
+def scaled_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(codes, scale)`` of a 2-D weight: per row, the largest magnitude over :data:`FP8_MAX`, rounded up
+    to a bfloat16 value (1 + 2^-7 covers bf16's rounding), 1 for an all-zero row; the codes are
+    ``weight / scale`` in float8_e4m3fn. One row block at a time in float32, so a 16-bit weight never has a
+    whole float32 copy."""
+    rows = weight.shape[0]
+    codes = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
+    scale = torch.empty((rows, 1), dtype=torch.bfloat16, device=weight.device)
+    step = max(1, (1 << 22) // max(1, weight.shape[1]))  # ~16 MiB of float32 per block
+    for lo in range(0, rows, step):
+        block = weight[lo:lo + step].float()
+        top = block.abs().amax(dim=1, keepdim=True)
+        s = torch.where(top > 0, top / FP8_MAX * (1 + 2**-7), torch.ones_like(top)).to(torch.bfloat16)
+        scale[lo:lo + step] = s
+        codes[lo:lo + step] = (block / s.float()).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return codes, scale
+
+
+def enable_fp8_base_weights(denoiser: torch.nn.Module) -> None:
+    """Store :func:`quantised_layers`' weights as scaled fp8 (module docstring), layer by layer; each
+    matmul dequantises to its input's dtype."""
+    modules = dict(denoiser.named_modules())
+    for name in quantised_layers(denoiser, "fp8"):
+        layer = modules[name]
+        weight = layer._parameters.pop("weight").detach()
+        codes, scale = scaled_fp8(weight)
+        del weight
+        layer.register_buffer("weight", codes.view(torch.uint8), persistent=False)
+        layer.register_buffer("weight_scale", scale.view(torch.uint16), persistent=False)
+        layer.__class__ = ScaledFp8Linear
     bad = [n for n, p in denoiser.named_parameters() if p.requires_grad and p.dtype == torch.float8_e4m3fn]
     if bad:
         raise ValueError(f"train.base_weights fp8 cast trained weights to float8 (e.g. {bad[0]}); "
                          "check train.lora.targets")
+
+
+def cast_layerwise_fp8(denoiser: torch.nn.Module, compute: torch.dtype) -> None:
+    """diffusers' layerwise casting to unscaled float8_e4m3fn (each layer cast to ``compute`` for its forward
+    and back after). Not a training option: the estimate applies it to a ``meta`` model to count the 16-bit
+    weight copies that int8's matmuls save for the backward pass."""
+    denoiser.enable_layerwise_casting(storage_dtype=torch.float8_e4m3fn, compute_dtype=compute,
+                                      skip_modules_classes=FP8_SKIPPED_CLASSES)
 
 
 #: ``train.base_weights`` values stored as torchao tensor subclasses (:func:`enable_quantised_base_weights`).
