@@ -53,12 +53,12 @@ class TrainConfig(Section):
     base_weights: Literal["auto", "fp8", "int8", "nf4"] = Field(
         "auto",
         description="Storage of the frozen denoiser weights during LoRA training: `auto` = the training precision; "
-        "`fp8` = float8_e4m3fn, cast to the training precision layer by layer for each forward (diffusers' "
-        "layerwise casting; norms, embeddings and the LoRA stay in 16/32 bits). Half the weight memory of bf16. "
-        "`int8` = torchao's int8 weight-only quantisation of the frozen Linear weights (a scale per output "
-        "channel, dequantised in each matmul; the same layers kept as fp8 keeps), on CPU and GPU. `nf4` = QLoRA's "
-        "4-bit NormalFloat of the same layers (torchao's NF4Tensor: an absmax scale per 64 weights, those scales "
-        "in int8; dequantised in each matmul), about a quarter of bf16's weight memory, on CPU and GPU.",
+        "`fp8` = scaled float8_e4m3fn: an 8-bit code per weight and a bf16 scale per output channel, dequantised "
+        "in each matmul (norms, embeddings, convolutions and the LoRA stay in 16/32 bits); half the weight memory "
+        "of bf16. `int8` = torchao's int8 weight-only quantisation of the same Linear layers (a float32 scale per "
+        "output channel), on CPU and GPU. `nf4` = QLoRA's 4-bit NormalFloat of the same layers (torchao's "
+        "NF4Tensor: an absmax scale per 64 weights, those scales in int8), about a quarter of bf16's weight "
+        "memory, on CPU and GPU. None of them with zero_stage 3; int8 and nf4 not with block_swap.",
     )
     attention_backend: Text = Field(
         "native",
@@ -191,10 +191,14 @@ class TrainConfig(Section):
                              "train.mode full trains every weight: use train.mode lora or base_weights auto")
         if self.base_weights != "auto" and self.pipeline_stages > 1:
             raise ValueError(f"train.base_weights: {self.base_weights} needs train.pipeline_stages: 1")
-        if self.base_weights in ("int8", "nf4") and (self.block_swap or self.zero_stage == 3):
-            # Both move or partition the frozen weights; torchao's tensors through them are untested.
-            raise ValueError(f"train.base_weights: {self.base_weights} does not combine with block_swap or "
-                             "zero_stage 3 yet; use base_weights fp8 with them")
+        if self.base_weights != "auto" and self.zero_stage == 3:
+            # ZeRO-3 partitions parameters; the stored weights are buffers, which every GPU would hold whole.
+            raise ValueError(f"train.base_weights: {self.base_weights} keeps the frozen weights as buffers, which "
+                             "zero_stage 3 does not partition; use zero_stage 2 (or base_weights auto)")
+        if self.base_weights in ("int8", "nf4") and self.block_swap:
+            # Block swap moves the frozen weights; torchao's tensors through it are untested.
+            raise ValueError(f"train.base_weights: {self.base_weights} does not combine with block_swap yet; "
+                             "use base_weights fp8 with it")
         return self
 
     @model_validator(mode="after")
