@@ -12,6 +12,9 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
+from diffpipe import hub
 from diffpipe.config import Config, load_yaml
 
 GiB = 1024**3
@@ -38,8 +41,6 @@ class Check:
 
 
 def _torch_checks(cfg: Config | None, estimate) -> list[Check]:
-    import torch
-
     cuda = torch.version.cuda
     checks = [Check("torch", bool(cuda), f"{torch.__version__}, " + (f"CUDA {cuda} build" if cuda else "CPU-only build"),
                     TORCH_CUDA_FIX)]
@@ -66,8 +67,6 @@ def _torch_checks(cfg: Config | None, estimate) -> list[Check]:
 
 def _smallest_gpu() -> int:
     """The smallest visible GPU's memory in bytes (0: none)."""
-    import torch
-
     if not torch.cuda.is_available():
         return 0
     return min(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
@@ -80,7 +79,7 @@ def _library_checks() -> list[Check]:
         found = importlib.util.find_spec(module) is not None
         checks.append(Check(label, found, "installed" if found else "not installed (optional: PyTorch's own "
                             "attention is used)", f"pip install {pip} (needs a CUDA GPU) for faster attention"))
-    try:
+    try:  # deferred: deepspeed takes seconds to import, and a broken install is what this check reports
         import deepspeed.ops
 
         ops = getattr(deepspeed.ops, "__compatible_ops__", {})
@@ -115,7 +114,7 @@ def text_encoder_bytes(cfg: Config) -> int | None:
     from the folder's configs on the meta device (no weights read), in ``model.text_encoder_dtype`` (``auto``:
     bf16, the GPU's), stored as ``model.text_encoder_weights`` says; None for a tiny, hub-id or undeclared
     text side."""
-    import torch
+    # deferred: diffusers and the family registry add seconds to torch's import; only a local model's check needs them
     from diffusers import ModelMixin
 
     from diffpipe.families import get_family
@@ -169,8 +168,6 @@ def _existing(path: Path) -> Path:
 
 def _model_checks(cfg: Config) -> list[Check]:
     """A Hugging Face id in ``model.path``: the snapshot it resolves to (the one every stage reads)."""
-    from diffpipe import hub
-
     if not cfg.model.path or not hub.is_model_id(cfg.model.path):
         return []
     try:
@@ -210,6 +207,7 @@ def run_checks(cfg: Config | None = None, *, base: Path = Path("."), profile: Pa
     """Every check, in a fixed order; a config adds memory and disk checks, a SLURM profile the SLURM tools."""
     estimate = None
     if cfg is not None:
+        # deferred: estimate loads the family registry, diffusers and peft (seconds); doctor without a config skips it
         from diffpipe.estimate import estimate_memory
 
         estimate = estimate_memory(cfg)

@@ -131,6 +131,7 @@ def _missing(repo_id: str, what: str, revision: str | None, why: str) -> HubErro
 
 
 def _errors():
+    # deferred: huggingface_hub's download API takes ~0.6 s to import; local-folder configs never need it
     from huggingface_hub import errors
 
     fatal = (errors.GatedRepoError, errors.RepositoryNotFoundError, errors.RevisionNotFoundError,
@@ -190,6 +191,7 @@ def snapshot(repo_id: str, revision: str | None = None, variant: str | None = No
     Online, only the files :func:`download_files` picks are fetched (FLUX.1-dev holds its transformer twice:
     as a folder and as one file at the top; SD 1.5 holds fp16, EMA and ``.bin`` copies).
     """
+    # deferred: huggingface_hub's download API takes ~0.6 s to import; local-folder configs never need it
     from huggingface_hub import snapshot_download
 
     key = (repo_id, revision, variant, cache_dir())
@@ -202,7 +204,7 @@ def snapshot(repo_id: str, revision: str | None = None, variant: str | None = No
 
 def _online_files(repo_id: str, revision: str | None, variant: str | None = None) -> list[str] | None:
     """:func:`download_files` for a repository, asking the hub for its file list (None: the hub did not answer)."""
-    from huggingface_hub import HfApi
+    from huggingface_hub import HfApi  # deferred: ~0.6 s to import; only hub ids need it
 
     fatal, _ = _errors()
     try:
@@ -217,7 +219,7 @@ def _online_files(repo_id: str, revision: str | None, variant: str | None = None
 
 def file(repo_id: str, filename: str, revision: str | None = None) -> Path:
     """One file of ``repo_id`` from the hub cache, downloaded if needed."""
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download  # deferred: ~0.6 s to import; only hub ids need it
 
     return _fetch(hf_hub_download, repr(f"{repo_id}/{filename}"), repo_id=repo_id, filename=filename,
                   revision=revision, cache_dir=str(cache_dir()))

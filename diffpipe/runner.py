@@ -20,6 +20,7 @@ from diffpipe.config import ConfigError
 from diffpipe.ownership import check_run_folder
 from diffpipe.paths import REPO_ROOT, SNAKEFILE, RunPaths
 from diffpipe.resolve import load_config
+from diffpipe.training import trackers
 from diffpipe.workflow import check_snakemake_paths
 
 DEFAULT_PROFILE = REPO_ROOT / "profiles" / "default"
@@ -90,7 +91,6 @@ def run_workflow(
     workdir = Path(workdir).resolve()
     cfg = load_config(config, base=workdir)  # fail fast with our own error before Snakemake starts
     check_snakemake_paths(cfg)
-    from diffpipe.training import trackers
 
     if problems := trackers.problems(cfg.train.trackers):  # before the cache jobs, not after them
         raise ConfigError("\n".join(problems))

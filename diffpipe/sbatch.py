@@ -120,6 +120,7 @@ def parse_dry_run(text: str) -> list[PlannedJob]:
 
 def submission(job: PlannedJob, workdir: Path) -> Submission:
     """The plugin's sbatch command for one job (account and partition from the resources)."""
+    # deferred: the SLURM plugin imports Snakemake's executor API (~1 s); only a SLURM preview needs it
     from snakemake_executor_plugin_slurm.submit_string import get_submit_command, safe_quote
     from snakemake_executor_plugin_slurm.utils import set_gres_string
 

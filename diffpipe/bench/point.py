@@ -12,7 +12,11 @@ from __future__ import annotations
 
 import json
 import sys
+import traceback
 from pathlib import Path
+
+from diffpipe.paths import RunPaths
+from diffpipe.resolve import parse_config
 
 #: Messages of a failed CPU allocation (torch's allocator raises RuntimeError, NumPy and Python MemoryError).
 _CPU_OOM = ("can't allocate memory", "cannot allocate memory", "defaultcpuallocator")
@@ -30,17 +34,17 @@ def run(spec_file: Path) -> int:
     spec = json.loads(spec_file.read_text())
     status = spec_file.parent / "status.json"
     try:
-        from diffpipe.paths import RunPaths
-        from diffpipe.resolve import parse_config
+        # deferred into the try: a failing import (a broken torch or DeepSpeed install) is reported in
+        # status.json as this point's error, like any other failure
         from diffpipe.training.loop import train
 
         cfg = parse_config(spec["config"], str(spec_file))
         if spec["data"] == "synthetic":
-            from diffpipe.bench.synthetic import synthetic_dataset
+            from diffpipe.bench.synthetic import synthetic_dataset  # deferred: as train, into the try
 
             data = synthetic_dataset(Path(spec["inputs"]), cfg.train.batch_size * cfg.train.grad_accum)
         else:
-            from diffpipe.data.cache.reader import CachedDataset
+            from diffpipe.data.cache.reader import CachedDataset  # deferred: as train, into the try
 
             data = CachedDataset.from_run(RunPaths(spec["cache_run"]))
         train(cfg, RunPaths(cfg.output_dir), data=data, log=print)
@@ -48,8 +52,6 @@ def run(spec_file: Path) -> int:
         oom = is_oom(err)
         status.write_text(json.dumps({"status": "oom" if oom else "error", "error": f"{type(err).__name__}: {err}"}))
         if not oom:
-            import traceback
-
             traceback.print_exc()
         return 3 if oom else 1
     status.write_text(json.dumps({"status": "ok"}))

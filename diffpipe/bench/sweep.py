@@ -15,11 +15,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from diffpipe.bench import grid as g
 from diffpipe.bench import plot
+from diffpipe.bench.synthetic import encode_inputs
 from diffpipe.config import Config, ConfigError
 from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
@@ -131,8 +133,6 @@ def sweep(cfg: Config, pts: list[dict[str, Any]], out_dir: Path, *, steps: int, 
                           "than memory; on a GPU leave it null (the GPU's memory is the cap)")
     inputs: dict[tuple[int, int], Path] = {}
     if cfg.bench.data == "synthetic":
-        from diffpipe.bench.synthetic import encode_inputs
-
         inputs = encode_inputs(cfg, sorted({s for _, _, s in specs}), out_dir / "inputs")
     rows = []
     columns = [TextColumn(f"{label} [progress.description]{{task.description}}"), BarColumn(), MofNCompleteColumn(),
@@ -190,6 +190,4 @@ def _label(row: dict[str, Any]) -> str:
 
 
 def _cuda() -> bool:
-    import torch
-
     return torch.cuda.is_available()

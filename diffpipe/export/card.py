@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffpipe.export.metadata import ExportInfo
+from diffpipe.families import Absent, spec
 from diffpipe.paths import EXPORT_NAMES
 from diffpipe.utils import write_text_atomic
 
@@ -24,8 +25,6 @@ def comfy_diffusers_note(family: str) -> str:
     card and docs. It maps ``transformer.`` names for some families and, for SD/SDXL, ``unet.`` names
     outside the attention layers; the scale is folded into the tensors, so what it reads loads at the
     trained strength."""
-    from diffpipe.families import Absent, spec
-
     s = spec(family)
     reads = s.comfy_reads_diffusers
     if reads == "all":
@@ -38,8 +37,6 @@ def comfy_diffusers_note(family: str) -> str:
 
 def how_to_load(fmt: str, family: str) -> str:
     """The card's "how to load" line of one format for one family (``{path}`` etc. still to fill)."""
-    from diffpipe.families import spec
-
     s = spec(family)
     if fmt in s.how_to_load:
         return s.how_to_load[fmt]

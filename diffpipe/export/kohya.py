@@ -20,6 +20,7 @@ from diffpipe.export.keymaps import KeyMap
 from diffpipe.export.lycoris import Product, refuse_restructured, write_products
 from diffpipe.export.metadata import ExportInfo
 from diffpipe.export.original_io import write_original
+from diffpipe.families import spec
 
 
 def base_model_version(family: str, denoiser_config: dict[str, Any]) -> tuple[str, str, str]:
@@ -27,8 +28,6 @@ def base_model_version(family: str, denoiser_config: dict[str, Any]) -> tuple[st
     the names sd-scripts or musubi-tuner write, or the family's own where no kohya trainer covers it).
 
     An unknown family is an error: a guess would label the file as another model's LoRA."""
-    from diffpipe.families import spec
-
     k = spec(family).kohya_for(denoiser_config)
     return k.base_model_version, k.architecture, k.implementation
 

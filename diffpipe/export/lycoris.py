@@ -22,6 +22,7 @@ from pathlib import Path
 
 import peft
 import torch
+from peft.tuners.lokr.layer import factorization
 from safetensors.torch import save_file
 
 from diffpipe.export.convert import _exact, _pattern_value
@@ -148,8 +149,6 @@ def _lokr_shape(p: Product) -> tuple[int, int, int, int]:
 
 def _lokr_factor(products: dict[str, Product]) -> int:
     """PEFT's ``decompose_factor`` that gives every module the file's factor sizes."""
-    from peft.tuners.lokr.layer import factorization
-
     shapes = [_lokr_shape(p) for p in products.values()]
     for factor in dict.fromkeys([-1, *(s[0] for s in shapes), *(s[1] for s in shapes)]):
         if all(factorization(ol * ok, factor) == (ol, ok) and factorization(im * i_n, factor) == (im, i_n)

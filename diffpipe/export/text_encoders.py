@@ -16,6 +16,7 @@ import re
 
 import peft
 import torch
+from transformers import CLIPTextConfig
 
 from diffpipe.export.convert import Lora, module_loras
 
@@ -61,8 +62,6 @@ def clip_module(path: str, encoder_cls: type) -> str:
 def _clip_root(encoder_cls: type) -> str:
     """``text_model.`` where the installed transformers nests ``encoder_cls``'s layers under it, else ``""``
     (transformers 5: ``CLIPTextModel`` holds them directly, ``CLIPTextModelWithProjection`` under it)."""
-    from transformers import CLIPTextConfig
-
     with torch.device("meta"):
         model = encoder_cls(CLIPTextConfig(num_hidden_layers=1, hidden_size=8, intermediate_size=8,
                                            num_attention_heads=1, projection_dim=8))

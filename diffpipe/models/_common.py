@@ -22,6 +22,10 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from diffusers import ModelMixin
+from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
+from diffusers.loaders.single_file_utils import load_single_file_checkpoint
+from safetensors import safe_open
 from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerBase
 
 from diffpipe.models.tokenizers import cache_root
@@ -126,8 +130,6 @@ def pretrained_text_encoder(cls: type, cfg: Any, subfolder: str) -> torch.nn.Mod
     """A text encoder from the local folder's ``subfolder``, loaded straight in ``model.text_encoder_dtype``
     (transformers 5 names the argument ``dtype``; a diffusers model on the text side, such as LTX-2's
     connectors, ``torch_dtype``), in eval mode."""
-    from diffusers import ModelMixin
-
     key = "torch_dtype" if issubclass(cls, ModelMixin) else "dtype"
     return cls.from_pretrained(cfg.path, subfolder=subfolder, **{key: load_dtype(cfg, "text_encoder")},
                                variant=cfg.weight_variant).eval()
@@ -142,9 +144,6 @@ def single_file_component(cls: type, file: str, folder: str, subfolder: str,
     would leave a weight the file lacks unset, and drop one the model lacks (a checkpoint of a
     different model), so either is an error naming the tensors.
     """
-    from diffusers.loaders.single_file_model import SINGLE_FILE_LOADABLE_CLASSES
-    from diffusers.loaders.single_file_utils import load_single_file_checkpoint
-
     what = f"model.single_files.{subfolder}"
     known = next((c.__name__ for c in cls.__mro__ if c.__name__ in SINGLE_FILE_LOADABLE_CLASSES), None)
     if known is None:
@@ -242,7 +241,6 @@ def _file_tensor_hashes(path: Path) -> list[str]:
     if path.suffix != ".safetensors":
         # Pickled checkpoints are not read tensor by tensor: hash the bytes.
         return [sha256_file(path)]
-    from safetensors import safe_open
 
     with safe_open(str(path), framework="pt") as f:
         return sorted({_tensor_hash(f.get_tensor(name)) for name in f.keys()})

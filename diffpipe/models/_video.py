@@ -12,6 +12,7 @@ from functools import partial
 from typing import Any
 
 import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
 from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 
 from diffpipe.models import _common as common
@@ -97,8 +98,6 @@ class T5TextFamily:
 
     def inference_scheduler(self):
         """The scheduler the pipeline samples with: flow matching from the family's scheduler config."""
-        from diffusers import FlowMatchEulerDiscreteScheduler
-
         return FlowMatchEulerDiscreteScheduler.from_config(self._scheduler_config)
 
     def count_tokens(self, encoders: T5Text, captions: list[str]) -> dict[str, list[int]]:

@@ -12,6 +12,8 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
+from diffusers.hooks import apply_layerwise_casting
+from peft.tuners.tuners_utils import BaseTunerLayer
 
 #: Layers fp8 storage keeps in the compute dtype by class (module docstring).
 FP8_SKIPPED_CLASSES = (torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d)
@@ -27,8 +29,6 @@ def enable_fp8_text_encoder(encoder: torch.nn.Module, compute: torch.dtype) -> N
     embeddings, a tied ``lm_head``, convolutions (a vision tower's patch embedding) and the modules the
     model itself keeps in float32 (``_keep_in_fp32_modules``: T5's ``wo``, which casts its input to its
     weight's dtype) keep ``compute``."""
-    from diffusers.hooks import apply_layerwise_casting
-
     kept = tuple(rf"(^|\.){name}$" for name in getattr(encoder, "_keep_in_fp32_modules", None) or ())
     apply_layerwise_casting(encoder, storage_dtype=torch.float8_e4m3fn, compute_dtype=compute,
                             skip_modules_pattern=FP8_TEXT_SKIPPED_PATTERNS + kept,
@@ -39,8 +39,6 @@ def enable_fp8_text_encoder(encoder: torch.nn.Module, compute: torch.dtype) -> N
 def adapters_disabled(module: torch.nn.Module) -> Iterator[None]:
     """``module`` (or a DeepSpeed engine holding it) as its base model: every PEFT adapter layer
     switched off for the block, then on again with each parameter's ``requires_grad`` as it was."""
-    from peft.tuners.tuners_utils import BaseTunerLayer
-
     layers = [m for m in module.modules() if isinstance(m, BaseTunerLayer) and not m.disable_adapters]
     trained = {p: p.requires_grad for layer in layers for p in layer.parameters()}
     for layer in layers:

@@ -16,8 +16,10 @@ from types import ModuleType
 from typing import Any
 
 import torch
+from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
 
-from diffpipe.models._common import LM_IDS, tiny_text_model
+from diffpipe.models._common import LM_IDS, tiny_clip_text_encoder, tiny_text_model
+from diffpipe.models.tokenizers import clip_tokenizer
 
 
 @dataclass(frozen=True)
@@ -116,11 +118,6 @@ def clip_text_encoder(seed: str, part: str = "text_encoder_2", cls: type | None 
     ``tokenizer_2``); ``cls`` ``CLIPTextModel`` (default) or ``CLIPTextModelWithProjection``; the tiny encoder
     is seeded from ``model.seed`` and ``seed``; ``stream``: the tokenizer's :attr:`Tokenizer.stream`, limited
     by its ``model_max_length`` (77)."""
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
-
-    from diffpipe.models._common import tiny_clip_text_encoder
-    from diffpipe.models.tokenizers import clip_tokenizer
-
     cls = cls or CLIPTextModel
     return {
         part.replace("text_encoder", "tokenizer"): Tokenizer(CLIPTokenizer, clip_tokenizer, stream, "tokenizer"),

@@ -21,10 +21,12 @@ family, format and pipeline-parallel tables of the docs are generated from the s
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+import diffusers
 import torch
 
 
@@ -68,8 +70,6 @@ class Published:
 
     def build_meta(self) -> torch.nn.Module:
         """The denoiser at its published size, on the ``meta`` device (no memory, no weights)."""
-        import diffusers
-
         with torch.device("meta"):
             return getattr(diffusers, self.cls)(**self.config)
 
@@ -138,8 +138,7 @@ class FamilySpec:
     def family_type(self) -> type:
         """The :class:`~diffpipe.models.base.Family` subclass the folder's ``family.py`` defines (exactly one;
         imports it and its diffusers classes)."""
-        import importlib
-
+        # deferred: models.base imports this module (for Absent), so a module-level import would be circular
         from diffpipe.models.base import Family
 
         module = importlib.import_module(f"{self.package}.family")
@@ -152,8 +151,6 @@ class FamilySpec:
 
     def keymap_module(self) -> Any:
         """The ``keymap.py`` module; a clear error when the family has none."""
-        import importlib
-
         if isinstance(self.keymap, Absent):
             raise ValueError(f"no LoRA key map for family {self.name!r} (formats comfyui and kohya need one): "
                              f"{self.keymap.reason}")

@@ -22,6 +22,11 @@ from pathlib import Path
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import CLIPTokenizer, T5TokenizerFast
 
+try:  # transformers >= 5
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+except ImportError:  # transformers 4.x
+    from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
+
 from diffpipe.utils import digest, write_if_changed
 
 CLIP_MAX_LENGTH = 77
@@ -43,10 +48,6 @@ def cache_root() -> Path:
 
 # -- CLIP (byte-level BPE) -------------------------------------------------
 def _bytes_to_unicode() -> dict[int, str]:
-    try:  # transformers >= 5
-        from transformers.convert_slow_tokenizer import bytes_to_unicode
-    except ImportError:  # transformers 4.x
-        from transformers.models.gpt2.tokenization_gpt2 import bytes_to_unicode
     return bytes_to_unicode()
 
 

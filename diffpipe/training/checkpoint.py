@@ -48,6 +48,7 @@ from safetensors.torch import save_file
 
 from diffpipe.config import ConfigError
 from diffpipe.training.adapter import load_adapter
+from diffpipe.training.engine import deepspeed_safe_types, safe_checkpoint_loads
 from diffpipe.training.finite import check_tensors
 from diffpipe.utils import atomic_path, digest, fsync_dir, fsync_tree, write_text_atomic
 
@@ -318,8 +319,6 @@ def save_checkpoint(
 # -- resume ----------------------------------------------------------------------------
 def load_checkpoint(engine: Any, ckpt: Path, *, rank: int, world_size: int = 1) -> dict[str, Any]:
     """Load DeepSpeed's state into ``engine``, every file with weights_only=True; return this rank's RNG state."""
-    from diffpipe.training.engine import deepspeed_safe_types, safe_checkpoint_loads
-
     allowed = deepspeed_safe_types()
     check_files(ckpt, world_size=world_size, allowed=allowed)
 

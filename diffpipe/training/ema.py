@@ -15,6 +15,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from diffusers.training_utils import EMAModel
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from diffpipe.config import EmaConfig
@@ -27,8 +29,6 @@ class Ema:
     """The average of ``params`` (the trained parameters, in the engine's module)."""
 
     def __init__(self, params: list[torch.nn.Parameter], cfg: EmaConfig):
-        from diffusers.training_utils import EMAModel
-
         self.cfg, self.params = cfg, list(params)
         self.model = EMAModel(self.params, decay=cfg.decay, min_decay=0.0, update_after_step=0,
                               use_ema_warmup=False, foreach=False)
@@ -61,7 +61,6 @@ class Ema:
         if not path.is_file():
             raise ValueError(f"{path}: the checkpoint has no EMA state (train.ema was off when it was written); "
                              "resume from a checkpoint of a run with train.ema.enabled, or turn it off")
-        from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as f:
             meta = f.metadata() or {}

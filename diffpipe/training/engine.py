@@ -19,6 +19,8 @@ from typing import Any
 
 import torch
 
+# deepspeed is imported inside the functions that use it: it takes seconds to import (about 9 s on 2 busy
+# cores), and `diffpipe train`'s launcher and `diffpipe export` import this module without needing it.
 from diffpipe.config import BF16_OPTIMIZERS, TrainConfig
 from diffpipe.training.precision import check as check_precision
 from diffpipe.training.precision import resolve_precision
@@ -56,6 +58,7 @@ def setup_distributed() -> DistInfo:
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
         )
+    # deferred: deepspeed takes seconds to import; only a rank process that joins the group pays it
     import deepspeed
 
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -144,6 +147,7 @@ def build_engine(
     compile for minutes on first use and do not exist on CPU.
     """
     check_precision(tc)
+    # deferred: deepspeed takes seconds to import; only the process that builds an engine pays it
     import deepspeed
 
     engine, _, _, _ = deepspeed.initialize(
@@ -159,6 +163,7 @@ def deepspeed_safe_types() -> list[type]:
     """The non-tensor types DeepSpeed's checkpoint files hold, all plain data (checked on ZeRO 0-3,
     offload, bf16 and pipeline checkpoints): ZeRO optimizer states pickle the loss scaler, the
     ZeRO stage enum and tensor-fragment addresses; fp16 (GPU) makes the loss scaler dynamic."""
+    # deferred: deepspeed takes seconds to import; export reads checkpoints through this module
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
     from deepspeed.utils.tensor_fragment import fragment_address
@@ -219,7 +224,7 @@ def gathered(params: list[torch.nn.Parameter], zero_stage: int) -> Iterator[None
     if zero_stage < 3:
         yield
         return
-    import deepspeed
+    import deepspeed  # deferred: seconds to import; only ZeRO-3 gathers
 
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         yield

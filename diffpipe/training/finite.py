@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
 #: How many tensor names an error lists before "and N more".
 SHOWN = 5
@@ -58,8 +59,6 @@ def check_tensors(tensors: Mapping[str, torch.Tensor], source: str | Path, *, wh
 
 def check_safetensors_file(path: str | Path, *, what: str) -> None:
     """:func:`check_tensors` on a safetensors file, one tensor in memory at a time."""
-    from safetensors import safe_open
-
     bad = []
     with safe_open(str(path), framework="pt") as f:
         for key in f.keys():  # noqa: SIM118  (safe_open is no mapping)

@@ -16,6 +16,7 @@ import torch
 
 from diffpipe.config import ObjectiveConfig, TrainConfig
 from diffpipe.models import objectives as obj
+from diffpipe.models.layers import _pipe_ready
 from diffpipe.training import adapter
 from diffpipe.training.engine import deepspeed_config
 from diffpipe.training.optim import build_optimizer
@@ -103,8 +104,6 @@ class _StageEdge(torch.nn.Module):
         self.layer, self.entry, self.exit = layer, entry, exit
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
-        from diffpipe.models.layers import _pipe_ready
-
         out = self.layer(inputs)
         if self.entry and torch.is_grad_enabled():
             tied = [x.sum() for x in inputs if x.is_floating_point() and x.requires_grad]
@@ -134,6 +133,7 @@ def build_pipeline_engine(layers: list[torch.nn.Module], bounds: list[int], loss
 
     Returns the engine and this stage's trainable parameters (the optimizer sees only those).
     """
+    # deferred: deepspeed takes seconds to import; only a pipeline-parallel run builds this engine
     import deepspeed
     from deepspeed.pipe import PipelineModule
 

@@ -10,6 +10,7 @@ from collections.abc import Collection
 from pathlib import Path
 
 import torch
+from diffusers.hooks import apply_group_offloading
 from PIL import Image, ImageDraw
 
 from diffpipe.config import ModelConfig, SampleConfig
@@ -125,8 +126,6 @@ def place(pipe, offload: str, *, device: torch.device | None = None, keep: Colle
     (``none`` or ``group``). ``device``: the GPU when there is one, else the CPU. ``none``: each component
     on ``device``; ``group``: its weights in CPU memory, each block brought to ``device`` for its forward
     (diffusers' group offloading; on the CPU the hooks onload to the CPU)."""
-    from diffusers.hooks import apply_group_offloading
-
     cuda_defaults()
     device = device or torch.device("cuda" if torch.cuda.is_available() else "cpu")
     modules = {name: c for name, c in pipe.components.items() if isinstance(c, torch.nn.Module) and name not in keep}

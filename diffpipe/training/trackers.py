@@ -113,6 +113,8 @@ class Tracker(ABC):
 
 class TensorBoard(Tracker):
     def __init__(self, folder: Path, purge_step: int | None):
+        # deferred: torch + tensorboard take seconds to import, and `diffpipe run` imports this module to
+        # check the trackers before any job starts
         from torch.utils.tensorboard import SummaryWriter
 
         # ``purge_step`` hides events a killed run logged past its resume point.
@@ -123,6 +125,7 @@ class TensorBoard(Tracker):
             self._tb.add_scalar(tag, value, step)
 
     def image(self, tag, image, step):
+        # deferred: numpy costs ~0.4 s, which `diffpipe run`'s tracker check would pay; the writer loaded it already
         import numpy as np
 
         self._tb.add_image(tag, np.asarray(image.convert("RGB")), step, dataformats="HWC")
@@ -133,7 +136,7 @@ class TensorBoard(Tracker):
 
 class WandB(Tracker):
     def __init__(self, folder: Path, project: str, run_name: str, config: dict[str, Any]):
-        import wandb
+        import wandb  # deferred: optional dependency (pip install 'diffpipe[trackers]')
 
         folder.mkdir(parents=True, exist_ok=True)
         self._wandb = wandb
@@ -152,7 +155,7 @@ class WandB(Tracker):
 
 class MLflow(Tracker):
     def __init__(self, folder: Path, project: str, run_name: str, config: dict[str, Any]):
-        from mlflow.tracking import MlflowClient
+        from mlflow.tracking import MlflowClient  # deferred: optional dependency (diffpipe[trackers])
 
         uri = os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
@@ -167,7 +170,7 @@ class MLflow(Tracker):
         self.client.log_text(self.run_id, json.dumps(config, indent=1, default=str), "config.json")
 
     def log(self, step, values):
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # deferred: optional dependency (diffpipe[trackers])
 
         now = int(__import__("time").time() * 1000)
         metrics = [Metric(tag, value, now, step) for tag, value in values.items()]

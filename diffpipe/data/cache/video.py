@@ -17,6 +17,7 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any, BinaryIO
 
+import av
 import numpy as np
 from PIL import Image
 
@@ -81,8 +82,6 @@ def load_video_array(
 
 def video_codec() -> str:
     """The best codec the installed PyAV can write into MP4: H.264, else MPEG-4 Part 2."""
-    import av
-
     return next(c for c in ("libx264", "libopenh264", "mpeg4") if c in av.codecs_available)
 
 
@@ -97,8 +96,6 @@ def write_mp4(frames: list[Image.Image], path: str | Path, fps: float, *, repeat
     ``repeatable``: the same frames always give the same file (demo clips that
     tests train on); see :data:`REPEATABLE_X264`.
     """
-    import av
-
     w, h = frames[0].size
     codec = video_codec()
     options = REPEATABLE_X264 if repeatable and codec == "libx264" else None

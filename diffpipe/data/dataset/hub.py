@@ -42,7 +42,7 @@ def resolve(repo_id: str, revision: str | None = None) -> Path:
     Raises:
         HubError: offline and not in the cache, or the hub refused (naming the id and cache folder).
     """
-    try:
+    try:  # deferred: huggingface_hub's download API takes ~0.6 s to import; only datasets[].hub needs it
         from huggingface_hub import snapshot_download
     except ImportError:  # pragma: no cover - a dependency of diffusers
         raise HubError("datasets[].hub needs the huggingface_hub package: pip install huggingface_hub") from None

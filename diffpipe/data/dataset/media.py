@@ -216,7 +216,7 @@ def open_video(src: str | Path | BinaryIO, max_pixels: int) -> Iterator[tuple[An
 
 def _stream_size(src: str | Path | BinaryIO) -> tuple[int, int]:
     """The first video stream's declared frame size, probed without a limit."""
-    import av
+    import av  # deferred: PyAV takes ~0.5 s to import; image-only datasets never open a video
 
     if not isinstance(src, str | Path):
         src.seek(0)

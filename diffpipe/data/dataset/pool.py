@@ -15,7 +15,7 @@ from typing import Any
 
 from rich.console import Console
 
-from diffpipe.data.dataset.media import probe_many
+from diffpipe.data.dataset.media import probe_many, sha256_media
 
 #: Files per task: large enough to amortise inter-process overhead, small enough to balance.
 CHUNK = 32
@@ -82,7 +82,6 @@ def _probe_isolated(path: str, kind: str, max_pixels: int, ctx: Any) -> dict[str
             return pool.submit(probe_many, [(path, kind)], max_pixels).result()[0]
         except BrokenProcessPool:
             pass
-    from diffpipe.data.dataset.media import sha256_media
 
     try:
         sha = sha256_media(path)

@@ -153,7 +153,7 @@ def _cell_value(cell: Cell) -> Any:
 def _arrow_table(file: str, size: int, mtime: int) -> Any:
     """A saved ``datasets`` Arrow file, memory-mapped: reading it copies nothing, so rows are
     paged in from disk as they are used (the size and mtime make a changed file a new entry)."""
-    import pyarrow as pa
+    import pyarrow as pa  # deferred: pyarrow takes ~0.3 s to import; only datasets with table files need it
 
     source = pa.memory_map(file, "r")
     try:
@@ -165,7 +165,7 @@ def _arrow_table(file: str, size: int, mtime: int) -> Any:
 @functools.lru_cache(maxsize=16)
 def _parquet_groups(file: str, size: int, mtime: int, column: str) -> list[tuple[int, int, int]]:
     """(first row, rows, uncompressed bytes of ``column``) of each row group of a Parquet file."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # deferred: pyarrow takes ~0.3 s to import; only datasets with table files need it
 
     meta = pq.read_metadata(file)
     leaves = [i for i in range(meta.num_columns)
@@ -181,7 +181,7 @@ def _parquet_groups(file: str, size: int, mtime: int, column: str) -> list[tuple
 @functools.lru_cache(maxsize=2)
 def _parquet_group(file: str, size: int, mtime: int, group: int, column: str) -> Any:
     """One row group's media column (the cache jobs read neighbouring rows one after another)."""
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # deferred: pyarrow takes ~0.3 s to import; only datasets with table files need it
 
     with pq.ParquetFile(file) as f:
         return f.read_row_group(group, columns=[column]).column(column)
@@ -191,7 +191,7 @@ class _GroupCursor:
     """One large row group's column, read forward in batches: only the current batch is in memory."""
 
     def __init__(self, key: tuple[str, int, int, int, str, int]):
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # deferred: pyarrow takes ~0.3 s to import; only datasets with table files need it
 
         file, _, _, group, column, rows = self.key = key
         # Memory-mapped, not pre-buffered: an uncompressed page is read as a slice of the map, so only the
@@ -309,6 +309,7 @@ def schema_of(tables: Tables) -> dict[str, Any]:
     Raises:
         TableError: the file is missing or unreadable (naming it).
     """
+    # deferred: pyarrow takes ~0.3 s to import; only datasets with table files need it
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -332,6 +333,7 @@ def iter_rows(tables: Tables, columns: list[str]) -> Iterator[tuple[str, int, di
     Raises:
         TableError: a table file cannot be read (naming it).
     """
+    # deferred: pyarrow takes ~0.3 s to import; only datasets with table files need it
     import pyarrow as pa
     import pyarrow.parquet as pq
 

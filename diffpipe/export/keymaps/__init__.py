@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from diffpipe.families import Absent, spec, specs
 from diffpipe.models.base import Family
 from diffpipe.models.keymap import LORA_LAYERS, KeyMap, Layer, Segment
 
@@ -41,15 +42,11 @@ def out_features(model: torch.nn.Module) -> dict[str, int]:
 
 def mapped_families() -> list[str]:
     """Families that have a key map (and so the comfyui and kohya formats)."""
-    from diffpipe.families import Absent, specs
-
     return sorted(s.name for s in specs() if not isinstance(s.keymap, Absent))
 
 
 def _table(family_name: str) -> tuple[type, Builder]:
     """``(denoiser class, table builder)`` of a family."""
-    from diffpipe.families import spec
-
     module = spec(family_name).keymap_module()
     return module.DENOISER, module.build
 

@@ -18,6 +18,7 @@ from diffusers import ChromaPipeline, ChromaTransformer2DModel, FluxPipeline
 from transformers import T5Config, T5EncoderModel, T5TokenizerFast
 
 from diffpipe.families.chroma.flavors import TINY_TRANSFORMER
+from diffpipe.families.chroma.layers import chroma_layers
 from diffpipe.families.flux.family import TINY_T5, TINY_T5_LENGTH, FluxFamily
 from diffpipe.models import _common as common
 from diffpipe.models.base import Prepared
@@ -78,6 +79,4 @@ class ChromaFamily(FluxFamily):
         Input tuple ``(packed_noisy, sigma, prompt_embeds, txt_ids, img_ids, attention_mask)``
         (the mask over text and image tokens); output ``(packed prediction,)``.
         """
-        from diffpipe.families.chroma.layers import chroma_layers
-
         return chroma_layers(common.unwrap(denoiser))

@@ -36,6 +36,7 @@ from diffusers.pipelines.cogvideo.pipeline_cogvideox import get_resize_crop_regi
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.cogvideox import flavors
+from diffpipe.families.cogvideox.layers import cogvideox_layers
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models import targets
@@ -154,6 +155,4 @@ class CogVideoXFamily(video.T5TextFamily, Family):
         Input tuple ``(noisy [B,F,C,h,w], prompt_embeds, steps, rope cos, rope sin)`` (empty
         rope tensors for sin-cos positions); output ``(prediction [B,F,C,h,w],)``.
         """
-        from diffpipe.families.cogvideox.layers import cogvideox_layers
-
         return cogvideox_layers(common.unwrap(denoiser))

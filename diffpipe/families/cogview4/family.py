@@ -36,6 +36,7 @@ from transformers import AutoTokenizer, GlmConfig, GlmModel, PreTrainedTokenizer
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.cogview4 import flavors
+from diffpipe.families.cogview4.layers import cogview4_layers
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
@@ -172,6 +173,4 @@ class CogView4Family(Family):
         Input tuple ``(noisy, timestep, prompt_embeds, original_size, target_size, crop_coords)``,
         every prompt of the micro-batch at the same length; output ``(prediction,)``.
         """
-        from diffpipe.families.cogview4.layers import cogview4_layers
-
         return cogview4_layers(common.unwrap(denoiser))

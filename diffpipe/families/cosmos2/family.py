@@ -52,6 +52,7 @@ from diffusers.utils import is_cosmos_guardrail_available, is_torchvision_availa
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.cosmos2 import flavors
+from diffpipe.families.cosmos2.layers import cosmos_layers
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models import objectives as obj
@@ -184,6 +185,4 @@ class Cosmos2Family(video.T5TextFamily, Family):
         Input tuple ``(noisy [B,C,1,h,w], t, prompt_embeds, padding_mask [1,1,h,w])``; output
         ``(prediction,)``.
         """
-        from diffpipe.families.cosmos2.layers import cosmos_layers
-
         return cosmos_layers(common.unwrap(denoiser))

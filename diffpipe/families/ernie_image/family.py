@@ -24,6 +24,7 @@ from transformers import AutoTokenizer, Mistral3Config, Mistral3Model
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.ernie_image import flavors
+from diffpipe.families.ernie_image.layers import ernie_layers
 from diffpipe.families.flux2_klein.family import TinyBatchNormVae, bn_normalised
 from diffpipe.models import _common as common
 from diffpipe.models import targets
@@ -114,6 +115,4 @@ class ErnieImageFamily(TinyBatchNormVae, Family):
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """Embedding (image and text tokens, positions, mask, the shared modulation), one layer per block,
         output. Input tuple ``(noisy latents, sigma x 1000, captions, caption lengths)``."""
-        from diffpipe.families.ernie_image.layers import ernie_layers
-
         return ernie_layers(common.unwrap(denoiser))

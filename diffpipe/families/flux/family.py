@@ -28,6 +28,7 @@ from transformers import (
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.flux.flavors import TINY_SCHEDULER, TINY_T5, TINY_T5_LENGTH, TINY_TRANSFORMER, TINY_VAE
+from diffpipe.families.flux.layers import flux_layers
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
@@ -149,6 +150,4 @@ class FluxFamily(Family):
         Input tuple ``(packed_noisy, sigma, guidance, pooled, prompt_embeds, txt_ids, img_ids)``;
         output ``(packed prediction,)``.
         """
-        from diffpipe.families.flux.layers import flux_layers
-
         return flux_layers(common.unwrap(denoiser))

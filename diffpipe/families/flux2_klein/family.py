@@ -30,6 +30,7 @@ from transformers import AutoTokenizer, Qwen3Config, Qwen3ForCausalLM
 
 from diffpipe.config import MAX_REFERENCES, SampleConfig
 from diffpipe.families.flux2_klein import flavors
+from diffpipe.families.flux2_klein.layers import flux2_layers
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
@@ -195,6 +196,5 @@ class Flux2KleinFamily(TinyBatchNormVae, Family):
         if self.uses_control:
             raise ValueError(f"{self.name} variant edit: pipeline parallelism is not implemented (the layers would "
                              "carry the reference tokens); set train.pipeline_stages: 1")
-        from diffpipe.families.flux2_klein.layers import flux2_layers
 
         return flux2_layers(common.unwrap(denoiser))

@@ -33,8 +33,10 @@ from diffusers import HeliosPipeline, HeliosScheduler, HeliosTransformer3DModel
 from diffusers.pipelines.helios.pipeline_helios import calculate_shift
 
 from diffpipe.families.helios.flavors import TINY_SCHEDULER, TINY_TRANSFORMER
+from diffpipe.families.helios.layers import helios_layers
 from diffpipe.families.wan.family import WanFamily, WanVariant
 from diffpipe.families.wan.flavors import TINY_VAE
+from diffpipe.models import _common as common
 from diffpipe.models.base import Prepared
 
 #: The pipeline's defaults: history windows (long, mid, the last frame), latent frames per chunk.
@@ -78,9 +80,6 @@ class HeliosFamily(WanFamily):
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """Embedding (the chunk, its history windows and the timestep modulation), one layer per block,
         output (``layers.py``). Input tuple: ``prepared.inputs`` in order (Wan's, then the history's)."""
-        from diffpipe.families.helios.layers import helios_layers
-        from diffpipe.models import _common as common
-
         return helios_layers(common.unwrap(denoiser))
 
     @staticmethod

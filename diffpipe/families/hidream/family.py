@@ -36,6 +36,7 @@ from transformers import (
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.hidream import flavors
+from diffpipe.families.hidream.layers import hidream_layers
 from diffpipe.models import _common as common
 from diffpipe.models.base import Family, Prepared
 from diffpipe.models.components import Models, TextBundle, TextEncoder, TextPart, Tokenizer, clip_text_encoder
@@ -141,6 +142,4 @@ class HiDreamFamily(Family):
         Input tuple ``(noisy, sigma * 1000, prompt_embeds_t5, llama [layers, B, L, D], pooled)``;
         output ``(prediction [B, C, H, W],)`` (the image layout in train mode too).
         """
-        from diffpipe.families.hidream.layers import hidream_layers
-
         return hidream_layers(common.unwrap(denoiser))

@@ -29,6 +29,7 @@ from diffusers import (
     HunyuanImagePipeline,
     HunyuanImageTransformer2DModel,
 )
+from diffusers.guiders import AdaptiveProjectedMixGuidance
 from transformers import (
     AutoTokenizer,
     ByT5Tokenizer,
@@ -114,8 +115,6 @@ class HunyuanImageFamily(TransformerLoRA, Family):
         # when it has one; none for the tiny flavor (sampling without CFG).
         guiders = {}
         if self.cfg.flavor != "tiny":
-            from diffusers.guiders import AdaptiveProjectedMixGuidance
-
             for name in ("guider", "ocr_guider"):
                 if (Path(self.cfg.path) / name).is_dir():
                     guiders[name] = AdaptiveProjectedMixGuidance.from_pretrained(self.cfg.path, subfolder=name)

@@ -52,6 +52,7 @@ from transformers import (
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.hunyuanvideo import flavors
+from diffpipe.families.hunyuanvideo.layers import hunyuan_video_layers
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models import objectives as obj
@@ -176,6 +177,4 @@ class HunyuanVideoFamily(Family):
         Input tuple ``(noisy, sigma * 1000, prompt_embeds, mask, pooled, guidance * 1000)``; output
         ``(prediction,)``.
         """
-        from diffpipe.families.hunyuanvideo.layers import hunyuan_video_layers
-
         return hunyuan_video_layers(common.unwrap(denoiser))

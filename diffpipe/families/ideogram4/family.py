@@ -33,6 +33,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3VLConfig, 
 from diffpipe.config import SampleConfig
 from diffpipe.families.flux2_klein.family import TinyBatchNormVae
 from diffpipe.families.ideogram4 import flavors
+from diffpipe.families.ideogram4.layers import ideogram4_layers
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
@@ -174,6 +175,4 @@ class Ideogram4Family(TinyBatchNormVae, Family):
         """Embedding (input projections, text conditioning, roles, positions, segment mask), one layer per
         block, output. Input tuple ``(packed sequence, 1 - sigma, caption features, positions, segments,
         roles)``; output ``(image-token prediction,)``."""
-        from diffpipe.families.ideogram4.layers import ideogram4_layers
-
         return ideogram4_layers(common.unwrap(denoiser))

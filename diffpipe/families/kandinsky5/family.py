@@ -52,6 +52,7 @@ from diffusers import (
     Kandinsky5T2VPipeline,
     Kandinsky5Transformer3DModel,
 )
+from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
 from transformers import (
     AutoTokenizer,
     PreTrainedTokenizerBase,
@@ -62,7 +63,9 @@ from transformers import (
 from diffpipe.config import SampleConfig
 from diffpipe.families.hunyuanvideo.family import HunyuanVideoFamily
 from diffpipe.families.kandinsky5 import flavors
+from diffpipe.families.kandinsky5.layers import kandinsky5_layers
 from diffpipe.families.qwenimage.family import tiny_qwen_tokenizer
+from diffpipe.hub import pipeline_class
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models import objectives as obj
@@ -97,8 +100,6 @@ def template_start(tokenizer: PreTrainedTokenizerBase, template: str = TEMPLATE)
 def folder_variant(cfg: Any, by_pipeline: dict[str, str], default: str, label: str) -> str:
     """The variant of a local folder (its ``model_index.json`` pipeline class in ``by_pipeline``, else
     ``default``), checked against ``model.variant``; the configured (or default) one otherwise."""
-    from diffpipe.hub import pipeline_class
-
     found = None
     if cfg.flavor == "local":
         found = by_pipeline.get(pipeline_class(Path(cfg.path) / "model_index.json") or "", default)
@@ -218,8 +219,6 @@ class Kandinsky5Family(Family):
         }
 
     def caption_prompts(self, captions: list[str]) -> list[str]:
-        from diffusers.pipelines.kandinsky5.pipeline_kandinsky import prompt_clean
-
         return [prompt_clean(c) for c in captions]
 
     # -- training ------------------------------------------------------------------
@@ -289,8 +288,6 @@ class Kandinsky5Family(Family):
     # -- pipeline parallelism ---------------------------------------------------------
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """Embedding (with the text blocks), one layer per visual block, output (``layers.py``)."""
-        from diffpipe.families.kandinsky5.layers import kandinsky5_layers
-
         return kandinsky5_layers(common.unwrap(denoiser))
 
     def layer_inputs(self, prepared: Prepared) -> tuple[torch.Tensor, ...]:

@@ -25,6 +25,7 @@ from transformers import AutoTokenizer, Qwen3VLConfig, Qwen3VLModel
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.krea2 import flavors
+from diffpipe.families.krea2.layers import krea2_layers
 from diffpipe.families.qwenimage.family import QwenImageFamily, tiny_qwen_tokenizer
 from diffpipe.models import _common as common
 from diffpipe.models.base import Family, Prepared
@@ -97,6 +98,4 @@ class Krea2Family(Family):
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """Embedding (the text-fusion stage, input projections, positions), one layer per block, output.
         Input tuple ``(packed noisy, caption states, sigma, positions, caption mask)``."""
-        from diffpipe.families.krea2.layers import krea2_layers
-
         return krea2_layers(common.unwrap(denoiser))

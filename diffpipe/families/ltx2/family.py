@@ -56,7 +56,9 @@ from transformers import AutoTokenizer, Gemma3Config, Gemma3ForConditionalGenera
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.ltx2 import flavors
+from diffpipe.families.ltx2.layers import ltx2_layers
 from diffpipe.families.ltxvideo.family import LTXGeometry
+from diffpipe.hub import pipeline_class
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models import objectives as obj
@@ -98,7 +100,6 @@ class LTX2Family(LTXGeometry, Family):
 
     def __init__(self, cfg):
         super().__init__(cfg)
-        from diffpipe.hub import pipeline_class
 
         # One checkpoint serves both: a folder saved with the I2V pipeline defaults to i2v, any other to t2v.
         saved = pipeline_class(Path(cfg.path) / "model_index.json") if cfg.flavor == "local" else None
@@ -240,6 +241,4 @@ class LTX2Family(LTXGeometry, Family):
         """Embedding, one layer per block, output (``layers.py``): the video stream with the audio
         placeholder carried along and the modalities isolated, as the loss runs it. Input tuple
         :meth:`layer_inputs`; output ``(packed prediction,)``."""
-        from diffpipe.families.ltx2.layers import ltx2_layers
-
         return ltx2_layers(common.unwrap(denoiser))

@@ -29,6 +29,7 @@ from diffusers import AutoencoderKLLTXVideo, FlowMatchEulerDiscreteScheduler, LT
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.ltxvideo import flavors
+from diffpipe.families.ltxvideo.layers import ltx_layers
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models import objectives as obj
@@ -136,6 +137,4 @@ class LTXVideoFamily(LTXGeometry, video.T5TextFamily, Family):
         Input tuple ``(packed noisy, prompt_embeds, sigma * 1000, text mask, (F, h, w), rope scale)``;
         output ``(packed prediction,)``.
         """
-        from diffpipe.families.ltxvideo.layers import ltx_layers
-
         return ltx_layers(common.unwrap(denoiser))

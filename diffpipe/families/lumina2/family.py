@@ -25,6 +25,7 @@ from transformers import AutoTokenizer, Gemma2Config, Gemma2Model
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.lumina2 import flavors
+from diffpipe.families.lumina2.layers import lumina2_layers
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
@@ -91,6 +92,4 @@ class Lumina2Family(Family):
         Input tuple ``(noisy, timestep, prompt_embeds, prompt_attention_mask)``; output ``(prediction,)``.
         Prompts of any length mix in a micro-batch: the joint sequence is packed per sample.
         """
-        from diffpipe.families.lumina2.layers import lumina2_layers
-
         return lumina2_layers(common.unwrap(denoiser))

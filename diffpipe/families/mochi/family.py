@@ -32,6 +32,7 @@ from diffusers import AutoencoderKLMochi, FlowMatchEulerDiscreteScheduler, Mochi
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.mochi import flavors
+from diffpipe.families.mochi.layers import mochi_layers
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
 from diffpipe.models import objectives as obj
@@ -107,6 +108,4 @@ class MochiFamily(video.T5TextFamily, Family):
 
         Input tuple ``(noisy, (1 - sigma) * 1000, prompt_embeds, mask (bool))``; output ``(prediction,)``.
         """
-        from diffpipe.families.mochi.layers import mochi_layers
-
         return mochi_layers(common.unwrap(denoiser))

@@ -32,6 +32,7 @@ from transformers import (
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.qwenimage import flavors
+from diffpipe.families.qwenimage.layers import qwen_layers
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
@@ -147,6 +148,4 @@ class QwenImageFamily(Family):
         Input tuple ``(packed_noisy, sigma, prompt_embeds, prompt_embeds_mask, fhw)``, ``fhw`` the
         packed grid ``(1, h/2, w/2)``; output ``(packed prediction,)``.
         """
-        from diffpipe.families.qwenimage.layers import qwen_layers
-
         return qwen_layers(common.unwrap(denoiser))

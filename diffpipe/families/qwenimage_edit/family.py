@@ -37,9 +37,11 @@ its transformer's ``zero_cond_t``).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
 from functools import cached_property
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -163,9 +165,6 @@ def tiny_vl_text_encoder(tok: PreTrainedTokenizerBase, seed: int, component: str
 
 def detect_variant(path: str) -> str | None:
     """A local folder's Edit-Plus variant (``2509``, ``2511``), or None for Qwen-Image-Edit."""
-    import json
-    from pathlib import Path
-
     try:
         index = json.loads((Path(path) / "model_index.json").read_text())
     except (OSError, ValueError):

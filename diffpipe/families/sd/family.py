@@ -24,6 +24,7 @@ from diffusers import (
 
 from diffpipe.config import ObjectiveConfig
 from diffpipe.families.sd.flavors import TINY_SCHEDULER, TINY_UNET, TINY_VAE
+from diffpipe.families.sd.layers import unet_layers
 from diffpipe.models import _common as common
 from diffpipe.models import objectives as obj
 from diffpipe.models._draws import ddpm_parts, draw_image
@@ -190,6 +191,4 @@ class SDFamily(Family):
 
         Input tuple ``(noisy, timesteps, prompt_embeds)``; output ``(prediction,)``.
         """
-        from diffpipe.families.sd.layers import unet_layers
-
         return unet_layers(common.unwrap(denoiser))

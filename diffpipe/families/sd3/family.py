@@ -33,6 +33,7 @@ from transformers import (
 
 from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.families.sd3 import flavors
+from diffpipe.families.sd3.layers import sd3_layers
 from diffpipe.models import _common as common
 from diffpipe.models import objectives as obj
 from diffpipe.models import targets
@@ -123,6 +124,4 @@ class SD3Family(Family):
 
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """Embedding, one layer per joint block, output (``layers.py``)."""
-        from diffpipe.families.sd3.layers import sd3_layers
-
         return sd3_layers(common.unwrap(denoiser))

@@ -29,6 +29,7 @@ from transformers import (
 )
 
 from diffpipe.families.sd.family import TINY_SCHEDULER, SDFamily
+from diffpipe.families.sd.layers import unet_layers
 from diffpipe.families.sdxl.flavors import TINY_UNET, TINY_VAE_XL
 from diffpipe.models import _common as common
 from diffpipe.models.base import Prepared, ids_name
@@ -146,6 +147,4 @@ class SDXLFamily(SDFamily):
         Input tuple ``(noisy, timesteps, prompt_embeds, pooled_prompt_embeds, add_time_ids)``;
         output ``(prediction,)``.
         """
-        from diffpipe.families.sd.layers import unet_layers
-
         return unet_layers(common.unwrap(denoiser))

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase, Qwen3Config, Qw
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.zimage import flavors
+from diffpipe.families.zimage.layers import zimage_layers
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
@@ -107,6 +108,4 @@ class ZImageFamily(Family):
         Input tuple ``(noisy, 1 - sigma, captions, caption mask)``; output ``(prediction [B, C, h, w],)``.
         Captions of any length mix in a micro-batch: the unified sequence is padded per sample and masked.
         """
-        from diffpipe.families.zimage.layers import zimage_layers
-
         return zimage_layers(common.unwrap(denoiser))
