@@ -25,7 +25,11 @@ runs on CPU too; its autograd function saves the 4-bit weight, not a dequantised
 
 from __future__ import annotations
 
+import re
+
 import torch
+from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
+from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
 
 from diffpipe.config import BF16_OPTIMIZERS, TrainConfig
 from diffpipe.models._common import cuda_defaults
@@ -59,8 +63,6 @@ def check(tc: TrainConfig) -> None:
                          f"{tc.precision} resolves to {resolve_precision(tc.precision)} here: set precision: bf16 "
                          "(or use adamw)")
     backend = tc.attention_backend.lower()
-    from diffusers.models.attention_dispatch import AttentionBackendName
-
     known = sorted(b.value for b in AttentionBackendName)
     if backend not in known:
         raise ValueError(f"train.attention_backend {tc.attention_backend!r}: not a diffusers attention backend; "
@@ -68,8 +70,6 @@ def check(tc: TrainConfig) -> None:
     if backend not in _CPU_BACKENDS and not cuda:
         raise ValueError(f"train.attention_backend {backend!r} needs a CUDA GPU; on CPU use native")
     if backend != "native":
-        from diffusers.models.attention_dispatch import _check_attention_backend_requirements
-
         try:
             _check_attention_backend_requirements(AttentionBackendName(backend))
         except (RuntimeError, ImportError) as err:
@@ -209,10 +209,6 @@ def quantised_layers(denoiser: torch.nn.Module, kind: str = "int8") -> list[str]
     that diffusers' layerwise casting keeps in 16/32 bits (norms and AdaLN modulation, embeddings,
     ``proj_in`` / ``proj_out``), so they are the layers fp8 stores in float8; for ``nf4``, also only
     weights of a multiple of 64 elements (every one at real size)."""
-    import re
-
-    from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
-
     return [name for name, m in denoiser.named_modules()
             if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad and "lora_" not in name
             and not any(re.search(p, name) for p in DEFAULT_SKIP_MODULES_PATTERN)
@@ -231,6 +227,7 @@ def enable_quantised_base_weights(denoiser: torch.nn.Module, compute: torch.dtyp
     references to parameters forbid.
     """
     try:
+        # deferred: torchao costs seconds to import and only int8 / nf4 runs need it
         from torchao.quantization import Int8WeightOnlyConfig, NF4Tensor, quantize_
     except ImportError as err:
         raise ValueError(f"train.base_weights {kind} needs torchao ({err}); reinstall diffpipe's dependencies "

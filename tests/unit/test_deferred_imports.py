@@ -28,9 +28,7 @@ NOT_YET: set[str] = {
     "estimate.py",
     "families/wan/family.py",
     "init.py",
-    "models/base.py",
     "stages.py",
-    "training/precision.py",
 }
 
 
