@@ -24,8 +24,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("training", ("training",)),
     ("export", ("export",)),  # reads training's LoRA and precision helpers
     ("stages", ("stages", "cache_jobs", "workflow", "runner", "sbatch", "estimate", "doctor", "init", "readme_tables",
-                "bench")),
-    ("cli", ("cli", "__main__")),
+                "bench", "train_job")),
+    ("cli", ("cli", "cli_errors", "__main__")),
 ]
 
 _PACKAGE = Path(diffpipe.__file__).parent
