@@ -18,8 +18,9 @@ from rich.text import Text
 from diffpipe import logs, runlock, stages
 from diffpipe.cli_errors import console, errors, fail, say
 from diffpipe.config import Config, ConfigError
-from diffpipe.paths import RunPaths
+from diffpipe.paths import FORMATS, RunPaths
 from diffpipe.resolve import load_config
+from diffpipe.stage_inputs import CacheInputs, PlanInputs, SampleInputs, ValidateInputs
 
 app = typer.Typer(
     help="diffpipe: fingerprinted data → sharded caches → DeepSpeed LoRA training → export → samples.",
@@ -49,10 +50,10 @@ ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="Experiment conf
 ShardOpt = Annotated[str, typer.Option("--shard", help="Shard name from the plan, e.g. s0000.")]
 
 
-def _setup(config: Path, stage: str):
-    """The config as ``stage`` may read it (diffpipe.stages: only what its rule reruns on) and the run's paths."""
+def _setup(config: Path) -> tuple[Config, RunPaths]:
+    """The config (resolved) and the run's paths; each stage keeps only its part (diffpipe.stage_inputs)."""
     cfg = load_config(config)
-    return stages.view(cfg, stage), RunPaths(cfg.output_dir)
+    return cfg, RunPaths(cfg.output_dir)
 
 
 @app.command()
@@ -93,8 +94,8 @@ def validate(
             raise ConfigError(f"{err}\n(with a FOLDER, the output_dir is --out: give one outside {folder})") from None
         paths = RunPaths(cfg.output_dir)
     else:
-        cfg, paths = _setup(config, "validate")
-    result = stages.validate(cfg, paths, rehash=rehash, workers=workers, tokens=tokens, console=console)
+        cfg, paths = _setup(config)
+    result = stages.validate(ValidateInputs.of(cfg), paths, rehash=rehash, workers=workers, tokens=tokens, console=console)
     print_summary(result, console=console, report=kept_copy(paths.report_html) if result.errors else paths.report_html)
     if result.errors:
         raise typer.Exit(1)
@@ -148,8 +149,8 @@ def plan(config: ConfigOpt) -> None:
 
     Example: diffpipe plan -c config/demo.yaml
     """
-    cfg, paths = _setup(config, "plan")
-    result = stages.plan(cfg, paths)
+    cfg, paths = _setup(config)
+    result = stages.plan(PlanInputs.of(cfg), paths)
     say(f"plan: {result.items} items, {result.entries} entries in {len(result.shards)} shards; "
                   f"buckets {result.buckets}; {len(result.written)} spec files rewritten")
     for bucket, n in result.underfilled.items():
@@ -176,8 +177,8 @@ def cache_latents_cmd(config: ConfigOpt, shard: ShardOpt, regenerate: Regenerate
 
     Example: diffpipe cache latents -c config/demo.yaml --shard s0000
     """
-    cfg, paths = _setup(config, "cache")
-    summary = stages.cache_latents(cfg, paths, shard, regenerate=regenerate, trust=trust)
+    cfg, paths = _setup(config)
+    summary = stages.cache_latents(CacheInputs.of(cfg), paths, shard, regenerate=regenerate, trust=trust)
     say(f"cache latents {shard}: {json.dumps(summary)}")
 
 
@@ -188,8 +189,8 @@ def cache_text_cmd(config: ConfigOpt, shard: ShardOpt, regenerate: RegenerateOpt
 
     Example: diffpipe cache text -c config/demo.yaml --shard s0000
     """
-    cfg, paths = _setup(config, "cache")
-    summary = stages.cache_text(cfg, paths, shard, regenerate=regenerate)
+    cfg, paths = _setup(config)
+    summary = stages.cache_text(CacheInputs.of(cfg), paths, shard, regenerate=regenerate)
     say(f"cache text {shard}: {json.dumps(summary)}")
 
 
@@ -200,8 +201,8 @@ def cache_empty_cmd(config: ConfigOpt, regenerate: RegenerateOpt = False) -> Non
 
     Example: diffpipe cache empty -c config/demo.yaml
     """
-    cfg, paths = _setup(config, "cache")
-    summary = stages.cache_empty(cfg, paths, regenerate=regenerate)
+    cfg, paths = _setup(config)
+    summary = stages.cache_empty(CacheInputs.of(cfg), paths, regenerate=regenerate)
     say(f"cache empty: {json.dumps(summary)}")
 
 
@@ -214,7 +215,7 @@ def cache_prune_cmd(config: ConfigOpt) -> None:
     """
     from diffpipe.data.cache.store import Store, prune
 
-    cfg, paths = _setup(config, "cache")
+    cfg, paths = _setup(config)
     store = Store(paths.cache_store(cfg.cache.dir))
     for kind in ("latents", "text"):
         removed = prune(store, kind, on_wait=lambda: say(
@@ -231,7 +232,7 @@ def cache_verify_cmd(config: ConfigOpt) -> None:
     """
     from diffpipe.data.cache.reader import CachedDataset
 
-    _, paths = _setup(config, "cache")
+    _, paths = _setup(config)
     summary = CachedDataset.from_run(paths).summary()
     say(f"cache verify: ok, {json.dumps(summary)}")
 
@@ -261,7 +262,7 @@ def train(
     # Deferred for start-up time: the trainer imports torch, which `diffpipe --help` must not load.
     from diffpipe.train_job import TrainRequest, run_train_job
 
-    cfg, paths = _setup(config, "train")
+    cfg, paths = _setup(config)
     request = TrainRequest(config, processes, resume=resume, checkpoint=checkpoint, auto_resume=auto_resume)
     if code := run_train_job(cfg, paths, request, log=say):
         raise typer.Exit(code)
@@ -270,14 +271,13 @@ def train(
 FORMATS_HELP = "diffusers, peft, comfyui, kohya, merged (repeatable or comma-separated; default: the config's)."
 
 
-def _formats(values: list[str] | None, default: list[str]) -> list[str]:
-    from diffpipe.paths import FORMATS
-
-    chosen = [f.strip() for v in values or [] for f in v.split(",") if f.strip()] or list(default)
+def _formats(values: list[str] | None) -> list[str] | None:
+    """The formats given (repeated or comma-separated), checked; ``None`` when none were (the config's then)."""
+    chosen = [f.strip() for v in values or [] for f in v.split(",") if f.strip()]
     bad = [f for f in chosen if f not in FORMATS]
     if bad:
         raise typer.BadParameter(f"unknown format(s) {bad}; choose from {', '.join(FORMATS)}", param_hint="--format")
-    return chosen
+    return chosen or None
 
 
 @app.command()
@@ -295,21 +295,11 @@ def export(
 
     Example: diffpipe export runs/demo --format comfyui --format kohya
     """
-    from diffpipe.config import ExportConfig
-    from diffpipe.export import export_lora
-    from diffpipe.export.locate import locate, model_config_from_adapter
-    from diffpipe.families import get_family
-
     if run_or_checkpoint is None and config is None:
         raise typer.BadParameter("give a run folder, an adapter folder or checkpoint, or --config",
                                  param_hint="RUN_OR_CHECKPOINT")
-    cfg = stages.view(load_config(config), "export") if config else None
-    found = locate(run_or_checkpoint, cfg)
-    cfg = stages.view(found.config, "export") if isinstance(found.config, Config) else found.config
-    formats = _formats(fmt, (cfg.export if cfg else ExportConfig()).formats)
-    model_cfg = cfg.model if cfg else model_config_from_adapter(found.adapter_dir)
-    result = export_lora(found.adapter_dir, out or found.out_dir, get_family(model_cfg), formats,
-                         config=cfg, run=found.run)
+    formats = _formats(fmt)
+    result = stages.export(run_or_checkpoint, load_config(config) if config else None, formats=formats, out=out)
     for name, path in result.files.items():
         say(f"export: {name}: {path}")
     say(f"export: model card: {result.card}")
@@ -351,14 +341,8 @@ def sample(
 
     Example: diffpipe sample -c config/demo.yaml
     """
-    from diffpipe.training.sample import render_samples
-
-    cfg, paths = _setup(config, "sample")
-    from diffpipe.workflow import sample_format
-
-    # LoKr/LoHa: the PEFT folder (diffusers' loader reads neither); otherwise the diffusers file.
-    default = paths.export_file(sample_format(cfg))
-    files = render_samples(cfg.model, cfg.sample, lora or default, out or paths.samples_dir)
+    cfg, paths = _setup(config)
+    files = stages.sample(SampleInputs.of(cfg), paths, lora=lora, out=out)
     say(f"sample: wrote {len(files)} images to {files[0].parent}")
 
 

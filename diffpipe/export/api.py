@@ -20,6 +20,7 @@ from diffpipe.export.peft_format import export_peft
 from diffpipe.export.text_encoders import TextLoras, kohya_tensors
 from diffpipe.models.base import Family, split_parts
 from diffpipe.paths import EXPORT_CARD, EXPORT_NAMES, FORMATS, RunPaths, export_name
+from diffpipe.stage_inputs import ExportInputs
 from diffpipe.training.adapter import PEFT_PREFIX, WEIGHTS_NAME, adapter_kind, load_adapter
 from diffpipe.training.finite import check_tensors
 from diffpipe.training.text_encoders import load_text_adapters
@@ -41,7 +42,7 @@ def export_lora(
     family: Family,
     formats: list[str],
     *,
-    config: Config | None = None,
+    config: Config | ExportInputs | None = None,
     run: RunPaths | None = None,
 ) -> ExportResult:
     """Write ``adapter_dir`` (a PEFT adapter folder) in each of ``formats`` under ``out_dir``.
