@@ -16,11 +16,17 @@ import typer
 from rich.text import Text
 
 from diffpipe import logs, runlock, stages
-from diffpipe.cli_errors import console, errors, fail, say
-from diffpipe.config import Config, ConfigError
+from diffpipe.cli_cache import cache_app
+from diffpipe.cli_common import ConfigOpt, console, errors, fail, say, setup
+from diffpipe.config import ModelConfig, json_schema, reference_markdown
+from diffpipe.data.dataset.demo import write_demo_dataset
+from diffpipe.doctor import run_checks
+from diffpipe.init import init_config
 from diffpipe.paths import FORMATS, RunPaths
-from diffpipe.resolve import load_config
-from diffpipe.stage_inputs import CacheInputs, PlanInputs, SampleInputs, ValidateInputs
+from diffpipe.resolve import folder_config, load_config
+from diffpipe.runner import DEFAULT_PROFILE, run_workflow
+from diffpipe.sbatch import preview
+from diffpipe.stage_inputs import PlanInputs, SampleInputs, ValidateInputs
 
 app = typer.Typer(
     help="diffpipe: fingerprinted data → sharded caches → DeepSpeed LoRA training → export → samples.",
@@ -28,7 +34,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-cache_app = typer.Typer(help="Encode a cache shard (latents or text embeddings).", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
 
 
@@ -46,14 +51,8 @@ def _levels(
     runlock.join_run()  # a job of a `diffpipe run`: keep the run locked while this process lives
 
 
-ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="Experiment config (YAML).")]
-ShardOpt = Annotated[str, typer.Option("--shard", help="Shard name from the plan, e.g. s0000.")]
 
 
-def _setup(config: Path) -> tuple[Config, RunPaths]:
-    """The config (resolved) and the run's paths; each stage keeps only its part (diffpipe.stage_inputs)."""
-    cfg = load_config(config)
-    return cfg, RunPaths(cfg.output_dir)
 
 
 @app.command()
@@ -78,23 +77,17 @@ def validate(
     Example: diffpipe validate -c config/demo.yaml
     Example: diffpipe validate my_images/
     """
-    from diffpipe.data.dataset.validate import kept_copy, print_summary
-    from diffpipe.resolve import parse_config
+    from diffpipe.data.dataset.validate import kept_copy, print_summary  # deferred: pyarrow (start-up time)
 
     if (folder is None) == (config is None):
         raise typer.BadParameter("give a dataset FOLDER or --config, one of them", param_hint="FOLDER")
     if folder is not None:
         if not folder.is_dir():
             raise typer.BadParameter(f"{folder} is not a folder", param_hint="FOLDER")
-        name = folder.resolve().name or "data"
-        try:
-            cfg = parse_config({"output_dir": str(out or Path("runs") / f"validate-{name}"),
-                                "datasets": [{"name": name, "path": str(folder)}]}, f"validate {folder}")
-        except ConfigError as err:
-            raise ConfigError(f"{err}\n(with a FOLDER, the output_dir is --out: give one outside {folder})") from None
+        cfg = folder_config(folder, out)
         paths = RunPaths(cfg.output_dir)
     else:
-        cfg, paths = _setup(config)
+        cfg, paths = setup(config)
     result = stages.validate(ValidateInputs.of(cfg), paths, rehash=rehash, workers=workers, tokens=tokens, console=console)
     print_summary(result, console=console, report=kept_copy(paths.report_html) if result.errors else paths.report_html)
     if result.errors:
@@ -125,8 +118,6 @@ def init(
 
     Example: diffpipe init my_images/ --model models/sd15 --trigger sks
     """
-    from diffpipe.init import init_config
-
     taken = f"{out} exists; diffpipe never replaces it: choose another name with --out"
     if out.exists() or out.is_symlink():
         raise typer.BadParameter(taken, param_hint="--out")
@@ -149,7 +140,7 @@ def plan(config: ConfigOpt) -> None:
 
     Example: diffpipe plan -c config/demo.yaml
     """
-    cfg, paths = _setup(config)
+    cfg, paths = setup(config)
     result = stages.plan(PlanInputs.of(cfg), paths)
     say(f"plan: {result.items} items, {result.entries} entries in {len(result.shards)} shards; "
                   f"buckets {result.buckets}; {len(result.written)} spec files rewritten")
@@ -158,83 +149,6 @@ def plan(config: ConfigOpt) -> None:
                       f"({cfg.train.batch_size * cfg.train.grad_accum}): filled by repeating its items")
     for path in result.too_short:
         say(f"plan: {path} is shorter than every frame bucket; not trained on")
-
-
-RegenerateOpt = Annotated[bool, typer.Option(
-    "--regenerate", envvar="DIFFPIPE_REGENERATE",
-    help="Encode everything again, ignoring entries already in the store (env DIFFPIPE_REGENERATE=1).")]
-TrustOpt = Annotated[bool, typer.Option(
-    "--trust", envvar="DIFFPIPE_TRUST",
-    help="Skip re-hashing media files against the validate step's sha256 (very large datasets; "
-    "env DIFFPIPE_TRUST=1).")]
-
-
-@cache_app.command("latents")
-@errors
-def cache_latents_cmd(config: ConfigOpt, shard: ShardOpt, regenerate: RegenerateOpt = False,
-                      trust: TrustOpt = False) -> None:
-    """Build one latent shard (Zarr), encoding with the VAE only entries the store lacks.
-
-    Example: diffpipe cache latents -c config/demo.yaml --shard s0000
-    """
-    cfg, paths = _setup(config)
-    summary = stages.cache_latents(CacheInputs.of(cfg), paths, shard, regenerate=regenerate, trust=trust)
-    say(f"cache latents {shard}: {json.dumps(summary)}")
-
-
-@cache_app.command("text")
-@errors
-def cache_text_cmd(config: ConfigOpt, shard: ShardOpt, regenerate: RegenerateOpt = False) -> None:
-    """Build one text shard (Arrow), encoding only captions the store lacks.
-
-    Example: diffpipe cache text -c config/demo.yaml --shard s0000
-    """
-    cfg, paths = _setup(config)
-    summary = stages.cache_text(CacheInputs.of(cfg), paths, shard, regenerate=regenerate)
-    say(f"cache text {shard}: {json.dumps(summary)}")
-
-
-@cache_app.command("empty")
-@errors
-def cache_empty_cmd(config: ConfigOpt, regenerate: RegenerateOpt = False) -> None:
-    """Encode the empty caption once (caption dropout) into cache/text/empty.arrow.
-
-    Example: diffpipe cache empty -c config/demo.yaml
-    """
-    cfg, paths = _setup(config)
-    summary = stages.cache_empty(CacheInputs.of(cfg), paths, regenerate=regenerate)
-    say(f"cache empty: {json.dumps(summary)}")
-
-
-@cache_app.command("prune")
-@errors
-def cache_prune_cmd(config: ConfigOpt) -> None:
-    """Delete store shards superseded by newer ones (every entry is also stored elsewhere).
-
-    Example: diffpipe cache prune -c config/demo.yaml
-    """
-    from diffpipe.data.cache.store import Store, prune
-
-    cfg, paths = _setup(config)
-    store = Store(paths.cache_store(cfg.cache.dir))
-    for kind in ("latents", "text"):
-        removed = prune(store, kind, on_wait=lambda: say(
-            f"cache prune: waiting for running cache jobs to release {store.root}"))
-        say(f"cache prune: removed {len(removed)} superseded {kind} shards from {store.root}")
-
-
-@cache_app.command("verify")
-@errors
-def cache_verify_cmd(config: ConfigOpt) -> None:
-    """Check that every planned entry is cached under its key, with its shape and checksum.
-
-    Example: diffpipe cache verify -c config/demo.yaml
-    """
-    from diffpipe.data.cache.reader import CachedDataset
-
-    _, paths = _setup(config)
-    summary = CachedDataset.from_run(paths).summary()
-    say(f"cache verify: ok, {json.dumps(summary)}")
 
 
 @app.command()
@@ -262,7 +176,7 @@ def train(
     # Deferred for start-up time: the trainer imports torch, which `diffpipe --help` must not load.
     from diffpipe.train_job import TrainRequest, run_train_job
 
-    cfg, paths = _setup(config)
+    cfg, paths = setup(config)
     request = TrainRequest(config, processes, resume=resume, checkpoint=checkpoint, auto_resume=auto_resume)
     if code := run_train_job(cfg, paths, request, log=say):
         raise typer.Exit(code)
@@ -318,7 +232,7 @@ def import_lora_cmd(
 
     Example: diffpipe import-lora downloaded_lora.safetensors runs/demo/imported -c config/demo.yaml
     """
-    from diffpipe.config import ModelConfig
+    # Deferred for start-up time: the export formats and the family registry import torch.
     from diffpipe.export import import_lora
     from diffpipe.families import get_family
 
@@ -341,7 +255,7 @@ def sample(
 
     Example: diffpipe sample -c config/demo.yaml
     """
-    cfg, paths = _setup(config)
+    cfg, paths = setup(config)
     files = stages.sample(SampleInputs.of(cfg), paths, lora=lora, out=out)
     say(f"sample: wrote {len(files)} images to {files[0].parent}")
 
@@ -368,11 +282,7 @@ def run(
     Example: diffpipe run -c config/demo.yaml --cores 2 -- --forceall
     Example: diffpipe run -c my.yaml --profile profiles/slurm --show-sbatch
     """
-    from diffpipe.runner import DEFAULT_PROFILE, run_workflow
-
     if show_sbatch:
-        from diffpipe.sbatch import preview
-
         for job in preview(config.resolve(), (profile or DEFAULT_PROFILE).resolve(), workdir.resolve(), ctx.args):
             console.print(Text.assemble((job.rule, "bold"), f" {job.wildcards}".rstrip()), highlight=False)
             say(f"  {job.command}")
@@ -396,8 +306,6 @@ def schema(
 
     Example: diffpipe schema > workflow/schemas/config.schema.json
     """
-    from diffpipe.config import json_schema, reference_markdown
-
     text = reference_markdown() if markdown else json.dumps(json_schema(), indent=2, sort_keys=True)
     sys.stdout.write(text + "\n")
 
@@ -416,11 +324,9 @@ def demo_data(
 
     Example: diffpipe demo-data /tmp/shapes --n 1000 --clips 8
     """
-    from diffpipe.data.dataset.demo import write_demo_dataset
-
     write_demo_dataset(out, n=n, size=size, seed=seed)
     if clips:
-        from diffpipe.data.dataset.demo_video import write_demo_clips
+        from diffpipe.data.dataset.demo_video import write_demo_clips  # deferred: imports torch (start-up time)
 
         write_demo_clips(out, n=clips, frames=frames, width=size, height=size * 2 // 3 // 2 * 2, seed=seed)
     say(f"demo-data: wrote {n} images{f' and {clips} clips' if clips else ''} to {out}")
@@ -445,7 +351,7 @@ def estimate(
 
     Example: diffpipe estimate -c config/flux.yaml --model flux1-dev --resolution 1024 --gpus 2
     """
-    from diffpipe.estimate import estimate_memory
+    from diffpipe.estimate import estimate_memory  # deferred: imports torch (start-up time)
 
     cfg = load_config(config)
     result = estimate_memory(cfg, gpus=gpus, resolution=resolution, rank=rank, model=model, frames=frames,
@@ -510,8 +416,6 @@ def doctor(
 
     Example: diffpipe doctor -c diffpipe.yaml --profile profiles/slurm
     """
-    from diffpipe.doctor import run_checks
-
     cfg = load_config(config) if config else None
     for check in run_checks(cfg, profile=profile):
         say(check.line())

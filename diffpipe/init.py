@@ -57,7 +57,7 @@ def resolve_model(model: str, family: str | None = None) -> ModelConfig:
 
     An id is resolved like ``model.path`` (see :mod:`diffpipe.hub`): only its ``model_index.json`` is read here.
     """
-    from diffpipe.families import family_names, pipeline_families
+    from diffpipe.families import family_names, pipeline_families  # deferred: imports torch (start-up time)
 
     if model == "tiny" or model.startswith("tiny:"):
         name = model.partition(":")[2] or family or "sd"
@@ -145,7 +145,7 @@ def _one_line(what: str, value: str | None) -> None:
 
 def _estimate_comment(text: str) -> str:
     try:
-        from diffpipe.estimate import estimate_memory
+        from diffpipe.estimate import estimate_memory  # deferred: imports torch (start-up time)
 
         cfg = parse_config(__import__("yaml").safe_load(text))
         table = estimate_memory(cfg).table()

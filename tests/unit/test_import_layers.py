@@ -25,7 +25,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("export", ("export",)),  # reads training's LoRA and precision helpers
     ("stages", ("stages", "cache_jobs", "workflow", "runner", "sbatch", "estimate", "doctor", "init", "readme_tables",
                 "bench", "train_job")),
-    ("cli", ("cli", "cli_errors", "__main__")),
+    ("cli", ("cli", "cli_common", "cli_cache", "__main__")),
 ]
 
 _PACKAGE = Path(diffpipe.__file__).parent

@@ -1,4 +1,5 @@
-"""How the ``diffpipe`` commands report: text as it is, and library errors as clean messages and exit codes.
+"""What the ``diffpipe`` command modules share: the ``--config`` option and config loading, printing
+text as it is, and library errors turned into clean messages and exit codes.
 
 Exit codes (STYLE.md point 12): 2 for a config error, 1 for a failure in the data or the run;
 never a traceback for an error a user can act on.
@@ -11,16 +12,21 @@ import functools
 import os
 import traceback
 from collections.abc import Callable
-from typing import NoReturn, ParamSpec, TypeVar
+from pathlib import Path
+from typing import Annotated, NoReturn, ParamSpec, TypeVar
 
 import typer
 from rich.console import Console
 from rich.text import Text
 
 from diffpipe import runlock
-from diffpipe.config import ConfigError
+from diffpipe.config import Config, ConfigError
+from diffpipe.paths import RunPaths
+from diffpipe.resolve import load_config
 
 console = Console(stderr=True)
+
+ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="Experiment config (YAML).")]
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -87,3 +93,9 @@ def errors(fn: Callable[P, R]) -> Callable[P, R]:
                   "run again with DIFFPIPE_DEBUG=1 for the traceback, and please report it)", 1)
 
     return wrapper
+
+
+def setup(config: Path) -> tuple[Config, RunPaths]:
+    """The config (resolved) and the run's paths; each stage keeps only its part (diffpipe.stage_inputs)."""
+    cfg = load_config(config)
+    return cfg, RunPaths(cfg.output_dir)
