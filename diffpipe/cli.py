@@ -51,10 +51,6 @@ def _levels(
     runlock.join_run()  # a job of a `diffpipe run`: keep the run locked while this process lives
 
 
-
-
-
-
 @app.command()
 @errors
 def validate(

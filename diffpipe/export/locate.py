@@ -15,10 +15,13 @@ from pathlib import Path
 from safetensors import safe_open
 
 from diffpipe.config import Config, ModelConfig
+from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.resolve import load_config
 from diffpipe.stage_inputs import ExportInputs
 from diffpipe.training.adapter import WEIGHTS_NAME, peft_config, save_adapter
+from diffpipe.training.checkpoint import adapter_from_checkpoint, load_torch_file
+from diffpipe.training.engine import deepspeed_safe_types
 
 RESOLVED = "resolved-config.yaml"
 
@@ -66,10 +69,6 @@ def _deepspeed_states(path: Path) -> Path | None:
 
 def adapter_from_deepspeed(checkpoint: Path, cfg: Config | ExportInputs, out_dir: Path) -> Path:
     """Write the LoRA tensors of a DeepSpeed checkpoint (frozen weights excluded) as an adapter folder."""
-    from diffpipe.families import get_family
-    from diffpipe.training.checkpoint import load_torch_file
-    from diffpipe.training.engine import deepspeed_safe_types
-
     states = _deepspeed_states(checkpoint)
     # weights_only: a crafted file is refused before any of it runs.
     saved = load_torch_file(states, checkpoint, allowed=deepspeed_safe_types())
@@ -106,8 +105,6 @@ def locate(path: Path | None, config: Config | ExportInputs | None) -> Located:
     elif (path / "diffpipe.json").exists() or (path / "checkpoints").is_dir():
         # A training checkpoint (or a run's checkpoints folder: the latest one):
         # its header records family and flavor, so no --config is needed.
-        from diffpipe.training.checkpoint import adapter_from_checkpoint
-
         base = run.export_dir if run else path.parent
         adapter = adapter_from_checkpoint(path, base / f".adapter-{path.name}")
     elif _deepspeed_states(path) is not None:

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import peft
+import pyarrow.parquet as pq
 import torch
 from safetensors import safe_open
 
@@ -91,8 +92,6 @@ def _dataset_summary(run: RunPaths | None) -> dict[str, Any]:
         return {}
     summary: dict[str, Any] = {}
     if run.manifest.exists():
-        import pyarrow.parquet as pq
-
         table = pq.read_table(run.manifest)
         summary["items"] = table.num_rows
         if "dataset" in table.column_names:
