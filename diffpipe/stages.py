@@ -17,6 +17,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from diffpipe.config import Config, ExportConfig
+from diffpipe.data.dataset.discover import run_folders
+from diffpipe.hub import check_local_model
 from diffpipe.paths import RunPaths
 from diffpipe.resolve import resolve
 from diffpipe.stage_inputs import (
@@ -78,7 +80,7 @@ def stage_digest(cfg: Config, stage: str) -> str:
 # once (arguments included). Given a whole Config (tests, benchmarks), a stage resolves it
 # (a config parsed by diffpipe.config alone has a local model's family still to read) and
 # keeps only its part. The libraries each stage calls are imported in its body for start-up
-# time: the CLI and the Snakefile import this module, and most of them import torch or pyarrow.
+# time: the CLI and the Snakefile import this module, and they import torch or pyarrow.
 _Part = TypeVar("_Part", ValidateInputs, PlanInputs, CacheInputs, SampleInputs)
 
 
@@ -89,10 +91,8 @@ def _part(cfg: Config | _Part, kind: type[_Part]) -> _Part:
 def validate(cfg: Config | ValidateInputs, paths: RunPaths, *, rehash: bool = False, workers: int | None = None,
              tokens: bool = True, console: Console | None = None) -> ValidationResult:
     """Check every dataset file; write the manifest and the reports (``diffpipe validate``)."""
-    from diffpipe.data.dataset.discover import run_folders
     from diffpipe.data.dataset.validate import run_validation
     from diffpipe.families.token_counter import FamilyTokenCounter
-    from diffpipe.hub import check_local_model
 
     cfg = _part(cfg, ValidateInputs)
     check_local_model(cfg.model)  # a missing or incomplete model folder fails here, before any file is read

@@ -16,7 +16,7 @@ _DIST = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK", "SLUR
 def _run(tmp_path, monkeypatch):
     for name in _DIST:  # a lone `diffpipe train`, not a launched rank
         monkeypatch.delenv(name, raising=False)
-    cfg = parse_config({"output_dir": str(tmp_path / "run"), "datasets": [{"name": "d", "path": str(tmp_path)}]})
+    cfg = parse_config({"output_dir": str(tmp_path / "run"), "datasets": [{"name": "d", "path": str(tmp_path / "data")}]})
     return cfg, RunPaths(cfg.output_dir)
 
 
