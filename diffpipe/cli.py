@@ -6,25 +6,27 @@ user can fix print a clear message and exit 2 (usage/config) or 1 (data/run).
 
 from __future__ import annotations
 
-import errno
-import functools
 import json
-import os
 import shlex
 import sys
-import traceback
-from contextlib import nullcontext
 from pathlib import Path
-from typing import Annotated, NoReturn
+from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.text import Text
 
 from diffpipe import logs, runlock, stages
-from diffpipe.config import Config, ConfigError
-from diffpipe.paths import RunPaths
-from diffpipe.resolve import load_config
+from diffpipe.cli_cache import cache_app
+from diffpipe.cli_common import ConfigOpt, console, errors, fail, say, setup
+from diffpipe.config import ModelConfig, json_schema, reference_markdown
+from diffpipe.data.dataset.demo import write_demo_dataset
+from diffpipe.doctor import run_checks
+from diffpipe.init import init_config
+from diffpipe.paths import FORMATS, RunPaths
+from diffpipe.resolve import folder_config, load_config
+from diffpipe.runner import DEFAULT_PROFILE, run_workflow
+from diffpipe.sbatch import preview
+from diffpipe.stage_inputs import PlanInputs, SampleInputs, ValidateInputs
 
 app = typer.Typer(
     help="diffpipe: fingerprinted data → sharded caches → DeepSpeed LoRA training → export → samples.",
@@ -32,10 +34,7 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-cache_app = typer.Typer(help="Encode a cache shard (latents or text embeddings).", no_args_is_help=True)
 app.add_typer(cache_app, name="cache")
-console = Console(stderr=True)
-
 
 
 @app.callback()
@@ -52,80 +51,8 @@ def _levels(
     runlock.join_run()  # a job of a `diffpipe run`: keep the run locked while this process lives
 
 
-ConfigOpt = Annotated[Path, typer.Option("--config", "-c", help="Experiment config (YAML).")]
-ShardOpt = Annotated[str, typer.Option("--shard", help="Shard name from the plan, e.g. s0000.")]
-
-
-def _say(text: str) -> None:
-    """Print library or user text as it is: no rich markup ("[/x]" in a path is text), no added line breaks."""
-    console.print(text, markup=False, highlight=False, soft_wrap=True)
-
-
-def _fail(label: str, message: str, code: int) -> NoReturn:
-    console.print(Text.assemble((f"{label}:", "bold red"), " ", message), highlight=False, soft_wrap=True)
-    raise typer.Exit(code)
-
-
-# What to do about the OSErrors a user can fix (full disk, permissions).
-_OS_ADVICE = {
-    errno.ENOSPC: "free space on that file system (or move output_dir / cache.dir to another one), then run again",
-    errno.EDQUOT: "free space or raise your quota on that file system, then run again",
-    errno.EACCES: "check the permissions of that path, or choose a folder you can write",
-    errno.EPERM: "check the permissions of that path, or choose a folder you can write",
-    errno.EROFS: "the file system is read-only: choose a writable output_dir / cache.dir",
-}
-
-
-def _os_error_message(err: OSError) -> str:
-    """``path: reason; what to do`` for an OSError (a library's own message when it wrote one)."""
-    if err.errno is None or not err.strerror:
-        return str(err)
-    names = [str(f) for f in (err.filename, err.filename2) if f is not None]
-    what = f"{' -> '.join(names)}: {err.strerror}" if names else f"{err.strerror} (the system did not name the file)"
-    advice = _OS_ADVICE.get(err.errno)
-    return what + (f"; {advice}" if advice else "")
-
-
-def _errors(fn):
-    """Turn library errors into clean messages and exit codes: 2 config, 1 data/run; never a traceback.
-
-    User text in a message is printed as text (a "[/x]" in a path neither crashes
-    the printer nor vanishes). An unexpected exception is named with where it was
-    raised; DIFFPIPE_DEBUG=1 shows its traceback instead.
-    """
-
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        try:
-            return fn(*args, **kwargs)
-        except (typer.Exit, typer.Abort, typer.exceptions.TyperException):
-            raise  # typer's own exits and usage errors
-        except ConfigError as err:
-            _fail("config error", str(err), 2)
-        except ValueError as err:
-            _fail("error", str(err), 1)
-        except OSError as err:  # a missing file, a full disk, a permission, a read-only file system
-            _fail("error", _os_error_message(err), 1)
-        except runlock.FolderLocked as err:
-            _fail("error", str(err), 1)
-        except Exception as err:
-            if os.environ.get("DIFFPIPE_DEBUG"):
-                raise
-            frame = traceback.extract_tb(err.__traceback__)[-1]
-            _fail("error", f"unexpected {type(err).__name__}: {err} (at {frame.filename}:{frame.lineno}; "
-                  "run again with DIFFPIPE_DEBUG=1 for the traceback, and please report it)", 1)
-
-    return wrapper
-
-
-def _setup(config: Path, stage: str):
-    """The config as ``stage`` may read it (diffpipe.stages: only what its rule reruns on) and the run's paths."""
-    cfg = load_config(config)
-    return stages.view(cfg, stage), RunPaths(cfg.output_dir)
-
-
 @app.command()
-@_errors
+@errors
 def validate(
     folder: Annotated[Path | None, typer.Argument(
         help="A dataset folder to check with the default rules, without a config.")] = None,
@@ -146,31 +73,25 @@ def validate(
     Example: diffpipe validate -c config/demo.yaml
     Example: diffpipe validate my_images/
     """
-    from diffpipe.data.dataset.validate import kept_copy, print_summary
-    from diffpipe.resolve import parse_config
+    from diffpipe.data.dataset.validate import kept_copy, print_summary  # deferred: pyarrow (start-up time)
 
     if (folder is None) == (config is None):
         raise typer.BadParameter("give a dataset FOLDER or --config, one of them", param_hint="FOLDER")
     if folder is not None:
         if not folder.is_dir():
             raise typer.BadParameter(f"{folder} is not a folder", param_hint="FOLDER")
-        name = folder.resolve().name or "data"
-        try:
-            cfg = parse_config({"output_dir": str(out or Path("runs") / f"validate-{name}"),
-                                "datasets": [{"name": name, "path": str(folder)}]}, f"validate {folder}")
-        except ConfigError as err:
-            raise ConfigError(f"{err}\n(with a FOLDER, the output_dir is --out: give one outside {folder})") from None
+        cfg = folder_config(folder, out)
         paths = RunPaths(cfg.output_dir)
     else:
-        cfg, paths = _setup(config, "validate")
-    result = stages.validate(cfg, paths, rehash=rehash, workers=workers, tokens=tokens, console=console)
+        cfg, paths = setup(config)
+    result = stages.validate(ValidateInputs.of(cfg), paths, rehash=rehash, workers=workers, tokens=tokens, console=console)
     print_summary(result, console=console, report=kept_copy(paths.report_html) if result.errors else paths.report_html)
     if result.errors:
         raise typer.Exit(1)
 
 
 @app.command()
-@_errors
+@errors
 def init(
     dataset: Annotated[Path, typer.Argument(help="Folder of images with same-stem .txt captions.")],
     model: Annotated[str, typer.Option(
@@ -193,8 +114,6 @@ def init(
 
     Example: diffpipe init my_images/ --model models/sd15 --trigger sks
     """
-    from diffpipe.init import init_config
-
     taken = f"{out} exists; diffpipe never replaces it: choose another name with --out"
     if out.exists() or out.is_symlink():
         raise typer.BadParameter(taken, param_hint="--out")
@@ -205,108 +124,31 @@ def init(
             fh.write(text)
     except FileExistsError:
         raise typer.BadParameter(taken, param_hint="--out") from None
-    _say(f"init: wrote {out}")
+    say(f"init: wrote {out}")
     quoted = shlex.quote(str(out))
-    _say(f"next: diffpipe validate -c {quoted}   (check the data), then: diffpipe run -c {quoted}")
+    say(f"next: diffpipe validate -c {quoted}   (check the data), then: diffpipe run -c {quoted}")
 
 
 @app.command()
-@_errors
+@errors
 def plan(config: ConfigOpt) -> None:
     """Assign manifest items to cache shards and write one spec file per shard.
 
     Example: diffpipe plan -c config/demo.yaml
     """
-    cfg, paths = _setup(config, "plan")
-    result = stages.plan(cfg, paths)
-    _say(f"plan: {result.items} items, {result.entries} entries in {len(result.shards)} shards; "
+    cfg, paths = setup(config)
+    result = stages.plan(PlanInputs.of(cfg), paths)
+    say(f"plan: {result.items} items, {result.entries} entries in {len(result.shards)} shards; "
                   f"buckets {result.buckets}; {len(result.written)} spec files rewritten")
     for bucket, n in result.underfilled.items():
-        _say(f"plan: bucket {bucket} has {n} samples per epoch, fewer than a batch "
+        say(f"plan: bucket {bucket} has {n} samples per epoch, fewer than a batch "
                       f"({cfg.train.batch_size * cfg.train.grad_accum}): filled by repeating its items")
     for path in result.too_short:
-        _say(f"plan: {path} is shorter than every frame bucket; not trained on")
-
-
-RegenerateOpt = Annotated[bool, typer.Option(
-    "--regenerate", envvar="DIFFPIPE_REGENERATE",
-    help="Encode everything again, ignoring entries already in the store (env DIFFPIPE_REGENERATE=1).")]
-TrustOpt = Annotated[bool, typer.Option(
-    "--trust", envvar="DIFFPIPE_TRUST",
-    help="Skip re-hashing media files against the validate step's sha256 (very large datasets; "
-    "env DIFFPIPE_TRUST=1).")]
-
-
-@cache_app.command("latents")
-@_errors
-def cache_latents_cmd(config: ConfigOpt, shard: ShardOpt, regenerate: RegenerateOpt = False,
-                      trust: TrustOpt = False) -> None:
-    """Build one latent shard (Zarr), encoding with the VAE only entries the store lacks.
-
-    Example: diffpipe cache latents -c config/demo.yaml --shard s0000
-    """
-    cfg, paths = _setup(config, "cache")
-    summary = stages.cache_latents(cfg, paths, shard, regenerate=regenerate, trust=trust)
-    _say(f"cache latents {shard}: {json.dumps(summary)}")
-
-
-@cache_app.command("text")
-@_errors
-def cache_text_cmd(config: ConfigOpt, shard: ShardOpt, regenerate: RegenerateOpt = False) -> None:
-    """Build one text shard (Arrow), encoding only captions the store lacks.
-
-    Example: diffpipe cache text -c config/demo.yaml --shard s0000
-    """
-    cfg, paths = _setup(config, "cache")
-    summary = stages.cache_text(cfg, paths, shard, regenerate=regenerate)
-    _say(f"cache text {shard}: {json.dumps(summary)}")
-
-
-@cache_app.command("empty")
-@_errors
-def cache_empty_cmd(config: ConfigOpt, regenerate: RegenerateOpt = False) -> None:
-    """Encode the empty caption once (caption dropout) into cache/text/empty.arrow.
-
-    Example: diffpipe cache empty -c config/demo.yaml
-    """
-    cfg, paths = _setup(config, "cache")
-    summary = stages.cache_empty(cfg, paths, regenerate=regenerate)
-    _say(f"cache empty: {json.dumps(summary)}")
-
-
-@cache_app.command("prune")
-@_errors
-def cache_prune_cmd(config: ConfigOpt) -> None:
-    """Delete store shards superseded by newer ones (every entry is also stored elsewhere).
-
-    Example: diffpipe cache prune -c config/demo.yaml
-    """
-    from diffpipe.data.cache.store import Store, prune
-
-    cfg, paths = _setup(config, "cache")
-    store = Store(paths.cache_store(cfg.cache.dir))
-    for kind in ("latents", "text"):
-        removed = prune(store, kind, on_wait=lambda: _say(
-            f"cache prune: waiting for running cache jobs to release {store.root}"))
-        _say(f"cache prune: removed {len(removed)} superseded {kind} shards from {store.root}")
-
-
-@cache_app.command("verify")
-@_errors
-def cache_verify_cmd(config: ConfigOpt) -> None:
-    """Check that every planned entry is cached under its key, with its shape and checksum.
-
-    Example: diffpipe cache verify -c config/demo.yaml
-    """
-    from diffpipe.data.cache.reader import CachedDataset
-
-    _, paths = _setup(config, "cache")
-    summary = CachedDataset.from_run(paths).summary()
-    _say(f"cache verify: ok, {json.dumps(summary)}")
+        say(f"plan: {path} is shorter than every frame bucket; not trained on")
 
 
 @app.command()
-@_errors
+@errors
 def train(
     config: ConfigOpt,
     processes: Annotated[
@@ -327,56 +169,29 @@ def train(
 
     Example: diffpipe train -c config/demo.yaml --processes 2 --resume
     """
-    from diffpipe.training import engine, trackers
+    # Deferred for start-up time: the trainer imports torch, which `diffpipe --help` must not load.
+    from diffpipe.train_job import TrainRequest, run_train_job
 
-    cfg, paths = _setup(config, "train")
-    if problems := trackers.problems(cfg.train.trackers):  # before any model loads
-        raise ConfigError("\n".join(problems))
-    launched = engine.in_launched_rank()
-    # One trainer per run folder, and none beside a `diffpipe run` other than the run's own
-    # train job (runlock). Rank 0 holds the lock for every rank (under srun or torchrun);
-    # the ranks our own launcher starts find it held by their parent.
-    rank = int(os.environ.get("RANK") or os.environ.get("SLURM_PROCID") or 0)
-    lock = nullcontext() if launched and rank != 0 else runlock.hold(paths.root, runlock.TRAIN_LOCK,
-                                                                     "diffpipe train", warn=_say)
-    with lock as held:
-        if held is not None:
-            runlock.check_free(paths.root, runlock.RUN_LOCK, "diffpipe run")
-        if processes > 1 and not launched:
-            os.environ[runlock.HELD_ENV] = runlock.held_env(held)
-            argv = ["train", "--config", str(config), "--processes", str(processes)]
-            argv += ["--resume"] if resume else []
-            argv += ["--checkpoint", checkpoint] if checkpoint else []
-            argv += ["--auto-resume"] if auto_resume else []
-            raise typer.Exit(engine.launch_local(processes, argv))
-        from diffpipe.training.loop import train as run_training
-
-        run_training(cfg, paths, resume=resume, checkpoint=checkpoint, log=_say, auto_resume=auto_resume)
-        if launched and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-            # A rank of several: close the process group before exit, or gloo's threads may still run at
-            # interpreter shutdown and abort the process ("terminate called without an active exception").
-            import torch.distributed as torch_dist
-
-            if torch_dist.is_initialized():
-                torch_dist.barrier()
-                torch_dist.destroy_process_group()
+    cfg, paths = setup(config)
+    request = TrainRequest(config, processes, resume=resume, checkpoint=checkpoint, auto_resume=auto_resume)
+    if code := run_train_job(cfg, paths, request, log=say):
+        raise typer.Exit(code)
 
 
 FORMATS_HELP = "diffusers, peft, comfyui, kohya, merged (repeatable or comma-separated; default: the config's)."
 
 
-def _formats(values: list[str] | None, default: list[str]) -> list[str]:
-    from diffpipe.paths import FORMATS
-
-    chosen = [f.strip() for v in values or [] for f in v.split(",") if f.strip()] or list(default)
+def _formats(values: list[str] | None) -> list[str] | None:
+    """The formats given (repeated or comma-separated), checked; ``None`` when none were (the config's then)."""
+    chosen = [f.strip() for v in values or [] for f in v.split(",") if f.strip()]
     bad = [f for f in chosen if f not in FORMATS]
     if bad:
         raise typer.BadParameter(f"unknown format(s) {bad}; choose from {', '.join(FORMATS)}", param_hint="--format")
-    return chosen
+    return chosen or None
 
 
 @app.command()
-@_errors
+@errors
 def export(
     run_or_checkpoint: Annotated[Path | None, typer.Argument(
         help="Run folder, adapter folder (train/adapter, train/loras/epoch-N) or DeepSpeed checkpoint.")] = None,
@@ -390,28 +205,18 @@ def export(
 
     Example: diffpipe export runs/demo --format comfyui --format kohya
     """
-    from diffpipe.config import ExportConfig
-    from diffpipe.export import export_lora
-    from diffpipe.export.locate import locate, model_config_from_adapter
-    from diffpipe.families import get_family
-
     if run_or_checkpoint is None and config is None:
         raise typer.BadParameter("give a run folder, an adapter folder or checkpoint, or --config",
                                  param_hint="RUN_OR_CHECKPOINT")
-    cfg = stages.view(load_config(config), "export") if config else None
-    found = locate(run_or_checkpoint, cfg)
-    cfg = stages.view(found.config, "export") if isinstance(found.config, Config) else found.config
-    formats = _formats(fmt, (cfg.export if cfg else ExportConfig()).formats)
-    model_cfg = cfg.model if cfg else model_config_from_adapter(found.adapter_dir)
-    result = export_lora(found.adapter_dir, out or found.out_dir, get_family(model_cfg), formats,
-                         config=cfg, run=found.run)
+    formats = _formats(fmt)
+    result = stages.export(run_or_checkpoint, load_config(config) if config else None, formats=formats, out=out)
     for name, path in result.files.items():
-        _say(f"export: {name}: {path}")
-    _say(f"export: model card: {result.card}")
+        say(f"export: {name}: {path}")
+    say(f"export: model card: {result.card}")
 
 
 @app.command("import-lora")
-@_errors
+@errors
 def import_lora_cmd(
     source: Annotated[Path, typer.Argument(help="LoRA file (diffusers, ComfyUI, kohya) or PEFT folder.")],
     out: Annotated[Path, typer.Argument(help="Adapter folder to write (PEFT layout, as training writes).")],
@@ -423,7 +228,7 @@ def import_lora_cmd(
 
     Example: diffpipe import-lora downloaded_lora.safetensors runs/demo/imported -c config/demo.yaml
     """
-    from diffpipe.config import ModelConfig
+    # Deferred for start-up time: the export formats and the family registry import torch.
     from diffpipe.export import import_lora
     from diffpipe.families import get_family
 
@@ -431,11 +236,11 @@ def import_lora_cmd(
         raise typer.BadParameter("give --config (the base model) or --family (tiny flavor)", param_hint="--config")
     model_cfg = load_config(config).model if config else ModelConfig(family=family, flavor="tiny")
     result = import_lora(source, out, get_family(model_cfg), fmt=fmt)
-    _say(f"import-lora: {result}")
+    say(f"import-lora: {result}")
 
 
 @app.command()
-@_errors
+@errors
 def sample(
     config: ConfigOpt,
     lora: Annotated[Path | None, typer.Option(help="LoRA file or PEFT folder (default: the run's diffusers "
@@ -446,19 +251,13 @@ def sample(
 
     Example: diffpipe sample -c config/demo.yaml
     """
-    from diffpipe.training.sample import render_samples
-
-    cfg, paths = _setup(config, "sample")
-    from diffpipe.workflow import sample_format
-
-    # LoKr/LoHa: the PEFT folder (diffusers' loader reads neither); otherwise the diffusers file.
-    default = paths.export_file(sample_format(cfg))
-    files = render_samples(cfg.model, cfg.sample, lora or default, out or paths.samples_dir)
-    _say(f"sample: wrote {len(files)} images to {files[0].parent}")
+    cfg, paths = setup(config)
+    files = stages.sample(SampleInputs.of(cfg), paths, lora=lora, out=out)
+    say(f"sample: wrote {len(files)} images to {files[0].parent}")
 
 
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
-@_errors
+@errors
 def run(
     ctx: typer.Context,
     config: ConfigOpt,
@@ -479,14 +278,10 @@ def run(
     Example: diffpipe run -c config/demo.yaml --cores 2 -- --forceall
     Example: diffpipe run -c my.yaml --profile profiles/slurm --show-sbatch
     """
-    from diffpipe.runner import DEFAULT_PROFILE, run_workflow
-
     if show_sbatch:
-        from diffpipe.sbatch import preview
-
         for job in preview(config.resolve(), (profile or DEFAULT_PROFILE).resolve(), workdir.resolve(), ctx.args):
             console.print(Text.assemble((job.rule, "bold"), f" {job.wildcards}".rstrip()), highlight=False)
-            _say(f"  {job.command}")
+            say(f"  {job.command}")
             console.print(Text(f"  runs: {job.shell}", style="dim"), highlight=False, soft_wrap=True)
         return
 
@@ -499,7 +294,7 @@ def run(
 
 
 @app.command()
-@_errors
+@errors
 def schema(
     markdown: Annotated[bool, typer.Option(help="Print the config reference table (docs/configuration.md) instead.")] = False,
 ) -> None:
@@ -507,14 +302,12 @@ def schema(
 
     Example: diffpipe schema > workflow/schemas/config.schema.json
     """
-    from diffpipe.config import json_schema, reference_markdown
-
     text = reference_markdown() if markdown else json.dumps(json_schema(), indent=2, sort_keys=True)
     sys.stdout.write(text + "\n")
 
 
 @app.command("demo-data")
-@_errors
+@errors
 def demo_data(
     out: Annotated[Path, typer.Argument(help="Folder to write the images and captions into.")],
     n: Annotated[int, typer.Option(help="Number of images.")] = 16,
@@ -527,18 +320,16 @@ def demo_data(
 
     Example: diffpipe demo-data /tmp/shapes --n 1000 --clips 8
     """
-    from diffpipe.data.dataset.demo import write_demo_dataset
-
     write_demo_dataset(out, n=n, size=size, seed=seed)
     if clips:
-        from diffpipe.data.dataset.demo_video import write_demo_clips
+        from diffpipe.data.dataset.demo_video import write_demo_clips  # deferred: imports torch (start-up time)
 
         write_demo_clips(out, n=clips, frames=frames, width=size, height=size * 2 // 3 // 2 * 2, seed=seed)
-    _say(f"demo-data: wrote {n} images{f' and {clips} clips' if clips else ''} to {out}")
+    say(f"demo-data: wrote {n} images{f' and {clips} clips' if clips else ''} to {out}")
 
 
 @app.command()
-@_errors
+@errors
 def estimate(
     config: ConfigOpt,
     gpus: Annotated[int, typer.Option(help="Data-parallel GPUs the run would use.")] = 1,
@@ -556,7 +347,7 @@ def estimate(
 
     Example: diffpipe estimate -c config/flux.yaml --model flux1-dev --resolution 1024 --gpus 2
     """
-    from diffpipe.estimate import estimate_memory
+    from diffpipe.estimate import estimate_memory  # deferred: imports torch (start-up time)
 
     cfg = load_config(config)
     result = estimate_memory(cfg, gpus=gpus, resolution=resolution, rank=rank, model=model, frames=frames,
@@ -565,7 +356,7 @@ def estimate(
 
 
 @app.command()
-@_errors
+@errors
 def bench(
     config: ConfigOpt,
     grid: Annotated[list[str] | None, typer.Option(
@@ -586,7 +377,9 @@ def bench(
 
     Example: diffpipe bench -c config/demo.yaml --grid batch_size=1,2,4 --grid precision=fp32,bf16
     """
+    # Deferred for start-up time: the sweep imports the trainer (torch).
     from diffpipe.bench import parse_grid_args, run_bench, run_convergence
+    from diffpipe.bench.report import best_lines, convergence_lines, sweep_lines
 
     cfg = load_config(config)
     out_dir = out or Path(cfg.output_dir) / "bench"
@@ -594,34 +387,20 @@ def bench(
         if grid:
             raise typer.BadParameter("--grid sweeps speed; --convergence compares precisions: give one", param_hint="--grid")
         result = run_convergence(cfg, out_dir, console=console)
-        for r in result.rows:
-            diff = r["final_loss_diff"]
-            _say(f"convergence: {r['name']:5s} {r['status']:7s} final loss "
-                 + (f"{r['final_loss']:.5f} ({diff:+.5f} vs {result.extra['reference']})" if diff != "" else "-")
-                 + (f"  {r['error']}" if r["error"] else ""))
-        _say(f"convergence: wrote {result.csv} and {result.plot}")
+        for line in convergence_lines(result):
+            say(line)
         raise typer.Exit(0 if all(r["status"] == "ok" for r in result.rows) else 1)
     result = run_bench(cfg, out_dir, grid=parse_grid_args(grid or []), console=console)
-    for r in result.rows:
-        setting = ", ".join(f"{k}={v}" for k, v in r["_point"].items()) or "config as is"
-        if r["status"] == "ok":
-            mfu = f", MFU {r['mfu']:.1%}" if r.get("mfu") not in (None, "") else ""
-            tflops = f", {r['tflops_per_device']:.3g} TFLOPS" if r.get("tflops_per_device") not in (None, "") else ""
-            _say(f"bench: {r['point']} {setting}: {r['samples_per_s_per_device']:.3g} samples/s, step "
-                 f"{r['step_time_p50_s']:.3g} s (p95 {r['step_time_p95_s']:.3g}), {r['peak_memory_mb']:.0f} MiB"
-                 f"{tflops}{mfu}")
-        else:
-            _say(f"bench: {r['point']} {setting}: {r['status']} ({r['error']})")
-    _say(f"bench: wrote {result.csv} and {result.plot}")
+    for line in sweep_lines(result):
+        say(line)
     if result.best is None:
-        _fail("error", "no point trained; see the point logs under " + str(out_dir / "points"), 1)
-    _say(f"bench: fastest point that fits: {result.best['point']} "
-         f"({result.best['samples_per_s_per_device']:.3g} samples/s per device); config lines:")
-    _say(result.best_config.rstrip() or "(the config as it is)")
+        fail("error", "no point trained; see the point logs under " + str(out_dir / "points"), 1)
+    for line in best_lines(result):
+        say(line)
 
 
 @app.command()
-@_errors
+@errors
 def doctor(
     config: Annotated[Path | None, typer.Option("--config", "-c", help="Experiment config to check against.")] = None,
     profile: Annotated[Path | None, typer.Option(help="Snakemake profile the run will use (SLURM: its tools).")] = None,
@@ -633,11 +412,9 @@ def doctor(
 
     Example: diffpipe doctor -c diffpipe.yaml --profile profiles/slurm
     """
-    from diffpipe.doctor import run_checks
-
     cfg = load_config(config) if config else None
     for check in run_checks(cfg, profile=profile):
-        _say(check.line())
+        say(check.line())
 
 
 def main() -> None:

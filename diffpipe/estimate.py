@@ -54,16 +54,19 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
 
+import diffusers
 import peft
 import torch
+import torch.fx.experimental._config as fx_config
 
-from diffpipe.config import BF16_OPTIMIZERS, Config
+from diffpipe.config import BF16_OPTIMIZERS, Config, TrainConfig
 from diffpipe.families import get_family
 from diffpipe.families.published import PUBLISHED, Published, for_family
+from diffpipe.models.base import Family
 from diffpipe.training import offload
 from diffpipe.training.precision import (
     QUANTISED,
@@ -190,8 +193,6 @@ def _model_spec(cfg: Config, model: str | None) -> Published:
                          + ": no published configuration to size; pass a local model")
     if cfg.model.flavor != "local":
         return specs[0]
-    import diffusers
-
     cls = getattr(diffusers, specs[0].cls)
     config = dict(cls.load_config(fam.cfg.path, subfolder=fam.denoiser_attr))  # a hub id: its snapshot
     config = {k: v for k, v in config.items() if not k.startswith("_")}
@@ -288,60 +289,77 @@ def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False,
     apart by address, so every storage seen is held until the end: a freed one's address could be
     reused (layerwise casting replaces the weights' storages at every forward).
     """
-    # Buffers too: scaled fp8's codes and scales are buffers its matmul saves.
-    weights = {_storage_key(p): p.untyped_storage() for p in [*denoiser.parameters(), *denoiser.buffers()]}
-    kept: dict[int, torch.UntypedStorage] = {}  # held until the backward pass
-    largest = 0  # the largest checkpointed block's own saves (held while it is recomputed)
-    partial = checkpointing and fraction < 1
-    blocks_seen: list[tuple[dict[int, torch.UntypedStorage], dict[int, torch.UntypedStorage]]] = []
-
-    def keep(into: dict[int, torch.UntypedStorage]):
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            key = _storage_key(t)
-            if key not in weights and key not in kept:
-                into[key] = t.untyped_storage()
-            return t
-        return pack
-
-    def unit(module, *args, **kwargs):
-        nonlocal largest
-        inputs: dict[int, torch.UntypedStorage] = {}
-        if checkpointing:
-            # What a checkpointed block receives stays referenced by the recomputation until backward.
-            for arg in [*args, *kwargs.values()]:
-                for t in arg if isinstance(arg, (tuple, list)) else (arg,):
-                    if isinstance(t, torch.Tensor) and _storage_key(t) not in weights:
-                        inputs[_storage_key(t)] = t.untyped_storage()
-            if not partial:
-                kept.update(inputs)
-        inner: dict[int, torch.UntypedStorage] = {}
-        with torch.autograd.graph.saved_tensors_hooks(keep(inner), lambda t: t):
-            out = module(*args, **kwargs)
-        if partial:
-            blocks_seen.append((inputs, inner))
-        largest = max(largest, sum(st.nbytes() for st in inner.values()))
-        # Checkpointed: held only while recomputed, counted once, as this block's; else kept.
-        (weights if checkpointing else kept).update(inner)
-        return out
-
+    saves = _Saves(denoiser, checkpointing=checkpointing, partial=checkpointing and fraction < 1)
     blocks = getattr(denoiser, "_supports_gradient_checkpointing", False)
     if blocks:
-        denoiser.enable_gradient_checkpointing(gradient_checkpointing_func=unit)
+        denoiser.enable_gradient_checkpointing(gradient_checkpointing_func=saves.run_block)
     try:
-        with (torch.autograd.graph.saved_tensors_hooks(keep(kept), lambda t: t), _fused_attention(),
+        with (torch.autograd.graph.saved_tensors_hooks(saves.keep(saves.kept), lambda t: t), _fused_attention(),
               _meta_autocast_disabled()):
             run()
     finally:
         if blocks:
             denoiser.disable_gradient_checkpointing()
-    if partial:  # the first share checkpointed (inputs kept), the rest holding their own saves
-        chosen = math.ceil(fraction * len(blocks_seen))
-        for i, (inputs, inner) in enumerate(blocks_seen):
-            kept.update(inputs if i < chosen else inner)
-        largest = max((sum(st.nbytes() for st in inner.values()) for inner in
-                       (b[1] for b in blocks_seen[:chosen])), default=0)
-    return sum(st.nbytes() for st in kept.values()), largest
+    if saves.partial:
+        saves.checkpoint_first(math.ceil(fraction * len(saves.blocks_seen)))
+    return sum(st.nbytes() for st in saves.kept.values()), saves.largest
 
+
+_Storages = dict[int, torch.UntypedStorage]
+
+
+class _Saves:
+    """The storages autograd saves during one forward (:func:`_saved_bytes`), by address."""
+
+    def __init__(self, denoiser: torch.nn.Module, *, checkpointing: bool, partial: bool):
+        # Buffers too: scaled fp8's codes and scales are buffers its matmul saves.
+        self.weights: _Storages = {_storage_key(p): p.untyped_storage()
+                                   for p in [*denoiser.parameters(), *denoiser.buffers()]}
+        self.kept: _Storages = {}  # held until the backward pass
+        self.largest = 0  # the largest checkpointed block's own saves (held while it is recomputed)
+        self.checkpointing = checkpointing
+        self.partial = partial  # only some blocks checkpointed: decided once every block is seen
+        self.blocks_seen: list[tuple[_Storages, _Storages]] = []  # (inputs, own saves) per block, in order
+
+    def keep(self, into: _Storages) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A pack hook recording in ``into`` each saved storage that is neither a weight nor kept already."""
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            key = _storage_key(t)
+            if key not in self.weights and key not in self.kept:
+                into[key] = t.untyped_storage()
+            return t
+        return pack
+
+    def run_block(self, module, *args, **kwargs):
+        """The checkpointing function diffusers calls per block: runs it once, counting its saves apart."""
+        inputs = self._inputs(args, kwargs) if self.checkpointing else {}
+        if self.checkpointing and not self.partial:
+            self.kept.update(inputs)
+        inner: _Storages = {}
+        with torch.autograd.graph.saved_tensors_hooks(self.keep(inner), lambda t: t):
+            out = module(*args, **kwargs)
+        if self.partial:
+            self.blocks_seen.append((inputs, inner))
+        self.largest = max(self.largest, sum(st.nbytes() for st in inner.values()))
+        # Checkpointed: held only while recomputed, counted once, as this block's; else kept.
+        (self.weights if self.checkpointing else self.kept).update(inner)
+        return out
+
+    def _inputs(self, args: tuple, kwargs: dict) -> _Storages:
+        """What a checkpointed block receives stays referenced by the recomputation until backward."""
+        inputs: _Storages = {}
+        for arg in [*args, *kwargs.values()]:
+            for t in arg if isinstance(arg, (tuple, list)) else (arg,):
+                if isinstance(t, torch.Tensor) and _storage_key(t) not in self.weights:
+                    inputs[_storage_key(t)] = t.untyped_storage()
+        return inputs
+
+    def checkpoint_first(self, chosen: int) -> None:
+        """The first ``chosen`` blocks checkpointed (inputs kept), the rest holding their own saves."""
+        for i, (inputs, inner) in enumerate(self.blocks_seen):
+            self.kept.update(inputs if i < chosen else inner)
+        self.largest = max((sum(st.nbytes() for st in inner.values()) for _, inner in self.blocks_seen[:chosen]),
+                           default=0)
 
 
 def _meta_inputs(spec: Published, batch: int, width: int, height: int, latent_frames: int, dtype: torch.dtype):
@@ -393,6 +411,37 @@ def estimate_for(
     tc = cfg.train
     # The tiny scheduler's prediction type need not suit the folder's zero-terminal-SNR schedule.
     family = get_family(cfg.model.model_copy(update={"flavor": "tiny", "path": None, "zero_terminal_snr": None}))
+    resolution, height, frames = _sizes(cfg, family, spec, resolution, height, frames)
+    precision = resolve_precision(tc.precision, cuda=True)  # the estimate is for a GPU: auto = bf16
+    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
+    width = 2 if precision == "bf16" else 4
+
+    denoiser = spec.build_meta().to(dtype)
+    params = sum(p.numel() for p in denoiser.parameters())
+    rank = _make_trainable(denoiser, family, tc, rank, dtype)
+    trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
+    frozen_bytes, workspace = _frozen_bytes(denoiser, tc, dtype, width)
+    block_bytes = tuple(sum(t.nbytes for t in offload.frozen_tensors(b)) for b in offload.swap_blocks(denoiser))
+    param_bytes, grad_bytes, optimizer_bytes = _state_bytes(tc, precision, gpus, frozen_bytes, trainable, width)
+
+    ckpt = tc.activation_checkpointing and getattr(denoiser, "_supports_gradient_checkpointing", False)
+    forward = _meta_forward(cfg, family, spec, denoiser, resolution, height, frames, dtype)
+    activation_bytes, offloaded, upper_bound = _activations(denoiser, forward, tc, checkpointing=ckpt)
+    if activation_bytes is not None:
+        activation_bytes += workspace
+    return MemoryEstimate(
+        model=spec.name, gpus=gpus, zero_stage=tc.zero_stage, precision=precision, resolution=resolution,
+        batch_size=tc.batch_size, rank=rank, params=params, trainable=trainable, param_bytes=param_bytes,
+        grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, activation_bytes=activation_bytes,
+        activation_upper_bound=upper_bound, frames=frames, base_weights=tc.base_weights,
+        activation_checkpointing=bool(ckpt), height=height, block_bytes=block_bytes,
+        activation_cpu_bytes=offloaded,
+    ).swapped(tc.block_swap)
+
+
+def _sizes(cfg: Config, family: Family, spec: Published, resolution: int | None, height: int | None,
+           frames: int | None) -> tuple[int, int, int]:
+    """Width, height and pixel frames to size for (the config's largest by default), checked against the model."""
     resolution = resolution or max(max(d.resolutions or [d.resolution]) for d in cfg.datasets)
     height = height or resolution
     for side in (resolution, height):
@@ -401,30 +450,36 @@ def estimate_for(
     if family.is_video:
         frames = frames or max((max(d.frame_buckets or [1]) for d in cfg.datasets), default=1)
     frames = frames or 1
-    step = family.frame_rule[0] if family.is_video else 1
+    step = _frame_step(family)
     if (frames - 1) % step:
         raise ValueError(f"--frames {frames}: family {family.name!r} takes {step}k+1 frames")
-    precision = resolve_precision(tc.precision, cuda=True)  # the estimate is for a GPU: auto = bf16
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    width = 2 if precision == "bf16" else 4
+    return resolution, height, frames
 
-    denoiser = spec.build_meta().to(dtype)
-    params = sum(p.numel() for p in denoiser.parameters())
-    full = tc.mode == "full"
-    if full:
-        rank = None
+
+def _frame_step(family: Family) -> int:
+    return family.frame_rule[0] if family.is_video else 1
+
+
+def _make_trainable(denoiser: torch.nn.Module, family: Family, tc: TrainConfig, rank: int | None,
+                    dtype: torch.dtype) -> int | None:
+    """Mark what trains (the whole denoiser, or an added LoRA, fp8 base weights stored); returns the rank."""
+    if tc.mode == "full":
         denoiser.requires_grad_(True)
-    else:
-        rank = rank or tc.lora.rank
-        denoiser.requires_grad_(False)
-        targets = family.lora_targets(tc.lora.targets)
-        denoiser.add_adapter(peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=targets))
-        denoiser.to(dtype)
-        if tc.base_weights == "fp8":
-            enable_fp8_base_weights(denoiser)
-    trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
+        return None
+    rank = rank or tc.lora.rank
+    denoiser.requires_grad_(False)
+    targets = family.lora_targets(tc.lora.targets)
+    denoiser.add_adapter(peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=targets))
+    denoiser.to(dtype)
+    if tc.base_weights == "fp8":
+        enable_fp8_base_weights(denoiser)
+    return rank
+
+
+def _frozen_bytes(denoiser: torch.nn.Module, tc: TrainConfig, dtype: torch.dtype, width: int) -> tuple[int, int]:
+    """Bytes of the frozen weights as stored (quantised ones at their size), and the transient bytes at the
+    peak beside the saved activations (the largest layer's dequantisation under fp8 and nf4)."""
     frozen_bytes = sum(p.nbytes for p in denoiser.parameters() if not p.requires_grad)
-    workspace = 0  # transient bytes at the peak beside the saved activations (a dequantised weight)
     fp8 = [m for m in denoiser.modules() if isinstance(m, ScaledFp8Linear)]
     frozen_bytes += sum(m.weight.nbytes + m.weight_scale.nbytes for m in fp8)
     workspace = max((m.weight.numel() * width for m in fp8), default=0)
@@ -434,14 +489,17 @@ def estimate_for(
         if tc.base_weights == "int8":  # int8 weights and a float32 scale per output channel (torchao's layout)
             frozen_bytes -= sum(w.nbytes - w.numel() - 4 * w.shape[0] for w in weights)
             # Its matmul multiplies by the weight cast to bf16, and autograd saves that copy for the backward
-            # pass, as under fp8: the meta forward counts those copies through fp8's casting of the same layers.
+            # pass: the meta forward counts those copies through layerwise casting of the same layers.
             cast_layerwise_fp8(denoiser, dtype)
         else:  # NF4: its autograd function saves the 4-bit weight itself, so the activations are bf16's
             frozen_bytes -= sum(w.nbytes - nf4_bytes(w.numel(), width) for w in weights)
             workspace = max((nf4_dequantise_bytes(w.numel(), width) for w in weights), default=0)
+    return frozen_bytes, workspace
 
-    block_bytes = tuple(sum(t.nbytes for t in offload.frozen_tensors(b)) for b in offload.swap_blocks(denoiser))
 
+def _state_bytes(tc: TrainConfig, precision: str, gpus: int, frozen_bytes: int, trainable: int,
+                 width: int) -> tuple[int, int, int]:
+    """Bytes per GPU of the weights, the gradients and the optimizer state, as the ZeRO stage partitions them."""
     z = tc.zero_stage
     param_bytes = (frozen_bytes + trainable * width) // (gpus if z == 3 else 1)
     grad_bytes = trainable * width // (gpus if z >= 2 else 1)
@@ -449,8 +507,14 @@ def estimate_for(
     master = 4 if precision == "bf16" and tc.optimizer not in BF16_OPTIMIZERS else 0
     state = _STATE_BYTES.get(tc.optimizer.lower(), 8) + master
     optimizer_bytes = 0 if tc.offload_optimizer else trainable * state // (gpus if z >= 1 else 1)
+    return param_bytes, grad_bytes, optimizer_bytes
 
-    latent_frames = (frames - 1) // step + 1
+
+def _meta_forward(cfg: Config, family: Family, spec: Published, denoiser: torch.nn.Module, resolution: int,
+                  height: int, frames: int, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+    """One training forward (the loss) of a batch of meta tensors at these sizes."""
+    tc = cfg.train
+    latent_frames = (frames - 1) // _frame_step(family) + 1
     latents, text, t, noise = _meta_inputs(spec, tc.batch_size, resolution, height, latent_frames, dtype)
     generator = torch.Generator()
     # Edit families: a reference image the size of the target (the usual case), as conditioning latents.
@@ -460,24 +524,27 @@ def estimate_for(
     def forward() -> torch.Tensor:
         return family.loss(denoiser, latents, text, generator, t=t, noise=noise, objective=tc.objective, **extra)
 
-    ckpt = tc.activation_checkpointing and getattr(denoiser, "_supports_gradient_checkpointing", False)
+    return forward
+
+
+def _activations(denoiser: torch.nn.Module, forward: Callable[[], torch.Tensor], tc: TrainConfig, *,
+                 checkpointing: bool) -> tuple[int | None, int, bool]:
+    """Saved activation bytes ``(on the device or None when a forward cannot run on meta, in CPU memory,
+    whether the figure is an upper bound)``."""
 
     def measure() -> tuple[int, int]:
-        return saved_activation_bytes(denoiser, forward, checkpointing=ckpt, fraction=tc.checkpoint_fraction,
-                                      offload=tc.activation_offload)
+        return saved_activation_bytes(denoiser, forward, checkpointing=checkpointing,
+                                      fraction=tc.checkpoint_fraction, offload=tc.activation_offload)
 
-    activation_bytes, offloaded, upper_bound = None, 0, False
     try:
-        activation_bytes, offloaded = measure()
+        return (*measure(), False)
     except NotImplementedError as err:
         if "nonzero" in str(err):
             # Mixture-of-experts routing (HiDream) and boolean-mask indexing (HunyuanImage's text and its
             # padding, reordered) select with ``nonzero``: on meta, assume every element is selected, an
             # upper bound on what the real selection keeps.
-            import torch.fx.experimental._config as fx_config
-
             with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
-                (activation_bytes, offloaded), upper_bound = measure(), True
+                return (*measure(), True)
         # else: "Cannot copy out of meta tensor": the forward reads tensor values (Lumina 2's mask)
     except RuntimeError as err:
         # Mochi's rotary embedding opens an enabled torch.autocast on its tensors' device: not on meta (a
@@ -487,16 +554,7 @@ def estimate_for(
         reads_value = "cannot be called on meta tensors" in str(err)
         if not reads_value and "autocast" not in str(err) and not _raised_in(err, "autocast_mode.py"):
             raise
-    if activation_bytes is not None:
-        activation_bytes += workspace
-    return MemoryEstimate(
-        model=spec.name, gpus=gpus, zero_stage=z, precision=precision, resolution=resolution,
-        batch_size=tc.batch_size, rank=rank, params=params, trainable=trainable, param_bytes=param_bytes,
-        grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, activation_bytes=activation_bytes,
-        activation_upper_bound=upper_bound, frames=frames, base_weights=tc.base_weights,
-        activation_checkpointing=bool(ckpt), height=height, block_bytes=block_bytes,
-        activation_cpu_bytes=offloaded,
-    ).swapped(tc.block_swap)
+    return None, 0, False
 
 
 def _raised_in(err: BaseException, filename: str) -> bool:

@@ -24,6 +24,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+import yaml
 from PIL import Image
 
 from diffpipe import hub
@@ -57,7 +58,7 @@ def resolve_model(model: str, family: str | None = None) -> ModelConfig:
 
     An id is resolved like ``model.path`` (see :mod:`diffpipe.hub`): only its ``model_index.json`` is read here.
     """
-    from diffpipe.families import family_names, pipeline_families
+    from diffpipe.families import family_names, pipeline_families  # deferred: imports torch (start-up time)
 
     if model == "tiny" or model.startswith("tiny:"):
         name = model.partition(":")[2] or family or "sd"
@@ -145,9 +146,9 @@ def _one_line(what: str, value: str | None) -> None:
 
 def _estimate_comment(text: str) -> str:
     try:
-        from diffpipe.estimate import estimate_memory
+        from diffpipe.estimate import estimate_memory  # deferred: imports torch (start-up time)
 
-        cfg = parse_config(__import__("yaml").safe_load(text))
+        cfg = parse_config(yaml.safe_load(text))
         table = estimate_memory(cfg).table()
     except Exception as err:  # an estimate is advice: its failure must not stop init
         table = f"not available here: {type(err).__name__}: {err}"
@@ -168,45 +169,18 @@ def init_config(dataset: str | Path, model: str, *, family: str | None = None, t
     tiny = mcfg.flavor == "tiny"
     prefix = f"{trigger}, " if trigger else ""
     prompts = [prefix + c for c in scan.captions] or [prefix + "a photo"]
-    batch = 4 if tiny else 1
-    steps_per_epoch = max(1, scan.images)
-    epochs = 20 if tiny else max(1, min(100, math.ceil(1500 / steps_per_epoch)))
-    rank, lr = (8, 1e-3) if tiny else (16, 1e-4)
-    out = output_dir or f"runs/{name}"
-    model_lines = (f"  family: {mcfg.family}\n  flavor: tiny        # random weights built offline: for trying the "
-                   "workflow, learns nothing useful\n" if tiny else
-                   f"  family: {mcfg.family}   # detected from the model's model_index.json\n"
-                   f"  path: {_q(mcfg.path)}   # Hugging Face id, read through the Hugging Face cache\n"
-                   if hub.is_model_id(mcfg.path) else
-                   f"  family: {mcfg.family}   # detected from {mcfg.path}/model_index.json\n  flavor: local\n"
-                   f"  path: {_q(mcfg.path)}\n")
-    buckets = ("    aspect_ratios: [1.0]   # every image found is square\n" if scan.all_square else
-               "    # aspect ratios: the nine classic buckets from 1:2 to 2:1 (images of other shapes found)\n")
-    caption_line = (f"    caption_prefix: {_q(prefix)}   # trigger word put before every caption\n" if trigger else
-                    '    # caption_prefix: "mytoken, "   # a trigger word put before every caption\n')
     config = shlex.quote(name_of_file)  # commands to copy into a shell
     text = (
         f"# Written by `diffpipe init {shlex.quote(dataset)} --model {shlex.quote(model)}` for {scan.images} images.\n"
         f"# Run it:   diffpipe run -c {config}\n"
         "# Every key: docs/configuration.md, the config reference (or `diffpipe schema --markdown`).\n"
         f"# Check the machine against it: diffpipe doctor -c {config}\n"
-        f"output_dir: {_q(out)}\n\n"
-        f"model:\n{model_lines}\n"
-        "datasets:\n"
-        f"  - name: {_q(name)}\n"
-        f"    path: {_q(dataset)}\n"
-        f"    resolution: {resolution}   # median image is about "
-        f"{int(math.sqrt(statistics.median(w * h for w, h in scan.sides))) if scan.sides else '?'} px a side\n"
-        f"{buckets}{caption_line}\n"
+        f"output_dir: {_q(output_dir or f'runs/{name}')}\n\n"
+        f"model:\n{_model_lines(mcfg)}\n"
+        f"datasets:\n{_dataset_lines(name, dataset, resolution, scan, prefix)}\n"
         "cache:\n"
         f"  shards: {min(8, max(1, scan.images // 500))}   # one cache job each; more shards, more jobs at once\n\n"
-        "train:\n"
-        f"  epochs: {epochs}   # about {epochs * steps_per_epoch} samples seen in all\n"
-        f"  batch_size: {batch}\n"
-        f"  lr: {lr}\n"
-        "  lora:\n"
-        f"    rank: {rank}\n"
-        f"    alpha: {rank}\n\n"
+        f"train:\n{_train_lines(tiny, scan.images)}\n"
         "export:\n"
         "  formats: [diffusers, comfyui]   # also: peft, kohya, merged\n\n"
         "sample:\n"
@@ -215,7 +189,7 @@ def init_config(dataset: str | Path, model: str, *, family: str | None = None, t
         + f"  width: {resolution}\n  height: {resolution}\n"
     )
     try:
-        parse_config(__import__("yaml").safe_load(text), "the config diffpipe init wrote", base=Path.cwd())
+        parse_config(yaml.safe_load(text), "the config diffpipe init wrote", base=Path.cwd())
     except ConfigError as err:
         raise ConfigError(f"{err}\n(choose another folder with --output-dir)") from None
     if estimate:
@@ -223,3 +197,42 @@ def init_config(dataset: str | Path, model: str, *, family: str | None = None, t
         text += (f"\n# GPU memory, from `diffpipe estimate -c {config}` (1 GPU){sized}:\n"
                  + _estimate_comment(text))
     return text
+
+
+def _model_lines(mcfg: ModelConfig) -> str:
+    """The ``model:`` section's lines: the tiny flavor, a Hugging Face id or a local folder."""
+    if mcfg.flavor == "tiny":
+        return (f"  family: {mcfg.family}\n  flavor: tiny        # random weights built offline: for trying the "
+                "workflow, learns nothing useful\n")
+    if hub.is_model_id(mcfg.path):
+        return (f"  family: {mcfg.family}   # detected from the model's model_index.json\n"
+                f"  path: {_q(mcfg.path)}   # Hugging Face id, read through the Hugging Face cache\n")
+    return (f"  family: {mcfg.family}   # detected from {mcfg.path}/model_index.json\n  flavor: local\n"
+            f"  path: {_q(mcfg.path)}\n")
+
+
+def _dataset_lines(name: str, dataset: str, resolution: int, scan: Scan, prefix: str) -> str:
+    """The one dataset's lines: its folder, the resolution and buckets its images suggest, the trigger word."""
+    median = int(math.sqrt(statistics.median(w * h for w, h in scan.sides))) if scan.sides else "?"
+    buckets = ("    aspect_ratios: [1.0]   # every image found is square\n" if scan.all_square else
+               "    # aspect ratios: the nine classic buckets from 1:2 to 2:1 (images of other shapes found)\n")
+    caption_line = (f"    caption_prefix: {_q(prefix)}   # trigger word put before every caption\n" if prefix else
+                    '    # caption_prefix: "mytoken, "   # a trigger word put before every caption\n')
+    return (f"  - name: {_q(name)}\n"
+            f"    path: {_q(dataset)}\n"
+            f"    resolution: {resolution}   # median image is about {median} px a side\n"
+            f"{buckets}{caption_line}")
+
+
+def _train_lines(tiny: bool, images: int) -> str:
+    """The ``train:`` section's lines: about 1,500 samples seen (the tiny model: a quick try at a higher rate)."""
+    batch = 4 if tiny else 1
+    steps_per_epoch = max(1, images)
+    epochs = 20 if tiny else max(1, min(100, math.ceil(1500 / steps_per_epoch)))
+    rank, lr = (8, 1e-3) if tiny else (16, 1e-4)
+    return (f"  epochs: {epochs}   # about {epochs * steps_per_epoch} samples seen in all\n"
+            f"  batch_size: {batch}\n"
+            f"  lr: {lr}\n"
+            "  lora:\n"
+            f"    rank: {rank}\n"
+            f"    alpha: {rank}\n")

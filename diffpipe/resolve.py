@@ -35,3 +35,14 @@ def parse_config(data: dict[str, Any], source: str = "<dict>", *, base: str | Pa
 def load_config(path: str | Path, *, base: str | Path | None = None) -> Config:
     """:func:`diffpipe.config.load_config`, then the resolution step."""
     return resolve(config.load_config(path, base=base), base)
+
+
+def folder_config(folder: Path, out: Path | None = None) -> Config:
+    """The config ``diffpipe validate FOLDER`` checks ``folder`` with: the default rules, its outputs in
+    ``out`` (default: ``runs/validate-<folder name>``)."""
+    name = folder.resolve().name or "data"
+    try:
+        return parse_config({"output_dir": str(out or Path("runs") / f"validate-{name}"),
+                             "datasets": [{"name": name, "path": str(folder)}]}, f"validate {folder}")
+    except config.ConfigError as err:
+        raise config.ConfigError(f"{err}\n(with a FOLDER, the output_dir is --out: give one outside {folder})") from None

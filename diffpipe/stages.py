@@ -1,11 +1,10 @@
-"""What each workflow stage reads from the config, declared once.
+"""The workflow's stages as functions, and what each reads from the config, declared once.
 
 A stage's Snakemake rule reruns when the digest of its declared inputs changes
-(``workflow.stage_digest``), so a stage that read a key it does not declare
-would keep a stale result after that key was edited. The CLI therefore hands
-each stage a :class:`ConfigView` that exposes only the declared keys: reading
-any other key fails at once (and in the test suite, which runs every stage),
-instead of silently leaving a result stale.
+(:func:`stage_digest`), so a stage that read a key it does not declare would keep a
+stale result after that key was edited. Each stage function therefore works on its own
+typed part of the config (:mod:`diffpipe.stage_inputs`: ``PlanInputs`` for ``plan``, ...),
+whose fields are the keys it may read, and :data:`STAGE_INPUTS` is made from those fields.
 
 Entries are a whole section (``"cache"``) or one field of it (``"train.batch_size"``, or nested:
 ``"train.text_encoder.encoders"``).
@@ -14,28 +13,42 @@ Entries are a whole section (``"cache"``) or one field of it (``"train.batch_siz
 
 from __future__ import annotations
 
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from diffpipe.config import Config
+from diffpipe.config import Config, ExportConfig
+from diffpipe.data.dataset.discover import run_folders
+from diffpipe.hub import check_local_model
+from diffpipe.paths import RunPaths
 from diffpipe.resolve import resolve
+from diffpipe.stage_inputs import (
+    CacheInputs,
+    ExportInputs,
+    PlanInputs,
+    SampleInputs,
+    ValidateInputs,
+    declared_keys,
+    sample_export_format,
+)
 from diffpipe.utils import digest
 
-# Rerun triggers: a stage reruns when one of these changes.
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from diffpipe.data.cache.plan import PlanResult
+    from diffpipe.data.dataset.results import ValidationResult
+    from diffpipe.export.api import ExportResult
+
+# Rerun triggers: a stage reruns when one of these changes. The classes' fields say why each key is there.
 STAGE_INPUTS: dict[str, tuple[str, ...]] = {
-    # cache.dir: the cache folder is kept out of dataset discovery.
-    "validate": ("datasets", "validation", "model", "cache.dir"),
-    # train.batch_size and grad_accum: buckets smaller than one global batch are filled by repetition.
-    # train.text_encoder: a trained text encoder's captions are cached as token ids (other keys).
-    "plan": ("datasets", "validation", "cache", "model", "train.batch_size", "train.grad_accum",
-             "train.text_encoder.encoders"),
-    "cache": ("model", "cache", "train.text_encoder.encoders"),
+    "validate": declared_keys(ValidateInputs),
+    "plan": declared_keys(PlanInputs),
+    "cache": declared_keys(CacheInputs),
     # Training also reads `sample` (preview images during training) on purpose without
     # rerunning for it (see TRAIN_UNTRACKED), and `datasets` through the caches it reads.
     "train": ("model", "train"),
-    # train.lora: the adapter's settings when a checkpoint (not an adapter folder) is exported.
-    "export": ("model", "export", "train.lora"),
-    # train.lora: its kind picks the export samples load (LoKr/LoHa: the PEFT folder).
-    "sample": ("model", "sample", "train.lora"),
+    "export": declared_keys(ExportInputs),
+    "sample": declared_keys(SampleInputs),
     # The speed sweep trains the configured model on the datasets' bucket shapes (not part of `all`).
     "bench": ("model", "datasets", "train", "bench"),
 }
@@ -50,24 +63,6 @@ TRAIN_UNTRACKED: dict[str, str] = {
 }
 
 
-class UndeclaredConfigRead(RuntimeError):
-    """A stage read a config key it does not declare in STAGE_INPUTS (a bug: its reruns would miss edits)."""
-
-
-def _split(entries: tuple[str, ...]) -> tuple[set[str], dict[str, set[str]]]:
-    whole = {e for e in entries if "." not in e}
-    fields: dict[str, set[str]] = {}
-    for e in entries:
-        if "." in e:
-            section, field = e.split(".", 1)
-            fields.setdefault(section, set()).add(field)
-    return whole, fields
-
-
-def declared(stage: str) -> tuple[str, ...]:
-    return STAGE_INPUTS[stage]
-
-
 def stage_digest(cfg: Config, stage: str) -> str:
     """Digest of the config keys ``stage`` declares (its rule's rerun trigger)."""
     dumped = cfg.model_dump(mode="json")
@@ -80,94 +75,26 @@ def stage_digest(cfg: Config, stage: str) -> str:
     return digest(picked)[:16]
 
 
-class _SectionView:
-    """One config section, restricted to the fields a stage declares."""
-
-    def __init__(self, section: Any, name: str, fields: set[str], stage: str):
-        object.__setattr__(self, "_section", section)
-        object.__setattr__(self, "_name", name)
-        object.__setattr__(self, "_fields", fields)
-        object.__setattr__(self, "_stage", stage)
-
-    def __getattr__(self, attr: str) -> Any:
-        if attr in self._fields:
-            return getattr(self._section, attr)
-        inner = {f.removeprefix(f"{attr}.") for f in self._fields if f.startswith(f"{attr}.")}
-        if inner:  # a nested section of which some fields are declared
-            return _SectionView(getattr(self._section, attr), f"{self._name}.{attr}", inner, self._stage)
-        raise UndeclaredConfigRead(_message(self._stage, f"{self._name}.{attr}"))
-
-    def __setattr__(self, attr: str, value: Any) -> None:
-        raise AttributeError("a stage's config view is read-only")
-
-
-class ConfigView:
-    """The parts of a :class:`Config` one stage declares; any other read raises UndeclaredConfigRead."""
-
-    def __init__(self, cfg: Config, stage: str):
-        whole, fields = _split(STAGE_INPUTS[stage])
-        object.__setattr__(self, "_cfg", cfg)
-        object.__setattr__(self, "_stage", stage)
-        object.__setattr__(self, "_whole", whole)
-        object.__setattr__(self, "_fields", fields)
-
-    @property
-    def output_dir(self) -> Any:
-        return self._cfg.output_dir
-
-    def model_dump(self, **kwargs: Any) -> dict[str, Any]:
-        """Only the declared keys (what the stage may record of its config)."""
-        dumped = self._cfg.model_dump(**kwargs)
-        out: dict[str, Any] = {"output_dir": dumped["output_dir"]}
-        out.update({s: dumped[s] for s in self._whole})
-        for section, fields in self._fields.items():
-            for field in fields:
-                src, dst, *path = dumped[section], out.setdefault(section, {}), *field.split(".")
-                for part in path[:-1]:
-                    src, dst = src[part], dst.setdefault(part, {})
-                dst[path[-1]] = src[path[-1]]
-        return out
-
-    def __getattr__(self, name: str) -> Any:
-        if name in self._whole:
-            return getattr(self._cfg, name)
-        if name in self._fields:
-            return _SectionView(getattr(self._cfg, name), name, self._fields[name], self._stage)
-        raise UndeclaredConfigRead(_message(self._stage, name))
-
-    def __setattr__(self, attr: str, value: Any) -> None:
-        raise AttributeError("a stage's config view is read-only")
-
-
-def _message(stage: str, key: str) -> str:
-    return (f"internal error: the {stage} stage read config key {key!r}, which it does not declare in "
-            f"diffpipe.stages.STAGE_INPUTS, so editing it would not rerun the stage; please report this")
-
-
-def view(cfg: Config, stage: str) -> ConfigView | Config:
-    """What ``stage`` may read of ``cfg``. Training gets the whole config (see TRAIN_UNTRACKED)."""
-    return cfg if stage == "train" else ConfigView(cfg, stage)
-
-
 # -- the stages as functions ---------------------------------------------------------
 # The CLI, the tests' helpers and the benchmarks call these, so each stage is wired
-# once (arguments included) and reads its config only through its view.
-def _as(cfg: Config | ConfigView, stage: str) -> Any:
-    if isinstance(cfg, ConfigView) and cfg._stage == stage:
-        return cfg
-    # Resolved here too: a config parsed by diffpipe.config alone has a local model's family still to read.
-    return view(resolve(cfg._cfg if isinstance(cfg, ConfigView) else cfg), stage)
+# once (arguments included). Given a whole Config (tests, benchmarks), a stage resolves it
+# (a config parsed by diffpipe.config alone has a local model's family still to read) and
+# keeps only its part. The libraries each stage calls are imported in its body for start-up
+# time: the CLI and the Snakefile import this module, and they import torch or pyarrow.
+_Part = TypeVar("_Part", ValidateInputs, PlanInputs, CacheInputs, SampleInputs)
 
 
-def validate(cfg: Config, paths: Any, *, rehash: bool = False, workers: int | None = None, tokens: bool = True,
-             console: Any = None) -> Any:
+def _part(cfg: Config | _Part, kind: type[_Part]) -> _Part:
+    return kind.of(resolve(cfg)) if isinstance(cfg, Config) else cfg
+
+
+def validate(cfg: Config | ValidateInputs, paths: RunPaths, *, rehash: bool = False, workers: int | None = None,
+             tokens: bool = True, console: Console | None = None) -> ValidationResult:
     """Check every dataset file; write the manifest and the reports (``diffpipe validate``)."""
-    from diffpipe.data.dataset.discover import run_folders
     from diffpipe.data.dataset.validate import run_validation
     from diffpipe.families.token_counter import FamilyTokenCounter
-    from diffpipe.hub import check_local_model
 
-    cfg = _as(cfg, "validate")
+    cfg = _part(cfg, ValidateInputs)
     check_local_model(cfg.model)  # a missing or incomplete model folder fails here, before any file is read
     return run_validation(cfg.datasets, cfg.validation, manifest_path=paths.manifest,
                           report_json=paths.report_json, report_html=paths.report_html, rehash=rehash,
@@ -175,63 +102,82 @@ def validate(cfg: Config, paths: Any, *, rehash: bool = False, workers: int | No
                           console=console, exclude=run_folders(cfg.output_dir, cfg.cache.dir))
 
 
-def plan(cfg: Config, paths: Any) -> Any:
+def plan(cfg: Config | PlanInputs, paths: RunPaths) -> PlanResult:
     """Assign the manifest's items to shards and write the shard specs (``diffpipe plan``)."""
     from diffpipe.data.cache.plan import make_plan
     from diffpipe.families import get_family
+    from diffpipe.families.datasets import check_datasets_fit
 
-    cfg = _as(cfg, "plan")
+    cfg = _part(cfg, PlanInputs)
     family = get_family(cfg.model).with_trained_text(cfg.train.text_encoder.encoders)
-    for ds in cfg.datasets:
-        if ds.references > family.max_references:
-            raise ValueError(
-                f"datasets[{ds.name}]: {ds.references} reference images per item, but this model ({family.name}"
-                f"{' ' + family.variant if getattr(family, 'variant', None) else ''}) takes at most "
-                f"{family.max_references}; several references are for Qwen-Image-Edit `variant: 2509 | 2511` and flux2 / flux2-klein `variant: edit`"
-            )
-        if ds.control_from_last_frame != family.uses_last_frame:
-            raise ValueError(
-                f"datasets[{ds.name}].control_from_last_frame: set it to true for first-and-last-frame models "
-                f"(Wan variant 2.1-flf2v) and only for them; this model ({family.name}"
-                f"{' ' + family.variant if getattr(family, 'variant', None) else ''}) "
-                f"{'conditions on a first and a last frame' if family.uses_last_frame else 'has no last-frame input'}"
-            )
+    check_datasets_fit(family, cfg.datasets)
     return make_plan(paths.manifest, cfg.datasets, cfg.cache, latent_identity=family.vae_identity(),
                      text_identity=family.text_identity(), pixel_multiple=family.pixel_multiple, paths=paths,
                      global_batch=cfg.train.batch_size * cfg.train.grad_accum,
                      fps=family.fps, frame_rule=family.frame_rule, text_control=family.text_uses_control)
 
 
-def cache_latents(cfg: Config, paths: Any, shard: str, *, regenerate: bool = False, trust: bool = False) -> Any:
-    """Build one latent shard (``diffpipe cache latents``)."""
+def cache_latents(cfg: Config | CacheInputs, paths: RunPaths, shard: str, *, regenerate: bool = False,
+                  trust: bool = False) -> dict[str, Any]:
+    """Build one latent shard (``diffpipe cache latents``); returns its summary."""
     from diffpipe.cache_jobs import cache_latents as build
 
-    cfg = _as(cfg, "cache")
+    cfg = _part(cfg, CacheInputs)
     return build(paths.latent_spec(shard), paths.latent_shard(shard), cfg.model, cfg.cache,
                  store=paths.cache_store(cfg.cache.dir), regenerate=regenerate, trust=trust)
 
 
-def cache_text(cfg: Config, paths: Any, shard: str, *, regenerate: bool = False) -> Any:
-    """Build one text shard (``diffpipe cache text``)."""
+def cache_text(cfg: Config | CacheInputs, paths: RunPaths, shard: str, *, regenerate: bool = False) -> dict[str, Any]:
+    """Build one text shard (``diffpipe cache text``); returns its summary."""
     from diffpipe.cache_jobs import cache_text as build
 
-    cfg = _as(cfg, "cache")
+    cfg = _part(cfg, CacheInputs)
     return build(paths.text_spec(shard), paths.text_shard(shard), cfg.model, cfg.cache,
                  store=paths.cache_store(cfg.cache.dir), regenerate=regenerate,
                  trained_text=cfg.train.text_encoder.encoders)
 
 
-def cache_empty(cfg: Config, paths: Any, *, regenerate: bool = False) -> Any:
-    """Encode the empty caption (``diffpipe cache empty``)."""
+def cache_empty(cfg: Config | CacheInputs, paths: RunPaths, *, regenerate: bool = False) -> dict[str, Any]:
+    """Encode the empty caption (``diffpipe cache empty``); returns its summary."""
     from diffpipe.cache_jobs import cache_empty_text
 
-    cfg = _as(cfg, "cache")
+    cfg = _part(cfg, CacheInputs)
     return cache_empty_text(paths.text_empty, cfg.model, cfg.cache, spec_path=paths.empty_spec,
                             store=paths.cache_store(cfg.cache.dir), regenerate=regenerate,
                             trained_text=cfg.train.text_encoder.encoders)
 
 
-def prepare_data(cfg: Config, paths: Any, *, empty_caption: bool = True) -> None:
+def export(target: Path | None, cfg: Config | None, *, formats: list[str] | None = None,
+           out: Path | None = None) -> ExportResult:
+    """Export the trained LoRA in ``formats`` (default: the config's) (``diffpipe export``).
+
+    ``target``: a run folder, an adapter folder or a checkpoint (default: ``cfg``'s run); ``cfg``: a
+    resolved config (default: the run's own). Without either config, an adapter's header names the
+    base model (a tiny flavor) and the formats are the defaults.
+    """
+    from diffpipe.export import export_lora
+    from diffpipe.export.locate import locate, model_config_from_adapter
+    from diffpipe.families import get_family
+
+    found = locate(target, ExportInputs.of(cfg) if cfg else None)
+    part = ExportInputs.of(found.config) if isinstance(found.config, Config) else found.config
+    model_cfg = part.model if part else model_config_from_adapter(found.adapter_dir)
+    formats = formats or list((part.export if part else ExportConfig()).formats)
+    return export_lora(found.adapter_dir, out or found.out_dir, get_family(model_cfg), formats, config=part,
+                       run=found.run)
+
+
+def sample(cfg: Config | SampleInputs, paths: RunPaths, *, lora: Path | None = None,
+           out: Path | None = None) -> list[Path]:
+    """Render the sample prompts with ``lora`` (default: the run's export that diffusers reads) (``diffpipe sample``)."""
+    from diffpipe.training.sample import render_samples
+
+    cfg = _part(cfg, SampleInputs)
+    default = paths.export_file(sample_export_format(cfg.train.lora))
+    return render_samples(cfg.model, cfg.sample, lora or default, out or paths.samples_dir)
+
+
+def prepare_data(cfg: Config, paths: RunPaths, *, empty_caption: bool = True) -> None:
     """validate, plan and every cache shard, in order, as the workflow runs them (tests, benchmarks)."""
     result = validate(cfg, paths, tokens=False)
     if result.errors:

@@ -15,6 +15,7 @@ import yaml
 from diffpipe import paths, stages
 from diffpipe.config import Config, ConfigError, parse_config
 from diffpipe.data.dataset.discover import list_dataset, run_folders
+from diffpipe.stage_inputs import sample_export_format
 from diffpipe.utils import digest, write_if_changed
 
 RESOLVED_CONFIG = "resolved-config.yaml"
@@ -98,7 +99,7 @@ EXPORT_OUTPUTS = {
 def sample_format(cfg: Config) -> str:
     """The export the sample rule reads: the diffusers file, or the PEFT folder for LoKr/LoHa
     (diffusers' ``load_lora_weights`` reads neither)."""
-    return "diffusers" if cfg.train.lora.kind in ("lora", "dora") else "peft"
+    return sample_export_format(cfg.train.lora)
 
 
 def export_formats(cfg: Config) -> list[str]:

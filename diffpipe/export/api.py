@@ -6,6 +6,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import peft
+import torch
+
 from diffpipe.config import Config
 from diffpipe.export.card import CardFile, write_card
 from diffpipe.export.comfyui import export_comfyui
@@ -15,11 +18,12 @@ from diffpipe.export.keymaps import denoiser_skeleton, keymap_for_model
 from diffpipe.export.kohya import export_kohya, kohya_metadata
 from diffpipe.export.lycoris import module_products
 from diffpipe.export.merged import export_merged
-from diffpipe.export.metadata import gather_info, tensors_digest
+from diffpipe.export.metadata import ExportInfo, gather_info, tensors_digest
 from diffpipe.export.peft_format import export_peft
 from diffpipe.export.text_encoders import TextLoras, kohya_tensors
 from diffpipe.models.base import Family, split_parts
 from diffpipe.paths import EXPORT_CARD, EXPORT_NAMES, FORMATS, RunPaths, export_name
+from diffpipe.stage_inputs import ExportInputs
 from diffpipe.training.adapter import PEFT_PREFIX, WEIGHTS_NAME, adapter_kind, load_adapter
 from diffpipe.training.finite import check_tensors
 from diffpipe.training.text_encoders import load_text_adapters
@@ -41,7 +45,7 @@ def export_lora(
     family: Family,
     formats: list[str],
     *,
-    config: Config | None = None,
+    config: Config | ExportInputs | None = None,
     run: RunPaths | None = None,
 ) -> ExportResult:
     """Write ``adapter_dir`` (a PEFT adapter folder) in each of ``formats`` under ``out_dir``.
@@ -59,31 +63,61 @@ def export_lora(
     ``out_dir`` may hold other files: they stay untouched. A file or folder of the
     user's under one of the names written here is refused before anything is written.
     """
-    unknown = sorted(set(formats) - set(FORMATS))
-    if unknown or not formats:
-        raise ValueError(f"export formats {unknown or formats}: choose from {', '.join(FORMATS)}")
     parts = family.denoiser_parts
-    single_file = sorted({"comfyui", "kohya"} & set(formats))
-    if len(parts) > 1 and single_file:
-        raise ValueError(f"export formats {single_file}: a run with model.expert both trains one LoRA per expert "
-                         "and these formats hold one model's LoRA; export diffusers, peft or merged")
+    _check_formats(formats, len(parts))
     adapter_dir, out_dir = Path(adapter_dir), Path(out_dir)
-    state_dict, lora_cfg = load_adapter(adapter_dir)
-    text = load_text_adapters(adapter_dir)  # the text encoders trained beside it (train.text_encoder)
-    # A diverged run's weights: refused before anything is written, naming the tensors.
-    check_tensors(state_dict, adapter_dir / WEIGHTS_NAME, what="export")
-    for name, (sd, _) in text.items():
-        check_tensors(sd, adapter_dir / name / WEIGHTS_NAME, what="export")
-    kind = adapter_kind(lora_cfg)
-    _check_formats_read(kind, formats)
+    adapter = _load_checked(adapter_dir)
+    _check_formats_read(adapter.kind, formats)
     # out_dir may be a user's folder (--out): refuse before writing if a name we write is theirs.
     claim_files(out_dir, [EXPORT_CARD] + [export_name(fmt, part.suffix) if fmt in ("diffusers", "peft")
                                           else EXPORT_NAMES[fmt] for fmt in formats for part in parts])
-    by_part = split_parts(state_dict, parts)
-    info = gather_info(adapter_dir, lora_cfg, family, config=config, run=run)
-    header = {**info.header(), "diffpipe.adapter_sha256": tensors_digest(state_dict)}
-    mods = (module_loras(state_dict, lora_cfg) if kind == "lora" else
-            module_products(state_dict, lora_cfg) if kind in ("lokr", "loha") else {})
+    by_part = split_parts(adapter.state_dict, parts)
+    info = gather_info(adapter_dir, adapter.lora_cfg, family, config=config, run=run)
+    header = {**info.header(), "diffpipe.adapter_sha256": tensors_digest(adapter.state_dict)}
+    files, card_files = _write_formats(formats, adapter, by_part, out_dir, family, info, header, run)
+    card = write_card(out_dir / EXPORT_CARD, info, card_files, pipeline=family.pipeline_class.__name__,
+                      samples=_sample_links(run, out_dir))
+    return ExportResult(files, card)
+
+
+def _check_formats(formats: list[str], n_parts: int) -> None:
+    unknown = sorted(set(formats) - set(FORMATS))
+    if unknown or not formats:
+        raise ValueError(f"export formats {unknown or formats}: choose from {', '.join(FORMATS)}")
+    single_file = sorted({"comfyui", "kohya"} & set(formats))
+    if n_parts > 1 and single_file:
+        raise ValueError(f"export formats {single_file}: a run with model.expert both trains one LoRA per expert "
+                         "and these formats hold one model's LoRA; export diffusers, peft or merged")
+
+
+@dataclass(frozen=True)
+class _Adapter:
+    """An adapter folder as read: its tensors and config, its kind, and the text encoders' LoRAs beside it."""
+
+    folder: Path
+    state_dict: dict[str, torch.Tensor]
+    lora_cfg: peft.LoraConfig
+    text: TextLoras  # the text encoders trained beside it (train.text_encoder)
+    kind: str
+
+
+def _load_checked(adapter_dir: Path) -> _Adapter:
+    """Read ``adapter_dir``; a diverged run's weights are refused before anything is written, naming the tensors."""
+    state_dict, lora_cfg = load_adapter(adapter_dir)
+    text = load_text_adapters(adapter_dir)
+    check_tensors(state_dict, adapter_dir / WEIGHTS_NAME, what="export")
+    for name, (sd, _) in text.items():
+        check_tensors(sd, adapter_dir / name / WEIGHTS_NAME, what="export")
+    return _Adapter(adapter_dir, state_dict, lora_cfg, text, adapter_kind(lora_cfg))
+
+
+def _write_formats(formats: list[str], adapter: _Adapter, by_part: dict[str, dict[str, torch.Tensor]], out_dir: Path,
+                   family: Family, info: ExportInfo, header: dict[str, str],
+                   run: RunPaths | None) -> tuple[dict[str, Path], list[CardFile]]:
+    """Write each format once; returns the files by name and what the model card lists."""
+    parts, kind, lora_cfg, text = family.denoiser_parts, adapter.kind, adapter.lora_cfg, adapter.text
+    mods = (module_loras(adapter.state_dict, lora_cfg) if kind == "lora" else
+            module_products(adapter.state_dict, lora_cfg) if kind in ("lokr", "loha") else {})
     skeleton = denoiser_skeleton(family) if {"comfyui", "kohya"} & set(formats) else None
     files: dict[str, Path] = {}
     card_files: list[CardFile] = []
@@ -104,20 +138,20 @@ def export_lora(
             files[fmt] = export_comfyui(mods, keymap_for_model(family.name, skeleton), target, header, extra)
         elif fmt == "kohya":
             title = f"{out_dir.parent.name or 'diffpipe'}-{family.name}-{kind}"
-            started = _started_at(run)
-            meta = {**header, **kohya_metadata(info, dict(skeleton.config), title=title, started_at=started)}
+            meta = {**header, **kohya_metadata(info, dict(skeleton.config), title=title, started_at=_started_at(run))}
             files[fmt] = export_kohya(mods, keymap_for_model(family.name, skeleton), target, meta, extra)
         elif fmt == "merged":
-            files[fmt] = export_merged(adapter_dir, target, family, header)
+            files[fmt] = export_merged(adapter.folder, target, family, header)
         card_files.append(CardFile(fmt, files[fmt]))
-    samples = []
-    if run is not None:
-        # The workflow renders samples after export: link the grid it will write.
-        found = sorted(run.samples_dir.glob("sample-*.png")) if run.samples_dir.is_dir() else []
-        samples = [Path(os.path.relpath(p, out_dir)) for p in found + [run.sample_grid]]
-    card = write_card(out_dir / EXPORT_CARD, info, card_files, pipeline=family.pipeline_class.__name__,
-                      samples=samples)
-    return ExportResult(files, card)
+    return files, card_files
+
+
+def _sample_links(run: RunPaths | None, out_dir: Path) -> list[Path]:
+    """The workflow renders samples after export: the model card links the images and the grid it will write."""
+    if run is None:
+        return []
+    found = sorted(run.samples_dir.glob("sample-*.png")) if run.samples_dir.is_dir() else []
+    return [Path(os.path.relpath(p, out_dir)) for p in found + [run.sample_grid]]
 
 
 _DORA_SCALE = ("PEFT's DoRA divides W + dW by its row norms; ComfyUI divides by the base weight's row norms "

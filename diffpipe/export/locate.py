@@ -18,6 +18,7 @@ from diffpipe.config import Config, ModelConfig
 from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.resolve import load_config
+from diffpipe.stage_inputs import ExportInputs
 from diffpipe.training.adapter import WEIGHTS_NAME, peft_config, save_adapter
 from diffpipe.training.checkpoint import adapter_from_checkpoint, load_torch_file
 from diffpipe.training.engine import deepspeed_safe_types
@@ -29,7 +30,7 @@ RESOLVED = "resolved-config.yaml"
 class Located:
     adapter_dir: Path
     run: RunPaths | None
-    config: Config | None
+    config: Config | ExportInputs | None
     out_dir: Path
 
 
@@ -66,7 +67,7 @@ def _deepspeed_states(path: Path) -> Path | None:
     return files[0] if files else None
 
 
-def adapter_from_deepspeed(checkpoint: Path, cfg: Config, out_dir: Path) -> Path:
+def adapter_from_deepspeed(checkpoint: Path, cfg: Config | ExportInputs, out_dir: Path) -> Path:
     """Write the LoRA tensors of a DeepSpeed checkpoint (frozen weights excluded) as an adapter folder."""
     states = _deepspeed_states(checkpoint)
     # weights_only: a crafted file is refused before any of it runs.
@@ -84,7 +85,7 @@ def adapter_from_deepspeed(checkpoint: Path, cfg: Config, out_dir: Path) -> Path
     return save_adapter(out_dir, sd, lcfg, meta)
 
 
-def locate(path: Path | None, config: Config | None) -> Located:
+def locate(path: Path | None, config: Config | ExportInputs | None) -> Located:
     """Resolve what to export; errors name the path and what was expected there."""
     if path is None:
         if config is None:

@@ -21,6 +21,7 @@ from diffpipe.config import Config, load_yaml
 from diffpipe.models import _common as common
 from diffpipe.models.base import Family
 from diffpipe.paths import RunPaths
+from diffpipe.stage_inputs import ExportInputs
 from diffpipe.training.adapter import WEIGHTS_NAME, adapter_kind
 from diffpipe.utils import stable_json
 
@@ -104,7 +105,7 @@ def _dataset_summary(run: RunPaths | None) -> dict[str, Any]:
     return summary
 
 
-def _trained_config(config: Any, run: RunPaths | None) -> dict[str, Any] | None:
+def _trained_config(config: Config | ExportInputs | None, run: RunPaths | None) -> dict[str, Any] | None:
     """The config the adapter was trained with: the run's ``train/config.yaml`` when there is one.
 
     Recorded in every file's metadata. Taken from the run (rewritten only when training
@@ -119,7 +120,7 @@ def _trained_config(config: Any, run: RunPaths | None) -> dict[str, Any] | None:
 
 
 def gather_info(adapter_dir: str | Path, lora_cfg: peft.LoraConfig, family: Family, *,
-                config: Config | None = None, run: RunPaths | None = None) -> ExportInfo:
+                config: Config | ExportInputs | None = None, run: RunPaths | None = None) -> ExportInfo:
     """Collect what the exports record about ``adapter_dir`` (run files are optional)."""
     adapter_dir = Path(adapter_dir)
     header = _adapter_header(adapter_dir)

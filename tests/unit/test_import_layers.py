@@ -16,7 +16,7 @@ import diffpipe
 # Bottom to top. A module may import modules of its own layer and of every layer before it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("paths", "utils", "yamlload", "logs", "runlock", "runproc", "ownership", "model_ids")),
-    ("config", ("config", "config_paths", "policy")),  # pure parsing: no file I/O, no family lookup
+    ("config", ("config", "config_paths", "policy", "stage_inputs")),  # pure parsing: no file I/O, no family lookup
     ("hub", ("hub",)),  # model folders and Hugging Face ids: file I/O, no family lookup
     ("data", ("data",)),
     ("models", ("models",)),  # shared family machinery and pure math
@@ -24,8 +24,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("training", ("training",)),
     ("export", ("export",)),  # reads training's LoRA and precision helpers
     ("stages", ("stages", "cache_jobs", "workflow", "runner", "sbatch", "estimate", "doctor", "init", "readme_tables",
-                "bench")),
-    ("cli", ("cli", "__main__")),
+                "bench", "train_job")),
+    ("cli", ("cli", "cli_common", "cli_cache", "__main__")),
 ]
 
 _PACKAGE = Path(diffpipe.__file__).parent

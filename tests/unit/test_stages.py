@@ -1,5 +1,7 @@
 """Each stage reads only the config keys it declares, and its rule reruns exactly when one of them changes."""
 
+import dataclasses
+
 import pytest
 
 from diffpipe import stages
@@ -8,6 +10,14 @@ from diffpipe.config import parse_config
 from diffpipe.export.api import export_lora
 from diffpipe.export.locate import locate
 from diffpipe.families import get_family
+from diffpipe.stage_inputs import (
+    CacheInputs,
+    ExportInputs,
+    PlanInputs,
+    SampleInputs,
+    ValidateInputs,
+    declared_keys,
+)
 
 
 def _cfg(tmp_path, **over):
@@ -38,24 +48,52 @@ def test_a_config_edit_reruns_exactly_the_stages_that_read_it(tmp_path, edit, re
     assert changed == rerun
 
 
+def test_the_rerun_triggers_are_the_keys_each_stage_holds():
+    """Each stage's part of the config (diffpipe.stage_inputs) is its rule's rerun trigger, key for key."""
+    expected = {
+        "validate": {"datasets", "validation", "model", "cache.dir"},
+        "plan": {"datasets", "validation", "cache", "model", "train.batch_size", "train.grad_accum",
+                 "train.text_encoder.encoders"},
+        "cache": {"model", "cache", "train.text_encoder.encoders"},
+        "train": {"model", "train"},
+        "export": {"model", "export", "train.lora"},
+        "sample": {"model", "sample", "train.lora"},
+        "bench": {"model", "datasets", "train", "bench"},
+    }
+    assert {stage: set(keys) for stage, keys in stages.STAGE_INPUTS.items()} == expected
+    parts = {"validate": ValidateInputs, "plan": PlanInputs, "cache": CacheInputs, "export": ExportInputs,
+             "sample": SampleInputs}
+    for stage, part in parts.items():
+        assert declared_keys(part) == stages.STAGE_INPUTS[stage]
+
+
 def test_a_stage_cannot_read_an_undeclared_key(tmp_path):
     cfg = _cfg(tmp_path)
-    plan = stages.view(cfg, "plan")
+    plan = PlanInputs.of(cfg)
     assert plan.train.batch_size == cfg.train.batch_size and plan.cache == cfg.cache
-    with pytest.raises(stages.UndeclaredConfigRead, match=r"plan stage read config key 'train.lr'"):
+    with pytest.raises(AttributeError, match="'lr'"):
         _ = plan.train.lr
-    with pytest.raises(stages.UndeclaredConfigRead, match=r"'sample'"):
-        _ = stages.view(cfg, "export").sample
-    with pytest.raises(AttributeError, match="read-only"):
+    with pytest.raises(AttributeError, match="'sample'"):
+        _ = ExportInputs.of(cfg).sample
+    with pytest.raises(dataclasses.FrozenInstanceError):
         plan.cache = None
     assert plan.train.text_encoder.encoders == []  # a declared field of a nested section
-    with pytest.raises(stages.UndeclaredConfigRead, match=r"'train.text_encoder.lr'"):
+    with pytest.raises(AttributeError, match="'lr'"):
         _ = plan.train.text_encoder.lr
-    assert plan.model_dump(mode="json")["train"] == {"batch_size": 4, "grad_accum": 1,
-                                                     "text_encoder": {"encoders": []}}
-    dumped = stages.view(cfg, "export").model_dump(mode="json")
-    assert set(dumped) == {"output_dir", "model", "export", "train"} and set(dumped["train"]) == {"lora"}
-    assert stages.view(cfg, "train") is cfg  # training records its whole config (stages.TRAIN_UNTRACKED)
+
+
+@pytest.mark.parametrize("part", [ValidateInputs, PlanInputs, CacheInputs, ExportInputs, SampleInputs])
+def test_a_stage_records_its_keys_as_the_config_dumps_them(tmp_path, part):
+    """What a stage may record of its config (export's metadata) is the whole config's dump cut to its keys."""
+    cfg = _cfg(tmp_path, train={"lora": {"rank": 5}, "text_encoder": {"encoders": ["text_encoder"]}})
+    whole = cfg.model_dump(mode="json")
+    expected = {"output_dir": whole["output_dir"]}
+    for key in declared_keys(part):
+        src, dst, *path = whole, expected, *key.split(".")
+        for name in path[:-1]:
+            src, dst = src[name], dst.setdefault(name, {})
+        dst[path[-1]] = src[path[-1]]
+    assert part.of(cfg).model_dump(mode="json") == expected
 
 
 def test_export_records_the_config_training_used_not_todays(tmp_path):
@@ -78,7 +116,7 @@ def test_export_records_the_config_training_used_not_todays(tmp_path):
 
     edited = _cfg(tmp_path, train={"lr": 0.123, "lora": {"rank": 2, "alpha": 2}},
                   sample={"prompts": ["edited after training"]})
-    cfg = stages.view(edited, "export")
+    cfg = ExportInputs.of(edited)
     found = locate(run.root, cfg)
     result = export_lora(found.adapter_dir, tmp_path / "x", family, ["diffusers"], config=cfg, run=found.run)
     assert "edited after training" not in result.card.read_text()
