@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffpipe.config import DatasetConfig, ValidationConfig
+from diffpipe.data.dataset import hub
 from diffpipe.data.dataset.metadata import DEFAULT_NAMES
 from diffpipe.data.dataset.tables import TableError, Tables, find_tables
 
@@ -293,7 +294,6 @@ def dataset_root(ds: DatasetConfig) -> tuple[Path, tuple[str, str] | None]:
     it cannot be had (never raises: Snakemake calls this while building its DAG)."""
     if ds.hub is None:
         return Path(ds.path or ".").absolute(), None
-    from diffpipe.data.dataset import hub
     try:
         return hub.resolve(ds.hub, ds.revision), None
     except hub.HubError as err:

@@ -83,6 +83,7 @@ def read_records(data: bytes, fmt: str) -> Records:
             UTF-8, not JSON, not a list of records, not Parquet).
     """
     if fmt == "parquet":
+        # Deferred for start-up time: Snakemake imports this module (via discover) to build its DAG.
         import pyarrow.parquet as pq
 
         try:
