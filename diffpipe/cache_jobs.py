@@ -8,7 +8,7 @@ by bucket so a batch has one shape), then writes the complete shard into the
 store and links it into the run's output, and writes a
 ``<shard>.summary.json`` beside it with ``encoded``, ``reused`` and
 ``wall_s``. Decoding runs in worker processes a few batches ahead, so it
-overlaps encoding; video clips stream only their planned frames
+overlaps encoding (:mod:`diffpipe.cache_decode`); video clips stream only their planned frames
 (:mod:`diffpipe.data.cache.video`). ``regenerate`` ignores the store; ``trust`` skips
 re-hashing media files against the sha256 the validate step recorded.
 
@@ -30,24 +30,17 @@ control image, whole, to ``encode_text``.
 
 from __future__ import annotations
 
-import hashlib
-import io
-import itertools
 import json
-import multiprocessing
 import time
-from collections import deque
-from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Executor, ProcessPoolExecutor, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from diffpipe.config import CONTROL_ROLES, CacheConfig, ModelConfig
-from diffpipe.data.cache.buckets import load_image_array, load_mask_array
+from diffpipe.cache_decode import control_image, decode_item, decode_pool, prefetched, source_order
+from diffpipe.config import CacheConfig, ModelConfig
 from diffpipe.data.cache.latents import (
     AUX_FILL,
     LatentEntry,
@@ -65,17 +58,9 @@ from diffpipe.data.cache.store import (
     shard_content_name,
 )
 from diffpipe.data.cache.text import TextShard, write_text_shard
-from diffpipe.data.cache.video import load_video_array
-from diffpipe.data.dataset.media import DEFAULT_MAX_PIXELS, sha256_media
-from diffpipe.data.dataset.tables import parse_locator, read_media
+from diffpipe.data.dataset.media import DEFAULT_MAX_PIXELS
+from diffpipe.data.dataset.tables import parse_locator
 from diffpipe.utils import write_text_atomic
-
-T = TypeVar("T")
-R = TypeVar("R")
-#: Batches decoded ahead of the encoder.
-PREFETCH = 2
-#: Fewer entries to encode than this many batches: decode in threads (no process start-up).
-PROCESS_MIN_BATCHES = 4
 
 
 def _device(device: str | None) -> torch.device:
@@ -84,96 +69,6 @@ def _device(device: str | None) -> torch.device:
 
 def _progress() -> Progress:
     return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
-
-
-def _prefetched(batches: Iterable[list[T]], fn: Callable[[T], R], pool: Executor) -> Iterator[tuple[list[T], list[R]]]:
-    """Yield ``(batch, [fn(x) for x in batch])`` with later batches already running.
-
-    The first batches are submitted at once (not at the first ``next``), so
-    decoding starts while the caller is still loading its encoder.
-    """
-    it = iter(batches)
-    pending: deque = deque()
-    for batch in itertools.islice(it, PREFETCH + 1):
-        pending.append((batch, [pool.submit(fn, x) for x in batch]))
-
-    def drain() -> Iterator[tuple[list[T], list[R]]]:
-        while pending:
-            batch, futures = pending.popleft()
-            nxt = next(it, None)
-            if nxt is not None:
-                pending.append((nxt, [pool.submit(fn, x) for x in nxt]))
-            yield batch, [f.result() for f in futures]
-
-    return drain()
-
-
-def _read_checked(path: str, sha256: str, trust: bool, *, stream: bool = False) -> bytes | None:
-    """A file's (or table cell's) bytes, after checking its planned sha256 unless trusted.
-
-    ``stream``: a file is only hashed (None comes back) and its decoder reads it from
-    disk; a table cell is always read into memory.
-    """
-    stream = stream and parse_locator(path) is None
-    try:
-        data = None if stream else read_media(path)
-        sha = sha256_media(path) if data is None else hashlib.sha256(data).hexdigest()
-    except OSError as err:
-        raise ValueError(f"cannot read {path}: {err}; rerun the validate step") from err
-    if not trust and sha != sha256:
-        # Encoding it would store new pixels under the old content's key.
-        raise ValueError(f"{path} changed since validation (sha256 differs); rerun the workflow")
-    return data
-
-
-def _source_order(item: dict[str, Any]) -> tuple[str, int]:
-    """Where an item's bytes are: (file, row) for a table cell, (path, 0) for a file."""
-    cell = parse_locator(item["path"])
-    return (cell.file, cell.row) if cell else (item["path"], 0)
-
-
-def _decode(job: tuple[dict[str, Any], bool] | tuple[dict[str, Any], bool, int]) -> dict[str, np.ndarray]:
-    """Read one item (and its aux images), check them against the planned sha256s, decode them.
-
-    Returns ``pixels`` ``[3, F, H, W]`` and, when the item has them, ``control``
-    ``[3, R, H, W]`` (its R reference images; 1 but for ``control_path`` lists) and
-    ``mask`` ``[1, 1, H, W]``, all cut to the same bucket.
-    Images are read into memory once (hash and decode); clips are hashed in
-    blocks and streamed from disk, decoding only their planned frames. A file
-    whose header declares more than ``max_pixels`` (the validated limit, from
-    the spec) is refused before decoding, even when trusted.
-    """
-    item, trust, max_pixels = (*job, DEFAULT_MAX_PIXELS)[:3]
-    path = item["path"]
-    _, h, w = item["bucket"]
-    crop, flip = tuple(item.get("crop", (0.5, 0.5))), item.get("flip", False)
-    frames = item.get("frames")
-    data = _read_checked(path, item["sha256"], trust, stream=bool(frames))
-    out: dict[str, np.ndarray] = {}
-    try:
-        if frames:
-            src = Path(path) if data is None else io.BytesIO(data)
-            out["pixels"] = load_video_array(src, (h, w), frames, crop=crop, flip=flip, max_pixels=max_pixels)
-        else:
-            out["pixels"] = load_image_array(io.BytesIO(data), (h, w), crop=crop, flip=flip, max_pixels=max_pixels)
-    except Exception as err:
-        raise ValueError(f"cannot decode {path}: {err}") from err
-    for role, aux in sorted((item.get("aux") or {}).items()):
-        if aux.get("first_frame"):  # the clip's own first frame, cut exactly like the clip
-            out[role] = np.ascontiguousarray(out["pixels"][:, :1])
-        else:
-            aux_data = _read_checked(aux["path"], aux["sha256"], trust)
-            load = load_mask_array if role == "mask" else load_image_array
-            try:
-                out[role] = load(io.BytesIO(aux_data), (h, w), crop=crop, flip=flip, max_pixels=max_pixels)
-            except Exception as err:
-                raise ValueError(f"cannot decode the {role} image {aux['path']} of {path}: {err}") from err
-        if aux.get("last_frame"):  # then the clip's own last frame: a control ``[3, 2, H, W]``
-            out[role] = np.ascontiguousarray(np.concatenate([out[role], out["pixels"][:, -1:]], axis=1))
-    if more := [out.pop(role) for role in CONTROL_ROLES[1:] if role in out]:
-        # Several references: one control ``[3, R, H, W]``, reference k as frame k.
-        out["control"] = np.ascontiguousarray(np.concatenate([out["control"], *more], axis=1))
-    return out
 
 
 def latent_mask(mask: np.ndarray | torch.Tensor, latent_shape: tuple[int, ...]) -> torch.Tensor:
@@ -186,19 +81,6 @@ def latent_mask(mask: np.ndarray | torch.Tensor, latent_shape: tuple[int, ...]) 
     _, f, h, w = latent_shape
     small = torch.nn.functional.interpolate(m, size=(h, w), mode="area")
     return small.reshape(1, 1, h, w).repeat(1, f, 1, 1).clamp(0, 1)
-
-
-def _pool(n_batches: int, workers: int) -> Executor:
-    """Worker processes for real work; threads when only a few batches need decoding.
-
-    Workers are forked before the encoder loads and decode with PIL and numpy
-    only (no torch), so forking is safe and costs no start-up imports.
-    """
-    if workers > 0 and n_batches >= PROCESS_MIN_BATCHES:
-        methods = multiprocessing.get_all_start_methods()
-        ctx = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
-        return ProcessPoolExecutor(max_workers=workers, mp_context=ctx)
-    return ThreadPoolExecutor(max_workers=max(1, workers))
 
 
 def _check_spec(spec: dict[str, Any], spec_path: Path, identity: str, cache_cfg: CacheConfig) -> None:
@@ -339,7 +221,7 @@ def _encode_latents(family, spec: dict[str, Any], missing: list[dict[str, Any]],
     ``values``; returns the seconds spent waiting for decoding and encoding."""
     if any(parse_locator(item["path"]) for item in missing):
         # Table rows in table order: a Parquet row group is read once, not once per item.
-        missing = sorted(missing, key=_source_order)
+        missing = sorted(missing, key=source_order)
     by_bucket: dict[tuple[int, ...], list[dict[str, Any]]] = {}
     for item in missing:
         by_bucket.setdefault(tuple(item["bucket"]), []).append(item)
@@ -349,10 +231,10 @@ def _encode_latents(family, spec: dict[str, Any], missing: list[dict[str, Any]],
     if missing:  # a shard whose entries are all stored needs no VAE
         dev = _device(device)
         n_workers = cache_cfg.workers if workers is None else workers
-        with _pool(len(batches), n_workers) as pool:
+        with decode_pool(len(batches), n_workers) as pool:
             # Submitting first lets worker start-up and decoding overlap loading the VAE.
             limit = spec.get("max_pixels", DEFAULT_MAX_PIXELS)  # specs planned before it was recorded
-            stream = _prefetched(([(x, trust, limit) for x in b] for b in batches), _decode, pool)
+            stream = prefetched(([(x, trust, limit) for x in b] for b in batches), decode_item, pool)
             vae = family.load_vae().to(dev)
             with _progress() as progress, torch.no_grad():
                 task = progress.add_task(f"latents {spec['shard']}", total=len(missing))
@@ -425,29 +307,6 @@ def _encode_controls(family, vae, decoded: list[dict[str, np.ndarray]], dev, *, 
     return out
 
 
-def _control_image(control: dict[str, str] | list[dict[str, str]], max_pixels: int):
-    """A text entry's control image as the RGB PIL image a user hands the family's pipeline (a list of
-    them for an item with several references).
-
-    Checked against its planned sha256 first: encoding it would otherwise store
-    new pixels under the old content's key.
-    """
-    if isinstance(control, list):
-        return [_control_image(c, max_pixels) for c in control]
-    from PIL import ImageOps
-
-    from diffpipe.data.dataset.media import open_image, to_rgb
-
-    data = _read_checked(control["path"], control["sha256"], False)
-    try:
-        with open_image(io.BytesIO(data), max_pixels) as img:
-            img.load()
-            ImageOps.exif_transpose(img, in_place=True)
-            return to_rgb(img)
-    except Exception as err:
-        raise ValueError(f"cannot decode the control image {control['path']}: {err}") from err
-
-
 def _encode_captions(
     family,
     encoders,
@@ -466,7 +325,7 @@ def _encode_captions(
             if controls is None:
                 out = family.encode_text(encoders, captions[i : i + bs])
             else:
-                images = [c and _control_image(c, max_pixels) for c in controls[i : i + bs]]
+                images = [c and control_image(c, max_pixels) for c in controls[i : i + bs]]
                 out = family.encode_text(encoders, captions[i : i + bs], images=images)
             for name, t in out.items():
                 parts.setdefault(name, []).append((t.float() if t.is_floating_point() else t).cpu())
@@ -507,30 +366,10 @@ def _cache_text_spec(
     reused = len(values)
     missing = [key for key in unique if key not in values]
     if missing:
-        encoders = _load_encoders(family, device)
-        encoded = _encode_captions(
-            family,
-            encoders,
-            [unique[k] for k in missing],
-            cache_cfg.batch_size,
-            f"text {spec['shard']}",
-            [controls[k] for k in missing] if getattr(family, "text_uses_control", False) else None,
-            spec.get("max_pixels", DEFAULT_MAX_PIXELS),
-        )
-        for i, key in enumerate(missing):
-            values[key] = {name: t[i] for name, t in encoded.items()}
-    embeddings: dict[str, torch.Tensor] = {}
-    if items:
-        names = sorted(values[items[0]["key"]])
-        embeddings = {n: torch.stack([widened(values[it["key"]][n]) for it in items]) for n in names}
-    name = shard_content_name("text", dtype, [(it["id"], it["key"]) for it in items])
-
-    def write(path: Path) -> None:
-        ids, keys = [it["id"] for it in items], [it["key"] for it in items]
-        write_text_shard(path, ids, keys, embeddings, dtype=dtype, attrs={"identity": spec["identity"]})
-
-    rows = [(it["key"], "", r) for r, it in enumerate(items)]
-    target = st.publish("text", name, out_path, write, rows, rewrite=regenerate or bool(missing), damaged=damaged)
+        uses_control = getattr(family, "text_uses_control", False)
+        values.update(_encode_missing_text(family, spec, cache_cfg, device, {k: unique[k] for k in missing},
+                                           [controls[k] for k in missing] if uses_control else None))
+    target = _publish_text(st, spec, values, out_path, rewrite=regenerate or bool(missing), damaged=damaged)
     summary = {
         "kind": "text",
         "shard": spec["shard"],
@@ -545,13 +384,49 @@ def _cache_text_spec(
     return summary
 
 
+def _encode_missing_text(family, spec: dict[str, Any], cache_cfg: CacheConfig, device: str | None,
+                         captions: dict[str, str], controls: list | None) -> dict[str, dict[str, torch.Tensor]]:
+    """Key -> embeddings of the captions the store lacks (``controls``: their control images, for a family
+    whose text encoder sees them)."""
+    encoders = _load_encoders(family, device)
+    encoded = _encode_captions(
+        family,
+        encoders,
+        list(captions.values()),
+        cache_cfg.batch_size,
+        f"text {spec['shard']}",
+        controls,
+        spec.get("max_pixels", DEFAULT_MAX_PIXELS),
+    )
+    return {key: {name: t[i] for name, t in encoded.items()} for i, key in enumerate(captions)}
+
+
+def _publish_text(st: Store, spec: dict[str, Any], values: dict[str, dict[str, torch.Tensor]], out_path: Path, *,
+                  rewrite: bool, damaged: list[str]) -> Path:
+    """The spec's text shard (items in the spec's order) in the store, linked at ``out_path``: its store path."""
+    items: list[dict[str, Any]] = spec["items"]
+    dtype = spec["dtype"]
+    embeddings: dict[str, torch.Tensor] = {}
+    if items:
+        names = sorted(values[items[0]["key"]])
+        embeddings = {n: torch.stack([widened(values[it["key"]][n]) for it in items]) for n in names}
+    name = shard_content_name("text", dtype, [(it["id"], it["key"]) for it in items])
+
+    def write(path: Path) -> None:
+        ids, keys = [it["id"] for it in items], [it["key"] for it in items]
+        write_text_shard(path, ids, keys, embeddings, dtype=dtype, attrs={"identity": spec["identity"]})
+
+    rows = [(it["key"], "", r) for r, it in enumerate(items)]
+    return st.publish("text", name, out_path, write, rows, rewrite=rewrite, damaged=damaged)
+
+
 def cache_text(spec_path: str | Path, out_path: str | Path, model_cfg: ModelConfig, cache_cfg: CacheConfig, *,
                store: str | Path | None = None, regenerate: bool = False, device: str | None = None,
                trained_text: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
     """Build the Arrow shard of one text spec, encoding only captions the store lacks; returns the summary.
 
     ``trained_text`` (``train.text_encoder.encoders``): encoders whose captions are cached as token ids."""
-    from diffpipe.families import get_family
+    from diffpipe.families import get_family  # heavy imports only when a job runs
 
     start = time.perf_counter()
     spec_path, out_path = Path(spec_path), Path(out_path)
@@ -588,7 +463,7 @@ def cache_empty_text(
     ``spec_path`` is the plan's ``empty.json``; without it the spec is built here. ``trained_text``: as
     :func:`cache_text`.
     """
-    from diffpipe.families import get_family
+    from diffpipe.families import get_family  # heavy imports only when a job runs
 
     start = time.perf_counter()
     out_path = Path(out_path)

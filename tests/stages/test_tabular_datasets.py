@@ -26,7 +26,8 @@ import yaml
 from PIL import Image
 from typer.testing import CliRunner
 
-from diffpipe.cache_jobs import _decode, cache_latents, cache_text
+from diffpipe.cache_decode import decode_item
+from diffpipe.cache_jobs import cache_latents, cache_text
 from diffpipe.cli import app
 from diffpipe.config import CacheConfig, DatasetConfig, ModelConfig, ValidationConfig
 from diffpipe.data.cache.plan import make_plan
@@ -210,15 +211,15 @@ def test_cache_decoder_reads_a_cell_like_its_file(tmp_path):
     sha = hashlib.sha256(data).hexdigest()
     item = {"bucket": [1, 32, 32], "sha256": sha}
     loc = f"parquet:{tmp_path}/pq/train.parquet#row=1&column=image"
-    from_cell = _decode(({**item, "path": loc}, False))["pixels"]
-    from_file = _decode(({**item, "path": str(tmp_path / "same.png")}, False))["pixels"]
+    from_cell = decode_item(({**item, "path": loc}, False))["pixels"]
+    from_file = decode_item(({**item, "path": str(tmp_path / "same.png")}, False))["pixels"]
     assert np.array_equal(from_cell, from_file)
     with pytest.raises(ValueError, match="changed since validation"):
-        _decode(({**item, "path": loc, "sha256": "0" * 64}, False))
+        decode_item(({**item, "path": loc, "sha256": "0" * 64}, False))
     # A cell whose header declares too many pixels is refused before decoding, even when trusted.
     _parquet(tmp_path / "pq/train.parquet", [_png(1), _bomb_png()], ["x", "y"])
     with pytest.raises(ValueError, match=r"100000x100000 = .* pixels, over validation.max_pixels"):
-        _decode(({**item, "path": loc}, True))
+        decode_item(({**item, "path": loc}, True))
 
 
 def test_layouts_and_splits(tmp_path):
@@ -299,8 +300,8 @@ def test_video_column_rows_are_probed_and_decoded_from_memory(tmp_path):
     rows = sorted(pq.read_table(p.manifest).to_pylist(), key=lambda r: r["relpath"])
     assert [(r["kind"], r["frames"], r["caption"]) for r in rows] == [("video", 9, "a clip"), ("video", 9, "another clip")]
     item = {"path": rows[0]["path"], "sha256": rows[0]["sha256"], "bucket": [5, 32, 48], "frames": [0, 1, 2, 3, 4]}
-    from_cell = _decode((item, False))["pixels"]
-    from_file = _decode(({**item, "path": str(tmp_path / "c0.mp4")}, False))["pixels"]
+    from_cell = decode_item((item, False))["pixels"]
+    from_file = decode_item(({**item, "path": str(tmp_path / "c0.mp4")}, False))["pixels"]
     assert from_cell.shape == (3, 5, 32, 48) and np.array_equal(from_cell, from_file)
 
 

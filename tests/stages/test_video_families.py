@@ -33,7 +33,7 @@ from family_tables import missing_rows, row, video_families
 from PIL import Image
 from stage_cli import rendezvous, run_stages
 
-from diffpipe.cache_jobs import _decode
+from diffpipe.cache_decode import decode_item
 from diffpipe.config import ModelConfig, ObjectiveConfig, SampleConfig, load_config
 from diffpipe.data.cache.plan import read_spec
 from diffpipe.data.cache.reader import CachedDataset
@@ -448,7 +448,7 @@ def test_video2world_condition_equals_the_pipeline_construction(run, monkeypatch
     item = sorted(read_spec(p.latent_spec("s0000"))["items"], key=lambda it: it["id"])[0]
     ds = CachedDataset.from_run(p)
     latents = ds.collate([next(i for i, x in enumerate(ds.items) if x.id == item["id"])])["latents"]
-    pixels = torch.from_numpy(_decode((item, False))["pixels"][None])  # the cached clip's pixels
+    pixels = torch.from_numpy(decode_item((item, False))["pixels"][None])  # the cached clip's pixels
     frames = [wan_i2v.to_pil(pixels[:, :, i : i + 1])[0] for i in range(5)]
     _, h, w = item["bucket"]
     # The pipeline draws its conditioning latents from the VAE's distribution; the cache holds its mean.
@@ -746,7 +746,7 @@ def test_skyreels_df_i2v_starts_from_the_image_as_the_pipeline_does(skyreels_df_
     batch = ds.collate([ds.items.index(next(x for x in ds.items if x.id == item["id"]))])
     control, latents = batch["control_latents"], batch["latents"]
     pipe = family.load_pipeline()
-    first = wan_i2v.to_pil(torch.from_numpy(_decode((item, False))["pixels"][None, :, :1]))[0]
+    first = wan_i2v.to_pil(torch.from_numpy(decode_item((item, False))["pixels"][None, :, :1]))[0]
     _, h, w = item["bucket"]
     with torch.no_grad():
         image = pipe.video_processor.preprocess(first, height=h, width=w)
@@ -821,7 +821,7 @@ def test_skyreels_df_v2v_keeps_the_clips_prefix_as_the_pipeline_does(skyreels_df
     batch = ds.collate([ds.items.index(next(x for x in ds.items if x.id == item["id"]))])
     latents = batch["latents"]
     pipe = family.load_pipeline()
-    frames = wan_i2v.to_pil(torch.from_numpy(_decode((item, False))["pixels"]).transpose(0, 1))  # the clip's frames
+    frames = wan_i2v.to_pil(torch.from_numpy(decode_item((item, False))["pixels"]).transpose(0, 1))  # the clip's frames
     _, h, w = item["bucket"]
     with torch.no_grad():
         video = pipe.video_processor.preprocess_video(frames[:5], height=h, width=w)

@@ -26,7 +26,7 @@ from PIL import Image
 from stage_cli import invoke as _cli
 from stage_cli import rendezvous, run_stages
 
-from diffpipe.cache_jobs import _decode
+from diffpipe.cache_decode import decode_item
 from diffpipe.config import DatasetConfig, ModelConfig, ObjectiveConfig, SampleConfig
 from diffpipe.data.cache.plan import _entries, read_spec
 from diffpipe.data.cache.reader import CachedDataset
@@ -116,7 +116,7 @@ def test_cached_condition_equals_the_pipeline_construction(i2v_run):
     for item in sorted(items, key=lambda it: it["id"]):
         batch = ds.collate([ds.items.index(next(x for x in ds.items if x.id == item["id"]))])
         control, embeds = batch["control_latents"], batch.get("control_embeds")
-        pixels = torch.from_numpy(_decode((item, False))["pixels"][None])
+        pixels = torch.from_numpy(decode_item((item, False))["pixels"][None])
         first, last = wan_i2v.to_pil(pixels[:, :, :1])[0], wan_i2v.to_pil(pixels[:, :, -1:])[0]
         _, h, w = item["bucket"]
         with torch.no_grad():
@@ -149,7 +149,7 @@ def _check_ti2v_5b_condition(family, pipe, ds, items):
     for item in items:
         batch = ds.collate([ds.items.index(next(x for x in ds.items if x.id == item["id"]))])
         control = batch["control_latents"]
-        first = wan_i2v.to_pil(torch.from_numpy(_decode((item, False))["pixels"][None, :, :1]))[0]
+        first = wan_i2v.to_pil(torch.from_numpy(decode_item((item, False))["pixels"][None, :, :1]))[0]
         _, h, w = item["bucket"]
         with torch.no_grad():
             image = pipe.video_processor.preprocess(first, height=h, width=w)

@@ -23,8 +23,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("families", ("families", "resolve")),  # the registry and one folder per family; reading a config with it
     ("training", ("training",)),
     ("export", ("export",)),  # reads training's LoRA and precision helpers
-    ("stages", ("stages", "cache_jobs", "workflow", "runner", "sbatch", "estimate", "doctor", "init", "readme_tables",
-                "bench", "train_job")),
+    ("stages", ("stages", "cache_jobs", "cache_decode", "workflow", "runner", "sbatch", "estimate", "doctor", "init",
+                "readme_tables", "bench", "train_job")),
     ("cli", ("cli", "cli_common", "cli_cache", "__main__")),
 ]
 

@@ -140,32 +140,7 @@ def write_latent_shard(
     meta: dict[str, dict[str, Any]] = {}
     for name, items in sorted(groups.items()):
         items.sort(key=lambda e: e.id)
-        shapes = {tuple(e.latents.shape) for e in items}
-        if len(shapes) != 1:
-            raise ValueError(f"latent shard {out_path}: bucket {name} mixes shapes {sorted(shapes)}")
-        arrays[name] = to_storage(torch.stack([e.latents for e in items]), dtype)
-        meta[name] = {
-            "bucket": list(items[0].bucket),
-            "ids": [e.id for e in items],
-            "keys": [e.key for e in items],
-            "dtype": dtype,
-        }
-        for role, fill in AUX_FILL.items():
-            values = [getattr(e, role) for e in items]
-            present = [v for v in values if v is not None]
-            if not present:
-                continue
-            shapes = {tuple(v.shape) for v in present}
-            if len(shapes) != 1:
-                raise ValueError(f"latent shard {out_path}: bucket {name} mixes {role} shapes {sorted(shapes)}")
-            blank = torch.full(present[0].shape, fill)
-            rows = [blank if v is None else v for v in values]
-            arrays[aux_array(role, name)] = to_storage(torch.stack(rows), dtype)
-            meta[aux_array(role, name)] = {
-                "ids": meta[name]["ids"],
-                "has": [v is not None for v in values],
-                "dtype": dtype,
-            }
+        _add_bucket(arrays, meta, out_path, name, items, dtype)
     group_attrs = {
         **(attrs or {}),
         "format": FORMAT,
@@ -173,6 +148,52 @@ def write_latent_shard(
         "dtype": dtype,
         "checksum": _checksum(arrays, meta),
     }
+    _write_group(out_path, arrays, meta, group_attrs)
+    return {name: len(a) for name, a in arrays.items()}
+
+
+def _add_bucket(
+    arrays: dict[str, np.ndarray],
+    meta: dict[str, dict[str, Any]],
+    out_path: str | Path,
+    name: str,
+    items: list[LatentEntry],
+    dtype: str,
+) -> None:
+    """One bucket's latents array and, per aux role any item has, its aux array (blank rows where an item has
+    none), with their attributes."""
+    shapes = {tuple(e.latents.shape) for e in items}
+    if len(shapes) != 1:
+        raise ValueError(f"latent shard {out_path}: bucket {name} mixes shapes {sorted(shapes)}")
+    arrays[name] = to_storage(torch.stack([e.latents for e in items]), dtype)
+    meta[name] = {
+        "bucket": list(items[0].bucket),
+        "ids": [e.id for e in items],
+        "keys": [e.key for e in items],
+        "dtype": dtype,
+    }
+    for role, fill in AUX_FILL.items():
+        values = [getattr(e, role) for e in items]
+        present = [v for v in values if v is not None]
+        if not present:
+            continue
+        shapes = {tuple(v.shape) for v in present}
+        if len(shapes) != 1:
+            raise ValueError(f"latent shard {out_path}: bucket {name} mixes {role} shapes {sorted(shapes)}")
+        blank = torch.full(present[0].shape, fill)
+        rows = [blank if v is None else v for v in values]
+        arrays[aux_array(role, name)] = to_storage(torch.stack(rows), dtype)
+        meta[aux_array(role, name)] = {
+            "ids": meta[name]["ids"],
+            "has": [v is not None for v in values],
+            "dtype": dtype,
+        }
+
+
+def _write_group(
+    out_path: str | Path, arrays: dict[str, np.ndarray], meta: dict[str, dict[str, Any]], group_attrs: dict[str, Any]
+) -> None:
+    """The Zarr group at ``out_path``, written atomically: each array with its attributes, the group's last."""
     with atomic_path(out_path, is_dir=True) as tmp:
         group = zarr.open_group(str(tmp), mode="w", zarr_format=3)
         for name, data in arrays.items():
@@ -192,7 +213,6 @@ def write_latent_shard(
             arr[...] = data
         # The checksum goes in last, so a reader never sees it without the data.
         group.attrs.update(group_attrs)
-    return {name: len(a) for name, a in arrays.items()}
 
 
 #: Files in a shard folder that are not Zarr's: Snakemake's stamp in directory outputs,

@@ -348,13 +348,7 @@ def make_plan(
                           text_identity=text_identity, pixel_multiple=pixel_multiple, fps=fps,
                           frame_rule=frame_rule, text_control=text_control)
     names = [shard_name(i) for i in range(cache_cfg.shards)]
-    assignment = assign_shards([k[0] for k in planned.kept], cache_cfg.shards,
-                               _read_state(paths.plan_state, cache_cfg.shards))
-    latents: list[list[dict[str, Any]]] = [[] for _ in names]
-    texts: list[list[dict[str, Any]]] = [[] for _ in names]
-    for item_id, entries, item_texts in planned.kept:
-        latents[assignment[item_id]].extend(entries)
-        texts[assignment[item_id]].extend(item_texts)
+    assignment, latents, texts = _assign(planned.kept, cache_cfg.shards, paths)
     result = PlanResult(
         items=planned.items,
         shards=names,
@@ -368,13 +362,31 @@ def make_plan(
         common["max_pixels"] = int(max_pixels)
     _write_specs(paths, result, names, latents, texts, common, latent_identity, text_identity, cache_cfg.dtype)
     _write_summary(paths, result, names, latents, texts, global_batch, cache_cfg.dtype)
+    _record_plan(paths, names, cache_cfg.shards, assignment)
+    return result
+
+
+def _assign(
+    kept: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]], shards: int, paths: RunPaths
+) -> tuple[dict[str, int], list[list[dict[str, Any]]], list[list[dict[str, Any]]]]:
+    """Each kept item's shard (the previous plan's where it had one) and each shard's latent and text entries."""
+    assignment = assign_shards([k[0] for k in kept], shards, _read_state(paths.plan_state, shards))
+    latents: list[list[dict[str, Any]]] = [[] for _ in range(shards)]
+    texts: list[list[dict[str, Any]]] = [[] for _ in range(shards)]
+    for item_id, entries, item_texts in kept:
+        latents[assignment[item_id]].extend(entries)
+        texts[assignment[item_id]].extend(item_texts)
+    return assignment, latents, texts
+
+
+def _record_plan(paths: RunPaths, names: list[str], shards: int, assignment: dict[str, int]) -> None:
+    """The list of the plan folder's files and, outside it, the shard assignment the next plan keeps."""
     # Snakemake deletes plan/ before the plan job: `diffpipe run` first checks it holds only these.
     planned_files = [paths.plan_summary, paths.empty_spec, *(f(n) for n in names for f in (paths.latent_spec,
                                                                                            paths.text_spec))]
     record_files(paths.plan_dir, [p.relative_to(paths.plan_dir).as_posix() for p in planned_files])
     # Outside the plan folder: Snakemake deletes a checkpoint's output before rerunning it.
-    write_if_changed(paths.plan_state, _spec_json({"shards": cache_cfg.shards, "assignment": assignment}))
-    return result
+    write_if_changed(paths.plan_state, _spec_json({"shards": shards, "assignment": assignment}))
 
 
 def _read_manifest(manifest_path: Path) -> tuple[list[dict[str, Any]], bytes | None]:

@@ -157,30 +157,32 @@ class CachedDataset:
             "base_target": None,
         }
         if self.has_loss_weights:  # every batch then, so each step logs both roles' losses
-            batch["loss_weights"] = torch.tensor([it.loss_weight for it in items], dtype=torch.float32)
-            batch["regularization"] = torch.tensor([it.regularization for it in items], dtype=torch.bool)
-            if any(it.base_target for it in items):
-                batch["base_target"] = torch.tensor([it.base_target for it in items], dtype=torch.bool)
+            batch.update(_loss_weights(items))
         if all(it.sizes is not None for it in items):
             sizes = torch.tensor([it.sizes for it in items], dtype=torch.long)
             batch["sizes"] = {"original_size": sizes[:, :2], "crop_top_left": sizes[:, 2:]}
+        self._add_aux(batch, bucket, rows, items)
+        return batch
+
+    def _add_aux(self, batch: dict[str, Any], bucket: str, rows: torch.Tensor, items: list[_Item]) -> None:
+        """The batch's ``mask``, ``control_latents`` and ``control_embeds`` (or ``control_missing``): see
+        :meth:`collate`."""
         if bucket in self._aux.get("mask", {}):
             values, has = self._aux["mask"][bucket]
             if bool(has[rows].any()):
                 batch["mask"] = values[rows].float()
-        if bucket in self._aux.get("control", {}):
-            values, has = self._aux["control"][bucket]
-            if bool(has[rows].all()):
-                batch["control_latents"] = values[rows].float()
-                if bucket in self._aux.get("control_embeds", {}):
-                    embeds, has_embeds = self._aux["control_embeds"][bucket]
-                    if bool(has_embeds[rows].all()):
-                        batch["control_embeds"] = embeds[rows].float()
-            else:
-                batch["control_missing"] = [it.id for it, h in zip(items, has[rows], strict=True) if not h]
-        else:
+        if bucket not in self._aux.get("control", {}):
             batch["control_missing"] = [it.id for it in items]
-        return batch
+            return
+        values, has = self._aux["control"][bucket]
+        if not bool(has[rows].all()):
+            batch["control_missing"] = [it.id for it, h in zip(items, has[rows], strict=True) if not h]
+            return
+        batch["control_latents"] = values[rows].float()
+        if bucket in self._aux.get("control_embeds", {}):
+            embeds, has_embeds = self._aux["control_embeds"][bucket]
+            if bool(has_embeds[rows].all()):
+                batch["control_embeds"] = embeds[rows].float()
 
     @cached_property
     def has_loss_weights(self) -> bool:
@@ -207,6 +209,18 @@ class CachedDataset:
             "text_shapes": {name: list(t.shape[1:]) for name, t in sorted(self._text.items())},
             "empty_text": self.empty_text is not None,
         }
+
+
+def _loss_weights(items: list[_Item]) -> dict[str, torch.Tensor | None]:
+    """A batch's ``loss_weights`` and ``regularization`` flags, and ``base_target`` (None: no item in it trains
+    towards the base model's prediction)."""
+    out: dict[str, torch.Tensor | None] = {
+        "loss_weights": torch.tensor([it.loss_weight for it in items], dtype=torch.float32),
+        "regularization": torch.tensor([it.regularization for it in items], dtype=torch.bool),
+    }
+    if any(it.base_target for it in items):
+        out["base_target"] = torch.tensor([it.base_target for it in items], dtype=torch.bool)
+    return out
 
 
 def _sizes(item: dict[str, Any]) -> tuple[int, int, int, int] | None:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from diffpipe.config import DatasetConfig, ValidationConfig
+from diffpipe.data.dataset import hub
 from diffpipe.data.dataset.metadata import DEFAULT_NAMES
 from diffpipe.data.dataset.tables import TableError, Tables, find_tables
 
@@ -96,111 +97,116 @@ def _walk(
     skip: frozenset[str] = frozenset(),
     exclude: tuple[str, ...] = (),
 ) -> Listing:
-    media: dict[str, str] = {}
-    stats: dict[str, tuple[int, int]] = {}
-    captions: list[str] = []
-    metadata: list[str] = []
-    problems: list[Found] = []
-    real_root = os.path.realpath(root)
+    found = Listing(Path(root), {}, [], True)
     seen_dirs: set[tuple[int, int]] = set()
-    stack = [("", root, real_root)]
+    stack = [("", root, os.path.realpath(root))]
     while stack:
         rel, folder, real = stack.pop()
-        try:
-            st = os.stat(folder)
-            if (st.st_dev, st.st_ino) in seen_dirs:  # two links to one folder: list it once
-                continue
-            seen_dirs.add((st.st_dev, st.st_ino))
-            entries = list(os.scandir(folder))
-        except OSError as err:
-            problems.append(Found(rel.rstrip("/") or ".", "unreadable", f"cannot list the folder: {err.strerror}"))
-            continue
-        for entry in entries:
+        for entry in _scan(rel, folder, seen_dirs, found.problems):
             name = entry.name
             if name.startswith("."):  # hidden files, .DS_Store, editor swap files
                 continue
             sub = f"{rel}{name}"
             if sub in skip:  # an aux folder (masks, controls) inside the dataset folder
                 continue
-            ext = os.path.splitext(name)[1].lower()
             if _bad_name(name):
-                problems.append(
-                    Found(
-                        printable(sub),
-                        "bad_filename",
-                        _BAD_DIR if _is_dir(entry) else _BAD_FILE,
-                    )
-                )
+                found.problems.append(Found(printable(sub), "bad_filename", _BAD_DIR if _is_dir(entry) else _BAD_FILE))
                 continue
-            try:
-                if entry.is_symlink():
-                    try:
-                        os.stat(entry.path)
-                    except OSError as err:
-                        if err.errno == errno.ELOOP:
-                            problems.append(Found(sub, "symlink_loop", "the symbolic link points to itself"))
-                        else:
-                            dest = os.readlink(entry.path)
-                            problems.append(
-                                Found(
-                                    sub,
-                                    "broken_symlink",
-                                    f"the symbolic link points to {dest}, which does not exist",
-                                )
-                            )
-                        continue
-                    if os.path.isdir(entry.path):
-                        target_real = os.path.realpath(entry.path)
-                        if real == target_real or real.startswith(target_real.rstrip("/") + "/"):
-                            problems.append(
-                                Found(
-                                    sub,
-                                    "symlink_loop",
-                                    f"the symbolic link points to {target_real}, a folder above it",
-                                )
-                            )
-                            continue
-                        if any(_within(target_real, folder) for folder in exclude):
-                            problems.append(
-                                Found(
-                                    sub,
-                                    "run_folder",
-                                    f"the symbolic link points to {target_real}, a folder the run writes",
-                                )
-                            )
-                            continue
-                        stack.append((sub + "/", entry.path, target_real))
-                        continue
-                elif entry.is_dir():
-                    stack.append((sub + "/", entry.path, os.path.join(real, name)))
-                    continue
-                if not entry.is_file():
-                    continue
-            except OSError:
-                continue
-            if ext in kinds:
-                media[sub] = kinds[ext]
-            elif ext == cap_ext:
-                captions.append(sub)
-            else:
-                if sub in meta_names if meta_names is not None else name in DEFAULT_NAMES:
-                    metadata.append(sub)
-                continue
-            if with_stats:  # the entry's stat: no path lookup from the root again
-                try:
-                    st = entry.stat()
-                    stats[sub] = (st.st_size, st.st_mtime_ns)
-                except OSError:
-                    pass
+            step = _follow(entry, sub, real, exclude, found.problems)
+            if isinstance(step, tuple):
+                stack.append(step)
+            elif step:
+                _sort_file(found, entry, sub, kinds, cap_ext, meta_names, with_stats)
     return Listing(
         Path(root),
-        dict(sorted(media.items())),
-        sorted(captions),
+        dict(sorted(found.media.items())),
+        sorted(found.captions),
         True,
-        sorted(metadata),
-        problems,
-        stats,
+        sorted(found.metadata),
+        found.problems,
+        found.stats,
     )
+
+
+def _scan(rel: str, folder: str, seen_dirs: set[tuple[int, int]], problems: list[Found]) -> list[os.DirEntry]:
+    """A folder's entries; none when it was listed already (two links to one folder) or cannot be listed (a
+    problem)."""
+    try:
+        st = os.stat(folder)
+        if (st.st_dev, st.st_ino) in seen_dirs:  # two links to one folder: list it once
+            return []
+        seen_dirs.add((st.st_dev, st.st_ino))
+        return list(os.scandir(folder))
+    except OSError as err:
+        problems.append(Found(rel.rstrip("/") or ".", "unreadable", f"cannot list the folder: {err.strerror}"))
+        return []
+
+
+def _follow(
+    entry: os.DirEntry, sub: str, real: str, exclude: tuple[str, ...], problems: list[Found]
+) -> tuple[str, str, str] | bool:
+    """What the walk does with one entry: a folder to list ``(rel, path, real path)``, True for a file to sort,
+    False to pass over (what the user should know of is a problem)."""
+    try:
+        if entry.is_symlink():
+            return _follow_link(entry, sub, real, exclude, problems)
+        if entry.is_dir():
+            return sub + "/", entry.path, os.path.join(real, entry.name)
+        return entry.is_file()
+    except OSError:
+        return False
+
+
+def _follow_link(
+    entry: os.DirEntry, sub: str, real: str, exclude: tuple[str, ...], problems: list[Found]
+) -> tuple[str, str, str] | bool:
+    """:func:`_follow` for a symbolic link: broken links, loops and links into the run's folders are problems."""
+    try:
+        os.stat(entry.path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            problems.append(Found(sub, "symlink_loop", "the symbolic link points to itself"))
+        else:
+            dest = os.readlink(entry.path)
+            problems.append(Found(sub, "broken_symlink", f"the symbolic link points to {dest}, which does not exist"))
+        return False
+    if not os.path.isdir(entry.path):
+        return entry.is_file()
+    target_real = os.path.realpath(entry.path)
+    if real == target_real or real.startswith(target_real.rstrip("/") + "/"):
+        problems.append(Found(sub, "symlink_loop", f"the symbolic link points to {target_real}, a folder above it"))
+        return False
+    if any(_within(target_real, folder) for folder in exclude):
+        problems.append(Found(sub, "run_folder", f"the symbolic link points to {target_real}, a folder the run writes"))
+        return False
+    return sub + "/", entry.path, target_real
+
+
+def _sort_file(
+    found: Listing,
+    entry: os.DirEntry,
+    sub: str,
+    kinds: dict[str, str],
+    cap_ext: str,
+    meta_names: set[str] | None,
+    with_stats: bool,
+) -> None:
+    """File a regular file under media (by extension), captions or metadata (anything else is left out)."""
+    ext = os.path.splitext(entry.name)[1].lower()
+    if ext in kinds:
+        found.media[sub] = kinds[ext]
+    elif ext == cap_ext:
+        found.captions.append(sub)
+    else:
+        if sub in meta_names if meta_names is not None else entry.name in DEFAULT_NAMES:
+            found.metadata.append(sub)
+        return
+    if with_stats:  # the entry's stat: no path lookup from the root again
+        try:
+            st = entry.stat()
+            found.stats[sub] = (st.st_size, st.st_mtime_ns)
+        except OSError:
+            pass
 
 
 def _within(path: str, folder: str) -> bool:
@@ -288,7 +294,6 @@ def dataset_root(ds: DatasetConfig) -> tuple[Path, tuple[str, str] | None]:
     it cannot be had (never raises: Snakemake calls this while building its DAG)."""
     if ds.hub is None:
         return Path(ds.path or ".").absolute(), None
-    from diffpipe.data.dataset import hub
     try:
         return hub.resolve(ds.hub, ds.revision), None
     except hub.HubError as err:

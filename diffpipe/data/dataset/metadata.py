@@ -83,6 +83,7 @@ def read_records(data: bytes, fmt: str) -> Records:
             UTF-8, not JSON, not a list of records, not Parquet).
     """
     if fmt == "parquet":
+        # Deferred for start-up time: Snakemake imports this module (via discover) to build its DAG.
         import pyarrow.parquet as pq
 
         try:
@@ -259,35 +260,72 @@ def _read_one(
     link_root: Path,
 ) -> None:
     path = root / meta_rel
-    name = meta_rel
+    records = _load_records(path, meta_rel, table)
+    if records is None:
+        return
+    fcol, ccol = _check_columns(records, path, meta_rel, file_column, caption_column, aux_columns, table)
+    if fcol is None or ccol is None:
+        return
+    real_root = link_root.resolve()
+    base = os.path.dirname(meta_rel)
+    for n, rec in enumerate(records.rows, 1):
+        if rec is None:  # malformed: reported above
+            continue
+        where = f"{meta_rel} row {n}"
+        rel = _row_path(rec.get(fcol), fcol, where, root, real_root, base, path, table)
+        if rel is None:
+            continue
+        table.captions[rel] = rec.get(ccol)
+        table.where[rel] = where
+        for role, col in aux_columns.items():
+            table.aux[role][rel] = _aux_path(rec.get(col), role, where, root, real_root, base, path, table)
+
+
+def _load_records(path: Path, name: str, table: MetadataTable) -> Records | None:
+    """The parsed rows of one metadata file (None: it cannot be read, a problem says why); the malformed
+    rows' notes become problems."""
     fmt = FORMATS.get(path.suffix.lower())
     if fmt is None:
         msg = f"{name}: unknown metadata format; use one of {sorted(FORMATS)}"
         table.problems.append(Problem("bad_metadata", str(path), msg))
-        return
+        return None
     try:
         if path.exists() and not path.is_file():  # a folder, or a pipe that would block the read
             msg = f"metadata file {name} is not a regular file"
             table.problems.append(Problem("bad_metadata", str(path), msg))
-            return
+            return None
         data = path.read_bytes()
     except FileNotFoundError:
         table.problems.append(Problem("bad_metadata", str(path), f"metadata file {name} does not exist"))
-        return
+        return None
     except OSError as err:
         msg = f"cannot read metadata file {name}: {err.strerror}"
         table.problems.append(Problem("unreadable", str(path), msg))
-        return
+        return None
     if not data.strip():
         table.problems.append(Problem("bad_metadata", str(path), f"metadata file {name} is empty"))
-        return
+        return None
     try:
         records = read_records(data, fmt)
     except ValueError as err:
         table.problems.append(Problem("bad_metadata", str(path), f"metadata file {name}: {err}"))
-        return
+        return None
     for _, note in records.problems:
         table.problems.append(Problem("bad_metadata", str(path), f"metadata file {name}: {note}"))
+    return records
+
+
+def _check_columns(
+    records: Records,
+    path: Path,
+    name: str,
+    file_column: str | None,
+    caption_column: str | None,
+    aux_columns: dict[str, str],
+    table: MetadataTable,
+) -> tuple[str | None, str | None]:
+    """The file and caption columns (configured or detected; None: missing, a problem says so), and a problem
+    for each configured aux column the file lacks."""
     columns = [str(c) for c in records.columns]
     fcol = pick_column(columns, file_column, FILE_COLUMNS)
     ccol = pick_column(columns, caption_column, CAPTION_COLUMNS)
@@ -305,43 +343,45 @@ def _read_one(
             have = ", ".join(columns) or "none"
             msg = f"metadata file {name} has no {role} column {col!r} (columns: {have}); fix datasets[].{role}_column"
             table.problems.append(Problem("bad_metadata", str(path), msg))
-    if fcol is None or ccol is None:
-        return
-    real_root = link_root.resolve()
-    base = os.path.dirname(meta_rel)
-    for n, rec in enumerate(records.rows, 1):
-        if rec is None:  # malformed: reported above
-            continue
-        where = f"{name} row {n}"
-        value = rec.get(fcol)
-        if not isinstance(value, str) or not value.strip():
-            table.problems.append(Problem("bad_metadata", str(path), f"{where}: {fcol!r} is empty or not text"))
-            continue
-        if _unusable(value):
-            msg = f"{where}: {value!r} holds a control character or an invalid code point; no file has that name"
-            table.problems.append(Problem("bad_metadata", str(path), msg))
-            continue
-        value = value.strip()
-        rel = _inside(root, real_root, base, value)
-        if rel is None:
-            msg = f"{where}: {value!r} is outside the dataset folder {root}"
+    return fcol, ccol
+
+
+def _row_path(
+    value: Any, fcol: str, where: str, root: Path, real_root: Path, base: str, path: Path, table: MetadataTable
+) -> str | None:
+    """A row's media path relative to the root (None: empty, unusable, outside the root or listed already: a
+    problem says which)."""
+    if not isinstance(value, str) or not value.strip():
+        table.problems.append(Problem("bad_metadata", str(path), f"{where}: {fcol!r} is empty or not text"))
+        return None
+    if _unusable(value):
+        msg = f"{where}: {value!r} holds a control character or an invalid code point; no file has that name"
+        table.problems.append(Problem("bad_metadata", str(path), msg))
+        return None
+    value = value.strip()
+    rel = _inside(root, real_root, base, value)
+    if rel is None:
+        msg = f"{where}: {value!r} is outside the dataset folder {root}"
+        table.problems.append(Problem("path_outside_root", str(path), msg))
+        return None
+    if rel in table.captions:
+        msg = f"{where}: {rel!r} is already listed in {table.where[rel]}"
+        table.problems.append(Problem("bad_metadata", str(path), msg))
+        return None
+    return rel
+
+
+def _aux_path(
+    cell: Any, role: str, where: str, root: Path, real_root: Path, base: str, path: Path, table: MetadataTable
+) -> str | None:
+    """A row's aux file (mask, control) relative to the root (None: an empty cell, or a problem)."""
+    if isinstance(cell, str) and _unusable(cell):
+        msg = f"{where}: {role} {cell!r} holds a control character or an invalid code point"
+        table.problems.append(Problem("bad_metadata", str(path), msg))
+    elif isinstance(cell, str) and cell.strip():
+        aux_rel = _inside(root, real_root, base, cell.strip())
+        if aux_rel is None:
+            msg = f"{where}: {role} {cell.strip()!r} is outside the dataset folder {root}"
             table.problems.append(Problem("path_outside_root", str(path), msg))
-            continue
-        if rel in table.captions:
-            msg = f"{where}: {rel!r} is already listed in {table.where[rel]}"
-            table.problems.append(Problem("bad_metadata", str(path), msg))
-            continue
-        table.captions[rel] = rec.get(ccol)
-        table.where[rel] = where
-        for role, col in aux_columns.items():
-            cell = rec.get(col)
-            aux_rel = None
-            if isinstance(cell, str) and _unusable(cell):
-                msg = f"{where}: {role} {cell!r} holds a control character or an invalid code point"
-                table.problems.append(Problem("bad_metadata", str(path), msg))
-            elif isinstance(cell, str) and cell.strip():
-                aux_rel = _inside(root, real_root, base, cell.strip())
-                if aux_rel is None:
-                    msg = f"{where}: {role} {cell.strip()!r} is outside the dataset folder {root}"
-                    table.problems.append(Problem("path_outside_root", str(path), msg))
-            table.aux[role][rel] = aux_rel
+        return aux_rel
+    return None

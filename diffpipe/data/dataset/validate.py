@@ -243,7 +243,6 @@ def _captions(
     """Attach captions (metadata first, then same-stem files) and report orphan caption files."""
     files = {os.path.splitext(c)[0]: c for c in listing.captions}
     used: set[str] = set()
-    root = str(listing.root)
     for row in rows:
         rel = row["relpath"]
         stem = os.path.splitext(rel)[0]
@@ -258,37 +257,8 @@ def _captions(
             texts, reason, note = list(c.texts), c.reason, c.note
             used.add(stem)
         elif stem in files:
-            crel = files[stem]
             used.add(stem)
-            size, mtime = listing.stats.get(crel) or _stat(os.path.join(root, crel))
-            row.update(caption_file=crel, caption_size=size, caption_mtime_ns=mtime)
-            prev = previous.get(row["id"])
-            if (
-                caption_key_same
-                and prev
-                and prev["caption_file"] == crel
-                and prev["caption_size"] == size
-                and prev["caption_mtime_ns"] == mtime
-                and "unreadable" not in prev["reasons"]
-            ):
-                texts = list(prev["captions"] or [])
-                both = zip(prev["reasons"], prev["notes"], strict=True)
-                reason, note = next(((r, n) for r, n in both if r in _CAPTION_REASONS), (None, None))
-            else:
-                result.captions_read += 1
-                try:
-                    data = (listing.root / crel).read_bytes()
-                except OSError as err:
-                    texts, reason = [], "unreadable"
-                    note = f"cannot read caption file {crel}: {err.strerror or err}"
-                else:
-                    c = cap.decode_caption(
-                        data,
-                        name=f"caption file {crel}",
-                        lines=ds.caption_lines,
-                        style=ds.caption_style,
-                    )
-                    texts, reason, note = list(c.texts), c.reason, c.note
+            texts, reason, note = _caption_file(ds, listing, row, files[stem], previous, caption_key_same, result)
         else:
             texts, reason = [], "missing_caption"
             where = f" and no row in {', '.join(meta.files)}" if meta.files else ""
@@ -305,6 +275,41 @@ def _captions(
                 "orphan_caption",
                 f"caption file {crel} has no media file with the same name",
             )
+
+
+def _caption_file(
+    ds: DatasetConfig,
+    listing: Listing,
+    row: dict[str, Any],
+    crel: str,
+    previous: dict[str, dict[str, Any]],
+    caption_key_same: bool,
+    result: ValidationResult,
+) -> tuple[list[str], str | None, str | None]:
+    """A row's captions from its same-stem caption file ``crel`` (texts, problem reason, note): the previous
+    run's when the file and the caption settings are unchanged, else read and decoded (counted in
+    ``result.captions_read``). Records the file's stat in the row."""
+    size, mtime = listing.stats.get(crel) or _stat(os.path.join(str(listing.root), crel))
+    row.update(caption_file=crel, caption_size=size, caption_mtime_ns=mtime)
+    prev = previous.get(row["id"])
+    if (
+        caption_key_same
+        and prev
+        and prev["caption_file"] == crel
+        and prev["caption_size"] == size
+        and prev["caption_mtime_ns"] == mtime
+        and "unreadable" not in prev["reasons"]
+    ):
+        both = zip(prev["reasons"], prev["notes"], strict=True)
+        reason, note = next(((r, n) for r, n in both if r in _CAPTION_REASONS), (None, None))
+        return list(prev["captions"] or []), reason, note
+    result.captions_read += 1
+    try:
+        data = (listing.root / crel).read_bytes()
+    except OSError as err:
+        return [], "unreadable", f"cannot read caption file {crel}: {err.strerror or err}"
+    c = cap.decode_caption(data, name=f"caption file {crel}", lines=ds.caption_lines, style=ds.caption_style)
+    return list(c.texts), c.reason, c.note
 
 
 # -- entry point -----------------------------------------------------------------

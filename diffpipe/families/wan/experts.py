@@ -7,6 +7,9 @@ x 1000``: ``transformer``). It is called like one transformer, so the family's
 loss, the DeepSpeed engine and the evaluator need no change, and its PEFT
 state holds both LoRAs with ``transformer.`` / ``transformer_2.`` keys (split
 per expert on export).
+
+The timestep range each expert owns (:func:`expert_range`, :func:`keep_in_expert`) is what a run
+training one of them (``high`` or ``low``) draws its noise levels from.
 """
 
 from __future__ import annotations
@@ -17,7 +20,49 @@ import peft
 import torch
 from diffusers.models.modeling_outputs import Transformer2DModelOutput
 
+from diffpipe.models.base import DenoiserPart
+from diffpipe.paths import LOW_NOISE_SUFFIX
+
 EXPERTS = ("transformer", "transformer_2")  # high noise first, as the pipeline checks them
+#: ``model.expert`` -> the pipeline attribute of the transformer it trains.
+EXPERT_ATTR = {"high": "transformer", "low": "transformer_2", "both": "transformer"}
+#: ``model.expert: both``: each expert's export (the low one's names end in ``_low_noise``).
+BOTH_PARTS = (
+    DenoiserPart("transformer", label="high-noise expert"),
+    DenoiserPart(
+        "transformer_2",
+        suffix=LOW_NOISE_SUFFIX,
+        load_kwargs={"load_into_transformer_2": True},
+        label="low-noise expert",
+    ),
+)
+
+
+def unshift_timesteps(sigma: float, shift: float) -> float:
+    """Inverse of ``objectives.shift_timesteps``: the fraction ``t`` whose shifted value is ``sigma``."""
+    return sigma / (shift - (shift - 1) * sigma)
+
+
+def expert_range(expert: str | None, boundary_ratio: float | None, shift: float) -> tuple[float, float]:
+    """The trained expert's timestep range ``[lo, hi)`` as fractions before the shift ((0, 1): all).
+
+    The pipeline switches experts where ``sigma * 1000 >= boundary_ratio * 1000``, with
+    ``sigma`` the shifted fraction, so the boundary maps back through the inverse shift.
+    """
+    if expert in (None, "both"):  # both: each drawn timestep picks its expert
+        return 0.0, 1.0
+    cut = unshift_timesteps(boundary_ratio, shift)
+    return (cut, 1.0) if expert == "high" else (0.0, cut)
+
+
+def keep_in_expert(sigma: torch.Tensor, expert: str | None, boundary_ratio: float | None) -> torch.Tensor:
+    """Shifted fractions held on the trained expert's side of the boundary: rounding must never hand the
+    other expert's steps to this one (``high``: ``>= boundary``; ``low``: ``< boundary``)."""
+    if expert == "high":
+        return sigma.clamp(min=boundary_ratio)
+    if expert == "low":
+        return sigma.clamp(max=float(torch.nextafter(torch.tensor(boundary_ratio), torch.tensor(0.0))))
+    return sigma
 
 
 class WanExperts(torch.nn.Module):

@@ -10,57 +10,17 @@ embeddings past each prompt's length are zeros, padded to
 (UniPC with flow sigmas and ``flow_shift``). Images train as single-frame
 clips. Clips are resampled to 16 fps.
 
-Variants (``model.variant``; a local folder's is read from it):
-
-- ``2.1``: Wan 2.1 T2V (16-channel VAE, 8x spatial).
-- ``2.2-5b``: Wan 2.2 TI2V-5B used text-to-video: the 48-channel VAE with 16x
-  spatial compression (2x2 patchified inside the VAE) and ``expand_timesteps``:
-  the transformer gets one timestep per latent token (``[B, seq]``).
-- ``2.2-5b-i2v``: Wan 2.2 TI2V-5B's image-conditioned mode (the same
-  weights; a TI2V-5B folder is accepted): each item's control image (its
-  first frame) is cached as its one-frame latents; the transformer gets them
-  as the clean first latent frame with timestep 0 on its tokens, as
-  ``WanImageToVideoPipeline`` with ``expand_timesteps`` does, and the loss
-  leaves that frame out (the pipeline keeps the image's latents there).
-  One-frame items (images) therefore add no loss in this mode.
-- ``2.2-a14b``: Wan 2.2 T2V-A14B, two experts: ``transformer`` denoises while
-  the scheduler timestep is at or above ``boundary_ratio x 1000`` (high
-  noise), ``transformer_2`` below it (low noise). ``model.expert`` picks the
-  one trained (``high`` or ``low``); its timesteps are drawn only from its
-  own range, so the LoRA learns exactly what the pipeline will ask of it.
-  The LoRA file keeps diffusers' ``transformer.`` keys either way; the low
-  expert's loads with ``pipe.load_lora_weights(file, load_into_transformer_2=True)``.
-  ``both`` trains a LoRA on each in one run (:mod:`diffpipe.families.wan.experts`):
-  timesteps are drawn over the whole schedule and each sample goes to the
-  expert the pipeline would use at its timestep; export writes the low
-  expert's LoRA beside the high one's with a ``_low_noise`` suffix.
-- ``2.2-i2v-a14b``: Wan 2.2 I2V-A14B: the two experts of ``2.2-a14b``
-  (boundary 0.9) conditioned on a first frame as ``2.1-i2v`` is, through the
-  condition latents alone: no image encoder, no image key/value projections
-  (``WanImageToVideoPipeline`` passes no image embedding when the transformer
-  has no ``image_dim``). ``model.expert`` as for ``2.2-a14b``.
-- ``2.1-flf2v``: Wan 2.1 FLF2V (first and last frame to video): ``2.1-i2v``'s
-  conditioning from two frames, as ``WanImageToVideoPipeline(image=..., last_image=...)``
-  builds it: the condition latents hold the first frame, black frames and the
-  last frame, the mask marks both, and the image embedder reads both frames'
-  CLIP states with its position embedding over the pair. Each item's control
-  is its first frame (a control image or ``control_from_first_frame``) and
-  its own last frame (``datasets[].control_from_last_frame``, required).
-- ``2.1-i2v``: Wan 2.1 I2V in ``WanImageToVideoPipeline``: each item's control
-  image (a control image, or its own first frame with
-  ``datasets[].control_from_first_frame``) is cached as the VAE latents of
-  that frame followed by black frames (``control``) and its CLIP vision
-  embedding (``control_embeds``); the loss feeds the 36-channel transformer
-  exactly what the pipeline builds (:mod:`diffpipe.families.wan.i2v`). Its
-  transformer splits the text off the image tokens at 512, so the tiny
-  flavor's prompts are 512 tokens long too.
+Variants (``model.variant``; a local folder's is read from it) are declared in
+:mod:`diffpipe.families.wan.variants`: Wan 2.1 T2V (``2.1``), I2V (``2.1-i2v``) and FLF2V
+(``2.1-flf2v``), Wan 2.2 TI2V-5B (``2.2-5b``, image-conditioned ``2.2-5b-i2v``) and the A14B
+experts (``2.2-a14b``, ``2.2-i2v-a14b``). One class trains them all from the variant's flags;
+the image conditioning is :mod:`diffpipe.families.wan.i2v`'s, the experts'
+:mod:`diffpipe.families.wan.experts`'.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
-from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 from typing import Any, ClassVar
@@ -79,149 +39,26 @@ from transformers import AutoTokenizer, UMT5Config, UMT5EncoderModel
 
 from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.families.wan import i2v as wan_i2v
-from diffpipe.families.wan.experts import WanExperts
-from diffpipe.families.wan.flavors import TINY_LENGTH, TINY_TRANSFORMER, TINY_UMT5, TINY_VAE, TINY_VAE_22
+from diffpipe.families.wan.experts import BOTH_PARTS, EXPERT_ATTR, WanExperts, expert_range, keep_in_expert
+from diffpipe.families.wan.flavors import TINY_UMT5
+from diffpipe.families.wan.layers import wan_layers
+from diffpipe.families.wan.variants import (  # VARIANTS, WanVariant, detect_variant: also imported from here
+    CONDITIONING,
+    EXPERT_VARIANTS,
+    MAX_LENGTH,
+    VARIANTS,
+    WanVariant,
+    detect_variant,
+)
 from diffpipe.models import _common as common
 from diffpipe.models import objectives as obj
 from diffpipe.models import targets
 from diffpipe.models.base import DenoiserPart, Family, Prepared
 from diffpipe.models.components import TextBundle, TextEncoder, TextPart, Tokenizer
 from diffpipe.models.tokenizers import t5_tokenizer
-from diffpipe.paths import LOW_NOISE_SUFFIX
 from diffpipe.utils import digest
 
-MAX_LENGTH = 512  # WanPipeline's default max_sequence_length
-DEFAULT_BOUNDARY = 0.875  # Wan 2.2 T2V-A14B's boundary_ratio
-I2V_BOUNDARY = 0.9  # Wan 2.2 I2V-A14B's
-CLIP_TOKENS = 257  # Wan 2.1 I2V's CLIP vision states per image (ViT-H/14 at 224 px: 16 x 16 patches + class)
-EXPERT_ATTR = {"high": "transformer", "low": "transformer_2", "both": "transformer"}
-#: ``model.expert: both``: each expert's export (the low one's names end in ``_low_noise``).
-BOTH_PARTS = (
-    DenoiserPart("transformer", label="high-noise expert"),
-    DenoiserPart(
-        "transformer_2",
-        suffix=LOW_NOISE_SUFFIX,
-        load_kwargs={"load_into_transformer_2": True},
-        label="low-noise expert",
-    ),
-)
-
-
-@dataclass(frozen=True)
-class WanVariant:
-    """What tells one Wan version from another, and its tiny flavor."""
-
-    vae: dict[str, Any]
-    transformer: dict[str, Any]
-    #: The published scheduler's flow shift (the tiny flavor's scheduler uses it).
-    flow_shift: float
-    #: One timestep per latent token (Wan 2.2 TI2V-5B).
-    expand_timesteps: bool = False
-    #: Two experts split at this fraction of the schedule (Wan 2.2 A14B); None: one transformer.
-    boundary_ratio: float | None = None
-    seed_prefix: str = "wan"
-    #: Conditioned on a first frame (its condition latents beside the noisy ones: Wan 2.1 and 2.2 I2V).
-    image_to_video: bool = False
-    #: ... and on its CLIP vision embedding (Wan 2.1 I2V; Wan 2.2 I2V-A14B has no image encoder).
-    image_embeds: bool = False
-    #: ... and on a last frame too (Wan 2.1 FLF2V: ``last_image``).
-    last_frame: bool = False
-    #: The tiny flavor's prompt length.
-    text_length: int = TINY_LENGTH
-    #: Another variant whose weights this one trains in another mode (a folder detected as it is accepted).
-    weights_of: str | None = None
-
-
-_TI2V_5B = WanVariant(
-    TINY_VAE_22,
-    {**TINY_TRANSFORMER, "in_channels": 48, "out_channels": 48},
-    5.0,
-    expand_timesteps=True,
-    seed_prefix="wan2.2-5b",
-)
-
-VARIANTS: dict[str, WanVariant] = {
-    "2.1": WanVariant(TINY_VAE, TINY_TRANSFORMER, 3.0),
-    "2.2-5b": _TI2V_5B,
-    # TI2V-5B's image-conditioned mode: the first latent frame is the image's clean latents at timestep 0.
-    "2.2-5b-i2v": dataclasses.replace(_TI2V_5B, image_to_video=True, weights_of="2.2-5b"),
-    "2.2-a14b": WanVariant(
-        TINY_VAE, TINY_TRANSFORMER, 12.0, boundary_ratio=DEFAULT_BOUNDARY, seed_prefix="wan2.2-a14b"
-    ),
-    # 16 noisy + 4 mask + 16 condition channels in; image tokens through extra key/value projections.
-    "2.1-i2v": WanVariant(
-        TINY_VAE,
-        {
-            **TINY_TRANSFORMER,
-            "in_channels": 36,
-            "image_dim": wan_i2v.TINY_CLIP_VISION["hidden_size"],
-            "added_kv_proj_dim": TINY_TRANSFORMER["num_attention_heads"] * TINY_TRANSFORMER["attention_head_dim"],
-        },
-        3.0,
-        seed_prefix="wan2.1-i2v",
-        image_to_video=True,
-        image_embeds=True,
-        text_length=MAX_LENGTH,
-    ),
-    # 2.1-i2v's transformer whose image embedder takes the first and last frames' CLIP states, with a
-    # position embedding over the pair (two tiny CLIP sequences of 17 tokens).
-    "2.1-flf2v": WanVariant(
-        TINY_VAE,
-        {
-            **TINY_TRANSFORMER,
-            "in_channels": 36,
-            "image_dim": wan_i2v.TINY_CLIP_VISION["hidden_size"],
-            "added_kv_proj_dim": TINY_TRANSFORMER["num_attention_heads"] * TINY_TRANSFORMER["attention_head_dim"],
-            "pos_embed_seq_len": 2 * wan_i2v.TINY_CLIP_TOKENS,
-        },
-        5.0,
-        seed_prefix="wan2.1-flf2v",
-        image_to_video=True,
-        image_embeds=True,
-        last_frame=True,
-        text_length=MAX_LENGTH,
-    ),
-    # 16 noisy + 4 mask + 16 condition channels in, no image embedder; two experts.
-    "2.2-i2v-a14b": WanVariant(
-        TINY_VAE,
-        {**TINY_TRANSFORMER, "in_channels": 36},
-        5.0,
-        boundary_ratio=I2V_BOUNDARY,
-        seed_prefix="wan2.2-i2v-a14b",
-        image_to_video=True,
-    ),
-}
-#: What a variant's transformer is conditioned on (:meth:`WanFamily.sizes`).
-_CONDITIONING = ("image_to_video", "image_embeds", "last_frame", "expand_timesteps")
-#: The variants with two experts (``model.expert``).
-EXPERT_VARIANTS = tuple(name for name, v in VARIANTS.items() if v.boundary_ratio is not None)
-
-
 _tiny_umt5 = common.tiny_text_model(UMT5EncoderModel, UMT5Config, TINY_UMT5, "wan.text_encoder", common.T5_IDS)
-
-def detect_variant(path: str | Path) -> str:
-    """The Wan version of a diffusers folder: a ``transformer_2`` means A14B (I2V when its transformer
-    reads 36 channels), an ``image_encoder`` 2.1 I2V (FLF2V when the image embedder has a position
-    embedding over two images), a 48-channel VAE TI2V-5B."""
-    path = Path(path)
-    index_file = path / "model_index.json"
-    index = json.loads(index_file.read_text()) if index_file.is_file() else {}
-    second = index.get("transformer_2")
-    if (isinstance(second, list) and second and second[0]) or (path / "transformer_2" / "config.json").is_file():
-        channels = WanTransformer3DModel.load_config(path, subfolder="transformer").get("in_channels")
-        return "2.2-i2v-a14b" if channels == 36 else "2.2-a14b"
-    encoder = index.get("image_encoder")
-    if (isinstance(encoder, list) and encoder and encoder[0]) or (path / "image_encoder" / "config.json").is_file():
-        pairs = WanTransformer3DModel.load_config(path, subfolder="transformer").get("pos_embed_seq_len")
-        return "2.1-flf2v" if pairs else "2.1-i2v"
-    if index.get("expand_timesteps") or AutoencoderKLWan.load_config(path, subfolder="vae").get("z_dim") == 48:
-        return "2.2-5b"
-    return "2.1"
-
-
-def unshift_timesteps(sigma: float, shift: float) -> float:
-    """Inverse of ``objectives.shift_timesteps``: the fraction ``t`` whose shifted value is ``sigma``."""
-    return sigma / (shift - (shift - 1) * sigma)
 
 
 class WanFamily(Family):
@@ -448,15 +285,10 @@ class WanFamily(Family):
         the frames' CLIP hidden states)."""
         if not self.spec.image_to_video:
             return super().encode_control(vae, control, frames=frames)
-        given = control.shape[2]
         if self.expand_timesteps:  # TI2V-5B: the image alone, as a one-frame clip
             return {"control": self.encode_pixels(vae, control[:, :, :1])}
-        if given != (2 if self.spec.last_frame else 1):
-            raise ValueError(
-                f"{self.model_label} {self.variant} conditions on {'a first and a last frame' if self.spec.last_frame else 'one image'}"
-                f", got {given} control frame(s): datasets[].control_from_last_frame must be "
-                f"{str(self.spec.last_frame).lower()}"
-            )
+        wan_i2v.check_control_frames(control.shape[2], last=self.spec.last_frame,
+                                     model=f"{self.model_label} {self.variant}")
         out = {"control": self.encode_pixels(vae, wan_i2v.condition_video(control, frames))}
         if self.spec.image_embeds:
             encoder, processor = self._image_encoder
@@ -487,15 +319,8 @@ class WanFamily(Family):
 
     # -- training ----------------------------------------------------------------
     def expert_range(self, shift: float) -> tuple[float, float]:
-        """The trained expert's timestep range ``[lo, hi)`` as fractions before the shift ((0, 1): all).
-
-        The pipeline switches experts where ``sigma * 1000 >= boundary_ratio * 1000``, with
-        ``sigma`` the shifted fraction, so the boundary maps back through the inverse shift.
-        """
-        if self.expert in (None, "both"):  # both: each drawn timestep picks its expert
-            return 0.0, 1.0
-        cut = unshift_timesteps(self.boundary_ratio, shift)
-        return (cut, 1.0) if self.expert == "high" else (0.0, cut)
+        """The trained expert's timestep range ``[lo, hi)`` as fractions before the shift ((0, 1): all)."""
+        return expert_range(self.expert, self.boundary_ratio, shift)
 
     def _sigmas(self, o: ObjectiveConfig, b: int, generator: torch.Generator, t: torch.Tensor | None,
                 shift: float | None = None) -> torch.Tensor:
@@ -518,12 +343,7 @@ class WanFamily(Family):
             t = obj.limit_timesteps(t, ulo, uhi)
         elif self.expert in ("high", "low"):
             t = obj.limit_timesteps(t, lo, hi)
-        sigma = obj.shift_timesteps(t.float(), shift)
-        if self.expert == "high":  # rounding must never hand the other expert's steps to this one
-            sigma = sigma.clamp(min=self.boundary_ratio)
-        elif self.expert == "low":
-            sigma = sigma.clamp(max=float(torch.nextafter(torch.tensor(self.boundary_ratio), torch.tensor(0.0))))
-        return sigma
+        return keep_in_expert(obj.shift_timesteps(t.float(), shift), self.expert, self.boundary_ratio)
 
     def _clip_sigmas(self, o: ObjectiveConfig, x0: torch.Tensor, generator: torch.Generator,
                      t: torch.Tensor | None) -> torch.Tensor:
@@ -554,24 +374,15 @@ class WanFamily(Family):
         each item (I2V only; ``control_embeds`` 2.1-i2v only).
         """
         if self.spec.image_to_video and (control is None or (self.spec.image_embeds and control_embeds is None)):
-            raise ValueError(
-                f"model.variant {self.variant} needs a control image per item (its conditioning first frame): set "
-                "datasets[].control_path / control_column, or control_from_first_frame: true"
-                + (" (and control_from_last_frame: true)" if self.spec.last_frame else "")
-            )
+            raise wan_i2v.missing_control(self.variant, last=self.spec.last_frame)
         o = objective
         x0, sigma, noise = self._draw(latents, generator, t, noise, o)
         noisy = obj.flow_interpolate(x0, noise, sigma)
         weights = self.loss_mask(mask, x0, o)
         first_clean = self.spec.image_to_video and self.expand_timesteps
-        if first_clean:  # TI2V-5B: the clean first frame replaces the noisy one; nothing to learn there
-            keep = wan_i2v.noisy_frames(x0)
-            noisy = (1 - keep) * control.to(x0.device).float() + keep * noisy
-            weights = keep.expand(x0.shape) * (1 if weights is None else weights)
-        elif self.spec.image_to_video:
-            noisy = wan_i2v.transformer_input(
-                noisy, control.to(x0.device).float(), self.frame_rule[0], last=self.spec.last_frame
-            )
+        if self.spec.image_to_video:
+            noisy, weights = wan_i2v.condition(noisy, x0, control, weights, first_clean=first_clean,
+                                               temporal=self.frame_rule[0], last=self.spec.last_frame)
         inputs = {
             "hidden_states": noisy.to(dtype),
             "timestep": sigma * self._scheduler_config.get("num_train_timesteps", 1000),
@@ -592,18 +403,16 @@ class WanFamily(Family):
         theirs = self.variant_table.get(published.variant)
         if theirs is None or published.variant in self.published_variants:  # these weights, in any mode
             return True
-        return all(getattr(theirs, k) == getattr(self.spec, k) for k in _CONDITIONING)
+        return all(getattr(theirs, k) == getattr(self.spec, k) for k in CONDITIONING)
 
     def estimate_controls(self, latents: torch.Tensor, denoiser: torch.nn.Module,
                           references: int = 1) -> dict[str, torch.Tensor]:
         """Condition latents like the target and, for an image embedder, CLIP states of its width: 257 tokens
         (CLIP ViT-H/14 at 224 px) a frame, or the pair its position embedding covers (FLF2V)."""
         out = super().estimate_controls(latents, denoiser, references)
-        config = common.unwrap(denoiser).config
-        if config.get("image_dim"):
-            pairs = config.get("pos_embed_seq_len")
-            shape = (2, pairs // 2) if pairs else (CLIP_TOKENS,)
-            out["control_embeds"] = latents.new_zeros(latents.shape[0], *shape, config["image_dim"])
+        embeds = wan_i2v.estimate_embeds(latents, common.unwrap(denoiser).config)
+        if embeds is not None:
+            out["control_embeds"] = embeds
         return out
 
     def predict(self, denoiser: torch.nn.Module, prepared: Prepared) -> torch.Tensor:
@@ -622,8 +431,6 @@ class WanFamily(Family):
     # -- pipeline parallelism ------------------------------------------------------
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """Embedding, one layer per block, output (``layers.py``)."""
-        from diffpipe.families.wan.layers import wan_layers
-
         if self.spec.image_to_video:
             raise ValueError(f"{self.name} {self.variant}: pipeline parallelism is not implemented; set "
                              "train.pipeline_stages: 1")
@@ -636,12 +443,8 @@ class WanFamily(Family):
 
     # -- sampling ----------------------------------------------------------------
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
-        if self.spec.image_to_video and not cfg.images:
-            raise ValueError(f"sample.images: {self.model_label} {self.variant} (image-to-video) samples start from an image; "
-                             "give one per sample.prompts")
-        if self.spec.last_frame and not cfg.last_images:
-            raise ValueError(f"sample.last_images: {self.model_label} {self.variant} samples end on a given last frame; give one "
-                             "per sample.prompts")
+        wan_i2v.check_sample_images(cfg.images, cfg.last_images, first=self.spec.image_to_video,
+                                    last=self.spec.last_frame, model=f"{self.model_label} {self.variant}")
         return {
             **super().sample_kwargs(cfg),
             "max_sequence_length": self.max_sequence_length,

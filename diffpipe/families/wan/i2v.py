@@ -49,6 +49,7 @@ TINY_CLIP_VISION = {
 }
 #: Its hidden states' length per image.
 TINY_CLIP_TOKENS = (TINY_CLIP_VISION["image_size"] // TINY_CLIP_VISION["patch_size"]) ** 2 + 1
+CLIP_TOKENS = 257  # Wan 2.1 I2V's CLIP vision states per image (ViT-H/14 at 224 px: 16 x 16 patches + class)
 
 
 def tiny_image_encoder(seed: int, prefix: str) -> tuple[CLIPVisionModel, CLIPImageProcessor]:
@@ -180,3 +181,57 @@ def first_frame_timesteps(timestep: torch.Tensor, frames: int, per_frame: int) -
     t = timestep[:, None].expand(timestep.shape[0], frames * per_frame).clone()
     t[:, :per_frame] = 0
     return t
+
+
+def check_control_frames(given: int, *, last: bool, model: str) -> None:
+    """A clear error unless the cached control holds the frames the model conditions on (one, or a first and a
+    last)."""
+    if given != (2 if last else 1):
+        raise ValueError(
+            f"{model} conditions on {'a first and a last frame' if last else 'one image'}"
+            f", got {given} control frame(s): datasets[].control_from_last_frame must be "
+            f"{str(last).lower()}"
+        )
+
+
+def missing_control(variant: str, *, last: bool) -> ValueError:
+    """The error for a batch without the control an image-conditioned variant trains on."""
+    return ValueError(
+        f"model.variant {variant} needs a control image per item (its conditioning first frame): set "
+        "datasets[].control_path / control_column, or control_from_first_frame: true"
+        + (" (and control_from_last_frame: true)" if last else "")
+    )
+
+
+def condition(noisy: torch.Tensor, x0: torch.Tensor, control: torch.Tensor, weights: torch.Tensor | None, *,
+              first_clean: bool, temporal: int, last: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The transformer's input latents and the loss weights, conditioned on the cached ``control`` as the
+    pipeline does: TI2V-5B (``first_clean``) puts the clean first frame in place of the noisy one and leaves
+    it out of the loss (nothing to learn there); the 36-channel models read the mask and condition latents
+    beside the noisy ones."""
+    if first_clean:
+        keep = noisy_frames(x0)
+        noisy = (1 - keep) * control.to(x0.device).float() + keep * noisy
+        return noisy, keep.expand(x0.shape) * (1 if weights is None else weights)
+    return transformer_input(noisy, control.to(x0.device).float(), temporal, last=last), weights
+
+
+def estimate_embeds(latents: torch.Tensor, config: Any) -> torch.Tensor | None:
+    """Zero CLIP states of an image embedder's width (None: the transformer has none): 257 tokens (CLIP ViT-H/14
+    at 224 px) a frame, or the pair its position embedding covers (FLF2V)."""
+    if not config.get("image_dim"):
+        return None
+    pairs = config.get("pos_embed_seq_len")
+    shape = (2, pairs // 2) if pairs else (CLIP_TOKENS,)
+    return latents.new_zeros(latents.shape[0], *shape, config["image_dim"])
+
+
+def check_sample_images(images: Any, last_images: Any, *, first: bool, last: bool, model: str) -> None:
+    """A clear error unless ``sample`` gives the images an image-to-video model starts (``first``) and, FLF2V
+    (``last``), ends on."""
+    if first and not images:
+        raise ValueError(f"sample.images: {model} (image-to-video) samples start from an image; "
+                         "give one per sample.prompts")
+    if last and not last_images:
+        raise ValueError(f"sample.last_images: {model} samples end on a given last frame; give one "
+                         "per sample.prompts")
