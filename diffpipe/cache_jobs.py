@@ -64,6 +64,11 @@ from diffpipe.utils import write_text_atomic
 
 
 def _device(device: str | None) -> torch.device:
+    """The device a cache job encodes on, with the CUDA defaults every model-running stage applies."""
+    # deferred: models._common loads transformers and diffusers (seconds), which only an encoding job needs
+    from diffpipe.models._common import cuda_defaults
+
+    cuda_defaults()
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
 
 

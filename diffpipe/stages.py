@@ -91,6 +91,7 @@ def _part(cfg: Config | _Part, kind: type[_Part]) -> _Part:
 def validate(cfg: Config | ValidateInputs, paths: RunPaths, *, rehash: bool = False, workers: int | None = None,
              tokens: bool = True, console: Console | None = None) -> ValidationResult:
     """Check every dataset file; write the manifest and the reports (``diffpipe validate``)."""
+    # deferred: loads torch / diffusers (seconds); the CLI imports this module for every command
     from diffpipe.data.dataset.validate import run_validation
     from diffpipe.families.token_counter import FamilyTokenCounter
 
@@ -104,6 +105,7 @@ def validate(cfg: Config | ValidateInputs, paths: RunPaths, *, rehash: bool = Fa
 
 def plan(cfg: Config | PlanInputs, paths: RunPaths) -> PlanResult:
     """Assign the manifest's items to shards and write the shard specs (``diffpipe plan``)."""
+    # deferred: loads torch / diffusers (seconds); the CLI imports this module for every command
     from diffpipe.data.cache.plan import make_plan
     from diffpipe.families import get_family
     from diffpipe.families.datasets import check_datasets_fit
@@ -120,6 +122,7 @@ def plan(cfg: Config | PlanInputs, paths: RunPaths) -> PlanResult:
 def cache_latents(cfg: Config | CacheInputs, paths: RunPaths, shard: str, *, regenerate: bool = False,
                   trust: bool = False) -> dict[str, Any]:
     """Build one latent shard (``diffpipe cache latents``); returns its summary."""
+    # deferred: loads torch / diffusers (seconds); the CLI imports this module for every command
     from diffpipe.cache_jobs import cache_latents as build
 
     cfg = _part(cfg, CacheInputs)
@@ -129,6 +132,7 @@ def cache_latents(cfg: Config | CacheInputs, paths: RunPaths, shard: str, *, reg
 
 def cache_text(cfg: Config | CacheInputs, paths: RunPaths, shard: str, *, regenerate: bool = False) -> dict[str, Any]:
     """Build one text shard (``diffpipe cache text``); returns its summary."""
+    # deferred: loads torch / diffusers (seconds); the CLI imports this module for every command
     from diffpipe.cache_jobs import cache_text as build
 
     cfg = _part(cfg, CacheInputs)
@@ -139,6 +143,7 @@ def cache_text(cfg: Config | CacheInputs, paths: RunPaths, shard: str, *, regene
 
 def cache_empty(cfg: Config | CacheInputs, paths: RunPaths, *, regenerate: bool = False) -> dict[str, Any]:
     """Encode the empty caption (``diffpipe cache empty``); returns its summary."""
+    # deferred: loads torch / diffusers (seconds); the CLI imports this module for every command
     from diffpipe.cache_jobs import cache_empty_text
 
     cfg = _part(cfg, CacheInputs)
@@ -155,6 +160,7 @@ def export(target: Path | None, cfg: Config | None, *, formats: list[str] | None
     resolved config (default: the run's own). Without either config, an adapter's header names the
     base model (a tiny flavor) and the formats are the defaults.
     """
+    # deferred: loads torch / diffusers (seconds); the CLI imports this module for every command
     from diffpipe.export import export_lora
     from diffpipe.export.locate import locate, model_config_from_adapter
     from diffpipe.families import get_family
@@ -170,6 +176,7 @@ def export(target: Path | None, cfg: Config | None, *, formats: list[str] | None
 def sample(cfg: Config | SampleInputs, paths: RunPaths, *, lora: Path | None = None,
            out: Path | None = None) -> list[Path]:
     """Render the sample prompts with ``lora`` (default: the run's export that diffusers reads) (``diffpipe sample``)."""
+    # deferred: loads torch / diffusers (seconds); the CLI imports this module for every command
     from diffpipe.training.sample import render_samples
 
     cfg = _part(cfg, SampleInputs)
