@@ -19,7 +19,7 @@ from diffpipe.utils import write_text_atomic
 
 
 def _memory_fits() -> str:
-    from diffpipe.estimate import fits_markdown  # builds models on the meta device: import torch only here
+    from diffpipe.fits import fits_markdown  # builds models on the meta device: import torch only here
 
     return fits_markdown()
 

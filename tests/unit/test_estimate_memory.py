@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from diffpipe.config import Config
-from diffpipe.estimate import FITS_MODELS, GiB, estimate_memory, fits_row
+from diffpipe.estimate import GiB, estimate_memory
 from diffpipe.families.published import PUBLISHED
+from diffpipe.fits import FITS_MODELS, fits_row
 from diffpipe.readme_tables import REPO_ROOT
 from diffpipe.training import offload
 
