@@ -92,8 +92,8 @@ class TrainConfig(Section):
         description="Block swap for one GPU: the frozen weights of the denoiser's last N repeated blocks stay in "
         "CPU memory and each block is copied to the GPU for its forward and for its recomputation in the backward "
         "pass (0: off; more than the block count: every block). Costs their size in (pinned) system RAM and one "
-        "transfer per block per forward and per recomputation. Needs activation_checkpointing, LoRA, ZeRO 0-2, "
-        "one pipeline stage.",
+        "transfer per block per forward and per recomputation. Needs activation_checkpointing (every block: "
+        "checkpoint_fraction 1), LoRA, ZeRO 0-2, one pipeline stage.",
         ge=0,
         le=100_000,
     )
@@ -233,6 +233,12 @@ class TrainConfig(Section):
                              "use train.offload_params there)")
         if self.pipeline_stages > 1:
             raise ValueError("train.block_swap needs train.pipeline_stages: 1")
+        if self.checkpoint_fraction < 1:
+            # Swap takes the last blocks; partial checkpointing leaves exactly those unchecked, and their saved
+            # tensors would keep the swapped weights on the GPU until the backward pass.
+            raise ValueError(f"train.block_swap needs every block checkpointed: train.checkpoint_fraction "
+                             f"{self.checkpoint_fraction} leaves the last blocks, the swapped ones, unchecked; "
+                             "set checkpoint_fraction: 1 (or block_swap: 0)")
         return self
 
     @model_validator(mode="after")

@@ -3,7 +3,7 @@ import json
 import pytest
 import yaml
 
-from diffpipe.config import ConfigError, json_schema, load_config, parse_config
+from diffpipe.config import ConfigError, TrainConfig, json_schema, load_config, parse_config
 from diffpipe.paths import REPO_ROOT, SCHEMA_FILE
 
 MINIMAL = {"datasets": [{"name": "d", "path": "data"}]}
@@ -79,3 +79,16 @@ def test_readme_config_reference_is_current():
     start, end = "<!-- config-reference:start -->\n", "\n<!-- config-reference:end -->"
     assert start in readme and end in readme
     assert readme.split(start)[1].split(end)[0].strip() == reference_markdown()
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"activation_checkpointing": False}, "block_swap needs train.activation_checkpointing"),
+    ({"checkpoint_fraction": 0.5}, "checkpoint_fraction 0.5 leaves the last blocks, the swapped ones, unchecked"),
+    ({"zero_stage": 3}, "block_swap works with train.zero_stage 0-2"),
+    ({"pipeline_stages": 2}, "block_swap needs train.pipeline_stages: 1"),
+])
+def test_block_swap_refuses_what_would_keep_swapped_weights_on_the_gpu(extra, message):
+    train = {"block_swap": 4, "activation_checkpointing": True, **extra}
+    with pytest.raises(ValueError, match=message):
+        TrainConfig(**train)
+    assert TrainConfig(block_swap=4, activation_checkpointing=True, checkpoint_fraction=1).block_swap == 4
