@@ -149,6 +149,7 @@ class Trainer:
         pipeline), block swap, and the noise generator."""
         tc, dist, family = self.tc, self.dist, self.family
         self.denoiser = denoiser = family.load_denoiser()
+        self.swap: offload.BlockSwap | None = None
         if tc.base_weights == "auto":
             denoiser.to(engine.device())
         self.trained = trained = Trainable(denoiser, family, self.cfg, is_main=dist.is_main,
@@ -175,11 +176,28 @@ class Trainer:
             optimizer = build_optimizer(trained.param_groups(), tc)
             self.model = engine.build_engine(trained.training_module(), optimizer, make_scheduler(optimizer), tc,
                                              dist.world_size)
-            offload.install(denoiser, tc.block_swap, engine.device())  # after DeepSpeed moved and cast the module
+            # After DeepSpeed moved and cast the module.
+            self.swap = offload.install(denoiser, tc.block_swap, engine.device())
         self.scheduler = self.model.lr_scheduler
         self.ema = Ema(self.params, tc.ema) if tc.ema.enabled else None
         # Noise and timesteps differ per replica but are reproducible per (seed, replica).
         self.gen = torch.Generator(device=engine.device()).manual_seed(tc.seed * 1000 + self.dp_rank)
+
+    def memory_options(self) -> dict[str, Any]:
+        """Every memory setting as it took effect (``auto`` resolved, ``block_swap`` as the blocks swapped of
+        those there are), for the start of the log and ``summary.json``."""
+        tc = self.tc
+        options: dict[str, Any] = {
+            "precision": precision.resolve_precision(tc.precision), "base_weights": tc.base_weights,
+            "activation_checkpointing": tc.activation_checkpointing,
+            "checkpoint_fraction": tc.checkpoint_fraction if tc.activation_checkpointing else None,
+            "block_swap": f"{len(self.swap.blocks)} of {len(offload.swap_blocks(self.denoiser))} blocks"
+            if self.swap else 0,
+            "activation_offload": tc.activation_offload, "zero_stage": tc.zero_stage,
+            "zero_offload": engine.offload_in_effect(self.model), "attention_backend": tc.attention_backend,
+            "compile": tc.compile,
+        }
+        return options
 
     def restore(self) -> int:
         """Resume from the checkpoint asked for, or record the run's config; returns the first step."""
@@ -199,6 +217,8 @@ class Trainer:
             n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.params)  # ZeRO-3 leaves p empty here
             self.log(f"train: {len(self.data)} items, {self.order.steps_per_epoch} steps/epoch, {self.order.total} "
                      f"steps, {n_params:,} trainable parameters ({self.trained.kind}), world size {dist.world_size}")
+            self.log("train: memory options in effect: "
+                     + ", ".join(f"{k} {v}" for k, v in self.memory_options().items()))
         return start
 
     def setup_monitors(self, start: int) -> None:
@@ -344,7 +364,7 @@ class Trainer:
             plot_loss(read_metrics(paths.metrics), paths.train_dir / "loss.png")
             summary = {"steps": order.total, "resumed_from": start, "world_size": dist.world_size,
                        "ranks_agree": agree, "seconds": seconds, "offload": engine.offload_in_effect(self.model),
-                       "skipped_steps": self.streak.total}
+                       "skipped_steps": self.streak.total, "memory": self.memory_options()}
             write_text_atomic(paths.train_dir / "summary.json", stable_json(summary))
             if losses:
                 self.log(f"train: {len(losses)} steps in {seconds:.1f} s; loss {losses[0]:.4f} -> {losses[-1]:.4f}")

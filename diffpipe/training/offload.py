@@ -147,6 +147,11 @@ class BlockSwap:
             self._handles.append(before.register_forward_pre_hook(self._pre_before))
 
     @property
+    def blocks(self) -> list[torch.nn.Module]:
+        """The swapped blocks, in forward order."""
+        return list(self._order)
+
+    @property
     def cpu_bytes(self) -> int:
         """System RAM the CPU copies take."""
         return sum(h.nbytes for pairs in self._home.values() for _, h in pairs)

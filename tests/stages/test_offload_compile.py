@@ -5,6 +5,8 @@ compilation) on CPU."""
 from __future__ import annotations
 
 import copy
+import json
+import re
 
 import peft
 import pytest
@@ -181,6 +183,12 @@ def test_block_swap_trains_through_diffpipe_train_and_resumes_exactly(flux_tiny_
     assert result.returncode == 0, result.stderr[-3000:]
     losses = [r["loss"] for r in read_metrics(RunPaths(tmp_path / "run").metrics)]
     assert len(losses) == 2 and all(x == x for x in losses)
+    # The log and summary.json say which memory options took effect, block_swap as it resolved.
+    assert re.search(r"memory options in effect: precision bf16, base_weights fp8, activation_checkpointing True, "
+                     r"checkpoint_fraction 1.0, block_swap 2 of \d+ blocks", result.stdout + result.stderr)
+    memory = json.loads((RunPaths(tmp_path / "run").train_dir / "summary.json").read_text())["memory"]
+    assert memory["base_weights"] == "fp8" and memory["block_swap"].startswith("2 of ")
+    assert memory["zero_offload"] == {"optimizer": False, "params": False} or not any(memory["zero_offload"].values())
     resumed = cli("train", "-c", str(cfg), "--checkpoint", "step-000001")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["loss"] for r in read_metrics(RunPaths(tmp_path / "run").metrics)] == losses
