@@ -59,9 +59,11 @@ def _torch_checks(cfg: Config | None, estimate) -> list[Check]:
             f"; the tiny flavor is sized as {estimate.model})" if cfg.model.flavor == "tiny" else ")")
         fits = bool(gpus) and need <= have
         checks.append(Check("GPU memory", fits, what + (f"; the smallest GPU has {have / GiB:.0f} GiB" if gpus else
-                            "; no GPU to hold it"), "lower train.batch_size or the resolution, or use "
-                            "train.zero_stage / offload_optimizer / activation_checkpointing on several GPUs "
-                            "(diffpipe estimate -c CONFIG --gpus N shows the effect)"))
+                            "; no GPU to hold it"), "on one GPU: train.base_weights fp8 (or nf4), "
+                            "activation_checkpointing, then block_swap N and activation_offload (system RAM); "
+                            "or lower train.batch_size or the resolution; on several GPUs also zero_stage / "
+                            "offload_optimizer. `diffpipe estimate -c CONFIG` shows each one's effect "
+                            "(--gpus N for several), docs/training.md's table what fits 24/16/12 GiB"))
     return checks
 
 
