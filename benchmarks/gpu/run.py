@@ -1,4 +1,4 @@
-"""The GPU kit: install the carried wheels, print the environment, run checks a-e in order.
+"""The GPU kit: install the carried wheels, print the environment, run checks b-e, then a.
 
     python3 benchmarks/gpu/run.py                  # on the GPU machine (rows under $OUT)
     python3 benchmarks/gpu/run.py --dry-run --out /tmp/kit   # on CPU: same code path, tiny sizes
@@ -6,8 +6,9 @@
 On the GPU machine it first installs ``.whl/*.whl`` (made by ``prepare.py``) with ``--no-deps`` into
 ``/tmp/site``, beside the machine's own torch, then runs the checks in a worker process (import path:
 ``/tmp/site``, then the repository). The checks run in this order, each writing its rows the moment a
-point finishes: ``env`` (GPU, driver, torch, CUDA, packages, a bf16 matmul's rate), a (the demo workflow),
-b (FLUX.1-dev steps per option), c (bare loop), d (attention backends, compile), e (Qwen-Image, Wan 14B).
+point finishes: ``env`` (GPU, driver, torch, CUDA, packages, a bf16 matmul's rate), b (FLUX.1-dev steps per
+option), c (bare loop), d (attention backends, compile), e (Qwen-Image, Wan 14B), then a (the demo workflow,
+a dozen jobs that each import torch: over 200 s on an H200, so it takes what time is left).
 A worker that dies (a crash, the OOM killer) is restarted on the checks not done yet; no point starts
 after ``--budget`` seconds. At the end ``summary.md`` and a table on stdout. See README.md beside this file.
 """
@@ -26,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from kit import ROOT, Run, read_rows  # noqa: E402
 
-CHECKS = ["a", "b", "c", "d", "e"]
+CHECKS = ["b", "c", "d", "e", "a"]  # the measurements first; the workflow takes what is left
 ROW_LINE = re.compile(r"\[(env|a|b|c|d|e)\] ")  # what Run.row logs
 SITE = Path("/tmp/site")
 
@@ -185,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", type=Path, default=None, help="where rows go (default: $OUT, else ./gpu-kit-out)")
     ap.add_argument("--budget", type=float, default=None, help="seconds after which no point starts "
                     "(default 450 on the GPU, 300 dry)")
-    ap.add_argument("--checks", default="", help="a subset of a,b,c,d,e (default: all, in order)")
+    ap.add_argument("--checks", default="", help="a subset of b,c,d,e,a (default: all, in that order)")
     ap.add_argument("--steps", type=int, default=None, help="timed steps per point (default 5; dry run 2)")
     ap.add_argument("--warmup", type=int, default=None, help="warm-up steps per point (default 2; dry run 1)")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

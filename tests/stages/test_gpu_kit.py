@@ -27,8 +27,8 @@ def test_the_dry_run_runs_every_check_and_writes_its_rows(tmp_path):
     by = {(r["check"], r["point"]): r for r in rows}
     env_row = by["env", "environment"]
     assert env_row["torch"] and env_row["matmul_bf16_tflops"] > 0 and "diffusers" in env_row["packages"]
-    # Each check ran to its end, in the order of the issue.
-    assert [r["check"] for r in rows if r["status"] == "done"] == ["a", "b", "c", "d", "e"]
+    # Each check ran to its end: the measurements first, the workflow last.
+    assert [r["check"] for r in rows if r["status"] == "done"] == ["b", "c", "d", "e", "a"]
     assert by["a", "demo workflow bf16 (snakemake dry run)"]["status"] == "dry-run"
     assert by["a", "demo workflow bf16 (snakemake dry run)"]["jobs_planned"] > 0
     for option in OPTIONS:  # the real code path measured something: a step time, FLOPs and an estimate
@@ -80,8 +80,8 @@ def test_a_run_out_of_time_still_leaves_a_row_for_every_check(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     rows = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [(r["check"], r["status"]) for r in rows] == [(c, "skipped") for c in ("env", *"abcde")]
-    assert all("no time left" in r["reason"] for r in rows) and "| e | (whole check) | skipped |" in proc.stdout
+    assert [(r["check"], r["status"]) for r in rows] == [(c, "skipped") for c in ("env", *"bcdea")]
+    assert all("no time left" in r["reason"] for r in rows) and "| a | (whole check) | skipped |" in proc.stdout
 
 
 def test_a_failed_workflow_row_carries_the_failed_jobs_own_log(tmp_path):
