@@ -176,3 +176,11 @@ def clip_lora_keys(encoders: dict[str, int], sdxl: bool) -> dict[str, tuple[str,
                 for prefix in prefixes:
                     out[f"{prefix}_text_model_encoder_layers_{b}_{short}"] = (encoder, f"text_model.encoder.layers.{b}.{c}")
     return out
+
+
+def clip_diffusers_lora_keys(encoders: dict[str, int]) -> dict[str, tuple[str, str]]:
+    """ComfyUI's names for the CLIP weights in a diffusers-format LoRA file (the same map, its "diffusers lora"
+    entries): ``<encoder>.text_model.encoder.layers.b.c`` for ``text_encoder`` and ``text_encoder_2``, the module
+    path as transformers 4 named it; a key without ``text_model.`` answers to no weight there."""
+    return {f"{encoder}.text_model.encoder.layers.{b}.{c}": (encoder, f"text_model.encoder.layers.{b}.{c}")
+            for encoder, layers in encoders.items() for b in range(layers) for c in LORA_CLIP_MAP}

@@ -33,10 +33,12 @@ def export_diffusers(
     alpha = rank (``convert.fold_scale``), so ``load_lora_weights`` and readers that
     ignore the header (ComfyUI) both apply the trained strength.
     ``metadata`` (our ``diffpipe.*`` keys) is added to that header. ``text_encoders``: the trained
-    encoders' LoRAs (scale folded in too), saved by the same call under their pipeline names.
+    encoders' LoRAs (scale folded in too), saved by the same call under their pipeline names, CLIP's layers
+    under ``text_model.`` (:func:`clip_paths_as_transformers4`).
     """
     out_file = Path(out_file)
-    parts = {family.denoiser_name: (state_dict, lora_cfg), **(text_encoders or {})}
+    texts = {name: (clip_paths_as_transformers4(sd), cfg) for name, (sd, cfg) in (text_encoders or {}).items()}
+    parts = {family.denoiser_name: (state_dict, lora_cfg), **texts}
     layers = {f"{name}_lora_layers": sd for name, (sd, _) in parts.items()}
     configs = {f"{name}_lora_adapter_metadata": config_dict(cfg) for name, (_, cfg) in parts.items()}
     with atomic_path(out_file) as tmp_file, tempfile.TemporaryDirectory(dir=tmp_file.parent) as tmp:
@@ -52,3 +54,11 @@ def export_diffusers(
         save_file(load_file(str(written)), str(tmp_file), metadata={**header, **(metadata or {})})
         tmp_file.chmod(0o644)  # files made inside mkdtemp's private folder are 0600
     return out_file
+
+
+def clip_paths_as_transformers4(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """CLIP's layer paths as transformers 4 named them (``text_model.encoder.layers...``): ComfyUI maps a
+    diffusers file's text-encoder LoRA only under those names and drops the rest with a warning, while
+    diffusers' loader strips ``text_model.`` where the installed transformers (5) holds CLIP's layers at the top.
+    Other encoders' keys (T5's ``encoder.block``, decoder LLMs' ``layers``) are left as they are."""
+    return {f"text_model.{k}" if k.startswith("encoder.layers.") else k: v for k, v in state_dict.items()}

@@ -203,6 +203,20 @@ def test_comfyui_file_names_the_encoders_as_comfyui_reads_them(run):
         assert float(tensors[f"{layer}.alpha"]) == 4.0
 
 
+def test_diffusers_file_names_the_encoders_as_comfyui_reads_them(run):
+    """ComfyUI maps a diffusers file's CLIP LoRA only under ``text_model.`` (transformers 4's paths); written with
+    transformers 5's paths, every text-encoder tensor was dropped with a log warning. diffusers' own loader
+    strips the prefix where the installed transformers has none (the stock-load test above)."""
+    cfg, paths, _ = run
+    bundle = get_family(cfg.model).load_text_encoders()
+    layers = {n: getattr(bundle, n).config.num_hidden_layers for n in cfg.train.text_encoder.encoders}
+    known = comfy_rules.clip_diffusers_lora_keys(layers)
+    tensors = load_file(str(paths.export_file("diffusers")))
+    text = {k.rsplit(".lora_", 1)[0] for k in tensors if k.startswith(tuple(f"{n}." for n in layers))}
+    assert text and text <= set(known), sorted(text - set(known))[:3]
+    assert {known[m][0] for m in text} == set(layers)
+
+
 def test_merged_folder_and_import_reproduce_the_encoders(run, tmp_path):
     cfg, paths, root = run
     family = get_family(cfg.model)
