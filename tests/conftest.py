@@ -22,7 +22,7 @@ torch.set_num_threads(1)
 # to test_data_parallel.py, beside the ZeRO-1 run it reuses) and what the smaller SLURM run saves.
 LONGEST_FIRST = (
     "tests/workflow/test_demo_workflow.py",  # 250 s
-    "tests/multiprocess/test_pipeline_parallel.py",  # 190 s: its bf16 runs are slow on CPU
+    "tests/multiprocess/test_pipeline_parallel.py",  # 190 s, less its 1-process bf16 run (now gone)
     "tests/cluster/test_slurm.py",  # 220 s, one test: its worker takes the next file at once
     "tests/stages/test_bench.py",  # 80 s: every bench point is a process
     "tests/multiprocess/test_data_parallel.py",  # 150 s

@@ -5,6 +5,9 @@ Shared by the per-family end-to-end modules (``from stage_cli import invoke, ren
 
 from __future__ import annotations
 
+import subprocess
+import traceback
+
 import pytest
 from typer.testing import CliRunner
 
@@ -32,6 +35,24 @@ def rendezvous(monkeypatch: pytest.MonkeyPatch | None = None) -> pytest.MonkeyPa
                            WORLD_SIZE="1", LOCAL_RANK="0").items():
         monkeypatch.setenv(key, value)
     return monkeypatch
+
+
+def in_process(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``diffpipe ARGS`` through the real Typer app in this process, under a one-process rendezvous (and
+    ``env``), both undone after: what ``cli(...)`` checks, without a fresh interpreter's 6-8 s of CPU for the
+    torch, diffusers and DeepSpeed imports. Returns what a subprocess run returns (exit code, stdout,
+    stderr); an exception that escaped the app is appended to stderr. Runs that must die
+    (``DIFFPIPE_FAULT``) or launch ranks (``--processes``) stay subprocesses (``cli``)."""
+    assert "--processes" not in args and "DIFFPIPE_FAULT" not in (env or {}), "run those with cli()"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        rendezvous(monkeypatch)
+        for key, value in (env or {}).items():
+            monkeypatch.setenv(key, value)
+        result = CliRunner().invoke(app, list(args))
+    stderr = result.stderr
+    if result.exception is not None and not isinstance(result.exception, SystemExit):
+        stderr += "".join(traceback.format_exception(result.exception))
+    return subprocess.CompletedProcess(["diffpipe", *args], result.exit_code, result.stdout, stderr)
 
 
 def run_stages(config, *, cwd, monkeypatch, empty_caption: bool = False,

@@ -11,6 +11,7 @@ up to float summation order.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -85,14 +86,16 @@ def test_pipeline_resumes_exactly(runs, fork_at, cli, tmp_path):
         torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-6)
 
 
-def test_bf16_pipeline_trains_like_one_bf16_process(tiny_run, cli, tmp_path):
+def test_bf16_pipeline_trains_and_starts_from_the_one_process_loss(runs, tiny_run, cli, tmp_path):
     """Under train.precision bf16 the stages' inputs are cast to the stage weights' dtype (they were float32,
-    which the first layer refused), so a 2-stage bf16 run trains and starts from the 1-process loss."""
-    losses = {}
-    for stages in (1, 2):
-        cfg = tiny_run.clone(tmp_path / f"bf16-{stages}", pipeline_stages=stages, precision="bf16", max_steps=2,
-                             lora={"rank": 4, "alpha": 8})
-        result = cli("train", "-c", str(cfg), "--processes", str(stages))
-        assert result.returncode == 0, result.stderr[-4000:]
-        losses[stages] = [r["loss"] for r in read_metrics(RunPaths(tmp_path / f"bf16-{stages}" / "run").metrics)]
-    assert losses[2][0] == pytest.approx(losses[1][0], abs=1e-2)
+    which the first layer refused), so a 2-stage bf16 run trains, and its first loss is the 1-process run's
+    up to bf16 rounding: the fp32 reference above draws the same micro-batches, timesteps and noise (the
+    LoRA starts as the identity), so no separate 1-process bf16 run (a process launch) is needed."""
+    cfg = tiny_run.clone(tmp_path, pipeline_stages=2, precision="bf16", max_steps=2, **TRAIN)
+    result = cli("train", "-c", str(cfg), "--processes", "2")
+    assert result.returncode == 0, result.stderr[-4000:]
+    got = [r["loss"] for r in read_metrics(RunPaths(tmp_path / "run").metrics)]
+    want = [r["loss"] for r in read_metrics(runs[1].metrics)]
+    assert len(got) == 2 and all(math.isfinite(x) for x in got)
+    assert got[0] == pytest.approx(want[0], abs=1e-3)  # measured: 1.8e-5 apart
+    assert got[0] != want[0]  # it really ran in bf16

@@ -10,6 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 from diffusers import StableDiffusionPipeline
+from stage_cli import in_process
 
 from diffpipe.config import load_config, parse_config
 from diffpipe.families import get_family
@@ -24,10 +25,10 @@ TRAIN = {"max_steps": 4, "checkpoint_every_steps": 1, "keep_checkpoints": 0, "lr
 
 
 @pytest.fixture(scope="module")
-def run(tiny_run, cli, tmp_path_factory):
+def run(tiny_run, tmp_path_factory):
     root = tmp_path_factory.mktemp("ema")
     cfg = tiny_run.clone(root, **TRAIN)
-    result = cli("train", "-c", str(cfg))
+    result = in_process("train", "-c", str(cfg))
     assert result.returncode == 0, result.stderr[-3000:]
     return RunPaths(root / "run"), cfg
 
@@ -59,7 +60,7 @@ def test_resume_is_exact(run, tiny_run, cli, tmp_path):
     cfg = tiny_run.clone(tmp_path, **TRAIN)
     killed = cli("train", "-c", str(cfg), env={"DIFFPIPE_FAULT": "after-step:2"})
     assert killed.returncode == 17, killed.stderr[-3000:]
-    resumed = cli("train", "-c", str(cfg), "--resume")
+    resumed = in_process("train", "-c", str(cfg), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     want, _ = load_adapter(paths.adapter_dir)
     have, _ = load_adapter(RunPaths(tmp_path / "run").adapter_dir)
@@ -67,9 +68,9 @@ def test_resume_is_exact(run, tiny_run, cli, tmp_path):
         torch.testing.assert_close(have[k], want[k], rtol=0, atol=1e-7)
 
 
-def test_the_average_exports_loads_in_the_stock_pipeline_and_says_so(run, cli):
+def test_the_average_exports_loads_in_the_stock_pipeline_and_says_so(run):
     paths, cfg_file = run
-    result = cli("export", "-c", str(cfg_file))
+    result = in_process("export", "-c", str(cfg_file))
     assert result.returncode == 0, result.stderr[-3000:]
     assert "exponential moving average of the trained weights (decay 0.9)" in (paths.export_dir / "README.md").read_text()
     family = get_family(load_config(cfg_file).model)

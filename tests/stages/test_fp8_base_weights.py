@@ -8,6 +8,7 @@ import re
 import peft
 import pytest
 import torch
+from stage_cli import in_process
 
 from diffpipe.config import ModelConfig, TrainConfig
 from diffpipe.families import get_family
@@ -132,16 +133,19 @@ def test_fp8_ltx2_steps_with_checkpointing(variant):
 
 def _train(tiny_run, cli, root, base_weights) -> list[float]:
     cfg = tiny_run.clone(root / base_weights, **TRAIN, base_weights=base_weights)
-    result = cli("train", "-c", str(cfg))
+    result = cli("train", "-c", str(cfg))  # a process of its own: the torchao import below is its first
     assert result.returncode == 0, result.stderr[-3000:]
     assert "torchao" not in result.stderr  # its import-time warnings are kept quiet
     return [r["loss"] for r in read_metrics(RunPaths(root / base_weights / "run").metrics)]
 
 
 @pytest.fixture(scope="module")
-def bf16_losses(tiny_run, cli, tmp_path_factory):
-    """The plain bf16 run both 8-bit runs are compared with."""
-    return _train(tiny_run, cli, tmp_path_factory.mktemp("bf16"), "auto")
+def bf16_losses(tiny_run, tmp_path_factory):
+    """The plain bf16 run the 8-bit runs are compared with (in this process: it imports no torchao)."""
+    root = tmp_path_factory.mktemp("bf16")
+    result = in_process("train", "-c", str(tiny_run.clone(root / "auto", **TRAIN, base_weights="auto")))
+    assert result.returncode == 0, result.stderr[-3000:]
+    return [r["loss"] for r in read_metrics(RunPaths(root / "auto" / "run").metrics)]
 
 
 @pytest.mark.parametrize("kind", ["fp8", "int8", "nf4"])
@@ -153,7 +157,7 @@ def test_quantised_base_weights_train_close_to_bf16_and_resume_exactly(kind, bf1
     for a, b in zip(losses["auto"], losses[kind], strict=True):
         assert abs(a - b) <= (0.002 if kind == "fp8" else 0.01) * abs(a), (losses["auto"], losses[kind])
     assert losses["auto"] != losses[kind]  # the run really ran on 8-bit weights
-    resumed = cli("train", "-c", str(tmp_path / kind / "config.yaml"), "--checkpoint", "step-000001")
+    resumed = in_process("train", "-c", str(tmp_path / kind / "config.yaml"), "--checkpoint", "step-000001")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     again = [r["loss"] for r in read_metrics(RunPaths(tmp_path / kind / "run").metrics)]
     assert again == losses[kind]

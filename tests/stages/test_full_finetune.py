@@ -3,6 +3,7 @@
 import pytest
 import torch
 from diffusers import UNet2DConditionModel
+from stage_cli import in_process
 
 from diffpipe.config import ModelConfig
 from diffpipe.families import get_family
@@ -10,9 +11,9 @@ from diffpipe.paths import RunPaths
 from diffpipe.training.checkpoint import adapter_from_checkpoint, list_checkpoints
 
 
-def test_full_fine_tune(tiny_run, cli, tmp_path):
+def test_full_fine_tune(tiny_run, tmp_path):
     cfg = tiny_run.clone(tmp_path, mode="full", max_steps=2, lr=1e-4, precision="bf16")
-    result = cli("train", "-c", str(cfg))
+    result = in_process("train", "-c", str(cfg))
     assert result.returncode == 0, result.stderr[-3000:]
     paths = RunPaths(tmp_path / "run")
     tuned = UNet2DConditionModel.from_pretrained(paths.train_dir / "denoiser")

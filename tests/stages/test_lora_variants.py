@@ -16,6 +16,7 @@ import torch
 import yaml
 from peft.tuners.tuners_utils import BaseTunerLayer
 from safetensors.torch import load_file
+from stage_cli import in_process
 from test_export_formats import _forward_inputs, _out
 
 from diffpipe.config import LoraConfig, ModelConfig
@@ -167,14 +168,14 @@ def test_refusals(variant, tmp_path):
             export_lora(tmp_path / "dora", tmp_path / "c", family, [fmt])
 
 
-def test_train_lokr_end_to_end(tiny_run, cli, tmp_path):
+def test_train_lokr_end_to_end(tiny_run, tmp_path):
     """``diffpipe train`` with ``train.lora.kind: lokr``, then export and ``import-lora`` (the library: the
     CLI's export and import commands are format-blind and tested in test_export_formats)."""
     from diffpipe.paths import RunPaths
     from diffpipe.training.adapter import load_adapter
 
     cfg = tiny_run.clone(tmp_path, epochs=1, lora={"kind": "lokr", "rank": 4, "alpha": 4, "lokr_factor": 4})
-    result = cli("train", "-c", str(cfg))
+    result = in_process("train", "-c", str(cfg))
     assert result.returncode == 0, result.stderr[-3000:]
     paths = RunPaths(tmp_path / "run")
     sd, lora_cfg = load_adapter(paths.adapter_dir)

@@ -21,7 +21,7 @@ import torch
 import yaml
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
-from stage_cli import rendezvous
+from stage_cli import in_process, rendezvous
 from typer.testing import CliRunner
 
 from diffpipe.cli import app
@@ -40,9 +40,9 @@ def _finite(sd: dict[str, torch.Tensor]) -> bool:
     return all(bool(torch.isfinite(t).all()) for t in sd.values())
 
 
-def test_diverging_run_skips_then_stops_keeping_its_last_finite_checkpoint(tiny_run, cli, tmp_path):
+def test_diverging_run_skips_then_stops_keeping_its_last_finite_checkpoint(tiny_run, tmp_path):
     cfg = tiny_run.clone(tmp_path, **TRAIN, lr=1.0e6, max_nonfinite_steps=3)
-    result = cli("train", "-c", str(cfg))
+    result = in_process("train", "-c", str(cfg))
     out = result.stdout + result.stderr
     assert result.returncode == 1, out[-3000:]
     # (a) each skipped step is warned about, counted
@@ -123,14 +123,14 @@ def test_resume_after_a_skipped_step_is_exact(nan_item_run, tmp_path, monkeypatc
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_nonfinite_weights_are_never_written(tiny_run, cli, tmp_path):
+def test_nonfinite_weights_are_never_written(tiny_run, tmp_path):
     """Resuming a checkpoint whose weights hold a NaN (as an older diffpipe kept training through one):
     every step is skipped, and the end of the run refuses to write its checkpoint or LoRA, naming the
     tensor, so the finite step-6 checkpoint of the first run stays the newest (and is not replaced)."""
     from diffpipe.training.engine import deepspeed_safe_types
 
     cfg = tiny_run.clone(tmp_path, **{**TRAIN, "max_steps": 6, "checkpoint_every_steps": 2, "keep_checkpoints": 0})
-    assert cli("train", "-c", str(cfg)).returncode == 0
+    assert in_process("train", "-c", str(cfg)).returncode == 0
     paths = RunPaths(tmp_path / "run")
     states = paths.checkpoints / "step-000004" / "mp_rank_00_model_states.pt"
     with torch.serialization.safe_globals(deepspeed_safe_types()):
@@ -139,7 +139,7 @@ def test_nonfinite_weights_are_never_written(tiny_run, cli, tmp_path):
     saved["module"][key][0] = math.nan
     torch.save(saved, states)
     before = (paths.checkpoints / "step-000006" / "adapter" / WEIGHTS_NAME).read_bytes()
-    result = cli("train", "-c", str(cfg), "--checkpoint", "step-000004")
+    result = in_process("train", "-c", str(cfg), "--checkpoint", "step-000004")
     out = result.stdout + result.stderr
     assert result.returncode == 1, out[-3000:]
     assert "step 5: loss nan" in out and "step 6: loss nan" in out

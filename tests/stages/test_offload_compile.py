@@ -173,27 +173,6 @@ def flux_tiny_run(tmp_path_factory):
     return make_tiny_run(tmp_path_factory.mktemp("flux-tiny"), "flux", images=4)
 
 
-def test_block_swap_trains_through_diffpipe_train_and_resumes_exactly(flux_tiny_run, cli, tmp_path):
-    # Losses equal to a run without swapping are proven bit for bit in-process above; here the real
-    # command, with fp8 storage and DeepSpeed bf16, trains and resumes with the hooks installed.
-    train = {"precision": "bf16", "max_steps": 2, "checkpoint_every_steps": 1, "keep_checkpoints": 0,
-             "activation_checkpointing": True, "base_weights": "fp8", "block_swap": 2}
-    cfg = flux_tiny_run.clone(tmp_path, **train)
-    result = cli("train", "-c", str(cfg))
-    assert result.returncode == 0, result.stderr[-3000:]
-    losses = [r["loss"] for r in read_metrics(RunPaths(tmp_path / "run").metrics)]
-    assert len(losses) == 2 and all(x == x for x in losses)
-    # The log and summary.json say which memory options took effect, block_swap as it resolved.
-    assert re.search(r"memory options in effect: precision bf16, base_weights fp8, activation_checkpointing True, "
-                     r"checkpoint_fraction 1.0, block_swap 2 of \d+ blocks", result.stdout + result.stderr)
-    memory = json.loads((RunPaths(tmp_path / "run").train_dir / "summary.json").read_text())["memory"]
-    assert memory["base_weights"] == "fp8" and memory["block_swap"].startswith("2 of ")
-    assert memory["zero_offload"] == {"optimizer": False, "params": False} or not any(memory["zero_offload"].values())
-    resumed = cli("train", "-c", str(cfg), "--checkpoint", "step-000001")
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert [r["loss"] for r in read_metrics(RunPaths(tmp_path / "run").metrics)] == losses
-
-
 def _saved_bytes_seen(den, family, latents, text) -> int:
     """Bytes the forward hands to saved-tensor hooks (what ``save_on_cpu`` would move)."""
     seen = []
@@ -225,7 +204,11 @@ def test_activation_offload_moves_block_inputs_and_gives_the_same_step():
     assert grads.keys() == want.keys() and all(torch.equal(grads[k], want[k]) for k in want)
 
 
-def test_activation_offload_trains_through_diffpipe_train_like_checkpointing(flux_tiny_run, cli, tmp_path):
+def test_block_swap_and_activation_offload_train_through_diffpipe_train_and_resume_exactly(flux_tiny_run, cli,
+                                                                                             tmp_path):
+    # Losses equal to a run without swapping are proven bit for bit in-process above; here the real
+    # command, with fp8 storage and DeepSpeed bf16, trains with the block-swap hooks installed (both runs),
+    # with activation offload giving the losses of plain checkpointing, and resumes exactly with both.
     train = {"precision": "bf16", "max_steps": 2, "checkpoint_every_steps": 1, "keep_checkpoints": 0,
              "activation_checkpointing": True, "base_weights": "fp8", "block_swap": 2}
     runs = {}
@@ -234,6 +217,12 @@ def test_activation_offload_trains_through_diffpipe_train_like_checkpointing(flu
         result = cli("train", "-c", str(cfg))
         assert result.returncode == 0, result.stderr[-3000:]
         runs[offloaded] = [r["loss"] for r in read_metrics(RunPaths(tmp_path / str(offloaded) / "run").metrics)]
+        # The log and summary.json say which memory options took effect, block_swap as it resolved.
+        assert re.search(r"memory options in effect: precision bf16, base_weights fp8, activation_checkpointing "
+                         r"True, checkpoint_fraction 1.0, block_swap 2 of \d+ blocks, activation_offload "
+                         f"{offloaded}", result.stdout + result.stderr)
+        memory = json.loads((RunPaths(tmp_path / str(offloaded) / "run").train_dir / "summary.json").read_text())
+        assert memory["memory"]["block_swap"].startswith("2 of ") and not any(memory["memory"]["zero_offload"].values())
     assert len(runs[True]) == 2 and runs[True] == pytest.approx(runs[False], rel=1e-6)
     resumed = cli("train", "-c", str(cfg), "--checkpoint", "step-000001")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

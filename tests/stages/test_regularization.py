@@ -13,6 +13,7 @@ import shutil
 import pytest
 import torch
 import yaml
+from stage_cli import in_process
 
 from diffpipe import stages
 from diffpipe.config import ObjectiveConfig, load_config
@@ -25,7 +26,7 @@ from diffpipe.training.metrics import read_metrics
 pytestmark = pytest.mark.slow
 
 
-def _train_with_prior(tiny_run, cli, root, max_steps: int, **prior):
+def _train_with_prior(tiny_run, root, max_steps: int, **prior):
     """The demo images plus a copy of them as a regularisation dataset (``prior`` settings), trained."""
     shutil.copytree(tiny_run.root / "data", root / "class_images")
     data = tiny_run.config(root / "run", max_steps=max_steps, eval={"quantiles": []})
@@ -35,14 +36,14 @@ def _train_with_prior(tiny_run, cli, root, max_steps: int, **prior):
     cfg.write_text(yaml.safe_dump(data))
     config = load_config(cfg)
     stages.prepare_data(config, RunPaths(config.output_dir))
-    result = cli("train", "-c", str(cfg))
+    result = in_process("train", "-c", str(cfg))
     assert result.returncode == 0, result.stderr[-3000:]
     return config, RunPaths(config.output_dir)
 
 
 @pytest.fixture(scope="module")
-def run(tiny_run, cli, tmp_path_factory):
-    return _train_with_prior(tiny_run, cli, tmp_path_factory.mktemp("reg"), 3, loss_weight=0.5)
+def run(tiny_run, tmp_path_factory):
+    return _train_with_prior(tiny_run, tmp_path_factory.mktemp("reg"), 3, loss_weight=0.5)
 
 
 def test_the_batch_loss_is_the_weighted_mean_of_the_item_losses(run):
@@ -74,9 +75,9 @@ def test_the_run_logs_both_losses(run):
 
 
 @pytest.fixture(scope="module")
-def base_target_run(tiny_run, cli, tmp_path_factory):
+def base_target_run(tiny_run, tmp_path_factory):
     """The same two datasets, the prior set with ``prior_target: base`` (output preservation)."""
-    return _train_with_prior(tiny_run, cli, tmp_path_factory.mktemp("preserve"), 8, prior_target="base")
+    return _train_with_prior(tiny_run, tmp_path_factory.mktemp("preserve"), 8, prior_target="base")
 
 
 def test_base_target_items_train_towards_the_base_models_prediction(base_target_run):

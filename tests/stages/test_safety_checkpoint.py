@@ -31,6 +31,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from stage_cli import in_process
 
 from diffpipe.paths import RunPaths
 from diffpipe.training import checkpoint as ckpts
@@ -98,9 +99,9 @@ def _fork(trained: Path, dest: Path, **train) -> tuple[Path, RunPaths]:
     return cfg, RunPaths(dest / "run")
 
 
-def _run(cli, *args: str) -> tuple[int, str]:
-    """Exit code and output of ``diffpipe ARGS``, on a console wide enough not to wrap long paths."""
-    result = cli(*args, env={"COLUMNS": "2000"})
+def _run(*args: str) -> tuple[int, str]:
+    """Exit code and output of ``diffpipe ARGS`` in this process (no interpreter start-up per refusal)."""
+    result = in_process(*args)
     return result.returncode, result.stdout + result.stderr
 
 
@@ -135,13 +136,13 @@ def _plant(file: Path, marker: Path) -> None:
 
 @pytest.mark.parametrize("target", ["rng-rank000.*", "mp_rank_00_model_states.pt",
                                     "zero_pp_rank_0_mp_rank_00_optim_states.pt"])
-def test_resume_refuses_a_planted_pickle(trained, cli, tmp_path, target):
+def test_resume_refuses_a_planted_pickle(trained, tmp_path, target):
     cfg, paths = _fork(trained, tmp_path)
     ckpt = paths.checkpoints / "step-000003"
     (file,) = ckpt.glob(target)
     marker = tmp_path / "pwned"
     _plant(file, marker)
-    code, out = _run(cli, "train", "-c", str(cfg), "--resume")
+    code, out = _run("train", "-c", str(cfg), "--resume")
     assert not marker.exists(), "the planted pickle ran"
     assert code == 1, out[-3000:]
     assert "Traceback" not in out and file.name in out, out[-3000:]
@@ -165,14 +166,14 @@ def test_legacy_pickled_rng_state_loads_safely_or_is_refused(trained, tmp_path):
     assert not marker.exists()
 
 
-def test_export_refuses_a_planted_pickle_in_a_deepspeed_checkpoint(trained, cli, tmp_path):
+def test_export_refuses_a_planted_pickle_in_a_deepspeed_checkpoint(trained, tmp_path):
     cfg, paths = _fork(trained, tmp_path)
     bare = tmp_path / "ds-only"  # DeepSpeed's files alone: export reads the model states
     bare.mkdir()
     shutil.copy(paths.checkpoints / "step-000003" / "mp_rank_00_model_states.pt", bare)
     marker = tmp_path / "pwned"
     _plant(bare / "mp_rank_00_model_states.pt", marker)
-    code, out = _run(cli, "export", str(bare), "-c", str(cfg), "--format", "peft")
+    code, out = _run("export", str(bare), "-c", str(cfg), "--format", "peft")
     assert not marker.exists(), "the planted pickle ran"
     assert code == 1 and "Traceback" not in out, out[-3000:]
     assert "mp_rank_00_model_states.pt" in out
@@ -200,7 +201,7 @@ def _recache(cfg_file: Path) -> None:
     stages.prepare_data(cfg, RunPaths(cfg.output_dir), empty_caption=False)
 
 
-def test_resume_refuses_edited_captions_and_images(trained, cli, tmp_path):
+def test_resume_refuses_edited_captions_and_images(trained, tmp_path):
     data = trained / "data"  # the run's own dataset, edited in place (and restored)
     cfg, paths = _fork(trained, tmp_path)
     caption, image = data / "shape_003.txt", data / "shape_005.png"
@@ -214,18 +215,18 @@ def test_resume_refuses_edited_captions_and_images(trained, cli, tmp_path):
     finally:
         for f, content in saved.items():
             f.write_bytes(content)
-    code, out = _run(cli, "train", "-c", str(cfg), "--resume")
+    code, out = _run("train", "-c", str(cfg), "--resume")
     assert code == 2 and "Traceback" not in out, out[-3000:]
     assert re.search(r"caption changed: \S*shape_003", out) and re.search(r"image changed: \S*shape_005", out), out
 
 
 # -- item 14: damage names the file and the way out -----------------------------------------
-def test_truncated_checkpoint_file_is_named_with_the_way_out(trained, cli, tmp_path):
+def test_truncated_checkpoint_file_is_named_with_the_way_out(trained, tmp_path):
     cfg, paths = _fork(trained, tmp_path)
     ckpt = paths.checkpoints / "step-000003"
     states = ckpt / "mp_rank_00_model_states.pt"
     states.write_bytes(states.read_bytes()[: states.stat().st_size // 2])
-    code, out = _run(cli, "train", "-c", str(cfg), "--resume")
+    code, out = _run("train", "-c", str(cfg), "--resume")
     assert code == 1 and "Traceback" not in out, out[-3000:]
     assert "mp_rank_00_model_states.pt" in out and "--checkpoint step-000002" in out
 
@@ -240,7 +241,7 @@ def test_truncated_checkpoint_file_is_named_with_the_way_out(trained, cli, tmp_p
         ckpts.read_meta(ckpt)
 
 
-def test_stray_folders_neither_block_resume_nor_get_deleted(trained, cli, tmp_path):
+def test_stray_folders_neither_block_resume_nor_get_deleted(trained, tmp_path):
     cfg, paths = _fork(trained, tmp_path, keep_checkpoints=1)
     root = paths.checkpoints
     shutil.copytree(root / "step-000003", root / "step-000012.bak")  # a user's backup: complete, odd name
@@ -250,7 +251,7 @@ def test_stray_folders_neither_block_resume_nor_get_deleted(trained, cli, tmp_pa
     (root / ".tmp-mine" / "notes.txt").write_text("mine")
     assert [p.name for p in ckpts.list_checkpoints(root)] == ["step-000002"]
     assert ckpts.resolve_checkpoint(root).name == "step-000002"
-    code, out = _run(cli, "train", "-c", str(cfg), "--resume")
+    code, out = _run("train", "-c", str(cfg), "--resume")
     assert code == 0 and "resumed from step 2" in out, out[-3000:]
     # keep_checkpoints: 1 pruned step 2; nothing diffpipe did not name was touched.
     left = sorted(p.name for p in root.iterdir() if not p.name.startswith("zero_to_"))  # DeepSpeed's scripts
@@ -258,7 +259,7 @@ def test_stray_folders_neither_block_resume_nor_get_deleted(trained, cli, tmp_pa
     assert (root / ".tmp-mine" / "notes.txt").read_text() == "mine"
 
 
-def test_damaged_array_metadata_names_the_shard_and_file(trained, cli, tmp_path):
+def test_damaged_array_metadata_names_the_shard_and_file(trained, tmp_path):
     from diffpipe.data.cache.reader import CachedDataset
 
     cfg, paths = _fork(trained, tmp_path)
@@ -269,7 +270,7 @@ def test_damaged_array_metadata_names_the_shard_and_file(trained, cli, tmp_path)
         CachedDataset.from_run(paths)
     msg = str(err.value)
     assert str(array_meta) in msg and "rerun" in msg and "delete" in msg, msg
-    code, out = _run(cli, "cache", "verify", "-c", str(cfg))
+    code, out = _run("cache", "verify", "-c", str(cfg))
     assert code == 1 and "Traceback" not in out and str(array_meta) in out, out[-3000:]
 
 

@@ -19,7 +19,7 @@ import torch
 import yaml
 from diffusers import FluxPipeline
 from safetensors.torch import load_file
-from stage_cli import invoke, rendezvous, run_stages
+from stage_cli import in_process, invoke, rendezvous, run_stages
 
 from diffpipe.config import ModelConfig, load_config, parse_config
 from diffpipe.data.cache.text import TextShard
@@ -242,7 +242,7 @@ def test_merged_folder_and_import_reproduce_the_encoders(run, tmp_path):
                 torch.testing.assert_close(got, delta, rtol=1e-5, atol=1e-6, msg=f"{fmt} {name} {module}")
 
 
-@pytest.mark.parametrize("run", ["sdxl"], indirect=True)  # one family: two more processes each
+@pytest.mark.parametrize("run", ["sdxl"], indirect=True)  # one family: a process and a run more each
 def test_resume_is_exact(run, cli, tmp_path):
     cfg, paths, root = run
     shutil.copytree(root / "data", tmp_path / "data")
@@ -253,7 +253,7 @@ def test_resume_is_exact(run, cli, tmp_path):
     config.write_text(yaml.safe_dump(raw))
     killed = cli("train", "-c", str(config), env={"DIFFPIPE_FAULT": "after-step:2"})
     assert killed.returncode == 17, killed.stderr[-3000:]
-    resumed = cli("train", "-c", str(config), "--resume")
+    resumed = in_process("train", "-c", str(config), "--resume")  # the killed run had to be a process
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     want, have = load_text_adapters(paths.adapter_dir), load_text_adapters(RunPaths(tmp_path / "run").adapter_dir)
     for name in want:

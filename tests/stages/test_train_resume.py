@@ -18,6 +18,7 @@ import pytest
 import torch
 import yaml
 from PIL import Image
+from stage_cli import in_process
 
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import load_adapter
@@ -73,7 +74,8 @@ def test_killed_mid_checkpoint_resumes_exactly(reference, tiny_run, cli, tmp_pat
     assert [p.name for p in list_checkpoints(paths.checkpoints)] == ["step-000002", "step-000004"]
     assert (paths.checkpoints / ".tmp-step-000006").is_dir()  # the half-written one, never read
 
-    resumed = cli("train", "-c", str(cfg), "--resume")
+    # The resume and the refusal run in this process (the killed run had to be a process of its own).
+    resumed = in_process("train", "-c", str(cfg), "--resume")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from step 4" in resumed.stdout + resumed.stderr
     ref, got = read_metrics(reference.metrics), read_metrics(paths.metrics)
@@ -93,7 +95,7 @@ def test_killed_mid_checkpoint_resumes_exactly(reference, tiny_run, cli, tmp_pat
     bad = tiny_run.config(paths.root, **{**TRAIN, "lr": 0.5, "checkpoint_every_steps": 3})
     bad["model"] = {"seed": 7}
     cfg.write_text(json.dumps(bad))
-    refused = cli("train", "-c", str(cfg), "--resume")
+    refused = in_process("train", "-c", str(cfg), "--resume")
     assert refused.returncode == 2
     out = refused.stdout + refused.stderr
     assert "train.lr" in out and "model.seed" in out and "checkpoint_every_steps" not in out
