@@ -15,6 +15,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -42,6 +43,21 @@ class DistInfo:
         return self.rank == 0
 
 
+def load_deepspeed() -> ModuleType:
+    """``deepspeed``, imported on first use (it takes seconds; only a process that trains or reads a DeepSpeed
+    checkpoint pays it). Its autotuner imports MLflow whenever MLflow is installed, about 1 s of CPU in every
+    training process for a feature diffpipe does not use; unless MLflow is already imported (an MLflow tracker),
+    the first import runs with MLflow hidden, and MLflow stays importable afterwards."""
+    hide = "deepspeed" not in sys.modules and "mlflow" not in sys.modules
+    if hide:
+        sys.modules["mlflow"] = None  # type: ignore[assignment]  # makes `import mlflow` fail in the autotuner
+    try:
+        import deepspeed  # deferred: seconds to import (see the docstring)
+    finally:
+        if hide and sys.modules.get("mlflow", False) is None:
+            del sys.modules["mlflow"]
+    return deepspeed
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -58,9 +74,7 @@ def setup_distributed() -> DistInfo:
         os.environ.update(
             MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0"
         )
-    # deferred: deepspeed takes seconds to import; only a rank process that joins the group pays it
-    import deepspeed
-
+    deepspeed = load_deepspeed()
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     if not torch.distributed.is_initialized():
         deepspeed.init_distributed(dist_backend=backend)
@@ -147,9 +161,7 @@ def build_engine(
     compile for minutes on first use and do not exist on CPU.
     """
     check_precision(tc)
-    # deferred: deepspeed takes seconds to import; only the process that builds an engine pays it
-    import deepspeed
-
+    deepspeed = load_deepspeed()
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
@@ -163,6 +175,7 @@ def deepspeed_safe_types() -> list[type]:
     """The non-tensor types DeepSpeed's checkpoint files hold, all plain data (checked on ZeRO 0-3,
     offload, bf16 and pipeline checkpoints): ZeRO optimizer states pickle the loss scaler, the
     ZeRO stage enum and tensor-fragment addresses; fp16 (GPU) makes the loss scaler dynamic."""
+    load_deepspeed()
     # deferred: deepspeed takes seconds to import; export reads checkpoints through this module
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
     from deepspeed.runtime.zero.config import ZeroStageEnum
@@ -224,8 +237,7 @@ def gathered(params: list[torch.nn.Parameter], zero_stage: int) -> Iterator[None
     if zero_stage < 3:
         yield
         return
-    import deepspeed  # deferred: seconds to import; only ZeRO-3 gathers
-
+    deepspeed = load_deepspeed()
     with deepspeed.zero.GatheredParameters(params, modifier_rank=None):
         yield
 

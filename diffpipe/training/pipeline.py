@@ -18,7 +18,7 @@ from diffpipe.config import ObjectiveConfig, TrainConfig
 from diffpipe.models import objectives as obj
 from diffpipe.models.layers import _pipe_ready
 from diffpipe.training import adapter
-from diffpipe.training.engine import deepspeed_config
+from diffpipe.training.engine import deepspeed_config, load_deepspeed
 from diffpipe.training.optim import build_optimizer
 
 
@@ -133,9 +133,8 @@ def build_pipeline_engine(layers: list[torch.nn.Module], bounds: list[int], loss
 
     Returns the engine and this stage's trainable parameters (the optimizer sees only those).
     """
-    # deferred: deepspeed takes seconds to import; only a pipeline-parallel run builds this engine
-    import deepspeed
-    from deepspeed.pipe import PipelineModule
+    deepspeed = load_deepspeed()
+    from deepspeed.pipe import PipelineModule  # deferred: as load_deepspeed; only a pipeline-parallel run
 
     class _Pipe(PipelineModule):
         def _partition_layers(self, method: str = "uniform") -> None:  # our split, not DeepSpeed's
