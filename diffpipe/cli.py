@@ -365,6 +365,7 @@ def plan_memory(
     resolution: Annotated[int | None, typer.Option(help="Image side in pixels (default: the largest dataset resolution).")] = None,
     height: Annotated[int | None, typer.Option(help="Image height in pixels; --resolution is then the width (default: square).")] = None,
     frames: Annotated[int | None, typer.Option(help="Video: pixel frames per clip (default: the largest frame bucket).")] = None,
+    slowdown: Annotated[float, typer.Option(min=0, help="Keep better base weights (bf16 > fp8 > int8 > nf4) while their setting is at most this much slower than the fastest that fits.")] = 0.10,
 ) -> None:
     """The fastest memory setting that fits a GPU, and the runner-up, each with its estimate (`train.memory: auto`).
 
@@ -380,7 +381,7 @@ def plan_memory(
     gib = gpu_memory if gpu_memory is not None else cfg.train.gpu_memory
     gpu = int(gib * mp.GiB) if gib is not None else mp.detected_gpu_bytes()
     plan = mp.plan_memory(cfg, gpu, system_bytes=int(system_memory * mp.GiB) if system_memory is not None else None,
-                          model=model, resolution=resolution, height=height, frames=frames)
+                          slowdown=slowdown, model=model, resolution=resolution, height=height, frames=frames)
     sys.stdout.write("\n".join(plan.lines()) + "\n")
 
 
