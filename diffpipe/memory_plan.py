@@ -158,6 +158,9 @@ def plan_memory(cfg: Config, gpu_bytes: int, *, system_bytes: int | None = None,
     for base_variants in _variants(cfg, given):
         for settings, candidate_cfg in base_variants:
             est = estimate(candidate_cfg)
+            if est.activation_bytes is None:  # a total without activations would fit where training does not
+                raise ValueError(f"{est.model}: its activations cannot be measured on the meta device, so no "
+                                 "memory plan can be made; set train.memory: manual and the memory keys by hand")
             can_swap = "block_swap" not in given and _with(cfg, {**settings, "block_swap": 1}) is not None
             fit, miss = _fit(settings, est, gpu_bytes, system_bytes, can_swap)
             if fit is None:

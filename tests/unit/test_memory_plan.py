@@ -151,3 +151,13 @@ def test_train_applies_the_plan_to_the_unset_keys_and_logs_it(tmp_path, monkeypa
     assert planned["explicit"] == ["activation_offload"] and planned["chosen"]["base_weights"] == "fp8"
     assert any(line.startswith("train: memory plan: chosen: base_weights fp8") for line in logged)
     assert train_job._memory_plan(_train_cfg(tmp_path), False, logged.append)[1] is None  # manual: as written
+
+
+def test_a_model_whose_activations_cannot_be_measured_gets_no_plan(estimate):
+    from dataclasses import replace
+
+    def unmeasured(cfg: Config):
+        return replace(estimate(cfg), activation_bytes=None)  # as for Lumina 2's mask, read on meta
+
+    with pytest.raises(ValueError, match="cannot be measured on the meta device"):
+        mp.plan_memory(_cfg(), 24 * GiB, estimate=unmeasured)
