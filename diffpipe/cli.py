@@ -355,6 +355,36 @@ def estimate(
     sys.stdout.write((json.dumps(result.as_dict(), indent=2) if as_json else result.table()) + "\n")
 
 
+@app.command("plan-memory")
+@errors
+def plan_memory(
+    config: ConfigOpt,
+    gpu_memory: Annotated[float | None, typer.Option(help="GPU memory to plan for, in GiB (default: train.gpu_memory, else this machine's GPU's free memory).")] = None,
+    system_memory: Annotated[float | None, typer.Option(help="System RAM for block swap and activation offload, in GiB (default: no limit).")] = None,
+    model: Annotated[str | None, typer.Option(help="Published model to size, e.g. flux1-dev (as for `diffpipe estimate`).")] = None,
+    resolution: Annotated[int | None, typer.Option(help="Image side in pixels (default: the largest dataset resolution).")] = None,
+    height: Annotated[int | None, typer.Option(help="Image height in pixels; --resolution is then the width (default: square).")] = None,
+    frames: Annotated[int | None, typer.Option(help="Video: pixel frames per clip (default: the largest frame bucket).")] = None,
+    slowdown: Annotated[float, typer.Option(min=0, help="Keep better base weights (bf16 > fp8 > int8 > nf4) while their setting is at most this much slower than the fastest that fits.")] = 0.10,
+) -> None:
+    """The fastest memory setting that fits a GPU, and the runner-up, each with its estimate (`train.memory: auto`).
+
+    Searches the memory keys the config leaves unset (base_weights,
+    activation_checkpointing, block_swap, activation_offload); exit 1 naming the
+    closest setting when none fits.
+
+    Example: diffpipe plan-memory -c config/flux.yaml --model flux1-dev --gpu-memory 24
+    """
+    from diffpipe import memory_plan as mp  # deferred: imports torch (start-up time)
+
+    cfg = load_config(config)
+    gib = gpu_memory if gpu_memory is not None else cfg.train.gpu_memory
+    gpu = int(gib * mp.GiB) if gib is not None else mp.detected_gpu_bytes()
+    plan = mp.plan_memory(cfg, gpu, system_bytes=int(system_memory * mp.GiB) if system_memory is not None else None,
+                          slowdown=slowdown, model=model, resolution=resolution, height=height, frames=frames)
+    sys.stdout.write("\n".join(plan.lines()) + "\n")
+
+
 @app.command()
 @errors
 def bench(

@@ -9,6 +9,7 @@ before it exits.
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import torch.distributed as torch_dist
 
-from diffpipe import runlock
+from diffpipe import memory_plan, runlock
 from diffpipe.config import Config, ConfigError
 from diffpipe.paths import RunPaths
 from diffpipe.training import engine, trackers
@@ -48,14 +49,36 @@ def run_train_job(cfg: Config, paths: RunPaths, request: TrainRequest, *, log: C
         raise ConfigError("\n".join(problems))
     launched = engine.in_launched_rank()
     with _train_lock(paths, launched, log) as held:
+        cfg, planned = _memory_plan(cfg, launched, log)  # before any model loads
         if request.processes > 1 and not launched:
             os.environ[runlock.HELD_ENV] = runlock.held_env(held)  # the ranks run under this lock
+            if planned is not None:  # one plan for every rank (their GPUs' free memory may differ)
+                os.environ[PLAN_ENV] = json.dumps(planned)
             return engine.launch_local(request.processes, request.argv())
         train(cfg, paths, resume=request.resume, checkpoint=request.checkpoint, log=log,
-              auto_resume=request.auto_resume)
+              auto_resume=request.auto_resume, memory_plan=planned)
         if launched and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             _close_process_group()
     return 0
+
+
+#: The plan the parent of local ranks made (``train.memory: auto``), as JSON, for its ranks to apply.
+PLAN_ENV = "DIFFPIPE_MEMORY_PLAN"
+
+
+def _memory_plan(cfg: Config, launched: bool, log: Callable[[str], None]) -> tuple[Config, dict | None]:
+    """Under ``train.memory: auto``, the config with the planned settings for its unset memory keys, and the
+    plan (the parent's, in a launched local rank); the config as it is under ``manual``."""
+    if cfg.train.memory != "auto":
+        return cfg, None
+    if launched and PLAN_ENV in os.environ:
+        planned = json.loads(os.environ[PLAN_ENV])
+    else:
+        plan = memory_plan.training_plan(cfg)
+        for line in plan.lines():
+            log(f"train: memory plan: {line}")
+        planned = plan.as_dict()
+    return memory_plan.apply_plan(cfg, planned), planned
 
 
 @contextmanager

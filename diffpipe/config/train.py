@@ -97,6 +97,19 @@ class TrainConfig(Section):
         ge=0,
         le=100_000,
     )
+    memory: Literal["manual", "auto"] = Field(
+        "manual",
+        description="`manual`: the memory keys as written. `auto`: `diffpipe train` sets the memory keys this "
+        "section leaves unset (base_weights, activation_checkpointing, block_swap, activation_offload) to the "
+        "fastest setting whose `diffpipe estimate` plus a margin (1.5 GiB CUDA context + 15% of the estimate) "
+        "fits train.gpu_memory, preferring bf16 > fp8 > int8 > nf4 base weights within 10% of the fastest; a key "
+        "written here is never changed. See `diffpipe plan-memory` and docs/training.md.",
+    )
+    gpu_memory: Float | None = Field(
+        None,
+        description="With memory: auto, the GPU memory to plan for, in GiB; null = the free memory of the GPU at "
+        "train time (a machine without a GPU then refuses memory: auto).", gt=0, le=100_000,
+    )
     zero_stage: Int = Field(0, description="DeepSpeed ZeRO stage.", ge=0, le=3)
     count_flops: Bool = Field(
         True, description="Log model FLOPs per step, TFLOPS per device and MFU (`metrics.jsonl`, TensorBoard): "

@@ -76,7 +76,8 @@ class DataOrder:
 
 
 def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str | None = None,
-          log=print, data: CachedDataset | None = None, auto_resume: bool = False) -> TrainResult:
+          log=print, data: CachedDataset | None = None, auto_resume: bool = False,
+          memory_plan: dict[str, Any] | None = None) -> TrainResult:
     """Train a LoRA (or, with ``train.mode: full``, the whole denoiser) on the caches of ``paths``.
 
     ``resume`` continues from the latest checkpoint (or ``checkpoint``, a
@@ -84,9 +85,10 @@ def train(cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str
     ``auto_resume`` does so when the latest checkpoint fits this config, data and
     process count, and starts at step 1 otherwise (the workflow's train job).
     ``data`` trains on that dataset instead of the run's caches (``diffpipe bench``'s synthetic batches).
+    ``memory_plan``: the ``train.memory: auto`` plan ``cfg`` already carries, for ``summary.json``.
     """
     return Trainer(cfg, paths, resume=resume, checkpoint=checkpoint, log=log, data=data,
-                   auto_resume=auto_resume).run()
+                   auto_resume=auto_resume, memory_plan=memory_plan).run()
 
 
 class Trainer:
@@ -94,10 +96,11 @@ class Trainer:
     :meth:`setup_monitors`), then :meth:`step` per optimizer step and :meth:`finish`."""
 
     def __init__(self, cfg: Config, paths: RunPaths, *, resume: bool = False, checkpoint: str | None = None,
-                 log=print, data: CachedDataset | None = None, auto_resume: bool = False):
+                 log=print, data: CachedDataset | None = None, auto_resume: bool = False,
+                 memory_plan: dict[str, Any] | None = None):
         self.cfg, self.tc, self.paths, self.log = cfg, cfg.train, paths, log
         self.resume, self.checkpoint, self.data, self.own_data = resume, checkpoint, data, data is None
-        self.auto_resume = auto_resume
+        self.auto_resume, self.memory_plan = auto_resume, memory_plan
 
     def run(self) -> TrainResult:
         self.setup_data()
@@ -365,6 +368,8 @@ class Trainer:
             summary = {"steps": order.total, "resumed_from": start, "world_size": dist.world_size,
                        "ranks_agree": agree, "seconds": seconds, "offload": engine.offload_in_effect(self.model),
                        "skipped_steps": self.streak.total, "memory": self.memory_options()}
+            if self.memory_plan is not None:
+                summary["memory_plan"] = self.memory_plan
             write_text_atomic(paths.train_dir / "summary.json", stable_json(summary))
             if losses:
                 self.log(f"train: {len(losses)} steps in {seconds:.1f} s; loss {losses[0]:.4f} -> {losses[-1]:.4f}")

@@ -1,0 +1,163 @@
+"""The memory planner (``train.memory: auto``, ``diffpipe plan-memory``) on FLUX.1-dev's real-size estimates."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from typer.testing import CliRunner
+
+from diffpipe import memory_plan as mp
+from diffpipe import train_job
+from diffpipe.cli import app
+from diffpipe.config import Config, ConfigError, parse_config
+from diffpipe.estimate import GiB, estimate_memory
+from diffpipe.paths import RunPaths
+
+_TRAIN = {"batch_size": 1, "lora": {"rank": 16}}
+
+
+def _cfg(**train) -> Config:
+    return Config.model_validate({"model": {"family": "flux"}, "datasets": [{"name": "d", "path": "data",
+                                  "resolution": 1024}], "train": {**_TRAIN, **train}})
+
+
+@pytest.fixture(scope="module")
+def estimate():
+    """FLUX.1-dev at 1024 px, rank 16: each estimate built once for the whole module (seconds each)."""
+    cache = {}
+
+    def one(cfg: Config, **sizes) -> object:
+        assert sizes.get("model") in (None, "flux1-dev")
+        key = json.dumps(cfg.train.model_dump(mode="json", exclude={"memory", "gpu_memory"}), sort_keys=True)
+        if key not in cache:
+            cache[key] = estimate_memory(cfg, model="flux1-dev")
+        return cache[key]
+
+    return one
+
+
+def _plan(cfg: Config, gib: float, estimate, **kw) -> mp.MemoryPlan:
+    return mp.plan_memory(cfg, int(gib * GiB), estimate=estimate, **kw)
+
+
+def _fits(c: mp.Candidate, plan: mp.MemoryPlan) -> bool:
+    ram = c.estimate.cpu_bytes + c.estimate.activation_cpu_bytes
+    return (c.estimate.total_bytes + mp.margin_bytes(c.estimate) <= plan.gpu_bytes
+            and (plan.system_bytes is None or ram <= plan.system_bytes))
+
+
+@pytest.mark.parametrize("gib", [80, 24, 16, 12])
+def test_the_plan_and_its_runner_up_fit_the_budget_with_the_margin(estimate, gib):
+    plan = _plan(_cfg(), gib, estimate)
+    assert _fits(plan.chosen, plan) and plan.runner_up is not None and _fits(plan.runner_up, plan)
+    # The margin is the CUDA context plus the estimate's measured error.
+    e = plan.chosen.estimate
+    assert mp.margin_bytes(e) == mp.CONTEXT_BYTES + int(0.15 * e.total_bytes)
+    assert plan.chosen.estimate.block_swap == plan.chosen.settings["block_swap"]
+
+
+def test_flux_at_24_gib_trains_fp8_with_checkpointing_and_at_12_swaps_or_quantises_more(estimate):
+    assert _plan(_cfg(), 80, estimate).chosen.settings["base_weights"] == "auto"  # bf16 fits: nothing to save
+    at24 = _plan(_cfg(), 24, estimate).chosen.settings
+    assert at24 == {"base_weights": "fp8", "activation_checkpointing": True, "block_swap": 0,
+                    "activation_offload": False}
+    at12 = _plan(_cfg(), 12, estimate).chosen.settings
+    assert at12["block_swap"] > 0 or at12["base_weights"] == "nf4"
+
+
+def test_explicit_settings_are_never_changed(estimate):
+    # bf16 written explicitly: kept at 24 GiB, where fp8 would be faster (it needs blocks swapped to fit).
+    plan = _plan(_cfg(base_weights="auto"), 24, estimate)
+    assert plan.explicit == ("base_weights",)
+    assert plan.chosen.settings["base_weights"] == "auto" and plan.chosen.settings["block_swap"] > 0
+    assert plan.runner_up is None or plan.runner_up.settings["base_weights"] == "auto"
+    applied = mp.apply_plan(_cfg(base_weights="auto"), plan.as_dict())
+    assert applied.train.base_weights == "auto" and applied.train.activation_checkpointing
+    # Checkpointing off, written: every setting keeps FLUX's ~25 GiB of activations, so nothing fits 24 GiB.
+    with pytest.raises(mp.NothingFits, match="activation_checkpointing off"):
+        _plan(_cfg(activation_checkpointing=False), 24, estimate)
+
+
+def test_a_lossy_base_weight_only_when_no_better_one_fits_within_the_slowdown_bound(estimate):
+    # At 24 GiB bf16 fits with blocks swapped, slower than fp8 by more than the default 10%...
+    fast = _plan(_cfg(), 24, estimate)
+    bf16 = _plan(_cfg(base_weights="auto"), 24, estimate).chosen
+    assert bf16.cost > fast.chosen.cost * (1 + mp.SLOWDOWN)
+    # ...and within a 50% bound: then bf16 is chosen over the faster fp8.
+    assert _plan(_cfg(), 24, estimate, slowdown=0.5).chosen.settings == bf16.settings
+    # The ranking itself: the faster nf4 wins only beyond the bound.
+    e = fast.chosen.estimate
+    slow_bf16 = mp.Candidate({"base_weights": "auto"}, e, 1.5)
+    fast_nf4 = mp.Candidate({"base_weights": "nf4"}, e, 1.4)
+    assert mp.rank([fast_nf4, slow_bf16], 0.1)[0] is slow_bf16
+    assert mp.rank([fast_nf4, slow_bf16], 0.05)[0] is fast_nf4
+
+
+def test_nothing_fits_names_the_closest_setting_and_the_miss(estimate):
+    with pytest.raises(mp.NothingFits) as err:
+        _plan(_cfg(), 4, estimate)
+    message = str(err.value)
+    assert "no memory setting fits a 4.0 GiB GPU; the closest, base_weights " in message
+    assert " GiB of GPU memory" in message and "misses by " in message
+    # System RAM too small for the swap 12 GiB needs: the miss is named as system RAM.
+    with pytest.raises(mp.NothingFits, match="GiB of system RAM"):
+        _plan(_cfg(base_weights="fp8", activation_checkpointing=True), 12, estimate, system_bytes=GiB)
+
+
+def test_plan_memory_command_prints_the_plan_and_exits_1_when_nothing_fits(tmp_path, monkeypatch, estimate):
+    monkeypatch.setattr(mp, "estimate_memory", estimate)
+    config = tmp_path / "flux.yaml"
+    config.write_text(yaml.safe_dump({"model": {"family": "flux"}, "train": _TRAIN,
+                                      "datasets": [{"name": "d", "path": str(tmp_path), "resolution": 1024}]}))
+    runner = CliRunner()
+    out = runner.invoke(app, ["plan-memory", "-c", str(config), "--model", "flux1-dev", "--gpu-memory", "24"])
+    assert out.exit_code == 0, out.output
+    assert "margin: 1.5 GiB CUDA context + 15% of the estimate" in out.output
+    assert "chosen: base_weights fp8, activation_checkpointing on, block_swap 0, activation_offload off: estimate" in out.output
+    assert "runner-up: base_weights " in out.output
+    out = runner.invoke(app, ["plan-memory", "-c", str(config), "--model", "flux1-dev", "--gpu-memory", "4"])
+    assert out.exit_code == 1 and "the closest, base_weights" in out.output
+
+
+def _train_cfg(tmp_path: Path, **train) -> Config:
+    return parse_config({"output_dir": str(tmp_path / "run"), "model": {"family": "flux"},
+                         "datasets": [{"name": "d", "path": str(tmp_path / "data"), "resolution": 1024}],
+                         "train": {**_TRAIN, **train}})
+
+
+def test_train_refuses_memory_auto_without_a_gpu_or_gpu_memory(tmp_path, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.delenv(train_job.PLAN_ENV, raising=False)
+    cfg = _train_cfg(tmp_path, memory="auto")
+    paths = RunPaths(cfg.output_dir)
+    with pytest.raises(ConfigError, match="no CUDA GPU: set train.gpu_memory"):
+        train_job.run_train_job(cfg, paths, train_job.TrainRequest(Path("c.yaml")), log=print)
+    assert not paths.train_dir.exists()
+
+
+def test_train_applies_the_plan_to_the_unset_keys_and_logs_it(tmp_path, monkeypatch, estimate):
+    monkeypatch.setattr(mp, "estimate_memory", estimate)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # gpu_memory given: plans on CPU too
+    monkeypatch.delenv(train_job.PLAN_ENV, raising=False)
+    logged = []
+    cfg = _train_cfg(tmp_path, memory="auto", gpu_memory=24, activation_offload=False)
+    planned_cfg, planned = train_job._memory_plan(cfg, False, logged.append)
+    tc = planned_cfg.train
+    assert (tc.base_weights, tc.activation_checkpointing, tc.block_swap) == ("fp8", True, 0)
+    assert planned["explicit"] == ["activation_offload"] and planned["chosen"]["base_weights"] == "fp8"
+    assert any(line.startswith("train: memory plan: chosen: base_weights fp8") for line in logged)
+    assert train_job._memory_plan(_train_cfg(tmp_path), False, logged.append)[1] is None  # manual: as written
+
+
+def test_a_model_whose_activations_cannot_be_measured_gets_no_plan(estimate):
+    from dataclasses import replace
+
+    def unmeasured(cfg: Config):
+        return replace(estimate(cfg), activation_bytes=None)  # as for Lumina 2's mask, read on meta
+
+    with pytest.raises(ValueError, match="cannot be measured on the meta device"):
+        mp.plan_memory(_cfg(), 24 * GiB, estimate=unmeasured)
