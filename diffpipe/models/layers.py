@@ -49,3 +49,27 @@ class BlockLayer(nn.Module):
 def optional(tensor: torch.Tensor) -> torch.Tensor | None:
     """A tensor that travels between stages as an empty one when absent (stages pass tensors only)."""
     return None if tensor.numel() == 0 else tensor
+
+
+class NormOut(nn.Module):
+    """The final layer of most DiTs: ``proj_out(norm_out(hidden, conditioning))`` on the stage inputs.
+
+    Hidden states come first in the inputs; :attr:`COND` is the index of the tensor the output norm is
+    modulated by (a subclass with another rule overrides :meth:`conditioning`; one that unpatchifies
+    overrides ``forward`` around :meth:`project`).
+    """
+
+    COND = 2
+
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.norm_out, self.proj_out = tr.norm_out, tr.proj_out
+
+    def conditioning(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return inputs[self.COND]
+
+    def project(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return self.proj_out(self.norm_out(inputs[0], self.conditioning(inputs)))
+
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        return (self.project(inputs),)

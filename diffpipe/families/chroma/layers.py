@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from diffpipe.models.layers import NormOut
+
 
 class ChromaEmbed(nn.Module):
     """``(packed, sigma, context, txt_ids, img_ids, mask)`` -> ``(hidden, context, mods, cos, sin, mask)``.
@@ -57,14 +59,11 @@ class ChromaSingle(nn.Module):
         return (x[:, n:], x[:, :n], mods, cos, sin, mask)
 
 
-class ChromaOut(nn.Module):
-    def __init__(self, tr: nn.Module):
-        super().__init__()
-        self.norm_out, self.proj_out = tr.norm_out, tr.proj_out
+class ChromaOut(NormOut):
+    """Inputs ``(hidden, context, mods, cos, sin, mask)``: the output norm takes the last two modulations."""
 
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
-        hidden, _, mods, _, _, _ = inputs
-        return (self.proj_out(self.norm_out(hidden, mods[:, -2:])),)
+    def conditioning(self, inputs: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        return inputs[2][:, -2:]
 
 
 def chroma_layers(tr: nn.Module) -> list[nn.Module]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import BlockLayer, _pipe_ready
+from diffpipe.models.layers import BlockLayer, NormOut, _pipe_ready
 
 
 class FluxEmbed(nn.Module):
@@ -40,14 +40,8 @@ class FluxBlock(BlockLayer):
         return (hidden, context, temb, cos, sin)
 
 
-class FluxOut(nn.Module):
-    def __init__(self, tr: nn.Module):
-        super().__init__()
-        self.norm_out, self.proj_out = tr.norm_out, tr.proj_out
-
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
-        hidden, _, temb, _, _ = inputs
-        return (self.proj_out(self.norm_out(hidden, temb)),)
+class FluxOut(NormOut):
+    """Inputs ``(hidden, context, temb, rope cos, rope sin)``: the output norm is modulated by ``temb``."""
 
 
 def flux_layers(tr: nn.Module) -> list[nn.Module]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import BlockLayer, _pipe_ready
+from diffpipe.models.layers import BlockLayer, NormOut, _pipe_ready
 
 
 class Flux2Embed(nn.Module):
@@ -54,14 +54,8 @@ class Flux2Single(Flux2Double):
         return (hidden, context, temb, mod_img, mod_txt, mod_single, cos, sin)
 
 
-class Flux2Out(nn.Module):
-    def __init__(self, tr: nn.Module):
-        super().__init__()
-        self.norm_out, self.proj_out = tr.norm_out, tr.proj_out
-
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
-        hidden, _, temb = inputs[:3]
-        return (self.proj_out(self.norm_out(hidden, temb)),)
+class Flux2Out(NormOut):
+    """Inputs ``(hidden, context, temb, ...)``: the output norm is modulated by ``temb``."""
 
 
 def flux2_layers(tr: nn.Module) -> list[nn.Module]:

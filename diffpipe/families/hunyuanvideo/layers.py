@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import BlockLayer, _pipe_ready
+from diffpipe.models.layers import BlockLayer, NormOut, _pipe_ready
 
 
 class HunyuanVideoEmbed(nn.Module):
@@ -43,15 +43,15 @@ class HunyuanVideoBlock(BlockLayer):
         return (hidden, context, temb, mask, cos, sin, fhw)
 
 
-class HunyuanVideoOut(nn.Module):
+class HunyuanVideoOut(NormOut):
+    """Inputs ``(hidden, context, temb, ..., fhw)``: norm, projection, then unpatchify to frames."""
+
     def __init__(self, tr: nn.Module):
-        super().__init__()
-        self.norm_out, self.proj_out = tr.norm_out, tr.proj_out
+        super().__init__(tr)
         self.p, self.pt = tr.config.patch_size, tr.config.patch_size_t
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
-        hidden, _, temb, _, _, _, fhw = inputs
-        x = self.proj_out(self.norm_out(hidden, temb))
+        x, fhw = self.project(inputs), inputs[6]
         f, h, w = (int(v) for v in fhw)
         p, pt = self.p, self.pt
         x = x.reshape(x.shape[0], f // pt, h // p, w // p, -1, pt, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import BlockLayer
+from diffpipe.models.layers import BlockLayer, NormOut
 
 
 class QwenEmbed(nn.Module):
@@ -43,14 +43,10 @@ class QwenBlock(BlockLayer):
         return (hidden, context, mask, temb, img_rope, txt_rope)
 
 
-class QwenOut(nn.Module):
-    def __init__(self, tr: nn.Module):
-        super().__init__()
-        self.norm_out, self.proj_out = tr.norm_out, tr.proj_out
+class QwenOut(NormOut):
+    """Inputs ``(hidden, context, mask, temb, image rope, text rope)``: modulated by ``temb``."""
 
-    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
-        hidden, _, _, temb, _, _ = inputs
-        return (self.proj_out(self.norm_out(hidden, temb)),)
+    COND = 3
 
 
 def qwen_layers(tr: nn.Module) -> list[nn.Module]:

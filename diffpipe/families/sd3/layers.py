@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import BlockLayer
+from diffpipe.models.layers import BlockLayer, NormOut
 
 
 class SD3Embed(nn.Module):
@@ -30,15 +30,15 @@ class SD3Block(BlockLayer):
         return (hidden, context if new_context is None else new_context, temb, size)
 
 
-class SD3Out(nn.Module):
+class SD3Out(NormOut):
+    """Inputs ``(hidden, context, temb, size)``: norm, projection, then unpatchify to the latent grid."""
+
     def __init__(self, tr: nn.Module):
-        super().__init__()
-        self.norm_out, self.proj_out = tr.norm_out, tr.proj_out
+        super().__init__(tr)
         self.patch, self.channels = tr.config.patch_size, tr.out_channels
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
-        hidden, _, temb, size = inputs
-        x = self.proj_out(self.norm_out(hidden, temb))
+        x, size = self.project(inputs), inputs[3]
         p, c = self.patch, self.channels
         h, w = int(size[0]) // p, int(size[1]) // p
         x = torch.einsum("nhwpqc->nchpwq", x.reshape(x.shape[0], h, w, p, p, c))
