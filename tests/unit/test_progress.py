@@ -248,3 +248,11 @@ def test_run_group_hands_each_output_line_over(tmp_path):
                                  cwd=tmp_path, output=lines.append)
     assert finished.returncode == 0
     assert lines == ["one", "two", "three"]
+
+
+def test_a_store_inside_the_progress_folder_is_refused(tmp_path):
+    from diffpipe.config import ConfigError, parse_config
+
+    with pytest.raises(ConfigError, match=r"cache\.dir .* move it out of progress/"):
+        parse_config({"output_dir": str(tmp_path / "run"), "datasets": [{"name": "d", "path": str(tmp_path / "d")}],
+                      "cache": {"dir": str(tmp_path / "run" / "progress" / "store")}})
