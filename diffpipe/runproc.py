@@ -43,17 +43,16 @@ def run_group(cmd: list[str], *, env: dict[str, str], cwd: Path, pass_fds: tuple
               say: Callable[[str], None] = print, output: Callable[[str], None] | None = None) -> Finished:
     """Run ``cmd`` in a new session; forward signals to it; return once its whole process group ended.
 
-    ``output``: given each line ``cmd`` writes (stdout and stderr), instead of the terminal getting them
-    (``diffpipe run``'s live display prints them above itself).
+    ``output``: given each line ``cmd`` writes to stderr (where Snakemake logs), instead of the terminal
+    getting it (``diffpipe run``'s live display prints them above itself); stdout stays as it is.
     """
     _become_subreaper()
     group = _Group(say)
-    pipe = subprocess.PIPE if output is not None else None
     with group.forwarding():
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True, pass_fds=pass_fds, stdout=pipe,
-                                stderr=subprocess.STDOUT if pipe else None)
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True, pass_fds=pass_fds,
+                                stderr=subprocess.PIPE if output is not None else None)
         group.pgid = proc.pid
-        reader = _pump(proc.stdout, output) if output is not None else None
+        reader = _pump(proc.stderr, output) if output is not None else None
         if group.signum is not None:  # a signal that came while it started
             group.send(_forwarded(group.signum))
         rc = group.wait(proc)

@@ -242,12 +242,13 @@ def test_quiet_hides_the_live_display(monkeypatch):
     assert not show_live(Console(force_terminal=True))
 
 
-def test_run_group_hands_each_output_line_over(tmp_path):
+def test_run_group_hands_each_stderr_line_over(tmp_path, capfd):
     lines = []
-    finished = runproc.run_group(["sh", "-c", "echo one; echo two >&2; printf 'three'"], env=dict(os.environ),
-                                 cwd=tmp_path, output=lines.append)
+    finished = runproc.run_group(["sh", "-c", "echo one >&2; echo out; echo two >&2; printf 'three' >&2"],
+                                 env=dict(os.environ), cwd=tmp_path, output=lines.append)
     assert finished.returncode == 0
     assert lines == ["one", "two", "three"]
+    assert capfd.readouterr().out == "out\n"  # stdout is left alone (`diffpipe run ... -- --list-rules > f`)
 
 
 def test_a_store_inside_the_progress_folder_is_refused(tmp_path):
