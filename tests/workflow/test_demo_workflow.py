@@ -10,6 +10,7 @@ deliberately (see ``tests/golden.py``).
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 
@@ -88,7 +89,8 @@ def test_jobs_log_progress_and_status_reads_it(demo):
     train_log = (p.root / "logs" / "train.log").read_text()
     assert f"train: step 1/{steps} (" in train_log and f"train: step {steps}/{steps} (100%), loss " in train_log
     shard = p.shard_names("latents")[0]
-    assert f"cache latents {shard}: " in (p.root / "logs" / "cache_latents" / f"{shard}.log").read_text()
+    cache_log = (p.root / "logs" / "cache_latents" / f"{shard}.log").read_text()
+    assert re.search(rf"^cache latents {shard}: (\d+)/\1 items \(100%\)", cache_log, re.MULTILINE), cache_log
     status = CliRunner().invoke(app, ["status", str(p.root)])
     assert status.exit_code == 0, status.output
     train = next(line for line in status.stderr.splitlines() if line.startswith("train "))
