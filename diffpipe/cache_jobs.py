@@ -37,8 +37,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from diffpipe import progress as job_progress
 from diffpipe.cache_decode import control_image, decode_item, decode_pool, prefetched, source_order
 from diffpipe.config import CacheConfig, ModelConfig
 from diffpipe.data.cache.latents import (
@@ -70,10 +70,6 @@ def _device(device: str | None) -> torch.device:
 
     cuda_defaults()
     return torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-
-
-def _progress() -> Progress:
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn())
 
 
 def latent_mask(mask: np.ndarray | torch.Tensor, latent_shape: tuple[int, ...]) -> torch.Tensor:
@@ -241,9 +237,10 @@ def _encode_latents(family, spec: dict[str, Any], missing: list[dict[str, Any]],
             limit = spec.get("max_pixels", DEFAULT_MAX_PIXELS)  # specs planned before it was recorded
             stream = prefetched(([(x, trust, limit) for x in b] for b in batches), decode_item, pool)
             vae = family.load_vae().to(dev)
-            with _progress() as progress, torch.no_grad():
-                task = progress.add_task(f"latents {spec['shard']}", total=len(missing))
-                t0 = time.perf_counter()
+            # Items encoded of those missing (reused entries take no time): the status file and progress line.
+            with job_progress.start(len(missing), unit="item", stage="cache latents",
+                                    shard=spec["shard"]) as progress, torch.no_grad():
+                t0, done = time.perf_counter(), 0
                 for jobs, decoded in stream:
                     t1 = time.perf_counter()
                     wait += t1 - t0
@@ -258,7 +255,8 @@ def _encode_latents(family, spec: dict[str, Any], missing: list[dict[str, Any]],
                             "mask": None if mask is None else latent_mask(mask, tuple(lat.shape)),
                             **ctrl,
                         }
-                    progress.advance(task, len(jobs))
+                    done += len(jobs)
+                    progress.update(done)
                     t0 = time.perf_counter()
     return {"decode_wait_s": round(wait, 3), "encode_s": round(encode_s, 3)}
 
@@ -317,15 +315,14 @@ def _encode_captions(
     encoders,
     captions: list[str],
     bs: int,
-    label: str,
+    shard: str,
     controls: list[dict[str, str] | list[dict[str, str]] | None] | None = None,
     max_pixels: int = DEFAULT_MAX_PIXELS,
 ) -> dict[str, torch.Tensor]:
     """Embeddings of ``captions``; with ``controls`` (families whose text encoder sees the
     control image) each caption is encoded with its item's control image."""
     parts: dict[str, list[torch.Tensor]] = {}
-    with _progress() as progress, torch.no_grad():
-        task = progress.add_task(label, total=len(captions))
+    with job_progress.start(len(captions), unit="caption", stage="cache text", shard=shard) as progress, torch.no_grad():
         for i in range(0, len(captions), bs):
             if controls is None:
                 out = family.encode_text(encoders, captions[i : i + bs])
@@ -334,7 +331,7 @@ def _encode_captions(
                 out = family.encode_text(encoders, captions[i : i + bs], images=images)
             for name, t in out.items():
                 parts.setdefault(name, []).append((t.float() if t.is_floating_point() else t).cpu())
-            progress.advance(task, len(captions[i : i + bs]))
+            progress.update(min(i + bs, len(captions)))
     return {name: torch.cat(ts) for name, ts in parts.items()}
 
 
@@ -399,7 +396,7 @@ def _encode_missing_text(family, spec: dict[str, Any], cache_cfg: CacheConfig, d
         encoders,
         list(captions.values()),
         cache_cfg.batch_size,
-        f"text {spec['shard']}",
+        spec["shard"],
         controls,
         spec.get("max_pixels", DEFAULT_MAX_PIXELS),
     )

@@ -15,7 +15,7 @@ from typing import Annotated
 import typer
 from rich.text import Text
 
-from diffpipe import logs, runlock, stages
+from diffpipe import logs, progress, runlock, stages
 from diffpipe.cli_cache import cache_app
 from diffpipe.cli_common import ConfigOpt, console, errors, fail, say, setup
 from diffpipe.config import ModelConfig, json_schema, reference_markdown
@@ -291,6 +291,25 @@ def run(
     if summary.interrupted_by is not None:
         raise typer.Exit(128 + summary.interrupted_by)  # as a shell reports a command a signal stopped
     raise typer.Exit(0 if summary.returncode == 0 else 1)
+
+
+@app.command()
+@errors
+def status(
+    run_folder: Annotated[Path | None, typer.Argument(help="A run folder (a config's output_dir).")] = None,
+    config: Annotated[Path | None, typer.Option("--config", "-c", help="Experiment config (YAML).")] = None,
+) -> None:
+    """Show each job's progress in a run (training step, loss, speed, ETA; cache shards), from any terminal.
+
+    Reads the status files the jobs write under OUTPUT_DIR/progress: running,
+    finished, failed, or stale (it said running, but its process is gone).
+
+    Example: diffpipe status -c config/demo.yaml
+    """
+    if (run_folder is None) == (config is None):
+        raise typer.BadParameter("give a run FOLDER or --config, one of them", param_hint="RUN_FOLDER")
+    for line in progress.status_lines(run_folder if config is None else Path(load_config(config).output_dir)):
+        say(line)
 
 
 @app.command()

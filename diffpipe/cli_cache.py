@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from diffpipe import stages
+from diffpipe import progress, stages
 from diffpipe.cli_common import ConfigOpt, errors, say, setup
 from diffpipe.stage_inputs import CacheInputs
 
@@ -32,7 +32,8 @@ def cache_latents_cmd(config: ConfigOpt, shard: ShardOpt, regenerate: Regenerate
     Example: diffpipe cache latents -c config/demo.yaml --shard s0000
     """
     cfg, paths = setup(config)
-    summary = stages.cache_latents(CacheInputs.of(cfg), paths, shard, regenerate=regenerate, trust=trust)
+    with progress.job(paths.root, f"cache_latents-{shard}", stage="cache latents", shard=shard):
+        summary = stages.cache_latents(CacheInputs.of(cfg), paths, shard, regenerate=regenerate, trust=trust)
     say(f"cache latents {shard}: {json.dumps(summary)}")
 
 
@@ -44,7 +45,8 @@ def cache_text_cmd(config: ConfigOpt, shard: ShardOpt, regenerate: RegenerateOpt
     Example: diffpipe cache text -c config/demo.yaml --shard s0000
     """
     cfg, paths = setup(config)
-    summary = stages.cache_text(CacheInputs.of(cfg), paths, shard, regenerate=regenerate)
+    with progress.job(paths.root, f"cache_text-{shard}", stage="cache text", shard=shard):
+        summary = stages.cache_text(CacheInputs.of(cfg), paths, shard, regenerate=regenerate)
     say(f"cache text {shard}: {json.dumps(summary)}")
 
 
@@ -56,7 +58,8 @@ def cache_empty_cmd(config: ConfigOpt, regenerate: RegenerateOpt = False) -> Non
     Example: diffpipe cache empty -c config/demo.yaml
     """
     cfg, paths = setup(config)
-    summary = stages.cache_empty(CacheInputs.of(cfg), paths, regenerate=regenerate)
+    with progress.job(paths.root, "cache_empty_text", stage="cache text", shard="empty"):
+        summary = stages.cache_empty(CacheInputs.of(cfg), paths, regenerate=regenerate)
     say(f"cache empty: {json.dumps(summary)}")
 
 

@@ -36,6 +36,7 @@ _REPLACED = (
     Path(layout.SAMPLES_DIR),
     Path(layout.LOGS),
     Path(layout.BENCHMARKS),
+    Path(layout.PROGRESS_DIR),  # the jobs' status files, rewritten as they run
 )
 
 

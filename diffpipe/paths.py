@@ -55,6 +55,7 @@ SAMPLES_DIR = "samples"
 SAMPLE_GRID = "samples/grid.png"
 LOGS = "logs"
 BENCHMARKS = "benchmarks"
+PROGRESS_DIR = "progress"  # each running job's status (diffpipe.progress): run state, never a rule's input or output
 #: The rules' directory() outputs: Snakemake deletes each, with all it holds, before the job
 #: that writes it, so ``diffpipe run`` checks them first (diffpipe.ownership; a test reads the rules).
 DIRECTORY_OUTPUTS = (PLAN_DIR, LATENT_SHARD, SAMPLES_DIR)
@@ -110,6 +111,7 @@ class RunPaths:
     samples_dir = _At(SAMPLES_DIR)
     sample_grid = _At(SAMPLE_GRID)
     benchmarks = _At(BENCHMARKS)
+    progress_dir = _At(PROGRESS_DIR)
 
     def cache_store(self, cache_dir: str | None = None) -> Path:
         """The content-addressed store: ``cache.dir`` when set, else under output_dir."""

@@ -8,14 +8,18 @@ import shlex
 import signal
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
-from rich.console import Console
+from rich.console import Console, Group, RenderableType
+from rich.live import Live
 from rich.markup import escape
+from rich.progress_bar import ProgressBar
 from rich.table import Table
+from rich.text import Text
 
-from diffpipe import hub, runproc
+from diffpipe import hub, progress, runproc
 from diffpipe.config import ConfigError
 from diffpipe.ownership import check_run_folder
 from diffpipe.paths import REPO_ROOT, SNAKEFILE, RunPaths
@@ -112,14 +116,64 @@ def run_workflow(
                             targets=list(targets), extra=extra, workdir=workdir)
     start = time.time()
     say = lambda m: console.print(m, markup=False, highlight=False, soft_wrap=True)  # noqa: E731
-    with runproc.run_lock(run_paths.root, workdir, env, say=say, dry_run=dry_run) as fds:
-        finished = runproc.run_group(cmd, env=env, cwd=workdir, pass_fds=fds, say=say)
+    live = show_live(console, dry_run=dry_run)
+    with runproc.run_lock(run_paths.root, workdir, env, say=say, dry_run=dry_run) as fds, \
+            LiveJobs(console, run_paths.root, since=start) if live else nullcontext() as view:
+        finished = runproc.run_group(cmd, env=env, cwd=workdir, pass_fds=fds, say=say,
+                                     output=view.print if view is not None else None)
     wall = time.time() - start
     jobs, seconds = _benchmarks(run_paths.benchmarks, since=start)
     summary = RunSummary(finished.returncode, jobs, seconds, wall, finished.signal)
     if not dry_run:
         _print_summary(console, summary, run_paths)
     return summary
+
+
+def show_live(console: Console, *, dry_run: bool = False) -> bool:
+    """Whether ``diffpipe run`` draws its live display: on a terminal, not for a dry run, not under --quiet.
+
+    Elsewhere (a pipe, a file, a batch job) nothing is added: each job's log holds its plain progress lines.
+    """
+    return console.is_terminal and not dry_run and os.environ.get("DIFFPIPE_QUIET") != "1"
+
+
+class LiveJobs:
+    """While Snakemake runs: the running jobs' progress, read from their status files (:mod:`diffpipe.progress`),
+    redrawn at the bottom of the terminal; Snakemake's own lines (:meth:`print`) go above it."""
+
+    def __init__(self, console: Console, root: Path, *, since: float):
+        self.root, self.since = root, since
+        self.live = Live(console=console, get_renderable=self.render, refresh_per_second=2, transient=True,
+                         redirect_stdout=False, redirect_stderr=False)
+
+    def render(self) -> RenderableType:
+        now = time.time()
+        # Only this run's jobs: an earlier run's files stay until their jobs run again.
+        jobs = [j for j in progress.read_jobs(self.root) if j.updated >= self.since and j.condition(now) == "running"]
+        return render_jobs(jobs)
+
+    def print(self, line: str) -> None:
+        self.live.console.print(Text(line), soft_wrap=True)
+
+    def __enter__(self) -> LiveJobs:
+        self.live.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.live.stop()
+
+
+def render_jobs(jobs: list[progress.JobState]) -> RenderableType:
+    """One row per job: its name, a bar, and what it reported (step/total, loss, rate, ETA, ...)."""
+    if not jobs:
+        return Group()
+    grid = Table.grid(padding=(0, 1))
+    grid.add_column(style="bold cyan", no_wrap=True)
+    grid.add_column(width=24)
+    grid.add_column()
+    for job in jobs:
+        grid.add_row(job.label(), ProgressBar(total=max(job.total, 1), completed=job.done, width=24), job.describe())
+    return grid
 
 
 def _benchmarks(folder: Path, since: float) -> tuple[list[str], dict[str, float]]:

@@ -19,6 +19,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,18 +40,41 @@ class Finished:
 
 
 def run_group(cmd: list[str], *, env: dict[str, str], cwd: Path, pass_fds: tuple[int, ...] = (),
-              say: Callable[[str], None] = print) -> Finished:
-    """Run ``cmd`` in a new session; forward signals to it; return once its whole process group ended."""
+              say: Callable[[str], None] = print, output: Callable[[str], None] | None = None) -> Finished:
+    """Run ``cmd`` in a new session; forward signals to it; return once its whole process group ended.
+
+    ``output``: given each line ``cmd`` writes to stderr (where Snakemake logs), instead of the terminal
+    getting it (``diffpipe run``'s live display prints them above itself); stdout stays as it is.
+    """
     _become_subreaper()
     group = _Group(say)
     with group.forwarding():
-        proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True, pass_fds=pass_fds)
+        proc = subprocess.Popen(cmd, env=env, cwd=cwd, start_new_session=True, pass_fds=pass_fds,
+                                stderr=subprocess.PIPE if output is not None else None)
         group.pgid = proc.pid
+        reader = _pump(proc.stderr, output) if output is not None else None
         if group.signum is not None:  # a signal that came while it started
             group.send(_forwarded(group.signum))
         rc = group.wait(proc)
         group.drain()
+    if reader is not None:
+        # The group is gone, so the pipe is closed, unless a process that left the group still holds it.
+        reader.join(timeout=5)
     return Finished(rc, group.signum)
+
+
+def _pump(stream, output: Callable[[str], None]) -> threading.Thread:
+    def copy() -> None:
+        for raw in iter(stream.readline, b""):
+            try:
+                output(raw.decode(errors="replace").rstrip("\r\n"))
+            except OSError:  # the terminal is gone: keep reading, or Snakemake would block on a full pipe
+                pass
+        stream.close()
+
+    thread = threading.Thread(target=copy, name="diffpipe-run-output", daemon=True)
+    thread.start()
+    return thread
 
 
 class _Group:

@@ -19,6 +19,7 @@ from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.families import get_family
 from diffpipe.models import _common as common
 from diffpipe.paths import RunPaths
+from diffpipe.progress import Progress
 from diffpipe.training import checkpoint as ckpt
 from diffpipe.training import checkpointing, engine, finite, offload, pipeline, precision
 from diffpipe.training.ema import STATE_NAME as EMA_STATE
@@ -108,9 +109,10 @@ class Trainer:
         start = self.restore()
         self.setup_monitors(start)
         self.last_saved, self.t_start, self.losses = start, time.perf_counter(), []
-        for step in range(start, self.order.total):
-            self.step(step)
-        return self.finish(start)
+        with self.progress:  # an exception records the job as failed for `diffpipe status`
+            for step in range(start, self.order.total):
+                self.step(step)
+            return self.finish(start)
 
     # -- setup ---------------------------------------------------------------------------
     def setup_data(self) -> None:
@@ -242,6 +244,10 @@ class Trainer:
         self.samples_per_step = tc.batch_size * tc.grad_accum * dist.world_size
         self.flops = StepFlops(tc, self.model.device)
         self.profiler = StepProfiler(tc.profile, paths.train_dir / "profile", enabled=dist.is_main, rank=dist.rank)
+        # Rank 0 reports for the run: its status file (diffpipe status, diffpipe run) and progress lines.
+        self.progress = Progress(paths.root if dist.is_main else None, "train", stage="train", total=self.order.total,
+                                 start=start, samples_per_unit=self.samples_per_step, log=self.log,
+                                 display="auto" if dist.is_main else "none")
 
     # -- the loop ---------------------------------------------------------------------------
     def save_checkpoint(self, step: int) -> Path:
@@ -305,11 +311,14 @@ class Trainer:
         self.losses.append(step_loss)
         due = done == order.total or (tc.eval.every_steps and done % tc.eval.every_steps == 0)
         evals = self.evaluate(model) if due else {}
+        memory = peak_memory_mb(model.device)
         self.metrics.log(done, epoch=epoch, loss=step_loss, lr=self.scheduler.get_last_lr()[0], grad_norm=grad_norm,
                          samples_per_s=self.samples_per_step / dt, step_time=dt,
-                         peak_memory_mb=peak_memory_mb(model.device), elapsed_s=time.perf_counter() - self.t_start,
+                         peak_memory_mb=memory, elapsed_s=time.perf_counter() - self.t_start,
                          skipped_steps=self.streak.total + skipped, **self.flops.fields(dt), **evals,
                          **self._split_losses(split))
+        self.progress.update(done, loss=step_loss, last_eval=evals.get("eval_loss"),
+                             gpu_mem_mb=memory if model.device.type == "cuda" else None)
         self.profiler.step()
         self.streak.record(done, skipped, loss=step_loss, grad_norm=grad_norm, log=self.log if self.dist.is_main
                            else lambda *_: None, last_checkpoint=_newest(self.paths.checkpoints) if skipped else None)

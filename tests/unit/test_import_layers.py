@@ -15,7 +15,8 @@ import diffpipe
 
 # Bottom to top. A module may import modules of its own layer and of every layer before it.
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("paths", "utils", "yamlload", "logs", "runlock", "runproc", "ownership", "model_ids")),
+    ("base", ("paths", "utils", "yamlload", "logs", "runlock", "runproc", "ownership", "model_ids",
+              "progress")),
     ("config", ("config", "config_paths", "policy", "stage_inputs")),  # pure parsing: no file I/O, no family lookup
     ("hub", ("hub",)),  # model folders and Hugging Face ids: file I/O, no family lookup
     ("data", ("data",)),

@@ -10,6 +10,7 @@ deliberately (see ``tests/golden.py``).
 
 from __future__ import annotations
 
+import re
 import shutil
 import time
 
@@ -78,6 +79,22 @@ def test_first_run_produces_every_output(demo):
     rows = read_metrics(p.metrics)
     assert {"step", "loss", "lr", "samples_per_s"} <= set(rows[0])
     assert [r["step"] for r in rows] == list(range(1, len(rows) + 1))
+
+
+def test_jobs_log_progress_and_status_reads_it(demo):
+    """The train and cache jobs' logs hold progress lines (a log is no terminal: plain lines, the first and the
+    last always), and their status files say finished (issue #41, live progress)."""
+    p: RunPaths = demo["paths"]
+    steps = len(read_metrics(p.metrics))
+    train_log = (p.root / "logs" / "train.log").read_text()
+    assert f"train: step 1/{steps} (" in train_log and f"train: step {steps}/{steps} (100%), loss " in train_log
+    shard = p.shard_names("latents")[0]
+    cache_log = (p.root / "logs" / "cache_latents" / f"{shard}.log").read_text()
+    assert re.search(rf"^cache latents {shard}: (\d+)/\1 items \(100%\)", cache_log, re.MULTILINE), cache_log
+    status = CliRunner().invoke(app, ["status", str(p.root)])
+    assert status.exit_code == 0, status.output
+    train = next(line for line in status.stderr.splitlines() if line.startswith("train "))
+    assert "finished" in train and f"step {steps}/{steps} (100%)" in train
 
 
 def test_golden_losses_and_lora(demo, golden):
