@@ -1,8 +1,16 @@
 import os
+import sys
 import tempfile
 
 # Two torch threads on two busy cores can be 10x slower than one.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# One `ninja` for every process of the suite. DeepSpeed compiles its CPU shared-memory op (on first use,
+# cached in ~/.cache/torch_extensions) with the `ninja` first on PATH. `diffpipe run` puts this
+# interpreter's folder first for its jobs (the venv's ninja), while `.venv/bin/python -m pytest` and the
+# processes it starts found the system's, if any. Two ninja versions do not share a build log, so each
+# switch rebuilt the op: 41-48 s of CPU (3 s to load it built), every DeepSpeed process starting meanwhile
+# waiting on its lock (tests/unit/test_suite_env.py).
+os.environ["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{os.environ.get('PATH', '')}"
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # Keep the suite's tokenizer files and weight fingerprints out of the user's cache.
 os.environ["DIFFPIPE_CACHE"] = tempfile.mkdtemp(prefix="diffpipe-test-cache-")
@@ -42,6 +50,11 @@ LONGEST_FIRST = (
     "tests/unit/test_estimate.py",  # 30 s
     "tests/stages/test_families.py",  # 26 s
     "tests/stages/test_image_families.py",  # 24 s
+    # 120 s: four `diffpipe run`s stopped by signals. Not beside the SLURM and demo workflows at the start:
+    # there, on 2 busy cores, a SIGINT-stopped run once took over 120 s to end. Nor last: its worker would
+    # then run it alone while the others sit idle. After the long files, the short stage and unit files
+    # that follow keep the other workers busy while it runs.
+    "tests/workflow/test_interrupts.py",
 )
 
 
@@ -54,7 +67,6 @@ def pytest_collection_modifyitems(config, items):
 
 # -- a cached tiny run shared by the training tests ------------------------------------
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 
 import pytest  # noqa: E402
 from tiny_runs import TinyRun, make_tiny_run  # noqa: E402  (tests/tiny_runs.py)

@@ -44,8 +44,23 @@ def in_process(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
     stderr); an exception that escaped the app is appended to stderr. Runs that must die
     (``DIFFPIPE_FAULT``) or launch ranks (``--processes``) stay subprocesses (``cli``)."""
     assert "--processes" not in args and "DIFFPIPE_FAULT" not in (env or {}), "run those with cli()"
+    return _invoke_app(args, env, with_rendezvous=True)
+
+
+def starter_in_process(*args: str, env: dict[str, str] | None = None, cwd=None) -> subprocess.CompletedProcess:
+    """``diffpipe ARGS`` for a command that starts processes of its own (``run``: Snakemake and its jobs;
+    ``bench``: a process per point) through the real Typer app in this process, with ``env`` and in ``cwd``
+    (both undone after): the processes it starts are those the shell command starts, and the command's own
+    interpreter start-up (2-5 s of CPU) is saved. No rendezvous, so its children inherit none."""
+    return _invoke_app(args, env, with_rendezvous=False, cwd=cwd)
+
+
+def _invoke_app(args, env: dict[str, str] | None, *, with_rendezvous: bool, cwd=None) -> subprocess.CompletedProcess:
     with pytest.MonkeyPatch.context() as monkeypatch:
-        rendezvous(monkeypatch)
+        if cwd is not None:
+            monkeypatch.chdir(cwd)
+        if with_rendezvous:
+            rendezvous(monkeypatch)
         for key, value in (env or {}).items():
             monkeypatch.setenv(key, value)
         result = CliRunner().invoke(app, list(args))

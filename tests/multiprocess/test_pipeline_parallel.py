@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from stage_cli import in_process
 
 from diffpipe.paths import RunPaths
 from diffpipe.training.adapter import load_adapter
@@ -27,12 +28,16 @@ TRAIN = {"grad_accum": 2, "epochs": 2, "lora": {"rank": 4, "alpha": 8}}
 
 @pytest.fixture(scope="module")
 def runs(tiny_run, cli, tmp_path_factory) -> dict[int, RunPaths]:
-    """The 1-process run and the 2-stage pipeline (which also checkpoints mid-epoch, at step 3 of 4)."""
+    """The 1-process run and the 2-stage pipeline (which also checkpoints mid-epoch, at step 3 of 4).
+
+    The 1-process run trains in this process (``in_process``: the real Typer app, no interpreter start-up);
+    the pipeline's 2 ranks are processes of their own, started by our launcher."""
     out = {}
-    for stages, procs, extra in [(1, 1, {}), (2, 2, {"checkpoint_every_steps": 3})]:
+    for stages, extra in [(1, {}), (2, {"checkpoint_every_steps": 3})]:
         root = tmp_path_factory.mktemp(f"pp{stages}")
         cfg = tiny_run.clone(root, pipeline_stages=stages, **TRAIN, **extra)
-        result = cli("train", "-c", str(cfg), "--processes", str(procs))
+        args = ("train", "-c", str(cfg))
+        result = in_process(*args) if stages == 1 else cli(*args, "--processes", "2")
         assert result.returncode == 0, result.stderr[-4000:]
         out[stages] = RunPaths(root / "run")
     return out

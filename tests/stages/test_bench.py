@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 
 from PIL import Image
+from stage_cli import starter_in_process
 from tiny_runs import bench_config
 
 from diffpipe.bench.grid import parse_grid_args, points
@@ -29,12 +30,13 @@ def test_grid_points_are_the_product_of_the_axes_the_first_varying_slowest():
     assert points({}) == [{}]
 
 
-def test_grid_writes_every_column_and_a_plot_and_records_out_of_memory(tiny_run, cli, tmp_path):
+def test_grid_writes_every_column_and_a_plot_and_records_out_of_memory(tiny_run, tmp_path):
     # Under a 3000 MiB address-space cap the tiny model trains at micro-batch 1 or 2 (measured: it needs
     # under 2000 MiB), while micro-batch 512 needs about 6 GiB more for activations: out of memory. Each
     # point is a process of its own, so the grid is kept to three (the product of axes is checked above).
     cfg = bench_config(tiny_run, tmp_path, memory_limit_mb=3000)
-    result = cli("bench", "-c", cfg, "--grid", "batch_size=1,2,512", "--grid", "precision=fp32")
+    # `diffpipe bench` runs here; each point is a process of its own, as from a shell.
+    result = starter_in_process("bench", "-c", cfg, "--grid", "batch_size=1,2,512", "--grid", "precision=fp32")
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "run" / "bench"
     with open(out / "runs_summary.csv") as f:

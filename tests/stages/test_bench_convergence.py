@@ -9,6 +9,7 @@ import csv
 import json
 
 from PIL import Image
+from stage_cli import starter_in_process
 from tiny_runs import bench_config
 
 from diffpipe.bench.plot import COLORS
@@ -16,12 +17,12 @@ from diffpipe.paths import RunPaths
 from diffpipe.training.metrics import read_metrics
 
 
-def test_convergence_overlays_the_loss_curves_and_training_logs_flops_and_a_profile(tiny_run, cli, tmp_path):
+def test_convergence_overlays_the_loss_curves_and_training_logs_flops_and_a_profile(tiny_run, tmp_path):
     # Convergence points are plain `diffpipe train` runs (speed unmeasured, so train.profile is kept):
     # they also show the FLOPs, TFLOPS and MFU fields of every training log and the profiler window.
     cfg = bench_config(tiny_run, tmp_path, train={"peak_tflops": 0.5, "profile": {"skip": 1, "steps": 1}},
                   convergence_precisions=["fp32", "fp8"], convergence_steps=3)
-    result = cli("bench", "-c", cfg, "--convergence")
+    result = starter_in_process("bench", "-c", cfg, "--convergence")  # here; each point is a process
     assert result.returncode == 0, result.stderr[-3000:]
     out = tmp_path / "run" / "bench"
     rows = list(csv.DictReader((out / "convergence.csv").open()))

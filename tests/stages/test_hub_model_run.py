@@ -8,6 +8,7 @@ import pytest
 import yaml
 from hubcache import add_snapshot
 from safetensors import safe_open
+from stage_cli import in_process
 from typer.testing import CliRunner
 
 from diffpipe.cli import app
@@ -70,9 +71,9 @@ def test_the_stages_run_on_an_id_offline(setup):
     assert base["path"] == REPO and base["family"] == "sd"  # the export names the id, not the cache folder
 
 
-def test_a_missing_id_is_a_clean_usage_error(setup, cli):
+def test_a_missing_id_is_a_clean_usage_error(setup):
     root, env = setup
-    result = cli("validate", "-c", _config(root, {"path": "some-org/absent"}), env=env)
+    result = in_process("validate", "-c", _config(root, {"path": "some-org/absent"}), env=env)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "'some-org/absent/model_index.json': not in the hub cache" in result.stderr
     assert str(root / "hub") in result.stderr and "Traceback" not in result.stderr

@@ -11,6 +11,7 @@ import re
 import peft
 import pytest
 import torch
+from stage_cli import in_process
 
 from diffpipe.config import ModelConfig, TrainConfig
 from diffpipe.families import get_family
@@ -204,17 +205,17 @@ def test_activation_offload_moves_block_inputs_and_gives_the_same_step():
     assert grads.keys() == want.keys() and all(torch.equal(grads[k], want[k]) for k in want)
 
 
-def test_block_swap_and_activation_offload_train_through_diffpipe_train_and_resume_exactly(flux_tiny_run, cli,
-                                                                                             tmp_path):
+def test_block_swap_and_activation_offload_train_through_diffpipe_train_and_resume_exactly(flux_tiny_run, tmp_path):
     # Losses equal to a run without swapping are proven bit for bit in-process above; here the real
     # command, with fp8 storage and DeepSpeed bf16, trains with the block-swap hooks installed (both runs),
     # with activation offload giving the losses of plain checkpointing, and resumes exactly with both.
+    # The command runs in this process (`in_process`: the real Typer app), not in 3 fresh interpreters.
     train = {"precision": "bf16", "max_steps": 2, "checkpoint_every_steps": 1, "keep_checkpoints": 0,
              "activation_checkpointing": True, "base_weights": "fp8", "block_swap": 2}
     runs = {}
     for offloaded in (False, True):
         cfg = flux_tiny_run.clone(tmp_path / str(offloaded), **train, activation_offload=offloaded)
-        result = cli("train", "-c", str(cfg))
+        result = in_process("train", "-c", str(cfg))
         assert result.returncode == 0, result.stderr[-3000:]
         runs[offloaded] = [r["loss"] for r in read_metrics(RunPaths(tmp_path / str(offloaded) / "run").metrics)]
         # The log and summary.json say which memory options took effect, block_swap as it resolved.
@@ -224,7 +225,7 @@ def test_block_swap_and_activation_offload_train_through_diffpipe_train_and_resu
         memory = json.loads((RunPaths(tmp_path / str(offloaded) / "run").train_dir / "summary.json").read_text())
         assert memory["memory"]["block_swap"].startswith("2 of ") and not any(memory["memory"]["zero_offload"].values())
     assert len(runs[True]) == 2 and runs[True] == pytest.approx(runs[False], rel=1e-6)
-    resumed = cli("train", "-c", str(cfg), "--checkpoint", "step-000001")
+    resumed = in_process("train", "-c", str(cfg), "--checkpoint", "step-000001")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert [r["loss"] for r in read_metrics(RunPaths(tmp_path / "True" / "run").metrics)] == runs[True]
     with pytest.raises(ValueError, match="activation_offload needs train.pipeline_stages: 1"):

@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 from rich.console import Console
+from stage_cli import in_process
 
 from diffpipe.config import CacheConfig, DatasetConfig, ModelConfig, ValidationConfig
 from diffpipe.data.cache import buckets, video
@@ -293,7 +294,7 @@ def test_metadata_of_any_shape_never_raises(tmp_path, value, fmt):
 
 
 # -- 11: no usable item ------------------------------------------------------------
-def test_no_usable_item_fails_validate_with_the_counts(tmp_path, cli):
+def test_no_usable_item_fails_validate_with_the_counts(tmp_path):
     root = tmp_path / "data"
     write_demo_dataset(root, n=3, size=32)
     for p in root.glob("*.txt"):
@@ -309,7 +310,7 @@ def test_no_usable_item_fails_validate_with_the_counts(tmp_path, cli):
     cfg = tmp_path / "c.yaml"
     cfg.write_text(json.dumps({"output_dir": str(tmp_path / "run"), "datasets": [{"name": "d", "path": str(root),
                                                                                "resolution": 32}]}))
-    res = cli("validate", "-c", str(cfg), "--no-tokens")
+    res = in_process("validate", "-c", str(cfg), "--no-tokens")
     assert res.returncode == 1, res.stdout + res.stderr
     err = " ".join(res.stderr.split())  # rich wraps at the terminal width
     assert "no_usable_items" in err and "4 found, 4 skipped" in err and "Traceback" not in err

@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 from PIL import Image
+from stage_cli import starter_in_process
 from typer.testing import CliRunner
 
 from diffpipe.cache_decode import decode_item
@@ -235,7 +236,7 @@ def test_layouts_and_splits(tmp_path):
     assert find_tables(tmp_path / "hub", "train", parquet=False) is None
 
 
-def test_hub_id_offline_runs_the_workflow(tmp_path, cli):
+def test_hub_id_offline_runs_the_workflow(tmp_path):
     buf = io.BytesIO()
     images = [_png(i) for i in range(4)]
     image = pa.array([{"bytes": b, "path": f"{i}.png"} for i, b in enumerate(images)],
@@ -250,16 +251,16 @@ def test_hub_id_offline_runs_the_workflow(tmp_path, cli):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     env = {"HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     # Up to training (export and sampling do not read the dataset): the slow part is start-up per job.
-    done = cli("run", "--config", str(tmp_path / "config.yaml"), "--workdir", str(tmp_path), "--cores", "2",
-               "--target", "train", env=env)
+    args = ["run", "--config", str(tmp_path / "config.yaml"), "--workdir", str(tmp_path), "--cores", "2",
+            "--target", "train"]
+    done = starter_in_process(*args, env=env)  # Snakemake and its jobs are processes, as from a shell
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     paths = RunPaths(tmp_path / "run")
     rows = pq.read_table(paths.manifest).to_pylist()
     assert {parse_locator(r["path"]).file for r in rows} == {f"{snap}/data/train-00000-of-00001.parquet"}
     assert sorted(r["caption"] for r in rows) == [f"noise {i}" for i in range(4)]
     assert len(paths.metrics.read_text().splitlines()) == 2
-    again = cli("run", "--config", str(tmp_path / "config.yaml"), "--workdir", str(tmp_path), "--cores", "2",
-                "--target", "train", env=env)
+    again = starter_in_process(*args, env=env)
     assert again.returncode == 0 and "0 Snakemake jobs ran" in again.stdout + again.stderr
 
 
