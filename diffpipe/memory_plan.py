@@ -14,6 +14,10 @@ step over the assumed PCIe bandwidth, divided by an estimated step time (6 FLOPs
 token over an assumed throughput). Among the settings within ``slowdown`` of the fastest one that fits,
 the best base weights (bf16 > fp8 > int8 > nf4) win, then the faster; a lower-quality base weight is chosen
 only when it is more than ``slowdown`` faster than every better one that fits.
+
+The workflow's train rule reruns when the planned settings change (:func:`digest_settings`, in
+:func:`diffpipe.stages.stage_digest`), never for the budget alone; docs/training.md's fits table is
+:func:`plan_memory`'s choice per card (:mod:`diffpipe.fits`).
 """
 
 from __future__ import annotations
