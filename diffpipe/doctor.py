@@ -59,12 +59,32 @@ def _torch_checks(cfg: Config | None, estimate) -> list[Check]:
             f"; the tiny flavor is sized as {estimate.model})" if cfg.model.flavor == "tiny" else ")")
         fits = bool(gpus) and need <= have
         checks.append(Check("GPU memory", fits, what + (f"; the smallest GPU has {have / GiB:.0f} GiB" if gpus else
-                            "; no GPU to hold it"), "on one GPU: train.base_weights fp8 (or nf4), "
+                            "; no GPU to hold it"), "on one GPU: train.memory: auto (`diffpipe plan-memory -c CONFIG` shows its pick), or by hand "
+                            "train.base_weights fp8 (or nf4), "
                             "activation_checkpointing, then block_swap N and activation_offload (system RAM); "
                             "or lower train.batch_size or the resolution; on several GPUs also zero_stage / "
                             "offload_optimizer. `diffpipe estimate -c CONFIG` shows each one's effect "
                             "(--gpus N for several), docs/training.md's table what fits 24/16/12 GiB"))
     return checks
+
+
+def _plan_checks(cfg: Config, gpu_bytes: int) -> list[Check]:
+    """Under ``train.memory: auto``: the plan train would make (for ``train.gpu_memory``, else the smallest
+    GPU's memory), its settings and the runner-up's, each with its estimate."""
+    if cfg.train.memory != "auto":
+        return []
+    # deferred: the planner sizes the model on the meta device (seconds); only memory: auto asks
+    from diffpipe import memory_plan as mp
+
+    budget = int(cfg.train.gpu_memory * GiB) if cfg.train.gpu_memory is not None else gpu_bytes
+    if not budget:
+        return [Check("memory plan", False, "train.memory: auto, and no GPU here to plan for",
+                      "set train.gpu_memory (GiB) to plan for a card, or see `diffpipe plan-memory --gpu-memory N`")]
+    try:
+        plan = mp.plan_memory(cfg, budget, system_bytes=mp.available_ram_bytes())
+    except ValueError as err:  # NothingFits names the closest setting and its miss
+        return [Check("memory plan", False, str(err), "see the message")]
+    return [Check("memory plan", True, "; ".join(plan.lines()))]
 
 
 def _smallest_gpu() -> int:
@@ -215,7 +235,8 @@ def run_checks(cfg: Config | None = None, *, base: Path = Path("."), profile: Pa
         estimate = estimate_memory(cfg)
     checks = _torch_checks(cfg, estimate) + _library_checks() + _extension_lock_checks()
     if cfg is not None:
-        checks += _model_checks(cfg) + _text_encoder_checks(cfg, _smallest_gpu()) + _disk_checks(cfg, base, min_free)
+        gpu = _smallest_gpu()
+        checks += _plan_checks(cfg, gpu) + _model_checks(cfg) + _text_encoder_checks(cfg, gpu) + _disk_checks(cfg, base, min_free)
     if profile is not None:
         checks += _slurm_checks(profile)
     return checks

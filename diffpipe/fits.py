@@ -1,11 +1,15 @@
 """The memory-fits table of docs/training.md: each flagship's estimate at rank 16 under each memory option,
-and the cheapest setting that fits 24 / 16 / 12 GiB cards (``make docs`` writes it; ``diffpipe.estimate``
-counts the bytes)."""
+and the setting :mod:`diffpipe.memory_plan` chooses for 24 / 16 / 12 GiB cards (``make docs`` writes it;
+``diffpipe.estimate`` counts the bytes)."""
 
 from __future__ import annotations
 
+import json
+from typing import Any
+
 from diffpipe.config import Config
 from diffpipe.estimate import GiB, MemoryEstimate, estimate_memory
+from diffpipe.memory_plan import Estimator, NothingFits, plan_memory
 
 #: The families the fits table covers: (label, published model, family, width, height, frames,
 #: published figures of other trainers for the same model, as their documentation gives them).
@@ -29,8 +33,6 @@ FITS_MODELS = (
     ("Kandinsky 5.0 T2V Lite", "kandinsky-5-t2v-lite", "kandinsky5", 768, 512, 121, ""),
     ("Kandinsky 5.0 Image Lite", "kandinsky-5-image-lite", "kandinsky5-image", 1024, 1024, 1, ""),
 )
-#: What the CUDA context and the allocator's fragmentation add to an estimate (diffpipe.estimate's docstring: 1-2 GiB).
-CONTEXT_BYTES = 3 * GiB // 2
 CARDS_GIB = (24, 16, 12)
 
 
@@ -40,14 +42,26 @@ def _fits_config(family: str, **train) -> Config:
          "train": {"batch_size": 1, "precision": "bf16", "lora": {"rank": 16}, **train}})
 
 
-def fits_row(entry: tuple, bf16: MemoryEstimate, fp8: MemoryEstimate, ckpt: MemoryEstimate,
-             offloaded: MemoryEstimate, nf4: MemoryEstimate) -> str:
-    """One row of :func:`fits_markdown` for a ``FITS_MODELS`` entry from its five estimates (``FITS_OPTIONS``).
+def cached_estimator(**sizes: Any) -> Estimator:
+    """``estimate_memory`` at ``sizes``, each train setting estimated once (the option columns and every card's
+    plan share them)."""
+    cache: dict[str, MemoryEstimate] = {}
 
-    The cheapest setting that fits is taken along the fp8 chain (fp8, checkpointing, block swap, activation
-    offload); where that needs system RAM (or nothing fits) and nf4 + checkpointing fits without it, the
-    cell names that too: 4-bit weights round more, swapping costs speed."""
-    label, _, _, width, height, frames, peers = entry
+    def one(cfg: Config) -> MemoryEstimate:
+        key = json.dumps(cfg.train.model_dump(mode="json", exclude={"memory", "gpu_memory"}), sort_keys=True)
+        if key not in cache:
+            cache[key] = estimate_memory(cfg, **sizes)
+        return cache[key]
+
+    return one
+
+
+def fits_row(entry: tuple, estimate: Estimator) -> str:
+    """One row of :func:`fits_markdown` for a ``FITS_MODELS`` entry: its estimate under each of ``FITS_OPTIONS``,
+    and per card what :func:`diffpipe.memory_plan.plan_memory` chooses (``train.memory: auto``, no system-RAM
+    limit), with its estimate and relative step time."""
+    label, _, family, width, height, frames, peers = entry
+    bf16, fp8, ckpt, offloaded, nf4 = (estimate(_fits_config(family, **o)) for o in FITS_OPTIONS)
     everything = ckpt.swapped(len(ckpt.block_bytes))
     both = offloaded.swapped(len(offloaded.block_bytes))
     size = f"{width}x{height}" + (f" x {frames} frames" if frames > 1 else "")
@@ -56,20 +70,10 @@ def fits_row(entry: tuple, bf16: MemoryEstimate, fp8: MemoryEstimate, ckpt: Memo
     cells.append(f"{both.total_bytes / GiB:.1f} GiB ({(both.cpu_bytes + both.activation_cpu_bytes) / GiB:.1f} GiB)")
     cells.append(f"{nf4.total_bytes / GiB:.1f} GiB")
     for card in CARDS_GIB:
-        budget = card * GiB - CONTEXT_BYTES
-        if bf16.total_bytes <= budget:
-            cell = "bf16"
-        elif fp8.total_bytes <= budget:
-            cell = "fp8"
-        elif (n := ckpt.swap_to_fit(budget)) is not None:
-            cell = "fp8 + checkpointing" + (f" + block_swap {n}" if n else "")
-        elif (n := offloaded.swap_to_fit(budget)) is not None:
-            cell = "fp8 + checkpointing + activation_offload" + (f" + block_swap {n}" if n else "")
-        else:
-            cell = "no"
-        if ("block_swap" in cell or "offload" in cell or cell == "no") and nf4.total_bytes <= budget:
-            cell = "nf4 + checkpointing" if cell == "no" else f"{cell}, or nf4 + checkpointing"
-        cells.append(cell)
+        try:
+            cells.append(plan_memory(_fits_config(family), card * GiB, estimate=estimate).chosen.short())
+        except NothingFits:
+            cells.append("nothing fits")
     return "| " + " | ".join([*cells, peers]) + " |"
 
 
@@ -79,8 +83,8 @@ FITS_OPTIONS = ({}, {"base_weights": "fp8"}, _FP8_CKPT, {**_FP8_CKPT, "activatio
 
 
 def fits_markdown() -> str:
-    """The docs table: each flagship's estimate at rank 16 under each memory option, and the
-    cheapest setting that fits 24 / 16 / 12 GiB cards (estimate + 1.5 GiB of CUDA context)."""
+    """The docs table: each flagship's estimate at rank 16 under each memory option, and the setting the
+    memory planner chooses for 24 / 16 / 12 GiB cards (one source of truth with ``train.memory: auto``)."""
     rows = [
         "| model (size) | bf16 | fp8 | fp8 + checkpointing | + every block swapped (system RAM) | "
         "+ activation offload (system RAM) | nf4 + checkpointing | "
@@ -88,7 +92,7 @@ def fits_markdown() -> str:
         "| --- " * (8 + len(CARDS_GIB)) + "|",
     ]
     for entry in FITS_MODELS:
-        _, model, family, width, height, frames, _ = entry
+        _, model, _, width, height, frames, _ = entry
         kw = {"model": model, "resolution": width, "height": height, "frames": frames}
-        rows.append(fits_row(entry, *(estimate_memory(_fits_config(family, **o), **kw) for o in FITS_OPTIONS)))
+        rows.append(fits_row(entry, cached_estimator(**kw)))
     return "\n".join(rows)

@@ -10,7 +10,8 @@ What it decides, and from what:
 - sample prompts: a few of the dataset's own captions (with the trigger word);
 - LoRA settings: rank 16 and lr 1e-4 for published models, the demo's settings
   for the tiny ones; about 1,500 training samples in all;
-- the memory ``diffpipe estimate`` gives for the result, as a comment.
+- the memory ``diffpipe estimate`` gives for the result, as a comment; ``train.memory: auto`` when a CUDA GPU
+  is detected (not for the tiny models: the planner sizes their published model).
 """
 
 from __future__ import annotations
@@ -180,7 +181,7 @@ def init_config(dataset: str | Path, model: str, *, family: str | None = None, t
         f"datasets:\n{_dataset_lines(name, dataset, resolution, scan, prefix)}\n"
         "cache:\n"
         f"  shards: {min(8, max(1, scan.images // 500))}   # one cache job each; more shards, more jobs at once\n\n"
-        f"train:\n{_train_lines(tiny, scan.images)}\n"
+        f"train:\n{_train_lines(tiny, scan.images, None if tiny else detected_gpu())}\n"
         "export:\n"
         "  formats: [diffusers, comfyui]   # also: peft, kohya, merged\n\n"
         "sample:\n"
@@ -224,8 +225,16 @@ def _dataset_lines(name: str, dataset: str, resolution: int, scan: Scan, prefix:
             f"{buckets}{caption_line}")
 
 
-def _train_lines(tiny: bool, images: int) -> str:
-    """The ``train:`` section's lines: about 1,500 samples seen (the tiny model: a quick try at a higher rate)."""
+def detected_gpu() -> str | None:
+    """The name of this machine's first CUDA GPU; None without one."""
+    import torch  # deferred: init on a machine without a GPU need not wait for it (start-up time)
+
+    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+
+
+def _train_lines(tiny: bool, images: int, gpu: str | None = None) -> str:
+    """The ``train:`` section's lines: about 1,500 samples seen (the tiny model: a quick try at a higher rate);
+    ``memory: auto`` where a GPU was detected (``gpu``: its name)."""
     batch = 4 if tiny else 1
     steps_per_epoch = max(1, images)
     epochs = 20 if tiny else max(1, min(100, math.ceil(1500 / steps_per_epoch)))
@@ -235,4 +244,6 @@ def _train_lines(tiny: bool, images: int) -> str:
             f"  lr: {lr}\n"
             "  lora:\n"
             f"    rank: {rank}\n"
-            f"    alpha: {rank}\n")
+            f"    alpha: {rank}\n"
+            + (f"  memory: auto   # detected: {_LINE_BREAKS.sub(' ', gpu)}; memory keys left unset are planned for its "
+               "free memory at train time (`diffpipe plan-memory -c CONFIG` shows the plan)\n" if gpu else ""))

@@ -14,11 +14,17 @@ step over the assumed PCIe bandwidth, divided by an estimated step time (6 FLOPs
 token over an assumed throughput). Among the settings within ``slowdown`` of the fastest one that fits,
 the best base weights (bf16 > fp8 > int8 > nf4) win, then the faster; a lower-quality base weight is chosen
 only when it is more than ``slowdown`` faster than every better one that fits.
+
+The workflow's train rule reruns when the planned settings change (:func:`digest_settings`, in
+:func:`diffpipe.stages.stage_digest`), never for the budget alone; docs/training.md's fits table is
+:func:`plan_memory`'s choice per card (:mod:`diffpipe.fits`).
 """
 
 from __future__ import annotations
 
 import itertools
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,8 +34,9 @@ from pydantic import ValidationError
 from diffpipe.config import Config, ConfigError
 from diffpipe.estimate import GiB, MemoryEstimate, estimate_memory
 from diffpipe.families.published import PUBLISHED
-from diffpipe.fits import CONTEXT_BYTES
 
+#: What the CUDA context and the allocator's fragmentation add to an estimate (diffpipe.estimate's docstring: 1-2 GiB).
+CONTEXT_BYTES = 3 * GiB // 2
 #: The memory keys the planner sets (those the user left unset).
 KEYS = ("base_weights", "activation_checkpointing", "block_swap", "activation_offload")
 #: Share of the estimate kept free for its error: docs/training.md puts the estimate at 0.88-1.01 of the
@@ -69,6 +76,14 @@ class Candidate:
     settings: dict[str, Any]
     estimate: MemoryEstimate
     cost: float
+
+    def short(self) -> str:
+        """The settings and estimate in a few words (the fits table's cells): ``fp8 + checkpointing + block_swap
+        18: 12.6 GiB + 4.7 GiB system RAM, step x1.60``."""
+        e = self.estimate
+        ram = e.cpu_bytes + e.activation_cpu_bytes
+        return (f"{settings_text(self.settings)}: {e.total_bytes / GiB:.1f} GiB"
+                + (f" + {ram / GiB:.1f} GiB system RAM" if ram else "") + f", step x{self.cost:.2f}")
 
     def describe(self) -> str:
         s = self.settings
@@ -110,6 +125,16 @@ class MemoryPlan:
 
 class NothingFits(ValueError):
     """No setting fits the budget; the message names the closest and by how much it misses."""
+
+
+def settings_text(settings: dict[str, Any]) -> str:
+    """Memory settings as the docs write them: ``bf16 + checkpointing + block_swap 29``."""
+    base = settings.get("base_weights", "auto")
+    parts = ["bf16" if base == "auto" else base]
+    parts += ["checkpointing"] if settings.get("activation_checkpointing") else []
+    parts += [f"block_swap {settings['block_swap']}"] if settings.get("block_swap") else []
+    parts += ["activation_offload"] if settings.get("activation_offload") else []
+    return " + ".join(parts)
 
 
 def margin_bytes(estimate: MemoryEstimate) -> int:
@@ -266,6 +291,39 @@ def training_plan(cfg: Config) -> MemoryPlan | None:
         return None
     gpu_bytes = int(tc.gpu_memory * GiB) if tc.gpu_memory is not None else detected_gpu_bytes()
     return plan_memory(cfg, gpu_bytes, system_bytes=available_ram_bytes())
+
+
+def digest_settings(cfg: Config) -> dict[str, Any] | None:
+    """What the train rule's rerun trigger records of ``train.memory: auto`` (None under ``manual``): the planned
+    settings of the keys the config leaves unset, never the GPU's bytes, so a card that changes the plan reruns
+    train and one that keeps it does not.
+
+    Planned when the workflow starts, for ``train.gpu_memory`` or else the free memory of the GPU visible there
+    (read in a child process: a CUDA context in Snakemake's own process would hold memory the train job
+    plans for). Without either (a login node with no GPU), or when no plan can be made, the record says so and
+    the train job plans and reports alone."""
+    tc = cfg.train
+    if tc.memory != "auto":
+        return None
+    gpu_bytes = int(tc.gpu_memory * GiB) if tc.gpu_memory is not None else _free_gpu_bytes_in_child()
+    if gpu_bytes is None:
+        return {"planned": "by the train job (no train.gpu_memory, no GPU where the workflow started)"}
+    try:
+        plan = plan_memory(cfg, gpu_bytes, system_bytes=available_ram_bytes())
+    except ValueError as err:  # NothingFits, an unmeasurable model: the train job reports it, not the DAG
+        return {"planned": f"no plan: {type(err).__name__}"}
+    return {k: v for k, v in plan.chosen.settings.items() if k not in plan.explicit}
+
+
+def _free_gpu_bytes_in_child() -> int | None:
+    """The free memory of the first visible CUDA device, read by a short child process; None without one."""
+    import torch  # deferred: only memory: auto without gpu_memory asks (start-up time)
+
+    if not torch.cuda.is_available():  # asks the driver; creates no context
+        return None
+    code = "import torch; print(torch.cuda.mem_get_info()[0])"
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
+    return int(done.stdout.strip()) if done.returncode == 0 and done.stdout.strip().isdigit() else None
 
 
 def detected_gpu_bytes() -> int:

@@ -64,7 +64,9 @@ TRAIN_UNTRACKED: dict[str, str] = {
 
 
 def stage_digest(cfg: Config, stage: str) -> str:
-    """Digest of the config keys ``stage`` declares (its rule's rerun trigger)."""
+    """Digest of the config keys ``stage`` declares (its rule's rerun trigger); under ``train.memory: auto`` the
+    train stage's holds the planned memory settings instead of ``train.gpu_memory``
+    (:func:`diffpipe.memory_plan.digest_settings`)."""
     dumped = cfg.model_dump(mode="json")
     picked: dict[str, Any] = {}
     for entry in STAGE_INPUTS[stage]:
@@ -72,6 +74,12 @@ def stage_digest(cfg: Config, stage: str) -> str:
         for part in entry.split("."):
             value = value[part]
         picked[entry] = value
+    if stage == "train" and cfg.train.memory == "auto":
+        # deferred: sizes the model on the meta device (seconds), and only memory: auto asks (start-up time)
+        from diffpipe.memory_plan import digest_settings
+
+        # The plan's settings, not the budget: a card that keeps the plan keeps the run.
+        picked["train"] = {**picked["train"], "gpu_memory": None, "memory_plan": digest_settings(cfg)}
     return digest(picked)[:16]
 
 

@@ -10,7 +10,7 @@ import peft
 import torch
 
 from diffpipe.config import Config
-from diffpipe.export.card import CardFile, write_card
+from diffpipe.export.card import CardFile, read_memory_plan, write_card
 from diffpipe.export.comfyui import export_comfyui
 from diffpipe.export.convert import fold_scale, module_loras
 from diffpipe.export.diffusers_format import export_diffusers
@@ -76,7 +76,7 @@ def export_lora(
     header = {**info.header(), "diffpipe.adapter_sha256": tensors_digest(adapter.state_dict)}
     files, card_files = _write_formats(formats, adapter, by_part, out_dir, family, info, header, run)
     card = write_card(out_dir / EXPORT_CARD, info, card_files, pipeline=family.pipeline_class.__name__,
-                      samples=_sample_links(run, out_dir))
+                      samples=_sample_links(run, out_dir), memory_plan=read_memory_plan(run))
     return ExportResult(files, card)
 
 

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from diffpipe.export.metadata import ExportInfo
 from diffpipe.families import Absent, spec
-from diffpipe.paths import EXPORT_NAMES
+from diffpipe.paths import EXPORT_NAMES, RunPaths
 from diffpipe.utils import write_text_atomic
 
 HOW_TO_LOAD = {
@@ -66,9 +68,39 @@ def _trained_encoders(info: ExportInfo) -> list[str]:
     return list((((info.config or {}).get("train") or {}).get("text_encoder") or {}).get("encoders") or [])
 
 
+def read_memory_plan(run: RunPaths | None) -> dict[str, Any] | None:
+    """The ``train.memory: auto`` plan the run's training recorded in ``train/summary.json``; None without one."""
+    summary = run.train_dir / "summary.json" if run is not None else None
+    if summary is None or not summary.is_file():
+        return None
+    try:
+        return json.loads(summary.read_text()).get("memory_plan")
+    except (OSError, ValueError):  # the card is advice: a damaged summary leaves the section out
+        return None
+
+
+def _planned(c: dict[str, Any]) -> str:
+    base = "bf16" if c["base_weights"] == "auto" else c["base_weights"]
+    return (f"base_weights {base}, activation_checkpointing {'on' if c['activation_checkpointing'] else 'off'}, "
+            f"block_swap {c['block_swap']}, activation_offload {'on' if c['activation_offload'] else 'off'}: "
+            f"estimate {c['estimate_bytes'] / 2**30:.2f} GiB + margin {c['margin_bytes'] / 2**30:.2f} GiB, "
+            f"step time x{c['step_cost']:.2f}")
+
+
+def memory_plan_lines(plan: dict[str, Any]) -> list[str]:
+    """The card's "Memory plan" section: what ``train.memory: auto`` chose, and the runner-up."""
+    kept = f" (kept as written: {', '.join(plan['explicit'])})" if plan.get("explicit") else ""
+    runner = plan.get("runner_up")
+    return ["", "## Memory plan", "",
+            f"Trained with `train.memory: auto` for a {plan['gpu_bytes'] / 2**30:.1f} GiB GPU{kept}:", "",
+            f"- chosen: {_planned(plan['chosen'])}",
+            f"- runner-up: {_planned(runner) if runner else 'none (no other setting fit)'}"]
+
+
 def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *, pipeline: str,
-               samples: list[Path] | None = None) -> Path:
-    """Write the model card: base model, trigger words, files and how to load them, settings."""
+               samples: list[Path] | None = None, memory_plan: dict[str, Any] | None = None) -> Path:
+    """Write the model card: base model, trigger words, files and how to load them, settings, and the memory
+    plan training used (``memory_plan``, under ``train.memory: auto``)."""
     out_file = Path(out_file)
     base = info.model_path or f"{info.family} ({info.flavor} flavor)"
     lines = [
@@ -100,6 +132,8 @@ def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *,
             loads.append(f'pipe.load_lora_weights("{rel}"{args})  # {f.label}')
     if len(loads) > 1:  # one LoRA per trained part: every one must be loaded
         lines += ["", f"Load every part's LoRA into `{pipeline}`:", "", "```python", *loads, "```"]
+    if memory_plan:
+        lines += memory_plan_lines(memory_plan)
     if samples:
         lines += ["", "## Samples", "", "Rendered by `diffpipe sample` (top row: base model, bottom row: this LoRA).", ""]
         lines += [f"![sample]({p})" for p in samples]

@@ -87,6 +87,10 @@ RESUME_SAFE_KEYS = (
     "train.trackers",
     "train.tracker_project",
     "train.run_name",
+    # How the memory keys were chosen, never what they are: the config a checkpoint records holds the planned
+    # settings themselves (train.memory: auto), so a plan that changed one of them is still refused.
+    "train.memory",
+    "train.gpu_memory",
 )
 
 

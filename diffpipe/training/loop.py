@@ -236,6 +236,8 @@ class Trainer:
                                      config=cfg.model_dump(mode="json"))
         self.evaluate = Evaluator(self.family, eval_dataset(paths, self.data) if self.own_data else self.data,
                                   tc.eval, batch_size=tc.batch_size, device=self.model.device)
+        if start == 0 and self.memory_plan is not None:  # train.memory: auto's choice, first in metrics.jsonl
+            self.metrics.log(0, memory_plan=self.memory_plan)
         if start == 0:  # the baseline later evals compare with (TensorBoard only: rows are steps)
             self.metrics.log(0, jsonl=False, **self.evaluate(self.model))
         self.trigger = _CheckpointTrigger(tc, paths, dist.world_size, dist.is_main)

@@ -52,3 +52,13 @@ def test_caption_dropout_swaps_in_the_empty_caption():
     dropped = (out["prompt_embeds"] == 0).all(dim=(1, 2))
     assert 0.25 < dropped.float().mean() < 0.35
     assert (out["prompt_embeds"][~dropped] == 1).all() and (text["prompt_embeds"] == 1).all()
+
+
+def test_a_new_gpu_budget_that_keeps_the_planned_settings_resumes():
+    """Under train.memory: auto the checkpoint's config holds the planned settings themselves: a changed budget
+    (or memory: manual with the same settings) may resume; a plan that changed them may not."""
+    saved = {"train": {"memory": "auto", "gpu_memory": 24, "base_weights": "fp8", "block_swap": 0}}
+    assert config_differences(saved, {"train": {**saved["train"], "gpu_memory": 22}}) == []
+    assert config_differences(saved, {"train": {**saved["train"], "memory": "manual", "gpu_memory": None}}) == []
+    assert config_differences(saved, {"train": {**saved["train"], "gpu_memory": 12, "block_swap": 30}}) == [
+        "train.block_swap"]

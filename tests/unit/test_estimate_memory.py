@@ -8,8 +8,6 @@ import torch
 from diffpipe.config import Config
 from diffpipe.estimate import GiB, estimate_memory
 from diffpipe.families.published import PUBLISHED
-from diffpipe.fits import FITS_MODELS, fits_row
-from diffpipe.readme_tables import REPO_ROOT
 from diffpipe.training import offload
 
 
@@ -30,12 +28,6 @@ def flux():
                "half": {"activation_checkpointing": True, "checkpoint_fraction": 0.5},
                "nf4+ckpt": {"base_weights": "nf4", "activation_checkpointing": True}}
     return {k: estimate_memory(_cfg("flux", 1024, **v), model="flux1-dev", rank=16) for k, v in options.items()}
-
-
-def test_the_docs_fits_table_holds_the_flux_estimate(flux):
-    # The table is refreshed by `make docs` (too slow for every test run); its FLUX.1-dev row must be current.
-    row = fits_row(FITS_MODELS[0], flux["bf16"], flux["fp8"], flux["fp8+ckpt"], flux["offload"], flux["nf4+ckpt"])
-    assert row in (REPO_ROOT / "docs" / "training.md").read_text(), "run `make docs`"
 
 
 def test_checkpointing_keeps_block_inputs_and_one_block(flux):

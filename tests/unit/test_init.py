@@ -129,3 +129,26 @@ def test_init_refuses_an_empty_or_incomplete_model_folder(images, tmp_path, monk
                                  "--no-estimate"])
     assert result.exit_code == 2 and says in result.output and "--model" in result.output, result.output
     assert not (tmp_path / "c.yaml").exists()
+
+
+@pytest.mark.parametrize("gpu", ["NVIDIA GeForce RTX 4090", None])
+def test_init_writes_memory_auto_for_a_detected_gpu(images, tmp_path, monkeypatch, gpu):
+    """A CUDA GPU (the detection stubbed: none exists here) gets train.memory: auto; a machine without one, or the
+    tiny model, keeps the memory keys by hand."""
+    from diffpipe import init
+
+    monkeypatch.setattr(init, "detected_gpu", lambda: gpu)
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
+    out = tmp_path / "c.yaml"
+    result = runner.invoke(app, ["init", str(images), "--model", str(model), "-o", str(out), "--no-estimate",
+                                 "--output-dir", str(tmp_path / "run")])
+    assert result.exit_code == 0, result.output
+    cfg = load_config(out)
+    assert cfg.train.memory == ("auto" if gpu else "manual")
+    assert (f"detected: {gpu}" in out.read_text()) == bool(gpu)
+    tiny = runner.invoke(app, ["init", str(images), "--model", "tiny:flux", "-o", str(tmp_path / "t.yaml"),
+                               "--no-estimate", "--output-dir", str(tmp_path / "run2")])
+    assert tiny.exit_code == 0, tiny.output
+    assert load_config(tmp_path / "t.yaml").train.memory == "manual"

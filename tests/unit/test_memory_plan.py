@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from diffpipe import memory_plan as mp
@@ -32,7 +34,7 @@ def estimate():
 
     def one(cfg: Config, **sizes) -> object:
         assert sizes.get("model") in (None, "flux1-dev")
-        key = json.dumps(cfg.train.model_dump(mode="json", exclude={"memory", "gpu_memory"}), sort_keys=True)
+        key = json.dumps(cfg.train.model_dump(mode="json", exclude={"memory", "gpu_memory", "lr"}), sort_keys=True)  # no size reads lr
         if key not in cache:
             cache[key] = estimate_memory(cfg, model="flux1-dev")
         return cache[key]
@@ -161,3 +163,112 @@ def test_a_model_whose_activations_cannot_be_measured_gets_no_plan(estimate):
 
     with pytest.raises(ValueError, match="cannot be measured on the meta device"):
         mp.plan_memory(_cfg(), 24 * GiB, estimate=unmeasured)
+
+
+# -- properties over many configs: explicit keys are kept, lossy bases only beyond the slowdown bound ----------
+_WRITTEN = {"base_weights": st.sampled_from(["auto", "fp8", "int8", "nf4"]),
+            "activation_checkpointing": st.booleans(), "activation_offload": st.booleans(),
+            "block_swap": st.sampled_from([0, 10, 40])}
+_BUDGETS = st.sampled_from([10, 12, 16, 24, 40, 80])
+
+
+def _swap_derived(estimate):
+    """Estimates with ``block_swap`` written, derived from the unswapped one (what the planner does itself):
+    keeps the property tests to the few real estimates the module builds anyway."""
+    def one(cfg: Config):
+        n = cfg.train.block_swap
+        base = estimate(cfg.model_copy(update={"train": cfg.train.model_copy(update={"block_swap": 0})}))
+        return base.swapped(n) if n else base
+
+    return one
+
+
+def _written_cfg(written: dict) -> Config:
+    try:
+        return _cfg(**written)
+    except ValueError:  # a combination the train section refuses (e.g. nf4 with block_swap): nothing to plan
+        assume(False)
+
+
+@settings(max_examples=40, deadline=None)
+@given(written=st.fixed_dictionaries({}, optional=_WRITTEN), gib=_BUDGETS, slowdown=st.sampled_from([0.0, 0.1, 0.3]))
+def test_the_planner_never_changes_a_written_key(estimate, written, gib, slowdown):
+    cfg = _written_cfg(written)
+    try:
+        plan = _plan(cfg, gib, _swap_derived(estimate), slowdown=slowdown)
+    except mp.NothingFits as err:
+        assert "misses by" in str(err)
+        return
+    assert set(plan.explicit) == set(written)
+    for c in (plan.chosen, plan.runner_up):
+        assert c is None or all(c.settings[k] == v for k, v in written.items()), (written, c.settings)
+    applied = mp.apply_plan(cfg, plan.as_dict()).train
+    assert all(getattr(applied, k) == v for k, v in written.items())
+    assert {k: getattr(applied, k) for k in mp.KEYS} == plan.chosen.settings
+
+
+@settings(max_examples=30, deadline=None)
+@given(written=st.fixed_dictionaries({}, optional={k: v for k, v in _WRITTEN.items() if k != "base_weights"}),
+       gib=_BUDGETS, slowdown=st.sampled_from([0.0, 0.1, 0.3, 1.0]))
+def test_a_lossy_base_is_never_chosen_while_a_better_one_fits_within_the_bound(estimate, written, gib, slowdown):
+    cfg, est = _written_cfg(written), _swap_derived(estimate)
+    try:
+        chosen = _plan(cfg, gib, est, slowdown=slowdown).chosen
+    except mp.NothingFits:
+        return
+    fastest = _plan(cfg, gib, est, slowdown=0.0).chosen.cost
+    assert chosen.cost <= fastest * (1 + slowdown) + 1e-9
+    for base, quality in mp.QUALITY.items():
+        if quality >= mp.QUALITY[chosen.settings["base_weights"]]:
+            continue
+        try:  # the best setting with this better base weight written
+            better = _plan(_cfg(**written, base_weights=base), gib, est, slowdown=slowdown).chosen
+        except (mp.NothingFits, ValueError):
+            continue
+        assert better.cost > fastest * (1 + slowdown), (base, better.describe(), chosen.describe())
+
+
+def test_the_train_digest_holds_the_planned_settings_not_the_gpu_size(tmp_path, monkeypatch, estimate):
+    """A GPU that changes the plan reruns train; one that keeps it (or a memory: manual run) does not."""
+    from diffpipe.stages import stage_digest
+
+    monkeypatch.setattr(mp, "estimate_memory", estimate)
+
+    def digest(**train) -> str:
+        return stage_digest(_train_cfg(tmp_path, memory="auto", **train), "train")
+
+    assert digest(gpu_memory=80) == digest(gpu_memory=60)  # bf16 without checkpointing fits both
+    assert digest(gpu_memory=80) != digest(gpu_memory=24)  # 24 GiB: fp8 + checkpointing
+    assert digest(gpu_memory=24) != digest(gpu_memory=12)  # 12 GiB: blocks swapped too
+    # A written key stays a rerun trigger as written; the planned ones follow the plan.
+    assert digest(gpu_memory=24, lr=0.5) != digest(gpu_memory=24)
+    # No GPU to plan for when the workflow starts (a login node, gpu_memory unset): the train job plans.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert digest() == digest()
+
+
+def test_the_docs_fits_table_is_the_planners(estimate):
+    """docs/training.md's fits table names, per card, what the planner chooses (``make docs`` refreshes it: too
+    slow for every test run); its FLUX.1-dev row must be current."""
+    from diffpipe.fits import FITS_MODELS, fits_row
+    from diffpipe.readme_tables import REPO_ROOT
+
+    row = fits_row(FITS_MODELS[0], estimate)
+    assert row in (REPO_ROOT / "docs" / "training.md").read_text(), "run `make docs`"
+    cells = row.strip("| ").split(" | ")
+    for gib, cell in zip((24, 16, 12), cells[7:10], strict=True):
+        assert cell == _plan(_cfg(precision="bf16"), gib, estimate).chosen.short()
+
+
+def test_doctor_prints_the_plan_under_memory_auto(tmp_path, monkeypatch, estimate):
+    from diffpipe.doctor import _plan_checks
+
+    monkeypatch.setattr(mp, "estimate_memory", estimate)
+    assert _plan_checks(_train_cfg(tmp_path), 24 * GiB) == []  # manual: nothing to plan
+    (check,) = _plan_checks(_train_cfg(tmp_path, memory="auto"), 24 * GiB)  # the smallest GPU's 24 GiB
+    assert check.ok and "chosen: base_weights fp8, activation_checkpointing on" in check.detail
+    assert "runner-up: base_weights " in check.detail and "estimate " in check.detail
+    (check,) = _plan_checks(_train_cfg(tmp_path, memory="auto", gpu_memory=4), 24 * GiB)
+    assert not check.ok and "the closest, base_weights" in check.detail and "misses by" in check.detail
+    (check,) = _plan_checks(_train_cfg(tmp_path, memory="auto"), 0)  # no GPU, no gpu_memory
+    assert not check.ok and "train.gpu_memory" in check.fix
