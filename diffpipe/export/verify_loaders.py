@@ -43,31 +43,37 @@ def _adapter_layers(model: torch.nn.Module) -> dict[str, BaseTunerLayer]:
 
 
 def _compare(check: FileCheck, label: str, layers: dict[str, BaseTunerLayer], want: dict[str, Lora] | None,
-             magnitudes: dict[str, torch.Tensor] | None = None) -> None:
-    """Loaded layers against the trained LoRAs: weights actually loaded, each at the trained strength
-    (DoRA: its magnitudes as trained too)."""
-    unloaded = [label + n for n, m in layers.items()
-                if any(p.is_meta for k, p in m.named_parameters() if ADAPTER in k)]
-    check.keys("LoRA layer(s) left without weights", unloaded)
+             tensors: dict[str, torch.Tensor], magnitudes: dict[str, torch.Tensor] | None = None) -> None:
+    """Placed layers against the trained LoRAs, each at the trained strength (DoRA: its magnitudes too).
+
+    The reader decided where each module goes and at which scale (``scaling``); the matrices are the
+    file's as the reader keyed them (``tensors``: keys relative to the model), because PEFT moves a
+    layer's LoRA weights to its base layer's device, and a base built on the meta device keeps no values.
+    """
     if want is None:  # LoKr / LoHa: placement only
         return
     check.keys("trained module(s) missing from the file", {label + m for m in set(want) - set(layers)})
-    off = []
+    off, partial = [], []
     for name, m in layers.items():
-        if name not in want or not hasattr(m, "lora_A") or label + name in unloaded:
+        if name not in want or not hasattr(m, "scaling"):
+            continue
+        down, up = tensors.get(f"{name}.lora_A.weight"), tensors.get(f"{name}.lora_B.weight")
+        if down is None or up is None:
+            partial.append(label + name)
             continue
         x = probe(want[name].down.flatten(1).shape[1])
-        got = applied(m.lora_A[ADAPTER].weight, m.lora_B[ADAPTER].weight, m.scaling[ADAPTER], x)
-        if differs(got, lora_applied(want[name], x)) or _magnitude_differs(m, (magnitudes or {}).get(name)):
+        magnitude = tensors.get(f"{name}.lora_magnitude_vector", tensors.get(f"{name}.lora_magnitude_vector.weight"))
+        if differs(applied(down, up, m.scaling[ADAPTER], x), lora_applied(want[name], x)) or _magnitude_differs(
+                magnitude, (magnitudes or {}).get(name)):
             off.append(label + name)
+    check.keys("LoRA layer(s) lacking lora_A or lora_B in the file", partial)
     check.keys("layer(s) at another strength than trained", off)
 
 
-def _magnitude_differs(layer: BaseTunerLayer, trained: torch.Tensor | None) -> bool:
-    loaded = getattr(layer, "lora_magnitude_vector", {})
-    if trained is None or ADAPTER not in loaded:
-        return trained is not None  # a DoRA layer loaded without its magnitude
-    return differs(loaded[ADAPTER].weight.double().flatten(), trained.double().flatten())
+def _magnitude_differs(loaded: torch.Tensor | None, trained: torch.Tensor | None) -> bool:
+    if trained is None or loaded is None:
+        return (trained is None) != (loaded is None)  # a DoRA magnitude lost, or one nobody trained
+    return differs(loaded.double().flatten(), trained.double().flatten())
 
 
 def _file_modules(state: dict[str, torch.Tensor], prefix: str) -> set[str]:
@@ -97,9 +103,10 @@ def check_diffusers(file: Path, family: Family, trained: dict[str, Lora] | None,
 def _load_diffusers(check: FileCheck, loader, model: torch.nn.Module, name: str, state, metadata,
                     want: dict[str, Lora] | None, magnitudes: dict[str, torch.Tensor] | None, *, is_text: bool) -> None:
     prefix = f"{name}."
-    in_file = _file_modules(state, prefix)
+    tensors = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
     if is_text and not hasattr(model, "text_model"):  # diffusers strips CLIP's transformers-4 root there
-        in_file = {m.removeprefix("text_model.") for m in in_file}
+        tensors = {k.removeprefix("text_model."): v for k, v in tensors.items()}
+    in_file = _file_modules(tensors, "")
     if not in_file:
         check.keys(f"trained module(s) of {name} missing from the file", {prefix + m for m in (want or {})})
         return
@@ -116,7 +123,7 @@ def _load_diffusers(check: FileCheck, loader, model: torch.nn.Module, name: str,
     layers = _adapter_layers(model)
     check.keys("tensor name(s) diffusers placed on no module", {prefix + m for m in in_file - set(layers)})
     check.placed += len(in_file & set(layers))
-    _compare(check, prefix, layers, want, magnitudes)
+    _compare(check, prefix, layers, want, tensors, magnitudes)
 
 
 def _check_comfy_clip(check: FileCheck, family: Family, state, models: dict[str, torch.nn.Module]) -> None:
@@ -139,8 +146,8 @@ def check_peft(folder: Path, model: torch.nn.Module, want: dict[str, Lora] | Non
     try:
         config = peft.PeftConfig.from_pretrained(str(folder))
         wrapped = peft.PeftModel(model, config, adapter_name=ADAPTER, low_cpu_mem_usage=True)
-        result = peft.set_peft_model_state_dict(wrapped, load_file(str(folder / WEIGHTS_NAME)),
-                                                adapter_name=ADAPTER, low_cpu_mem_usage=True)
+        tensors = load_file(str(folder / WEIGHTS_NAME))
+        result = peft.set_peft_model_state_dict(wrapped, tensors, adapter_name=ADAPTER, low_cpu_mem_usage=True)
     except Exception as err:  # noqa: BLE001 - whatever the reader raises is the finding, reported with the file
         check.problems.append(f"{label or 'denoiser'}: PEFT could not load it ({type(err).__name__}: {err})")
         return check
@@ -149,5 +156,5 @@ def check_peft(folder: Path, model: torch.nn.Module, want: dict[str, Lora] | Non
                {label + k for k in result.missing_keys if f".{ADAPTER}" in k})
     layers = _adapter_layers(wrapped)
     check.placed += len(layers)
-    _compare(check, label, layers, want, magnitudes)
+    _compare(check, label, layers, want, {k.removeprefix(PEFT_PREFIX): v for k, v in tensors.items()}, magnitudes)
     return check
