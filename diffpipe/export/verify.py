@@ -86,15 +86,21 @@ def verify_exports(files: dict[str, Path], family: Family, adapter_dir: str | Pa
         factors, magnitudes = _dora_split(by_part[part.attr])
         trained = module_loras(factors, lora_cfg) if plain else None
         if fmt == "diffusers":
-            checks.append(check_diffusers(path, family, trained, text, magnitudes))
+            checks.append(check_diffusers(path, family, _skeleton(family, part), trained, text, magnitudes))
         elif fmt == "peft":
-            check = check_peft(path, family.trained_base(denoiser_skeleton(family)), trained, magnitudes)
+            check = check_peft(path, family.trained_base(_skeleton(family, part)), trained, magnitudes)
             for name in text:
                 check_peft(path / name, text_model(family, name), text[name], check=check, label=f"{name}/")
             checks.append(check)
         elif fmt in ("comfyui", "kohya"):
             checks.append(_check_original_file(path, fmt, family, trained, text))
     return VerifyReport(checks)
+
+
+def _skeleton(family: Family, part: DenoiserPart) -> torch.nn.Module:
+    """A fresh denoiser for ``part`` (Wan 2.2's experts share one architecture: either stands for both)."""
+    model = denoiser_skeleton(family)
+    return getattr(model, part.attr) if len(family.denoiser_parts) > 1 and hasattr(model, part.attr) else model
 
 
 def _dora_split(state: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -16,7 +16,6 @@ from safetensors.torch import load_file
 
 from diffpipe.export.comfy_rules import clip_diffusers_lora_keys
 from diffpipe.export.convert import Lora
-from diffpipe.export.keymaps import denoiser_skeleton
 from diffpipe.export.verify_checks import FileCheck, applied, differs, lora_applied, probe
 from diffpipe.families import spec
 from diffpipe.models.base import Family
@@ -80,9 +79,9 @@ def _file_modules(state: dict[str, torch.Tensor], prefix: str) -> set[str]:
     return {k.removeprefix(prefix).split(".lora_")[0] for k in state if k.startswith(prefix) and ".lora_" in k}
 
 
-def check_diffusers(file: Path, family: Family, trained: dict[str, Lora] | None,
+def check_diffusers(file: Path, family: Family, denoiser: torch.nn.Module, trained: dict[str, Lora] | None,
                     text: dict[str, dict[str, Lora]], magnitudes: dict[str, torch.Tensor] | None = None) -> FileCheck:
-    """The diffusers file as the stock pipeline reads it: its class's ``lora_state_dict``, then the denoiser's
+    """The diffusers file as the stock pipeline reads it: its class's ``lora_state_dict``, then ``denoiser``'s
     ``load_lora_adapter`` and the loader's ``load_lora_into_text_encoder`` (``text``: the trained encoders)."""
     loader = family.lora_writer or family.pipeline_class
     check = FileCheck(file, "diffusers", "diffusers lora_state_dict + load_lora_adapter")
@@ -91,7 +90,7 @@ def check_diffusers(file: Path, family: Family, trained: dict[str, Lora] | None,
     names = [family.denoiser_name, *text]
     check.keys("tensor(s) for no component of the pipeline",
                {k for k in state if not k.startswith(tuple(f"{n}." for n in names))})
-    models = {family.denoiser_name: denoiser_skeleton(family), **{n: text_model(family, n) for n in text}}
+    models = {family.denoiser_name: denoiser, **{n: text_model(family, n) for n in text}}
     for name, model in models.items():
         is_text = name != family.denoiser_name
         _load_diffusers(check, loader, model, name, state, metadata, text[name] if is_text else trained,

@@ -13,16 +13,18 @@ import json
 
 import pytest
 import torch
+from peft import get_peft_model_state_dict, inject_adapter_in_model
 from safetensors.torch import load_file, save_file
 from tiny_adapters import sd_adapter
 from typer.testing import CliRunner
 
 from diffpipe.cli import app
-from diffpipe.config import ModelConfig
+from diffpipe.config import LoraConfig, ModelConfig
 from diffpipe.export import api, diffusers_format, export_lora
 from diffpipe.export.keymaps import KeyMap
 from diffpipe.export.verify import VERIFY_NAME, ExportVerifyError, verify_exports
 from diffpipe.families import get_family
+from diffpipe.training.adapter import peft_config, save_adapter
 
 FORMATS = ["diffusers", "peft", "comfyui", "kohya"]
 
@@ -140,3 +142,18 @@ def test_a_local_model_is_verified_from_its_configs_alone(adapter, tmp_path):
 
 def json_placed(path) -> list[int]:
     return [entry["placed"] for entry in json.loads(path.read_text())["files"].values()]
+
+
+def test_each_expert_of_a_two_expert_run_verifies(tmp_path):
+    """Wan 2.2 A14B with ``model.expert: both``: one diffusers file and one PEFT folder per expert, each
+    read into its own expert (the tiny denoiser holds both)."""
+    family = get_family(ModelConfig(family="wan", flavor="tiny", variant="2.2-a14b", expert="both"))
+    experts = family.load_denoiser()
+    targets = family.lora_targets(None)
+    cfg = peft_config(LoraConfig(rank=4, alpha=6.0, targets=targets), targets)
+    inject_adapter_in_model(cfg, experts)
+    save_adapter(tmp_path / "adapter", get_peft_model_state_dict(experts), cfg, {"family": "wan", "flavor": "tiny"})
+    result = export_lora(tmp_path / "adapter", tmp_path / "export", family, ["diffusers", "peft"])
+    report = json.loads(result.verify.read_text())
+    assert report["ok"] and len(report["files"]) == 4, report
+    assert len({entry["placed"] for entry in report["files"].values()}) == 1  # the same modules in each
