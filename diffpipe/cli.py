@@ -215,6 +215,26 @@ def export(
     say(f"export: model card: {result.card}")
 
 
+@app.command()
+@errors
+def push(
+    config: ConfigOpt,
+    repo: Annotated[str, typer.Option(help="Hub repository to upload to, ORG/NAME (created if absent).")],
+    private: Annotated[bool, typer.Option("--private", help="Create the repository private.")] = False,
+    revision: Annotated[str | None, typer.Option(help="Branch to commit to (created if absent; default: main).")] = None,
+) -> None:
+    """Upload the run's verified export and its model card to the Hugging Face Hub.
+
+    The endpoint is HF_ENDPOINT (default: the Hub); the token is HF_TOKEN or `hf auth login`'s, never printed.
+
+    Example: diffpipe push -c config/demo.yaml --repo my-org/demo-lora --private
+    """
+    from diffpipe.push import push_export  # deferred: huggingface_hub (start-up time)
+
+    _, paths = setup(config)
+    say(f"push: {push_export(paths.export_dir, repo, private=private, revision=revision)}")
+
+
 @app.command("import-lora")
 @errors
 def import_lora_cmd(

@@ -21,6 +21,7 @@ from diffpipe.export.merged import export_merged
 from diffpipe.export.metadata import ExportInfo, gather_info, tensors_digest
 from diffpipe.export.peft_format import export_peft
 from diffpipe.export.text_encoders import TextLoras, kohya_tensors
+from diffpipe.export.verify import VERIFY_NAME, ExportVerifyError, verify_exports
 from diffpipe.models.base import Family, split_parts
 from diffpipe.paths import EXPORT_CARD, EXPORT_NAMES, FORMATS, RunPaths, export_name
 from diffpipe.stage_inputs import ExportInputs
@@ -34,6 +35,8 @@ from diffpipe.utils import claim_files
 class ExportResult:
     files: dict[str, Path]
     card: Path
+    #: The verify step's report (``verify.json``): each file as its reader loads it.
+    verify: Path | None = None
 
     def __str__(self) -> str:
         return ", ".join(f"{k}: {v}" for k, v in self.files.items()) + f", card: {self.card}"
@@ -62,6 +65,10 @@ def export_lora(
 
     ``out_dir`` may hold other files: they stay untouched. A file or folder of the
     user's under one of the names written here is refused before anything is written.
+
+    Then every file is read back the way its consumer reads it (``export.verify``); the findings go
+    to ``verify.json``, and a file that would not load as trained raises :class:`ExportVerifyError`
+    naming the file and the keys (the files stay, for a look).
     """
     parts = family.denoiser_parts
     _check_formats(formats, len(parts))
@@ -69,7 +76,7 @@ def export_lora(
     adapter = _load_checked(adapter_dir)
     _check_formats_read(adapter.kind, formats)
     # out_dir may be a user's folder (--out): refuse before writing if a name we write is theirs.
-    claim_files(out_dir, [EXPORT_CARD] + [export_name(fmt, part.suffix) if fmt in ("diffusers", "peft")
+    claim_files(out_dir, [EXPORT_CARD, VERIFY_NAME] + [export_name(fmt, part.suffix) if fmt in ("diffusers", "peft")
                                           else EXPORT_NAMES[fmt] for fmt in formats for part in parts])
     by_part = split_parts(adapter.state_dict, parts)
     info = gather_info(adapter_dir, adapter.lora_cfg, family, config=config, run=run)
@@ -77,7 +84,11 @@ def export_lora(
     files, card_files = _write_formats(formats, adapter, by_part, out_dir, family, info, header, run)
     card = write_card(out_dir / EXPORT_CARD, info, card_files, pipeline=family.pipeline_class.__name__,
                       samples=_sample_links(run, out_dir), memory_plan=read_memory_plan(run))
-    return ExportResult(files, card)
+    report = verify_exports(files, family, adapter_dir)
+    verify = report.write(out_dir / VERIFY_NAME)
+    if not report.ok:
+        raise ExportVerifyError(f"{report.message()} (report: {verify})")
+    return ExportResult(files, card, verify)
 
 
 def _check_formats(formats: list[str], n_parts: int) -> None:

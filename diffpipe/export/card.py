@@ -64,6 +64,33 @@ class CardFile:
     label: str = ""
 
 
+def which_file(files: list[CardFile], family: str, folder: Path) -> list[tuple[str, list[Path]]]:
+    """The card's "which file for which tool" rows: (tool, the files it should take), for the formats written."""
+    by_fmt: dict[str, list[Path]] = {}
+    for f in files:
+        by_fmt.setdefault(f.fmt, []).append(f.path.relative_to(folder) if f.path.is_relative_to(folder) else f.path)
+    s = spec(family)
+    no_comfy = s.comfy_reads_diffusers == "no-model"  # ComfyUI has no model class for this family
+    rows: list[tuple[str, list[Path]]] = []
+    if "comfyui" in by_fmt and not no_comfy:
+        rows.append(("ComfyUI", by_fmt["comfyui"]))
+    elif "diffusers" in by_fmt and s.comfy_reads_diffusers == "all":
+        rows.append(("ComfyUI", by_fmt["diffusers"]))
+    if "diffusers" in by_fmt:
+        rows.append(("diffusers", by_fmt["diffusers"]))
+    if "kohya" in by_fmt:
+        tools = ("`diffpipe import-lora`" if no_comfy else
+                 "kohya / sd-scripts, A1111 / Forge" if s.a1111 else "kohya / sd-scripts / musubi-tuner")
+        rows.append((tools, by_fmt["kohya"]))
+    if "comfyui" in by_fmt and no_comfy:
+        rows.append(("`diffpipe import-lora`", by_fmt["comfyui"]))
+    if "peft" in by_fmt:
+        rows.append(("PEFT", by_fmt["peft"]))
+    if "merged" in by_fmt:
+        rows.append(("any diffusers pipeline loader (LoRA fused in)", by_fmt["merged"]))
+    return rows
+
+
 def _trained_encoders(info: ExportInfo) -> list[str]:
     return list((((info.config or {}).get("train") or {}).get("text_encoder") or {}).get("encoders") or [])
 
@@ -132,6 +159,9 @@ def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *,
             loads.append(f'pipe.load_lora_weights("{rel}"{args})  # {f.label}')
     if len(loads) > 1:  # one LoRA per trained part: every one must be loaded
         lines += ["", f"Load every part's LoRA into `{pipeline}`:", "", "```python", *loads, "```"]
+    lines += ["", "## Which file for which tool", "", "| tool | file |", "| --- | --- |"]
+    lines += [f"| {tool} | {', '.join(f'`{p}`' for p in paths)} |"
+              for tool, paths in which_file(files, info.family, out_file.parent)]
     if memory_plan:
         lines += memory_plan_lines(memory_plan)
     if samples:

@@ -221,6 +221,19 @@ def test_lora_changes_the_output(trained):
     assert (trained["trained_out"] - trained["base_out"]).abs().max() > 1e-3
 
 
+def test_export_read_every_file_back(trained):
+    """The export's verify step (``export/verify.json``) read each file by its reader's rules: the
+    diffusers and PEFT loaders placed every trained module, ComfyUI's key map every layer."""
+    report = json.loads((trained["root"] / "export" / "verify.json").read_text())
+    assert report["ok"], report
+    assert set(report["files"]) == {p.name for k, p in trained["files"].items() if k != "merged"}
+    for name, entry in report["files"].items():
+        if entry["format"] in ("diffusers", "peft"):
+            assert entry["placed"] == len(trained["deltas"]), (name, entry)
+        else:  # one layer per original layer: fused layers hold several modules
+            assert 0 < entry["placed"] <= len(trained["deltas"]), (name, entry)
+
+
 # -- key maps against diffusers' single-file converters ------------------------------------------
 def _fused_original(model: torch.nn.Module, keymap) -> dict[str, torch.Tensor]:
     """The model's LoRA-able weights renamed (and fused) into the original checkpoint by our table."""
