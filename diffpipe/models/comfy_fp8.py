@@ -56,6 +56,9 @@ def _read(file: str | Path, what: str) -> tuple[dict[str, torch.Tensor], dict[st
             if key.endswith((SCALE, INPUT_SCALE)) or key == MARKER:
                 continue
             t = f.get_tensor(key)
+            if t.dtype == torch.float8_e5m2:
+                raise ValueError(f"{what}: {file}: tensor {key} is float8_e5m2; fp8-scaled files are read with "
+                                 "float8_e4m3fn weights only")
             if t.dtype not in _FLOAT8:
                 tensors[key] = t
                 continue

@@ -130,6 +130,12 @@ def test_a_bad_scale_is_an_error_naming_the_file_and_tensor(case, tmp_path):
     save_file(tensors, str(case["root"] / "bad.safetensors"))
     with pytest.raises(ValueError, match=rf"model\.single_files\.transformer: .*bad\.safetensors: {key} has shape"):
         case["local"]("bad.safetensors").load_denoiser()
+    tensors = load_file(str(case["root"] / "fp8_scaled.safetensors"))
+    weight = key.replace(".scale_weight", ".weight")
+    tensors[weight] = tensors[weight].float().to(torch.float8_e5m2)
+    save_file(tensors, str(case["root"] / "e5m2.safetensors"))
+    with pytest.raises(ValueError, match=rf"e5m2\.safetensors: tensor {weight} is float8_e5m2"):
+        case["local"]("e5m2.safetensors").load_denoiser()
 
 
 @pytest.mark.parametrize("case", ["zimage"], indirect=True)  # one family trains: the load is what differs
