@@ -28,6 +28,7 @@ from diffusers.loaders.single_file_utils import load_single_file_checkpoint
 from safetensors import safe_open
 from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerBase
 
+from diffpipe.models import comfy_fp8
 from diffpipe.models.tokenizers import cache_root
 from diffpipe.utils import digest, sha256_file, stable_json, write_text_atomic
 
@@ -142,7 +143,8 @@ def single_file_component(cls: type, file: str, folder: str, subfolder: str,
     diffusers' converter for ``cls`` renames an original-naming file (a file in diffusers naming
     is taken as is). The converted keys are checked against the model's before loading: diffusers
     would leave a weight the file lacks unset, and drop one the model lacks (a checkpoint of a
-    different model), so either is an error naming the tensors.
+    different model), so either is an error naming the tensors. A file in ComfyUI's fp8-scaled layout
+    loads through :func:`diffpipe.models.comfy_fp8.load_scaled_fp8` (its Linear weights stay 8-bit).
     """
     what = f"model.single_files.{subfolder}"
     known = next((c.__name__ for c in cls.__mro__ if c.__name__ in SINGLE_FILE_LOADABLE_CLASSES), None)
@@ -154,6 +156,9 @@ def single_file_component(cls: type, file: str, folder: str, subfolder: str,
     if not Path(file).is_file():
         raise FileNotFoundError(f"{what}: file not found: {file}")
     config = cls.load_config(folder, subfolder=subfolder)
+    if comfy_fp8.scaled_fp8_key(file) is not None:  # ComfyUI's fp8-scaled layout: built in fp8, not 16 bits
+        convert = SINGLE_FILE_LOADABLE_CLASSES[known]["checkpoint_mapping_fn"]
+        return comfy_fp8.load_scaled_fp8(cls, file, config, convert, dtype or torch.float32, what)
     with torch.device("meta"):
         expected = set(cls.from_config(config).state_dict())
     try:

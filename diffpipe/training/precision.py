@@ -33,8 +33,11 @@ from diffusers.models.attention_dispatch import AttentionBackendName, _check_att
 
 from diffpipe.config import BF16_OPTIMIZERS, TrainConfig
 from diffpipe.models._common import cuda_defaults
-from diffpipe.models.casting import FP8_SKIPPED_CLASSES
+from diffpipe.models.casting import FP8_MAX, FP8_SKIPPED_CLASSES, ScaledFp8Linear, dequantise_fp8  # noqa: F401
+from diffpipe.models.comfy_fp8 import require_fp8_base
 
+# ScaledFp8Linear and its helpers (imported above) live with the shared model machinery, since the fp8-scaled
+# file loader builds the layer too; they keep their names here for the callers that use them from this module.
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 #: Backends that run without CUDA (torch SDPA and its math kernel; flex attention).
 _CPU_BACKENDS = {"native", "_native_math", "flex"}
@@ -80,6 +83,7 @@ def prepare_denoiser(denoiser: torch.nn.Module, tc: TrainConfig) -> torch.nn.Mod
     """Apply ``base_weights``, ``attention_backend`` and ``compile`` (after the LoRA is added);
     the CUDA defaults (:func:`~diffpipe.models._common.cuda_defaults`). Returns the denoiser (the same module)."""
     cuda_defaults()
+    require_fp8_base(denoiser, tc.base_weights)  # a denoiser loaded from an fp8-scaled file
     if tc.base_weights == "fp8":
         enable_fp8_base_weights(denoiser)
     elif tc.base_weights in QUANTISED:
@@ -89,41 +93,6 @@ def prepare_denoiser(denoiser: torch.nn.Module, tc: TrainConfig) -> torch.nn.Mod
     if tc.compile:
         compile_blocks(denoiser)
     return denoiser
-
-
-#: float8_e4m3fn's largest finite value.
-FP8_MAX = 448.0
-
-
-class _ScaledFp8Matmul(torch.autograd.Function):
-    """``x @ (codes * scale).T + bias``, saving the codes (1 byte a weight) rather than the dequantised weight."""
-
-    @staticmethod
-    def forward(ctx, x, codes, scale, bias):
-        ctx.save_for_backward(codes, scale)
-        ctx.bias_grad = bias is not None and bias.requires_grad
-        return torch.nn.functional.linear(x, dequantise_fp8(codes, scale, x.dtype), bias)
-
-    @staticmethod
-    def backward(ctx, grad):
-        codes, scale = ctx.saved_tensors
-        grad_x = grad @ dequantise_fp8(codes, scale, grad.dtype) if ctx.needs_input_grad[0] else None
-        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.bias_grad else None
-        return grad_x, None, None, grad_bias
-
-
-def dequantise_fp8(codes: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The weight in ``dtype`` from its e4m3 codes (uint8 view) and bf16 row scales (uint16 view): one
-    ``dtype`` copy, scaled in place."""
-    return codes.view(torch.float8_e4m3fn).to(dtype).mul_(scale.view(torch.bfloat16).to(dtype))
-
-
-class ScaledFp8Linear(torch.nn.Linear):
-    """A frozen ``nn.Linear`` whose ``weight`` buffer holds e4m3 codes (uint8 view) and ``weight_scale`` a
-    bfloat16 scale per output channel (uint16 view); a subclass, so PEFT still wraps it as a Linear."""
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _ScaledFp8Matmul.apply(x, self.weight, self.weight_scale, self.bias)
 
 
 def scaled_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,10 +115,13 @@ def scaled_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def enable_fp8_base_weights(denoiser: torch.nn.Module) -> None:
     """Store :func:`quantised_layers`' weights as scaled fp8 (module docstring), layer by layer; each
-    matmul dequantises to its input's dtype."""
+    matmul dequantises to its input's dtype. Layers already stored so (loaded from an fp8-scaled file) stay
+    as they are."""
     modules = dict(denoiser.named_modules())
     for name in quantised_layers(denoiser, "fp8"):
         layer = modules[name]
+        if isinstance(layer, ScaledFp8Linear):
+            continue
         weight = layer._parameters.pop("weight").detach()
         codes, scale = scaled_fp8(weight)
         del weight
