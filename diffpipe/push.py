@@ -10,6 +10,7 @@ hashes). The endpoint is ``HF_ENDPOINT`` (default: the Hub); the token is ``hugg
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 from dataclasses import dataclass
@@ -53,8 +54,6 @@ def pushed_files(export_dir: Path) -> list[Path]:
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
     """The errors of a server that cannot be reached (huggingface_hub's HTTP client's, and the OS's)."""
-    import importlib
-
     found: list[type[BaseException]] = [OSError]
     for name in ("httpx2", "httpx"):  # the client huggingface_hub ships with (renamed in its 2.x)
         try:
