@@ -48,6 +48,7 @@ def load_deepspeed() -> ModuleType:
     checkpoint pays it). Its autotuner imports MLflow whenever MLflow is installed, about 1 s of CPU in every
     training process for a feature diffpipe does not use; unless MLflow is already imported (an MLflow tracker),
     the first import runs with MLflow hidden, and MLflow stays importable afterwards."""
+    _this_interpreters_ninja_first()
     hide = "deepspeed" not in sys.modules and "mlflow" not in sys.modules
     if hide:
         sys.modules["mlflow"] = None  # type: ignore[assignment]  # makes `import mlflow` fail in the autotuner
@@ -57,6 +58,18 @@ def load_deepspeed() -> ModuleType:
         if hide and sys.modules.get("mlflow", False) is None:
             del sys.modules["mlflow"]
     return deepspeed
+
+
+def _this_interpreters_ninja_first() -> None:
+    """Put this interpreter's folder first on PATH when it holds a ``ninja``. DeepSpeed builds its CPU op with the
+    first ``ninja`` on PATH, and ``diffpipe run``'s jobs find the one beside the interpreter; a ``diffpipe train``
+    run from a shell without the venv activated would find the system's, and two ninja versions do not read each
+    other's build log: each switch rebuilds the op (about 45 s of CPU, every DeepSpeed process waiting on its lock)."""
+    folder = os.path.dirname(sys.executable)
+    path = os.environ.get("PATH", "")
+    if os.path.isfile(os.path.join(folder, "ninja")) and path.split(os.pathsep)[0] != folder:
+        os.environ["PATH"] = f"{folder}{os.pathsep}{path}"
+
 
 def free_port() -> int:
     with socket.socket() as s:
