@@ -30,11 +30,13 @@ TIMEOUT_S = 240
 
 
 def write_config(scratch: Path) -> Path:
-    """The demo config, bf16, its data by absolute path and its output in ``scratch``."""
+    """The demo config, bf16, its data and model by absolute path and its output in ``scratch``."""
     cfg = yaml.safe_load((ROOT / "config" / "demo.yaml").read_text())
     cfg["output_dir"] = str(scratch / "demo-run")
     for ds in cfg["datasets"]:
         ds["path"] = str((ROOT / ds["path"]).resolve())
+    if cfg["model"].get("path"):  # the shipped demo model, config/demo_model
+        cfg["model"]["path"] = str((ROOT / cfg["model"]["path"]).resolve())
     cfg.setdefault("train", {})["precision"] = "bf16"
     scratch.mkdir(parents=True, exist_ok=True)
     path = scratch / "demo-bf16.yaml"

@@ -104,6 +104,7 @@ def small_demo_config(root: Path) -> Path:
     cfg = yaml.safe_load((REPO_ROOT / "config" / "demo.yaml").read_text())
     cfg.update(output_dir="run")
     cfg["datasets"][0].update(path=str(root / "data"), resolution=32)
+    cfg["model"]["path"] = str(REPO_ROOT / cfg["model"]["path"])  # the job runs in root
     cfg["train"].update(max_steps=2, batch_size=2)
     cfg["cache"] = {"shards": 1}  # fewer jobs: each costs an interpreter start-up
     cfg["sample"].update(steps=1, prompts=cfg["sample"]["prompts"][:1])

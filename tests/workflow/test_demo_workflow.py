@@ -6,6 +6,10 @@ learning check, a second run that does nothing, then a caption edit.
 The run's losses and exported LoRA are also compared with the golden values in
 ``tests/assets/golden_losses.json``; ``DIFFPIPE_UPDATE_GOLDEN=1`` rewrites them
 deliberately (see ``tests/golden.py``).
+
+That run keeps the tiny random flavor ``diffpipe init`` writes (its golden values are of that model).
+The last tests run ``config/demo.yaml`` itself on its shipped model (``config/demo_model``), in this
+process, and check that its LoRA's samples move toward the training images (``tests/demo_learning.py``).
 """
 
 from __future__ import annotations
@@ -160,3 +164,91 @@ def test_caption_edit_reruns_only_its_text_shard_and_downstream(demo):
     # The stale shard's spec (rewritten by the plan) holds the new caption.
     spec = yaml.safe_load(p.text_spec(text_jobs[0].split("/")[1]).read_text())
     assert any(item["caption"].endswith("sharp edges") for item in spec["items"])
+
+
+# -- the demo model learns: config/demo.yaml's shipped model, trained and sampled as `make demo` does ------
+#: The demo's two prompts and four more, so the statistic averages over six samples a side.
+LEARN_PROMPTS = ["a red circle on a blue background", "a yellow square on a black background",
+                 "a green triangle on a white background", "a blue circle on a yellow background",
+                 "a white square on a red background", "a black triangle on a green background"]
+
+
+@pytest.fixture(scope="module")
+def shipped(tmp_path_factory):
+    """The demo config's own model (``config/demo_model``) and training settings, run in this process
+    (validate, plan, caches, train); its LoRA sampled with :data:`LEARN_PROMPTS`, and again zeroed."""
+    from stage_cli import rendezvous
+
+    from diffpipe import stages
+    from diffpipe.training.loop import train
+
+    root = tmp_path_factory.mktemp("shipped")
+    shutil.copytree(REPO_ROOT / "config" / "demo_data", root / "data")
+    cfg = yaml.safe_load((REPO_ROOT / "config" / "demo.yaml").read_text())
+    assert cfg["model"]["flavor"] == "local", "the demo runs the shipped model"
+    cfg["model"]["path"] = str(REPO_ROOT / cfg["model"]["path"])
+    cfg["datasets"][0]["path"] = str(root / "data")
+    cfg["output_dir"] = str(root / "run")
+    cfg["sample"]["prompts"] = LEARN_PROMPTS
+    (root / "config.yaml").write_text(yaml.safe_dump(cfg))
+    config, paths = load_config(root / "config.yaml"), RunPaths(root / "run")
+    stages.prepare_data(config, paths)
+    monkeypatch = rendezvous()
+    try:
+        train(config, paths, log=lambda *_: None)
+    finally:
+        monkeypatch.undo()
+    return {"root": root, "cfg": config, "paths": paths}
+
+
+def _grid_rows(grid_file, n: int, side: int):
+    """The base row and the LoRA row of a sample grid (``diffpipe.training.sample._grid``'s layout:
+    a 14 px label above each row)."""
+    from PIL import Image
+
+    grid = Image.open(grid_file).convert("RGB")
+    return ([grid.crop((i * side, 14, (i + 1) * side, 14 + side)) for i in range(n)],
+            [grid.crop((i * side, side + 28, (i + 1) * side, 2 * side + 28)) for i in range(n)])
+
+
+def _samples(run, lora_dir, out):
+    from diffpipe.training.sample import render_samples
+
+    render_samples(run["cfg"].model, run["cfg"].sample, lora_dir, out)
+    return _grid_rows(out / "grid.png", len(LEARN_PROMPTS), run["cfg"].sample.width or 64)
+
+
+def _training_images():
+    from PIL import Image
+
+    return [Image.open(p) for p in sorted((REPO_ROOT / "config" / "demo_data").glob("*.png"))]
+
+
+def test_demo_lora_moves_samples_toward_the_training_images(shipped):
+    """The learning check: the base model draws small shapes, the 16 demo images hold large ones; the
+    LoRA's samples' mean shape area must be closer to the images' than the base samples' by MARGIN."""
+    from demo_learning import MARGIN, learning_gain, mean_area
+
+    base, lora = _samples(shipped, shipped["paths"].adapter_dir, shipped["root"] / "samples")
+    train = _training_images()
+    gain = learning_gain(base, lora, train)
+    assert gain >= MARGIN, (f"shape area: base {mean_area(base):.3f}, LoRA {mean_area(lora):.3f}, "
+                            f"training images {mean_area(train):.3f}; gain {gain:.3f} < {MARGIN}")
+
+
+def test_learning_check_fails_with_the_lora_zeroed(shipped):
+    """The same check on the same run with every lora_B set to zero (the LoRA does nothing) fails."""
+    from demo_learning import MARGIN, learning_gain
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    zeroed = shipped["root"] / "zeroed-adapter"
+    shutil.copytree(shipped["paths"].adapter_dir, zeroed)
+    weights = zeroed / "adapter_model.safetensors"
+    tensors = {k: torch.zeros_like(v) if ".lora_B." in k else v for k, v in load_file(weights).items()}
+    with safe_open(weights, "pt") as f:
+        metadata = f.metadata()
+    save_file(tensors, weights, metadata=metadata)
+    base, lora = _samples(shipped, zeroed, shipped["root"] / "zeroed-samples")
+    assert [im.tobytes() for im in lora] == [im.tobytes() for im in base]
+    assert learning_gain(base, lora, _training_images()) < MARGIN

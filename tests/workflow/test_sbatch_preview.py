@@ -51,6 +51,7 @@ def planned(tmp_path_factory):
     cfg = yaml.safe_load((REPO_ROOT / "config" / "demo.yaml").read_text())
     cfg.update(output_dir=str(root / "run"))
     cfg["datasets"][0]["path"] = str(root / "data")
+    cfg["model"]["path"] = str(REPO_ROOT / cfg["model"]["path"])  # relative paths start at the workdir
     config = root / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
     assert run_workflow(config, cores=1, targets=["plan"], workdir=root).returncode == 0
@@ -103,6 +104,7 @@ def test_validate_is_a_cpu_job_and_cli_prints_commands(tmp_path):
     cfg = yaml.safe_load((REPO_ROOT / "config" / "demo.yaml").read_text())
     cfg.update(output_dir=str(tmp_path / "run"))
     cfg["datasets"][0]["path"] = str(tmp_path / "data")
+    cfg["model"]["path"] = str(REPO_ROOT / cfg["model"]["path"])  # relative paths start at the workdir
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump(cfg))
     result = CliRunner().invoke(
