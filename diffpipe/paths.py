@@ -54,6 +54,7 @@ EXPORT_MERGED = "export/merged/model_index.json"  # the folder is a diffusers pi
 SAMPLES_DIR = "samples"
 SAMPLE_GRID = "samples/grid.png"
 LOGS = "logs"
+RUN_REPORT = "report.html"  # the run report (diffpipe report): one self-contained page
 BENCHMARKS = "benchmarks"
 #: The rules' directory() outputs: Snakemake deletes each, with all it holds, before the job
 #: that writes it, so ``diffpipe run`` checks them first (diffpipe.ownership; a test reads the rules).
@@ -110,6 +111,7 @@ class RunPaths:
     samples_dir = _At(SAMPLES_DIR)
     sample_grid = _At(SAMPLE_GRID)
     benchmarks = _At(BENCHMARKS)
+    run_report = _At(RUN_REPORT)
 
     def cache_store(self, cache_dir: str | None = None) -> Path:
         """The content-addressed store: ``cache.dir`` when set, else under output_dir."""

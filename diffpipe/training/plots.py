@@ -43,7 +43,7 @@ def smoothed(values: list[float], weight: float = SMOOTHING) -> list[float]:
     return out
 
 
-def _finite(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
+def finite_points(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
     """(steps, values) of the rows holding a finite ``key`` (a skipped step's NaN loss is left out)."""
     pts = [(r["step"], float(r[key])) for r in rows
            if isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) and "step" in r]
@@ -57,16 +57,16 @@ def loss_figure(rows: list[dict[str, Any]], *, objective: str = "mse") -> Figure
 
     fig = Figure(figsize=(8, 4.2), dpi=100, layout="constrained")
     ax = fig.add_subplot()
-    steps, losses = _finite(rows, "loss")
+    steps, losses = finite_points(rows, "loss")
     if steps:
         ax.plot(steps, losses, color="#9db4e6", linewidth=1, label="training loss (per step)")
         weight = smoothing_weight(len(losses))
         ax.plot(steps, smoothed(losses, weight), color="#1f3fbf", linewidth=2,
                 label=f"training loss (smoothed, EMA {weight:.2g})")
-    eval_steps, evals = _finite(rows, "eval_loss")
+    eval_steps, evals = finite_points(rows, "eval_loss")
     if eval_steps:
         ax.plot(eval_steps, evals, color="#d9480f", marker="o", linewidth=1.5,
-                label="evaluation loss (held-out items, fixed timesteps and noise)")
+                label="evaluation loss (fixed items, timesteps and noise)")
     ax.set_xlabel("step (optimizer steps)")
     ax.set_ylabel(LOSS_LABELS.get(objective, f"loss ({objective})"))
     ax.set_title(f"loss over {len(steps)} steps" if steps else "no finite loss recorded")
