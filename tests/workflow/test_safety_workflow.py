@@ -114,7 +114,8 @@ def test_every_rule_command_parses_to_its_argv(hostile):
     resolved = f"{out}/{RESOLVED_CONFIG}"
     launcher = f"train:mpi=\"srun --kill-on-bad-exit=1 '{LAUNCHER_WORD}'\""
     # Forcing validate would hide the cache jobs (they are known once the plan checkpoint ran): two dry runs.
-    after_plan = ["--forcerun", "cache_latents", "cache_text", "cache_empty_text", "train", "export", "sample"]
+    after_plan = ["--forcerun", "cache_latents", "cache_text", "cache_empty_text", "train", "export", "sample",
+                  "report"]
     jobs = [job for extra in (["--forceall"], after_plan)
             for job in dry_run_jobs(config, DEFAULT_PROFILE, work, [*extra, "--set-resources", launcher])]
     argv = {f"{j.rule}/{j.wildcards.removeprefix('shard=')}".rstrip("/"): shlex.split(j.shell)
@@ -133,6 +134,7 @@ def test_every_rule_command_parses_to_its_argv(hostile):
                   "--processes", "1", "--auto-resume", *tail("train")],
         "export": ["diffpipe", "export", "--config", resolved, *formats, *tail("export")],
         "sample": ["diffpipe", "sample", "--config", resolved, *tail("sample")],
+        "report": ["diffpipe", "report", "--config", resolved, *tail("report")],
     }
     assert argv["validate"][5].isdigit()
     assert {k: argv.get(k) for k in want} == want
