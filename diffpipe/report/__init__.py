@@ -39,12 +39,13 @@ def build_report(paths: RunPaths, *, prompts: list[str], out: Path | None = None
     out = Path(out) if out is not None else paths.root / "report.html"
     claim_files(out.parent, [out.name])  # before any work: a user's file of that name stops it here
     config_file, config = gather.run_config(paths)
+    rows = gather.metrics(paths)  # read once: a long run's file holds a line per step
     sections = [
-        ("overview", "Overview", _overview(paths, config)),
+        ("overview", "Overview", _overview(paths, config, rows)),
         ("validation", "Validation", _validation(paths, out)),
         ("cache", "Cache", _cache(paths)),
-        ("curves", "Loss and evaluation", _curves(paths, config)),
-        ("speed", "Throughput and memory", _speed(paths)),
+        ("curves", "Loss and evaluation", _curves(rows, config)),
+        ("speed", "Throughput and memory", _speed(paths, rows)),
         ("samples", "Samples", _samples(paths, prompts, config)),
         ("lineage", "Lineage", _lineage(paths, config)),
         ("config", "Config", _config(config_file, paths)),
@@ -59,9 +60,8 @@ def _missing(what: str, command: str) -> str:
     return f"<p class=muted>{P.esc(what)} not written yet (<code>{P.esc(command)}</code> writes it).</p>"
 
 
-def _overview(paths: RunPaths, config: dict) -> str:
+def _overview(paths: RunPaths, config: dict, rows: list[dict]) -> str:
     model = config.get("model") or {}
-    rows = gather.metrics(paths)
     losses = [r["loss"] for r in rows if isinstance(r.get("loss"), (int, float))]
     facts = {
         "model": f"{model.get('family', '?')} ({model.get('flavor', '?')} flavor)"
@@ -106,8 +106,7 @@ def _objective(config: dict) -> str:
     return str(((config.get("train") or {}).get("objective") or {}).get("loss") or "mse")
 
 
-def _curves(paths: RunPaths, config: dict) -> str:
-    rows = gather.metrics(paths)
+def _curves(rows: list[dict], config: dict) -> str:
     if not rows:
         return _missing("train/metrics.jsonl", "diffpipe train -c CFG")
     body = P.img(figures.loss_png(rows, _objective(config)), "loss per step", "plot")
@@ -116,8 +115,7 @@ def _curves(paths: RunPaths, config: dict) -> str:
     return body
 
 
-def _speed(paths: RunPaths) -> str:
-    rows = gather.metrics(paths)
+def _speed(paths: RunPaths, rows: list[dict]) -> str:
     summary = gather.read_json(paths.train_dir / "summary.json")
     body = P.pairs(gather.throughput(rows, summary)) if rows or summary else _missing("train/", "diffpipe train")
     if chart := figures.speed_png(rows):
@@ -133,7 +131,7 @@ def _samples(paths: RunPaths, prompts: list[str], config: dict) -> str:
     if paths.sample_grid.is_file():
         listed = "".join(f"<li>{P.esc(p)}</li>" for p in prompts)
         body += ("<h3>After training (diffpipe sample): base model above, with the LoRA below</h3>"
-                 f'{P.img(figures.file_png(paths.sample_grid), "sample grid", "grid")}<ol>{listed}</ol>')
+                 f'{P.img(figures.file_png(paths.sample_grid, figures.MAX_GRID), "sample grid", "grid")}<ol>{listed}</ol>')
     else:
         body += _missing("samples/grid.png", "diffpipe sample -c CFG")
     trained_prompts = list(((config.get("sample") or {}).get("prompts")) or prompts)

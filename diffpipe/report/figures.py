@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 MAX_STEP_ROWS = 12
 #: Sample images wider than this are shrunk for the page (the files keep their size).
 MAX_TILE = 384
+#: The sample stage's grid is shrunk to this width for the page (four 1024-pixel samples would be 4096).
+MAX_GRID = 1600
 _QUANTILE = re.compile(r"eval_loss_q([0-9.]+)$")
 
 

@@ -132,3 +132,13 @@ def test_diffpipe_run_ends_by_naming_the_report(run):
     out = io.StringIO()
     _print_summary(Console(file=out, width=300), RunSummary(0, ["report"], {"report": 1.0}, 1.0), run)
     assert out.getvalue().strip().splitlines()[-1] == f"run report (open it in a browser): {run.run_report}"
+
+
+def test_a_long_run_shows_at_most_twelve_sampling_steps():
+    """Hundreds of sample rows would make the page hundreds of megabytes: 12 steps, evenly spaced, ends kept."""
+    from diffpipe.report.figures import MAX_STEP_ROWS, pick_steps
+
+    steps = list(range(50, 50 * 201, 50))
+    shown = pick_steps(steps)
+    assert len(shown) == MAX_STEP_ROWS == 12 and shown[0] == 50 and shown[-1] == 10000
+    assert pick_steps([5, 10]) == [5, 10]

@@ -7,6 +7,7 @@ dataset folder and dataset name hold spaces, both quotes, ``$(...)``, backticks,
 
 from __future__ import annotations
 
+import html
 import os
 import shlex
 import subprocess
@@ -70,8 +71,9 @@ def hostile(tmp_path_factory):
 def test_hostile_names_run_end_to_end_and_run_nothing(hostile):
     first, p = hostile["first"], hostile["paths"]
     assert first.returncode == 0, first.stderr[-6000:]
-    for f in (p.manifest, p.adapter_file, p.export_diffusers, p.sample_grid):
+    for f in (p.manifest, p.adapter_file, p.export_diffusers, p.sample_grid, p.run_report):
         assert f.is_file() and f.stat().st_size > 0, f
+    assert html.escape(p.root.name) in p.run_report.read_text()  # the run report shows names as text
     assert not pwned(hostile["root"], REPO_ROOT / "workflow", Path.cwd()), "a name was run as a shell command"
     assert not (REPO_ROOT / "PWNED").exists()
     # The summary prints each path as it is, on one line (copyable).
