@@ -10,13 +10,15 @@ SHA-256 and how to load it). ``diffpipe report -c CFG`` writes it; so does the w
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from diffpipe.paths import RunPaths
 from diffpipe.report import figures, gather, lineage
 from diffpipe.report import page as P
-from diffpipe.utils import claim_files, write_text_atomic
+from diffpipe.utils import claim_files, read_marker, write_marker, write_text_atomic
 
 __all__ = ["ReportResult", "build_report"]
 
@@ -37,6 +39,7 @@ def build_report(paths: RunPaths, *, prompts: list[str], out: Path | None = None
     never replaced (:func:`diffpipe.utils.claim_files`).
     """
     out = Path(out) if out is not None else paths.root / "report.html"
+    _restamp_if_unedited(out)
     claim_files(out.parent, [out.name])  # before any work: a user's file of that name stops it here
     config_file, config = gather.run_config(paths)
     rows = gather.metrics(paths)  # read once: a long run's file holds a line per step
@@ -51,9 +54,41 @@ def build_report(paths: RunPaths, *, prompts: list[str], out: Path | None = None
         ("config", "Config", _config(config_file, paths)),
     ]
     when = _dt.datetime.now(_dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    text = P.page(f"diffpipe run report: {paths.root.name}", f"{paths.root.resolve()} · written {when}", sections)
+    text = _sealed(P.page(f"diffpipe run report: {paths.root.name}", f"{paths.root.resolve()} · written {when}",
+                          sections))
     write_text_atomic(out, text)
     return ReportResult(out, [a for a, _, _ in sections], len(text.encode()))
+
+
+_SEAL = re.compile(rb"<!DOCTYPE html>\n<!-- diffpipe run report, sha256 of what follows: ([0-9a-f]{64}) -->\n")
+
+
+def _sealed(body: str) -> str:
+    """The page under a first comment holding the SHA-256 of the rest: an edit anywhere shows."""
+    return f"<!DOCTYPE html>\n<!-- diffpipe run report, sha256 of what follows: " \
+           f"{hashlib.sha256(body.encode()).hexdigest()} -->\n{body}"
+
+
+def _restamp_if_unedited(out: Path) -> None:
+    """Record the current time of a page diffpipe wrote there and nobody edited since.
+
+    Snakemake touches a job's outputs after the job (their times after the inputs'), so the time
+    recorded for the page the report rule wrote is older than the file's, and the folder's record
+    alone would call it a user's file. A page its folder's record names, whose seal still matches
+    its content, is diffpipe's page as written: its record is brought up to date. Anything else
+    (an edited page, a user's file) is left to :func:`~diffpipe.utils.claim_files` to refuse.
+    """
+    marker = read_marker(out.parent)
+    recorded = (marker or {}).get("entries", {}).get(out.name)
+    if not recorded or not out.is_file() or out.is_symlink():
+        return
+    data = out.read_bytes()
+    seal = _SEAL.match(data)
+    if seal is None or hashlib.sha256(data[seal.end():]).hexdigest() != seal[1].decode():
+        return
+    st = out.stat()
+    write_marker(out.parent, {**marker["entries"], out.name: {**recorded, "size": st.st_size,
+                                                               "mtime_ns": st.st_mtime_ns}}, marker)
 
 
 def _missing(what: str, command: str) -> str:

@@ -71,10 +71,11 @@ def section(anchor: str, title: str, body: str) -> str:
 
 
 def page(title: str, subtitle: str, sections: list[tuple[str, str, str]]) -> str:
-    """The whole page: a title, a table of contents, then each ``(anchor, title, body html)`` section."""
+    """The page from ``<html>`` on (the caller seals it under the doctype): a title, a table of contents, then
+    each ``(anchor, title, body html)`` section."""
     nav = "".join(f'<a href="#{esc(a)}">{esc(t)}</a>' for a, t, _ in sections)
     body = "".join(section(a, t, b) for a, t, b in sections)
-    return (f'<!DOCTYPE html><html lang="en"><head><meta charset="utf-8">'
+    return (f'<html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width, initial-scale=1">'
             f"<title>{esc(title)}</title><style>{_CSS}</style></head><body>"
             f"<h1>{esc(title)}</h1><p class=muted>{esc(subtitle)}</p><nav>{nav}</nav>{body}</body></html>\n")

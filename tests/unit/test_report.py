@@ -142,3 +142,18 @@ def test_a_long_run_shows_at_most_twelve_sampling_steps():
     shown = pick_steps(steps)
     assert len(shown) == MAX_STEP_ROWS == 12 and shown[0] == 50 and shown[-1] == 10000
     assert pick_steps([5, 10]) == [5, 10]
+
+
+def test_the_report_rebuilds_after_snakemake_touched_it(run):
+    """Snakemake touches a job's outputs after it (their times after the inputs'), so the time recorded for
+    the page the report rule wrote is older than the file's: `diffpipe report -c CFG` still rebuilds it.
+    An edit that changes the page (its size) is still a user's file, never replaced."""
+    import os
+
+    page = build_report(run, prompts=PROMPTS).path
+    st = page.stat()
+    os.utime(page, ns=(st.st_atime_ns, st.st_mtime_ns + 6_000_000_000))
+    assert build_report(run, prompts=PROMPTS).path == page
+    page.write_text(page.read_text() + "<p>my note</p>")
+    with pytest.raises(NotOurFolderError, match="report.html"):
+        build_report(run, prompts=PROMPTS)
