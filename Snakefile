@@ -13,6 +13,11 @@ if not config:
 
 
 validate_config(config, str(paths.SCHEMA_FILE))
+# `snakemake --report report.zip` (or .html): Snakemake's own report of the rules' report() outputs.
+
+
+report: "workflow/report/workflow.rst"
+
 CFG = dw.load(config)
 RESOLVED = dw.write_resolved_config(CFG)
 
@@ -25,6 +30,7 @@ include: "workflow/rules/train.smk"
 include: "workflow/rules/export.smk"
 include: "workflow/rules/sample.smk"
 include: "workflow/rules/bench.smk"
+include: "workflow/rules/report.smk"
 
 
 # The target rule only collects files: never a cluster job.

@@ -276,6 +276,21 @@ def sample(
     say(f"sample: wrote {len(files)} images to {files[0].parent}")
 
 
+@app.command()
+@errors
+def report(
+    config: ConfigOpt,
+    out: Annotated[Path | None, typer.Option(help="Where to write the page (default: <output_dir>/report.html).")] = None,
+) -> None:
+    """Write the run report: one self-contained HTML page (curves, samples, lineage) to open or send.
+
+    Example: diffpipe report -c config/demo.yaml
+    """
+    cfg, paths = setup(config)
+    result = stages.report(SampleInputs.of(cfg), paths, out=out)
+    say(f"report: wrote {result.path} ({result.bytes / 1e6:.1f} MB); open it in a browser")
+
+
 @app.command(context_settings={"allow_extra_args": True, "ignore_unknown_options": True})
 @errors
 def run(

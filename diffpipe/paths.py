@@ -54,6 +54,7 @@ EXPORT_MERGED = "export/merged/model_index.json"  # the folder is a diffusers pi
 SAMPLES_DIR = "samples"
 SAMPLE_GRID = "samples/grid.png"
 LOGS = "logs"
+RUN_REPORT = "report.html"  # the run report (diffpipe report): one self-contained page
 BENCHMARKS = "benchmarks"
 PROGRESS_DIR = "progress"  # each running job's status (diffpipe.progress): run state, never a rule's input or output
 #: The rules' directory() outputs: Snakemake deletes each, with all it holds, before the job
@@ -112,6 +113,7 @@ class RunPaths:
     sample_grid = _At(SAMPLE_GRID)
     benchmarks = _At(BENCHMARKS)
     progress_dir = _At(PROGRESS_DIR)
+    run_report = _At(RUN_REPORT)
 
     def cache_store(self, cache_dir: str | None = None) -> Path:
         """The content-addressed store: ``cache.dir`` when set, else under output_dir."""

@@ -31,7 +31,7 @@ DEFAULT_PROFILE = REPO_ROOT / "profiles" / "default"
 
 
 REGENERATE_RULES = ("cache_latents", "cache_text", "cache_empty_text")
-STAGES = ("validate", "plan", "cache_latents", "cache_text", "cache_empty_text", "train", "export", "sample")
+STAGES = ("validate", "plan", "cache_latents", "cache_text", "cache_empty_text", "train", "export", "sample", "report")
 
 
 @dataclass
@@ -222,3 +222,7 @@ def _print_summary(console: Console, s: RunSummary, p: RunPaths) -> None:
                  f"metrics, loss plot: {p.metrics}, {p.train_dir / 'loss.png'}",
                  f"validation report:  {p.report_html}"):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+    # Last: the one page that shows all of the above (diffpipe.report), when this run's DAG wrote it.
+    if p.run_report.is_file():
+        console.print(f"run report (open it in a browser): {p.run_report}", markup=False, highlight=False,
+                      soft_wrap=True)

@@ -38,6 +38,7 @@ if TYPE_CHECKING:
     from diffpipe.data.cache.plan import PlanResult
     from diffpipe.data.dataset.results import ValidationResult
     from diffpipe.export.api import ExportResult
+    from diffpipe.report import ReportResult
 
 # Rerun triggers: a stage reruns when one of these changes. The classes' fields say why each key is there.
 STAGE_INPUTS: dict[str, tuple[str, ...]] = {
@@ -49,6 +50,9 @@ STAGE_INPUTS: dict[str, tuple[str, ...]] = {
     "train": ("model", "train"),
     "export": declared_keys(ExportInputs),
     "sample": declared_keys(SampleInputs),
+    # The run report shows the sample prompts under the sample images; everything else it reads from the
+    # run's files (the config training ran with, the exports, the metrics), which are its rule's inputs.
+    "report": ("sample",),
     # The speed sweep trains the configured model on the datasets' bucket shapes (not part of `all`).
     "bench": ("model", "datasets", "train", "bench"),
 }
@@ -190,6 +194,15 @@ def sample(cfg: Config | SampleInputs, paths: RunPaths, *, lora: Path | None = N
     cfg = _part(cfg, SampleInputs)
     default = paths.export_file(sample_export_format(cfg.train.lora))
     return render_samples(cfg.model, cfg.sample, lora or default, out or paths.samples_dir)
+
+
+def report(cfg: Config | SampleInputs, paths: RunPaths, *, out: Path | None = None) -> ReportResult:
+    """Write the run report, one self-contained HTML page (``diffpipe report``)."""
+    # deferred: matplotlib and the family specs (seconds); the CLI imports this module for every command
+    from diffpipe.report import build_report
+
+    prompts = cfg.sample.prompts
+    return build_report(paths, prompts=list(prompts), out=out)
 
 
 def prepare_data(cfg: Config, paths: RunPaths, *, empty_caption: bool = True) -> None:

@@ -147,8 +147,10 @@ def launcher_args(wildcards: Any, resources: Any) -> str:
 
 
 def final_targets(cfg: Config) -> list[str]:
+    """What ``rule all`` asks for: every stage's outputs, and last the run report that shows them."""
     return [
         out(cfg, paths.REPORT_HTML),
         *export_outputs(cfg).values(),
         out(cfg, paths.SAMPLES_DIR),
+        out(cfg, paths.RUN_REPORT),
     ]

@@ -26,8 +26,9 @@ from diffpipe.training.ema import STATE_NAME as EMA_STATE
 from diffpipe.training.ema import Ema
 from diffpipe.training.eval import Evaluator, aux_inputs, eval_dataset
 from diffpipe.training.flops import StepFlops
-from diffpipe.training.metrics import MetricsWriter, peak_memory_mb, plot_loss, read_metrics
+from diffpipe.training.metrics import MetricsWriter, peak_memory_mb, read_metrics
 from diffpipe.training.optim import build_optimizer
+from diffpipe.training.plots import plot_loss
 from diffpipe.training.profiling import StepProfiler
 from diffpipe.training.sample import TrainingSampler
 from diffpipe.training.schedules import lr_lambda
@@ -375,7 +376,7 @@ class Trainer:
         agree = trained.ranks_agree(dist.world_size)
         seconds = time.perf_counter() - self.t_start
         if dist.is_main:
-            plot_loss(read_metrics(paths.metrics), paths.train_dir / "loss.png")
+            plot_loss(read_metrics(paths.metrics), paths.train_dir / "loss.png", objective=self.tc.objective.loss)
             summary = {"steps": order.total, "resumed_from": start, "world_size": dist.world_size,
                        "ranks_agree": agree, "seconds": seconds, "offload": engine.offload_in_effect(self.model),
                        "skipped_steps": self.streak.total, "memory": self.memory_options()}

@@ -1,15 +1,14 @@
-"""Training metrics: one JSON line per optimizer step, the same scalars to the trackers, a loss plot."""
+"""Training metrics: one JSON line per optimizer step, the same scalars to the trackers."""
 
 from __future__ import annotations
 
 import json
-import math
 import resource
 from pathlib import Path
 from typing import Any
 
 import torch
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from diffpipe.training.trackers import Tracker, open_trackers, scalars
 
@@ -62,33 +61,3 @@ def peak_memory_mb(device: torch.device) -> float:
 
 def read_metrics(jsonl: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in Path(jsonl).read_text().splitlines() if line.strip()]
-
-
-def plot_loss(rows: list[dict[str, Any]], out: Path, size: tuple[int, int] = (640, 360)) -> Path:
-    """Draw loss per step (raw and smoothed) as a PNG: a quick look without TensorBoard."""
-    w, h = size
-    pad = 40
-    img = Image.new("RGB", size, "white")
-    draw = ImageDraw.Draw(img)
-    losses = [r["loss"] for r in rows if "loss" in r and math.isfinite(r["loss"])]  # skipped steps' NaN left out
-    draw.text((pad, 8), f"training loss ({len(losses)} steps)", fill="black")
-    if len(losses) >= 2:
-        lo, hi = min(losses), max(losses)
-        span = (hi - lo) or 1.0
-
-        def xy(i: int, v: float) -> tuple[float, float]:
-            return (pad + i * (w - 2 * pad) / (len(losses) - 1), h - pad - (v - lo) * (h - 2 * pad) / span)
-
-        draw.rectangle([pad, pad, w - pad, h - pad], outline="gray")
-        draw.line([xy(i, v) for i, v in enumerate(losses)], fill=(160, 180, 230), width=1)
-        smooth, ema = [], losses[0]
-        for v in losses:
-            ema = 0.9 * ema + 0.1 * v
-            smooth.append(ema)
-        draw.line([xy(i, v) for i, v in enumerate(smooth)], fill=(20, 60, 200), width=2)
-        draw.text((4, pad - 6), f"{hi:.3f}", fill="black")
-        draw.text((4, h - pad - 6), f"{lo:.3f}", fill="black")
-        draw.text((w - pad - 30, h - pad + 8), f"step {len(losses)}", fill="black")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    img.save(out)
-    return out

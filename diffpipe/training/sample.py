@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 from diffusers.hooks import apply_group_offloading
-from PIL import Image, ImageDraw
+from PIL import Image
 
 from diffpipe.config import ModelConfig, SampleConfig
 from diffpipe.data.cache.video import write_mp4
@@ -21,6 +21,7 @@ from diffpipe.models._common import cuda_defaults
 from diffpipe.paths import EXPORT_NAMES, export_name
 from diffpipe.training.adapter import WEIGHTS_NAME, apply_adapter
 from diffpipe.training.finite import check_safetensors_file
+from diffpipe.training.plots import caption_grid
 from diffpipe.utils import atomic_path
 
 
@@ -175,16 +176,8 @@ def _part_files(family, lora_file: Path) -> list[tuple[Path, dict]]:
 
 
 def _grid(base: list[Image.Image], tuned: list[Image.Image], prompts: list[str]) -> Image.Image:
-    w, h = base[0].size
-    label = 14
-    grid = Image.new("RGB", (w * len(base), 2 * (h + label)), "white")
-    draw = ImageDraw.Draw(grid)
-    for col, (b, t, p) in enumerate(zip(base, tuned, prompts, strict=True)):
-        draw.text((col * w + 2, 0), "base: " + p[: w // 6], fill="black")
-        grid.paste(b, (col * w, label))
-        draw.text((col * w + 2, h + label), "LoRA", fill="black")
-        grid.paste(t, (col * w, h + 2 * label))
-    return grid
+    """The base model's image above the LoRA's for every prompt, the prompt under its column."""
+    return caption_grid([("base model (no LoRA)", base), ("with the LoRA", tuned)], prompts)
 
 
 class TrainingSampler:

@@ -32,7 +32,8 @@ EDITS = [
     ({"train": {"lr": 0.5}}, {"train", "bench"}),
     # export rebuilds an adapter from a checkpoint; sample loads the export its kind allows
     ({"train": {"lora": {"rank": 5}}}, {"train", "export", "sample", "bench"}),
-    ({"sample": {"prompts": ["something else"]}}, {"sample"}),  # the model card no longer lists them
+    # the model card no longer lists them; the run report shows them under the samples
+    ({"sample": {"prompts": ["something else"]}}, {"sample", "report"}),
     ({"cache": {"dir": "elsewhere"}}, {"validate", "plan", "cache"}),  # discovery skips the cache folder
     ({"export": {"formats": ["diffusers", "kohya"]}}, {"export"}),
     # a trained text encoder's captions are cached as token ids; its learning rate changes training only
@@ -58,6 +59,7 @@ def test_the_rerun_triggers_are_the_keys_each_stage_holds():
         "train": {"model", "train"},
         "export": {"model", "export", "train.lora"},
         "sample": {"model", "sample", "train.lora"},
+        "report": {"sample"},  # the rest it reads from the run's files, its rule's inputs
         "bench": {"model", "datasets", "train", "bench"},
     }
     assert {stage: set(keys) for stage, keys in stages.STAGE_INPUTS.items()} == expected

@@ -14,13 +14,16 @@ process, and check that its LoRA's samples move toward the training images (``te
 
 from __future__ import annotations
 
+import html
 import re
 import shutil
 import time
+import zipfile
 
 import pytest
 import torch
 import yaml
+from browser import render  # tests/browser.py
 from rich.console import Console
 from typer.testing import CliRunner
 
@@ -68,11 +71,11 @@ def test_first_run_produces_every_output(demo):
     p: RunPaths = demo["paths"]
     first = demo["first"]
     n_shards = demo["cfg"].cache.shards
-    assert {"validate", "plan", "train", "export", "sample"} <= {j.split("/")[0] for j in first.jobs}
+    assert {"validate", "plan", "train", "export", "sample", "report"} <= {j.split("/")[0] for j in first.jobs}
     assert sum(j.startswith("cache_latents/") for j in first.jobs) == n_shards
     assert sum(j.startswith("cache_text/") for j in first.jobs) == n_shards
     for f in [p.manifest, p.report_json, p.report_html, p.plan_summary, p.adapter_file, p.metrics,
-              p.export_diffusers, p.export_file("comfyui"), p.sample_grid, p.train_dir / "loss.png"]:
+              p.export_diffusers, p.export_file("comfyui"), p.sample_grid, p.train_dir / "loss.png", p.run_report]:
         assert f.exists() and f.stat().st_size > 0, f
     assert list(p.tensorboard.glob("events.out.tfevents.*"))
     assert list(p.epoch_loras.glob("epoch-*/adapter_model.safetensors"))
@@ -134,6 +137,31 @@ def test_training_loss_falls(demo):
     k = max(5, len(losses) // 5)
     first, last = sum(losses[:k]) / k, sum(losses[-k:]) / k
     assert last < 0.85 * first, f"loss did not fall enough: first {first:.4f}, last {last:.4f}"
+
+
+def test_the_run_report_opens_in_a_browser_with_its_plots_and_grids(demo, tmp_path):
+    """#41: the page `make demo` names last renders in headless Chromium: not blank, every plot and grid
+    decoded, the demo's prompts shown as text."""
+    page = demo["paths"].run_report
+    text = page.read_text()
+    for prompt in demo["cfg"].sample.prompts:
+        assert html.escape(prompt) in text
+    shown = render(page, tmp_path)
+    assert shown.colours > 200, "the screenshot is (nearly) one colour: a blank page"
+    # loss, eval per quantile, speed, the sample grid
+    assert len(shown.image_widths) >= 4 and all(w > 0 for w in shown.image_widths), shown.image_widths
+
+
+def test_snakemake_report_bundles_the_run_report_and_samples(demo, tmp_path):
+    """`diffpipe run -c CFG -- --report FILE` (Snakemake's --report) on the finished run: its zip holds the
+    outputs the rules mark report(): the run report and the sample images."""
+    bundle = tmp_path / "snakemake-report.zip"
+    done = run_workflow(demo["root"] / "config.yaml", cores=1, workdir=demo["root"], console=Console(stderr=True),
+                        extra=["--report", str(bundle)])
+    assert done.returncode == 0 and done.jobs == []
+    names = zipfile.ZipFile(bundle).namelist()
+    assert any("/data/" in n and n.endswith("/report.html") for n in names), names
+    assert any(n.endswith("/grid.png") for n in names), names
 
 
 def test_second_run_executes_zero_jobs(demo):

@@ -7,6 +7,7 @@ dataset folder and dataset name hold spaces, both quotes, ``$(...)``, backticks,
 
 from __future__ import annotations
 
+import html
 import os
 import shlex
 import subprocess
@@ -76,8 +77,9 @@ def hostile(tmp_path_factory):
 def test_hostile_names_run_end_to_end_and_run_nothing(hostile):
     first, p = hostile["first"], hostile["paths"]
     assert first.returncode == 0, first.stderr[-6000:]
-    for f in (p.manifest, p.adapter_file, p.export_diffusers, p.sample_grid):
+    for f in (p.manifest, p.adapter_file, p.export_diffusers, p.sample_grid, p.run_report):
         assert f.is_file() and f.stat().st_size > 0, f
+    assert html.escape(p.root.name) in p.run_report.read_text()  # the run report shows names as text
     assert not pwned(hostile["root"], REPO_ROOT / "workflow", Path.cwd()), "a name was run as a shell command"
     assert not (REPO_ROOT / "PWNED").exists()
     # The summary prints each path as it is, on one line (copyable).
@@ -120,7 +122,8 @@ def test_every_rule_command_parses_to_its_argv(hostile):
     resolved = f"{out}/{RESOLVED_CONFIG}"
     launcher = f"train:mpi=\"srun --kill-on-bad-exit=1 '{LAUNCHER_WORD}'\""
     # Forcing validate would hide the cache jobs (they are known once the plan checkpoint ran): two dry runs.
-    after_plan = ["--forcerun", "cache_latents", "cache_text", "cache_empty_text", "train", "export", "sample"]
+    after_plan = ["--forcerun", "cache_latents", "cache_text", "cache_empty_text", "train", "export", "sample",
+                  "report"]
     jobs = [job for extra in (["--forceall"], after_plan)
             for job in dry_run_jobs(config, DEFAULT_PROFILE, work, [*extra, "--set-resources", launcher])]
     argv = {f"{j.rule}/{j.wildcards.removeprefix('shard=')}".rstrip("/"): shlex.split(j.shell)
@@ -139,6 +142,7 @@ def test_every_rule_command_parses_to_its_argv(hostile):
                   "--processes", "1", "--auto-resume", *tail("train")],
         "export": ["diffpipe", "export", "--config", resolved, *formats, *tail("export")],
         "sample": ["diffpipe", "sample", "--config", resolved, *tail("sample")],
+        "report": ["diffpipe", "report", "--config", resolved, *tail("report")],
     }
     assert argv["validate"][5].isdigit()
     assert {k: argv.get(k) for k in want} == want

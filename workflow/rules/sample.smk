@@ -2,7 +2,12 @@ rule sample:
     input:
         out(dw.EXPORT_OUTPUTS[dw.sample_format(CFG)]),
     output:
-        directory(out(paths.SAMPLES_DIR)),
+        report(
+            directory(out(paths.SAMPLES_DIR)),
+            patterns=["{name}.png"],
+            caption="../report/samples.rst",
+            category="Samples",
+        ),
     params:
         config=RESOLVED,
         digest=dw.stage_digest(CFG, "sample"),
