@@ -52,6 +52,15 @@ def why_whole(family: Any) -> str | None:
     return streaming.why_not_streamed(family.cfg, family.denoiser_name)
 
 
+def streams(family: Any, tc: TrainConfig) -> bool:
+    """Whether the load streams (and, with 8- or 4-bit base weights, quantises as it reads) once the model is
+    a local diffusers folder: the tiny flavor and a hub id count as one (the estimate sizes published models).
+    DoRA, LoKr and LoHa quantise after the LoRA, so the whole model is in RAM at its load dtype first."""
+    if type(family).load_denoiser is not Loading.load_denoiser or family.cfg.single_files.get(family.denoiser_name):
+        return False
+    return tc.base_weights == "auto" or quantised_at_load(tc)
+
+
 def quantised_at_load(tc: TrainConfig) -> bool:
     """Whether a streamed load quantises as it reads (plain LoRA with 8- or 4-bit base weights)."""
     return tc.base_weights != "auto" and tc.mode == "lora" and tc.lora.kind == "lora"
@@ -122,6 +131,8 @@ def load_denoiser(family: Any, tc: TrainConfig, device: torch.device) -> LoadedD
         return LoadedDenoiser(family.load_denoiser(), False, False, f"loaded whole ({reason})")
     decl = family._declared("denoiser_model")
     dtype = common.load_dtype(family.cfg, "denoiser")
+    if tc.base_weights != "auto" and not quantised_at_load(tc):
+        device = torch.device("cpu")  # quantised after the LoRA, in host memory, as a whole load is
     model = streaming.stream_component(decl.cls, family.cfg, family.denoiser_name, dtype,
                                        hooks=lambda m: _hooks(m, tc, family, device, dtype))
     quantised = quantised_at_load(tc)
@@ -137,3 +148,73 @@ def quiet_lora() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="TorchaoLoraLinear was instantiated")
         yield
+
+
+#: Transient bytes of reading one tensor, in units of the largest tensor at its load width: the bytes read,
+#: the cast copy, the stored result and quantisation's temporaries (NF4's from_tensor holds several float
+#: copies). Measured by benchmarks/load_peak.py at FLUX.1's width.
+FLIGHT = {"auto": 1, "fp8": 3, "int8": 3, "nf4": 4}
+
+
+@dataclass(frozen=True)
+class LoadPeak:
+    """Peak bytes while the denoiser loads, beyond the process's own: system RAM and GPU memory."""
+
+    ram: int
+    gpu: int
+
+
+def load_peak(*, stored: int, whole: int, swapped: int, largest: int, kind: str, streamed: bool,
+              on_cpu: bool = False) -> LoadPeak:
+    """The load's peak from the frozen weights as ``stored`` (quantised, all blocks), the ``whole`` model at
+    its load dtype, the ``swapped`` blocks' stored bytes and the ``largest`` tensor at its load dtype.
+
+    Streamed: RAM holds the swapped blocks and one tensor in flight; the GPU the rest as stored. Loaded whole:
+    RAM holds the whole model at its load dtype (the pages of the mapped file) and, when quantised, the stored
+    model beside it (an upper bound: the unquantised tensors are counted twice), then the GPU receives every
+    block as stored (the swapped ones too, until the swap copies them out). ``on_cpu``: the device is the CPU
+    (no GPU), so everything is RAM; loaded whole, the swap's copies then come on top of the stored model."""
+    flight = FLIGHT[kind] * largest
+    whole_ram = whole + flight + (stored if kind != "auto" else 0)
+    if on_cpu:
+        return LoadPeak(stored + flight if streamed else max(whole_ram, stored + swapped), 0)
+    if streamed:
+        return LoadPeak(swapped + flight, stored - swapped)
+    return LoadPeak(whole_ram, stored)
+
+
+def stored_bytes(model: torch.nn.Module, kind: str, names: set[str], width: int, compute: int,
+                 within: tuple[str, ...] = ("",)) -> int:
+    """Bytes of ``model``'s (LoRA-less; on ``meta`` is enough) tensors under the module-name prefixes
+    ``within`` as ``base_weights: kind`` stores them: the Linears ``names`` at their quantised size
+    (nf4 from ``compute``-byte weights), every other tensor at ``width`` bytes."""
+    total = 0
+    for name, m in model.named_modules():
+        if not f"{name}.".startswith(within):
+            continue
+        total += sum(t.numel() for t in [*m._parameters.values(), *m._buffers.values()] if t is not None) * width
+        if name in names:
+            w = m.weight
+            size = {"fp8": w.numel() + 2 * w.shape[0], "int8": w.numel() + 4 * w.shape[0]}.get(kind)
+            total += (size if size is not None else precision.nf4_bytes(w.numel(), compute)) - w.numel() * width
+    return total
+
+
+def estimate_peak(family: Any, tc: TrainConfig, *, device: torch.device, streamed: bool | None = None) -> LoadPeak:
+    """:func:`load_peak` for ``family``'s denoiser config (built on ``meta``) under ``tc`` on ``device``;
+    ``streamed`` None: as :func:`load_denoiser` would load it."""
+    decl = family._declared("denoiser_model")
+    width = common.load_dtype(family.cfg, "denoiser", cuda=device.type == "cuda").itemsize
+    with torch.device("meta"):
+        model = decl.cls.from_config(family._denoiser_config)
+    lora = adapter.peft_config(tc.lora, family.lora_targets(tc.lora.targets))
+    names = layers_to_quantise(model, tc.base_weights, lora) if tc.base_weights != "auto" else set()
+    sizes = (tc.base_weights, names, width, precision.compute_dtype(tc).itemsize)
+    stored = stored_bytes(model, *sizes)
+    swapped = stored_bytes(model, *sizes, within=swapped_prefixes(model, tc.block_swap)) if tc.block_swap else 0
+    whole = sum(t.numel() for t in model.parameters()) * width
+    largest = max(t.numel() for t in model.parameters()) * width
+    if streamed is None:
+        streamed = why_whole(family) is None and streams(family, tc)
+    return load_peak(stored=stored, whole=whole, swapped=swapped, largest=largest, kind=tc.base_weights,
+                     streamed=streamed, on_cpu=device.type == "cpu")

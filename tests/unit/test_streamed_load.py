@@ -119,3 +119,50 @@ def test_streamed_block_swap_keeps_homes_from_the_load_and_steps_alike(saved_flu
     streamed, swap = _swap_step(family, tiny, tc, True)
     assert swap.onloads >= 2 and swap.cpu_bytes > 0
     assert all(torch.equal(a, b) for a, b in zip(whole, streamed, strict=True))
+
+
+@pytest.fixture(scope="module")
+def flux_swap():
+    """FLUX.1-dev at 256 px, fp8, checkpointing (no block swapped: the planner swaps)."""
+    from diffpipe.config import Config
+    from diffpipe.estimate import estimate_memory
+
+    cfg = Config.model_validate({"model": {"family": "flux"}, "datasets": [{"name": "d", "path": "data",
+                                 "resolution": 256}], "train": {"batch_size": 1, "precision": "bf16",
+                                 "base_weights": "fp8", "activation_checkpointing": True}})
+    return estimate_memory(cfg, model="flux1-dev", rank=16)
+
+
+def test_the_estimate_counts_the_loads_peaks_streamed_and_whole(flux_swap):
+    from dataclasses import replace
+
+    from diffpipe.estimate import GiB
+
+    e = flux_swap.swapped(1000)  # every block swapped
+    assert e.load_streamed and e.load_whole_bytes > 22 * GiB  # FLUX.1-dev's 11.9B parameters in bf16
+    flight = load.FLIGHT["fp8"] * e.load_largest_bytes
+    # Streamed: the swapped blocks and one tensor in flight in RAM; the resident rest on the GPU.
+    assert e.load_ram_bytes == e.cpu_bytes + flight < 0.7 * e.load_whole_bytes
+    assert e.load_gpu_bytes == e.frozen_bytes - e.cpu_bytes < e.total_bytes
+    # Loaded whole (a family that builds its denoiser its own way): the bf16 model in RAM, every block on the GPU.
+    whole = replace(e, load_streamed=False)
+    assert whole.load_ram_bytes == e.load_whole_bytes + e.frozen_bytes + flight
+    assert whole.load_gpu_bytes == e.frozen_bytes
+    assert "load peak" in e.table() and e.as_dict()["load_ram_bytes"] == e.load_ram_bytes
+
+
+def test_the_planner_refuses_a_swap_whose_load_does_not_fit(flux_swap):
+    from dataclasses import replace
+
+    from diffpipe import memory_plan as mp
+    from diffpipe.estimate import GiB
+
+    settings = {"base_weights": "fp8", "activation_checkpointing": True, "activation_offload": False}
+    gpu = int(flux_swap.frozen_bytes - 1 * GiB)  # swapping blocks fits the step, not a whole load
+    streamed, _ = mp._fit(settings, flux_swap, gpu, None, True)
+    assert streamed is not None and streamed.estimate.total_bytes < gpu
+    whole, (miss, closest) = mp._fit(settings, replace(flux_swap, load_streamed=False), gpu, None, True)
+    assert whole is None and miss == flux_swap.frozen_bytes + mp.CONTEXT_BYTES - gpu
+    # System RAM: the load's peak counts beside the swapped blocks.
+    ram = streamed.estimate.load_ram_bytes
+    assert ram > streamed.estimate.cpu_bytes and mp._fit(settings, flux_swap, gpu, ram - 1, True)[0] is None
