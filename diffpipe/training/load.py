@@ -12,8 +12,8 @@ same model, tensor for tensor and dtype for dtype, as loading whole and quantisi
 
 What does not stream is loaded whole, as before, and the log says why: the tiny flavor (built in memory),
 a single-file checkpoint (diffusers' converters take the whole state dict), ``.bin`` weights, and families
-that build their denoiser their own way (Wan 2.2's two experts, FLUX Control's widened input, Kandinsky 5,
-ERNIE-Image). DoRA, LoKr and LoHa stream at the load dtype and are quantised after the LoRA, as before:
+that build their denoiser their own way (Wan 2.2's two experts trained together, FLUX Control's widened
+input, Kandinsky 5, ERNIE-Image: ``Family.streamed_denoiser`` is None for them). DoRA, LoKr and LoHa stream at the load dtype and are quantised after the LoRA, as before:
 DoRA's magnitude is computed from the unquantised weight.
 """
 
@@ -31,7 +31,6 @@ from peft.tuners.tuners_utils import check_target_module_exists
 from diffpipe.config import TrainConfig
 from diffpipe.models import _common as common
 from diffpipe.models import streaming
-from diffpipe.models.family.loading import Loading
 from diffpipe.training import adapter, offload, precision
 
 
@@ -47,16 +46,18 @@ class LoadedDenoiser:
 
 def why_whole(family: Any) -> str | None:
     """Why ``diffpipe train`` loads this denoiser whole (None: it streams)."""
-    if type(family).load_denoiser is not Loading.load_denoiser:
+    source = family.streamed_denoiser()
+    if source is None:
         return f"family {family.name!r} builds its denoiser its own way"
-    return streaming.why_not_streamed(family.cfg, family.denoiser_name)
+    return streaming.why_not_streamed(family.cfg, source[1])
 
 
 def streams(family: Any, tc: TrainConfig) -> bool:
     """Whether the load streams (and, with 8- or 4-bit base weights, quantises as it reads) once the model is
     a local diffusers folder: the tiny flavor and a hub id count as one (the estimate sizes published models).
     DoRA, LoKr and LoHa quantise after the LoRA, so the whole model is in RAM at its load dtype first."""
-    if type(family).load_denoiser is not Loading.load_denoiser or family.cfg.single_files.get(family.denoiser_name):
+    source = family.streamed_denoiser()
+    if source is None or family.cfg.single_files.get(source[1]):
         return False
     return tc.base_weights == "auto" or quantised_at_load(tc)
 
@@ -129,11 +130,11 @@ def load_denoiser(family: Any, tc: TrainConfig, device: torch.device) -> LoadedD
     reason = why_whole(family)
     if reason is not None:
         return LoadedDenoiser(family.load_denoiser(), False, False, f"loaded whole ({reason})")
-    decl = family._declared("denoiser_model")
+    cls, subfolder = family.streamed_denoiser()
     dtype = common.load_dtype(family.cfg, "denoiser")
     if tc.base_weights != "auto" and not quantised_at_load(tc):
         device = torch.device("cpu")  # quantised after the LoRA, in host memory, as a whole load is
-    model = streaming.stream_component(decl.cls, family.cfg, family.denoiser_name, dtype,
+    model = streaming.stream_component(cls, family.cfg, subfolder, dtype,
                                        hooks=lambda m: _hooks(m, tc, family, device, dtype))
     quantised = quantised_at_load(tc)
     what = f"{tc.base_weights} base weights quantised as read" if quantised else f"in {dtype}"
@@ -203,10 +204,10 @@ def stored_bytes(model: torch.nn.Module, kind: str, names: set[str], width: int,
 def estimate_peak(family: Any, tc: TrainConfig, *, device: torch.device, streamed: bool | None = None) -> LoadPeak:
     """:func:`load_peak` for ``family``'s denoiser config (built on ``meta``) under ``tc`` on ``device``;
     ``streamed`` None: as :func:`load_denoiser` would load it."""
-    decl = family._declared("denoiser_model")
+    cls, subfolder = family.streamed_denoiser()
     width = common.load_dtype(family.cfg, "denoiser", cuda=device.type == "cuda").itemsize
     with torch.device("meta"):
-        model = decl.cls.from_config(family._denoiser_config)
+        model = cls.from_config(cls.load_config(family.cfg.path, subfolder=subfolder))
     lora = adapter.peft_config(tc.lora, family.lora_targets(tc.lora.targets))
     names = layers_to_quantise(model, tc.base_weights, lora) if tc.base_weights != "auto" else set()
     sizes = (tc.base_weights, names, width, precision.compute_dtype(tc).itemsize)

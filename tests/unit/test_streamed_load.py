@@ -16,11 +16,12 @@ def _save(name: str, tmp_path_factory) -> tuple[str, object]:
     """A tiny denoiser saved as a local folder's denoiser subfolder: (family name, folder)."""
     family = get_family(ModelConfig(family=name))
     folder = tmp_path_factory.mktemp(name)
-    family.load_denoiser().save_pretrained(folder / family.denoiser_name)
+    family.load_denoiser().save_pretrained(folder / family.streamed_denoiser()[1])
+    family.load_vae().save_config(folder / "vae")  # Wan tells its version by the VAE's config
     return name, folder
 
 
-@pytest.fixture(scope="module", params=["flux", "qwenimage"])
+@pytest.fixture(scope="module", params=["flux", "qwenimage", "wan"])
 def saved(request, tmp_path_factory):
     return _save(request.param, tmp_path_factory)
 
