@@ -156,6 +156,7 @@ class Trainer:
         if dist.is_main:
             self.log(f"train: denoiser {loaded.note}")
         self.denoiser = denoiser = loaded.module
+        self.load_note = loaded.note
         self.swap: offload.BlockSwap | None = None
         # The swapped blocks' weights stay out of the model (and off the GPU) until the engine is built.
         held = offload.hold(denoiser, tc.block_swap, engine.device()) if loaded.streamed else None
@@ -196,7 +197,7 @@ class Trainer:
 
     def memory_options(self) -> dict[str, Any]:
         """Every memory setting as it took effect (``auto`` resolved, ``block_swap`` as the blocks swapped of
-        those there are), for the start of the log and ``summary.json``."""
+        those there are, how the denoiser was loaded), for the start of the log and ``summary.json``."""
         tc = self.tc
         options: dict[str, Any] = {
             "precision": precision.resolve_precision(tc.precision), "base_weights": tc.base_weights,
@@ -206,7 +207,7 @@ class Trainer:
             if self.swap else 0,
             "activation_offload": tc.activation_offload, "zero_stage": tc.zero_stage,
             "zero_offload": engine.offload_in_effect(self.model), "attention_backend": tc.attention_backend,
-            "compile": tc.compile,
+            "compile": tc.compile, "denoiser_load": self.load_note,
         }
         return options
 
