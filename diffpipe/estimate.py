@@ -42,6 +42,10 @@ adds the LoRA the config asks for, and counts:
   Video: ``frames`` pixel frames become ``(frames - 1) / s + 1`` latent
   frames (``s``: the family's temporal compression).
 
+The load's peaks (``load_ram_bytes``, ``load_gpu_bytes``, ``diffpipe.training.load.load_peak``): a
+streamed load holds the swapped blocks and one tensor in flight in system RAM and the rest on the GPU;
+a denoiser loaded whole holds the whole model at its load dtype in RAM, then every block on the GPU.
+
 No separate term for the backward pass: it frees each saved tensor once its
 node has run while it creates the gradients, and the CPU measurements
 (``benchmarks/real_width_memory.py``, docs/training.md) put the peak within
@@ -66,8 +70,9 @@ import torch.fx.experimental._config as fx_config
 from diffpipe.config import BF16_OPTIMIZERS, Config, TrainConfig
 from diffpipe.families import get_family
 from diffpipe.families.published import PUBLISHED, Published, for_family
+from diffpipe.models._common import load_dtype
 from diffpipe.models.base import Family
-from diffpipe.training import offload
+from diffpipe.training import load, offload
 from diffpipe.training.precision import (
     QUANTISED,
     ScaledFp8Linear,
@@ -116,6 +121,12 @@ class MemoryEstimate:
     block_bytes: tuple[int, ...] = ()
     #: System RAM holding the saved activations (``train.activation_offload``; 0: off).
     activation_cpu_bytes: int = 0
+    #: What the load's peaks come from: the frozen weights as stored (every block), the whole model and its
+    #: largest tensor at the load dtype, and whether it streams (``diffpipe.training.load``).
+    frozen_bytes: int = 0
+    load_whole_bytes: int = 0
+    load_largest_bytes: int = 0
+    load_streamed: bool = True
 
     def swapped(self, n: int) -> MemoryEstimate:
         """This estimate with the last ``n`` blocks swapped (all if fewer): their frozen weights move to
@@ -135,12 +146,27 @@ class MemoryEstimate:
         return None
 
     @property
+    def load_ram_bytes(self) -> int:
+        """System RAM at the load's peak, for the ``gpus`` processes of one machine (each loads its copy)."""
+        return self._load().ram * self.gpus
+
+    @property
+    def load_gpu_bytes(self) -> int:
+        """GPU memory at the load's peak (before ZeRO-3 partitions anything)."""
+        return self._load().gpu
+
+    def _load(self) -> load.LoadPeak:
+        return load.load_peak(stored=self.frozen_bytes, whole=self.load_whole_bytes, swapped=self.cpu_bytes,
+                              largest=self.load_largest_bytes, kind=self.base_weights, streamed=self.load_streamed)
+
+    @property
     def total_bytes(self) -> int:
         """Parameters + gradients + optimizer state + activations (those that could be measured)."""
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + (self.activation_bytes or 0)
 
     def as_dict(self) -> dict:
-        out = {**asdict(self), "total_bytes": self.total_bytes}
+        out = {**asdict(self), "total_bytes": self.total_bytes, "load_ram_bytes": self.load_ram_bytes,
+               "load_gpu_bytes": self.load_gpu_bytes}
         out.pop("block_bytes")
         return out
 
@@ -165,6 +191,8 @@ class MemoryEstimate:
             if self.activation_bytes is not None
             else "  activations      not measurable on the meta device (the forward reads tensor values or opens autocast on their device)",
             f"  total per GPU    {self.total_bytes / GiB:8.2f} GiB (plus 1-2 GiB CUDA context and fragmentation)",
+            f"  load peak        {self.load_gpu_bytes / GiB:8.2f} GiB GPU, {self.load_ram_bytes / GiB:.2f} GiB system "
+            f"RAM ({'streamed tensor by tensor' if self.load_streamed else 'loaded whole'})",
         ]
         return "\n".join(rows)
 
@@ -418,6 +446,8 @@ def estimate_for(
 
     denoiser = spec.build_meta().to(dtype)
     params = sum(p.numel() for p in denoiser.parameters())
+    load_width = load_dtype(cfg.model, "denoiser", cuda=True).itemsize
+    largest = max(p.numel() for p in denoiser.parameters()) * load_width
     rank = _make_trainable(denoiser, family, tc, rank, dtype)
     trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
     frozen_bytes, workspace = _frozen_bytes(denoiser, tc, dtype, width)
@@ -435,7 +465,8 @@ def estimate_for(
         grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, activation_bytes=activation_bytes,
         activation_upper_bound=upper_bound, frames=frames, base_weights=tc.base_weights,
         activation_checkpointing=bool(ckpt), height=height, block_bytes=block_bytes,
-        activation_cpu_bytes=offloaded,
+        activation_cpu_bytes=offloaded, frozen_bytes=frozen_bytes, load_whole_bytes=params * load_width,
+        load_largest_bytes=largest, load_streamed=load.streams(get_family(cfg.model), tc),
     ).swapped(tc.block_swap)
 
 

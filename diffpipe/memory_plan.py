@@ -255,7 +255,10 @@ def _fit(settings: dict[str, Any], est: MemoryEstimate, gpu_bytes: int, system_b
     if n is not None:
         swapped = est.swapped(n) if can_swap else est
         fit = Candidate({**settings, "block_swap": n}, swapped, step_cost(settings, swapped))
-        ram = swapped.cpu_bytes + swapped.activation_cpu_bytes
+        # The load's peaks count too: RAM while it reads, the GPU before the swap takes its blocks out.
+        ram = max(swapped.cpu_bytes + swapped.activation_cpu_bytes, swapped.load_ram_bytes)
+        if swapped.load_gpu_bytes + CONTEXT_BYTES > gpu_bytes:
+            return None, (swapped.load_gpu_bytes + CONTEXT_BYTES - gpu_bytes, fit)
         if system_bytes is None or ram <= system_bytes:
             return fit, (0, fit)
         return None, (ram - system_bytes, fit)
@@ -271,7 +274,8 @@ def _nothing_fits(closest: tuple[int, Candidate] | None, gpu_bytes: int, system_
         return f"no memory setting fits {budget}: the config's written memory keys leave none to estimate"
     miss, c = closest
     e = c.estimate
-    over = ("system RAM" if e.total_bytes + margin_bytes(e) <= gpu_bytes else "GPU memory")
+    gpu_fits = e.total_bytes + margin_bytes(e) <= gpu_bytes and e.load_gpu_bytes + CONTEXT_BYTES <= gpu_bytes
+    over = "system RAM" if gpu_fits else "GPU memory"
     return (f"no memory setting fits {budget}; the closest, {c.describe()}, misses by {miss / GiB:.2f} GiB of "
             f"{over}: train at a smaller resolution or batch, on a larger GPU, or leave more memory keys unset")
 

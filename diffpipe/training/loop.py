@@ -21,7 +21,7 @@ from diffpipe.models import _common as common
 from diffpipe.paths import RunPaths
 from diffpipe.progress import Progress
 from diffpipe.training import checkpoint as ckpt
-from diffpipe.training import checkpointing, engine, finite, offload, pipeline, precision
+from diffpipe.training import checkpointing, engine, finite, load, offload, pipeline, precision
 from diffpipe.training.ema import STATE_NAME as EMA_STATE
 from diffpipe.training.ema import Ema
 from diffpipe.training.eval import Evaluator, aux_inputs, eval_dataset
@@ -154,13 +154,22 @@ class Trainer:
         """The denoiser with its trainable parameters, precision options, the DeepSpeed engine (plain or
         pipeline), block swap, and the noise generator."""
         tc, dist, family = self.tc, self.dist, self.family
-        self.denoiser = denoiser = family.load_denoiser()
+        # Streamed where it can be: quantised and placed as read, swapped blocks kept in host memory.
+        loaded = load.load_denoiser(family, tc, engine.device())
+        if dist.is_main:
+            self.log(f"train: denoiser {loaded.note}")
+        self.denoiser = denoiser = loaded.module
+        self.load_note = loaded.note
         self.swap: offload.BlockSwap | None = None
+        # The swapped blocks' weights stay out of the model (and off the GPU) until the engine is built.
+        held = offload.hold(denoiser, tc.block_swap, engine.device()) if loaded.streamed else None
         if tc.base_weights == "auto":
             denoiser.to(engine.device())
-        self.trained = trained = Trainable(denoiser, family, self.cfg, is_main=dist.is_main,
-                                           continue_lora=self.resume_from is None)
-        precision.prepare_denoiser(denoiser, tc)  # fp8 base weights, attention backend, compile
+        with load.quiet_lora():
+            self.trained = trained = Trainable(denoiser, family, self.cfg, is_main=dist.is_main,
+                                               continue_lora=self.resume_from is None)
+        # fp8 base weights (unless quantised as read), attention backend, compile
+        precision.prepare_denoiser(denoiser, tc, quantise=not loaded.quantised)
         # 8-bit base weights are stored while the denoiser is still in CPU memory: the GPU never holds its
         # 16-bit copy (FLUX.1-dev's 22 GiB would not fit a 24 GB card before fp8 / int8 halved it).
         denoiser.to(engine.device())
@@ -183,7 +192,7 @@ class Trainer:
             self.model = engine.build_engine(trained.training_module(), optimizer, make_scheduler(optimizer), tc,
                                              dist.world_size)
             # After DeepSpeed moved and cast the module.
-            self.swap = offload.install(denoiser, tc.block_swap, engine.device())
+            self.swap = offload.install(denoiser, tc.block_swap, engine.device(), held=held)
         self.scheduler = self.model.lr_scheduler
         self.ema = Ema(self.params, tc.ema) if tc.ema.enabled else None
         # Noise and timesteps differ per replica but are reproducible per (seed, replica).
@@ -191,7 +200,7 @@ class Trainer:
 
     def memory_options(self) -> dict[str, Any]:
         """Every memory setting as it took effect (``auto`` resolved, ``block_swap`` as the blocks swapped of
-        those there are), for the start of the log and ``summary.json``."""
+        those there are, how the denoiser was loaded), for the start of the log and ``summary.json``."""
         tc = self.tc
         options: dict[str, Any] = {
             "precision": precision.resolve_precision(tc.precision), "base_weights": tc.base_weights,
@@ -201,7 +210,7 @@ class Trainer:
             if self.swap else 0,
             "activation_offload": tc.activation_offload, "zero_stage": tc.zero_stage,
             "zero_offload": engine.offload_in_effect(self.model), "attention_backend": tc.attention_backend,
-            "compile": tc.compile,
+            "compile": tc.compile, "denoiser_load": self.load_note,
         }
         return options
 

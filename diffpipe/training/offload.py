@@ -48,6 +48,20 @@ def frozen_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return [p for p in module.parameters() if not p.requires_grad] + list(module.buffers())
 
 
+#: The host copies of swapped blocks' frozen tensors taken out at load (:func:`hold`), by (id of the module
+#: that owns the tensor, its name there): the owners survive PEFT's wrapping, the tensors' names do not.
+Held = dict[tuple[int, str], torch.Tensor]
+
+
+def _frozen_named(block: torch.nn.Module) -> list[tuple[torch.nn.Module, str, torch.Tensor]]:
+    """:func:`frozen_tensors` of ``block`` in the same order, each with its owning module and name."""
+    params, buffers = [], []
+    for module in block.modules():
+        params += [(module, n, p) for n, p in module._parameters.items() if p is not None and not p.requires_grad]
+        buffers += [(module, n, b) for n, b in module._buffers.items() if b is not None]
+    return params + buffers
+
+
 def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 
@@ -122,7 +136,8 @@ class BlockSwap:
     """
 
     def __init__(self, blocks: list[torch.nn.Module], device: torch.device, *,
-                 before: torch.nn.Module | None = None, copier: SyncCopier | None = None):
+                 before: torch.nn.Module | None = None, copier: SyncCopier | None = None,
+                 held: Held | None = None):
         self.device = device
         self.copier = copier or copier_for(device)
         self.onloads = 0  # how many times a block was brought to the device (tests read it)
@@ -136,9 +151,13 @@ class BlockSwap:
         self._handles = []
         for block in blocks:
             pairs = []
-            for t in frozen_tensors(block):
-                home = t.data.to("cpu", copy=True)
-                pairs.append((t, home.pin_memory() if pin else home))
+            for module, name, t in _frozen_named(block):
+                home = None if held is None else held.pop((id(module), name), None)
+                if home is None:
+                    home = t.data.to("cpu", copy=True)
+                elif home.is_floating_point() and home.dtype != t.dtype:  # as the engine cast the placeholder
+                    home = home.to(t.dtype)
+                pairs.append((t, home.pin_memory() if pin and not home.is_pinned() else home))
             self._home[block] = pairs
             self._offload(block)
             self._handles.append(block.register_forward_pre_hook(self._pre))
@@ -220,15 +239,9 @@ class BlockSwap:
         self._handles, self._home = [], {}
 
 
-def install(denoiser: torch.nn.Module, n_blocks: int, device: torch.device, *,
-            copier: SyncCopier | None = None) -> BlockSwap | None:
-    """Swap the last ``n_blocks`` blocks of ``denoiser`` (all of them if fewer); None when ``n_blocks`` is 0.
-
-    Call after DeepSpeed built its engine: it moves and casts the module, which would pull the CPU
-    copies back. ``copier``: how copies are made (default: a side CUDA stream on CUDA, in place on CPU).
-    """
-    if not n_blocks:
-        return None
+def swapped(denoiser: torch.nn.Module, n_blocks: int) -> list[torch.nn.Module]:
+    """The blocks ``block_swap: n_blocks`` swaps: the last ``n_blocks`` repeated blocks (all if fewer); a
+    clear error for a denoiser without repeated transformer blocks."""
     blocks = swap_blocks(denoiser)
     repeated = set(getattr(denoiser, "_repeated_blocks", None) or ())
     if not blocks or any(type(b).__name__ not in repeated for b in blocks):
@@ -236,6 +249,39 @@ def install(denoiser: torch.nn.Module, n_blocks: int, device: torch.device, *,
         # (the SD UNets checkpoint each resnet and attention inside their blocks).
         raise ValueError(f"train.block_swap: {type(denoiser).__name__} has no repeated transformer blocks to "
                          "swap (supported: transformer denoisers such as Flux, Qwen-Image, Wan)")
-    n = min(n_blocks, len(blocks))
-    before = blocks[-n - 1] if n < len(blocks) else None
-    return BlockSwap(blocks[-n:], device, before=before, copier=copier)
+    return blocks[-min(n_blocks, len(blocks)):]
+
+
+def hold(denoiser: torch.nn.Module, n_blocks: int, device: torch.device) -> Held | None:
+    """Take the frozen-to-be tensors (every parameter and buffer) of the blocks ``block_swap`` will swap out of
+    the model before the engine is built, so neither the engine's move nor its cast puts them on the GPU:
+    each keeps its host data (the streamed load put it there) as its home and holds an empty placeholder of its
+    dtype on ``device`` (PEFT places a LoRA by it). :func:`install` puts the homes back. None when
+    ``n_blocks`` is 0."""
+    if not n_blocks:
+        return None
+    held: Held = {}
+    for block in swapped(denoiser, n_blocks):
+        for module in block.modules():
+            for name, t in [*module._parameters.items(), *module._buffers.items()]:
+                if t is not None:
+                    held[(id(module), name)] = t.data
+                    t.data = torch.empty(0, dtype=t.dtype, device=device)
+    return held
+
+
+def install(denoiser: torch.nn.Module, n_blocks: int, device: torch.device, *,
+            copier: SyncCopier | None = None, held: Held | None = None) -> BlockSwap | None:
+    """Swap the last ``n_blocks`` blocks of ``denoiser`` (all of them if fewer); None when ``n_blocks`` is 0.
+
+    Call after DeepSpeed built its engine: it moves and casts the module, which would pull the CPU
+    copies back. ``copier``: how copies are made (default: a side CUDA stream on CUDA, in place on CPU).
+    ``held``: the homes :func:`hold` kept since the load (none: copied from the blocks' tensors now).
+    """
+    if not n_blocks:
+        return None
+    blocks = swapped(denoiser, n_blocks)
+    n = len(blocks)
+    everything = swap_blocks(denoiser)
+    before = everything[-n - 1] if n < len(everything) else None
+    return BlockSwap(blocks, device, before=before, copier=copier, held=held)

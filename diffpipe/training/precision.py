@@ -26,6 +26,7 @@ runs on CPU too; its autograd function saves the 4-bit weight, not a dequantised
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
@@ -79,12 +80,15 @@ def check(tc: TrainConfig) -> None:
             raise ValueError(f"train.attention_backend {backend!r} cannot run here: {err}") from err
 
 
-def prepare_denoiser(denoiser: torch.nn.Module, tc: TrainConfig) -> torch.nn.Module:
-    """Apply ``base_weights``, ``attention_backend`` and ``compile`` (after the LoRA is added);
+def prepare_denoiser(denoiser: torch.nn.Module, tc: TrainConfig, *, quantise: bool = True) -> torch.nn.Module:
+    """Apply ``base_weights`` (unless ``quantise`` is False: a streamed load quantised as it read,
+    :mod:`diffpipe.training.load`), ``attention_backend`` and ``compile`` (after the LoRA is added);
     the CUDA defaults (:func:`~diffpipe.models._common.cuda_defaults`). Returns the denoiser (the same module)."""
     cuda_defaults()
     require_fp8_base(denoiser, tc.base_weights)  # a denoiser loaded from an fp8-scaled file
-    if tc.base_weights == "fp8":
+    if not quantise:
+        pass
+    elif tc.base_weights == "fp8":
         enable_fp8_base_weights(denoiser)
     elif tc.base_weights in QUANTISED:
         enable_quantised_base_weights(denoiser, compute_dtype(tc), tc.base_weights)
@@ -120,18 +124,22 @@ def enable_fp8_base_weights(denoiser: torch.nn.Module) -> None:
     modules = dict(denoiser.named_modules())
     for name in quantised_layers(denoiser, "fp8"):
         layer = modules[name]
-        if isinstance(layer, ScaledFp8Linear):
-            continue
-        weight = layer._parameters.pop("weight").detach()
-        codes, scale = scaled_fp8(weight)
-        del weight
-        layer.register_buffer("weight", codes.view(torch.uint8), persistent=False)
-        layer.register_buffer("weight_scale", scale.view(torch.uint16), persistent=False)
-        layer.__class__ = ScaledFp8Linear
+        if not isinstance(layer, ScaledFp8Linear):
+            fp8_layer(layer)
     bad = [n for n, p in denoiser.named_parameters() if p.requires_grad and p.dtype == torch.float8_e4m3fn]
     if bad:
         raise ValueError(f"train.base_weights fp8 cast trained weights to float8 (e.g. {bad[0]}); "
                          "check train.lora.targets")
+
+
+def fp8_layer(layer: torch.nn.Linear) -> None:
+    """Store one Linear's weight as scaled fp8 (:class:`ScaledFp8Linear`)."""
+    weight = layer._parameters.pop("weight").detach()
+    codes, scale = scaled_fp8(weight)
+    del weight
+    layer.register_buffer("weight", codes.view(torch.uint8), persistent=False)
+    layer.register_buffer("weight_scale", scale.view(torch.uint16), persistent=False)
+    layer.__class__ = ScaledFp8Linear
 
 
 def cast_layerwise_fp8(denoiser: torch.nn.Module, compute: torch.dtype) -> None:
@@ -182,9 +190,13 @@ def quantised_layers(denoiser: torch.nn.Module, kind: str = "int8") -> list[str]
     ``proj_in`` / ``proj_out``), so they are the layers fp8 stores in float8; for ``nf4``, also only
     weights of a multiple of 64 elements (every one at real size)."""
     return [name for name, m in denoiser.named_modules()
-            if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad and "lora_" not in name
-            and not any(re.search(p, name) for p in DEFAULT_SKIP_MODULES_PATTERN)
-            and (kind != "nf4" or nf4_scaler_block(m.weight.numel()) is not None)]
+            if isinstance(m, torch.nn.Linear) and not m.weight.requires_grad and quantisable(name, m, kind)]
+
+
+def quantisable(name: str, layer: torch.nn.Linear, kind: str) -> bool:
+    """Whether :func:`quantised_layers` takes the Linear ``layer`` named ``name`` (frozen or not)."""
+    return ("lora_" not in name and not any(re.search(p, name) for p in DEFAULT_SKIP_MODULES_PATTERN)
+            and (kind != "nf4" or nf4_scaler_block(layer.weight.numel()) is not None))
 
 
 def enable_quantised_base_weights(denoiser: torch.nn.Module, compute: torch.dtype, kind: str) -> None:
@@ -198,29 +210,47 @@ def enable_quantised_base_weights(denoiser: torch.nn.Module, compute: torch.dtyp
     by reassignment; as a parameter, a tensor subclass must be swapped in place, which DeepSpeed's weak
     references to parameters forbid.
     """
+    _torchao(kind)  # refused before any layer changes
+    modules = dict(denoiser.named_modules())
+    for name in quantised_layers(denoiser, kind):
+        torchao_layer(modules[name], compute, kind)
+    bad = [n for n, p in denoiser.named_parameters() if p.requires_grad and type(p) is not torch.nn.Parameter]
+    if bad:
+        raise ValueError(f"train.base_weights {kind} quantised trained weights (e.g. {bad[0]}); check "
+                         "train.lora.targets")
+
+
+def _torchao(kind: str) -> tuple[type, type, Callable]:
+    """torchao's ``Int8WeightOnlyConfig``, ``NF4Tensor`` and ``quantize_``; a clear error without torchao."""
     try:
         # deferred: torchao costs seconds to import and only int8 / nf4 runs need it
         from torchao.quantization import Int8WeightOnlyConfig, NF4Tensor, quantize_
     except ImportError as err:
         raise ValueError(f"train.base_weights {kind} needs torchao ({err}); reinstall diffpipe's dependencies "
                          "or use base_weights fp8") from err
-    chosen = quantised_layers(denoiser, kind)
-    modules = dict(denoiser.named_modules())
-    for name in chosen:  # quantised from the compute dtype: the dtype the matmul dequantises to
-        modules[name].weight.data = modules[name].weight.data.to(compute)
+    return Int8WeightOnlyConfig, NF4Tensor, quantize_
+
+
+def torchao_layer(layer: torch.nn.Linear, compute: torch.dtype, kind: str) -> None:
+    """Store one Linear's weight quantised from ``compute`` by torchao (``int8`` or ``nf4``, see
+    :func:`enable_quantised_base_weights`), as a non-persistent buffer."""
+    int8_config, nf4_tensor, quantize_ = _torchao(kind)
+    # quantised from the compute dtype: the dtype the matmul dequantises to
+    layer.weight.data = layer.weight.data.to(compute)
     if kind == "int8":
-        names = set(chosen)
-        quantize_(denoiser, Int8WeightOnlyConfig(), filter_fn=lambda module, name: name in names)
-    for name in chosen:
-        layer = modules[name]
-        weight = layer._parameters.pop("weight").detach()
-        if kind == "nf4":
-            weight = NF4Tensor.from_tensor(weight.contiguous(), NF4_BLOCK, nf4_scaler_block(weight.numel()))
-        layer.register_buffer("weight", weight, persistent=False)
-    bad = [n for n, p in denoiser.named_parameters() if p.requires_grad and type(p) is not torch.nn.Parameter]
-    if bad:
-        raise ValueError(f"train.base_weights {kind} quantised trained weights (e.g. {bad[0]}); check "
-                         "train.lora.targets")
+        quantize_(layer, int8_config(), filter_fn=lambda module, name: module is layer)
+    weight = layer._parameters.pop("weight").detach()
+    if kind == "nf4":
+        weight = nf4_tensor.from_tensor(weight.contiguous(), NF4_BLOCK, nf4_scaler_block(weight.numel()))
+    layer.register_buffer("weight", weight, persistent=False)
+
+
+def quantise_layer(layer: torch.nn.Linear, kind: str, compute: torch.dtype) -> None:
+    """Store one Linear's frozen weight as ``train.base_weights`` ``kind`` (fp8, int8 or nf4) says."""
+    if kind == "fp8":
+        fp8_layer(layer)
+    else:
+        torchao_layer(layer, compute, kind)
 
 
 def compile_blocks(denoiser: torch.nn.Module, **compile_kwargs) -> None:

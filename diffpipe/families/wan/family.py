@@ -223,6 +223,11 @@ class WanFamily(Family):
             return WanExperts(self._load_transformer("transformer"), self._load_transformer("transformer_2"), boundary)
         return self._load_transformer(self.denoiser_attr)
 
+    def streamed_denoiser(self) -> tuple[type, str] | None:
+        """One expert (or Wan 2.1's one transformer) streams as the plain model of its folder; both experts
+        together load whole."""
+        return None if self.expert == "both" else (self.transformer_cls, self.denoiser_attr)
+
     def inference_scheduler(self):
         c = self._scheduler_config
         return getattr(diffusers, c.get("_class_name", "UniPCMultistepScheduler")).from_config(c)

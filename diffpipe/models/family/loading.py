@@ -90,6 +90,14 @@ class Loading:
         """The declared denoiser (``denoiser_model``) from the ``denoiser_name`` subfolder, in ``model.dtype``."""
         return self._model(self._declared("denoiser_model"), self.denoiser_name)
 
+    def streamed_denoiser(self) -> tuple[type, str] | None:
+        """The diffusers class and subfolder of the denoiser as one model of the local folder, for training to
+        read tensor by tensor (``diffpipe.training.load``); None where ``load_denoiser`` builds it its own way
+        (a family that overrides it and not this: training then loads it whole)."""
+        if type(self).load_denoiser is not Loading.load_denoiser:
+            return None
+        return self._declared("denoiser_model").cls, self.denoiser_name
+
     def load_pipeline(self) -> Any:
         """The family's stock diffusers pipeline with every component, on CPU, eval mode."""
         text = self.load_text_encoders()
