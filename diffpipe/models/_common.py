@@ -29,6 +29,7 @@ from safetensors import safe_open
 from transformers import CLIPTextConfig, CLIPTextModel, PreTrainedTokenizerBase
 
 from diffpipe.models import comfy_fp8
+from diffpipe.models.meta import require_names
 from diffpipe.models.tokenizers import cache_root
 from diffpipe.utils import digest, sha256_file, stable_json, write_text_atomic
 
@@ -168,13 +169,7 @@ def single_file_component(cls: type, file: str, folder: str, subfolder: str,
             checkpoint = convert(checkpoint=checkpoint, config=dict(config))
     except (ValueError, KeyError, IndexError, RuntimeError, OSError) as err:
         raise ValueError(f"{what}: cannot convert {file} to {cls.__name__}: {err!r}") from err
-    missing, unexpected = sorted(expected - set(checkpoint)), sorted(set(checkpoint) - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"{what}: {file} does not match {cls.__name__} with the config in {Path(folder) / subfolder}: "
-            f"{len(missing)} tensor(s) missing (e.g. {', '.join(missing[:3]) or '-'}), {len(unexpected)} "
-            f"unknown (e.g. {', '.join(unexpected[:3]) or '-'}); is it a checkpoint of this model?"
-        )
+    require_names(expected, checkpoint, what, file, f"{cls.__name__} with the config in {Path(folder) / subfolder}")
     try:
         model = cls.from_single_file(checkpoint, config=str(folder), subfolder=subfolder, torch_dtype=dtype)
     except (ValueError, RuntimeError) as err:

@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from accelerate import init_empty_weights
+from diffusers.models.modeling_utils import no_init_weights
 from safetensors import safe_open
 
 from diffpipe.models.casting import ScaledFp8Linear
+from diffpipe.models.meta import parameters_on_meta, require_names
 
 SCALE, INPUT_SCALE, MARKER = ".scale_weight", ".scale_input", "scaled_fp8"
 _FLOAT8 = (torch.float8_e4m3fn,)
@@ -92,7 +93,7 @@ def load_scaled_fp8(cls: type, file: str | Path, config: Mapping[str, Any], conv
                     dtype: torch.dtype, what: str) -> torch.nn.Module:
     """``cls`` (config ``config``) with the weights of the fp8-scaled file ``file`` (module docstring), in
     eval mode; ``convert`` is diffusers' converter for ``cls``, ``what`` names the config key in errors."""
-    with init_empty_weights():  # parameters on the meta device, buffers (rotary tables) real
+    with no_init_weights(), parameters_on_meta():  # buffers (rotary tables) real
         model = cls.from_config(config)
     expected = set(model.state_dict())
     tensors, scales = _read(file, what)
@@ -100,12 +101,7 @@ def load_scaled_fp8(cls: type, file: str | Path, config: Mapping[str, Any], conv
         tensors, scales = _converted(tensors, scales, expected, convert, config)
     except (ValueError, KeyError, IndexError, RuntimeError) as err:
         raise ValueError(f"{what}: cannot convert {file} to {cls.__name__}: {err!r}") from err
-    missing, unexpected = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"{what}: {file} does not match {cls.__name__}: {len(missing)} tensor(s) missing (e.g. "
-            f"{', '.join(missing[:3]) or '-'}), {len(unexpected)} unknown (e.g. {', '.join(unexpected[:3]) or '-'}); "
-            "is it a checkpoint of this model?")
+    require_names(expected, tensors, what, file, cls.__name__)
     for key, scale in scales.items():
         _install(model, key, tensors.pop(key), scale, f"{what}: {file}")
     fp32 = set(getattr(cls, "_keep_in_fp32_modules", None) or ()) if dtype == torch.float16 else set()

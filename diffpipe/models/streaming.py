@@ -19,8 +19,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -28,25 +27,9 @@ import torch
 from diffusers.models.modeling_utils import no_init_weights
 
 from diffpipe.models import _common as common
+from diffpipe.models.meta import parameters_on_meta
 
 Hook = Callable[[str, torch.nn.Module], None]
-
-
-@contextmanager
-def parameters_on_meta() -> Iterator[None]:
-    """Inside, every parameter a module registers goes to the ``meta`` device (its buffers stay real)."""
-    register = torch.nn.Module.register_parameter
-
-    def on_meta(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
-        if param is not None and param.device.type != "meta":
-            param = type(param)(param.to("meta"), requires_grad=param.requires_grad)
-        register(module, name, param)
-
-    torch.nn.Module.register_parameter = on_meta
-    try:
-        yield
-    finally:
-        torch.nn.Module.register_parameter = register
 
 
 def empty_model(cls: type, config: dict[str, Any], dtype: torch.dtype) -> torch.nn.Module:
