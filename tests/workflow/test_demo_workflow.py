@@ -15,6 +15,7 @@ process, and check that its LoRA's samples move toward the training images (``te
 from __future__ import annotations
 
 import html
+import math
 import re
 import shutil
 import time
@@ -230,20 +231,36 @@ def shipped(tmp_path_factory):
 
 
 def _grid_rows(grid_file, n: int, side: int):
-    """The base row and the LoRA row of a sample grid (``diffpipe.training.sample._grid``'s layout:
-    a 14 px label above each row)."""
+    """The base row and the LoRA row of a sample grid, each image at its rendered size
+    (``diffpipe.training.plots.caption_grid``'s layout: a label above each row, images scaled up by a whole
+    factor to at least MIN_CELL pixels, GUTTER pixels apart; scaled back down by that factor here)."""
     from PIL import Image
 
+    from diffpipe.training.plots import CAPTION_SIZE, GUTTER, MIN_CELL
+
     grid = Image.open(grid_file).convert("RGB")
-    return ([grid.crop((i * side, 14, (i + 1) * side, 14 + side)) for i in range(n)],
-            [grid.crop((i * side, side + 28, (i + 1) * side, 2 * side + 28)) for i in range(n)])
+    factor = max(1, math.ceil(MIN_CELL / side)) if side < MIN_CELL else 1
+    cell, label_h = side * factor, CAPTION_SIZE + 4 + 6
+
+    def row(r: int) -> list:
+        top = r * (label_h + cell) + label_h
+        return [grid.crop((x := GUTTER + i * (cell + GUTTER), top, x + cell, top + cell))
+                .resize((side, side), Image.Resampling.NEAREST) for i in range(n)]
+
+    return row(0), row(1)
 
 
 def _samples(run, lora_dir, out):
+    from PIL import Image
+
     from diffpipe.training.sample import render_samples
 
     render_samples(run["cfg"].model, run["cfg"].sample, lora_dir, out)
-    return _grid_rows(out / "grid.png", len(LEARN_PROMPTS), run["cfg"].sample.width or 64)
+    base, lora = _grid_rows(out / "grid.png", len(LEARN_PROMPTS), run["cfg"].sample.width or 64)
+    # The grid's LoRA row is the saved samples, pixel for pixel: the crops follow the grid's layout.
+    saved = [Image.open(out / f"sample-{i:02d}.png").convert("RGB") for i in range(len(LEARN_PROMPTS))]
+    assert [im.tobytes() for im in lora] == [im.tobytes() for im in saved]
+    return base, lora
 
 
 def _training_images():
