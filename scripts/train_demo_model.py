@@ -176,6 +176,9 @@ def save(out: Path, vae, unet, encoder, tokenizer, info: dict) -> None:
                                    scheduler=DDIMScheduler.from_config(TINY_SCHEDULER), safety_checker=None,
                                    feature_extractor=None, requires_safety_checker=False)
     tmp = out.with_name(out.name + ".tmp")
+    for folder in (tmp, out):  # replaced only when this script wrote it (its training.json): never a user's folder
+        if folder.exists() and not (folder / "training.json").is_file():
+            raise SystemExit(f"{folder} exists and was not written by this script (no training.json); move it away")
     shutil.rmtree(tmp, ignore_errors=True)
     pipe.save_pretrained(tmp, safe_serialization=True)
     (tmp / "training.json").write_text(json.dumps(info, indent=2) + "\n")
