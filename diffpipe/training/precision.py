@@ -107,6 +107,8 @@ def scaled_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     rows = weight.shape[0]
     codes = torch.empty(weight.shape, dtype=torch.float8_e4m3fn, device=weight.device)
     scale = torch.empty((rows, 1), dtype=torch.bfloat16, device=weight.device)
+    if weight.is_meta:  # no values to scale (the estimate's meta model): the shapes and dtypes are the answer
+        return codes, scale
     step = max(1, (1 << 22) // max(1, weight.shape[1]))  # ~16 MiB of float32 per block
     for lo in range(0, rows, step):
         block = weight[lo:lo + step].float()

@@ -19,15 +19,20 @@ def _cfg(family: str, resolution: int = 256, **train) -> Config:
 
 
 @pytest.fixture(scope="module")
-def flux():
-    """FLUX.1-dev at 1024 px, rank 16, under each option."""
+def flux(cached_estimate):
+    """FLUX.1-dev at 1024 px, rank 16, under each option (shared with the planner's tests: tests/unit/conftest.py)."""
     options = {"bf16": {}, "fp8": {"base_weights": "fp8"}, "ckpt": {"activation_checkpointing": True},
                "fp8+ckpt": {"base_weights": "fp8", "activation_checkpointing": True},
                "swap": {"base_weights": "fp8", "activation_checkpointing": True, "block_swap": 1000},
                "offload": {"base_weights": "fp8", "activation_checkpointing": True, "activation_offload": True},
                "half": {"activation_checkpointing": True, "checkpoint_fraction": 0.5},
                "nf4+ckpt": {"base_weights": "nf4", "activation_checkpointing": True}}
-    return {k: estimate_memory(_cfg("flux", 1024, **v), model="flux1-dev", rank=16) for k, v in options.items()}
+    return {k: cached_estimate(_flux_cfg(**v), model="flux1-dev") for k, v in options.items()}
+
+
+def _flux_cfg(**train) -> Config:
+    """FLUX.1-dev's config as the memory planner's tests and the docs' fits table write it (rank 16, 1024 px)."""
+    return _cfg("flux", 1024, lora={"rank": 16}, **train)
 
 
 def test_checkpointing_keeps_block_inputs_and_one_block(flux):
@@ -55,14 +60,14 @@ def test_fp8_counts_one_byte_per_stored_weight_and_its_scales(flux):
     assert flux["fp8+ckpt"].total_bytes < 0.55 * flux["bf16"].total_bytes
 
 
-def test_int8_counts_torchaos_bytes_of_the_fp8_layers(flux):
+def test_int8_counts_torchaos_bytes_of_the_fp8_layers(flux, cached_estimate):
     """int8 stores the layers fp8 casts, at torchao's real size (checked on a quantised tiny model)."""
     import peft
 
     from diffpipe.families import get_family
     from diffpipe.training.precision import enable_quantised_base_weights
 
-    int8 = estimate_memory(_cfg("flux", 1024, base_weights="int8"), model="flux1-dev", rank=16)
+    int8 = cached_estimate(_flux_cfg(base_weights="int8"), model="flux1-dev")
     cast = _fp8_weights()
     rows = sum(p.shape[0] for p in cast)
     assert flux["bf16"].param_bytes - int8.param_bytes == sum(p.numel() for p in cast) - 4 * rows
@@ -80,12 +85,12 @@ def test_int8_counts_torchaos_bytes_of_the_fp8_layers(flux):
         assert b.qdata.dtype == torch.int8 and b.qdata.numel() + 4 * b.scale.numel() == before[name][0] + 4 * before[name][1]
 
 
-def test_nf4_counts_its_bytes_and_no_saved_weight_copies(flux):
+def test_nf4_counts_its_bytes_and_no_saved_weight_copies(flux, cached_estimate):
     """nf4 stores the same layers as fp8 at NF4's size, and saves no dequantised copy for the backward
     pass (its autograd function keeps the 4-bit weight), so its activations are bf16's."""
     from diffpipe.training.precision import nf4_bytes, nf4_dequantise_bytes
 
-    nf4 = estimate_memory(_cfg("flux", 1024, base_weights="nf4"), model="flux1-dev", rank=16)
+    nf4 = cached_estimate(_flux_cfg(base_weights="nf4"), model="flux1-dev")
     cast = _fp8_weights()
     assert flux["bf16"].param_bytes - nf4.param_bytes == sum(2 * w.numel() - nf4_bytes(w.numel(), 2) for w in cast)
     # Plus the largest layer's dequantisation temporaries (a single block's proj_out, 15360 x 3072).

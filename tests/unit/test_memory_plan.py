@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
@@ -16,10 +15,11 @@ from diffpipe import memory_plan as mp
 from diffpipe import train_job
 from diffpipe.cli import app
 from diffpipe.config import Config, ConfigError, parse_config
-from diffpipe.estimate import GiB, estimate_memory
+from diffpipe.estimate import GiB
 from diffpipe.paths import RunPaths
 
-_TRAIN = {"batch_size": 1, "lora": {"rank": 16}}
+# bf16 written, as the docs' fits table writes it (``auto`` is bf16 on a GPU too): the two share estimates.
+_TRAIN = {"batch_size": 1, "precision": "bf16", "lora": {"rank": 16}}
 
 
 def _cfg(**train) -> Config:
@@ -28,16 +28,12 @@ def _cfg(**train) -> Config:
 
 
 @pytest.fixture(scope="module")
-def estimate():
-    """FLUX.1-dev at 1024 px, rank 16: each estimate built once for the whole module (seconds each)."""
-    cache = {}
+def estimate(cached_estimate):
+    """FLUX.1-dev at 1024 px, rank 16 (tests/unit/conftest.py: each estimate built once for the session)."""
 
     def one(cfg: Config, **sizes) -> object:
         assert sizes.get("model") in (None, "flux1-dev")
-        key = json.dumps(cfg.train.model_dump(mode="json", exclude={"memory", "gpu_memory", "lr"}), sort_keys=True)  # no size reads lr
-        if key not in cache:
-            cache[key] = estimate_memory(cfg, model="flux1-dev")
-        return cache[key]
+        return cached_estimate(cfg, model="flux1-dev")
 
     return one
 
@@ -257,7 +253,7 @@ def test_the_docs_fits_table_is_the_planners(estimate):
     assert row in (REPO_ROOT / "docs" / "training.md").read_text(), "run `make docs`"
     cells = row.strip("| ").split(" | ")
     for gib, cell in zip((24, 16, 12), cells[7:10], strict=True):
-        assert cell == _plan(_cfg(precision="bf16"), gib, estimate).chosen.short()
+        assert cell == _plan(_cfg(), gib, estimate).chosen.short()
 
 
 def test_doctor_prints_the_plan_under_memory_auto(tmp_path, monkeypatch, estimate):
