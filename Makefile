@@ -32,9 +32,10 @@ test: venv
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
 
 # The edit loop: unit tests and the family contract (each family's tiny flavor takes a step), no
-# end-to-end runs; about 2 minutes on 2 cores. `make test` stays the full suite (what CI runs).
+# end-to-end runs (the few in tests/unit are marked slow); about 2 minutes on 2 cores. `make test` stays
+# the full suite (what CI runs).
 test-fast: venv
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) tests/unit
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "not slow" tests/unit
 
 lint: venv
 	$(BIN)/ruff check diffpipe tests benchmarks

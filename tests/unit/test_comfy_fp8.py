@@ -138,6 +138,7 @@ def test_a_bad_scale_is_an_error_naming_the_file_and_tensor(case, tmp_path):
         case["local"]("e5m2.safetensors").load_denoiser()
 
 
+@pytest.mark.slow  # a DeepSpeed training run (25 s): `make test`, not the edit loop's `make test-fast`
 @pytest.mark.parametrize("case", ["zimage"], indirect=True)  # one family trains: the load is what differs
 def test_a_short_lora_run_trains_on_the_file(case, tmp_path):
     """Cache with the local model (its VAE and text encoder from the folder), then two steps of LoRA training

@@ -104,6 +104,7 @@ def test_a_users_report_html_is_never_replaced(run):
     assert run.run_report.read_text() == "my notes"
 
 
+@pytest.mark.slow  # three Chromium launches: `make test`, not the edit loop's `make test-fast`
 def test_the_report_renders_in_headless_chromium(run, tmp_path):
     """The page as a browser shows it: not blank, every image decoded (a broken one is caught)."""
     page = build_report(run, prompts=PROMPTS).path
