@@ -10,7 +10,7 @@ in two segments. Export and import both read only this table.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -123,6 +123,15 @@ def same_names(family: str, out_features: Mapping[str, int]) -> KeyMap:
 def layer(original: str, segments: list[Segment], **options: bool | str) -> Layer:
     """A layer named ``original`` in the checkpoint and ``kohya_name(original)`` in kohya files."""
     return Layer(original, kohya_name(original), tuple(segments), **options)
+
+
+def whole_layers(pairs: Mapping[str, str], out_features: Mapping[str, int],
+                 make: Callable[[str, list[Segment]], Layer] = layer) -> list[Layer]:
+    """A layer per ``original -> ours`` pair whose module the model has (``out_features``: its module sizes),
+    each the whole module; ``make`` builds a layer (default :func:`layer`). Absent modules (an optional
+    embedder, a block kind a variant lacks) are skipped."""
+    return [make(original, [Segment(ours, 0, out_features[ours])]) for original, ours in pairs.items()
+            if ours in out_features]
 
 
 def swapped_halves(module: str, size: int) -> list[Segment]:

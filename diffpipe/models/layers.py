@@ -46,6 +46,15 @@ class BlockLayer(nn.Module):
         self.block = block
 
 
+class FinalLayer(nn.Module):
+    """The last pipeline-parallel layer of a denoiser whose output layer is one ``final_layer`` module (its
+    ``forward`` picks the image tokens from the stage inputs and returns ``(prediction,)``)."""
+
+    def __init__(self, tr: nn.Module):
+        super().__init__()
+        self.final_layer = tr.final_layer
+
+
 def optional(tensor: torch.Tensor) -> torch.Tensor | None:
     """A tensor that travels between stages as an empty one when absent (stages pass tensors only)."""
     return None if tensor.numel() == 0 else tensor

@@ -16,7 +16,7 @@ from typing import Any
 
 from diffusers import AuraFlowTransformer2DModel
 
-from diffpipe.models.keymap import KeyMap, Layer, Segment, layer, swapped_halves
+from diffpipe.models.keymap import KeyMap, layer, swapped_halves, whole_layers
 from diffpipe.models.spec import Kohya
 
 DENOISER = AuraFlowTransformer2DModel
@@ -49,19 +49,12 @@ SINGLE = {
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
     """The table for a transformer with this config; ``out_features``: its module sizes."""
-    layers: list[Layer] = []
-
-    def add(original: str, ours: str) -> None:
-        if ours in out_features:
-            layers.append(layer(original, [Segment(ours, 0, out_features[ours])]))
-
-    for original, ours in TOP_LEVEL.items():
-        add(original, ours)
+    layers = whole_layers(TOP_LEVEL, out_features)
     layers.append(layer("modF.1", swapped_halves("norm_out.linear", out_features["norm_out.linear"])))
     for i in range(config["num_mmdit_layers"]):
-        for o, d in DOUBLE.items():
-            add(f"double_layers.{i}.{o}", f"joint_transformer_blocks.{i}.{d}")
+        pairs = {f"double_layers.{i}.{o}": f"joint_transformer_blocks.{i}.{d}" for o, d in DOUBLE.items()}
+        layers += whole_layers(pairs, out_features)
     for i in range(config["num_single_dit_layers"]):
-        for o, d in SINGLE.items():
-            add(f"single_layers.{i}.{o}", f"single_transformer_blocks.{i}.{d}")
+        pairs = {f"single_layers.{i}.{o}": f"single_transformer_blocks.{i}.{d}" for o, d in SINGLE.items()}
+        layers += whole_layers(pairs, out_features)
     return KeyMap("auraflow", layers)

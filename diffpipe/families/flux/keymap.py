@@ -18,7 +18,7 @@ from typing import Any
 
 from diffusers import FluxTransformer2DModel
 
-from diffpipe.models.keymap import KeyMap, Layer, Segment, kohya_name
+from diffpipe.models.keymap import KeyMap, Layer, Segment, kohya_name, whole_layers
 from diffpipe.models.spec import Kohya
 
 DENOISER = FluxTransformer2DModel
@@ -73,9 +73,7 @@ def double_blocks(count: int, inner: int, plain: Mapping[str, str], out_features
     layers = []
     for i in range(count):
         ours, original = f"transformer_blocks.{i}", f"double_blocks.{i}"
-        for o, d in plain.items():
-            if f"{ours}.{d}" in out_features:
-                layers.append(make(f"{original}.{o}", [Segment(f"{ours}.{d}", 0, out_features[f"{ours}.{d}"])]))
+        layers += whole_layers({f"{original}.{o}": f"{ours}.{d}" for o, d in plain.items()}, out_features, make)
         for o, parts in DOUBLE_FUSED.items():
             layers.append(make(f"{original}.{o}", [Segment(f"{ours}.{p}", 0, inner) for p in parts]))
     return layers
@@ -91,14 +89,7 @@ def transformer_layers(
     """
     inner = config["num_attention_heads"] * config["attention_head_dim"]
     mlp = int(inner * MLP_RATIO)
-    layers: list[Layer] = []
-
-    def add_plain(original: str, ours: str) -> None:
-        if ours in out_features:
-            layers.append(_layer(original, [Segment(ours, 0, out_features[ours])]))
-
-    for original, ours in top_level.items():
-        add_plain(original, ours)
+    layers = whole_layers(top_level, out_features, _layer)
     if "norm_out.linear" in out_features:
         # norm_out.linear = (scale, shift); final_layer.adaLN_modulation.1 = (shift, scale).
         layers.append(
@@ -112,8 +103,7 @@ def transformer_layers(
 
     for i in range(config["num_single_layers"]):
         ours, original = f"single_transformer_blocks.{i}", f"single_blocks.{i}"
-        for o, d in SINGLE_PLAIN.items():
-            add_plain(f"{original}.{o}", f"{ours}.{d}")
+        layers += whole_layers({f"{original}.{o}": f"{ours}.{d}" for o, d in SINGLE_PLAIN.items()}, out_features, _layer)
         sizes = {"attn.to_q": inner, "attn.to_k": inner, "attn.to_v": inner, "proj_mlp": mlp}
         layers.append(_layer(f"{original}.linear1", [Segment(f"{ours}.{p}", 0, n) for p, n in sizes.items()]))
     return layers

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from diffpipe.models.layers import optional
+from diffpipe.models.layers import FinalLayer, optional
 
 # Tuple: (hidden, context, llama, temb, rope, mask, img_sizes, n_img). ``llama``: the projected
 # Llama states each block reads, stacked; ``mask``: the padding mask of non-square inputs, an
@@ -75,11 +75,10 @@ class HiDreamSingle(nn.Module):
         return (hidden, context, llama, temb, rope, mask, img_sizes, n_img)
 
 
-class HiDreamOut(nn.Module):
+class HiDreamOut(FinalLayer):
     def __init__(self, tr: nn.Module):
-        super().__init__()
-        self.tr = [tr]
-        self.final_layer = tr.final_layer
+        super().__init__(tr)
+        self.tr = [tr]  # a plain list: the blocks are registered by their own layers
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
         hidden, _, _, temb, _, _, img_sizes, n_img = inputs

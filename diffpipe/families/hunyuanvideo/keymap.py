@@ -38,7 +38,7 @@ from typing import Any
 
 from diffusers import HunyuanVideoTransformer3DModel
 
-from diffpipe.models.keymap import KeyMap, Layer, Segment, kohya_name, swapped_halves
+from diffpipe.models.keymap import KeyMap, Layer, Segment, kohya_name, swapped_halves, whole_layers
 from diffpipe.models.spec import Kohya
 
 DENOISER = HunyuanVideoTransformer3DModel
@@ -133,7 +133,7 @@ def _layer(original: str, segments: list[Segment]) -> Layer:
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
     """The table for a transformer with this config; ``out_features``: its module sizes."""
-    layers = [_layer(o, [Segment(d, 0, out_features[d])]) for o, d in TOP_LEVEL.items() if d in out_features]
+    layers = whole_layers(TOP_LEVEL, out_features, _layer)
     modulation = swapped_halves("norm_out.linear", out_features["norm_out.linear"])  # (scale, shift) vs (shift, scale)
     layers.append(_layer("final_layer.adaLN_modulation.1", modulation))
     stacks = [

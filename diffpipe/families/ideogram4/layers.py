@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from diffusers.models.transformers.transformer_ideogram4 import LLM_TOKEN_INDICATOR, OUTPUT_IMAGE_INDICATOR
 from torch import nn
 
-from diffpipe.models.layers import BlockLayer, _pipe_ready
+from diffpipe.models.layers import BlockLayer, FinalLayer, _pipe_ready
 
 
 class Ideogram4Embed(nn.Module):
@@ -44,12 +44,8 @@ class Ideogram4Block(BlockLayer):
         return (hidden, adaln, cos, sin, mask, indicator)
 
 
-class Ideogram4Out(nn.Module):
+class Ideogram4Out(FinalLayer):
     """The final layer; the image tokens (the sequence's last ones) as the prediction."""
-
-    def __init__(self, tr: nn.Module):
-        super().__init__()
-        self.final_layer = tr.final_layer
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
         hidden, adaln, *_, indicator = inputs

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffpipe.models.layers import BlockLayer, _pipe_ready
+from diffpipe.models.layers import BlockLayer, FinalLayer, _pipe_ready
 
 
 class Krea2Embed(nn.Module):
@@ -39,11 +39,7 @@ class Krea2Block(BlockLayer):
         return (hidden, temb, temb_mod, cos, sin, mask, text_mask)
 
 
-class Krea2Out(nn.Module):
-    def __init__(self, tr: nn.Module):
-        super().__init__()
-        self.final_layer = tr.final_layer
-
+class Krea2Out(FinalLayer):
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
         hidden, temb, *_, text_mask = inputs
         return (self.final_layer(hidden[:, text_mask.shape[1]:], temb),)

@@ -25,7 +25,7 @@ from typing import Any
 
 from diffusers import Lumina2Transformer2DModel
 
-from diffpipe.models.keymap import KeyMap, Layer, Segment, kohya_name
+from diffpipe.models.keymap import KeyMap, Layer, Segment, kohya_name, whole_layers
 from diffpipe.models.spec import Kohya
 
 DENOISER = Lumina2Transformer2DModel
@@ -55,7 +55,7 @@ def _layer(original: str, segments: list[Segment]) -> Layer:
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
     """The table for a transformer with this config; ``out_features``: its module sizes."""
-    layers = [_layer(o, [Segment(d, 0, out_features[d])]) for o, d in TOP_LEVEL.items() if d in out_features]
+    layers = whole_layers(TOP_LEVEL, out_features, _layer)
     stacks = {
         "noise_refiner": config["num_refiner_layers"],
         "context_refiner": config["num_refiner_layers"],

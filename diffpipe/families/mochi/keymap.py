@@ -24,7 +24,7 @@ from typing import Any
 
 from diffusers import MochiTransformer3DModel
 
-from diffpipe.models.keymap import KeyMap, Segment, layer, swapped_halves
+from diffpipe.models.keymap import KeyMap, Segment, layer, swapped_halves, whole_layers
 from diffpipe.models.spec import Kohya
 
 DENOISER = MochiTransformer3DModel
@@ -59,7 +59,7 @@ SWAPPED = {"mlp_x.w1": "ff.net.0.proj", "mlp_y.w1": "ff_context.net.0.proj"}
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
     """The table for a transformer with this config; ``out_features``: its module sizes."""
-    layers = [layer(o, [Segment(d, 0, out_features[d])]) for o, d in TOP_LEVEL.items() if d in out_features]
+    layers = whole_layers(TOP_LEVEL, out_features)
     layers.append(layer("final_layer.mod", swapped_halves("norm_out.linear", out_features["norm_out.linear"])))
     n = config["num_layers"]
     for i in range(n):

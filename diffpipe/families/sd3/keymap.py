@@ -19,7 +19,7 @@ from typing import Any
 
 from diffusers import SD3Transformer2DModel
 
-from diffpipe.models.keymap import KeyMap, Segment, layer, swapped_halves
+from diffpipe.models.keymap import KeyMap, Segment, layer, swapped_halves, whole_layers
 from diffpipe.models.spec import Kohya
 
 DENOISER = SD3Transformer2DModel
@@ -52,7 +52,7 @@ FUSED = {
 
 def build(config: Mapping[str, Any], out_features: Mapping[str, int]) -> KeyMap:
     """The table for a transformer with this config; ``out_features``: its module sizes."""
-    layers = [layer(o, [Segment(d, 0, out_features[d])]) for o, d in TOP_LEVEL.items() if d in out_features]
+    layers = whole_layers(TOP_LEVEL, out_features)
     modulation = swapped_halves("norm_out.linear", out_features["norm_out.linear"])
     layers.append(layer("final_layer.adaLN_modulation.1", modulation))
     n = config["num_layers"]
