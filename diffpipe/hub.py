@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 
 from diffpipe.config import ConfigError
 from diffpipe.model_ids import REPO_ID, is_model_id, split_file_id
+from diffpipe.utils import read_json_object
 
 if TYPE_CHECKING:
     from diffpipe.config import ModelConfig
@@ -105,11 +106,9 @@ def check_complete(folder: Path, value: str, *, key: str = "model.path") -> None
                           "diffusers model folder (save one with the pipeline's save_pretrained, or download the "
                           "whole repository)")
     try:
-        index = json.loads(index_file.read_text())
-    except (OSError, ValueError) as err:
-        raise ConfigError(f"{key} {value!r}: {index_file} is not readable JSON ({err})") from None
-    if not isinstance(index, dict):
-        raise ConfigError(f"{key} {value!r}: {index_file} is not a diffusers model index (not a mapping)")
+        index = read_json_object(index_file)
+    except ValueError as err:
+        raise ConfigError(f"{key} {value!r}: {err}, so it is not a diffusers model index") from None
     listed = [name for name, entry in index.items() if not name.startswith("_") and isinstance(entry, list)
               and entry and entry[0] is not None]
     missing = sorted(n for n in listed if not (folder / n).is_dir() or not any((folder / n).iterdir()))

@@ -35,6 +35,18 @@ def stable_json(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
+def read_json_object(path: str | os.PathLike) -> dict[str, Any]:
+    """The JSON object ``path`` holds. Raises :class:`ValueError` naming the file when it cannot be read, is not
+    JSON or holds something other than an object (callers add what the file should have been)."""
+    try:
+        value = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as err:
+        raise ValueError(f"{path} cannot be read as JSON ({err})") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"{path} holds no JSON object (a {type(value).__name__})")
+    return value
+
+
 def digest(obj: Any) -> str:
     """Content hash of any JSON-serialisable value (used for cache keys)."""
     return sha256_bytes(stable_json(obj).encode())

@@ -188,3 +188,11 @@ def test_weight_variant_loads_and_keys_the_variant_files(tmp_path, monkeypatch):
     assert plain.vae_identity() == fam.vae_identity() and plain.text_identity() == fam.text_identity()
     with pytest.raises((OSError, FileNotFoundError)):
         get_family(ModelConfig(family="sd", flavor="local", path=str(tmp_path / "m"))).vae_identity()
+
+
+@pytest.mark.parametrize(("text", "says"), [("[1, 2]", r"holds no JSON object \(a list\)"),
+                                             ("{broken", "cannot be read as JSON")])
+def test_a_model_index_that_is_no_json_object_is_an_error_naming_the_file(tmp_path, text, says):
+    (tmp_path / "model_index.json").write_text(text)
+    with pytest.raises(ConfigError, match=rf"model.path 'm': .*model_index.json {says}.*not a diffusers model index"):
+        hub.check_complete(tmp_path, "m")

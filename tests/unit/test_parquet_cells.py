@@ -59,3 +59,13 @@ def test_one_cell_of_a_large_row_group_does_not_read_the_group(tmp_path):
     got = json.loads(out.stdout)
     assert got["bytes"] == 400_000
     assert got["arrow_peak"] < 48e6, f"{got['arrow_peak'] / 1e6:.0f} MB allocated for one 0.4 MB cell"
+
+
+@pytest.mark.parametrize(("text", "says"), [("[1, 2]", r"holds no JSON object \(a list\)"),
+                                             ("{broken", "cannot be read as JSON")])
+def test_a_saved_datasets_json_that_is_no_object_is_an_error_naming_the_file(tmp_path, text, says):
+    from diffpipe.data.dataset.tables import TableError, find_tables
+
+    (tmp_path / "dataset_dict.json").write_text(text)
+    with pytest.raises(TableError, match=rf"dataset_dict.json {says}.*; the datasets library writes it"):
+        find_tables(tmp_path, "train", parquet=False)

@@ -30,7 +30,6 @@ file, forward from the last row read, so a cell costs a batch, not the group.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import re
 import threading
@@ -41,6 +40,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from diffpipe.data.dataset.metadata import DEFAULT_NAMES, relative_path
+from diffpipe.utils import read_json_object
 
 SCHEMES = ("parquet", "arrow")
 _LOCATOR = re.compile(r"^(parquet|arrow):(.+)#row=(\d+)&column=([^#&]+)$")
@@ -233,12 +233,9 @@ def _streamed_cell(key: tuple[str, int, int, int, str, int], row: int) -> Any:
 # -- layouts -------------------------------------------------------------------------------------
 def _json(path: Path) -> dict[str, Any]:
     try:
-        value = json.loads(path.read_text())
-    except (OSError, ValueError) as err:
-        raise TableError(f"{path} cannot be read as JSON ({err})") from None
-    if not isinstance(value, dict):
-        raise TableError(f"{path} holds no JSON object; it was not written by the datasets library")
-    return value
+        return read_json_object(path)
+    except ValueError as err:
+        raise TableError(f"{err}; the datasets library writes it as a JSON object") from None
 
 
 def _saved_dataset(folder: Path, split: str) -> Tables:
