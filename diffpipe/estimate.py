@@ -61,6 +61,7 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, replace
+from typing import TypedDict, Unpack
 
 import diffusers
 import peft
@@ -400,17 +401,18 @@ def _meta_inputs(spec: Published, batch: int, width: int, height: int, latent_fr
     return latents, text, t, noise
 
 
-def estimate_memory(
-    cfg: Config,
-    *,
-    gpus: int = 1,
-    resolution: int | None = None,
-    rank: int | None = None,
-    model: str | None = None,
-    frames: int | None = None,
-    height: int | None = None,
-) -> MemoryEstimate:
-    """Memory per GPU to train ``cfg`` on ``gpus`` data-parallel GPUs (see the module docstring).
+class Sizes(TypedDict, total=False):
+    """What an estimate sizes for, beside the config: the arguments of :func:`estimate_for`."""
+
+    gpus: int
+    resolution: int | None
+    rank: int | None
+    frames: int | None
+    height: int | None
+
+
+def estimate_memory(cfg: Config, *, model: str | None = None, **sizes: Unpack[Sizes]) -> MemoryEstimate:
+    """Memory per GPU to train ``cfg`` on ``gpus`` data-parallel GPUs (default 1; see the module docstring).
 
     ``resolution`` (pixels; default: the largest dataset resolution), ``rank``
     (default: ``train.lora.rank``), ``model`` (a name in
@@ -419,8 +421,7 @@ def estimate_memory(
     dataset frame bucket, else 1) and ``height`` (default: ``resolution``,
     square; ``resolution`` is then the width) override the config.
     """
-    return estimate_for(cfg, _model_spec(cfg, model), gpus=gpus, resolution=resolution, rank=rank, frames=frames,
-                        height=height)
+    return estimate_for(cfg, _model_spec(cfg, model), **sizes)
 
 
 def estimate_for(
