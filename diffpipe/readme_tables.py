@@ -34,7 +34,7 @@ TABLES: dict[str, tuple[Callable[[], str], str]] = {
     "pipeline-families": (pipeline_markdown, "docs/training.md"),
 }
 #: Tables too slow to rebuild in every test run (the memory table sizes 12 published models on the
-#: meta device, about a minute): ``make docs`` refreshes them; tests/unit/test_estimate_memory.py
+#: meta device, about a minute): ``make docs`` refreshes them; tests/unit/test_memory_plan.py
 #: checks the FLUX.1-dev row against the estimate.
 SLOW_TABLES: dict[str, tuple[Callable[[], str], str]] = {
     "memory-fits": (_memory_fits, "docs/training.md"),

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from diffpipe.config.base import MAX_STEPS, Float, Int, PathText, Section, Text
+from diffpipe.config.base import MAX_STEPS, Float, Int, OnceEach, PathText, Section, Text
 
 LoraKind = Literal["lora", "dora", "lokr", "loha"]
 
@@ -72,7 +72,7 @@ class LoraConfig(Section):
 
 
 class TextEncoderTrainConfig(Section):
-    encoders: list[Text] = Field(
+    encoders: Annotated[list[Text], OnceEach] = Field(
         [],
         description="Text encoders to train a LoRA on beside the denoiser's, by pipeline name (`text_encoder`; "
         "SDXL also `text_encoder_2`); empty: none (every embedding is cached). A trained encoder's captions are "
@@ -87,13 +87,6 @@ class TextEncoderTrainConfig(Section):
         description="Module names to adapt in each encoder (CLIP's attention and MLP, as kohya's LoRA does).",
         min_length=1,
     )
-
-    @field_validator("encoders")
-    @classmethod
-    def _unique_encoders(cls, value: list[str]) -> list[str]:
-        if len(set(value)) != len(value):
-            raise ValueError(f"names an encoder twice: {value}")
-        return value
 
 
 class EmaConfig(Section):

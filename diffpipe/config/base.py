@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, StrictBool, StringConstraints
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, Strict, StrictBool, StringConstraints
 
 
 class ConfigError(ValueError):
@@ -33,6 +33,17 @@ LoadDtype = Literal["auto", "float32", "bfloat16", "float16"]
 #: A fraction strictly between 0 and 1: bounds in the schema (Snakemake); the model's validator checks them
 #: with a message naming the range.
 Quantile = Annotated[Float, Field(json_schema_extra={"exclusiveMinimum": 0, "exclusiveMaximum": 1})]
+
+
+def _once_each(value: list[Any]) -> list[Any]:
+    repeated = next((v for i, v in enumerate(value) if v in value[:i]), None)
+    if repeated is not None:
+        raise ValueError(f"names {repeated!r} twice")
+    return value
+
+
+#: On a list of names (``Annotated[list[Text], OnceEach]``): each name at most once; a repeat is an error naming it.
+OnceEach = AfterValidator(_once_each)
 #: A width / height ratio.
 AspectRatio = Annotated[Float, Field(ge=0.01, le=100)]
 

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
 from diffpipe.config.adapter import EmaConfig, LoraConfig, TextEncoderTrainConfig
-from diffpipe.config.base import MAX_BATCH, MAX_EPOCHS, MAX_STEPS, Bool, Float, Int, Section, Seed, Text
+from diffpipe.config.base import MAX_BATCH, MAX_EPOCHS, MAX_STEPS, Bool, Float, Int, OnceEach, Section, Seed, Text
 from diffpipe.config.monitor import EvalConfig, ProfileConfig
 from diffpipe.config.objective import ObjectiveConfig
 
@@ -173,7 +173,7 @@ class TrainConfig(Section):
         0, description="Render the `sample` prompts every N epochs (0: off); PNGs under `train/samples/`.", ge=0,
         le=MAX_EPOCHS,
     )
-    trackers: list[Literal["tensorboard", "wandb", "mlflow"]] = Field(
+    trackers: Annotated[list[Literal["tensorboard", "wandb", "mlflow"]], OnceEach] = Field(
         ["tensorboard"],
         description="Where rank 0 logs the numeric fields of each `metrics.jsonl` row (as `train/<field>`, "
         "`eval/<name>`), the in-training sample grids and the resolved config: `tensorboard` "
@@ -189,13 +189,6 @@ class TrainConfig(Section):
     run_name: Text | None = Field(
         None, description="Name of the run in W&B and MLflow; null: the name of `output_dir`'s folder."
     )
-
-    @field_validator("trackers")
-    @classmethod
-    def _unique_trackers(cls, value: list[str]) -> list[str]:
-        if len(set(value)) != len(value):
-            raise ValueError(f"train.trackers names a tracker twice: {value}")
-        return value
 
     @model_validator(mode="after")
     def _check_base_weights(self) -> TrainConfig:

@@ -92,3 +92,12 @@ def test_block_swap_refuses_what_would_keep_swapped_weights_on_the_gpu(extra, me
     with pytest.raises(ValueError, match=message):
         TrainConfig(**train)
     assert TrainConfig(block_swap=4, activation_checkpointing=True, checkpoint_fraction=1).block_swap == 4
+
+
+@pytest.mark.parametrize(("train", "key", "name"), [
+    ({"trackers": ["tensorboard", "tensorboard"]}, r"train\.trackers", "tensorboard"),
+    ({"text_encoder": {"encoders": ["text_encoder", "text_encoder"]}}, r"train\.text_encoder\.encoders", "text_encoder"),
+])
+def test_a_list_of_names_with_a_repeat_is_an_error_naming_the_key_and_the_repeat(train, key, name):
+    with pytest.raises(ConfigError, match=rf"{key}: names '{name}' twice"):
+        parse_config({**MINIMAL, "train": train})
