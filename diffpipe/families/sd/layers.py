@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from diffpipe.models.layers import _pipe_ready
+from diffpipe.models.layers import BlockLayer, _pipe_ready
 
 
 class UNetEmbed(nn.Module):
@@ -52,27 +52,27 @@ def _run_block(block: nn.Module, h: torch.Tensor, emb: torch.Tensor, context: to
     return block(hidden_states=h, temb=emb, **kwargs)
 
 
-class UNetBlock(nn.Module):
-    """A down block (its outputs join the skip residuals) or the mid block."""
-
-    def __init__(self, block: nn.Module, skips: bool):
-        super().__init__()
-        self.block, self.skips = block, skips
+class UNetDown(BlockLayer):
+    """A down block: its outputs join the skip residuals."""
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         h, emb, context, *res = inputs
-        if self.skips:
-            h, new = _run_block(self.block, h, emb, context)
-            return (h, emb, context, *res, *new)
+        h, new = _run_block(self.block, h, emb, context)
+        return (h, emb, context, *res, *new)
+
+
+class UNetMid(BlockLayer):
+    def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+        h, emb, context, *res = inputs
         return (_run_block(self.block, h, emb, context), emb, context, *res)
 
 
-class UNetUp(nn.Module):
+class UNetUp(BlockLayer):
     """Consumes as many skip residuals as the block has resnets (from the end of the stack)."""
 
     def __init__(self, block: nn.Module, is_final: bool):
-        super().__init__()
-        self.block, self.is_final = block, is_final
+        super().__init__(block)
+        self.is_final = is_final
 
     def forward(self, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
         h, emb, context, *res = inputs
@@ -101,9 +101,9 @@ def unet_layers(unet: nn.Module) -> list[nn.Module]:
     if kind not in (None, "text_time"):
         raise NotImplementedError(f"unet layers: addition_embed_type {kind!r} is not supported")
     layers: list[nn.Module] = [UNetTextTimeEmbed(unet) if kind == "text_time" else UNetEmbed(unet)]
-    layers += [UNetBlock(b, skips=True) for b in unet.down_blocks]
+    layers += [UNetDown(b) for b in unet.down_blocks]
     if unet.mid_block is not None:
-        layers.append(UNetBlock(unet.mid_block, skips=False))
+        layers.append(UNetMid(unet.mid_block))
     ups = list(unet.up_blocks)
     layers += [UNetUp(b, i == len(ups) - 1) for i, b in enumerate(ups)]
     layers.append(UNetOut(unet))
