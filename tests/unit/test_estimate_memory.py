@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -129,6 +131,7 @@ def _fp8_weights() -> list[torch.Tensor]:
     return [m.weight for m in _fp8_model().modules() if isinstance(m, ScaledFp8Linear)]
 
 
+@functools.cache  # built once (about a second): the tests only read it, and on meta it holds no memory
 def _fp8_model():
     import peft
 
