@@ -304,6 +304,7 @@ def test_sharded_validation_equals_one_job_and_reprobes_one_shard(dataset, tmp_p
               for n, p in zip(vshard_names(3), probes, strict=True)]
     assert sum(s.files for s in shards) == sum(s.probed for s in shards) >= len(EXPECTED)
     merged = _run(tmp_path / "sharded", dataset, vcfg, tokens=tokens, workers=1, probes=tuple(probes))
+    assert (merged.items, merged.kept, merged.counts) == (single.items, single.kept, single.counts)
     assert merged.sharded >= len(EXPECTED) - 1 and merged.hashed == merged.items - merged.sharded <= 1  # unreadable
     one, many = tmp_path / "one" / "out", tmp_path / "sharded" / "out"
     assert pq.read_table(one / "manifest.parquet").equals(pq.read_table(many / "manifest.parquet"))
