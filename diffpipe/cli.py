@@ -90,6 +90,35 @@ def validate(
         raise typer.Exit(1)
 
 
+@app.command("validate-shard")
+@errors
+def validate_shard(
+    config: ConfigOpt,
+    shard: Annotated[str, typer.Option(help="The validation shard to probe: v0000 up to validation.shards - 1.")],
+    rehash: Annotated[bool, typer.Option(help="Re-read every file even if size and mtime are unchanged.")] = False,
+    workers: Annotated[int | None, typer.Option(help="Decoding processes (default: every core).")] = None,
+) -> None:
+    """Probe one validation shard's media files (with `validation.shards` > 1): its probe table.
+
+    Hashes and decodes the shard's new or changed files (split by path hash) and writes
+    validate/probe/<shard>.parquet; `diffpipe validate` then reuses those results and runs the
+    checks over every item. The workflow runs one such job per shard.
+
+    Example: diffpipe validate-shard -c config/demo.yaml --shard v0003
+    """
+    from diffpipe.data.dataset.discover import vshard_names
+
+    cfg, paths = setup(config)
+    names = vshard_names(cfg.validation.shards)
+    if shard not in names:
+        which = f"{names[0]} to {names[-1]}" if names else "none: validation.shards is 1 (one validate job)"
+        raise typer.BadParameter(f"no validation shard {shard!r}; the config has {which}", param_hint="--shard")
+    result = stages.validate_shard(ValidateInputs.of(cfg), paths, shard, rehash=rehash, workers=workers,
+                                   console=console)
+    say(f"validate-shard {shard}: {result.files} files, {result.probed} probed, {result.reused} unchanged; "
+        f"{'wrote' if result.changed else 'kept'} {paths.validate_probe(shard)}")
+
+
 @app.command()
 @errors
 def init(

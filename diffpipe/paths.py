@@ -18,6 +18,9 @@ SCHEMA_FILE = REPO_ROOT / "workflow" / "schemas" / "config.schema.json"
 MANIFEST = "validate/manifest.parquet"
 REPORT_JSON = "validate/report.json"
 REPORT_HTML = "validate/report.html"
+#: Validation shards (``validation.shards > 1``): each one's probe table and listing fingerprint.
+VALIDATE_PROBE = "validate/probe/{vshard}.parquet"
+VALIDATE_LISTING = "validate/listing/{vshard}.fingerprint"
 PLAN_DIR = "plan"
 PLAN_SUMMARY = "plan/plan.json"
 LATENT_SPEC = "plan/latents/{shard}.json"
@@ -122,6 +125,14 @@ class RunPaths:
     def export_file(self, fmt: str, suffix: str = "") -> Path:
         """Where ``fmt`` is written (a folder for ``peft`` and ``merged``); ``suffix``: another trained part's."""
         return self.export_dir / export_name(fmt, suffix)
+
+    def validate_probe(self, vshard: str) -> Path:
+        """A validation shard's probe table (``v0000``)."""
+        return self.root / VALIDATE_PROBE.format(vshard=vshard)
+
+    def validate_listing(self, vshard: str) -> Path:
+        """A validation shard's listing fingerprint, its job's input."""
+        return self.root / VALIDATE_LISTING.format(vshard=vshard)
 
     def shard_names(self, kind: str = "latents") -> list[str]:
         """Shard names the plan wrote (sorted), read from its spec files."""

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from diffpipe.config import Config, ExportConfig
-from diffpipe.data.dataset.discover import run_folders
+from diffpipe.data.dataset.discover import run_folders, vshard_names
 from diffpipe.hub import check_local_model
 from diffpipe.paths import RunPaths
 from diffpipe.resolve import resolve
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 
     from diffpipe.data.cache.plan import PlanResult
     from diffpipe.data.dataset.results import ValidationResult
+    from diffpipe.data.dataset.vshards import ShardResult
     from diffpipe.export.api import ExportResult
     from diffpipe.report import ReportResult
 
@@ -109,10 +110,23 @@ def validate(cfg: Config | ValidateInputs, paths: RunPaths, *, rehash: bool = Fa
 
     cfg = _part(cfg, ValidateInputs)
     check_local_model(cfg.model)  # a missing or incomplete model folder fails here, before any file is read
+    probes = tuple(paths.validate_probe(name) for name in vshard_names(cfg.validation.shards))
     return run_validation(cfg.datasets, cfg.validation, manifest_path=paths.manifest,
                           report_json=paths.report_json, report_html=paths.report_html, rehash=rehash,
                           tokens=FamilyTokenCounter(cfg.model) if tokens else None, workers=workers,
-                          console=console, exclude=run_folders(cfg.output_dir, cfg.cache.dir))
+                          console=console, exclude=run_folders(cfg.output_dir, cfg.cache.dir), probes=probes)
+
+
+def validate_shard(cfg: Config | ValidateInputs, paths: RunPaths, shard: str, *, rehash: bool = False,
+                   workers: int | None = None, console: Console | None = None) -> ShardResult:
+    """Probe one validation shard's files into its probe table (``diffpipe validate-shard``)."""
+    # deferred: polars and the decoders (start-up time of every command)
+    from diffpipe.data.dataset.vshards import run_shard
+
+    cfg = _part(cfg, ValidateInputs)
+    return run_shard(cfg.datasets, cfg.validation, shard=shard, shards=cfg.validation.shards,
+                     out_path=paths.validate_probe(shard), exclude=run_folders(cfg.output_dir, cfg.cache.dir),
+                     rehash=rehash, workers=workers, console=console)
 
 
 def plan(cfg: Config | PlanInputs, paths: RunPaths) -> PlanResult:

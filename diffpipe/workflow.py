@@ -14,7 +14,7 @@ import yaml
 
 from diffpipe import paths, stages
 from diffpipe.config import Config, ConfigError, parse_config
-from diffpipe.data.dataset.discover import list_dataset, run_folders
+from diffpipe.data.dataset.discover import list_dataset, run_folders, vshard_names, vshard_of
 from diffpipe.stage_inputs import sample_export_format
 from diffpipe.utils import digest, write_if_changed
 
@@ -63,6 +63,8 @@ def dataset_fingerprint(cfg: Config) -> str:
     removed or changed, and then validation reruns (reading only those files).
     """
     entries = []
+    shards = vshard_names(cfg.validation.shards)
+    per_shard: list[list] = [[] for _ in shards]
     for ds in cfg.datasets:
         if ds.path is not None and not Path(ds.path).is_dir():
             raise FileNotFoundError(f"datasets[{ds.name}].path: folder not found: {ds.path}")
@@ -76,9 +78,19 @@ def dataset_fingerprint(cfg: Config) -> str:
             stats[rel] = (st.st_size, st.st_mtime_ns)
         entry = [ds.name, str(listing.root), sorted(stats.items()), sorted((p.rel, p.reason) for p in listing.problems)]
         entries.append(entry + ([listing.error] if listing.error else []))  # folders keep their digest
+        for rel in listing.media if shards and listing.table is None else ():
+            per_shard[vshard_of(ds.name, rel, len(shards))].append([ds.name, rel, stats.get(rel)])
     target = Path(cfg.output_dir) / DATASET_FINGERPRINT
     write_if_changed(target, digest(entries) + "\n")
+    for name, files in zip(shards, per_shard, strict=True):
+        # A validation shard's job reads only its media files: only their change reruns it.
+        write_if_changed(paths.RunPaths(cfg.output_dir).validate_listing(name), digest(files) + "\n")
     return str(target)
+
+
+def validation_probes(cfg: Config) -> list[str]:
+    """The validation shards' probe tables the validate rule merges (none with ``validation.shards: 1``)."""
+    return [str(paths.RunPaths(cfg.output_dir).validate_probe(n)) for n in vshard_names(cfg.validation.shards)]
 
 
 def out(cfg: Config, rel: str) -> str:

@@ -31,6 +31,14 @@ class ValidationConfig(Section):
         ge=1,
         le=2**40,
     )
+    shards: Int = Field(
+        1,
+        description="Validation jobs that probe (hash and decode) a part of the listing each, split by path hash, "
+        "before one job merges their results and runs the checks over all items; a changed file reruns only its "
+        "shard's job. 1: validation is one job (faster for small datasets; see docs/validation.md).",
+        ge=1,
+        le=4096,
+    )
     actions: dict[str, Literal["error", "skip", "warn"]] = Field(
         {}, description="Per reason code, override the default action (`error`, `skip` or `warn`); see the "
         "reason table in docs/validation.md."

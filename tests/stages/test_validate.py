@@ -291,6 +291,36 @@ def test_every_problem_found_good_files_kept_dataset_untouched(dataset, tmp_path
     assert 'id="corrupt_media"' in html and 'id="broken_symlink"' in html
 
 
+def test_sharded_validation_equals_one_job_and_reprobes_one_shard(dataset, tmp_path, tokens):
+    """Probe tables of 3 validation shards, then the merging job: the same manifest and reports as one
+    job, without reading the shards' files again; a changed file is probed again by its shard alone."""
+    from diffpipe.data.dataset.discover import vshard_names, vshard_of
+    from diffpipe.data.dataset.vshards import run_shard
+
+    vcfg = VCFG.model_copy(update={"shards": 3})
+    single = _run(tmp_path / "one", dataset, tokens=tokens, workers=1)
+    probes = [tmp_path / "probe" / f"{n}.parquet" for n in vshard_names(3)]
+    shards = [run_shard([_ds(dataset)], vcfg, shard=n, shards=3, out_path=p, workers=1)
+              for n, p in zip(vshard_names(3), probes, strict=True)]
+    assert sum(s.files for s in shards) == sum(s.probed for s in shards) >= len(EXPECTED)
+    merged = _run(tmp_path / "sharded", dataset, vcfg, tokens=tokens, workers=1, probes=tuple(probes))
+    assert (merged.items, merged.kept, merged.counts) == (single.items, single.kept, single.counts)
+    assert merged.sharded >= len(EXPECTED) - 1 and merged.hashed == merged.items - merged.sharded <= 1  # unreadable
+    one, many = tmp_path / "one" / "out", tmp_path / "sharded" / "out"
+    assert pq.read_table(one / "manifest.parquet").equals(pq.read_table(many / "manifest.parquet"))
+    for name in ("report.json", "report.html"):
+        assert (one / name).read_text() == (many / name).read_text().replace(str(many), str(one))
+
+    st = (dataset / "shape_001.png").stat()
+    os.utime(dataset / "shape_001.png", ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    again = [run_shard([_ds(dataset)], vcfg, shard=n, shards=3, out_path=p, workers=1)
+             for n, p in zip(vshard_names(3), probes, strict=True)]
+    home = vshard_of("d", "shape_001.png", 3)
+    assert [s.probed for s in again] == [1 if i == home else (1 if "locked.png" in EXPECTED and
+                                         vshard_of("d", "locked.png", 3) == i else 0) for i in range(3)]
+    assert [s.changed for s in again] == [i == home for i in range(3)]
+
+
 def test_rerun_reads_no_content_and_keeps_manifest(tmp_path, tokens):
     root = tmp_path / "data"
     write_demo_dataset(root, n=6, size=32)

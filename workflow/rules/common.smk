@@ -4,6 +4,7 @@
 
 wildcard_constraints:
     shard=r"s\d+",
+    vshard=r"v\d+",
 
 
 def out(rel):

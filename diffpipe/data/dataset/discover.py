@@ -19,6 +19,7 @@ from diffpipe.config import DatasetConfig, ValidationConfig
 from diffpipe.data.dataset import hub
 from diffpipe.data.dataset.metadata import DEFAULT_NAMES
 from diffpipe.data.dataset.tables import TableError, Tables, find_tables
+from diffpipe.utils import digest
 
 
 @dataclass(frozen=True)
@@ -326,3 +327,20 @@ def dataset_files(ds: DatasetConfig, vcfg: ValidationConfig, exclude: tuple[str,
     if listing.table:
         paths += [*listing.table.files, *listing.table.extra]
     return sorted(Path(p) for p in paths if os.access(p, os.R_OK))
+
+
+# -- validation shards (diffpipe.data.dataset.vshards) -----------------------------
+def vshard_name(index: int) -> str:
+    """Name of validation shard ``index`` (``v0003``): kept apart from cache shards (``s0003``)."""
+    return f"v{index:04d}"
+
+
+def vshard_names(shards: int) -> list[str]:
+    """Every validation shard's name; none when validation runs as one job (``shards == 1``)."""
+    return [vshard_name(i) for i in range(shards)] if shards > 1 else []
+
+
+def vshard_of(dataset: str, relpath: str, shards: int) -> int:
+    """The validation shard of a media file: its item id (a digest of the dataset name and relative
+    path, :func:`diffpipe.data.dataset.validate.item_id`) modulo ``shards``; stable while files come and go."""
+    return int(digest([dataset, relpath])[:16], 16) % shards

@@ -39,6 +39,7 @@ class ValidationResult:
     hashed: int = 0  # media and aux files whose content was read this run
     reused: int = 0  # media files whose hash came from the previous manifest
     captions_read: int = 0  # caption files read this run
+    sharded: int = 0  # media files probed by a validation shard's job (diffpipe validate-shard)
     issues: list[Issue] = field(default_factory=list)
     datasets: dict[str, dict[str, int]] = field(default_factory=dict)
     actions: dict[str, Action] = field(default_factory=dict)

@@ -102,6 +102,11 @@ MANIFEST_SCHEMA = pa.schema(
 )
 
 
+def probe_key(vcfg: ValidationConfig) -> str:
+    """What makes a probe result reusable: the probing code's version and the pixel limit."""
+    return digest([PROBE_VERSION, vcfg.max_pixels])[:16]
+
+
 def kept_copy(path: Path) -> Path:
     """Where a run with errors keeps a copy of ``path`` (``report.html`` -> ``report.failed.html``)."""
     return path.with_name(f"{path.stem}.failed{path.suffix}")
@@ -177,8 +182,10 @@ def _collect(
     previous: dict[str, dict[str, Any]],
     reuse_probe: bool,
     issue: Any,
+    probed: dict[str, tuple[Any, ...]],
 ) -> tuple[list[dict[str, Any]], list[tuple[int, str, str]]]:
-    """Manifest rows of one dataset with reused probe results, and what must be probed."""
+    """Manifest rows of one dataset with reused probe results (the previous manifest's, then the
+    validation shards' in ``probed``), and what must be probed."""
     media = dict(listing.media)
     for rel in meta.captions:
         if rel in media:
@@ -224,6 +231,12 @@ def _collect(
                 if reason in PROBE_REASONS:
                     add_reason(row, reason, note)
             row["_reused"] = True
+        elif (shard := probed.get(rel)) and shard[0] == size and shard[1] == mtime:
+            for k, value in zip(("kind", "sha256", "width", "height", "frames", "fps"), shard[2:8], strict=True):
+                row[k] = value
+            for reason, note in zip(shard[8], shard[9], strict=True):
+                add_reason(row, reason, note)
+            row["_sharded"] = True
         else:
             jobs.append((len(rows), path, kind))
         rows.append(row)
@@ -328,6 +341,9 @@ class _Scan:
     jobs: list[tuple[list[dict[str, Any]], int, str, str]] = field(default_factory=list)
     #: Mask / control images to probe: (row, role, path).
     aux_jobs: list[tuple[dict[str, Any], str, str]] = field(default_factory=list)
+    #: Validation shards' probes: dataset -> relpath -> (size, mtime_ns, kind, sha256, width, height,
+    #: frames, fps, reasons, notes) (:func:`diffpipe.data.dataset.vshards.load_probes`).
+    probed: dict[str, dict[str, tuple[Any, ...]]] = field(default_factory=dict)
 
     def issue_for(self, dataset: str):
         """A callback that records a dataset-level issue ``(path, reason, note)`` of ``dataset``."""
@@ -347,6 +363,7 @@ def run_validation(
     workers: int | None = None,
     console: Console | None = None,
     exclude: tuple[str, ...] = (),
+    probes: tuple[Path, ...] = (),
 ) -> ValidationResult:
     """Scan datasets, write the manifest and both reports, return the counts.
 
@@ -367,6 +384,8 @@ def run_validation(
         workers: probe processes (default: every core).
         console: where the progress bar goes (shown only on a terminal).
         exclude: the run's own folders (``discover.run_folders``), never listed as data.
+        probes: probe tables of validation shards (:mod:`diffpipe.data.dataset.vshards`): a file
+            still of the size and mtime a shard probed reuses that result instead of being read.
     """
     manifest_path = Path(manifest_path)
     prev_path = manifest_path if previous == "auto" else (Path(previous) if previous else None)
@@ -374,11 +393,15 @@ def run_validation(
     if previous == "auto" and not manifest_path.is_file() and keep.is_file():
         prev_path = keep  # Snakemake removed the outputs of a failed run; its results still count
     prev_rows, prev_meta = _load_previous(prev_path)
-    probe_key = digest([PROBE_VERSION, vcfg.max_pixels])[:16]
+    probe_key_now = probe_key(vcfg)
     caption_keys = {ds.name: digest([ds.caption_lines, ds.caption_style])[:16] for ds in datasets}
     prev_caption_keys = json.loads(prev_meta.get("caption_keys", "{}"))
     scan = _Scan(vcfg, ValidationResult(actions=resolve_actions(vcfg.actions), max_pixels=vcfg.max_pixels),
-                 prev_rows, reuse_probe=not rehash and prev_meta.get("probe_key") == probe_key)
+                 prev_rows, reuse_probe=not rehash and prev_meta.get("probe_key") == probe_key_now)
+    if probes and not rehash:
+        from diffpipe.data.dataset.vshards import load_probes  # deferred: polars (start-up time of one job)
+
+        scan.probed = load_probes(list(probes), vcfg)
     for ds in datasets:
         _list_dataset(scan, ds, exclude)
     _probe(scan, tokens, workers, console)
@@ -387,7 +410,7 @@ def run_validation(
     all_rows = _check_rows(scan, datasets, same_captions, tokens)
     _tally(scan, datasets, all_rows)
     meta = {
-        "probe_key": probe_key,
+        "probe_key": probe_key_now,
         "caption_keys": json.dumps(caption_keys, sort_keys=True),
         "max_pixels": str(vcfg.max_pixels),  # the plan hands it to the cache jobs' decoders
     }
@@ -428,7 +451,7 @@ def _list_dataset(scan: _Scan, ds: DatasetConfig, exclude: tuple[str, ...]) -> N
         issue(path, prob.reason, prob.note)
     for rel in aux_images.referenced_files(meta):  # masks / controls are not items
         listing.media.pop(rel, None)
-    rows, ds_jobs = _collect(ds, listing, meta, scan.prev_rows, scan.reuse_probe, issue)
+    rows, ds_jobs = _collect(ds, listing, meta, scan.prev_rows, scan.reuse_probe, issue, scan.probed.get(ds.name, {}))
     aux_images.resolve(ds, listing, meta, rows, issue)
     scan.aux_jobs += aux_images.reuse_or_probe(rows, listing, scan.prev_rows, scan.reuse_probe)
     if not rows:
@@ -485,6 +508,7 @@ def _tally(scan: _Scan, datasets: list[DatasetConfig], all_rows: list[dict[str, 
     result, actions = scan.result, scan.result.actions
     for row in all_rows:
         result.reused += row.pop("_reused", False)
+        result.sharded += row.pop("_sharded", False)
         row.pop("_draw", None)
         row["status"] = status_of(row["reasons"], actions)
         for reason, note in zip(row["reasons"], row["notes"], strict=True):

@@ -1,0 +1,192 @@
+"""Validation split across jobs: each validation shard probes its part of the listing, one job merges.
+
+Probing (hashing and decoding every new or changed media file) is what grows with
+the dataset; the checks over probed rows (captions, geometry, splits, tokens,
+duplicates) are cheap but need every row. So with ``validation.shards: N > 1``
+the listing is split by path hash into N validation shards (``v0000``...): the
+shard of a file is its item id (:func:`diffpipe.data.dataset.validate.item_id`,
+a digest of dataset name and relative path) modulo N, so a file stays in its
+shard while others come and go. Each shard is its own Snakemake job (a cluster
+profile spreads them over nodes) writing a probe table
+``validate/probe/<vshard>.parquet`` (:data:`PROBE_SCHEMA`); the ``validate``
+job then reuses every probe whose file still has the recorded size and mtime,
+exactly as it reuses its previous manifest, and probes only what no shard
+covered. Each shard's input is its own listing fingerprint
+(``validate/listing/<vshard>.fingerprint``, written by
+:func:`diffpipe.workflow.dataset_fingerprint`), so a changed file reruns only
+its shard's job; that job reuses its previous table for its unchanged files
+(a join on dataset, path, size and mtime).
+
+Only folder datasets are sharded; table datasets (Parquet, hub snapshots) and
+mask / control images are probed by the merging job, as in a single job.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+from rich.console import Console
+
+from diffpipe.config import DatasetConfig, ValidationConfig
+from diffpipe.data.dataset.checks import PROBE_REASONS
+from diffpipe.data.dataset.discover import list_dataset, vshard_name, vshard_names, vshard_of
+from diffpipe.data.dataset.pool import probe_files
+from diffpipe.data.dataset.validate import probe_key
+from diffpipe.utils import atomic_path
+
+#: One row per media file of the shard: its stat when probed and what probing found.
+PROBE_SCHEMA = pa.schema(
+    [
+        ("dataset", pa.string()),
+        ("relpath", pa.string()),
+        ("size", pa.int64()),
+        ("mtime_ns", pa.int64()),
+        ("kind", pa.string()),
+        ("sha256", pa.string()),
+        ("width", pa.int32()),
+        ("height", pa.int32()),
+        ("frames", pa.int32()),
+        ("fps", pa.float64()),
+        ("reasons", pa.list_(pa.string())),  # what probing found; a row with another reason
+        # than PROBE_REASONS (``unreadable``) is probed again, never reused
+        ("notes", pa.list_(pa.string())),
+    ]
+)
+_KEYS = ["dataset", "relpath", "size", "mtime_ns"]
+
+
+def vshard_index(name: str, shards: int) -> int:
+    """The index of shard ``name``, with an error naming the accepted names."""
+    if name not in vshard_names(shards):
+        raise ValueError(f"validation shard {name!r} does not exist: validation.shards is {shards} "
+                         f"(shards v0000 to {vshard_name(shards - 1)}, only when shards > 1)")
+    return int(name[1:])
+
+
+@dataclass
+class ShardResult:
+    """One validation shard's counts."""
+
+    files: int = 0  # media files of the shard
+    probed: int = 0  # read this run
+    reused: int = 0  # taken from the shard's previous table (size and mtime unchanged)
+    changed: bool = False  # the table was rewritten
+
+
+def _listing_frame(datasets: list[DatasetConfig], vcfg: ValidationConfig, index: int, shards: int,
+                   exclude: tuple[str, ...]) -> tuple[pl.DataFrame, dict[str, str]]:
+    """The shard's media files (dataset, relpath, size, mtime_ns, kind by extension) and each dataset's root."""
+    parts: dict[str, list[Any]] = {"dataset": [], "relpath": [], "size": [], "mtime_ns": [], "kind": []}
+    roots: dict[str, str] = {}
+    for ds in datasets:
+        listing = list_dataset(ds, vcfg, with_stats=True, exclude=exclude)
+        if not listing.root_ok or listing.table is not None:
+            continue  # nothing to probe here: the merging job reports it / reads the table
+        roots[ds.name] = str(listing.root)
+        for rel, kind in listing.media.items():
+            if vshard_of(ds.name, rel, shards) != index:
+                continue
+            size, mtime = listing.stats.get(rel, (0, 0))
+            for col, value in zip(parts, (ds.name, rel, size, mtime, kind), strict=True):
+                parts[col].append(value)
+    schema = {"dataset": pl.String, "relpath": pl.String, "size": pl.Int64, "mtime_ns": pl.Int64, "kind": pl.String}
+    return pl.DataFrame(parts, schema=schema), roots
+
+
+def read_probe_table(path: Path, key: str) -> pl.DataFrame | None:
+    """A probe table as a DataFrame; None when absent, damaged, of another layout or another probe key."""
+    try:
+        with pq.ParquetFile(path) as f:
+            table = f.read()
+    except Exception:  # a damaged table only costs the reuse
+        return None
+    meta = table.schema.metadata or {}
+    if table.schema.remove_metadata() != PROBE_SCHEMA or meta.get(b"probe_key") != key.encode():
+        return None
+    return pl.from_arrow(table)
+
+
+def run_shard(datasets: list[DatasetConfig], vcfg: ValidationConfig, *, shard: str, shards: int, out_path: Path,
+              exclude: tuple[str, ...] = (), rehash: bool = False, workers: int | None = None,
+              console: Console | None = None) -> ShardResult:
+    """Probe validation shard ``shard``'s new or changed media files; write its probe table.
+
+    Files whose dataset, path, size and mtime match a row of the shard's previous table
+    (``out_path``) keep that row (unless ``rehash``); the rest are probed by the worker pool.
+    The table is rewritten only when its content changes.
+    """
+    index, key = vshard_index(shard, shards), probe_key(vcfg)
+    listing, roots = _listing_frame(datasets, vcfg, index, shards, exclude)
+    previous = None if rehash else read_probe_table(out_path, key)
+    if previous is not None:
+        # The previous row of the same file, unchanged since (same size and mtime): reused as it is,
+        # with the kind its probe found (content sniffing may correct the extension's guess).
+        joined = listing.join(previous.rename({"kind": "kind_probed"}), on=_KEYS, how="left")
+        hit = _reusable()
+        reused = joined.filter(hit).with_columns(pl.col("kind_probed").alias("kind")).select(PROBE_SCHEMA.names)
+        todo = joined.filter(~hit).select(*_KEYS, "kind")
+    else:
+        reused, todo = _empty(), listing
+    probes = probe_files([(os.path.join(roots[d], r), k) for d, r, k in todo.select("dataset", "relpath", "kind")
+                          .iter_rows()], vcfg.max_pixels, workers, console)
+    fresh = todo.with_columns(
+        pl.Series("kind", [p["kind"] or k for p, k in zip(probes, todo["kind"], strict=True)], dtype=pl.String),
+        *(pl.Series(c, [p[c] for p in probes], dtype=reused.schema[c]) for c in ("sha256", "width", "height",
+                                                                                   "frames", "fps")),
+        pl.Series("reasons", [[r for r, _ in p["problems"]] for p in probes], dtype=pl.List(pl.String)),
+        pl.Series("notes", [[n for _, n in p["problems"]] for p in probes], dtype=pl.List(pl.String)),
+    ).select(PROBE_SCHEMA.names)
+    table = pl.concat([reused, fresh]).sort("dataset", "relpath").to_arrow()
+    table = table.cast(PROBE_SCHEMA.with_metadata({"probe_key": key, "shard": shard, "shards": str(shards)}))
+    changed = _write_table(out_path, table)
+    return ShardResult(files=listing.height, probed=todo.height, reused=reused.height, changed=changed)
+
+
+def _reusable() -> pl.Expr:
+    """A probe that stands for its file while unchanged: content hashed, only content reasons."""
+    known = pl.lit(sorted(PROBE_REASONS), dtype=pl.List(pl.String))
+    return pl.col("sha256").is_not_null() & (pl.col("reasons").list.set_difference(known).list.len() == 0)
+
+
+def _empty() -> pl.DataFrame:
+    return pl.from_arrow(PROBE_SCHEMA.empty_table())
+
+
+def _write_table(path: Path, table: pa.Table) -> bool:
+    """Write ``table`` unless the file holds it already (then only touch it, for Snakemake)."""
+    if path.is_file():
+        try:
+            with pq.ParquetFile(path) as f:
+                old = f.read()
+            same = old.equals(table) and old.schema.metadata == table.schema.metadata
+        except Exception:
+            same = False
+        if same:
+            os.utime(path)
+            return False
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_path(path) as tmp:
+        pq.write_table(table, tmp)
+    return True
+
+
+def load_probes(paths: list[Path], vcfg: ValidationConfig) -> dict[str, dict[str, tuple[Any, ...]]]:
+    """The probe tables of every validation shard, per dataset: relpath -> the row's values in
+    :data:`PROBE_SCHEMA` order after ``relpath``. Tables of another probe key are ignored (their
+    files are probed again by the merging job)."""
+    key = probe_key(vcfg)
+    frames = [df for p in paths if (df := read_probe_table(Path(p), key)) is not None]
+    if not frames:
+        return {}
+    out: dict[str, dict[str, tuple[Any, ...]]] = {}
+    usable = pl.concat(frames).filter(_reusable())
+    for (name,), part in usable.partition_by("dataset", as_dict=True).items():
+        rows = part.drop("dataset").iter_rows()
+        out[name] = {row[0]: row[1:] for row in rows}
+    return out
