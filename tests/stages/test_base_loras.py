@@ -147,3 +147,54 @@ def test_trained_over_base_lora_reproduces_in_stock_pipeline(tiny_run, base_file
           f"without the base LoRA: max abs {(alone - want).abs().max().item():.3g}")
     assert rel <= 1e-5, (err, rel)
     assert (alone - want).abs().max() > 100 * err + 1e-4
+
+
+def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach() for k, v in [*model.named_parameters(), *model.named_buffers()]}
+
+
+@pytest.mark.parametrize("base_weights", ["auto", "fp8"])
+def test_streamed_fold_equals_whole_load_then_fold(base_weights, tmp_path):
+    """A streamed bf16 load folds each weight as it is read, before fp8 stores it: the same model as loading
+    whole, folding, then quantising; and not the model without the base LoRA."""
+    family = get_family(ModelConfig(family="flux"))
+    family.load_denoiser().save_pretrained(tmp_path / "model" / family.streamed_denoiser()[1])
+    targets = family.lora_targets(None)
+    cfg = peft_config(LoraConfig(rank=4, alpha=6.0, targets=targets), targets)
+    den = family.load_denoiser()
+    add_lora(den, cfg)
+    g = torch.Generator().manual_seed(3)
+    for name, p in den.named_parameters():
+        if "lora_" in name:
+            p.data = torch.randn(p.shape, generator=g) * 0.05
+    save_adapter(tmp_path / "base", lora_state_dict(den), cfg, {"family": "flux", "flavor": "tiny"})
+    local = get_family(ModelConfig(family="flux", flavor="local", path=str(tmp_path / "model"), dtype="bfloat16"))
+    from diffpipe.config import TrainConfig
+    from diffpipe.training import precision
+
+    tc = TrainConfig(base_weights=base_weights, precision="bf16")
+    assert load.why_whole(local) is None
+
+    def loaded(streamed: bool, base: bool):
+        deltas = BaseDeltas.read([(tmp_path / "base", SCALE)]) if base else None
+        if streamed:
+            out = load.load_denoiser(local, tc, torch.device("cpu"), base=deltas)
+            model, quantised = out.module, out.quantised
+        else:
+            model, quantised = local.load_denoiser(), False
+            if deltas:
+                deltas.fold_all(model)
+        torch.manual_seed(0)  # the trained LoRA goes in before quantisation picks its layers, as in training
+        add_lora(model, peft_config(tc.lora, local.lora_targets(tc.lora.targets)))
+        precision.prepare_denoiser(model, tc, quantise=not quantised)
+        return _state(model)
+
+    whole, streamed, plain = loaded(False, True), loaded(True, True), loaded(True, False)
+    assert whole.keys() == streamed.keys()
+    for key, value in whole.items():
+        assert value.dtype == streamed[key].dtype and torch.equal(value.view(torch.uint8) if value.element_size() == 1
+                                                                 else value, streamed[key].view(torch.uint8)
+                                                                 if value.element_size() == 1 else streamed[key]), key
+    changed = [k for k in whole if not torch.equal(whole[k].float(), plain[k].float())]
+    assert any("base_layer.weight" in k for k in changed)
+    assert all("weight" in k for k in changed), changed
