@@ -81,6 +81,8 @@ def model_inputs(cfg: Config) -> list[tuple[str, str]]:
     # A Hugging Face id is read from the hub cache, not from a folder of the run.
     found = [("model.path", cfg.model.path)] if cfg.model.path and not is_model_id(cfg.model.path) else []
     found += [(f"model.single_files.{k}", v) for k, v in cfg.model.single_files.items() if not split_file_id(v)]
+    found += [(f"model.base_loras[{i}].path", b.path) for i, b in enumerate(cfg.model.base_loras)
+              if not split_file_id(b.path)]
     found += [("train.lora.init_from", cfg.train.lora.init_from)] if cfg.train.lora.init_from else []
     for i, v in enumerate(cfg.sample.images or []):
         found += [(f"sample.images[{i}][{k}]", p) for k, p in enumerate(v)] if isinstance(v, list) else [

@@ -268,6 +268,10 @@ def resolved(cfg: ModelConfig) -> ModelConfig:
         files[key] = str(file(*parts)) if parts else value
     if files != cfg.single_files:
         update["single_files"] = files
+    bases = [b.model_copy(update={"path": str(file(*parts))}) if (parts := split_file_id(b.path)) else b
+             for b in cfg.base_loras]
+    if bases != cfg.base_loras:
+        update["base_loras"] = bases
     if not update:
         return cfg
     out = cfg.model_copy(update=update)

@@ -30,7 +30,7 @@ from diffpipe.stage_inputs import (
     declared_keys,
     sample_export_format,
 )
-from diffpipe.utils import digest
+from diffpipe.utils import digest, sha256_bytes, sha256_file
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -79,6 +79,8 @@ def stage_digest(cfg: Config, stage: str) -> str:
         for part in entry.split("."):
             value = value[part]
         picked[entry] = value
+    if "model" in picked:
+        picked["model"] = _base_lora_keys(cfg, stage, picked["model"])
     if stage == "train" and cfg.train.memory == "auto":
         # deferred: sizes the model on the meta device (seconds), and only memory: auto asks (start-up time)
         from diffpipe.memory_plan import digest_settings
@@ -86,6 +88,36 @@ def stage_digest(cfg: Config, stage: str) -> str:
         # The plan's settings, not the budget: a card that keeps the plan keeps the run.
         picked["train"] = {**picked["train"], "gpu_memory": None, "memory_plan": digest_settings(cfg)}
     return digest(picked)[:16]
+
+
+#: Stages that read ``model.base_loras`` (folded into the denoiser); the caches do not (text encoders untouched).
+BASE_LORA_STAGES = ("train", "export", "sample", "bench")
+
+
+def _base_lora_keys(cfg: Config, stage: str, model: dict[str, Any]) -> dict[str, Any]:
+    """The model section as ``stage``'s digest sees it: the base LoRAs with their content digests for a stage
+    that reads them (an edited file reruns, a renamed one with the same scale too, by path), none otherwise
+    (and none when empty, so configs without base LoRAs keep their digests)."""
+    model = {k: v for k, v in model.items() if k != "base_loras"}
+    if stage not in BASE_LORA_STAGES or not cfg.model.base_loras:
+        return model
+    # deferred: hashing the files reads them; only configs with base LoRAs pay (start-up time: hub imports)
+    from diffpipe.hub import file as hub_file
+    from diffpipe.model_ids import split_file_id
+
+    found = []
+    for b in cfg.model.base_loras:
+        parts = split_file_id(b.path)
+        path = Path(hub_file(*parts)) if parts else Path(b.path)
+        found.append({"path": b.path, "scale": b.scale, "content": _content_digest(path)})
+    return {**model, "base_loras": found}
+
+
+def _content_digest(path: Path) -> str:
+    """A base LoRA's content digest; ``missing`` for a path that is not there (the train job says so)."""
+    if path.is_dir():
+        return sha256_bytes("\n".join(sha256_file(f) for f in sorted(path.glob("adapter_*")) if f.is_file()).encode())
+    return sha256_file(path) if path.is_file() else "missing"
 
 
 # -- the stages as functions ---------------------------------------------------------
@@ -207,7 +239,15 @@ def sample(cfg: Config | SampleInputs, paths: RunPaths, *, lora: Path | None = N
 
     cfg = _part(cfg, SampleInputs)
     default = paths.export_file(sample_export_format(cfg.train.lora))
-    return render_samples(cfg.model, cfg.sample, lora or default, out or paths.samples_dir)
+    bases = None
+    if cfg.model.base_loras:
+        # deferred: the LoRA readers import torch and diffusers (start-up time)
+        from diffpipe.export.base_loras import prepare_base_loras
+        from diffpipe.families import get_family
+
+        family = get_family(cfg.model)
+        bases = prepare_base_loras(family.cfg, family, paths.root)
+    return render_samples(cfg.model, cfg.sample, lora or default, out or paths.samples_dir, base_loras=bases)
 
 
 def report(cfg: Config | SampleInputs, paths: RunPaths, *, out: Path | None = None) -> ReportResult:

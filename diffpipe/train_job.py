@@ -50,6 +50,7 @@ def run_train_job(cfg: Config, paths: RunPaths, request: TrainRequest, *, log: C
     launched = engine.in_launched_rank()
     with _train_lock(paths, launched, log) as held:
         cfg, planned = _memory_plan(cfg, launched, log)  # before any model loads
+        read_base_loras(cfg, paths, log)  # before local ranks start: they find the folders read
         if request.processes > 1 and not launched:
             os.environ[runlock.HELD_ENV] = runlock.held_env(held)  # the ranks run under this lock
             if planned is not None:  # one plan for every rank (their GPUs' free memory may differ)
@@ -60,6 +61,22 @@ def run_train_job(cfg: Config, paths: RunPaths, request: TrainRequest, *, log: C
         if launched and int(os.environ.get("WORLD_SIZE", "1")) > 1:
             _close_process_group()
     return 0
+
+
+def read_base_loras(cfg: Config, paths: RunPaths, log: Callable[[str], None]) -> None:
+    """``model.base_loras`` read into the run folder (:mod:`diffpipe.export.base_loras`), each checked."""
+    if not cfg.model.base_loras:
+        return
+    # deferred: the family registry and the LoRA readers import torch and diffusers (start-up time)
+    from diffpipe.export.base_loras import prepare_base_loras
+    from diffpipe.families import get_family
+
+    family = get_family(cfg.model)
+    try:
+        folders = prepare_base_loras(family.cfg, family, paths.root)
+    except ValueError as err:
+        raise ConfigError(str(err)) from None
+    log(f"train: base LoRAs read: {', '.join(f'{f.name} x{s:g}' for f, s in folders)}")
 
 
 #: The plan the parent of local ranks made (``train.memory: auto``), as JSON, for its ranks to apply.

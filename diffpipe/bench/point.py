@@ -47,6 +47,9 @@ def run(spec_file: Path) -> int:
             from diffpipe.data.cache.reader import CachedDataset  # deferred: as train, into the try
 
             data = CachedDataset.from_run(RunPaths(spec["cache_run"]))
+        from diffpipe.train_job import read_base_loras  # deferred: as train, into the try
+
+        read_base_loras(cfg, RunPaths(cfg.output_dir), print)  # model.base_loras, as the train job reads them
         train(cfg, RunPaths(cfg.output_dir), data=data, log=print)
     except BaseException as err:  # noqa: BLE001  (every failure is reported to the sweep)
         oom = is_oom(err)

@@ -9,6 +9,16 @@ from pydantic import Field, PrivateAttr, field_validator, model_validator
 from diffpipe.config.base import MAX_FRAMES, Bool, Float, Int, LoadDtype, PathText, Section, Seed, Text
 
 
+class BaseLora(Section):
+    path: PathText = Field(
+        description="A LoRA file in any format `diffpipe import-lora` reads (diffusers, kohya, ComfyUI, LoKr/LoHa, "
+        "or a PEFT folder), or `org/name/file.safetensors` of a Hugging Face repository (when no such local file "
+        "exists).",
+    )
+    scale: Float = Field(1.0, description="Strength the LoRA is folded into the frozen base at (its own alpha "
+                         "included, as `set_adapters(..., adapter_weights=[scale])` applies it).")
+
+
 class ModelConfig(Section):
     # family and flavor default to null in the schema: Snakemake's validation fills schema defaults into
     # the config, and a filled-in `tiny` or `sd` would hide that only a path was given (see below).
@@ -52,6 +62,14 @@ class ModelConfig(Section):
         "The denoiser and the VAE can come from single files (Wan 2.2 A14B: also `transformer_2`). A value "
         "`org/name/file.safetensors` (when no such local file exists) is that file of a Hugging Face repository "
         "(its `main` revision), read through the Hugging Face cache.",
+    )
+    base_loras: list[BaseLora] = Field(
+        [],
+        description="LoRAs folded into the frozen denoiser before the trained LoRA goes in: a training adapter "
+        "that de-distills a few-step base (Z-Image Turbo, FLUX.1-schnell), a speed LoRA (Lightning, LightX2V), or "
+        "a LoRA to train a second concept on. Present in training, eval and samples; left out of the exported "
+        "LoRA (the model card lists them: load them beside it). Each `[{path, scale}]`; their content and scale "
+        "are part of the train and sample digests. Denoiser LoRAs only (a text encoder's part is refused).",
     )
     _origin: str | None = PrivateAttr(None)
 

@@ -124,6 +124,25 @@ def memory_plan_lines(plan: dict[str, Any]) -> list[str]:
             f"- runner-up: {_planned(runner) if runner else 'none (no other setting fit)'}"]
 
 
+def _base_lora_lines(info: ExportInfo, pipeline: str) -> list[str]:
+    """The base LoRAs the LoRA was trained over (``model.base_loras``): not in its files, to be loaded beside it."""
+    bases = ((info.config or {}).get("model") or {}).get("base_loras") or []
+    if not bases:
+        return []
+    lines = ["", "## Base LoRAs", "", "Trained over these LoRAs, folded into the frozen base; they are not in the "
+             "files above. A training adapter that de-distills the base is left out on purpose (load only this "
+             f"LoRA to keep the base's few-step sampling); to reproduce training, load each into `{pipeline}` "
+             "first:", "", "| file | scale |", "| --- | --- |"]
+    lines += [f"| `{b['path']}` | {b['scale']:g} |" for b in bases]
+    loads = [f'pipe.load_lora_weights("{b["path"]}", adapter_name="base_{i}")' for i, b in enumerate(bases)]
+    names = [f'"base_{i}"' for i in range(len(bases))]
+    scales = [f"{b['scale']:g}" for b in bases]
+    lines += ["", "```python", *loads, 'pipe.load_lora_weights("<this LoRA>", adapter_name="trained")',
+              f'pipe.set_adapters([{", ".join(names)}, "trained"], adapter_weights=[{", ".join(scales)}, 1.0])',
+              "```"]
+    return lines
+
+
 def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *, pipeline: str,
                samples: list[Path] | None = None, memory_plan: dict[str, Any] | None = None) -> Path:
     """Write the model card: base model, trigger words, files and how to load them, settings, and the memory
@@ -157,6 +176,7 @@ def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *,
         lines.append(f"| {f.fmt}{f' ({f.label})' if f.label else ''} | `{rel}` | {how} |")
         if f.fmt == "diffusers" and f.label:
             loads.append(f'pipe.load_lora_weights("{rel}"{args})  # {f.label}')
+    lines += _base_lora_lines(info, pipeline)
     if len(loads) > 1:  # one LoRA per trained part: every one must be loaded
         lines += ["", f"Load every part's LoRA into `{pipeline}`:", "", "```python", *loads, "```"]
     lines += ["", "## Which file for which tool", "", "| tool | file |", "| --- | --- |"]

@@ -15,6 +15,9 @@ a single-file checkpoint (diffusers' converters take the whole state dict), ``.b
 that build their denoiser their own way (Wan 2.2's two experts trained together, FLUX Control's widened
 input, Kandinsky 5, ERNIE-Image: ``Family.streamed_denoiser`` is None for them). DoRA, LoKr and LoHa stream at the load dtype and are quantised after the LoRA, as before:
 DoRA's magnitude is computed from the unquantised weight.
+
+Base LoRAs (``model.base_loras``, :mod:`diffpipe.training.base_loras`) are folded into each weight as it
+arrives, in its load dtype and before it is quantised; into a model loaded whole, module by module after.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from diffpipe.config import TrainConfig
 from diffpipe.models import _common as common
 from diffpipe.models import streaming
 from diffpipe.training import adapter, offload, precision
+from diffpipe.training.base_loras import BaseDeltas
 
 
 @dataclass
@@ -99,7 +103,8 @@ def _move_own(module: torch.nn.Module, move: Any) -> None:
             module._buffers[key] = move(b)
 
 
-def _hooks(model: torch.nn.Module, tc: TrainConfig, family: Any, device: torch.device, dtype: torch.dtype):
+def _hooks(model: torch.nn.Module, tc: TrainConfig, family: Any, device: torch.device, dtype: torch.dtype,
+           base: BaseDeltas | None = None):
     names: set[str] = set()
     if quantised_at_load(tc):
         lora = adapter.peft_config(tc.lora, family.lora_targets(tc.lora.targets))
@@ -108,6 +113,8 @@ def _hooks(model: torch.nn.Module, tc: TrainConfig, family: Any, device: torch.d
     swapped = swapped_prefixes(model, tc.block_swap)
 
     def finish(name: str, module: torch.nn.Module) -> None:
+        if base is not None:  # base LoRAs go into the weight in its load dtype, before it is quantised
+            base.fold(name, module)
         if name in names:
             precision.quantise_layer(module, tc.base_weights, compute)
             # PEFT puts a LoRA in its base layer's dtype (or this attribute's): the load dtype, as when the
@@ -125,17 +132,24 @@ def _hooks(model: torch.nn.Module, tc: TrainConfig, family: Any, device: torch.d
     return finish, place
 
 
-def load_denoiser(family: Any, tc: TrainConfig, device: torch.device) -> LoadedDenoiser:
-    """The family's denoiser for training under ``tc`` on ``device`` (module docstring)."""
+def load_denoiser(family: Any, tc: TrainConfig, device: torch.device, base: BaseDeltas | None = None,
+                  ) -> LoadedDenoiser:
+    """The family's denoiser for training under ``tc`` on ``device`` (module docstring), with the base LoRAs
+    ``base`` folded into its weights (``model.base_loras``)."""
     reason = why_whole(family)
     if reason is not None:
-        return LoadedDenoiser(family.load_denoiser(), False, False, f"loaded whole ({reason})")
+        model = family.load_denoiser()
+        if base is not None:
+            base.fold_all(model)
+        return LoadedDenoiser(model, False, False, f"loaded whole ({reason})")
     cls, subfolder = family.streamed_denoiser()
     dtype = common.load_dtype(family.cfg, "denoiser")
     if tc.base_weights != "auto" and not quantised_at_load(tc):
         device = torch.device("cpu")  # quantised after the LoRA, in host memory, as a whole load is
     model = streaming.stream_component(cls, family.cfg, subfolder, dtype,
-                                       hooks=lambda m: _hooks(m, tc, family, device, dtype))
+                                       hooks=lambda m: _hooks(m, tc, family, device, dtype, base))
+    if base is not None:
+        base.check()
     quantised = quantised_at_load(tc)
     what = f"{tc.base_weights} base weights quantised as read" if quantised else f"in {dtype}"
     return LoadedDenoiser(model, True, quantised, f"streamed tensor by tensor ({what})")

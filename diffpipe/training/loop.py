@@ -20,8 +20,8 @@ from diffpipe.families import get_family
 from diffpipe.models import _common as common
 from diffpipe.paths import RunPaths
 from diffpipe.progress import Progress
+from diffpipe.training import base_loras, checkpointing, engine, finite, load, offload, pipeline, precision
 from diffpipe.training import checkpoint as ckpt
-from diffpipe.training import checkpointing, engine, finite, load, offload, pipeline, precision
 from diffpipe.training.ema import STATE_NAME as EMA_STATE
 from diffpipe.training.ema import Ema
 from diffpipe.training.eval import Evaluator, aux_inputs, eval_dataset
@@ -150,12 +150,26 @@ class Trainer:
         else:
             self.resume_from = None
 
+    def _base_loras(self) -> base_loras.BaseDeltas | None:
+        """``model.base_loras`` as the train job read them into the run folder (None: there are none)."""
+        bases = self.family.cfg.base_loras  # hub ids resolved to their cached files
+        if not bases:
+            return None
+        folders = [(base_loras.adapter_dir(self.paths.root, b.path), b.scale) for b in bases]
+        unread = [str(f) for f, _ in folders if not f.is_dir()]
+        if unread:
+            raise ValueError(f"model.base_loras: not read into the run folder yet ({unread[0]}); train through "
+                             "`diffpipe train`, which reads them first")
+        if self.dist.is_main:
+            self.log(f"train: {len(bases)} base LoRA(s) folded into the frozen denoiser (left out of the export)")
+        return base_loras.BaseDeltas.read(folders)
+
     def setup_model(self) -> None:
         """The denoiser with its trainable parameters, precision options, the DeepSpeed engine (plain or
         pipeline), block swap, and the noise generator."""
         tc, dist, family = self.tc, self.dist, self.family
         # Streamed where it can be: quantised and placed as read, swapped blocks kept in host memory.
-        loaded = load.load_denoiser(family, tc, engine.device())
+        loaded = load.load_denoiser(family, tc, engine.device(), base=self._base_loras())
         if dist.is_main:
             self.log(f"train: denoiser {loaded.note}")
         self.denoiser = denoiser = loaded.module

@@ -20,6 +20,7 @@ from diffpipe.families import get_family
 from diffpipe.models._common import cuda_defaults
 from diffpipe.paths import EXPORT_NAMES, export_name
 from diffpipe.training.adapter import WEIGHTS_NAME, apply_adapter
+from diffpipe.training.base_loras import BaseDeltas
 from diffpipe.training.finite import check_safetensors_file
 from diffpipe.training.plots import caption_grid
 from diffpipe.utils import atomic_path
@@ -81,8 +82,11 @@ def _save(sample: list[Image.Image], stem: Path, family) -> None:
         sample[0].save(stem.with_suffix(".png"))
 
 
-def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | Path, out_dir: str | Path) -> list[Path]:
+def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | Path, out_dir: str | Path, *,
+                   base_loras: list[tuple[Path, float]] | None = None) -> list[Path]:
     """Render every prompt with and without the LoRA (same seed) and save PNGs (MP4s) plus a grid.
+
+    ``base_loras``: ``(adapter folder, scale)`` of ``model.base_loras``, folded into the denoiser first.
 
     The grid's top row is the base model, the bottom row the LoRA (first
     frames for video): a quick look at what training changed. ``out_dir`` is written
@@ -97,6 +101,8 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
     # Entered first: a folder of the user's is refused before minutes of rendering.
     with atomic_path(out_dir, is_dir=True) as tmp:
         pipe = family.load_pipeline()
+        if base_loras:  # the base the LoRA was trained over: both rows render over it
+            BaseDeltas.read(base_loras).fold_all(getattr(pipe, family.denoiser_attr))
         pipe.set_progress_bar_config(disable=True)
         place(pipe, cfg.offload)
         kwargs = family.sample_kwargs(cfg)
