@@ -23,7 +23,7 @@ from diffpipe.export.peft_format import export_peft
 from diffpipe.export.text_encoders import TextLoras, kohya_tensors
 from diffpipe.export.verify import VERIFY_NAME, ExportVerifyError, verify_exports
 from diffpipe.models.base import Family, split_parts
-from diffpipe.paths import EXPORT_CARD, EXPORT_NAMES, FORMATS, RunPaths, export_name
+from diffpipe.paths import EXPORT_CARD, EXPORT_HUB_CARD, EXPORT_NAMES, FORMATS, RunPaths, export_name
 from diffpipe.stage_inputs import ExportInputs
 from diffpipe.training.adapter import PEFT_PREFIX, WEIGHTS_NAME, adapter_kind, load_adapter
 from diffpipe.training.finite import check_tensors
@@ -76,14 +76,15 @@ def export_lora(
     adapter = _load_checked(adapter_dir)
     _check_formats_read(adapter.kind, formats)
     # out_dir may be a user's folder (--out): refuse before writing if a name we write is theirs.
-    claim_files(out_dir, [EXPORT_CARD, VERIFY_NAME] + [export_name(fmt, part.suffix) if fmt in ("diffusers", "peft")
+    claim_files(out_dir, [EXPORT_CARD, EXPORT_HUB_CARD, VERIFY_NAME] + [export_name(fmt, part.suffix) if fmt in ("diffusers", "peft")
                                           else EXPORT_NAMES[fmt] for fmt in formats for part in parts])
     by_part = split_parts(adapter.state_dict, parts)
     info = gather_info(adapter_dir, adapter.lora_cfg, family, config=config, run=run)
     header = {**info.header(), "diffpipe.adapter_sha256": tensors_digest(adapter.state_dict)}
     files, card_files = _write_formats(formats, adapter, by_part, out_dir, family, info, header, run)
-    card = write_card(out_dir / EXPORT_CARD, info, card_files, pipeline=family.pipeline_class.__name__,
-                      samples=_sample_links(run, out_dir), memory_plan=read_memory_plan(run))
+    card_args = {"pipeline": family.pipeline_class.__name__, "memory_plan": read_memory_plan(run)}
+    card = write_card(out_dir / EXPORT_CARD, info, card_files, samples=_sample_links(run, out_dir), **card_args)
+    write_card(out_dir / EXPORT_HUB_CARD, info, card_files, hub=True, **card_args)  # what `diffpipe push` uploads
     report = verify_exports(files, family, adapter_dir)
     verify = report.write(out_dir / VERIFY_NAME)
     if not report.ok:
