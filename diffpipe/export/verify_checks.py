@@ -153,7 +153,8 @@ def check_original(file: Path, fmt: str, family: str, keymap: KeyMap,
                    ) -> FileCheck:
     """A comfyui or kohya file by ComfyUI's rules: every layer lands on a model weight, at the trained strength
     (``alpha / rank``, 1.0 without ``.alpha``; LoKr / LoHa by ``comfy_product_scale``). ``trained``: the
-    denoiser's LoRAs, or its LoKr / LoHa products (None: placement only); ``text``: the trained encoders' LoRAs; ``text_layers``: their layer counts. ``comfy_model`` False:
+    denoiser's LoRAs, or its LoKr / LoHa products (None: placement only); ``text``: the trained encoders'
+    LoRAs; ``text_layers``: their layer counts. ``comfy_model`` False:
     ComfyUI has no model for the family, so names are checked against the family's own table."""
     from safetensors.torch import load_file  # deferred: only the export job verifies (start-up time)
 
