@@ -20,6 +20,8 @@ from diffpipe.hub import offline
 from diffpipe.paths import EXPORT_CARD, EXPORT_HUB_CARD
 
 VERIFY_NAME = "verify.json"  # export.verify.VERIFY_NAME, restated: importing it loads torch (start-up time)
+#: export.card.LOCAL_ONLY, restated (same reason): verified, listed in verify.json, never uploaded.
+LOCAL_ONLY = frozenset({"merged"})
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class PushResult:
 
 
 def pushed_files(export_dir: Path) -> list[Path]:
-    """The files and folders to upload: those the verify step passed, then the Hub's model card.
+    """The files and folders to upload: those the verify step passed but the merged folder, then the Hub's card.
 
     Raises ValueError (naming the folder and what to run) when the export is missing or failed."""
     report_path = export_dir / VERIFY_NAME
@@ -45,7 +47,8 @@ def pushed_files(export_dir: Path) -> list[Path]:
         bad = [name for name, entry in report.get("files", {}).items() if not entry.get("ok")]
         raise ValueError(f"{report_path}: the export failed verification ({', '.join(bad)}); fix and re-export "
                          "before pushing")
-    paths = [export_dir / name for name in report.get("files", {})] + [export_dir / EXPORT_HUB_CARD]
+    paths = [export_dir / name for name, entry in report.get("files", {}).items()
+             if entry.get("format") not in LOCAL_ONLY] + [export_dir / EXPORT_HUB_CARD]
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
         raise ValueError(f"exported files missing: {', '.join(missing)}; re-run `diffpipe export`")

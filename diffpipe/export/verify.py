@@ -17,7 +17,8 @@ delta's is a problem. Strength is compared on random probe vectors (``delta @ x`
 never the full weight update), so the check costs milliseconds per layer at any model size. LoKr and
 LoHa layers of the comfyui and kohya files are compared the same way: the delta ComfyUI's LyCORIS
 arithmetic applies (``kron(w1, w2)`` or ``(w1_a @ w1_b) * (w2_a @ w2_b)``, its alpha rule) against
-PEFT's (``alpha / r`` times the same product of the trained tensors). The merged folder is not read.
+PEFT's (``alpha / r`` times the same product of the trained tensors). The merged folder is read back
+by ``export.merged.read_back`` (it needs the base weights export_merged holds); its check joins the report.
 The findings go to ``verify.json`` beside the files (per file: ok, placed, problems).
 """
 

@@ -202,3 +202,19 @@ def test_a_lycoris_file_at_another_strength_fails_the_export(product_adapter, tm
     message = str(err.value)
     assert "comfyui_lora.safetensors" in message and "kohya_lora.safetensors" in message
     assert "layer(s) at another strength than trained" in message and "attn1_to_q" in message, message
+
+
+def test_a_merged_folder_without_the_lora_fails_the_export(adapter, tmp_path, monkeypatch):
+    """#41: the merged folder is read back tensor by tensor: a trained layer whose saved weight is not base +
+    trained delta (here: PEFT's merge of linear layers planted as a no-op, so their base is saved) fails the export."""
+    from peft.tuners.lora.layer import Linear
+
+    family, folder = adapter
+    good = export_lora(folder, tmp_path / "good", family, ["merged"])
+    entry = json.loads(good.verify.read_text())["files"]["merged"]
+    assert entry["ok"] and entry["placed"] > 0, entry
+    monkeypatch.setattr(Linear, "merge", lambda self, *a, **k: None)
+    with pytest.raises(ExportVerifyError) as err:
+        export_lora(folder, tmp_path / "export", family, ["merged"])
+    assert "merged" in str(err.value) and "differ from base + trained delta" in str(err.value), str(err.value)
+    assert "attn1.to_q" in str(err.value)

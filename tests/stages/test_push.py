@@ -42,7 +42,8 @@ def _push(config, hub, *extra):
 
 def _local_files(export) -> dict[str, bytes]:
     """What push uploads, by repository path: the verified files, and the Hub's card as README.md."""
-    names = json.loads((export / "verify.json").read_text())["files"]
+    names = [n for n, entry in json.loads((export / "verify.json").read_text())["files"].items()
+             if entry["format"] != "merged"]
     out = {"README.md": (export / "README.hub.md").read_bytes()}
     for name in names:
         path = export / name
@@ -95,9 +96,10 @@ def test_pushed_card_lists_only_what_is_uploaded(run):
 
 def test_push_reads_the_report_export_writes():
     from diffpipe import push
-    from diffpipe.export import verify
+    from diffpipe.export import card, verify
 
     assert push.VERIFY_NAME == verify.VERIFY_NAME  # restated in push to keep torch out of its import
+    assert push.LOCAL_ONLY == card.LOCAL_ONLY
 
 
 def test_push_refuses_an_export_that_failed_verification(run, tmp_path):
