@@ -35,6 +35,7 @@ TRAIN_DIR = "train"
 ADAPTER_DIR = "train/adapter"
 ADAPTER_FILE = "train/adapter/adapter_model.safetensors"
 METRICS = "train/metrics.jsonl"
+LOSS_PLOT = "train/loss.png"  # written by the train job beside the metrics it draws
 TENSORBOARD = "train/tensorboard"
 CHECKPOINTS = "train/checkpoints"
 EPOCH_LORAS = "train/loras"
@@ -49,6 +50,9 @@ EXPORT_NAMES = {
     "merged": "merged",  # folder: a diffusers pipeline
 }
 EXPORT_CARD = "README.md"
+#: The card `diffpipe push` uploads as the repository's README.md: only what push uploads (no merged
+#: folder, no links to the run's local samples).
+EXPORT_HUB_CARD = "README.hub.md"
 EXPORT_DIFFUSERS = "export/pytorch_lora_weights.safetensors"
 EXPORT_PEFT = "export/peft/adapter_model.safetensors"
 EXPORT_COMFYUI = "export/comfyui_lora.safetensors"
@@ -107,6 +111,7 @@ class RunPaths:
     adapter_dir = _At(ADAPTER_DIR)
     adapter_file = _At(ADAPTER_FILE)
     metrics = _At(METRICS)
+    loss_plot = _At(LOSS_PLOT)
     tensorboard = _At(TENSORBOARD)
     checkpoints = _At(CHECKPOINTS)
     epoch_loras = _At(EPOCH_LORAS)

@@ -1,9 +1,9 @@
 """``diffpipe push``: upload a run's verified export and its model card to a Hugging Face Hub repository.
 
 What goes up is what the export's verify step read and passed (``verify.json``: the diffusers, PEFT,
-ComfyUI and kohya files) and the model card as the repository's ``README.md``; a run whose export
-failed verification, or was never exported, is refused. The merged folder (a whole pipeline) stays
-local. One commit holds every file; a push of unchanged files makes no commit (the Hub compares
+ComfyUI and kohya files) and the model card written for the Hub (``README.hub.md``, which lists only
+those files) as the repository's ``README.md``; a run whose export failed verification, or was never
+exported, is refused. The merged folder (a whole pipeline) and the run's sample images stay local. One commit holds every file; a push of unchanged files makes no commit (the Hub compares
 hashes). The endpoint is ``HF_ENDPOINT`` (default: the Hub); the token is ``huggingface_hub``'s own
 (``HF_TOKEN`` or the ``hf auth login`` cache): diffpipe never reads, prints or writes it.
 """
@@ -17,9 +17,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from diffpipe.hub import offline
-from diffpipe.paths import EXPORT_CARD
+from diffpipe.paths import EXPORT_CARD, EXPORT_HUB_CARD
 
 VERIFY_NAME = "verify.json"  # export.verify.VERIFY_NAME, restated: importing it loads torch (start-up time)
+#: export.card.LOCAL_ONLY, restated (same reason): verified, listed in verify.json, never uploaded.
+LOCAL_ONLY = frozenset({"merged"})
 
 
 @dataclass(frozen=True)
@@ -34,7 +36,7 @@ class PushResult:
 
 
 def pushed_files(export_dir: Path) -> list[Path]:
-    """The files and folders to upload: those the verify step passed, then the model card.
+    """The files and folders to upload: those the verify step passed but the merged folder, then the Hub's card.
 
     Raises ValueError (naming the folder and what to run) when the export is missing or failed."""
     report_path = export_dir / VERIFY_NAME
@@ -45,7 +47,8 @@ def pushed_files(export_dir: Path) -> list[Path]:
         bad = [name for name, entry in report.get("files", {}).items() if not entry.get("ok")]
         raise ValueError(f"{report_path}: the export failed verification ({', '.join(bad)}); fix and re-export "
                          "before pushing")
-    paths = [export_dir / name for name in report.get("files", {})] + [export_dir / EXPORT_CARD]
+    paths = [export_dir / name for name, entry in report.get("files", {}).items()
+             if entry.get("format") not in LOCAL_ONLY] + [export_dir / EXPORT_HUB_CARD]
     missing = [str(p) for p in paths if not p.exists()]
     if missing:
         raise ValueError(f"exported files missing: {', '.join(missing)}; re-run `diffpipe export`")
@@ -63,14 +66,19 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
     return tuple(found)
 
 
+def _in_repo(file: Path, export_dir: Path) -> str:
+    """``file``'s path in the repository: the Hub's card is the repository's README.md."""
+    name = file.relative_to(export_dir).as_posix()
+    return EXPORT_CARD if name == EXPORT_HUB_CARD else name
+
+
 def _operations(paths: list[Path], export_dir: Path) -> list:
     from huggingface_hub import CommitOperationAdd  # deferred: start-up time of every other command
 
     ops = []
     for path in paths:
         files = sorted(p for p in path.rglob("*") if p.is_file()) if path.is_dir() else [path]
-        ops += [CommitOperationAdd(path_in_repo=f.relative_to(export_dir).as_posix(), path_or_fileobj=str(f))
-                for f in files]
+        ops += [CommitOperationAdd(path_in_repo=_in_repo(f, export_dir), path_or_fileobj=str(f)) for f in files]
     return ops
 
 

@@ -219,7 +219,7 @@ def _print_summary(console: Console, s: RunSummary, p: RunPaths) -> None:
     for line in (f"LoRA (diffusers):   {p.export_diffusers}",
                  f"sample images:      {p.samples_dir}  (grid: {p.sample_grid})",
                  f"TensorBoard logs:   {p.tensorboard}  (tensorboard --logdir {shlex.quote(str(p.tensorboard))})",
-                 f"metrics, loss plot: {p.metrics}, {p.train_dir / 'loss.png'}",
+                 f"metrics, loss plot: {p.metrics}, {p.loss_plot}",
                  f"validation report:  {p.report_html}"):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
     # Last: the one page that shows all of the above (diffpipe.report), when this run's DAG wrote it.

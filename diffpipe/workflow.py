@@ -134,6 +134,7 @@ def export_outputs(cfg: Config) -> dict[str, str]:
                 plain, named = (f"{paths.EXPORT_DIR}/{paths.export_name(fmt, x)}" for x in ("", suffix))
                 outputs[fmt + suffix] = out(cfg, EXPORT_OUTPUTS[fmt].replace(plain, named, 1))
     outputs["card"] = out(cfg, f"{paths.EXPORT_DIR}/{paths.EXPORT_CARD}")
+    outputs["hub_card"] = out(cfg, f"{paths.EXPORT_DIR}/{paths.EXPORT_HUB_CARD}")  # what `diffpipe push` uploads
     return outputs
 
 

@@ -23,7 +23,7 @@ from diffpipe.export.peft_format import export_peft
 from diffpipe.export.text_encoders import TextLoras, kohya_tensors
 from diffpipe.export.verify import VERIFY_NAME, ExportVerifyError, verify_exports
 from diffpipe.models.base import Family, split_parts
-from diffpipe.paths import EXPORT_CARD, EXPORT_NAMES, FORMATS, RunPaths, export_name
+from diffpipe.paths import EXPORT_CARD, EXPORT_HUB_CARD, EXPORT_NAMES, FORMATS, RunPaths, export_name
 from diffpipe.stage_inputs import ExportInputs
 from diffpipe.training.adapter import PEFT_PREFIX, WEIGHTS_NAME, adapter_kind, load_adapter
 from diffpipe.training.finite import check_tensors
@@ -76,15 +76,18 @@ def export_lora(
     adapter = _load_checked(adapter_dir)
     _check_formats_read(adapter.kind, formats)
     # out_dir may be a user's folder (--out): refuse before writing if a name we write is theirs.
-    claim_files(out_dir, [EXPORT_CARD, VERIFY_NAME] + [export_name(fmt, part.suffix) if fmt in ("diffusers", "peft")
+    claim_files(out_dir, [EXPORT_CARD, EXPORT_HUB_CARD, VERIFY_NAME] + [export_name(fmt, part.suffix) if fmt in ("diffusers", "peft")
                                           else EXPORT_NAMES[fmt] for fmt in formats for part in parts])
     by_part = split_parts(adapter.state_dict, parts)
     info = gather_info(adapter_dir, adapter.lora_cfg, family, config=config, run=run)
     header = {**info.header(), "diffpipe.adapter_sha256": tensors_digest(adapter.state_dict)}
-    files, card_files = _write_formats(formats, adapter, by_part, out_dir, family, info, header, run)
-    card = write_card(out_dir / EXPORT_CARD, info, card_files, pipeline=family.pipeline_class.__name__,
-                      samples=_sample_links(run, out_dir), memory_plan=read_memory_plan(run))
+    merged_checks: list = []  # the merged folder's read-back (export_merged does it: it holds the base weights)
+    files, card_files = _write_formats(formats, adapter, by_part, out_dir, family, info, header, run, merged_checks)
+    card_args = {"pipeline": family.pipeline_class.__name__, "memory_plan": read_memory_plan(run)}
+    card = write_card(out_dir / EXPORT_CARD, info, card_files, samples=_sample_links(run, out_dir), **card_args)
+    write_card(out_dir / EXPORT_HUB_CARD, info, card_files, hub=True, **card_args)  # what `diffpipe push` uploads
     report = verify_exports(files, family, adapter_dir)
+    report.checks += merged_checks
     verify = report.write(out_dir / VERIFY_NAME)
     if not report.ok:
         raise ExportVerifyError(f"{report.message()} (report: {verify})")
@@ -124,7 +127,7 @@ def _load_checked(adapter_dir: Path) -> _Adapter:
 
 def _write_formats(formats: list[str], adapter: _Adapter, by_part: dict[str, dict[str, torch.Tensor]], out_dir: Path,
                    family: Family, info: ExportInfo, header: dict[str, str],
-                   run: RunPaths | None) -> tuple[dict[str, Path], list[CardFile]]:
+                   run: RunPaths | None, checks: list) -> tuple[dict[str, Path], list[CardFile]]:
     """Write each format once; returns the files by name and what the model card lists."""
     parts, kind, lora_cfg, text = family.denoiser_parts, adapter.kind, adapter.lora_cfg, adapter.text
     mods = (module_loras(adapter.state_dict, lora_cfg) if kind == "lora" else
@@ -152,7 +155,7 @@ def _write_formats(formats: list[str], adapter: _Adapter, by_part: dict[str, dic
             meta = {**header, **kohya_metadata(info, dict(skeleton.config), title=title, started_at=_started_at(run))}
             files[fmt] = export_kohya(mods, keymap_for_model(family.name, skeleton), target, meta, extra)
         elif fmt == "merged":
-            files[fmt] = export_merged(adapter.folder, target, family, header)
+            files[fmt] = export_merged(adapter.folder, target, family, header, checks)
         card_files.append(CardFile(fmt, files[fmt]))
     return files, card_files
 

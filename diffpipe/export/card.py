@@ -143,11 +143,22 @@ def _base_lora_lines(info: ExportInfo, pipeline: str) -> list[str]:
     return lines
 
 
+#: Formats ``diffpipe push`` leaves local (a whole pipeline): the Hub's card does not list them.
+LOCAL_ONLY = frozenset({"merged"})
+
+
 def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *, pipeline: str,
-               samples: list[Path] | None = None, memory_plan: dict[str, Any] | None = None) -> Path:
+               samples: list[Path] | None = None, memory_plan: dict[str, Any] | None = None,
+               hub: bool = False) -> Path:
     """Write the model card: base model, trigger words, files and how to load them, settings, and the memory
-    plan training used (``memory_plan``, under ``train.memory: auto``)."""
+    plan training used (``memory_plan``, under ``train.memory: auto``).
+
+    ``hub``: the card ``diffpipe push`` uploads, listing only what it uploads: no :data:`LOCAL_ONLY` format
+    and no ``samples`` (they are the run's local images)."""
     out_file = Path(out_file)
+    if hub:
+        files, samples = [f for f in files if f.fmt not in LOCAL_ONLY], None
+    fused = ", fused in the merged folder" if any(f.fmt == "merged" for f in files) else ""
     base = info.model_path or f"{info.family} ({info.flavor} flavor)"
     lines = [
         f"# LoRA for {base}",
@@ -158,7 +169,7 @@ def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *,
         f"trained steps: {info.training.get('step', '?')}, epochs: {info.training.get('epoch', '?')}",
         f"- targets: {', '.join(f'`{t}`' for t in info.targets)}",
         f"- dataset: {info.dataset.get('items', '?')} items",
-        *([f"- text encoders trained too (their LoRAs are in every file, fused in the merged folder): "
+        *([f"- text encoders trained too (their LoRAs are in every file{fused}): "
            f"{', '.join(f'`{e}`' for e in encoders)}"] if (encoders := _trained_encoders(info)) else []),
         *([f"- weights: the exponential moving average of the trained weights (decay "
            f"{info.training['ema_decay']:g}), not the last step's"] if "ema_decay" in info.training else []),

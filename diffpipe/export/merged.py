@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import torch
 from peft.tuners.tuners_utils import BaseTunerLayer
 
 from diffpipe.export.text_encoders import merge_into
+from diffpipe.export.verify_checks import FileCheck, differs, probe
 from diffpipe.models.base import Family, split_parts
 from diffpipe.training.adapter import apply_state, load_adapter
 from diffpipe.training.text_encoders import load_text_adapters
@@ -16,20 +18,29 @@ from diffpipe.utils import atomic_path
 INFO_NAME = "diffpipe_lora.json"
 
 
+#: What a merged denoiser's trained layer must give on its probe vectors: module -> (x, (W + delta) @ x).
+Probes = dict[str, tuple[torch.Tensor, torch.Tensor]]
+
+
 def export_merged(adapter_dir: str | Path, out_dir: str | Path, family: Family,
-                  metadata: dict[str, str] | None = None) -> Path:
+                  metadata: dict[str, str] | None = None, checks: list[FileCheck] | None = None) -> Path:
     """Load the family pipeline, merge the adapter at its trained scale, ``save_pretrained`` atomically.
 
     Each trained part (both Wan 2.2 A14B experts with ``model.expert: both``) gets its
     own LoRA fused in, and each text encoder trained beside it (``train.text_encoder``) its own. The folder loads with ``<Pipeline>.from_pretrained`` and needs
     no LoRA support; ``diffpipe_lora.json`` records which LoRA was fused in.
+
+    The saved folder is read back (:func:`read_back`, appended to ``checks``): each trained layer's
+    saved weight, one tensor at a time, against base + PEFT's delta on probe vectors taken before the merge.
     """
     pipe = family.load_pipeline()
+    probes: dict[str, Probes] = {}
     state_dict, lora_cfg = load_adapter(adapter_dir)
     for attr, part_state in split_parts(state_dict, family.denoiser_parts).items():
         denoiser = family.trained_base(getattr(pipe, attr))
         setattr(pipe, attr, denoiser)
         apply_state(denoiser, part_state, lora_cfg, source=f"{adapter_dir} ({attr})")
+        probes[attr] = _probes(denoiser)
         for module in denoiser.modules():  # PEFT's own merge: LoRA, DoRA, LoKr and LoHa alike
             if isinstance(module, BaseTunerLayer):
                 module.merge()
@@ -40,4 +51,46 @@ def export_merged(adapter_dir: str | Path, out_dir: str | Path, family: Family,
     with atomic_path(out_dir, is_dir=True) as tmp:
         pipe.save_pretrained(tmp, safe_serialization=True)
         (tmp / INFO_NAME).write_text(json.dumps(metadata or {}, indent=2, sort_keys=True))
+    if checks is not None:
+        checks.append(read_back(out_dir, probes))
     return out_dir
+
+
+@torch.no_grad()
+def _probes(denoiser: torch.nn.Module) -> Probes:
+    """Each adapted layer's probe vectors and ``(W + delta) @ x`` from its base weight and PEFT's delta (one
+    layer's delta at a time, as PEFT's merge forms it). DoRA layers are left out: their merge rescales rows."""
+    out: Probes = {}
+    for name, module in denoiser.named_modules():
+        if not isinstance(module, BaseTunerLayer) or not module.active_adapters:
+            continue
+        (adapter,) = module.active_adapters
+        if getattr(module, "use_dora", {}).get(adapter):
+            continue
+        weight = module.get_base_layer().weight
+        x = probe(weight.flatten(1).shape[1])
+        out[name] = (x, weight.flatten(1).double() @ x + module.get_delta_weight(adapter).flatten(1).double() @ x)
+    return out
+
+
+def read_back(folder: Path, probes: dict[str, Probes]) -> FileCheck:
+    """The saved merged folder, each part's trained layers read one tensor at a time (``safe_open``) and
+    compared with base + trained delta on their probes; ``probes``: by pipeline component."""
+    from safetensors import safe_open  # deferred: only the export job reads it back
+
+    check = FileCheck(folder, "merged", "safetensors, tensor by tensor")
+    off, seen = [], set()
+    for attr, layers in probes.items():
+        for file in sorted((folder / attr).glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as tensors:
+                for key in tensors.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    module = key.removesuffix(".weight")
+                    if key.endswith(".weight") and module in layers:
+                        x, want = layers[module]
+                        seen.add(f"{attr}/{module}")
+                        if differs(tensors.get_tensor(key).flatten(1).double() @ x, want):
+                            off.append(f"{attr}/{module}")
+    check.placed = len(seen)
+    check.keys("layer(s) differ from base + trained delta", off)
+    check.keys("trained layer(s) missing from the folder", {f"{a}/{m}" for a, ls in probes.items() for m in ls} - seen)
+    return check

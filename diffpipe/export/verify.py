@@ -15,7 +15,10 @@ weights (the tiny flavor's in a blink; a local model's from its config on the me
 A tensor no reader places, a trained module missing from a file, or a strength other than the trained
 delta's is a problem. Strength is compared on random probe vectors (``delta @ x`` from the factors,
 never the full weight update), so the check costs milliseconds per layer at any model size. LoKr and
-LoHa files are checked for placement only; the merged folder (full weights) is not read.
+LoHa layers of the comfyui and kohya files are compared the same way: the delta ComfyUI's LyCORIS
+arithmetic applies (``kron(w1, w2)`` or ``(w1_a @ w1_b) * (w2_a @ w2_b)``, its alpha rule) against
+PEFT's (``alpha / r`` times the same product of the trained tensors). The merged folder is read back
+by ``export.merged.read_back`` (it needs the base weights export_merged holds); its check joins the report.
 The findings go to ``verify.json`` beside the files (per file: ok, placed, problems).
 """
 
@@ -29,6 +32,7 @@ import torch
 
 from diffpipe.export.convert import Lora, module_loras
 from diffpipe.export.keymaps import denoiser_skeleton, keymap_for_model
+from diffpipe.export.lycoris import Product, module_products
 from diffpipe.export.verify_checks import FileCheck, check_original
 from diffpipe.export.verify_loaders import check_diffusers, check_peft, text_model
 from diffpipe.families import spec
@@ -77,7 +81,7 @@ def verify_exports(files: dict[str, Path], family: Family, adapter_dir: str | Pa
     """Check each exported file (``files``: ``ExportResult.files``, keys ``<format><part suffix>``) against
     the adapter it was written from (``adapter_dir``)."""
     state, lora_cfg = load_adapter(adapter_dir)
-    plain = adapter_kind(lora_cfg) in ("lora", "dora")  # LoKr / LoHa: placement only
+    plain = adapter_kind(lora_cfg) in ("lora", "dora")  # LoKr / LoHa: strength in the comfyui / kohya files
     text = {n: module_loras(sd, cfg) for n, (sd, cfg) in load_text_adapters(adapter_dir).items()}
     by_part = split_parts(state, family.denoiser_parts)
     checks = []
@@ -85,6 +89,7 @@ def verify_exports(files: dict[str, Path], family: Family, adapter_dir: str | Pa
         fmt, part = _format_of(key, family.denoiser_parts)
         factors, magnitudes = _dora_split(by_part[part.attr])
         trained = module_loras(factors, lora_cfg) if plain else None
+        products = None if plain else module_products(factors, lora_cfg)
         if fmt == "diffusers":
             checks.append(check_diffusers(path, family, _skeleton(family, part), trained, text, magnitudes))
         elif fmt == "peft":
@@ -93,7 +98,7 @@ def verify_exports(files: dict[str, Path], family: Family, adapter_dir: str | Pa
                 check_peft(path / name, text_model(family, name), text[name], check=check, label=f"{name}/")
             checks.append(check)
         elif fmt in ("comfyui", "kohya"):
-            checks.append(_check_original_file(path, fmt, family, trained, text))
+            checks.append(_check_original_file(path, fmt, family, trained if plain else products, text))
     return VerifyReport(checks)
 
 
@@ -118,7 +123,7 @@ def _format_of(key: str, parts: tuple[DenoiserPart, ...]) -> tuple[str, Denoiser
     raise ValueError(f"export verify: {key!r} is no export format (one of {', '.join(FORMATS)})")
 
 
-def _check_original_file(path: Path, fmt: str, family: Family, trained: dict[str, Lora] | None,
+def _check_original_file(path: Path, fmt: str, family: Family, trained: dict[str, Lora] | dict[str, Product],
                          text: dict[str, dict[str, Lora]]) -> FileCheck:
     keymap = keymap_for_model(family.name, denoiser_skeleton(family))
     comfy = spec(family.name).comfy_reads_diffusers != "no-model" and not (

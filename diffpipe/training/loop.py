@@ -399,7 +399,7 @@ class Trainer:
         agree = trained.ranks_agree(dist.world_size)
         seconds = time.perf_counter() - self.t_start
         if dist.is_main:
-            plot_loss(read_metrics(paths.metrics), paths.train_dir / "loss.png", objective=self.tc.objective.loss)
+            plot_loss(read_metrics(paths.metrics), paths.loss_plot, objective=self.tc.objective.loss)
             summary = {"steps": order.total, "resumed_from": start, "world_size": dist.world_size,
                        "ranks_agree": agree, "seconds": seconds, "offload": engine.offload_in_effect(self.model),
                        "skipped_steps": self.streak.total, "memory": self.memory_options()}

@@ -223,12 +223,13 @@ def test_lora_changes_the_output(trained):
 
 def test_export_read_every_file_back(trained):
     """The export's verify step (``export/verify.json``) read each file by its reader's rules: the
-    diffusers and PEFT loaders placed every trained module, ComfyUI's key map every layer."""
+    diffusers and PEFT loaders placed every trained module, ComfyUI's key map every layer, and the merged
+    folder held every trained layer at base + delta."""
     report = json.loads((trained["root"] / "export" / "verify.json").read_text())
     assert report["ok"], report
-    assert set(report["files"]) == {p.name for k, p in trained["files"].items() if k != "merged"}
+    assert set(report["files"]) == {p.name for p in trained["files"].values()}
     for name, entry in report["files"].items():
-        if entry["format"] in ("diffusers", "peft"):
+        if entry["format"] in ("diffusers", "peft", "merged"):  # merged: each trained layer read back (#41)
             assert entry["placed"] == len(trained["deltas"]), (name, entry)
         else:  # one layer per original layer: fused layers hold several modules
             assert 0 < entry["placed"] <= len(trained["deltas"]), (name, entry)

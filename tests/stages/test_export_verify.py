@@ -20,11 +20,11 @@ from typer.testing import CliRunner
 
 from diffpipe.cli import app
 from diffpipe.config import LoraConfig, ModelConfig
-from diffpipe.export import api, diffusers_format, export_lora
+from diffpipe.export import api, comfy_rules, diffusers_format, export_lora, lycoris, verify_checks
 from diffpipe.export.keymaps import KeyMap
 from diffpipe.export.verify import VERIFY_NAME, ExportVerifyError, verify_exports
 from diffpipe.families import get_family
-from diffpipe.training.adapter import peft_config, save_adapter
+from diffpipe.training.adapter import add_lora, lora_state_dict, peft_config, save_adapter
 
 FORMATS = ["diffusers", "peft", "comfyui", "kohya"]
 
@@ -157,3 +157,64 @@ def test_each_expert_of_a_two_expert_run_verifies(tmp_path):
     report = json.loads(result.verify.read_text())
     assert report["ok"] and len(report["files"]) == 4, report
     assert len({entry["placed"] for entry in report["files"].values()}) == 1  # the same modules in each
+
+
+@pytest.fixture(scope="module", params=["lokr", "loha"])
+def product_adapter(request, tmp_path_factory):
+    """A tiny-SD LoKr or LoHa adapter (alpha 3 at rank 2: scale 1.5, so a lost scale shows), every tensor nonzero."""
+    family = get_family(ModelConfig(family="sd", flavor="tiny"))
+    targets = ["to_q", "to_k", "to_v", "to_out.0"]
+    options = {"lokr_factor": 2} if request.param == "lokr" else {}
+    cfg = peft_config(LoraConfig(kind=request.param, rank=2, alpha=3.0, targets=targets, **options), targets)
+    unet = family.load_denoiser()
+    add_lora(unet, cfg)
+    g = torch.Generator().manual_seed(1)
+    for p in unet.parameters():
+        if p.requires_grad:  # LoKr's w2 and LoHa's second pair start at zero
+            p.data += torch.randn(p.shape, generator=g) * 0.2
+    folder = tmp_path_factory.mktemp(f"verify-{request.param}") / "adapter"
+    save_adapter(folder, lora_state_dict(unet), cfg, {"family": "sd", "flavor": "tiny", "step": 3})
+    return family, folder
+
+
+def test_a_lycoris_export_verifies_its_strength(product_adapter, tmp_path):
+    family, folder = product_adapter
+    result = export_lora(folder, tmp_path / "export", family, ["comfyui", "kohya"])
+    assert json.loads(result.verify.read_text())["ok"]
+    # The probe arithmetic against the whole delta ComfyUI forms (comfy_rules.lycoris_patches), per layer.
+    tensors = load_file(str(result.files["comfyui"]))
+    layers, _ = verify_checks._layer_tensors(tensors)
+    for name, make in comfy_rules.lycoris_patches(tensors).items():
+        parts = layers[name]
+        x = verify_checks.probe(verify_checks._in_features(parts))
+        n_out = verify_checks.product_applied(parts, 1.0, x).shape[0]
+        whole = make((n_out, x.shape[0])).double() @ x
+        assert not verify_checks.differs(verify_checks.product_applied(parts, 1.0, x), whole), name
+
+
+def test_a_lycoris_file_at_another_strength_fails_the_export(product_adapter, tmp_path, monkeypatch):
+    """#41: LoKr / LoHa files written without their alpha / rank folded in (ComfyUI then applies 1.0, not 1.5)
+    were passed on placement alone; the delta ComfyUI's LyCORIS arithmetic applies is now compared on probes."""
+    family, folder = product_adapter
+    monkeypatch.setattr(lycoris.Product, "folded", lambda self: self.tensors)
+    with pytest.raises(ExportVerifyError) as err:
+        export_lora(folder, tmp_path / "export", family, ["comfyui", "kohya"])
+    message = str(err.value)
+    assert "comfyui_lora.safetensors" in message and "kohya_lora.safetensors" in message
+    assert "layer(s) at another strength than trained" in message and "attn1_to_q" in message, message
+
+
+def test_a_merged_folder_without_the_lora_fails_the_export(adapter, tmp_path, monkeypatch):
+    """#41: the merged folder is read back tensor by tensor: a trained layer whose saved weight is not base +
+    trained delta (here: PEFT's merge of linear layers planted as a no-op, so their base is saved) fails the export."""
+    from peft.tuners.lora.layer import Linear
+
+    family, folder = adapter
+    good = export_lora(folder, tmp_path / "good", family, ["merged"])
+    entry = json.loads(good.verify.read_text())["files"]["merged"]
+    assert entry["ok"] and entry["placed"] > 0, entry
+    monkeypatch.setattr(Linear, "merge", lambda self, *a, **k: None)
+    with pytest.raises(ExportVerifyError) as err:
+        export_lora(folder, tmp_path / "export", family, ["merged"])
+    assert "merged" in str(err.value) and "differ from base + trained delta" in str(err.value), str(err.value)
+    assert "attn1.to_q" in str(err.value)

@@ -8,6 +8,7 @@ command's output, not a file.
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import yaml
@@ -26,7 +27,7 @@ def run(tmp_path_factory):
     """A run folder with a verified tiny-SD export, and its config file."""
     root = tmp_path_factory.mktemp("push")
     family, adapter = sd_adapter(root / "adapter", text_encoder=False)
-    export_lora(adapter, root / "run" / "export", family, ["diffusers", "peft", "comfyui", "kohya"])
+    export_lora(adapter, root / "run" / "export", family, ["diffusers", "peft", "comfyui", "kohya", "merged"])
     config = root / "config.yaml"
     config.write_text(yaml.safe_dump({"output_dir": str(root / "run"), "model": {"family": "sd", "flavor": "tiny"},
                                       "datasets": [{"name": "d", "path": str(root / "data"), "resolution": 32}]}))
@@ -40,8 +41,10 @@ def _push(config, hub, *extra):
 
 
 def _local_files(export) -> dict[str, bytes]:
-    names = [*json.loads((export / "verify.json").read_text())["files"], "README.md"]
-    out = {}
+    """What push uploads, by repository path: the verified files, and the Hub's card as README.md."""
+    names = [n for n, entry in json.loads((export / "verify.json").read_text())["files"].items()
+             if entry["format"] != "merged"]
+    out = {"README.md": (export / "README.hub.md").read_bytes()}
     for name in names:
         path = export / name
         for f in sorted(path.rglob("*")) if path.is_dir() else [path]:
@@ -74,11 +77,29 @@ def test_push_round_trips_and_a_second_push_is_a_no_op(run):
     assert not leaked, leaked
 
 
+def test_pushed_card_lists_only_what_is_uploaded(run):
+    """#41: the merged folder stays local, so the card on the Hub neither lists it nor links local samples;
+    every file its tables name is in the commit. The local card still lists the merged folder."""
+    root, config = run
+    assert "`merged`" in (root / "run" / "export" / "README.md").read_text()
+    with HubStandIn() as hub:
+        result = _push(config, hub)
+        assert result.exit_code == 0, result.output
+        uploaded = hub.state.repos["me/tiny-lora"].branches["main"]
+    assert not any(name.startswith("merged/") for name in uploaded)
+    card = uploaded["README.md"].decode()
+    assert "merged" not in card and "![sample]" not in card, card
+    named = {m.rstrip("/") for line in card.splitlines() if line.startswith("|")
+             for m in re.findall(r"\| `([^`]+)` \|", line)}
+    assert named and all(any(u == n or u.startswith(n + "/") for u in uploaded) for n in named), (named, sorted(uploaded))
+
+
 def test_push_reads_the_report_export_writes():
     from diffpipe import push
-    from diffpipe.export import verify
+    from diffpipe.export import card, verify
 
     assert push.VERIFY_NAME == verify.VERIFY_NAME  # restated in push to keep torch out of its import
+    assert push.LOCAL_ONLY == card.LOCAL_ONLY
 
 
 def test_push_refuses_an_export_that_failed_verification(run, tmp_path):

@@ -95,7 +95,7 @@ def test_workflow_declares_each_trained_parts_export_files():
     outputs = dw.export_outputs(cfg)
     assert outputs["diffusers_low_noise"] == "r/export/pytorch_lora_weights_low_noise.safetensors"
     assert outputs["peft_low_noise"] == "r/export/peft_low_noise/adapter_model.safetensors"
-    assert set(outputs) == {"diffusers", "peft", "diffusers_low_noise", "peft_low_noise", "card"}
+    assert set(outputs) == {"diffusers", "peft", "diffusers_low_noise", "peft_low_noise", "card", "hub_card"}
 
 
 def test_every_mapped_family_names_its_denoiser():

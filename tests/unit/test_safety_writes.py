@@ -123,7 +123,7 @@ def test_export_out_never_overwrites_a_user_file(lora, tmp_path):
         res = runner.invoke(app, ["export", str(lora["adapter"]), "--format", "peft", "--out", str(user)])
         assert res.exit_code == 0, res.output
     assert (user / "README.md").is_file() and (user / "peft" / "adapter_model.safetensors").is_file()
-    _intact_beside(user, others, 1 + 3 + 1)  # README.md; peft/ with its two files and its marker; verify.json
+    _intact_beside(user, others, 2 + 3 + 1)  # README.md and README.hub.md; peft/ with its two files and its marker; verify.json
     # Snakemake creates the (empty) folders of a job's outputs before it runs: no clash.
     (tmp_path / "fresh" / "peft").mkdir(parents=True)
     res = runner.invoke(app, ["export", str(lora["adapter"]), "--format", "peft", "--out", str(tmp_path / "fresh")])

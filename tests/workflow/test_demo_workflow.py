@@ -155,7 +155,7 @@ def test_the_run_report_opens_in_a_browser_with_its_plots_and_grids(demo, tmp_pa
 
 def test_snakemake_report_bundles_the_run_report_and_samples(demo, tmp_path):
     """`diffpipe run -c CFG -- --report FILE` (Snakemake's --report) on the finished run: its zip holds the
-    outputs the rules mark report(): the run report and the sample images."""
+    outputs the rules mark report(): the run report, the sample images and the loss plot (#41)."""
     bundle = tmp_path / "snakemake-report.zip"
     done = run_workflow(demo["root"] / "config.yaml", cores=1, workdir=demo["root"], console=Console(stderr=True),
                         extra=["--report", str(bundle)])
@@ -163,6 +163,7 @@ def test_snakemake_report_bundles_the_run_report_and_samples(demo, tmp_path):
     names = zipfile.ZipFile(bundle).namelist()
     assert any("/data/" in n and n.endswith("/report.html") for n in names), names
     assert any(n.endswith("/grid.png") for n in names), names
+    assert any(n.endswith("/loss.png") for n in names), names
 
 
 def test_second_run_executes_zero_jobs(demo):

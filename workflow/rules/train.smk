@@ -6,6 +6,9 @@ rule train:
     output:
         adapter=out(paths.ADAPTER_FILE),
         metrics=out(paths.METRICS),
+        # An output, not an input: a redrawn plot never makes training rerun; report() puts it in
+        # `snakemake --report`'s bundle (the run report draws its own from the metrics).
+        loss=report(out(paths.LOSS_PLOT), caption="../report/loss.rst", category="Training"),
     # launcher: resources.mpi split into words and each one shell-quoted
     # (dw.launcher_args), so a profile's launcher cannot run anything but itself.
     params:
