@@ -1,90 +1,229 @@
-"""How the workflow scales with the dataset: dry-run time and peak memory.
+"""How the workflow scales with the dataset: wall time and peak memory of each job.
 
-    python benchmarks/dag_scale.py --n 10000 --n 100000 --work /tmp/dagscale
+    python benchmarks/dag_scale.py --n 100000 --work /tmp/dagscale
+    python benchmarks/dag_scale.py --n 1000000 --parquet-n 10000000 --validation-shards 100
 
-For each N it generates N small images with captions, runs `diffpipe
-validate` and `diffpipe plan` (peak RSS of each, measured on the process
-tree), one `diffpipe cache latents` shard job (its peak RSS does not depend
-on N: a shard holds `--items-per-shard` items), then times
-`diffpipe run --dry-run` over the planned DAG. Prints a table and writes
-results.json.
+For each point it generates a dataset (``--n``: N tiny PNG files with ``.txt``
+captions, 1,000 per folder; ``--parquet-n``: one Parquet table folder of N rows
+of PNG bytes and captions, written row group by row group), then drives the
+workflow through ``diffpipe run`` up to the plan:
+
+1. first run (validate, plan);
+2. no-change rerun (Snakemake should run no job);
+3. ``diffpipe run --dry-run`` over the whole workflow (its job counts, read
+   from Snakemake's "Job stats" table);
+4. a +1% change (1% new items: new files, or one new Parquet file), then the
+   same run again: which jobs ran and which cache shard specs the plan
+   rewrote (a cache shard job reruns exactly when its spec changed).
+
+Each job's wall time and peak RSS come from Snakemake's own benchmark files
+(``run/benchmarks/**.tsv``, column ``s`` and ``max_rss``); a job ran in a step
+when its benchmark file was rewritten. The peak RSS of the whole process tree
+(Snakemake and its jobs, summed) is polled every 0.2 s. A step is stopped when
+the machine's available memory falls below ``--min-available-mib`` (shared
+machine): the result then says so. Writes results.json and results.md in
+``--work``.
 """
 
 from __future__ import annotations
 
 import argparse
+import csv
 import json
+import os
+import re
+import struct
 import subprocess
 import sys
 import time
+import zlib
 from pathlib import Path
 
+import psutil
 import yaml
 
-_MEASURE = (
-    "import resource, subprocess, sys, time;"
-    "t = time.perf_counter(); rc = subprocess.run(sys.argv[1:]).returncode;"
-    "dt = time.perf_counter() - t;"
-    "print(rc, dt, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr)"
-)
+# The PNG templates: smooth 32 px images (a few hundred bytes each); every item
+# gets its own tEXt chunk, so each file's SHA-256 differs and every item is new
+# content to validation, while writing a million of them costs no encoding.
+_TEMPLATES: list[bytes] = []
+_COLOURS = ["red", "green", "blue", "yellow", "purple", "orange", "white", "grey"]
 
 
-def measured(cmd: list[str], cwd: Path) -> tuple[float, float]:
-    """(seconds, peak RSS in MiB of the largest process) of one command."""
-    out = subprocess.run([sys.executable, "-c", _MEASURE, *cmd], cwd=cwd, capture_output=True, text=True)
-    rc, seconds, rss_kb = out.stderr.strip().splitlines()[-1].split()
-    if rc != "0":
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{out.stderr[-3000:]}")
-    return float(seconds), int(rss_kb) / 1024
+def _templates() -> list[bytes]:
+    if not _TEMPLATES:
+        import io
+
+        from PIL import Image
+
+        for k in range(len(_COLOURS)):
+            img = Image.linear_gradient("L").resize((32, 32)).convert("RGB")
+            img = Image.merge("RGB", [c.point(lambda v, k=k, j=j: (v * (k + j + 1)) % 256)
+                                      for j, c in enumerate(img.split())])
+            buf = io.BytesIO()
+            img.save(buf, format="PNG")
+            _TEMPLATES.append(buf.getvalue())
+    return _TEMPLATES
 
 
-def bench(n: int, work: Path, items_per_shard: int) -> dict:
-    from diffpipe.data.dataset.demo import write_demo_dataset
+def png_bytes(i: int) -> bytes:
+    """A valid PNG whose bytes are unique to item ``i`` (a tEXt chunk after IHDR)."""
+    tpl = _templates()[i % len(_COLOURS)]
+    body = b"tEXt" + b"item\0" + str(i).encode()
+    chunk = struct.pack(">I", len(body) - 4) + body + struct.pack(">I", zlib.crc32(body))
+    return tpl[:33] + chunk + tpl[33:]  # 8-byte signature + 25-byte IHDR chunk
 
-    root = work / f"n{n}"
-    data = root / "data"
-    done = root / "generated"  # marker outside the dataset, so reruns reuse it
-    if not done.exists():
+
+def caption(i: int) -> str:
+    return f"a {_COLOURS[i % len(_COLOURS)]} gradient, item {i}"
+
+
+def write_files(data: Path, start: int, stop: int) -> None:
+    """Items ``start..stop-1`` as ``data/<i // 1000>/<i>.png`` and ``.txt``."""
+    for i in range(start, stop):
+        folder = data / f"{i // 1000:05d}"
+        if i % 1000 == 0 or i == start:
+            folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"{i:08d}.png").write_bytes(png_bytes(i))
+        (folder / f"{i:08d}.txt").write_text(caption(i))
+
+
+def write_table(data: Path, start: int, stop: int, rows_per_file: int = 500_000, group: int = 50_000) -> None:
+    """Rows ``start..stop-1`` as Parquet files ``data/default/train/<first row>.parquet``, one row group of
+    ``group`` rows at a time (never the whole table in memory)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    folder = data / "default" / "train"
+    folder.mkdir(parents=True, exist_ok=True)
+    schema = pa.schema([("image", pa.binary()), ("text", pa.string())])
+    for first in range(start, stop, rows_per_file):
+        last = min(stop, first + rows_per_file)
+        tmp = folder / f".{first:09d}.parquet.tmp"
+        with pq.ParquetWriter(tmp, schema) as writer:
+            for g in range(first, last, group):
+                rows = range(g, min(last, g + group))
+                writer.write_table(pa.table({"image": [png_bytes(i) for i in rows],
+                                             "text": [caption(i) for i in rows]}, schema=schema))
+        tmp.rename(folder / f"{first:09d}.parquet")
+
+
+def _tree_rss(proc: psutil.Process) -> int:
+    total = 0
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            total += p.memory_info().rss
+        except psutil.Error:
+            pass
+    return total
+
+
+def measured(cmd: list[str], cwd: Path, min_available_mib: int) -> dict:
+    """Wall time, peak summed RSS of the process tree, output; stopped (``killed``) on low memory."""
+    t = time.perf_counter()
+    proc = psutil.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                        start_new_session=True)
+    peak, killed, chunks = 0, None, []
+    import threading
+
+    reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    while proc.poll() is None:
+        peak = max(peak, _tree_rss(proc))
+        avail = psutil.virtual_memory().available >> 20
+        if avail < min_available_mib and killed is None:
+            killed = f"stopped: machine had {avail} MiB available, tree at {peak >> 20} MiB"
+            os.killpg(proc.pid, 9)
+        time.sleep(0.2)
+    reader.join()
+    return {"s": round(time.perf_counter() - t, 2), "tree_peak_rss_mib": peak >> 20, "rc": proc.returncode,
+            "killed": killed, "out": "".join(chunks)}
+
+
+def job_stats(text: str) -> dict[str, int]:
+    """Snakemake's "Job stats" table (``rule count`` rows up to ``total``) as a dict."""
+    stats, inside = {}, False
+    for line in text.splitlines():
+        if line.startswith("Job stats:"):
+            inside = True
+        elif inside and (m := re.fullmatch(r"(\w+)\s+(\d+)", line.strip())):
+            stats[m[1]] = int(m[2])
+            if m[1] == "total":
+                break
+    return stats
+
+
+def benchmarks_since(run: Path, since: float) -> dict[str, dict]:
+    """Snakemake benchmark files rewritten after ``since``: job -> wall seconds and max RSS (MiB)."""
+    jobs = {}
+    for tsv in sorted((run / "benchmarks").rglob("*.tsv")):
+        if tsv.stat().st_mtime >= since:
+            row = next(csv.DictReader(tsv.open(), delimiter="\t"))
+            jobs[str(tsv.relative_to(run / "benchmarks").with_suffix(""))] = {
+                "s": float(row["s"]), "max_rss_mib": float(row["max_rss"]) if row["max_rss"] != "NA" else None}
+    return jobs
+
+
+def specs_since(run: Path, since: float) -> list[str]:
+    """Cache shard spec files the plan (re)wrote after ``since``."""
+    return sorted(str(p.relative_to(run)) for p in (run / "plan").rglob("*.json")
+                  if p.stat().st_mtime >= since and p.name != "plan.json")
+
+
+def _step(name: str, cmd: list[str], root: Path, run: Path, args: argparse.Namespace) -> dict:
+    since = time.time()
+    res = measured(cmd, root, args.min_available_mib)
+    out = res.pop("out")
+    res["jobs"] = benchmarks_since(run, since)
+    res["specs_rewritten"] = len(specs_since(run, since)) if (run / "plan").exists() else 0
+    if res["rc"] != 0:
+        res["error_tail"] = out[-3000:]
+    print(f"{name}: {res['s']} s, tree {res['tree_peak_rss_mib']} MiB, rc {res['rc']}, "
+          f"{len(res['jobs'])} jobs", file=sys.stderr)
+    return res
+
+
+def bench(kind: str, n: int, args: argparse.Namespace) -> dict:
+    root = args.work / f"{kind}{n}"
+    data, run = root / "data", root / "run"
+    write = write_files if kind == "files" else write_table
+    if not (root / "generated").exists():  # marker outside the dataset, so reruns reuse it
         t = time.perf_counter()
-        write_demo_dataset(data, n=n, size=32, seed=0)
-        done.write_text(str(n))
-        print(f"n={n}: generated in {time.perf_counter() - t:.1f} s", file=sys.stderr)
-    cfg = {
-        "output_dir": "run",
-        "datasets": [{"name": "bench", "path": str(data), "resolution": 32}],
-        "cache": {"shards": max(1, n // items_per_shard)},
-    }
-    config = root / "config.yaml"
-    config.write_text(yaml.safe_dump(cfg))
-    dp = [sys.executable, "-m", "diffpipe"]
-    res = {"n": n, "shards": cfg["cache"]["shards"]}
-    res["validate_s"], res["validate_rss_mib"] = measured([*dp, "validate", "-c", str(config)], root)
-    res["plan_s"], res["plan_rss_mib"] = measured([*dp, "plan", "-c", str(config)], root)
-    res["cache_shard_s"], res["cache_shard_rss_mib"] = measured(
-        [*dp, "cache", "latents", "-c", str(config), "--shard", "s0000"], root
-    )
-    # Bring Snakemake to "validated and planned" (fast now: nothing is re-read),
-    # so the dry-run below sees every shard job of the planned DAG.
-    measured([*dp, "run", "-c", str(config), "--cores", "2", "--target", "run/plan"], root)
-    res["dry_run_s"], _ = measured([*dp, "run", "-c", str(config), "--dry-run", "--cores", "2"], root)
-    dry = subprocess.run([*dp, "run", "-c", str(config), "--dry-run", "--cores", "2"], cwd=root,
-                         capture_output=True, text=True)
-    res["dry_run_jobs"] = next((int(line.split()[1]) for line in (dry.stdout + dry.stderr).splitlines()
-                                if line.startswith("total")), -1)
+        write(data, 0, n)
+        (root / "generated").write_text(str(n))
+        print(f"{kind} n={n}: generated in {time.perf_counter() - t:.1f} s", file=sys.stderr)
+    cfg: dict = {"output_dir": "run", "datasets": [{"name": "bench", "path": str(data), "resolution": 32}],
+                 "cache": {"shards": max(1, n // args.items_per_shard)}}
+    if args.validation_shards:
+        cfg["validation"] = {"shards": args.validation_shards}
+    (root / "config.yaml").write_text(yaml.safe_dump(cfg))
+    dp = [sys.executable, "-m", "diffpipe", "run", "-c", str(root / "config.yaml"), "--cores", "2"]
+    to_plan = [*dp, "--target", "run/plan"]
+    res: dict = {"kind": kind, "n": n, "shards": cfg["cache"]["shards"]}
+    res["first_run"] = _step("first run", to_plan, root, run, args)
+    res["no_change_rerun"] = _step("no-change rerun", to_plan, root, run, args)
+    dry = _step("dry-run", [*dp, "--dry-run"], root, run, args)
+    res["dry_run"] = {"s": dry["s"], "tree_peak_rss_mib": dry["tree_peak_rss_mib"]}
+    res["dry_run_jobs"] = job_stats(subprocess.run([*dp, "--dry-run"], cwd=root, capture_output=True,
+                                                   text=True).stdout)
+    if not (root / "changed").exists():
+        write(data, n, n + n // 100)
+        (root / "changed").write_text(str(n // 100))
+    res["plus_1pct"] = _step("+1% change", to_plan, root, run, args)
     return res
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=int, action="append", help="dataset sizes (repeatable)")
+    ap.add_argument("--n", type=int, action="append", default=[], help="file dataset sizes (repeatable)")
+    ap.add_argument("--parquet-n", type=int, action="append", default=[], help="Parquet table sizes (repeatable)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/diffpipe-dagscale"))
     ap.add_argument("--items-per-shard", type=int, default=1000)
+    ap.add_argument("--validation-shards", type=int, default=0, help="validation.shards (0: leave unset)")
+    ap.add_argument("--min-available-mib", type=int, default=1500)
     args = ap.parse_args()
-    results = [bench(n, args.work, args.items_per_shard) for n in args.n or [10_000]]
-    keys = list(results[0])
-    print(" | ".join(keys))
-    for r in results:
-        print(" | ".join(f"{r[k]:.2f}" if isinstance(r[k], float) else str(r[k]) for k in keys))
+    points = [("files", n) for n in args.n] + [("parquet", n) for n in args.parquet_n] or [("files", 10_000)]
+    results = [bench(kind, n, args) for kind, n in points]
+    args.work.mkdir(parents=True, exist_ok=True)
     (args.work / "results.json").write_text(json.dumps(results, indent=2))
 
 
