@@ -73,6 +73,7 @@ from diffpipe.families import get_family
 from diffpipe.families.published import PUBLISHED, Published, for_family
 from diffpipe.models._common import load_dtype
 from diffpipe.models.base import Family
+from diffpipe.models.routing import TokenRoute
 from diffpipe.training import load, offload
 from diffpipe.training.precision import (
     QUANTISED,
@@ -440,6 +441,7 @@ def estimate_for(
     tc = cfg.train
     # The tiny scheduler's prediction type need not suit the folder's zero-terminal-SNR schedule.
     family = get_family(cfg.model.model_copy(update={"flavor": "tiny", "path": None, "zero_terminal_snr": None}))
+    family.check_token_routing(tc.token_routing)
     resolution, height, frames = _sizes(cfg, family, spec, resolution, height, frames)
     precision = resolve_precision(tc.precision, cuda=True)  # the estimate is for a GPU: auto = bf16
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
@@ -553,8 +555,12 @@ def _meta_forward(cfg: Config, family: Family, spec: Published, denoiser: torch.
     references = max((d.references for d in cfg.datasets), default=0) or 1  # Qwen-Image-Edit-Plus: up to 4
     extra = family.estimate_controls(latents, denoiser, references) if family.uses_control else {}
 
+    r = tc.token_routing  # the routed blocks save their activations for the kept tokens only
+
     def forward() -> torch.Tensor:
-        return family.loss(denoiser, latents, text, generator, t=t, noise=noise, objective=tc.objective, **extra)
+        route = None if r is None else TokenRoute(r.keep, r.start_block, r.end_block, torch.Generator())
+        return family.loss(denoiser, latents, text, generator, t=t, noise=noise, objective=tc.objective,
+                           route=route, **extra)
 
     return forward
 

@@ -20,10 +20,13 @@ from typing import Any
 
 import torch
 
-from diffpipe.config import LoraConfig, ModelConfig, ObjectiveConfig
+from diffpipe.config import LoraConfig, ModelConfig, ObjectiveConfig, TokenRoutingConfig
+from diffpipe.config.base import ConfigError
 from diffpipe.families import Absent, family_names, get_family, spec
+from diffpipe.models import routing
 from diffpipe.models.base import Family
 from diffpipe.models.layers import run_layers
+from diffpipe.models.routing import TokenRoute
 from diffpipe.models.spec import FamilySpec, Kohya
 
 #: Captions of equal token counts in every tiny tokenizer: families whose pipeline layers take one
@@ -326,10 +329,80 @@ def check_keymap(b: Built) -> None:
                     "the comfyui and kohya files would drop them")
 
 
+def _routed_loss(b: Built, keep: float | None, seed: int = 2) -> torch.Tensor:
+    stack = b.family.routed_stack
+    blocks = sum(len(getattr(m, n)) for m in _routed_transformers(b) for n in stack.lists) // len(_routed_transformers(b))
+    route = None if keep is None else TokenRoute(keep, 0, blocks, torch.Generator().manual_seed(7))
+    return b.family.loss(b.denoiser, b.latents, b.text, torch.Generator().manual_seed(seed), route=route, **b.aux)
+
+
+def _routed_transformers(b: Built) -> list[torch.nn.Module]:
+    return routing._transformers(b.denoiser, b.family.routed_stack)
+
+
+def _route_ends(b: Built) -> tuple[dict, list]:
+    """Hooks seeing the hidden states entering the first routed block and leaving the last (all blocks)."""
+    seen: dict[str, torch.Tensor] = {}
+    tr = _routed_transformers(b)[-1]
+    blocks = [blk for n in b.family.routed_stack.lists for blk in getattr(tr, n)]
+    where = b.family.routed_stack.output
+
+    def enter(_m, args, kwargs):
+        seen.setdefault("in", kwargs.get("hidden_states", args[0] if args else None))
+
+    def leave(_m, _args, out):
+        seen["out"] = out if where is None else out[where]
+
+    return seen, [blocks[0].register_forward_pre_hook(enter, with_kwargs=True),
+                  blocks[-1].register_forward_hook(leave)]
+
+
+def check_token_routing(b: Built) -> None:
+    """``train.token_routing``: refused by name without a declared block stack; with one, keep = 1 is the plain
+    loss bit for bit, keep < 1 leaves the skipped tokens as they entered the routed blocks and changes the
+    kept ones, the LoRA still gets gradients, and a forward outside a routed step uses every token again."""
+    if b.family.routed_stack is None:
+        try:
+            b.family.check_token_routing(TokenRoutingConfig(start_block=0, end_block=2))
+        except ConfigError as err:
+            if "train.token_routing" in str(err):
+                return
+        raise _fail(b.case, "train.token_routing is not refused by name, yet the family declares no block stack")
+    with torch.no_grad():
+        plain = _routed_loss(b, None)
+        if not torch.equal(_routed_loss(b, 1.0), plain):
+            raise _fail(b.case, "token routing with keep 1 changes the loss")
+        seen, hooks = _route_ends(b)
+        try:
+            routed_loss = _routed_loss(b, 0.5)
+        finally:
+            for h in hooks:
+                h.remove()
+        kept = _routed_transformers(b)[-1].__dict__["_diffpipe_router"].state.kept
+        skipped = [i for i in range(seen["in"].shape[1]) if i not in set(kept.tolist())]
+        if not skipped or len(kept) == seen["in"].shape[1]:
+            raise _fail(b.case, f"keep 0.5 of {seen['in'].shape[1]} tokens kept {len(kept)}")
+        if not torch.equal(seen["out"][:, skipped], seen["in"][:, skipped]):
+            raise _fail(b.case, "tokens routed around the blocks do not rejoin unchanged")
+        if torch.equal(seen["out"][:, kept], seen["in"][:, kept]):
+            raise _fail(b.case, "the kept tokens did not go through the routed blocks")
+        if torch.equal(routed_loss, plain) or not torch.isfinite(routed_loss).all():
+            raise _fail(b.case, f"the routed loss {routed_loss} vs {plain}: want a finite, different loss")
+        if not torch.equal(_routed_loss(b, None), plain):
+            raise _fail(b.case, "a forward after a routed one (evaluation) does not use every token")
+    for p in b.denoiser.parameters():
+        p.grad = None
+    _routed_loss(b, 0.5).mean().backward()
+    if not any(p.grad is not None and p.grad.abs().sum() > 0 for n, p in b.denoiser.named_parameters()
+               if "lora_" in n):
+        raise _fail(b.case, "no LoRA gradient through a routed step")
+
+
 CHECKS = {
     "lora_targets": check_lora_targets,
     "step": check_step,
     "layers": check_layers,
     "token_streams": check_token_streams,
     "keymap": check_keymap,
+    "token_routing": check_token_routing,
 }

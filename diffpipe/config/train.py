@@ -16,6 +16,28 @@ from diffpipe.config.objective import ObjectiveConfig
 BF16_OPTIMIZERS = ("adamw_kahan", "adamw_stochastic")
 
 
+class TokenRoutingConfig(Section):
+    keep: Float = Field(
+        0.5, description="Share of the image/video tokens the routed blocks compute on (the rest skip them); 1: "
+        "no routing.", gt=0, le=1,
+    )
+    start_block: Int = Field(
+        2, description="First routed block (0-based, over the denoiser's block stack in forward order; FLUX.1: "
+        "its double-stream blocks, then its single-stream ones).", ge=0, le=100_000,
+    )
+    end_block: Int = Field(
+        ..., description="The block after the last routed one: blocks start_block <= i < end_block are routed, "
+        "and the skipped tokens rejoin before block end_block.", ge=1, le=100_000,
+    )
+
+    @model_validator(mode="after")
+    def _check_range(self) -> TokenRoutingConfig:
+        if self.end_block <= self.start_block:
+            raise ValueError(f"train.token_routing: end_block {self.end_block} must be above start_block "
+                             f"{self.start_block} (blocks start_block <= i < end_block are routed)")
+        return self
+
+
 class TrainConfig(Section):
     epochs: Int = Field(10, description="Passes over the training data.", ge=1, le=MAX_EPOCHS)
     max_steps: Int | None = Field(
@@ -96,6 +118,14 @@ class TrainConfig(Section):
         "checkpoint_fraction 1), LoRA, ZeRO 0-2, one pipeline stage.",
         ge=0,
         le=100_000,
+    )
+    token_routing: TokenRoutingConfig | None = Field(
+        None,
+        description="Token routing, e.g. `{keep: 0.5, start_block: 2, end_block: 17}`: in each training step a "
+        "random `1 - keep` share of the image/video tokens skips blocks start_block..end_block-1 and rejoins "
+        "after them (their positional embedding travels with them), so those blocks cost about `keep` of their "
+        "compute and activations; evaluation and sampling use every token. Families with a homogeneous block "
+        "stack (flux, qwenimage, wan); one pipeline stage. null: off.",
     )
     memory: Literal["manual", "auto"] = Field(
         "manual",
@@ -261,6 +291,13 @@ class TrainConfig(Section):
                 raise ValueError("train.pipeline_stages > 1 works with train.zero_stage 0 or 1")
             if self.mode != "lora" or self.sample_every_steps or self.sample_every_epochs:
                 raise ValueError("train.pipeline_stages > 1 needs train.mode lora and no sampling during training")
+        return self
+
+    @model_validator(mode="after")
+    def _check_token_routing(self) -> TrainConfig:
+        if self.token_routing is not None and self.pipeline_stages > 1:
+            raise ValueError("train.token_routing needs train.pipeline_stages: 1 (the pipeline-parallel layers "
+                             "pass every token from stage to stage)")
         return self
 
     @model_validator(mode="after")

@@ -18,6 +18,7 @@ from diffpipe.config import Config, ObjectiveConfig, TrainConfig
 from diffpipe.data.cache.reader import CachedDataset
 from diffpipe.families import get_family
 from diffpipe.models import _common as common
+from diffpipe.models.routing import TokenRoute, route_generator
 from diffpipe.paths import RunPaths
 from diffpipe.progress import Progress
 from diffpipe.training import base_loras, checkpointing, engine, finite, load, offload, pipeline, precision
@@ -138,6 +139,7 @@ class Trainer:
             raise ValueError(f"train.caption_dropout: model family {family.name!r} encodes each caption with its "
                              "control image, so one cached empty caption cannot stand in; set caption_dropout: 0")
         _check_aux(family, data, tc, self.log if dist.is_main else (lambda *_: None))
+        family.check_token_routing(tc.token_routing)
         self.items = _data_items(data)
         self.run_meta = {"config": self.cfg.model_dump(mode="json"), "world_size": dist.world_size,
                          "data_digest": ckpt.items_digest(self.items)}
@@ -327,7 +329,8 @@ class Trainer:
                 step_loss, grad_norm, split = _train_step(model, self.family, data, micro, self.gen, self.params,
                                                           tc.caption_dropout, tc.objective, epoch,
                                                           offload_activations=tc.activation_offload,
-                                                          guard=self.guard, world_size=self.dist.world_size)
+                                                          guard=self.guard, world_size=self.dist.world_size,
+                                                          routes=self._routes(step, len(micro)))
         # Skipped by the guard or by DeepSpeed's own overflow check; every rank counts the same steps.
         skipped = engine.any_over_ranks(self.guard.take() or not model.was_step_applied()
                                         or not math.isfinite(step_loss), self.dist.world_size)
@@ -364,6 +367,14 @@ class Trainer:
                 self.save_checkpoint(done)
                 self.trigger.saved()
                 self.last_saved = done
+
+    def _routes(self, step: int, micro: int) -> list[TokenRoute] | None:
+        """Each micro-batch's token routing (``train.token_routing``), drawn from the step: resume is exact."""
+        r = self.tc.token_routing
+        if r is None or r.keep >= 1:
+            return None
+        return [TokenRoute(r.keep, r.start_block, r.end_block, route_generator(self.tc.seed, step, self.dp_rank, i))
+                for i in range(micro)]
 
     def _split_losses(self, split: dict[str, torch.Tensor]) -> dict[str, float]:
         """``loss_train`` / ``loss_reg``: the step's mean unweighted loss of each role's items over every rank
@@ -417,16 +428,17 @@ def _train_step(model, family, data: CachedDataset, micro_batches: list[list[int
                 params: list[torch.nn.Parameter], caption_dropout: float,
                 objective: ObjectiveConfig, epoch: int = 0, *,
                 offload_activations: bool = False, guard: finite.StepGuard | None = None,
-                world_size: int = 1) -> tuple[float, float | None, dict]:
+                world_size: int = 1, routes: list[TokenRoute] | None = None) -> tuple[float, float | None, dict]:
     """One optimizer step over ``grad_accum`` micro-batches; DeepSpeed steps at the boundary.
     ``offload_activations``: the forward's saved tensors wait in CPU memory (``train.activation_offload``).
     ``guard``: told to skip the step when its loss, averaged over the ``world_size`` ranks, is not finite.
+    ``routes``: each micro-batch's token routing (``train.token_routing``; None: every token).
 
     Returns the mean loss over the micro-batches and ranks, and the gradient norm before clipping.
     """
     micro_losses, norm, step_loss = [], None, math.nan
     parts: dict[str, list[torch.Tensor]] = {"loss_train": [], "loss_reg": []}
-    for idx in micro_batches:
+    for i, idx in enumerate(micro_batches):
         batch = data.collate(idx, epoch)
         latents = batch["latents"].to(model.device)
         text = {k: v.to(model.device) for k, v in batch["text"].items()}
@@ -434,7 +446,7 @@ def _train_step(model, family, data: CachedDataset, micro_batches: list[list[int
             text = _drop_captions(text, data.empty_text, caption_dropout, gen)
         with checkpointing.offloaded_saves(offload_activations):
             per_sample = family.loss(model, latents, text, gen, objective=objective,
-                                     **aux_inputs(family, batch, model.device))
+                                     route=routes[i] if routes else None, **aux_inputs(family, batch, model.device))
         loss = weighted_loss(per_sample, batch, parts)
         model.backward(loss)
         micro_losses.append(loss.detach())

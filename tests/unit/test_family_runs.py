@@ -56,6 +56,10 @@ def test_key_map_names_the_denoiser_and_covers_the_trained_modules(built):
     CHECKS["keymap"](built)
 
 
+def test_token_routing_skips_blocks_in_training_only(built):
+    CHECKS["token_routing"](built)
+
+
 # -- planted mistakes ------------------------------------------------------------------------------
 #: Each mistake: (file of the copied ``flux`` folder, text there, its replacement, what the contract says).
 PLANTS = {

@@ -28,7 +28,7 @@ from transformers import (
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.flux.flavors import TINY_SCHEDULER, TINY_T5, TINY_T5_LENGTH, TINY_TRANSFORMER, TINY_VAE
-from diffpipe.families.flux.layers import flux_layers
+from diffpipe.families.flux.layers import ROUTED, flux_layers
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
@@ -70,6 +70,7 @@ class FluxFamily(Family):
     #: Distilled guidance fed to guidance-embedding models while training
     #: (1.0 is the common choice for LoRAs on FLUX.1-dev).
     train_guidance: ClassVar[float] = 1.0
+    token_routing = ROUTED
 
     # -- configs -------------------------------------------------------------
     @cached_property

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from diffpipe.models.layers import BlockLayer, NormOut, _pipe_ready
+from diffpipe.models.routing import RoutedStack, gather_tokens
 
 
 class FluxEmbed(nn.Module):
@@ -47,3 +48,14 @@ class FluxOut(NormOut):
 def flux_layers(tr: nn.Module) -> list[nn.Module]:
     blocks = [*tr.transformer_blocks, *tr.single_transformer_blocks]
     return [FluxEmbed(tr), *(FluxBlock(b) for b in blocks), FluxOut(tr)]
+
+
+def _route_rope(args: dict, kept: torch.Tensor) -> None:
+    """Both block kinds take the rotary embedding of the text tokens, then the image tokens (``cos``, ``sin``:
+    ``[text + image, D]``): the text part stays whole, the image part follows the kept tokens."""
+    text = args["encoder_hidden_states"].shape[1]
+    args["image_rotary_emb"] = tuple(gather_tokens(r, kept, 0, text) for r in args["image_rotary_emb"])
+
+
+#: Token routing: the double-stream blocks then the single-stream ones (both take and return both streams).
+ROUTED = RoutedStack(("transformer_blocks", "single_transformer_blocks"), _route_rope)

@@ -32,7 +32,7 @@ from transformers import (
 
 from diffpipe.config import SampleConfig
 from diffpipe.families.qwenimage import flavors
-from diffpipe.families.qwenimage.layers import qwen_layers
+from diffpipe.families.qwenimage.layers import ROUTED, qwen_layers
 from diffpipe.models import _common as common
 from diffpipe.models import targets
 from diffpipe.models.base import Family, Prepared
@@ -76,6 +76,7 @@ class QwenImageFamily(Family):
     #: diffusers' Qwen-Image LoRA examples: attention of both streams and
     #: the image-stream MLP of every block.
     default_lora_targets: ClassVar[list[str]] = [*targets.attention(), *targets.added_projections(), *targets.feed_forward("img_mlp")]
+    token_routing = ROUTED
 
     def shift_for(self, x0: torch.Tensor) -> float:
         return self.timestep_shift((x0.shape[-2] // 2) * (x0.shape[-1] // 2))

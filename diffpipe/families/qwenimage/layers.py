@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from diffpipe.models.layers import BlockLayer, NormOut
+from diffpipe.models.routing import RoutedStack, gather_tokens
 
 
 class QwenEmbed(nn.Module):
@@ -51,3 +52,16 @@ class QwenOut(NormOut):
 
 def qwen_layers(tr: nn.Module) -> list[nn.Module]:
     return [QwenEmbed(tr), *(QwenBlock(b) for b in tr.transformer_blocks), QwenOut(tr)]
+
+
+def _route_rope(args: dict, kept: torch.Tensor) -> None:
+    """The rotary embedding is ``(image [S_img, D], text)``: the image part follows the kept tokens; a
+    per-token modulation index (zero-conditioned timestep models) too."""
+    image, text = args["image_rotary_emb"]
+    args["image_rotary_emb"] = (gather_tokens(image, kept, 0), text)
+    if torch.is_tensor(args.get("modulate_index")):
+        args["modulate_index"] = gather_tokens(args["modulate_index"], kept, 1)
+
+
+#: Token routing: the dual-stream blocks (they return ``(text, image)``).
+ROUTED = RoutedStack(("transformer_blocks",), _route_rope)

@@ -41,7 +41,7 @@ from diffpipe.config import ObjectiveConfig, SampleConfig
 from diffpipe.families.wan import i2v as wan_i2v
 from diffpipe.families.wan.experts import BOTH_PARTS, EXPERT_ATTR, WanExperts, expert_range, keep_in_expert
 from diffpipe.families.wan.flavors import TINY_UMT5
-from diffpipe.families.wan.layers import wan_layers
+from diffpipe.families.wan.layers import ROUTED, wan_layers
 from diffpipe.families.wan.variants import (  # VARIANTS, WanVariant, detect_variant: also imported from here
     CONDITIONING,
     EXPERT_VARIANTS,
@@ -78,6 +78,7 @@ class WanFamily(Family):
     #: Self- and cross-attention projections and the feed-forward linears of every block
     #: (what Wan LoRA trainers target).
     default_lora_targets: ClassVar[list[str]] = [*targets.attention(""), *targets.feed_forward("ffn")]
+    token_routing = ROUTED
 
     def __init__(self, cfg):
         super().__init__(cfg)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from diffpipe.models.layers import BlockLayer, _pipe_ready
+from diffpipe.models.routing import RoutedStack, gather_tokens
 
 
 class WanEmbed(nn.Module):
@@ -76,3 +77,15 @@ class WanOut(nn.Module):
 
 def wan_layers(tr: nn.Module, *, expand_timesteps: bool = False) -> list[nn.Module]:
     return [WanEmbed(tr, expand_timesteps), *(WanBlock(b) for b in tr.blocks), WanOut(tr)]
+
+
+def _route_rope(args: dict, kept: torch.Tensor) -> None:
+    """The rotary embedding (``cos``, ``sin``: ``[1, S, 1, D]``) follows the kept tokens; so does the
+    modulation when it is per token (``[B, S, 6, D]``: Wan 2.2 TI2V-5B's timestep per token)."""
+    args["rotary_emb"] = tuple(gather_tokens(r, kept, 1) for r in args["rotary_emb"])
+    if args["temb"].ndim == 4:
+        args["temb"] = gather_tokens(args["temb"], kept, 1)
+
+
+#: Token routing: the blocks (they return the hidden states alone).
+ROUTED = RoutedStack(("blocks",), _route_rope, output=None)

@@ -6,20 +6,40 @@ from __future__ import annotations
 
 import math
 from abc import ABC, abstractmethod
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from diffpipe.config import ObjectiveConfig
+from diffpipe.config.base import ConfigError
 from diffpipe.models import _common as common
 from diffpipe.models import objectives as obj
 from diffpipe.models._draws import draw_image
 from diffpipe.models.casting import adapters_disabled
 from diffpipe.models.family.records import FlowDraw, Prepared
+from diffpipe.models.routing import RoutedStack, TokenRoute, routed
 
 
 class TrainingInputs(ABC):
     """Inputs, prediction and loss of a training step (a part of :class:`~diffpipe.models.base.Family`)."""
+
+    #: The homogeneous block stack ``train.token_routing`` routes tokens around (None: the family has none,
+    #: and a config asking for routing is refused). Not inherited (:attr:`routed_stack`): a family built on
+    #: another's class (Chroma on FLUX.1's) routes only once its own folder declares it, checked by its tests.
+    token_routing: ClassVar[RoutedStack | None] = None
+
+    @property
+    def routed_stack(self) -> RoutedStack | None:
+        """This family's own :attr:`token_routing` declaration (None when only a base class declares one)."""
+        return type(self).__dict__.get("token_routing")
+
+    def check_token_routing(self, routing: Any) -> None:
+        """A clear config error when ``train.token_routing`` (``routing``, None: off) asks this family for
+        routing it cannot do."""
+        if routing is not None and self.routed_stack is None:
+            raise ConfigError(f"train.token_routing: model family {self.name!r} has no homogeneous block stack "
+                              "declared for token routing (flux, qwenimage and wan have one); remove "
+                              "train.token_routing")
 
     def shift_for(self, x0: torch.Tensor) -> float:
         """The flow-matching timestep shift the pipeline's scheduler applies to latents shaped like ``x0``.
@@ -123,6 +143,7 @@ class TrainingInputs(ABC):
         objective: ObjectiveConfig | None = None,
         mask: torch.Tensor | None = None,
         base_target: torch.Tensor | None = None,
+        route: TokenRoute | None = None,
         **aux: Any,
     ) -> torch.Tensor:
         """Per-sample training loss ``[B]`` (float32): :meth:`prepare`, :meth:`predict`, the shared loss.
@@ -134,7 +155,8 @@ class TrainingInputs(ABC):
         ``mask`` (``[B, 1, F', h, w]`` in [0, 1], or None) weights the loss per
         latent element: the per-sample loss is ``sum(w l) / sum(w)`` with ``w``
         from :meth:`loss_mask`. ``base_target`` (``[B]`` bool, or None): the items whose target is the base
-        model's prediction (:meth:`preserved_target`). ``aux``: the family's extra inputs (``control``, ``sizes``, ...).
+        model's prediction (:meth:`preserved_target`). ``route`` (training steps only): the prediction routes a
+        share of the image tokens around the family's :attr:`token_routing` blocks. ``aux``: the family's extra inputs (``control``, ``sizes``, ...).
         """
         o = objective or ObjectiveConfig()
         # No denoiser: a caller checking the inputs alone (the errors prepare raises).
@@ -142,7 +164,9 @@ class TrainingInputs(ABC):
         text = self.text_from_ids(denoiser, text)
         p = self.prepare(latents, text, generator, objective=o, t=t, noise=noise, mask=mask, dtype=dtype, **aux)
         target = p.target if base_target is None else self.preserved_target(denoiser, p, base_target)
-        return obj.per_sample_loss(self.predict(denoiser, p), target, p.weights, kind=o.loss, huber_c=o.huber_c,
+        with routed(denoiser, self.routed_stack, route):
+            prediction = self.predict(denoiser, p)
+        return obj.per_sample_loss(prediction, target, p.weights, kind=o.loss, huber_c=o.huber_c,
                                mask=p.mask)
 
     def preserved_target(self, denoiser: torch.nn.Module, prepared: Prepared, which: torch.Tensor) -> torch.Tensor:
