@@ -121,6 +121,7 @@ def point(family: str, option: str, resolution: int, frames: int, height: int) -
         # to clear_refs resets VmHWM to the current RSS (Linux 4.0+).
         with open("/proc/self/clear_refs", "w") as f:
             f.write("5")
+        before = _rss("VmRSS")
         start = time.perf_counter()
         loss = fam.loss(model.module, latents, text, torch.Generator().manual_seed(0), t=torch.tensor([0.5])).mean()
         model.backward(loss)
@@ -129,7 +130,37 @@ def point(family: str, option: str, resolution: int, frames: int, height: int) -
     peak = _rss("VmHWM")
     return {"family": family, "option": option, "resolution": resolution, "height": height, "frames": frames,
             "measured_bytes": peak - baseline, "estimate_bytes": estimate.total_bytes,
-            "estimate": estimate.as_dict(), "seconds": round(seconds, 1), "loss": loss.item()}
+            "estimate": estimate.as_dict(), "seconds": round(seconds, 1), "loss": loss.item(),
+            # What was resident before the measured step, and how much of it is tensors (weights, optimizer
+            # states, float32 master copies): the rest is the process's own (for full points, the compiler's).
+            "held_before_step_bytes": before - baseline, "tensor_bytes": _tensor_bytes(model)}
+
+
+def _tensor_bytes(model) -> int:
+    """Bytes of the module's parameters, the optimizer's states (a quantised state's codes, scales and code
+    table) and DeepSpeed's float32 master copies, each storage once."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def add(t) -> None:
+        if hasattr(t, "__tensor_flatten__") and not isinstance(t, torch.nn.Parameter):
+            for name in t.__tensor_flatten__()[0]:
+                add(getattr(t, name))
+        elif isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    for param in model.module.parameters():
+        add(param)
+    basic = getattr(model, "basic_optimizer", None) or model.optimizer
+    for opt in getattr(basic, "optimizers", [basic]):  # optimizer_in_backward: one per parameter
+        for state in opt.state.values():
+            for value in state.values():
+                add(value)
+    for group in getattr(model.optimizer, "fp32_groups", []):  # DeepSpeed's bf16 wrapper: float32 masters
+        for master in group:
+            add(master)
+    return sum(seen.values())
 
 
 def main() -> None:

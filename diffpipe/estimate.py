@@ -22,7 +22,8 @@ adds the LoRA the config asks for, and counts:
   as ``cpu_bytes``, and the largest of them as resident (the block that
   runs; see ``diffpipe.training.offload``);
 - **gradients**: one per trainable parameter in the training dtype (ZeRO-2
-  and 3 divide them); with ``train.optimizer_in_backward`` only the largest
+  and 3 divide them), plus the float32 copy DeepSpeed's bf16 wrapper makes of
+  each for its master weights without ZeRO (measured: ``benchmarks/real_width_memory.py``); with ``train.optimizer_in_backward`` only the largest
   trainable parameter's (each gradient is freed once its parameter is stepped);
 - **optimizer state**: float32 moments (AdamW: two per trainable parameter)
   plus DeepSpeed's float32 master copy under bf16 (ZeRO-1 and up divide
@@ -30,8 +31,9 @@ adds the LoRA the config asks for, and counts:
   ``adamw4bit`` count torchao's layout tensor by tensor: a tensor of 4096+
   values that is a multiple of the block holds one or half a byte per value
   and moment plus a float32 scale per block, any other keeps full-width
-  moments; ``optimizer_in_backward`` under bf16 has no master copy (the bf16
-  weights are stepped themselves);
+  moments, plus the step's float32 workspace for the largest tensor (8 or
+  26 bytes per value, measured); ``optimizer_in_backward`` under bf16 has no
+  master copy (the bf16 weights are stepped themselves);
 - **activations**: measured, not modelled: one training forward (the
   family's own ``loss``) runs on ``meta`` tensors of the real batch and
   resolution, and every tensor autograd saves for the backward pass is
@@ -550,19 +552,27 @@ def _state_bytes(tc: TrainConfig, precision: str, gpus: int, frozen_bytes: int, 
     grad_bytes = trainable * width // (gpus if z >= 2 else 1)
     if tc.optimizer_in_backward:  # one gradient at a time: the largest is the peak
         grad_bytes = max(sizes, default=0) * width
-    # bf16: DeepSpeed's float32 master copy, except where the bf16 weights are stepped themselves.
     own_bf16 = tc.optimizer in BF16_OPTIMIZERS or tc.optimizer_in_backward
+    if precision == "bf16" and z == 0 and not own_bf16:
+        # Without ZeRO, DeepSpeed's bf16 wrapper copies every gradient to float32 for its master copy at the step.
+        grad_bytes += 4 * trainable
+    # bf16: DeepSpeed's float32 master copy, except where the bf16 weights are stepped themselves.
     master = precision == "bf16" and not own_bf16
     if tc.optimizer in QUANTISED_OPTIMIZERS:
         # The moments take the dtype of what is stepped: the float32 master copy, else the weights.
         state = sum(quantised_state_bytes(n, tc.optimizer, 4 if master else width,
                                           tc.optimizer_args.get("block_size")) for n in sizes) + 4 * master * trainable
+        state += _STEP_WORKSPACE[tc.optimizer] * max(sizes, default=0)
     else:
         state = trainable * (_STATE_BYTES.get(tc.optimizer.lower(), 8) + 4 * master)
     optimizer_bytes = 0 if tc.offload_optimizer else state // (gpus if z >= 1 else 1)
     return param_bytes, grad_bytes, optimizer_bytes
 
 
+#: Transient bytes per value while torchao steps one quantised tensor (its compiled step materialises the new
+#: moments in float32 before quantising them, and more for 4-bit packing), measured on CPU (torch 2.13,
+#: torchao 0.18) on a 3072 x 15360 bf16 tensor: 8.0 and 26.1. Counted once, for the largest tensor.
+_STEP_WORKSPACE = {"adamw8bit": 8, "adamw4bit": 26}
 #: torchao's block sizes and code bits per value for ``adamw8bit`` / ``adamw4bit`` (their defaults).
 _QUANTISED_LAYOUT = {"adamw8bit": (256, 8), "adamw4bit": (128, 4)}
 

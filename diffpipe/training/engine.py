@@ -148,7 +148,7 @@ def deepspeed_config(tc: TrainConfig, world_size: int) -> dict[str, Any]:
         cfg["zero_force_ds_cpu_optimizer"] = False
     # Always written: DeepSpeed's own default clips at 1.0, so leaving the key out for 0 would still clip.
     cfg["gradient_clipping"] = tc.grad_clip
-    if tc.optimizer in BF16_OPTIMIZERS:
+    if tc.optimizer in BF16_OPTIMIZERS and not tc.optimizer_in_backward:
         # No fp32 master copy: the optimizer sees (and rounds into) the bf16 weights themselves.
         cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     return cfg

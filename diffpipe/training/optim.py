@@ -15,9 +15,11 @@ Float32 weights (LoRA trains in float32) take the plain update in both.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from diffpipe.config import TrainConfig
 from diffpipe.training.in_backward import InBackward
@@ -118,8 +120,20 @@ def build_optimizer(params: list[torch.nn.Parameter] | list[dict[str, Any]], tc:
 _TORCHAO = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
 
 
+@cache
 def _torchao_optimizer(name: str) -> type[torch.optim.Optimizer]:
+    """torchao's class, stepping outside any dispatch mode: the first step of a run is counted under torch's
+    FLOP counter (one), where torchao's compiled step refuses to trace, and an optimizer step is no model FLOP."""
     # deferred: importing torchao.optim takes seconds and only these two names need it
     from torchao import optim as torchao_optim
 
-    return getattr(torchao_optim, _TORCHAO[name])
+    base = getattr(torchao_optim, _TORCHAO[name])
+
+    class OutsideDispatchModes(base):
+        @torch.no_grad()
+        def step(self, closure=None):
+            with _disable_current_modes():
+                return super().step(closure)
+
+    OutsideDispatchModes.__name__ = OutsideDispatchModes.__qualname__ = base.__name__
+    return OutsideDispatchModes

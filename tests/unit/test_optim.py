@@ -56,6 +56,10 @@ def test_deepspeed_config_from_ours():
         TrainConfig(zero_stage=2, offload_params=True)
     # grad_clip 0 disables clipping: DeepSpeed's default for a missing key is 1.0, so it must be written.
     assert deepspeed_config(TrainConfig(grad_clip=0), world_size=1)["gradient_clipping"] == 0
+    # optimizer_in_backward steps the bf16 weights itself: DeepSpeed's bf16 mode (and its master options) stay off.
+    inb = deepspeed_config(TrainConfig(mode="full", optimizer_in_backward=True, grad_clip=0, precision="bf16",
+                                       optimizer="adamw_kahan"), world_size=1)
+    assert inb["bf16"] == {"enabled": False}
 
 
 def test_train_config_refuses_unsupported_combinations():
@@ -249,3 +253,16 @@ def test_convergence_compares_optimizers_by_name(tmp_path):
         ("adamw", False), ("adamw8bit", False), ("adamw4bit", False), ("adamw8bit", True)]
     assert [n for n, _ in convergence_points(["fp32", "bf16"], ["adamw", "adamw8bit"])] == [
         "fp32 adamw", "fp32 adamw8bit", "bf16 adamw", "bf16 adamw8bit"]
+
+
+def test_quantised_optimizer_steps_inside_the_flop_counter():
+    """The first step of a run is counted under torch's FLOP counter (a dispatch mode), which torchao's compiled
+    step refuses to trace in: the step runs outside it."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    p = torch.nn.Parameter(torch.randn(64, 64))
+    opt = build_optimizer([p], TrainConfig(optimizer="adamw8bit"))
+    p.grad = torch.ones_like(p)
+    with FlopCounterMode(display=False):
+        opt.step()
+    assert opt.state[p]["step"] == 1
