@@ -1,4 +1,4 @@
-"""Peak RSS of one LoRA training step at real width on CPU, against ``diffpipe estimate``.
+"""Peak RSS of one training step at real width on CPU, against ``diffpipe estimate``.
 
 Each point builds a published denoiser at its real width but few blocks (FLUX.1-dev with 1 double and
 2 single blocks, Wan 14B and Qwen-Image with 2), straight in bf16, adds a rank-16 LoRA, applies the
@@ -13,6 +13,14 @@ GPU's. Every point runs in a fresh process, one after the other:
 
     OMP_NUM_THREADS=2 .venv/bin/python benchmarks/real_width_memory.py --resolution 512
     .venv/bin/python benchmarks/real_width_memory.py --point flux bf16 512   # one point, JSON
+
+Full fine-tuning points (``full+...``, model ``flux-full``: FLUX.1-dev with 1 double and 1 single block,
+every weight trained in bf16) take two steps and measure the second: the optimizer creates its states in the
+first, and torchao compiles its step there (the compiler's own memory is no training memory). They cover
+torchao's 8-bit and 4-bit AdamW states under DeepSpeed's bf16 mode (float32 master copies) and stepped in the
+backward pass on the bf16 weights (``optimizer_in_backward``: one gradient at a time):
+
+    .venv/bin/python benchmarks/real_width_memory.py --families flux-full --options full+8bit,full+8bit+inb,full+4bit+inb
 
 Not counted by the estimate, and so part of the difference: the backward pass's temporaries, the
 allocator's slack, the CPU attention kernel's workspace.
@@ -31,7 +39,10 @@ MODELS = {  # family -> (published model, config overrides that reduce the depth
     "flux": ("flux1-dev", {"num_layers": 1, "num_single_layers": 2}),
     "qwenimage": ("qwen-image", {"num_layers": 2}),
     "wan": ("wan2.2-t2v-a14b", {"num_layers": 2}),
+    "flux-full": ("flux1-dev", {"num_layers": 1, "num_single_layers": 1}),  # full fine-tuning: every weight trains
 }
+_FULL = {"mode": "full", "grad_clip": 0}
+_IN_BACKWARD = {**_FULL, "optimizer_in_backward": True}
 OPTIONS = {
     "bf16": {},
     "fp8": {"base_weights": "fp8"},
@@ -40,6 +51,11 @@ OPTIONS = {
     "int8+ckpt": {"base_weights": "int8", "activation_checkpointing": True},
     "nf4": {"base_weights": "nf4"},
     "nf4+ckpt": {"base_weights": "nf4", "activation_checkpointing": True},
+    "full+adamw": _FULL,
+    "full+8bit": {**_FULL, "optimizer": "adamw8bit"},
+    "full+8bit+inb": {**_IN_BACKWARD, "optimizer": "adamw8bit"},
+    "full+4bit+inb": {**_IN_BACKWARD, "optimizer": "adamw4bit"},
+    "full+kahan+inb": {**_IN_BACKWARD, "optimizer": "adamw_kahan"},
 }
 
 
@@ -62,14 +78,14 @@ def point(family: str, option: str, resolution: int, frames: int, height: int) -
     from diffpipe.families import get_family
     from diffpipe.families.published import PUBLISHED
     from diffpipe.training import engine, precision
-    from diffpipe.training.optim import build_optimizer
+    from diffpipe.training.optim import build_training_optimizer
     from diffpipe.training.trainable import Trainable
 
     name, reduce = MODELS[family]
     spec = PUBLISHED[name]
     spec = dataclasses.replace(spec, name=f"{name} (reduced)", config={**spec.config, **reduce})
     cfg = Config.model_validate({
-        "model": {"family": family}, "datasets": [{"name": "d", "path": "data", "resolution": resolution}],
+        "model": {"family": family.removesuffix("-full")}, "datasets": [{"name": "d", "path": "data", "resolution": resolution}],
         "train": {"batch_size": 1, "precision": "bf16", "lora": {"rank": 16, "alpha": 16}, **OPTIONS[option]}})
     fam = get_family(cfg.model.model_copy(update={"flavor": "tiny"}))
     dist = engine.setup_distributed()
@@ -89,29 +105,62 @@ def point(family: str, option: str, resolution: int, frames: int, height: int) -
         torch.set_default_dtype(default)
     trained = Trainable(denoiser, fam, cfg, is_main=True)
     precision.prepare_denoiser(denoiser, cfg.train)
-    optimizer = build_optimizer(trained.params, cfg.train)
+    optimizer = build_training_optimizer(trained.param_groups(), cfg.train)
     model = engine.build_engine(denoiser, optimizer, None, cfg.train, dist.world_size)
+    full = cfg.train.mode == "full"
     w, h = resolution // spec.vae_factor, height // spec.vae_factor
     step = fam.frame_rule[0] if fam.is_video else 1
     latents = torch.randn(1, spec.latent_channels, (frames - 1) // step + 1, h, w)
     text = {k: torch.randn(1, *shape) for k, shape in spec.text.items()}
     if "prompt_embeds_mask" in text:
         text["prompt_embeds_mask"] = torch.ones(1, *spec.text["prompt_embeds_mask"], dtype=torch.long)
-    gc.collect()
-    # The step's peak, not the set-up's: the weights are built in bf16 before nf4 quantises them, as
-    # ``diffpipe train`` loads them in CPU memory before moving the quantised model to the GPU. Writing 5
-    # to clear_refs resets VmHWM to the current RSS (Linux 4.0+).
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")
-    start = time.perf_counter()
-    loss = fam.loss(model.module, latents, text, torch.Generator().manual_seed(0), t=torch.tensor([0.5])).mean()
-    model.backward(loss)
-    model.step()
-    seconds = time.perf_counter() - start
+    for _ in range(2 if full else 1):  # full: the second step (see the module docstring)
+        gc.collect()
+        # The step's peak, not the set-up's: the weights are built in bf16 before nf4 quantises them, as
+        # ``diffpipe train`` loads them in CPU memory before moving the quantised model to the GPU. Writing 5
+        # to clear_refs resets VmHWM to the current RSS (Linux 4.0+).
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        before = _rss("VmRSS")
+        start = time.perf_counter()
+        loss = fam.loss(model.module, latents, text, torch.Generator().manual_seed(0), t=torch.tensor([0.5])).mean()
+        model.backward(loss)
+        model.step()
+        seconds = time.perf_counter() - start
     peak = _rss("VmHWM")
     return {"family": family, "option": option, "resolution": resolution, "height": height, "frames": frames,
             "measured_bytes": peak - baseline, "estimate_bytes": estimate.total_bytes,
-            "estimate": estimate.as_dict(), "seconds": round(seconds, 1), "loss": loss.item()}
+            "estimate": estimate.as_dict(), "seconds": round(seconds, 1), "loss": loss.item(),
+            # What was resident before the measured step, and how much of it is tensors (weights, optimizer
+            # states, float32 master copies): the rest is the process's own (for full points, the compiler's).
+            "held_before_step_bytes": before - baseline, "tensor_bytes": _tensor_bytes(model)}
+
+
+def _tensor_bytes(model) -> int:
+    """Bytes of the module's parameters, the optimizer's states (a quantised state's codes, scales and code
+    table) and DeepSpeed's float32 master copies, each storage once."""
+    import torch
+
+    seen: dict[int, int] = {}
+
+    def add(t) -> None:
+        if hasattr(t, "__tensor_flatten__") and not isinstance(t, torch.nn.Parameter):
+            for name in t.__tensor_flatten__()[0]:
+                add(getattr(t, name))
+        elif isinstance(t, torch.Tensor) and t.device.type == "cpu":
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+
+    for param in model.module.parameters():
+        add(param)
+    basic = getattr(model, "basic_optimizer", None) or model.optimizer
+    for opt in getattr(basic, "optimizers", [basic]):  # optimizer_in_backward: one per parameter
+        for state in opt.state.values():
+            for value in state.values():
+                add(value)
+    for group in getattr(model.optimizer, "fp32_groups", []):  # DeepSpeed's bf16 wrapper: float32 masters
+        for master in group:
+            add(master)
+    return sum(seen.values())
 
 
 def main() -> None:

@@ -479,7 +479,7 @@ def bench(
     out: Annotated[Path | None, typer.Option(help="Output folder (default: OUTPUT_DIR/bench).")] = None,
     convergence: Annotated[bool, typer.Option(
         "--convergence", help="Instead: train the same data and seed at each of bench.convergence_precisions "
-        "and overlay the loss curves.")] = False,
+        "and bench.convergence_optimizers and overlay the loss curves.")] = False,
 ) -> None:
     """Sweep training speed and memory over a grid of settings on this machine.
 
@@ -498,7 +498,8 @@ def bench(
     out_dir = out or Path(cfg.output_dir) / "bench"
     if convergence:
         if grid:
-            raise typer.BadParameter("--grid sweeps speed; --convergence compares precisions: give one", param_hint="--grid")
+            raise typer.BadParameter("--grid sweeps speed; --convergence compares precisions and optimizers: give one",
+                                     param_hint="--grid")
         result = run_convergence(cfg, out_dir, console=console)
         for line in convergence_lines(result):
             say(line)

@@ -22,10 +22,18 @@ adds the LoRA the config asks for, and counts:
   as ``cpu_bytes``, and the largest of them as resident (the block that
   runs; see ``diffpipe.training.offload``);
 - **gradients**: one per trainable parameter in the training dtype (ZeRO-2
-  and 3 divide them);
+  and 3 divide them), plus the float32 copy DeepSpeed's bf16 wrapper makes of
+  each for its master weights without ZeRO (measured: ``benchmarks/real_width_memory.py``); with ``train.optimizer_in_backward`` only the largest
+  trainable parameter's (each gradient is freed once its parameter is stepped);
 - **optimizer state**: float32 moments (AdamW: two per trainable parameter)
   plus DeepSpeed's float32 master copy under bf16 (ZeRO-1 and up divide
-  them; ``offload_optimizer`` moves them to CPU memory);
+  them; ``offload_optimizer`` moves them to CPU memory); ``adamw8bit`` /
+  ``adamw4bit`` count torchao's layout tensor by tensor: a tensor of 4096+
+  values that is a multiple of the block holds one or half a byte per value
+  and moment plus a float32 scale per block, any other keeps full-width
+  moments, plus the step's float32 workspace for the largest tensor (8 or
+  26 bytes per value, measured); ``optimizer_in_backward`` under bf16 has no
+  master copy (the bf16 weights are stepped themselves);
 - **activations**: measured, not modelled: one training forward (the
   family's own ``loss``) runs on ``meta`` tensors of the real batch and
   resolution, and every tensor autograd saves for the backward pass is
@@ -68,7 +76,7 @@ import peft
 import torch
 import torch.fx.experimental._config as fx_config
 
-from diffpipe.config import BF16_OPTIMIZERS, Config, TrainConfig
+from diffpipe.config import BF16_OPTIMIZERS, QUANTISED_OPTIMIZERS, Config, TrainConfig
 from diffpipe.families import get_family
 from diffpipe.families.published import PUBLISHED, Published, for_family
 from diffpipe.models._common import load_dtype
@@ -129,6 +137,9 @@ class MemoryEstimate:
     load_whole_bytes: int = 0
     load_largest_bytes: int = 0
     load_streamed: bool = True
+    optimizer: str = "adamw"
+    #: ``train.optimizer_in_backward``: each parameter stepped in the backward pass, one gradient held at a time.
+    optimizer_in_backward: bool = False
 
     def swapped(self, n: int) -> MemoryEstimate:
         """This estimate with the last ``n`` blocks swapped (all if fewer): their frozen weights move to
@@ -184,6 +195,8 @@ class MemoryEstimate:
                if self.block_swap else "")
             + (f", activations offloaded ({self.activation_cpu_bytes / GiB:.2f} GiB in CPU memory)"
                if self.activation_cpu_bytes else ""),
+            f"optimizer {self.optimizer}" + (", stepped in the backward pass (one gradient at a time)"
+                                              if self.optimizer_in_backward else ""),
             f"  parameters       {self.param_bytes / GiB:8.2f} GiB",
             f"  gradients        {self.grad_bytes / GiB:8.2f} GiB",
             f"  optimizer state  {self.optimizer_bytes / GiB:8.2f} GiB",
@@ -455,7 +468,8 @@ def estimate_for(
     trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
     frozen_bytes, workspace = _frozen_bytes(denoiser, tc, dtype, width)
     block_bytes = tuple(sum(t.nbytes for t in offload.frozen_tensors(b)) for b in offload.swap_blocks(denoiser))
-    param_bytes, grad_bytes, optimizer_bytes = _state_bytes(tc, precision, gpus, frozen_bytes, trainable, width)
+    sizes = [p.numel() for p in denoiser.parameters() if p.requires_grad]
+    param_bytes, grad_bytes, optimizer_bytes = _state_bytes(tc, precision, gpus, frozen_bytes, sizes, width)
 
     ckpt = tc.activation_checkpointing and getattr(denoiser, "_supports_gradient_checkpointing", False)
     forward = _meta_forward(cfg, family, spec, denoiser, resolution, height, frames, dtype)
@@ -470,6 +484,7 @@ def estimate_for(
         activation_checkpointing=bool(ckpt), height=height, block_bytes=block_bytes,
         activation_cpu_bytes=offloaded, frozen_bytes=frozen_bytes, load_whole_bytes=params * load_width,
         load_largest_bytes=largest, load_streamed=load.streams(get_family(cfg.model), tc),
+        optimizer=tc.optimizer, optimizer_in_backward=tc.optimizer_in_backward,
     ).swapped(tc.block_swap)
 
 
@@ -531,17 +546,50 @@ def _frozen_bytes(denoiser: torch.nn.Module, tc: TrainConfig, dtype: torch.dtype
     return frozen_bytes, workspace
 
 
-def _state_bytes(tc: TrainConfig, precision: str, gpus: int, frozen_bytes: int, trainable: int,
+def _state_bytes(tc: TrainConfig, precision: str, gpus: int, frozen_bytes: int, sizes: list[int],
                  width: int) -> tuple[int, int, int]:
-    """Bytes per GPU of the weights, the gradients and the optimizer state, as the ZeRO stage partitions them."""
-    z = tc.zero_stage
+    """Bytes per GPU of the weights, the gradients and the optimizer state, as the ZeRO stage partitions them
+    (``sizes``: the element count of each trainable tensor)."""
+    z, trainable = tc.zero_stage, sum(sizes)
     param_bytes = (frozen_bytes + trainable * width) // (gpus if z == 3 else 1)
     grad_bytes = trainable * width // (gpus if z >= 2 else 1)
-    # bf16: DeepSpeed's float32 master copy, except for the optimizers that step the bf16 weights themselves.
-    master = 4 if precision == "bf16" and tc.optimizer not in BF16_OPTIMIZERS else 0
-    state = _STATE_BYTES.get(tc.optimizer.lower(), 8) + master
-    optimizer_bytes = 0 if tc.offload_optimizer else trainable * state // (gpus if z >= 1 else 1)
+    if tc.optimizer_in_backward:  # one gradient at a time: the largest is the peak
+        grad_bytes = max(sizes, default=0) * width
+    own_bf16 = tc.optimizer in BF16_OPTIMIZERS or tc.optimizer_in_backward
+    if precision == "bf16" and z == 0 and not own_bf16:
+        # Without ZeRO, DeepSpeed's bf16 wrapper copies every gradient to float32 for its master copy at the step.
+        grad_bytes += 4 * trainable
+    # bf16: DeepSpeed's float32 master copy, except where the bf16 weights are stepped themselves.
+    master = precision == "bf16" and not own_bf16
+    if tc.optimizer in QUANTISED_OPTIMIZERS:
+        # The moments take the dtype of what is stepped: the float32 master copy, else the weights.
+        state = sum(quantised_state_bytes(n, tc.optimizer, 4 if master else width,
+                                          tc.optimizer_args.get("block_size")) for n in sizes) + 4 * master * trainable
+        state += _STEP_WORKSPACE[tc.optimizer] * max(sizes, default=0)
+    else:
+        state = trainable * (_STATE_BYTES.get(tc.optimizer.lower(), 8) + 4 * master)
+    optimizer_bytes = 0 if tc.offload_optimizer else state // (gpus if z >= 1 else 1)
     return param_bytes, grad_bytes, optimizer_bytes
+
+
+#: Transient bytes per value while torchao steps one quantised tensor (its compiled step materialises the new
+#: moments in float32 before quantising them, and more for 4-bit packing), measured on CPU (torch 2.13,
+#: torchao 0.18) on a 3072 x 15360 bf16 tensor: 8.0 and 26.1. Counted once, for the largest tensor.
+_STEP_WORKSPACE = {"adamw8bit": 8, "adamw4bit": 26}
+#: torchao's block sizes and code bits per value for ``adamw8bit`` / ``adamw4bit`` (their defaults).
+_QUANTISED_LAYOUT = {"adamw8bit": (256, 8), "adamw4bit": (128, 4)}
+
+
+def quantised_state_bytes(numel: int, optimizer: str, width: int, block_size: int | None = None) -> int:
+    """Bytes of torchao's two AdamW moments for one tensor of ``numel`` values stepped at ``width`` bytes:
+    codes plus a float32 scale per block and the code table where the tensor is quantised (4096+ values, a
+    multiple of the block), else two full-width moments."""
+    default_block, bits = _QUANTISED_LAYOUT[optimizer]
+    block = int(block_size or default_block)
+    if numel < 4096 or numel % block:
+        return 2 * numel * width
+    table = 4 * 2**bits  # the code -> value map, float32
+    return 2 * (numel * bits // 8 + 4 * (numel // block) + table)
 
 
 def _meta_forward(cfg: Config, family: Family, spec: Published, denoiser: torch.nn.Module, resolution: int,

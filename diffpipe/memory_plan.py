@@ -2,8 +2,8 @@
 ``diffpipe plan-memory``).
 
 The planner searches the memory keys the user left unset (``train.base_weights``,
-``activation_checkpointing``, ``block_swap``, ``activation_offload``; a key written in the config is never
-changed) with one :func:`diffpipe.estimate.estimate_memory` call per (base weights, checkpointing, offload)
+``activation_checkpointing``, ``block_swap``, ``activation_offload``, and for ``mode: full``
+``optimizer_in_backward``; a key written in the config is never changed) with one :func:`diffpipe.estimate.estimate_memory` call per (base weights, checkpointing, offload)
 combination: ``block_swap`` comes from :meth:`MemoryEstimate.swap_to_fit` on the checkpointed estimate,
 without a new call. A setting fits when its estimate plus :func:`margin_bytes` is within the GPU budget and
 what it keeps in CPU memory within the system-RAM budget (when one is given).
@@ -38,7 +38,7 @@ from diffpipe.families.published import PUBLISHED
 #: What the CUDA context and the allocator's fragmentation add to an estimate (diffpipe.estimate's docstring: 1-2 GiB).
 CONTEXT_BYTES = 3 * GiB // 2
 #: The memory keys the planner sets (those the user left unset).
-KEYS = ("base_weights", "activation_checkpointing", "block_swap", "activation_offload")
+KEYS = ("base_weights", "activation_checkpointing", "block_swap", "activation_offload", "optimizer_in_backward")
 #: Share of the estimate kept free for its error: docs/training.md puts the estimate at 0.88-1.01 of the
 #: measured peak on CPU at real width (on an H200: FLUX.1-dev bf16 + checkpointing 1.000, Qwen-Image nf4 1.014),
 #: so 15% covers the worst measured under-estimate with room to spare.
@@ -53,6 +53,8 @@ STEP_COST: dict[tuple[str, Any], float] = {
     ("base_weights", "nf4"): 0.15,
     ("activation_checkpointing", False): 0.0,
     ("activation_checkpointing", True): 1 / 3,
+    # The same optimizer arithmetic, run inside the backward pass: no extra work (and no gradient memory).
+    ("optimizer_in_backward", True): 0.0,
 }
 #: Host-device copies per step of each byte an estimate keeps in CPU memory: a swapped block is copied in for
 #: its forward and again for its recomputation; an offloaded activation goes out and comes back. Counted
@@ -90,6 +92,8 @@ class Candidate:
         parts = [f"base_weights {'bf16' if s['base_weights'] == 'auto' else s['base_weights']}",
                  f"activation_checkpointing {'on' if s['activation_checkpointing'] else 'off'}",
                  f"block_swap {s['block_swap']}", f"activation_offload {'on' if s['activation_offload'] else 'off'}"]
+        if "optimizer_in_backward" in s:
+            parts.append(f"optimizer_in_backward {'on' if s['optimizer_in_backward'] else 'off'}")
         e = self.estimate
         ram = e.cpu_bytes + e.activation_cpu_bytes
         return (", ".join(parts) + f": estimate {e.total_bytes / GiB:.2f} GiB + margin {margin_bytes(e) / GiB:.2f} GiB"
@@ -134,6 +138,7 @@ def settings_text(settings: dict[str, Any]) -> str:
     parts += ["checkpointing"] if settings.get("activation_checkpointing") else []
     parts += [f"block_swap {settings['block_swap']}"] if settings.get("block_swap") else []
     parts += ["activation_offload"] if settings.get("activation_offload") else []
+    parts += ["optimizer in backward"] if settings.get("optimizer_in_backward") else []
     return " + ".join(parts)
 
 
@@ -221,15 +226,21 @@ def _variants(cfg: Config, given: tuple[str, ...]) -> list[list[tuple[dict[str, 
     def values(key: str, choices: list[Any]) -> list[Any]:
         return [getattr(tc, key)] if key in given else choices
 
+    # optimizer_in_backward only for a full fine-tune, and only where the config allows it (grad_clip 0,
+    # grad_accum 1, a bf16-safe optimizer under bf16: _with drops the rest); tried before checkpointing,
+    # which costs a third more compute where stepping in the backward pass costs none.
+    in_backward = values("optimizer_in_backward", [False, True]) if tc.mode == "full" else [None]
     out = []
     for base in values("base_weights", list(QUALITY)):
         variants = []
-        for ckpt, off in itertools.product(values("activation_checkpointing", [False, True]),
-                                           values("activation_offload", [False, True])):
+        for ckpt, off, inb in itertools.product(values("activation_checkpointing", [False, True]),
+                                                values("activation_offload", [False, True]), in_backward):
             if off and not ckpt and "activation_offload" not in given:
                 continue  # offloading every saved tensor: only where the config asks for it
             settings = {"base_weights": base, "activation_checkpointing": ckpt,
                         "block_swap": tc.block_swap if "block_swap" in given else 0, "activation_offload": off}
+            if inb is not None:
+                settings["optimizer_in_backward"] = inb
             if (candidate := _with(cfg, settings)) is not None:
                 variants.append((settings, candidate))
         out.append(variants)

@@ -6,7 +6,7 @@ from diffpipe.bench.sweep import BenchResult
 
 
 def convergence_lines(result: BenchResult) -> list[str]:
-    """One line per precision (its final loss against the reference's), then where the files are."""
+    """One line per precision or optimizer (its final loss against the reference's), then where the files are."""
     lines = []
     for r in result.rows:
         diff = r["final_loss_diff"]

@@ -45,7 +45,7 @@ from diffpipe.config.objective import ObjectiveConfig
 from diffpipe.config.root import Config
 from diffpipe.config.sample import SampleConfig
 from diffpipe.config.schema import _rows, json_schema, reference_markdown
-from diffpipe.config.train import BF16_OPTIMIZERS, TokenRoutingConfig, TrainConfig
+from diffpipe.config.train import BF16_OPTIMIZERS, QUANTISED_OPTIMIZERS, TokenRoutingConfig, TrainConfig
 from diffpipe.config.validation import ValidationConfig
 
 __all__ = [
@@ -83,6 +83,7 @@ __all__ = [
     "ObjectiveConfig",
     "PathText",
     "ProfileConfig",
+    "QUANTISED_OPTIMIZERS",
     "Quantile",
     "SampleConfig",
     "Seed",

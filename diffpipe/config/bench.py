@@ -47,6 +47,12 @@ class BenchConfig(Section):
         ["fp32", "bf16", "fp8"], description="`diffpipe bench --convergence`: the precisions compared (`fp8` = "
         "fp8 base weights, computing in bf16).", min_length=1,
     )
+    convergence_optimizers: list[Literal["adamw", "adamw8bit", "adamw4bit", "adamw-in-backward",
+                                         "adamw8bit-in-backward", "adamw4bit-in-backward"]] = Field(
+        ["adamw"], description="`diffpipe bench --convergence`: the optimizers compared at each precision (`adamw`: "
+        "float32 moments; `adamw8bit` / `adamw4bit`: torchao's quantised moments; `-in-backward`: stepped in the "
+        "backward pass, which needs train.mode full, grad_clip 0 and grad_accum 1).", min_length=1,
+    )
     convergence_steps: Int = Field(50, description="`diffpipe bench --convergence`: steps per precision.", ge=1,
                                    le=1_000_000)
 

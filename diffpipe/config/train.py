@@ -14,6 +14,8 @@ from diffpipe.config.objective import ObjectiveConfig
 
 #: Optimizers that step bf16 weights themselves (diffpipe.training.optim.AdamWBF16).
 BF16_OPTIMIZERS = ("adamw_kahan", "adamw_stochastic")
+#: torchao's AdamW with block-quantised moments (8-bit: 256 values per float32 scale; 4-bit: 128).
+QUANTISED_OPTIMIZERS = ("adamw8bit", "adamw4bit")
 
 
 class TokenRoutingConfig(Section):
@@ -53,13 +55,24 @@ class TrainConfig(Section):
         "adamw",
         description="`adamw`, `adamw_kahan` / `adamw_stochastic` (precision bf16, zero_stage 1-3: the trained "
         "weights are kept in bf16 with no fp32 master copy, saving 4 bytes per trained parameter; Kahan "
-        "summation or stochastic rounding keeps small updates), `adafactor`, or any `torch.optim` class name "
-        "(e.g. `SGD`, `RAdam`).",
+        "summation or stochastic rounding keeps small updates), `adamw8bit` / `adamw4bit` (torchao: both AdamW "
+        "moments block-quantised to 8 or 4 bits, about 2 or 1 bytes per trained parameter instead of 8; tensors "
+        "under 4096 values, or not a multiple of the block, keep full-width moments; zero_stage 0), `adafactor`, "
+        "or any `torch.optim` class name (e.g. `SGD`, `RAdam`).",
     )
     optimizer_args: dict[Text, Any] = Field(
         {}, description="Extra keyword arguments for the optimizer (e.g. `{betas: [0.9, 0.99]}`)."
     )
     grad_clip: Float = Field(1.0, description="Gradient norm clip (0 disables).", ge=0)
+    optimizer_in_backward: Bool = Field(
+        False,
+        description="mode full on one process: step each parameter in the backward pass as soon as its gradient "
+        "is complete, then free that gradient, so at most one parameter's gradient (the largest) is held "
+        "instead of all of them. Needs grad_accum 1 and grad_clip 0 (both need every gradient at once), "
+        "zero_stage 0, pipeline_stages 1, no offload_optimizer. Under precision bf16 the weights stay in bf16 "
+        "with no float32 master copy: use adamw8bit / adamw4bit (bf16 stochastic rounding), adamw_kahan or "
+        "adamw_stochastic.",
+    )
     caption_dropout: Float = Field(
         0.0,
         description="Probability of training an item on the empty caption (the cached empty-caption "
@@ -130,7 +143,8 @@ class TrainConfig(Section):
     memory: Literal["manual", "auto"] = Field(
         "manual",
         description="`manual`: the memory keys as written. `auto`: `diffpipe train` sets the memory keys this "
-        "section leaves unset (base_weights, activation_checkpointing, block_swap, activation_offload) to the "
+        "section leaves unset (base_weights, activation_checkpointing, block_swap, activation_offload; with mode "
+        "full also optimizer_in_backward, where grad_clip 0 and grad_accum 1 allow it) to the "
         "fastest setting whose `diffpipe estimate` plus a margin (1.5 GiB CUDA context + 15% of the estimate) "
         "fits train.gpu_memory, preferring bf16 > fp8 > int8 > nf4 base weights within 10% of the fastest; a key "
         "written here is never changed. See `diffpipe plan-memory` and docs/training.md.",
@@ -319,8 +333,41 @@ class TrainConfig(Section):
             raise ValueError("train.offload_optimizer needs train.zero_stage 1, 2 or 3")
         if self.offload_params and self.zero_stage != 3:
             raise ValueError("train.offload_params needs train.zero_stage 3")
-        if self.optimizer in BF16_OPTIMIZERS and (self.zero_stage == 0 or self.offload_optimizer):
+        if self.optimizer in BF16_OPTIMIZERS and not self.optimizer_in_backward and (
+                self.zero_stage == 0 or self.offload_optimizer):
             raise ValueError(f"train.optimizer {self.optimizer}: the weights stay in bf16 without fp32 master "
                              "copies, which DeepSpeed supports with train.zero_stage 1, 2 or 3 and no "
                              "offload_optimizer; set zero_stage: 1")
+        return self
+
+    @model_validator(mode="after")
+    def _check_quantised_optimizer(self) -> TrainConfig:
+        if self.optimizer in QUANTISED_OPTIMIZERS and self.zero_stage:
+            # ZeRO hands the optimizer one flat partition per group, of no particular length: torchao quantises
+            # a tensor only when its length is a multiple of the block, so the states would silently stay float32.
+            raise ValueError(f"train.optimizer {self.optimizer} needs train.zero_stage 0: ZeRO flattens the "
+                             "parameters into partitions whose moments torchao keeps in float32; set zero_stage: 0")
+        return self
+
+    @model_validator(mode="after")
+    def _check_optimizer_in_backward(self) -> TrainConfig:
+        if not self.optimizer_in_backward:
+            return self
+        refusals = [
+            (self.mode != "full", "train.mode full"),
+            (self.grad_accum != 1, "train.grad_accum 1 (each gradient is freed once its parameter is stepped: "
+                                   "there is nothing to accumulate into)"),
+            (self.grad_clip != 0, "train.grad_clip 0 (clipping needs the norm over every gradient before the "
+                                  "first step, and no gradient waits for it)"),
+            (self.zero_stage != 0 or self.offload_optimizer, "train.zero_stage 0 and no offload_optimizer"),
+            (self.pipeline_stages != 1, "train.pipeline_stages 1"),
+            (self.precision == "fp16", "precision fp32 or bf16 (fp16 needs loss scaling over all gradients)"),
+        ]
+        for refused, need in refusals:
+            if refused:
+                raise ValueError(f"train.optimizer_in_backward needs {need}")
+        if self.precision == "bf16" and self.optimizer not in (*QUANTISED_OPTIMIZERS, *BF16_OPTIMIZERS):
+            raise ValueError(f"train.optimizer_in_backward with precision bf16 steps the bf16 weights themselves "
+                             f"(no float32 master copy), where train.optimizer {self.optimizer} rounds small "
+                             "updates away: use adamw8bit, adamw4bit, adamw_kahan or adamw_stochastic")
         return self

@@ -162,7 +162,7 @@ def load_torch_file(path: str | Path, ckpt: Path, *, allowed: Iterable[Any] = ()
     path = Path(path)
     try:
         with torch.serialization.safe_globals(list(allowed)):
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=_plain_location(map_location), weights_only=True)
     except pickle.UnpicklingError as err:
         found = re.search(r"GLOBAL (\S+)", str(err))
         what = f"it would import {found.group(1)}" if found else str(err).splitlines()[-1][:200]
@@ -171,6 +171,17 @@ def load_torch_file(path: str | Path, ckpt: Path, *, allowed: Iterable[Any] = ()
         raise _damaged(path, ckpt, "is missing") from None
     except Exception as err:  # torch raises RuntimeError, EOFError, ... for a truncated file
         raise _damaged(path, ckpt, f"is damaged or truncated ({type(err).__name__}: {err})") from None
+
+
+def _plain_location(map_location: Any) -> Any:
+    """``"cpu"`` for a callable that leaves CPU storages where they are (DeepSpeed's ``lambda storage, loc:
+    storage``): torch cannot rebuild tensor subclasses (torchao's quantised optimizer states) through a callable
+    ``map_location``, and ``"cpu"`` loads the same tensors. Anything else as it is."""
+    if callable(map_location):
+        probe = map_location(torch.UntypedStorage(1), "cpu")
+        if isinstance(probe, torch.UntypedStorage | torch.TypedStorage) and probe.device.type == "cpu":
+            return "cpu"
+    return map_location
 
 
 def _refused(path: Path, ckpt: Path, what: str) -> CheckpointError:

@@ -133,7 +133,9 @@ def deepspeed_config(tc: TrainConfig, world_size: int) -> dict[str, Any]:
         "train_micro_batch_size_per_gpu": tc.batch_size,
         "gradient_accumulation_steps": tc.grad_accum,
         "train_batch_size": tc.batch_size * tc.grad_accum * world_size,
-        "bf16": {"enabled": precision == "bf16"},
+        # optimizer_in_backward steps bf16 weights itself (the module is cast before the engine is built):
+        # DeepSpeed's bf16 mode would wrap the optimizer with float32 master copies and gradients of its own.
+        "bf16": {"enabled": precision == "bf16" and not tc.optimizer_in_backward},
         "fp16": {"enabled": precision == "fp16", "initial_scale_power": 16},
         "zero_optimization": _zero_config(tc),
         # Any torch optimizer (Adafactor, SGD, our bf16 AdamW) may run under ZeRO.
@@ -144,9 +146,9 @@ def deepspeed_config(tc: TrainConfig, world_size: int) -> dict[str, Any]:
     if tc.offload_optimizer or tc.offload_params:
         # Our torch optimizer steps on CPU-offloaded states too (no DeepSpeedCPUAdam build needed).
         cfg["zero_force_ds_cpu_optimizer"] = False
-    if tc.grad_clip > 0:
-        cfg["gradient_clipping"] = tc.grad_clip
-    if tc.optimizer in BF16_OPTIMIZERS:
+    # Always written: DeepSpeed's own default clips at 1.0, so leaving the key out for 0 would still clip.
+    cfg["gradient_clipping"] = tc.grad_clip
+    if tc.optimizer in BF16_OPTIMIZERS and not tc.optimizer_in_backward:
         # No fp32 master copy: the optimizer sees (and rounds into) the bf16 weights themselves.
         cfg["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     return cfg
@@ -175,12 +177,18 @@ def build_engine(
     """
     check_precision(tc)
     deepspeed = load_deepspeed()
+    if tc.optimizer_in_backward and world_size > 1:
+        raise ValueError(f"train.optimizer_in_backward runs on one process (each parameter is stepped before its "
+                         f"gradient could be averaged over the ranks); this run has {world_size}")
     engine, _, _, _ = deepspeed.initialize(
         model=model,
         optimizer=optimizer,
         lr_scheduler=scheduler,
         config=deepspeed_config(tc, world_size),
     )
+    if tc.optimizer_in_backward:
+        # Its gradient reduction would put back a zero gradient for every parameter the hooks freed.
+        engine.enable_backward_allreduce = False
     return engine
 
 

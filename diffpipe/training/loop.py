@@ -27,8 +27,9 @@ from diffpipe.training.ema import STATE_NAME as EMA_STATE
 from diffpipe.training.ema import Ema
 from diffpipe.training.eval import Evaluator, aux_inputs, eval_dataset
 from diffpipe.training.flops import StepFlops
+from diffpipe.training.in_backward import InBackward
 from diffpipe.training.metrics import MetricsWriter, peak_memory_mb, read_metrics
-from diffpipe.training.optim import build_optimizer
+from diffpipe.training.optim import build_training_optimizer
 from diffpipe.training.plots import plot_loss
 from diffpipe.training.profiling import StepProfiler
 from diffpipe.training.sample import TrainingSampler
@@ -204,7 +205,10 @@ class Trainer:
                 layers, pipeline.stage_bounds(layers, tc), pipeline.pipeline_loss_fn(tc.objective), tc,
                 dist.world_size, make_scheduler)
         else:
-            optimizer = build_optimizer(trained.param_groups(), tc)
+            if tc.optimizer_in_backward and precision.resolve_precision(tc.precision) == "bf16":
+                # No DeepSpeed bf16 mode here (engine.deepspeed_config): the weights are cast, and stay, in bf16.
+                trained.training_module().to(torch.bfloat16)
+            optimizer = build_training_optimizer(trained.param_groups(), tc)
             self.model = engine.build_engine(trained.training_module(), optimizer, make_scheduler(optimizer), tc,
                                              dist.world_size)
             # After DeepSpeed moved and cast the module.
@@ -341,7 +345,7 @@ class Trainer:
         due = done == order.total or (tc.eval.every_steps and done % tc.eval.every_steps == 0)
         evals = self.evaluate(model) if due else {}
         memory = peak_memory_mb(model.device)
-        self.metrics.log(done, epoch=epoch, loss=step_loss, lr=self.scheduler.get_last_lr()[0], grad_norm=grad_norm,
+        self.metrics.log(done, epoch=epoch, loss=step_loss, lr=float(self.scheduler.get_last_lr()[0]), grad_norm=grad_norm,
                          samples_per_s=self.samples_per_step / dt, step_time=dt,
                          peak_memory_mb=memory, elapsed_s=time.perf_counter() - self.t_start,
                          skipped_steps=self.streak.total + skipped, **self.flops.fields(dt), **evals,
@@ -448,6 +452,9 @@ def _train_step(model, family, data: CachedDataset, micro_batches: list[list[int
             per_sample = family.loss(model, latents, text, gen, objective=objective,
                                      route=routes[i] if routes else None, **aux_inputs(family, batch, model.device))
         loss = weighted_loss(per_sample, batch, parts)
+        stepping = _in_backward(model)
+        if stepping is not None:  # the weights change during this backward pass: a loss that is not finite
+            stepping.skip = not math.isfinite(float(loss.detach()))  # must stop it before, not after
         model.backward(loss)
         micro_losses.append(loss.detach())
         if model.is_gradient_accumulation_boundary():
@@ -455,13 +462,23 @@ def _train_step(model, family, data: CachedDataset, micro_batches: list[list[int
             step_loss = engine.mean_over_ranks(torch.stack(micro_losses).mean(), world_size)
             if guard is not None:
                 guard.skip_next = not math.isfinite(step_loss)
-            if model.zero_optimization_stage() == 0:
+            if stepping is not None:
+                norm, nonfinite_grads = stepping.take()
+                if guard is not None:
+                    guard.skip_next = guard.skip_next or nonfinite_grads
+            elif model.zero_optimization_stage() == 0:
                 # Without ZeRO, DeepSpeed reports no norm; grads are all-reduced by now.
                 norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
         model.step()
     ds_norm = model.get_global_grad_norm()
     split = {k: torch.cat(v) if v else torch.zeros(0, device=model.device) for k, v in parts.items()}
     return step_loss, float(ds_norm) if ds_norm is not None else norm, split
+
+
+def _in_backward(model) -> InBackward | None:
+    """The engine's optimizer when it steps inside the backward pass (``train.optimizer_in_backward``)."""
+    opt = getattr(model, "optimizer", None)
+    return opt if isinstance(opt, InBackward) else None
 
 
 def weighted_loss(per_sample: torch.Tensor, batch: dict[str, Any], parts: dict[str, list[torch.Tensor]]

@@ -1,5 +1,5 @@
 """Optimizers by name: AdamW, bf16-safe AdamW (Kahan summation or stochastic rounding),
-Adafactor, and any ``torch.optim`` class.
+torchao's AdamW with 8-bit or 4-bit moments, Adafactor, and any ``torch.optim`` class.
 
 bf16 has 8 mantissa bits: an update smaller than 1/256 of a weight rounds
 away, so plain AdamW on bf16 weights stalls at small learning rates. Two
@@ -15,11 +15,14 @@ Float32 weights (LoRA trains in float32) take the plain update in both.
 
 from __future__ import annotations
 
+from functools import cache
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from diffpipe.config import TrainConfig
+from diffpipe.training.in_backward import InBackward
 
 
 def round_stochastic(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
@@ -75,6 +78,14 @@ class AdamWBF16(torch.optim.Optimizer):
         return loss
 
 
+def build_training_optimizer(groups: list[dict[str, Any]], tc: TrainConfig) -> torch.optim.Optimizer:
+    """:func:`build_optimizer`, or with ``train.optimizer_in_backward`` one such optimizer per parameter, stepped
+    in the backward pass (:class:`~diffpipe.training.in_backward.InBackward`)."""
+    if not tc.optimizer_in_backward:
+        return build_optimizer(groups, tc)
+    return InBackward(groups, lambda one: build_optimizer(one, tc))
+
+
 def build_optimizer(params: list[torch.nn.Parameter] | list[dict[str, Any]], tc: TrainConfig) -> torch.optim.Optimizer:
     """The optimizer ``train.optimizer`` names, with ``train.optimizer_args`` passed through; ``params``
     may be parameter groups (a group's own ``lr`` wins over ``train.lr``)."""
@@ -84,15 +95,45 @@ def build_optimizer(params: list[torch.nn.Parameter] | list[dict[str, Any]], tc:
         return torch.optim.AdamW(params, **common, **extra)
     if name in ("adamw_kahan", "adamw_stochastic"):
         return AdamWBF16(params, **common, rounding=name.removeprefix("adamw_"), **extra)
+    if name in _TORCHAO:
+        # Stochastic rounding applies only where torchao steps bf16 weights itself (optimizer_in_backward under
+        # bf16); float32 weights and DeepSpeed's float32 master copies take the plain update.
+        extra.setdefault("bf16_stochastic_round", True)
+        return _torchao_optimizer(name)(params, **common, **extra)
     if name == "adafactor":
         return torch.optim.Adafactor(params, **common, **extra)
     cls = getattr(torch.optim, name, None)
+    if name.lower() in _TORCHAO:
+        raise ValueError(f"train.optimizer: {name!r}: write it in lower case ({name.lower()})")
     if not (isinstance(cls, type) and issubclass(cls, torch.optim.Optimizer)):
         raise ValueError(
-            f"train.optimizer: {name!r} is neither adamw, adamw_kahan, adamw_stochastic, adafactor nor a "
-            "torch.optim class (e.g. SGD, Adam, RAdam)"
+            f"train.optimizer: {name!r} is neither adamw, adamw_kahan, adamw_stochastic, adamw8bit, adamw4bit, "
+            "adafactor nor a torch.optim class (e.g. SGD, Adam, RAdam)"
         )
     try:
         return cls(params, **common, **extra)
     except TypeError as err:
         raise ValueError(f"train.optimizer {name}: bad train.optimizer_args {extra}: {err}") from None
+
+
+#: ``train.optimizer`` -> torchao's class (both AdamW moments block-quantised).
+_TORCHAO = {"adamw8bit": "AdamW8bit", "adamw4bit": "AdamW4bit"}
+
+
+@cache
+def _torchao_optimizer(name: str) -> type[torch.optim.Optimizer]:
+    """torchao's class, stepping outside any dispatch mode: the first step of a run is counted under torch's
+    FLOP counter (one), where torchao's compiled step refuses to trace, and an optimizer step is no model FLOP."""
+    # deferred: importing torchao.optim takes seconds and only these two names need it
+    from torchao import optim as torchao_optim
+
+    base = getattr(torchao_optim, _TORCHAO[name])
+
+    class OutsideDispatchModes(base):
+        @torch.no_grad()
+        def step(self, closure=None):
+            with _disable_current_modes():
+                return super().step(closure)
+
+    OutsideDispatchModes.__name__ = OutsideDispatchModes.__qualname__ = base.__name__
+    return OutsideDispatchModes

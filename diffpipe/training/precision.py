@@ -32,7 +32,7 @@ import torch
 from diffusers.hooks.layerwise_casting import DEFAULT_SKIP_MODULES_PATTERN
 from diffusers.models.attention_dispatch import AttentionBackendName, _check_attention_backend_requirements
 
-from diffpipe.config import BF16_OPTIMIZERS, TrainConfig
+from diffpipe.config import BF16_OPTIMIZERS, QUANTISED_OPTIMIZERS, TrainConfig
 from diffpipe.models._common import cuda_defaults
 from diffpipe.models.casting import FP8_MAX, FP8_SKIPPED_CLASSES, ScaledFp8Linear, dequantise_fp8  # noqa: F401
 from diffpipe.models.comfy_fp8 import require_fp8_base
@@ -66,6 +66,11 @@ def check(tc: TrainConfig) -> None:
         raise ValueError(f"train.optimizer {tc.optimizer} rounds updates into bf16 weights; train.precision "
                          f"{tc.precision} resolves to {resolve_precision(tc.precision)} here: set precision: bf16 "
                          "(or use adamw)")
+    if (tc.optimizer_in_backward and resolve_precision(tc.precision) == "bf16"
+            and tc.optimizer not in (*QUANTISED_OPTIMIZERS, *BF16_OPTIMIZERS)):
+        raise ValueError(f"train.optimizer_in_backward under bf16 (train.precision {tc.precision} here) steps the "
+                         f"bf16 weights themselves, where train.optimizer {tc.optimizer} rounds small updates away: "
+                         "use adamw8bit, adamw4bit, adamw_kahan or adamw_stochastic (or precision: fp32)")
     backend = tc.attention_backend.lower()
     known = sorted(b.value for b in AttentionBackendName)
     if backend not in known:

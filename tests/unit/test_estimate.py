@@ -47,7 +47,8 @@ def test_estimate_parts_follow_zero_and_rank():
     flux = estimate_memory(_cfg("flux"), model="flux1-dev", rank=16)
     assert flux.params == sum(p.numel() for p in PUBLISHED["flux1-dev"].build_meta().parameters())
     assert flux.resolution == 256 and flux.param_bytes >= 2 * flux.params
-    assert flux.grad_bytes == 2 * flux.trainable and flux.optimizer_bytes == 12 * flux.trainable
+    # bf16 gradients and, without ZeRO, DeepSpeed's float32 copy of each for the master weights
+    assert flux.grad_bytes == 6 * flux.trainable and flux.optimizer_bytes == 12 * flux.trainable
     assert 1 * GiB < flux.activation_bytes < 20 * GiB
 
     one = estimate_memory(_cfg("sd"), model="sd15", rank=16)

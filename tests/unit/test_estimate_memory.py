@@ -169,3 +169,49 @@ def test_bf16_optimizers_have_no_float32_master_copy(flux):
     kahan = estimate_memory(_cfg("flux", 64, optimizer="adamw_kahan", zero_stage=1), model="flux1-dev", rank=16)
     trainable = (plain.optimizer_bytes) // 12  # AdamW under bf16: m, v and the float32 master, 4 bytes each
     assert kahan.optimizer_bytes == trainable * 10  # m, v (float32) and the bf16 Kahan compensation
+
+
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
+def test_quantised_state_bytes_are_torchaos_own(name):
+    """The estimate's bytes per tensor equal what torchao's optimizer allocates (codes, block scales, code
+    table; full-width moments under 4096 values or off the block)."""
+    from diffpipe.config import TrainConfig
+    from diffpipe.estimate import quantised_state_bytes
+    from diffpipe.training.optim import build_optimizer
+
+    for numel in (65536, 1000, 4096 + 64):
+        p = torch.nn.Parameter(torch.zeros(numel))
+        opt = build_optimizer([p], TrainConfig(optimizer=name))
+        p.grad = torch.ones(numel)
+        opt.step()
+        real = sum(sum(t.nbytes for t in (getattr(s, a) for a in s.__tensor_flatten__()[0])) if hasattr(s, "codes")
+                   else s.nbytes for s in (opt.state[p]["exp_avg"], opt.state[p]["exp_avg_sq"]))
+        assert quantised_state_bytes(numel, name, 4) == real, numel
+
+
+def test_full_fine_tune_with_quantised_states_in_the_backward_pass():
+    """FLUX.1-dev full fine-tuning: 8-bit moments take about 2 bytes per parameter instead of 8, 4-bit about 1;
+    stepped in the backward pass, one gradient (the largest parameter's) is held instead of all, and the bf16
+    weights are stepped themselves (no float32 master copy)."""
+    def est(**train):
+        return estimate_memory(_cfg("flux", 64, mode="full", **train), model="flux1-dev")
+
+    from diffpipe.estimate import quantised_state_bytes
+
+    plain, q8 = est(), est(optimizer="adamw8bit")
+    n = plain.trainable
+    sizes = [p.numel() for p in PUBLISHED["flux1-dev"].build_meta().parameters()]
+    largest = max(sizes)
+    assert plain.optimizer_bytes == 12 * n  # m, v, float32 master
+    assert plain.grad_bytes == 6 * n  # bf16 gradients and DeepSpeed's float32 copies of them
+    # 8-bit m and v of the float32 master copy, the master itself, one tensor's step workspace (8 B per value)
+    assert q8.optimizer_bytes == sum(quantised_state_bytes(k, "adamw8bit", 4) for k in sizes) + 4 * n + 8 * largest
+    assert 6.0 < q8.optimizer_bytes / n < 6.1 and q8.grad_bytes == plain.grad_bytes
+    for name, per_param, work in (("adamw8bit", (2.0, 2.1), 8), ("adamw4bit", (1.0, 1.2), 26)):
+        inb = est(optimizer=name, optimizer_in_backward=True, grad_clip=0)
+        assert inb.grad_bytes == 2 * largest
+        # moments of the bf16 weights themselves (no master): full-width ones are bf16
+        assert inb.optimizer_bytes == sum(quantised_state_bytes(k, name, 2) for k in sizes) + work * largest
+        assert per_param[0] < inb.optimizer_bytes / n < per_param[1]
+        assert inb.param_bytes == plain.param_bytes and inb.optimizer_in_backward
+    assert "stepped in the backward pass" in inb.table()

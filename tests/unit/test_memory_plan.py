@@ -200,7 +200,9 @@ def test_the_planner_never_changes_a_written_key(estimate, written, gib, slowdow
         assert c is None or all(c.settings[k] == v for k, v in written.items()), (written, c.settings)
     applied = mp.apply_plan(cfg, plan.as_dict()).train
     assert all(getattr(applied, k) == v for k, v in written.items())
-    assert {k: getattr(applied, k) for k in mp.KEYS} == plan.chosen.settings
+    # optimizer_in_backward is planned for full fine-tuning only: a LoRA plan leaves it out.
+    assert set(plan.chosen.settings) <= set(mp.KEYS) and "optimizer_in_backward" not in plan.chosen.settings
+    assert {k: getattr(applied, k) for k in plan.chosen.settings} == plan.chosen.settings
 
 
 @settings(max_examples=30, deadline=None)
@@ -268,3 +270,17 @@ def test_doctor_prints_the_plan_under_memory_auto(tmp_path, monkeypatch, estimat
     assert not check.ok and "the closest, base_weights" in check.detail and "misses by" in check.detail
     (check,) = _plan_checks(_train_cfg(tmp_path, memory="auto"), 0)  # no GPU, no gpu_memory
     assert not check.ok and "train.gpu_memory" in check.fix
+
+
+def test_full_fine_tune_plans_the_optimizer_in_the_backward_pass_where_the_config_allows_it(estimate):
+    """FLUX.1-dev full fine-tuning with 8-bit states on a 141 GiB card: stepping in the backward pass (no cost)
+    fits without checkpointing; where grad_clip keeps it out, nothing fits (all gradients, float32 copies too)."""
+    full = {"mode": "full", "optimizer": "adamw8bit"}
+    plan = _plan(_cfg(**full, grad_clip=0), 141, estimate)
+    assert plan.chosen.settings == {"base_weights": "auto", "activation_checkpointing": False, "block_swap": 0,
+                                    "activation_offload": False, "optimizer_in_backward": True}
+    assert "optimizer_in_backward on" in plan.lines()[1]
+    with pytest.raises(mp.NothingFits, match="optimizer_in_backward off"):  # grad_clip 1.0: all gradients at once
+        _plan(_cfg(**full), 141, estimate)
+    applied = mp.apply_plan(_cfg(**full, grad_clip=0), plan.as_dict())
+    assert applied.train.optimizer_in_backward
