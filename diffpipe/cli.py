@@ -20,6 +20,7 @@ from diffpipe.cli_cache import cache_app
 from diffpipe.cli_common import ConfigOpt, console, errors, fail, say, setup
 from diffpipe.config import ModelConfig, json_schema, reference_markdown
 from diffpipe.data.dataset.demo import write_demo_dataset
+from diffpipe.data.dataset.discover import vshard_names
 from diffpipe.doctor import run_checks
 from diffpipe.init import init_config
 from diffpipe.paths import FORMATS, RunPaths
@@ -106,7 +107,6 @@ def validate_shard(
 
     Example: diffpipe validate-shard -c config/demo.yaml --shard v0003
     """
-    from diffpipe.data.dataset.discover import vshard_names
 
     cfg, paths = setup(config)
     names = vshard_names(cfg.validation.shards)

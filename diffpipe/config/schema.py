@@ -14,7 +14,32 @@ def json_schema() -> dict[str, Any]:
     """The JSON schema Snakemake validates the YAML config with."""
     schema = Config.model_json_schema()
     schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"
+    _no_defaults_under_null(schema)
     return schema
+
+
+def _no_defaults_under_null(schema: dict[str, Any]) -> None:
+    """Drop the property defaults of sections that may be null (``train.token_routing: null``).
+
+    Snakemake fills defaults into every object subschema of an ``anyOf``, even where the value is null, and then
+    fails with an AttributeError; pydantic fills those defaults anyway when it parses the config."""
+    defs = schema.get("$defs", {})
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            options = node.get("anyOf") or []
+            if any(o.get("type") == "null" for o in options if isinstance(o, dict)):
+                for o in options:
+                    ref = o.get("$ref", "") if isinstance(o, dict) else ""
+                    for prop in defs.get(ref.rsplit("/", 1)[-1], {}).get("properties", {}).values():
+                        prop.pop("default", None)
+            for value in node.values():
+                visit(value)
+        elif isinstance(node, list):
+            for value in node:
+                visit(value)
+
+    visit(schema)
 
 
 def _rows(model: type[BaseModel], prefix: str) -> list[tuple[str, str, str]]:

@@ -23,6 +23,7 @@ from diffpipe.paths import RunPaths
 from diffpipe.progress import Progress
 from diffpipe.training import base_loras, checkpointing, engine, finite, load, offload, pipeline, precision
 from diffpipe.training import checkpoint as ckpt
+from diffpipe.training import resume as resuming
 from diffpipe.training.ema import STATE_NAME as EMA_STATE
 from diffpipe.training.ema import Ema
 from diffpipe.training.eval import Evaluator, aux_inputs, eval_dataset
@@ -36,8 +37,6 @@ from diffpipe.training.sample import TrainingSampler
 from diffpipe.training.schedules import lr_lambda
 from diffpipe.training.trainable import Trainable
 from diffpipe.utils import stable_json, write_text_atomic
-
-METRICS_COPY = "metrics.jsonl"  # in each checkpoint: the run's metrics up to its step
 
 
 @dataclass
@@ -146,9 +145,9 @@ class Trainer:
                          "data_digest": ckpt.items_digest(self.items)}
         # Refused early, before any model is loaded.
         if self.resume or self.checkpoint:
-            self.resume_from = _check_resume(self.paths, self.run_meta, self.items, self.checkpoint)
+            self.resume_from = resuming.check_resume(self.paths, self.run_meta, self.items, self.checkpoint)
         elif self.auto_resume:
-            self.resume_from = _fitting_checkpoint(self.paths, self.run_meta, self.items,
+            self.resume_from = resuming.fitting_checkpoint(self.paths, self.run_meta, self.items,
                                                    self.log if dist.is_main else (lambda *_: None))
         else:
             self.resume_from = None
@@ -240,7 +239,7 @@ class Trainer:
         start = 0
         self.streak = finite.Streak(self.tc.max_nonfinite_steps)
         if self.resume_from is not None:
-            start = _resume(self.model, self.gen, paths, self.resume_from, dist.rank, dist.world_size)
+            start = resuming.resume(self.model, self.gen, paths, self.resume_from, dist.rank, dist.world_size)
             self.streak.load(ckpt.read_meta(self.resume_from).get("nonfinite", {}))
             if self.ema is not None:
                 self.ema.load(self.resume_from / EMA_STATE)
@@ -270,7 +269,7 @@ class Trainer:
             self.metrics.log(0, memory_plan=self.memory_plan)
         if start == 0:  # the baseline later evals compare with (TensorBoard only: rows are steps)
             self.metrics.log(0, jsonl=False, **self.evaluate(self.model))
-        self.trigger = _CheckpointTrigger(tc, paths, dist.world_size, dist.is_main)
+        self.trigger = resuming.CheckpointTrigger(tc, paths, dist.world_size, dist.is_main)
         self.sampler = TrainingSampler(self.family, cfg.sample, self.denoiser, paths.train_dir / "samples",
                                        text_encoders=self.trained.text.modules if self.trained.text else None)
         self.samples_per_step = tc.batch_size * tc.grad_accum * dist.world_size
@@ -295,7 +294,7 @@ class Trainer:
                 self.ema.save(folder.parent / EMA_STATE)
             if self.dist.is_main and self.paths.metrics.is_file():
                 # The loss history so far: Snakemake deletes metrics.jsonl before it reruns an interrupted job.
-                shutil.copyfile(self.paths.metrics, folder.parent / METRICS_COPY)
+                shutil.copyfile(self.paths.metrics, folder.parent / resuming.METRICS_COPY)
 
         return ckpt.save_checkpoint(
             self.model, self.paths.checkpoints, step=step, rank=self.dist.rank, keep_last=self.tc.keep_checkpoints,
@@ -354,7 +353,7 @@ class Trainer:
                              gpu_mem_mb=memory if model.device.type == "cuda" else None)
         self.profiler.step()
         self.streak.record(done, skipped, loss=step_loss, grad_norm=grad_norm, log=self.log if self.dist.is_main
-                           else lambda *_: None, last_checkpoint=_newest(self.paths.checkpoints) if skipped else None)
+                           else lambda *_: None, last_checkpoint=resuming.newest(self.paths.checkpoints) if skipped else None)
         epoch_end = done % order.steps_per_epoch == 0
         if epoch_end and not self.trained.full and tc.save_every_epochs and (epoch + 1) % tc.save_every_epochs == 0:
             self.check_weights(done, f"the epoch {epoch + 1} LoRA")
@@ -549,69 +548,6 @@ def _drop_captions(text: dict[str, torch.Tensor], empty: dict[str, torch.Tensor]
         t[drop.to(t.device)] = empty[name][0].to(device=t.device, dtype=t.dtype)
         out[name] = t
     return out
-
-
-class _CheckpointTrigger:
-    """Every N steps, every N minutes, or when a ``train/save`` request file appears."""
-
-    def __init__(self, tc: TrainConfig, paths: RunPaths, world_size: int, is_main: bool):
-        self.tc, self.world, self.is_main = tc, world_size, is_main
-        self.request = paths.train_dir / ckpt.SAVE_REQUEST
-        self.last = time.monotonic()
-
-    def due(self, step: int) -> bool:
-        if self.tc.checkpoint_every_steps and step % self.tc.checkpoint_every_steps == 0:
-            return True
-        minutes = self.tc.checkpoint_every_minutes
-        # Time and files are seen by rank 0 only; every rank follows its decision.
-        flag = self.is_main and (self.request.exists() or (minutes > 0 and time.monotonic() - self.last >= 60 * minutes))
-        return engine.broadcast_flag(flag, self.world)
-
-    def saved(self) -> None:
-        self.last = time.monotonic()
-        if self.is_main:
-            self.request.unlink(missing_ok=True)
-
-
-def _newest(root: Path) -> Path | None:
-    found = ckpt.list_checkpoints(root)
-    return found[-1] if found else None
-
-
-def _check_resume(paths: RunPaths, run_meta: dict[str, Any], items: dict[str, dict[str, Any]],
-                  name: str | None) -> Path:
-    """The checkpoint to resume from, after checking it fits this config, process count and data."""
-    path = ckpt.resolve_checkpoint(paths.checkpoints, name)
-    ckpt.check_resumable(ckpt.read_meta(path), config=run_meta["config"], world_size=run_meta["world_size"],
-                         data_digest=run_meta["data_digest"], ckpt=path, data_items=items)
-    return path
-
-
-def _fitting_checkpoint(paths: RunPaths, run_meta: dict[str, Any], items: dict[str, dict[str, Any]],
-                        log) -> Path | None:
-    """The latest checkpoint when it fits this config, processes and data; else None, saying why.
-
-    An interrupted workflow's train job reruns from scratch otherwise: the steps
-    done are lost and the new checkpoints replace the ones it could resume from.
-    """
-    if not ckpt.list_checkpoints(paths.checkpoints):
-        return None
-    try:
-        return _check_resume(paths, run_meta, items, None)
-    except (ckpt.ResumeError, ckpt.CheckpointError) as err:
-        log(f"train: starting at step 1, not resuming: {err}")
-        return None
-
-
-def _resume(model, gen: torch.Generator, paths: RunPaths, path: Path, rank: int, world_size: int) -> int:
-    """Load the checkpoint's weights, optimizer, scheduler and RNG states; returns its step."""
-    step = int(ckpt.read_meta(path)["step"])
-    ckpt.set_rng_state(gen, ckpt.load_checkpoint(model, path, rank=rank, world_size=world_size))
-    if rank == 0:
-        if not paths.metrics.exists() and (path / METRICS_COPY).is_file():
-            write_text_atomic(paths.metrics, (path / METRICS_COPY).read_text())
-        ckpt.truncate_metrics(paths.metrics, step)
-    return step
 
 
 def _data_items(data: CachedDataset) -> dict[str, dict[str, Any]]:

@@ -29,6 +29,7 @@ def _with(base: dict, key: str, value) -> dict:
     node = data
     for part, nxt in zip(parts, parts[1:], strict=False):
         if isinstance(part, int):
+            node.extend({} for _ in range(part + 1 - len(node)))  # an entry of a list the base leaves empty
             node = node[part]
         else:
             node = node.setdefault(part, [] if isinstance(nxt, int) else {})

@@ -63,7 +63,7 @@ def test_deepspeed_config_from_ours(tmp_path):
     assert ds["train_batch_size"] == 3 * 2 * 4
     assert ds["bf16"] == {"enabled": True}
     assert ds["zero_optimization"]["stage"] == 2
-    assert "gradient_clipping" not in ds
+    assert ds["gradient_clipping"] == 0  # written even at 0: DeepSpeed clips at 1.0 when the key is missing
 
 
 def test_a_changed_file_changes_only_its_validation_shards_fingerprint(tmp_path):

@@ -24,7 +24,6 @@ from pathlib import Path
 from typing import Any, Literal
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -43,12 +42,13 @@ from diffpipe.data.dataset.checks import (
     flag_duplicates,
 )
 from diffpipe.data.dataset.discover import Listing, list_dataset, printable
+from diffpipe.data.dataset.manifest_file import MANIFEST_SCHEMA, load_previous, same_rows, write_manifest
 from diffpipe.data.dataset.metadata import MetadataTable, read_metadata
 from diffpipe.data.dataset.pool import probe_files
 from diffpipe.data.dataset.report import write_reports
 from diffpipe.data.dataset.results import Issue, ValidationResult
 from diffpipe.policy import REASONS, resolve_actions, status_of
-from diffpipe.utils import atomic_path, digest
+from diffpipe.utils import digest
 
 #: Bump when probing changes, so a new version re-probes every file.
 #: 4: declared sizes checked from headers (GIF frames, video streams); ``large_media``.
@@ -57,50 +57,6 @@ PROBE_VERSION = 4
 _CAPTION_REASONS = {"empty_caption", "caption_not_utf8"}
 #: Per-item auxiliary images (:mod:`diffpipe.data.dataset.aux_images`).
 AUX_ROLES = aux_images.ROLES
-
-_TOKENS = pa.list_(pa.struct([("encoder", pa.string()), ("tokens", pa.int32()), ("limit", pa.int32())]))
-MANIFEST_SCHEMA = pa.schema(
-    [
-        ("id", pa.string()),
-        ("dataset", pa.string()),
-        ("path", pa.string()),
-        ("relpath", pa.string()),
-        ("kind", pa.string()),  # image | video
-        ("sha256", pa.string()),
-        ("size", pa.int64()),
-        ("mtime_ns", pa.int64()),
-        ("width", pa.int32()),
-        ("height", pa.int32()),
-        ("frames", pa.int32()),
-        ("fps", pa.float64()),  # measured from decoded frame times; null for images
-        ("caption", pa.string()),  # the first alternative (what a single-caption reader uses)
-        ("captions", pa.list_(pa.string())),  # every alternative
-        ("caption_sha256", pa.string()),
-        ("caption_file", pa.string()),  # relative path of the caption file, null when from metadata
-        ("caption_size", pa.int64()),
-        ("caption_mtime_ns", pa.int64()),
-        ("tokens", _TOKENS),  # per encoder: most tokens over the alternatives, and the limit
-        ("tokens_key", pa.string()),
-        ("split", pa.string()),  # train | eval
-        ("status", pa.string()),  # ok | warning | skipped | error
-        ("reasons", pa.list_(pa.string())),
-        ("notes", pa.list_(pa.string())),  # one human sentence per reason
-        # per aux role (mask, control): absolute path, content hash, stat and size; null when none
-        *[
-            (f"{role}_{col}", typ)
-            for role in AUX_ROLES
-            for col, typ in (
-                ("path", pa.string()),
-                ("sha256", pa.string()),
-                ("size", pa.int64()),
-                ("mtime_ns", pa.int64()),
-                ("width", pa.int32()),
-                ("height", pa.int32()),
-            )
-        ],
-    ]
-)
-
 
 def probe_key(vcfg: ValidationConfig) -> str:
     """What makes a probe result reusable: the probing code's version and the pixel limit."""
@@ -115,55 +71,6 @@ def kept_copy(path: Path) -> Path:
 def item_id(dataset: str, relpath: str) -> str:
     """Stable item id: a digest of the dataset name and the file's relative path."""
     return digest([dataset, relpath])[:16]
-
-
-# -- previous manifest ---------------------------------------------------------
-def _read_parquet(path: Path) -> pa.Table:
-    # ParquetFile, not read_table: read_table imports pyarrow.dataset (over 0.5 s of a rerun).
-    with pq.ParquetFile(path) as f:
-        return f.read()
-
-
-def _load_previous(path: Path | None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    if path is None or not path.is_file():
-        return {}, {}
-    try:
-        table = _read_parquet(path)
-        if table.schema.remove_metadata() != MANIFEST_SCHEMA:
-            return {}, {}  # an older layout only costs the reuse
-        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-        cols = table.to_pydict()  # columnar conversion is several times faster than to_pylist
-        names = list(cols)
-        return {vals[0]: dict(zip(names, vals, strict=True)) for vals in zip(*cols.values(), strict=True)}, meta
-    except Exception:  # a damaged previous manifest only costs the reuse
-        return {}, {}
-
-
-def _same_rows(rows: list[dict[str, Any]], previous: dict[str, dict[str, Any]]) -> bool:
-    """Whether ``rows`` (sorted by id) hold exactly the previous manifest's values."""
-    if len(rows) != len(previous):
-        return False
-    names = MANIFEST_SCHEMA.names
-    return all(
-        (prev := previous.get(row["id"])) is not None and all(row.get(n) == prev[n] for n in names) for row in rows
-    )
-
-
-def _write_manifest(path: Path, table: pa.Table) -> bool:
-    """Write the manifest unless it holds the same rows; unchanged -> only touch it."""
-    if path.is_file():
-        try:
-            old = _read_parquet(path)
-            # Parquet renames list items ("element"), so compare the keys apart from the columns.
-            same = old.equals(table) and old.schema.metadata == table.schema.metadata
-        except Exception:
-            same = False
-        if same:
-            os.utime(path)  # newer than its inputs for Snakemake, same content for its consumers
-            return False
-    with atomic_path(path) as tmp:
-        pq.write_table(table, tmp)
-    return True
 
 
 # -- per-dataset collection ----------------------------------------------------
@@ -186,6 +93,28 @@ def _collect(
 ) -> tuple[list[dict[str, Any]], list[tuple[int, str, str]]]:
     """Manifest rows of one dataset with reused probe results (the previous manifest's, then the
     validation shards' in ``probed``), and what must be probed."""
+    media = _listed_media(listing, meta, issue)
+    rows: list[dict[str, Any]] = []
+    jobs: list[tuple[int, str, str]] = []
+    root = str(listing.root)
+    known = {r["relpath"]: r["id"] for r in previous.values() if r["dataset"] == ds.name}
+    for rel, kind in sorted(media.items()):
+        path = os.path.join(root, rel)
+        size, mtime = listing.stats.get(rel) or _stat(path)
+        rid = known.get(rel) or item_id(ds.name, rel)  # the digest costs more than the lookup
+        row: dict[str, Any] = {
+            "id": rid, "dataset": ds.name, "path": path, "relpath": rel, "kind": kind, "size": size,
+            "mtime_ns": mtime, "sha256": None, "width": None, "height": None, "frames": None, "fps": None,
+            "reasons": [], "notes": [],
+        }
+        if not _reused(row, previous.get(rid) if reuse_probe else None, probed.get(rel)):
+            jobs.append((len(rows), path, kind))
+        rows.append(row)
+    return rows, jobs
+
+
+def _listed_media(listing: Listing, meta: MetadataTable, issue: Any) -> dict[str, str]:
+    """The listing's media files plus those a metadata table names (a missing one is a ``missing_file`` issue)."""
     media = dict(listing.media)
     for rel in meta.captions:
         if rel in media:
@@ -199,48 +128,29 @@ def _collect(
             media[rel] = "image"  # listed by metadata with an unusual extension: sniffing decides
         else:
             issue(str(listing.root / rel), "missing_file", f"{meta.where[rel]}: {rel!r} {why} in {listing.root}")
-    rows: list[dict[str, Any]] = []
-    jobs: list[tuple[int, str, str]] = []
-    root = str(listing.root)
-    known = {r["relpath"]: r["id"] for r in previous.values() if r["dataset"] == ds.name}
-    for rel, kind in sorted(media.items()):
-        path = os.path.join(root, rel)
-        size, mtime = listing.stats.get(rel) or _stat(path)
-        rid = known.get(rel) or item_id(ds.name, rel)  # the digest costs more than the lookup
-        row: dict[str, Any] = {
-            "id": rid,
-            "dataset": ds.name,
-            "path": path,
-            "relpath": rel,
-            "kind": kind,
-            "size": size,
-            "mtime_ns": mtime,
-            "sha256": None,
-            "width": None,
-            "height": None,
-            "frames": None,
-            "fps": None,
-            "reasons": [],
-            "notes": [],
-        }
-        prev = previous.get(rid)
-        if reuse_probe and prev and prev["sha256"] and prev["size"] == size and prev["mtime_ns"] == mtime:
-            for k in ("sha256", "kind", "width", "height", "frames", "fps"):
-                row[k] = prev[k]
-            for reason, note in zip(prev["reasons"], prev["notes"], strict=True):
-                if reason in PROBE_REASONS:
-                    add_reason(row, reason, note)
-            row["_reused"] = True
-        elif (shard := probed.get(rel)) and shard[0] == size and shard[1] == mtime:
-            for k, value in zip(("kind", "sha256", "width", "height", "frames", "fps"), shard[2:8], strict=True):
-                row[k] = value
-            for reason, note in zip(shard[8], shard[9], strict=True):
+    return media
+
+
+def _reused(row: dict[str, Any], prev: dict[str, Any] | None, shard: tuple[Any, ...] | None) -> bool:
+    """Fill ``row``'s probe results from the previous manifest's row or a validation shard's table while the file
+    keeps the size and mtime they recorded; False when it must be probed."""
+    size, mtime = row["size"], row["mtime_ns"]
+    if prev and prev["sha256"] and prev["size"] == size and prev["mtime_ns"] == mtime:
+        for k in ("sha256", "kind", "width", "height", "frames", "fps"):
+            row[k] = prev[k]
+        for reason, note in zip(prev["reasons"], prev["notes"], strict=True):
+            if reason in PROBE_REASONS:
                 add_reason(row, reason, note)
-            row["_sharded"] = True
-        else:
-            jobs.append((len(rows), path, kind))
-        rows.append(row)
-    return rows, jobs
+        row["_reused"] = True
+        return True
+    if shard and shard[0] == size and shard[1] == mtime:
+        for k, value in zip(("kind", "sha256", "width", "height", "frames", "fps"), shard[2:8], strict=True):
+            row[k] = value
+        for reason, note in zip(shard[8], shard[9], strict=True):
+            add_reason(row, reason, note)
+        row["_sharded"] = True
+        return True
+    return False
 
 
 def _captions(
@@ -388,11 +298,8 @@ def run_validation(
             still of the size and mtime a shard probed reuses that result instead of being read.
     """
     manifest_path = Path(manifest_path)
-    prev_path = manifest_path if previous == "auto" else (Path(previous) if previous else None)
-    keep = kept_copy(manifest_path)
-    if previous == "auto" and not manifest_path.is_file() and keep.is_file():
-        prev_path = keep  # Snakemake removed the outputs of a failed run; its results still count
-    prev_rows, prev_meta = _load_previous(prev_path)
+    prev_path = _previous_path(manifest_path, previous)
+    prev_rows, prev_meta = load_previous(prev_path)
     probe_key_now = probe_key(vcfg)
     caption_keys = {ds.name: digest([ds.caption_lines, ds.caption_style])[:16] for ds in datasets}
     prev_caption_keys = json.loads(prev_meta.get("caption_keys", "{}"))
@@ -405,18 +312,24 @@ def run_validation(
     for ds in datasets:
         _list_dataset(scan, ds, exclude)
     _probe(scan, tokens, workers, console)
-    same_captions = {ds.name: not rehash and prev_caption_keys.get(ds.name) == caption_keys[ds.name]
-                     for ds in datasets}
+    same_captions = {d.name: not rehash and prev_caption_keys.get(d.name) == caption_keys[d.name] for d in datasets}
     all_rows = _check_rows(scan, datasets, same_captions, tokens)
     _tally(scan, datasets, all_rows)
-    meta = {
-        "probe_key": probe_key_now,
-        "caption_keys": json.dumps(caption_keys, sort_keys=True),
-        "max_pixels": str(vcfg.max_pixels),  # the plan hands it to the cache jobs' decoders
-    }
-    unchanged = prev_path == manifest_path and prev_meta == meta and _same_rows(all_rows, prev_rows)
+    meta = {"probe_key": probe_key_now, "caption_keys": json.dumps(caption_keys, sort_keys=True),
+            "max_pixels": str(vcfg.max_pixels)}  # max_pixels: the plan hands it to the cache jobs' decoders
+    unchanged = prev_path == manifest_path and prev_meta == meta and same_rows(all_rows, prev_rows)
     _write_outputs(scan.result, all_rows, meta, unchanged, manifest_path, Path(report_json), Path(report_html))
     return scan.result
+
+
+def _previous_path(manifest_path: Path, previous: str | Path | None) -> Path | None:
+    """The manifest whose results are reused (``"auto"``: the output itself, else its kept copy)."""
+    if previous != "auto":
+        return Path(previous) if previous else None
+    keep = kept_copy(manifest_path)
+    if not manifest_path.is_file() and keep.is_file():
+        return keep  # Snakemake removed the outputs of a failed run; its results still count
+    return manifest_path
 
 
 def _list_dataset(scan: _Scan, ds: DatasetConfig, exclude: tuple[str, ...]) -> None:
@@ -548,7 +461,7 @@ def _write_outputs(result: ValidationResult, all_rows: list[dict[str, Any]], met
         result.manifest_changed = False
     else:
         table = pa.Table.from_pylist(all_rows, schema=MANIFEST_SCHEMA.with_metadata(meta))
-        result.manifest_changed = _write_manifest(manifest_path, table)
+        result.manifest_changed = write_manifest(manifest_path, table)
     write_reports(result, report_json=report_json, report_html=report_html)
     if result.errors:
         # A failed Snakemake job loses its outputs: keep copies it does not know about,
