@@ -45,12 +45,21 @@ class Run:
         args = ["run", "-c", str(case["config"]), "--cores", "2", "--target", "train"]
         with open(self.out, "w") as out:
             self.proc = subprocess.Popen([sys.executable, "-m", "diffpipe", *args], cwd=case["work"], env=env,
-                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+                                         stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+                                         preexec_fn=_terminal_signals)
         self.pid = self.proc.pid
 
     def finish(self, timeout: float) -> tuple[int, str]:
         rc = self.proc.wait(timeout=timeout)
         return rc, self.out.read_text(errors="replace")
+
+
+def _terminal_signals() -> None:
+    """Start the run with SIGINT and SIGTERM at their defaults, as a terminal's shell does: an ignored signal is
+    inherited across exec, and a test run earlier in this pytest process may have left SIGINT ignored (then
+    Snakemake and the train job never see the Ctrl-C this file sends)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
 
 
 def _alive(root: Path) -> list[int]:
