@@ -30,7 +30,8 @@ def _config(root: Path, data: Path, name: str, shards: int) -> Path:
            "validation": {"shards": shards}}
     path = root / f"{name}.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    shutil.rmtree(root / name, ignore_errors=True)  # a fresh output folder: every file is probed
+    if (root / "generated").exists():  # only in a folder this benchmark generated: its own output folders
+        shutil.rmtree(root / name, ignore_errors=True)  # a fresh output folder: every file is probed
     return path
 
 
