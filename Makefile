@@ -28,8 +28,10 @@ $(STAMP): pyproject.toml constraints.txt Makefile
 demo: venv
 	OMP_NUM_THREADS=$${OMP_NUM_THREADS:-1} $(BIN)/diffpipe run --config config/demo.yaml
 
+# --durations: the 30 slowest steps end the log, which is what tests/conftest.py's LONGEST_FIRST
+# order is kept from.
 test: venv
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 tests
 
 # The edit loop: unit tests and the family contract (each family's tiny flavor takes a step), no
 # end-to-end runs (the few in tests/unit are marked slow); about 2 minutes on 2 cores. `make test` stays
