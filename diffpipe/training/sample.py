@@ -20,7 +20,7 @@ from diffpipe.families import get_family
 from diffpipe.models._common import cuda_defaults
 from diffpipe.paths import EXPORT_NAMES, export_name
 from diffpipe.training.adapter import WEIGHTS_NAME, apply_adapter
-from diffpipe.training.base_loras import BaseDeltas
+from diffpipe.training.base_loras import BaseDeltas, with_base_text
 from diffpipe.training.finite import check_safetensors_file
 from diffpipe.training.plots import caption_grid
 from diffpipe.utils import atomic_path
@@ -86,7 +86,8 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
                    base_loras: list[tuple[Path, float]] | None = None) -> list[Path]:
     """Render every prompt with and without the LoRA (same seed) and save PNGs (MP4s) plus a grid.
 
-    ``base_loras``: ``(adapter folder, scale)`` of ``model.base_loras``, folded into the denoiser first.
+    ``base_loras``: ``(adapter folder, scale)`` of ``model.base_loras``, folded into the denoiser and the text
+    encoders first.
 
     The grid's top row is the base model, the bottom row the LoRA (first
     frames for video): a quick look at what training changed. ``out_dir`` is written
@@ -95,7 +96,7 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
     parts (Wan 2.2 A14B, ``model.expert: both``) loads each part's file, found
     beside ``lora_file`` by its export name.
     """
-    family = get_family(model_cfg)
+    family = with_base_text(get_family(model_cfg), base_loras or [])
     out_dir = Path(out_dir)
     _check_finite(family, Path(lora_file))  # before minutes of loading and rendering the base model
     # Entered first: a folder of the user's is refused before minutes of rendering.
