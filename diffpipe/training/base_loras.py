@@ -26,6 +26,9 @@ from diffpipe.utils import digest, sha256_bytes, sha256_file
 
 #: The run's folder of base LoRAs read into PEFT adapter folders, one per content digest.
 FOLDER = "base_loras"
+#: The header key of an exported LoRA file that holds the base LoRAs too (``export.include_base_loras``): their
+#: paths and scales, as JSON. Samples then fold none into the model (they are in the file).
+BASES_INCLUDED = "diffpipe.base_loras_included"
 #: Key prefixes of a text encoder's LoRA in every file format import-lora reads (diffusers ``text_encoder.``,
 #: ``text_encoder_2.``; kohya and ComfyUI ``lora_te_``, ``lora_te1_``, ``lora_te2_``).
 TEXT_KEY_PREFIXES = ("text_encoder", "lora_te")
@@ -210,3 +213,15 @@ def with_base_text(family, folders: list[tuple[Path, float]]):
         return family
     folds = {name: _TextFold(name, BaseDeltas.read(parts)) for name, parts in by_encoder.items()}
     return family.with_base_text(folds, text_identity(folders))
+
+
+def holds_bases(lora: str | Path) -> bool:
+    """Whether an exported LoRA (a file, or a PEFT folder) holds its base LoRAs (:data:`BASES_INCLUDED`)."""
+    from safetensors import safe_open  # deferred: the digests of every stage import this module
+
+    lora = Path(lora)
+    file = lora / WEIGHTS_NAME if lora.is_dir() else lora
+    if not file.is_file():
+        return False
+    with safe_open(str(file), framework="pt") as f:
+        return BASES_INCLUDED in (f.metadata() or {})

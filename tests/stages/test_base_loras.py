@@ -1,10 +1,10 @@
 """Base LoRAs (``model.base_loras``): folded into the frozen denoiser and text encoder for caching, training and
-samples; left out of the export.
+samples; left out of the export, or joined into it (``export.include_base_loras``).
 
 One tiny training run over a diffusers-format base LoRA with a text-encoder part: its text cache equals the
 stock pipeline's prompt encoding with the base LoRA file loaded (``load_lora_weights``); its exported LoRA,
-loaded beside the base LoRA file into the stock pipeline (two adapters), reproduces training's denoiser output.
-The base LoRA's formats (diffusers, kohya,
+loaded beside the base LoRA file into the stock pipeline (two adapters), reproduces training's denoiser output;
+exported with ``include_base_loras``, a file loaded alone does. The base LoRA's formats (diffusers, kohya,
 ComfyUI, a LoKr) are checked at the fold: the folded weights equal the base plus PEFT's own delta of the same
 adapter, at the configured scale; the text encoder's fold equals the stock loader's.
 """
@@ -21,14 +21,14 @@ from diffpipe.config import LoraConfig, ModelConfig, SampleConfig, TrainConfig, 
 from diffpipe.data.cache.plan import read_spec
 from diffpipe.data.cache.text import TextShard
 from diffpipe.export import export_lora
-from diffpipe.export.base_loras import prepare_base_loras, text_base_loras
+from diffpipe.export.base_loras import prepare_base_loras, text_base_loras, with_base_loras
 from diffpipe.families import get_family
 from diffpipe.paths import RunPaths
 from diffpipe.stages import stage_digest
 from diffpipe.training import load
 from diffpipe.training.adapter import add_lora, apply_adapter, lora_state_dict, peft_config, save_adapter
-from diffpipe.training.base_loras import BaseDeltas
-from diffpipe.training.sample import TrainingSampler
+from diffpipe.training.base_loras import BaseDeltas, holds_bases
+from diffpipe.training.sample import TrainingSampler, sample_pipeline
 from diffpipe.training.text_encoders import TrainedTextEncoders
 
 SCALE = 0.7
@@ -218,7 +218,8 @@ def _unet_outputs(pipe, loaded: list[tuple[str, str, float]]) -> torch.Tensor:
     """The stock pipeline's UNet output with these files loaded (``(file, adapter name, weight)``)."""
     for file, name, _ in loaded:
         pipe.load_lora_weights(file, adapter_name=name)
-    pipe.set_adapters([n for _, n, _ in loaded], adapter_weights=[w for _, _, w in loaded])
+    if loaded:
+        pipe.set_adapters([n for _, n, _ in loaded], adapter_weights=[w for _, _, w in loaded])
     x, t, text = _inputs()
     with torch.no_grad():
         return pipe.unet(x, t, encoder_hidden_states=text).sample
@@ -279,6 +280,57 @@ def test_trained_over_base_lora_reproduces_in_stock_pipeline(trained_over_base, 
           f"without the base LoRA: max abs {(alone - want).abs().max().item():.3g}")
     assert rel <= 1e-5, (err, rel)
     assert (alone - want).abs().max() > 100 * err + 1e-4
+
+
+def test_export_includes_base_loras(trained_over_base, tmp_path):
+    """``export.include_base_loras``: the diffusers and kohya files, each loaded alone by diffusers' loader,
+    reproduce training's denoiser (base LoRA folded + trained LoRA) and its text encoder (base LoRA's part);
+    the merged folder holds both; the card says so; ``diffpipe sample`` folds nothing more over such a file
+    (and does over the trained LoRA alone)."""
+    parsed, paths, base_file, want, _ = trained_over_base
+    family = get_family(parsed.model)
+    folders = prepare_base_loras(family.cfg, family, paths.root)
+    config = parsed.model_copy(update={"export": parsed.export.model_copy(update={"include_base_loras": True})})
+    formats = ["diffusers", "kohya", "merged"]
+    exported = export_lora(paths.adapter_dir, tmp_path / "export", family, formats, config=config, run=paths)
+    card = exported.card.read_text()
+    assert "included in the files above" in card and str(base_file) in card
+    text_want = _stock_prompt(base_file)
+    errors = {}
+    for fmt in ("diffusers", "kohya"):
+        pipe = family.load_pipeline()
+        got = _unet_outputs(pipe, [(str(exported.files[fmt]), "all", 1.0)])
+        text = _encode(pipe)
+        errors[fmt] = ((got - want).abs().max().item() / want.abs().max().item(),
+                       (text - text_want).abs().max().item())
+        assert holds_bases(exported.files[fmt])
+    # diffpipe sample over such a file folds no base LoRA: the pipeline it loads the file into is the plain one.
+    _, over_file = sample_pipeline(parsed.model, exported.files["diffusers"], folders)
+    _, over_trained = sample_pipeline(parsed.model, paths.adapter_dir, folders)
+    plain = get_family(parsed.model).load_pipeline()
+    assert torch.equal(_unet_outputs(over_file, []), _unet_outputs(plain, []))
+    assert torch.equal(_encode(over_file), _encode(plain)) and not torch.equal(_encode(over_trained), _encode(plain))
+    merged = type(family.load_pipeline()).from_pretrained(exported.files["merged"])
+    x, t, text = _inputs()
+    with torch.no_grad():
+        merged_err = (merged.unet(x, t, encoder_hidden_states=text).sample - want).abs().max().item()
+    merged_text = _encode(merged)
+    print(f"include_base_loras, file alone vs training (relative UNet, abs text): {errors}; merged folder: "
+          f"UNet {merged_err:.3g}, text {(merged_text - text_want).abs().max().item():.3g}")
+    for unet_rel, text_abs in errors.values():
+        assert unet_rel <= 1e-5 and text_abs <= 1e-5
+    assert merged_err <= 1e-5 * want.abs().max() and (merged_text - text_want).abs().max() <= 1e-5
+    assert not holds_bases(paths.adapter_dir)
+
+
+def test_include_base_loras_refuses_what_cannot_be_exact(base_files, tmp_path):
+    """A LoKr (trained or base) cannot be joined with a LoRA into one file: refused naming the formats and why."""
+    lokr, lora = base_files["lokr-comfyui"][1], base_files["diffusers"][1]
+    with pytest.raises(ValueError, match=r"formats diffusers, kohya: the trained LoRA .* is a lokr: .*Kronecker"):
+        with_base_loras(lokr, [(lora, 1.0)], tmp_path / "a", ["diffusers", "kohya"])
+    with pytest.raises(ValueError, match=r"formats peft: the base LoRA .* is a lokr"):
+        with_base_loras(lora, [(lokr, 1.0)], tmp_path / "b", ["peft"])
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def _state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
