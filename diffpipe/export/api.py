@@ -12,7 +12,7 @@ from pathlib import Path
 import peft
 import torch
 
-from diffpipe.config import Config
+from diffpipe.config import Config, ConfigError
 from diffpipe.export.base_loras import prepare_base_loras, with_base_loras
 from diffpipe.export.card import CardFile, read_memory_plan, write_card
 from diffpipe.export.comfyui import export_comfyui
@@ -111,7 +111,7 @@ def _included_bases(config: Config | ExportInputs | None, family: Family, run: R
     if config is None or not config.export.include_base_loras or not family.cfg.base_loras:
         return []
     if len(family.denoiser_parts) > 1:
-        raise ValueError("export.include_base_loras: a run with several trained parts (model.expert: both) is "
+        raise ConfigError("export.include_base_loras: a run with several trained parts (model.expert: both) is "
                          "not joined with its base LoRAs; export without it and load them beside the LoRAs")
     return prepare_base_loras(family.cfg, family, run.root if run else tmp)
 

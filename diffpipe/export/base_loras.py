@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from diffpipe.config.base import ConfigError
 from diffpipe.config.model import ModelConfig
 from diffpipe.export.convert import Lora, adapter_from_loras, module_loras
 from diffpipe.export.import_lora import import_lora
@@ -86,7 +87,7 @@ def _plain(folder: Path, what: str, formats: list[str]) -> tuple[dict[str, Lora]
     if kind == "lora" and any(k.endswith("lora_magnitude_vector") for k in sd):
         kind = "dora"
     if kind != "lora":
-        raise ValueError(f"export.include_base_loras: formats {', '.join(formats)}: {what} is a {kind}: "
+        raise ConfigError(f"export.include_base_loras: formats {', '.join(formats)}: {what} is a {kind}: "
                          f"{_NOT_CONCATENATED.get(kind, 'only plain LoRAs are joined')}; export without "
                          "include_base_loras (the card says how to load the base LoRAs beside it), or the `merged` "
                          "format alone, which folds them into the weights")

@@ -17,7 +17,7 @@ import yaml
 from stage_cli import in_process
 
 from diffpipe import stages
-from diffpipe.config import LoraConfig, ModelConfig, SampleConfig, TrainConfig, parse_config
+from diffpipe.config import ConfigError, LoraConfig, ModelConfig, SampleConfig, TrainConfig, parse_config
 from diffpipe.data.cache.plan import read_spec
 from diffpipe.data.cache.text import TextShard
 from diffpipe.export import export_lora
@@ -324,11 +324,12 @@ def test_export_includes_base_loras(trained_over_base, tmp_path):
 
 
 def test_include_base_loras_refuses_what_cannot_be_exact(base_files, tmp_path):
-    """A LoKr (trained or base) cannot be joined with a LoRA into one file: refused naming the formats and why."""
+    """A LoKr (trained or base) cannot be joined with a LoRA into one file: refused naming the formats and why, as a
+    config error (the CLI's exit 2), before anything is written."""
     lokr, lora = base_files["lokr-comfyui"][1], base_files["diffusers"][1]
-    with pytest.raises(ValueError, match=r"formats diffusers, kohya: the trained LoRA .* is a lokr: .*Kronecker"):
+    with pytest.raises(ConfigError, match=r"formats diffusers, kohya: the trained LoRA .* is a lokr: .*Kronecker"):
         with_base_loras(lokr, [(lora, 1.0)], tmp_path / "a", ["diffusers", "kohya"])
-    with pytest.raises(ValueError, match=r"formats peft: the base LoRA .* is a lokr"):
+    with pytest.raises(ConfigError, match=r"formats peft: the base LoRA .* is a lokr"):
         with_base_loras(lora, [(lokr, 1.0)], tmp_path / "b", ["peft"])
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
