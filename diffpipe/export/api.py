@@ -112,7 +112,7 @@ def _included_bases(config: Config | ExportInputs | None, family: Family, run: R
         return []
     if len(family.denoiser_parts) > 1:
         raise ConfigError("export.include_base_loras: a run with several trained parts (model.expert: both) is "
-                         "not joined with its base LoRAs; export without it and load them beside the LoRAs")
+                          "not joined with its base LoRAs; export without it and load them beside the LoRAs")
     return prepare_base_loras(family.cfg, family, run.root if run else tmp)
 
 

@@ -72,9 +72,10 @@ def _join(into: dict[str, Lora], add: dict[str, Lora], scale: float, source: obj
         if have is None:
             into[module] = lora
             continue
-        if have.down.shape[1:] != lora.down.shape[1:] or have.up.shape[0] != lora.up.shape[0]:
-            raise ValueError(f"export.include_base_loras: {source}: {module} has shape {tuple(lora.delta().shape)}, "
-                             f"the trained LoRA's {tuple(have.delta().shape)}")
+        shape, want = (lora.up.shape[0], *lora.down.shape[1:]), (have.up.shape[0], *have.down.shape[1:])
+        if shape != want:
+            raise ValueError(f"export.include_base_loras: {source}: {module} updates a weight of shape "
+                             f"{tuple(shape)}, the trained LoRA one of {tuple(want)}")
         into[module] = Lora(torch.cat([have.down, lora.down]), torch.cat([have.up, lora.up], dim=1),
                             float(have.rank + lora.rank))
 
@@ -88,9 +89,9 @@ def _plain(folder: Path, what: str, formats: list[str]) -> tuple[dict[str, Lora]
         kind = "dora"
     if kind != "lora":
         raise ConfigError(f"export.include_base_loras: formats {', '.join(formats)}: {what} is a {kind}: "
-                         f"{_NOT_CONCATENATED.get(kind, 'only plain LoRAs are joined')}; export without "
-                         "include_base_loras (the card says how to load the base LoRAs beside it), or the `merged` "
-                         "format alone, which folds them into the weights")
+                          f"{_NOT_CONCATENATED.get(kind, 'only plain LoRAs are joined')}; export without "
+                          "include_base_loras (the card says how to load the base LoRAs beside it), or the `merged` "
+                          "format alone, which folds them into the weights")
     return module_loras(sd, cfg), {name: module_loras(s, c) for name, (s, c) in load_text_adapters(folder).items()}
 
 
