@@ -424,18 +424,31 @@ def _publish_text(st: Store, spec: dict[str, Any], values: dict[str, dict[str, t
 
 def cache_text(spec_path: str | Path, out_path: str | Path, model_cfg: ModelConfig, cache_cfg: CacheConfig, *,
                store: str | Path | None = None, regenerate: bool = False, device: str | None = None,
-               trained_text: list[str] | tuple[str, ...] = ()) -> dict[str, Any]:
+               trained_text: list[str] | tuple[str, ...] = (), run_root: str | Path | None = None) -> dict[str, Any]:
     """Build the Arrow shard of one text spec, encoding only captions the store lacks; returns the summary.
 
-    ``trained_text`` (``train.text_encoder.encoders``): encoders whose captions are cached as token ids."""
-    from diffpipe.families import get_family  # heavy imports only when a job runs
-
+    ``trained_text`` (``train.text_encoder.encoders``): encoders whose captions are cached as token ids.
+    ``run_root``: the run folder holding ``model.base_loras`` read in (:func:`_text_family`)."""
     start = time.perf_counter()
     spec_path, out_path = Path(spec_path), Path(out_path)
     spec = read_spec(spec_path)
-    family = get_family(model_cfg).with_trained_text(trained_text)
+    family = _text_family(model_cfg, trained_text, run_root)
     _check_spec(spec, spec_path, family.text_identity(), cache_cfg)
     return _finish_text_job(spec, out_path, family, cache_cfg, store, regenerate=regenerate, device=device, start=start)
+
+
+def _text_family(model_cfg: ModelConfig, trained_text: list[str] | tuple[str, ...], run_root: str | Path | None):
+    """The family encoding the captions: ``trained_text``'s captions as token ids, the base LoRAs' text-encoder
+    parts folded into the encoders (read into ``run_root``'s ``base_loras/`` once)."""
+    from diffpipe.export.base_loras import text_base_loras  # heavy imports only when a job runs
+    from diffpipe.families import get_family
+
+    family = get_family(model_cfg).with_trained_text(trained_text)
+    if not model_cfg.base_loras:
+        return family
+    if run_root is None:
+        raise ValueError("model.base_loras: the text cache jobs need the run folder to read them into (run_root)")
+    return text_base_loras(family, run_root)
 
 
 def _finish_text_job(spec: dict[str, Any], out_path: Path, family: Any, cache_cfg: CacheConfig,
@@ -459,17 +472,16 @@ def cache_empty_text(
     regenerate: bool = False,
     device: str | None = None,
     trained_text: list[str] | tuple[str, ...] = (),
+    run_root: str | Path | None = None,
 ) -> dict[str, Any]:
     """Encode the empty caption once (for caption dropout) into a one-row text shard.
 
-    ``spec_path`` is the plan's ``empty.json``; without it the spec is built here. ``trained_text``: as
-    :func:`cache_text`.
+    ``spec_path`` is the plan's ``empty.json``; without it the spec is built here. ``trained_text``,
+    ``run_root``: as :func:`cache_text`.
     """
-    from diffpipe.families import get_family  # heavy imports only when a job runs
-
     start = time.perf_counter()
     out_path = Path(out_path)
-    family = get_family(model_cfg).with_trained_text(trained_text)
+    family = _text_family(model_cfg, trained_text, run_root)
     identity = family.text_identity()
     if spec_path is not None:
         spec = read_spec(spec_path)

@@ -90,8 +90,11 @@ def stage_digest(cfg: Config, stage: str) -> str:
     return digest(picked)[:16]
 
 
-#: Stages that read ``model.base_loras`` (folded into the denoiser); the caches do not (text encoders untouched).
+#: Stages that read ``model.base_loras`` (folded into the denoiser and the text encoders).
 BASE_LORA_STAGES = ("train", "export", "sample", "bench")
+#: Stages that read only the base LoRAs holding a text encoder's LoRA (the text keys and caches): a
+#: denoiser-only base LoRA leaves them as they are.
+TEXT_BASE_LORA_STAGES = ("plan", "cache")
 
 
 def _base_lora_keys(cfg: Config, stage: str, model: dict[str, Any]) -> dict[str, Any]:
@@ -99,24 +102,28 @@ def _base_lora_keys(cfg: Config, stage: str, model: dict[str, Any]) -> dict[str,
     that reads them (an edited file reruns, a renamed one with the same scale too, by path), none otherwise
     (and none when empty, so configs without base LoRAs keep their digests)."""
     model = {k: v for k, v in model.items() if k != "base_loras"}
-    if stage not in BASE_LORA_STAGES or not cfg.model.base_loras:
+    if stage not in BASE_LORA_STAGES + TEXT_BASE_LORA_STAGES or not cfg.model.base_loras:
         return model
     # deferred: hashing the files reads them; only configs with base LoRAs pay (start-up time: hub imports)
     from diffpipe.hub import file as hub_file
     from diffpipe.model_ids import split_file_id
+    from diffpipe.training.base_loras import has_text_part
 
     found = []
     for b in cfg.model.base_loras:
         parts = split_file_id(b.path)
         path = Path(hub_file(*parts)) if parts else Path(b.path)
+        if stage in TEXT_BASE_LORA_STAGES and not has_text_part(path):
+            continue
         found.append({"path": b.path, "scale": b.scale, "content": _content_digest(path)})
-    return {**model, "base_loras": found}
+    return {**model, "base_loras": found} if found else model
 
 
 def _content_digest(path: Path) -> str:
     """A base LoRA's content digest; ``missing`` for a path that is not there (the train job says so)."""
     if path.is_dir():
-        return sha256_bytes("\n".join(sha256_file(f) for f in sorted(path.glob("adapter_*")) if f.is_file()).encode())
+        files = [*sorted(path.glob("adapter_*")), *sorted(path.glob("text_encoder*/adapter_*"))]
+        return sha256_bytes("\n".join(sha256_file(f) for f in files if f.is_file()).encode())
     return sha256_file(path) if path.is_file() else "missing"
 
 
@@ -170,6 +177,10 @@ def plan(cfg: Config | PlanInputs, paths: RunPaths) -> PlanResult:
 
     cfg = _part(cfg, PlanInputs)
     family = get_family(cfg.model).with_trained_text(cfg.train.text_encoder.encoders)
+    if cfg.model.base_loras:
+        from diffpipe.export.base_loras import text_base_loras  # deferred: the LoRA readers (start-up time)
+
+        family = text_base_loras(family, paths.root)  # their text-encoder parts enter the text keys
     check_datasets_fit(family, cfg.datasets)
     return make_plan(paths.manifest, cfg.datasets, cfg.cache, latent_identity=family.vae_identity(),
                      text_identity=family.text_identity(), pixel_multiple=family.pixel_multiple, paths=paths,
@@ -196,7 +207,7 @@ def cache_text(cfg: Config | CacheInputs, paths: RunPaths, shard: str, *, regene
     cfg = _part(cfg, CacheInputs)
     return build(paths.text_spec(shard), paths.text_shard(shard), cfg.model, cfg.cache,
                  store=paths.cache_store(cfg.cache.dir), regenerate=regenerate,
-                 trained_text=cfg.train.text_encoder.encoders)
+                 trained_text=cfg.train.text_encoder.encoders, run_root=paths.root)
 
 
 def cache_empty(cfg: Config | CacheInputs, paths: RunPaths, *, regenerate: bool = False) -> dict[str, Any]:
@@ -207,7 +218,7 @@ def cache_empty(cfg: Config | CacheInputs, paths: RunPaths, *, regenerate: bool 
     cfg = _part(cfg, CacheInputs)
     return cache_empty_text(paths.text_empty, cfg.model, cfg.cache, spec_path=paths.empty_spec,
                             store=paths.cache_store(cfg.cache.dir), regenerate=regenerate,
-                            trained_text=cfg.train.text_encoder.encoders)
+                            trained_text=cfg.train.text_encoder.encoders, run_root=paths.root)
 
 
 def export(target: Path | None, cfg: Config | None, *, formats: list[str] | None = None,

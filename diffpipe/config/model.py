@@ -68,8 +68,11 @@ class ModelConfig(Section):
         description="LoRAs folded into the frozen denoiser before the trained LoRA goes in: a training adapter "
         "that de-distills a few-step base (Z-Image Turbo, FLUX.1-schnell), a speed LoRA (Lightning, LightX2V), or "
         "a LoRA to train a second concept on. Present in training, eval and samples; left out of the exported "
-        "LoRA (the model card lists them: load them beside it). Each `[{path, scale}]`; their content and scale "
-        "are part of the train and sample digests. Denoiser LoRAs only (a text encoder's part is refused).",
+        "LoRA unless `export.include_base_loras` (the model card lists them: load them beside it). Each "
+        "`[{path, scale}]`; their content and scale are part of the train, export and sample digests. A text "
+        "encoder's part (families whose text encoders take a LoRA: sd, sdxl, flux) is folded into that frozen "
+        "encoder wherever it loads, and only such a LoRA enters the text cache keys and the plan and cache "
+        "digests (a denoiser-only one recaches nothing).",
     )
     _origin: str | None = PrivateAttr(None)
 

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import peft
 import torch
 
-from diffpipe.config import Config
+from diffpipe.config import Config, ConfigError
+from diffpipe.export.base_loras import prepare_base_loras, with_base_loras
 from diffpipe.export.card import CardFile, read_memory_plan, write_card
 from diffpipe.export.comfyui import export_comfyui
 from diffpipe.export.convert import fold_scale, module_loras
@@ -26,6 +30,7 @@ from diffpipe.models.base import Family, split_parts
 from diffpipe.paths import EXPORT_CARD, EXPORT_HUB_CARD, EXPORT_NAMES, FORMATS, RunPaths, export_name
 from diffpipe.stage_inputs import ExportInputs
 from diffpipe.training.adapter import PEFT_PREFIX, WEIGHTS_NAME, adapter_kind, load_adapter
+from diffpipe.training.base_loras import BASES_INCLUDED
 from diffpipe.training.finite import check_tensors
 from diffpipe.training.text_encoders import load_text_adapters
 from diffpipe.utils import claim_files
@@ -78,20 +83,46 @@ def export_lora(
     # out_dir may be a user's folder (--out): refuse before writing if a name we write is theirs.
     claim_files(out_dir, [EXPORT_CARD, EXPORT_HUB_CARD, VERIFY_NAME] + [export_name(fmt, part.suffix) if fmt in ("diffusers", "peft")
                                           else EXPORT_NAMES[fmt] for fmt in formats for part in parts])
-    by_part = split_parts(adapter.state_dict, parts)
     info = gather_info(adapter_dir, adapter.lora_cfg, family, config=config, run=run)
     header = {**info.header(), "diffpipe.adapter_sha256": tensors_digest(adapter.state_dict)}
-    merged_checks: list = []  # the merged folder's read-back (export_merged does it: it holds the base weights)
-    files, card_files = _write_formats(formats, adapter, by_part, out_dir, family, info, header, run, merged_checks)
-    card_args = {"pipeline": family.pipeline_class.__name__, "memory_plan": read_memory_plan(run)}
-    card = write_card(out_dir / EXPORT_CARD, info, card_files, samples=_sample_links(run, out_dir), **card_args)
-    write_card(out_dir / EXPORT_HUB_CARD, info, card_files, hub=True, **card_args)  # what `diffpipe push` uploads
-    report = verify_exports(files, family, adapter_dir)
+    with tempfile.TemporaryDirectory(prefix="diffpipe-export-") as tmp:
+        bases = _included_bases(config, family, run, Path(tmp))
+        if bases:
+            header[BASES_INCLUDED] = json.dumps([{"path": b.path, "scale": b.scale} for b in family.cfg.base_loras])
+            adapter = _with_bases(adapter, bases, Path(tmp) / "with-base-loras", formats, header)
+        merged_checks: list = []  # the merged folder's read-back (export_merged does it: it holds the base weights)
+        files, card_files = _write_formats(formats, adapter, split_parts(adapter.state_dict, parts), out_dir, family,
+                                           info, header, run, merged_checks)
+        card_args = {"pipeline": family.pipeline_class.__name__, "memory_plan": read_memory_plan(run),
+                     "bases_included": bool(bases)}
+        card = write_card(out_dir / EXPORT_CARD, info, card_files, samples=_sample_links(run, out_dir), **card_args)
+        write_card(out_dir / EXPORT_HUB_CARD, info, card_files, hub=True, **card_args)  # what `diffpipe push` uploads
+        report = verify_exports(files, family, adapter.folder)  # the files against what they were written from
     report.checks += merged_checks
     verify = report.write(out_dir / VERIFY_NAME)
     if not report.ok:
         raise ExportVerifyError(f"{report.message()} (report: {verify})")
     return ExportResult(files, card, verify)
+
+
+def _included_bases(config: Config | ExportInputs | None, family: Family, run: RunPaths | None,
+                    tmp: Path) -> list[tuple[Path, float]]:
+    """``model.base_loras`` read in (``(folder, scale)``) when ``export.include_base_loras`` asks, else none."""
+    if config is None or not config.export.include_base_loras or not family.cfg.base_loras:
+        return []
+    if len(family.denoiser_parts) > 1:
+        raise ConfigError("export.include_base_loras: a run with several trained parts (model.expert: both) is "
+                          "not joined with its base LoRAs; export without it and load them beside the LoRAs")
+    return prepare_base_loras(family.cfg, family, run.root if run else tmp)
+
+
+def _with_bases(adapter: _Adapter, bases: list[tuple[Path, float]], folder: Path, formats: list[str],
+                header: dict[str, str]) -> _Adapter:
+    """What the LoRA files are written from: the trained adapter with the base LoRAs joined in; the merged
+    folder folds the base LoRAs into its weights instead (any adapter kind), so only the files ask for it."""
+    files = [f for f in formats if f != "merged"]
+    joined = _load_checked(with_base_loras(adapter.folder, bases, folder, files, header)) if files else adapter
+    return dataclasses.replace(joined, trained=adapter.folder, bases=tuple(bases))
 
 
 def _check_formats(formats: list[str], n_parts: int) -> None:
@@ -113,6 +144,10 @@ class _Adapter:
     lora_cfg: peft.LoraConfig
     text: TextLoras  # the text encoders trained beside it (train.text_encoder)
     kind: str
+    #: ``export.include_base_loras``: the trained adapter's folder (``folder`` then holds it joined with the
+    #: base LoRAs) and the base LoRAs as read in, ``(folder, scale)``, for the merged folder to fold in.
+    trained: Path | None = None
+    bases: tuple[tuple[Path, float], ...] = ()
 
 
 def _load_checked(adapter_dir: Path) -> _Adapter:
@@ -155,7 +190,8 @@ def _write_formats(formats: list[str], adapter: _Adapter, by_part: dict[str, dic
             meta = {**header, **kohya_metadata(info, dict(skeleton.config), title=title, started_at=_started_at(run))}
             files[fmt] = export_kohya(mods, keymap_for_model(family.name, skeleton), target, meta, extra)
         elif fmt == "merged":
-            files[fmt] = export_merged(adapter.folder, target, family, header, checks)
+            files[fmt] = export_merged(adapter.trained or adapter.folder, target, family, header, checks,
+                                       bases=list(adapter.bases))
         card_files.append(CardFile(fmt, files[fmt]))
     return files, card_files
 

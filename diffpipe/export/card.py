@@ -124,16 +124,22 @@ def memory_plan_lines(plan: dict[str, Any]) -> list[str]:
             f"- runner-up: {_planned(runner) if runner else 'none (no other setting fit)'}"]
 
 
-def _base_lora_lines(info: ExportInfo, pipeline: str) -> list[str]:
-    """The base LoRAs the LoRA was trained over (``model.base_loras``): not in its files, to be loaded beside it."""
+def _base_lora_lines(info: ExportInfo, pipeline: str, included: bool = False) -> list[str]:
+    """The base LoRAs the LoRA was trained over (``model.base_loras``): not in its files, to be loaded beside it;
+    or, ``included`` (``export.include_base_loras``), in its files already."""
     bases = ((info.config or {}).get("model") or {}).get("base_loras") or []
     if not bases:
         return []
+    table = ["| file | scale |", "| --- | --- |", *(f"| `{b['path']}` | {b['scale']:g} |" for b in bases)]
+    if included:
+        return ["", "## Base LoRAs", "", "Trained over these LoRAs, folded into the frozen base, and included in "
+                "the files above (`export.include_base_loras`): each LoRA file holds the trained LoRA's ranks and "
+                "theirs side by side, scales folded in (text encoders' parts too), and the merged folder has them "
+                "in its weights. Load a file alone to reproduce training; do not load these beside it.", "", *table]
     lines = ["", "## Base LoRAs", "", "Trained over these LoRAs, folded into the frozen base; they are not in the "
              "files above. A training adapter that de-distills the base is left out on purpose (load only this "
              f"LoRA to keep the base's few-step sampling); to reproduce training, load each into `{pipeline}` "
-             "first:", "", "| file | scale |", "| --- | --- |"]
-    lines += [f"| `{b['path']}` | {b['scale']:g} |" for b in bases]
+             "first:", "", *table]
     loads = [f'pipe.load_lora_weights("{b["path"]}", adapter_name="base_{i}")' for i, b in enumerate(bases)]
     names = [f'"base_{i}"' for i in range(len(bases))]
     scales = [f"{b['scale']:g}" for b in bases]
@@ -149,12 +155,13 @@ LOCAL_ONLY = frozenset({"merged"})
 
 def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *, pipeline: str,
                samples: list[Path] | None = None, memory_plan: dict[str, Any] | None = None,
-               hub: bool = False) -> Path:
+               hub: bool = False, bases_included: bool = False) -> Path:
     """Write the model card: base model, trigger words, files and how to load them, settings, and the memory
     plan training used (``memory_plan``, under ``train.memory: auto``).
 
     ``hub``: the card ``diffpipe push`` uploads, listing only what it uploads: no :data:`LOCAL_ONLY` format
-    and no ``samples`` (they are the run's local images)."""
+    and no ``samples`` (they are the run's local images). ``bases_included``: the files hold the base LoRAs
+    too (``export.include_base_loras``)."""
     out_file = Path(out_file)
     if hub:
         files, samples = [f for f in files if f.fmt not in LOCAL_ONLY], None
@@ -187,7 +194,7 @@ def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *,
         lines.append(f"| {f.fmt}{f' ({f.label})' if f.label else ''} | `{rel}` | {how} |")
         if f.fmt == "diffusers" and f.label:
             loads.append(f'pipe.load_lora_weights("{rel}"{args})  # {f.label}')
-    lines += _base_lora_lines(info, pipeline)
+    lines += _base_lora_lines(info, pipeline, bases_included)
     if len(loads) > 1:  # one LoRA per trained part: every one must be loaded
         lines += ["", f"Load every part's LoRA into `{pipeline}`:", "", "```python", *loads, "```"]
     lines += ["", "## Which file for which tool", "", "| tool | file |", "| --- | --- |"]

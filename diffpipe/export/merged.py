@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -12,6 +13,7 @@ from diffpipe.export.text_encoders import merge_into
 from diffpipe.export.verify_checks import FileCheck, differs, probe
 from diffpipe.models.base import Family, split_parts
 from diffpipe.training.adapter import apply_state, load_adapter
+from diffpipe.training.base_loras import BaseDeltas, with_base_text
 from diffpipe.training.text_encoders import load_text_adapters
 from diffpipe.utils import atomic_path
 
@@ -23,8 +25,12 @@ Probes = dict[str, tuple[torch.Tensor, torch.Tensor]]
 
 
 def export_merged(adapter_dir: str | Path, out_dir: str | Path, family: Family,
-                  metadata: dict[str, str] | None = None, checks: list[FileCheck] | None = None) -> Path:
+                  metadata: dict[str, str] | None = None, checks: list[FileCheck] | None = None, *,
+                  bases: list[tuple[Path, float]] | None = None) -> Path:
     """Load the family pipeline, merge the adapter at its trained scale, ``save_pretrained`` atomically.
+
+    ``bases`` (``export.include_base_loras``: ``(folder, scale)`` of the base LoRAs read in): folded into the
+    denoiser and the text encoders first, as training folded them, so the folder is the trained model whole.
 
     Each trained part (both Wan 2.2 A14B experts with ``model.expert: both``) gets its
     own LoRA fused in, and each text encoder trained beside it (``train.text_encoder``) its own. The folder loads with ``<Pipeline>.from_pretrained`` and needs
@@ -33,10 +39,13 @@ def export_merged(adapter_dir: str | Path, out_dir: str | Path, family: Family,
     The saved folder is read back (:func:`read_back`, appended to ``checks``): each trained layer's
     saved weight, one tensor at a time, against base + PEFT's delta on probe vectors taken before the merge.
     """
-    pipe = family.load_pipeline()
+    # A copy: the caller's family goes on to verify the files against the encoders as published.
+    pipe = with_base_text(copy.copy(family), bases or []).load_pipeline()  # text encoders: the bases folded in
     probes: dict[str, Probes] = {}
     state_dict, lora_cfg = load_adapter(adapter_dir)
     for attr, part_state in split_parts(state_dict, family.denoiser_parts).items():
+        if bases:  # one part (export refuses several): the denoiser training loaded
+            BaseDeltas.read(bases).fold_all(getattr(pipe, attr))
         denoiser = family.trained_base(getattr(pipe, attr))
         setattr(pipe, attr, denoiser)
         apply_state(denoiser, part_state, lora_cfg, source=f"{adapter_dir} ({attr})")

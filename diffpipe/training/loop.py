@@ -124,6 +124,9 @@ class Trainer:
         self.dist = dist = engine.setup_distributed()
         torch.manual_seed(tc.seed)
         self.family = family = get_family(self.cfg.model).with_trained_text(tc.text_encoder.encoders)
+        self.base_folders = self._base_folders()
+        # Their text-encoder parts: in every text encoder loaded (trained ones, in-training samples).
+        self.family = family = base_loras.with_base_text(family, self.base_folders)
         self.data = data = CachedDataset.from_run(self.paths) if self.own_data else self.data
         if dist.world_size % tc.pipeline_stages:
             raise ValueError(f"train.pipeline_stages {tc.pipeline_stages} does not divide the {dist.world_size} "
@@ -152,19 +155,25 @@ class Trainer:
         else:
             self.resume_from = None
 
-    def _base_loras(self) -> base_loras.BaseDeltas | None:
-        """``model.base_loras`` as the train job read them into the run folder (None: there are none)."""
+    def _base_folders(self) -> list[tuple[Path, float]]:
+        """``model.base_loras`` as the train job read them into the run folder: ``(folder, scale)`` each."""
         bases = self.family.cfg.base_loras  # hub ids resolved to their cached files
-        if not bases:
-            return None
         folders = [(base_loras.adapter_dir(self.paths.root, b.path), b.scale) for b in bases]
         unread = [str(f) for f, _ in folders if not f.is_dir()]
         if unread:
             raise ValueError(f"model.base_loras: not read into the run folder yet ({unread[0]}); train through "
                              "`diffpipe train`, which reads them first")
+        return folders
+
+    def _base_loras(self) -> base_loras.BaseDeltas | None:
+        """The base LoRAs' denoiser parts, to fold as the denoiser loads (None: there are none)."""
+        if not self.base_folders:
+            return None
         if self.dist.is_main:
-            self.log(f"train: {len(bases)} base LoRA(s) folded into the frozen denoiser (left out of the export)")
-        return base_loras.BaseDeltas.read(folders)
+            texts = f"; text encoder(s) {', '.join(self.family.base_text)} too" if self.family.base_text else ""
+            self.log(f"train: {len(self.base_folders)} base LoRA(s) folded into the frozen denoiser{texts} "
+                     "(left out of the export)")
+        return base_loras.BaseDeltas.read(self.base_folders)
 
     def setup_model(self) -> None:
         """The denoiser with its trainable parameters, precision options, the DeepSpeed engine (plain or

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from pathlib import Path
+from typing import Any
 
 import torch
 from diffusers.hooks import apply_group_offloading
@@ -20,7 +21,7 @@ from diffpipe.families import get_family
 from diffpipe.models._common import cuda_defaults
 from diffpipe.paths import EXPORT_NAMES, export_name
 from diffpipe.training.adapter import WEIGHTS_NAME, apply_adapter
-from diffpipe.training.base_loras import BaseDeltas
+from diffpipe.training.base_loras import BaseDeltas, holds_bases, with_base_text
 from diffpipe.training.finite import check_safetensors_file
 from diffpipe.training.plots import caption_grid
 from diffpipe.utils import atomic_path
@@ -86,7 +87,9 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
                    base_loras: list[tuple[Path, float]] | None = None) -> list[Path]:
     """Render every prompt with and without the LoRA (same seed) and save PNGs (MP4s) plus a grid.
 
-    ``base_loras``: ``(adapter folder, scale)`` of ``model.base_loras``, folded into the denoiser first.
+    ``base_loras``: ``(adapter folder, scale)`` of ``model.base_loras``, folded into the denoiser and the text
+    encoders first, unless ``lora_file`` holds them already (``export.include_base_loras``: then the top row is
+    the model without any LoRA).
 
     The grid's top row is the base model, the bottom row the LoRA (first
     frames for video): a quick look at what training changed. ``out_dir`` is written
@@ -100,9 +103,7 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
     _check_finite(family, Path(lora_file))  # before minutes of loading and rendering the base model
     # Entered first: a folder of the user's is refused before minutes of rendering.
     with atomic_path(out_dir, is_dir=True) as tmp:
-        pipe = family.load_pipeline()
-        if base_loras:  # the base the LoRA was trained over: both rows render over it
-            BaseDeltas.read(base_loras).fold_all(getattr(pipe, family.denoiser_attr))
+        family, pipe = sample_pipeline(model_cfg, lora_file, base_loras)
         pipe.set_progress_bar_config(disable=True)
         place(pipe, cfg.offload)
         kwargs = family.sample_kwargs(cfg)
@@ -120,6 +121,20 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
             _save(sample, tmp / f"sample-{i:02d}", family)
         _grid([b[0] for b in base], [t[0] for t in tuned], cfg.prompts).save(tmp / "grid.png")
     return sorted(p for p in out_dir.iterdir() if p.suffix in (".png", ".mp4"))
+
+
+def sample_pipeline(model_cfg: ModelConfig, lora_file: str | Path,
+                    base_loras: list[tuple[Path, float]] | None = None) -> tuple[Any, Any]:
+    """The family and the stock pipeline both rows of the samples render from, before ``lora_file`` loads: the
+    base LoRAs (``(adapter folder, scale)``) folded into its denoiser and text encoders, the base the LoRA was
+    trained over; none when ``lora_file`` holds them already (``export.include_base_loras``)."""
+    if base_loras and holds_bases(lora_file):  # the file brings them itself: folding them too would double them
+        base_loras = None
+    family = with_base_text(get_family(model_cfg), base_loras or [])
+    pipe = family.load_pipeline()
+    if base_loras:
+        BaseDeltas.read(base_loras).fold_all(getattr(pipe, family.denoiser_attr))
+    return family, pipe
 
 
 #: ``sample.offload: auto`` keeps every weight on the GPU below this share of its free memory (the rest is

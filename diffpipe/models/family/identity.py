@@ -17,11 +17,14 @@ class Identity:
         return common.with_dtype(self.vae_weights_identity(), self.vae_dtype())
 
     def text_identity(self) -> str:
-        """The text cache key part: tokenizers, encoders and the dtype they encode in, and which
-        encoders' captions are cached as token ids (``train.text_encoder``)."""
+        """The text cache key part: tokenizers, encoders and the dtype they encode in, the base LoRAs folded
+        into the encoders (:meth:`with_base_text`: their content and scales), and which encoders' captions are
+        cached as token ids (``train.text_encoder``)."""
         identity = common.with_dtype(self.encoders_identity(), common.load_dtype(self.cfg, "text_encoder"))
         if self.cfg.text_encoder_weights == "fp8":
             identity = f"{identity}+fp8"
+        if self.base_text_identity:
+            identity = f"{identity}+base:{self.base_text_identity}"
         return f"{identity}+ids:{','.join(self.trained_text)}" if self.trained_text else identity
 
     def vae_weights_identity(self) -> str:
@@ -45,7 +48,7 @@ class Identity:
         parts = self._declared("text_parts")
         if self.cfg.flavor == "tiny":
             def build() -> str:
-                bundle = self.load_text_encoders()
+                bundle = self._text_bundle(encoders=True, base=False)  # the encoders as published
                 return digest({**{name: tokenizer_fingerprint(bundle.parts[name]) if isinstance(part, Tokenizer)
                                   else common.module_identity(bundle.parts[name]) for name, part in parts.items()},
                                **self.text_settings()})

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from functools import cached_property
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 
@@ -43,6 +43,20 @@ class TextEncoding(ABC):
     prompt_tokens: ClassVar[tuple[int, int] | None] = None
     prompt_tokenizer: ClassVar[str] = "tokenizer"
     prompt_drop: ClassVar[int] = 0
+    #: Base LoRAs' text-encoder parts (:meth:`with_base_text`): encoder name -> what folds them in.
+    base_text: Mapping[str, Any] = {}
+    #: Their part of the text cache key ("" without any).
+    base_text_identity: str = ""
+
+    def with_base_text(self, folds: Mapping[str, Any], identity: str) -> Self:
+        """This family with ``model.base_loras``' text-encoder parts folded into every encoder it loads.
+
+        ``folds``: encoder name -> an object whose ``fold_all(module)`` adds the base LoRAs' updates to the
+        encoder's weights (:class:`diffpipe.training.base_loras.BaseDeltas`, built by the layers above, which
+        read the LoRA files); ``identity``: their content digests and scales, joined to the text cache key
+        (:meth:`text_identity`), so a change of base LoRA recaches the captions."""
+        self.base_text, self.base_text_identity = dict(folds), identity
+        return self
 
     @cached_property
     def max_sequence_length(self) -> int:
@@ -62,7 +76,9 @@ class TextEncoding(ABC):
         """Text settings carried in the bundle and the text cache key (``max_sequence_length``, ...)."""
         return {} if self.prompt_tokens is None else {"max_sequence_length": self.max_sequence_length}
 
-    def _text_bundle(self, *, encoders: bool, only: Collection[str] | None = None) -> Any:
+    def _text_bundle(self, *, encoders: bool, only: Collection[str] | None = None, base: bool = True) -> Any:
+        """``base``: fold the base LoRAs' text parts in (:meth:`with_base_text`); the encoders' identity
+        reads them without (the base LoRAs enter the cache key by their own digest)."""
         parts, out = self._declared("text_parts"), {}
         tiny = self.cfg.flavor == "tiny"
         for name, part in parts.items():
@@ -74,6 +90,10 @@ class TextEncoding(ABC):
                 out[name] = part.tiny(out[part.tokenizer or name.replace("text_encoder", "tokenizer")], self.cfg.seed)
             else:
                 out[name] = common.pretrained_text_encoder(part.cls, self.cfg, name)
+        if base:
+            for name, folds in self.base_text.items():
+                if out.get(name) is not None:  # before fp8 storage (stored_text): the fold is in the weights' dtype
+                    folds.fold_all(out[name])
         return self.stored_text(TextBundle(out, **self.text_settings()))
 
     def stored_text(self, bundle: Any) -> Any:
