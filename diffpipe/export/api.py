@@ -22,6 +22,7 @@ from diffpipe.export.metadata import ExportInfo, gather_info, tensors_digest
 from diffpipe.export.peft_format import export_peft
 from diffpipe.export.text_encoders import TextLoras, kohya_tensors
 from diffpipe.export.verify import VERIFY_NAME, ExportVerifyError, verify_exports
+from diffpipe.families.sampling import sample_defaults
 from diffpipe.models.base import Family, split_parts
 from diffpipe.paths import EXPORT_CARD, EXPORT_HUB_CARD, EXPORT_NAMES, FORMATS, RunPaths, export_name
 from diffpipe.stage_inputs import ExportInputs
@@ -83,7 +84,8 @@ def export_lora(
     header = {**info.header(), "diffpipe.adapter_sha256": tensors_digest(adapter.state_dict)}
     merged_checks: list = []  # the merged folder's read-back (export_merged does it: it holds the base weights)
     files, card_files = _write_formats(formats, adapter, by_part, out_dir, family, info, header, run, merged_checks)
-    card_args = {"pipeline": family.pipeline_class.__name__, "memory_plan": read_memory_plan(run)}
+    card_args = {"pipeline": family.pipeline_class.__name__, "memory_plan": read_memory_plan(run),
+                 "sampling": (sample_defaults(family), family.guidance_arg)}
     card = write_card(out_dir / EXPORT_CARD, info, card_files, samples=_sample_links(run, out_dir), **card_args)
     write_card(out_dir / EXPORT_HUB_CARD, info, card_files, hub=True, **card_args)  # what `diffpipe push` uploads
     report = verify_exports(files, family, adapter_dir)
