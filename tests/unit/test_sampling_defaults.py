@@ -130,3 +130,12 @@ def test_the_card_shows_the_base_models_sampling_defaults(tmp_path):
     card = write_card(tmp_path / "README.md", info, [], pipeline="FluxPipeline",
                       sampling=(sample_defaults(schnell), schnell.guidance_arg)).read_text()
     assert "a speed LoRA among them (Lightning, LightX2V) samples with the settings its publisher gives" in card
+
+
+def test_the_in_training_sampler_renders_with_the_resolved_values(tmp_path):
+    """``train.sample_every_*`` samples resolve like ``diffpipe sample`` (its pipeline is built on first use)."""
+    from diffpipe.training.sample import TrainingSampler
+
+    family = get_family(ModelConfig(family="zimage"))
+    sampler = TrainingSampler(family, SampleConfig(steps=3), None, tmp_path)
+    assert (sampler.cfg.steps, sampler.cfg.guidance_scale) == (3, 0.0)
