@@ -12,7 +12,7 @@ SPEC = FamilySpec(
     kohya_readers="`ZImagePipeline.load_lora_weights`",
     comfy_reads_diffusers="all",
     sampling={
-        None: SampleDefaults(9, 0.0, model="Z-Image Turbo", source="model card: Tongyi-MAI/Z-Image-Turbo (9 steps "
-                             "are 8 transformer forwards), not checked here"),
+        None: SampleDefaults(9, 0.0, model="Z-Image Turbo",
+                             source="model card: Tongyi-MAI/Z-Image-Turbo, not checked here"),
     },
 )
