@@ -13,7 +13,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from diffpipe.config import reference_markdown
-from diffpipe.families.tables import families_markdown, formats_markdown, not_implemented_markdown, pipeline_markdown
+from diffpipe.families.tables import (
+    families_markdown,
+    formats_markdown,
+    not_implemented_markdown,
+    pipeline_markdown,
+    sampling_markdown,
+)
 from diffpipe.policy import policy_markdown
 from diffpipe.utils import write_text_atomic
 
@@ -32,6 +38,7 @@ TABLES: dict[str, tuple[Callable[[], str], str]] = {
     "not-implemented": (not_implemented_markdown, "docs/families.md"),
     "family-formats": (formats_markdown, "docs/formats.md"),
     "pipeline-families": (pipeline_markdown, "docs/training.md"),
+    "sampling-defaults": (sampling_markdown, "docs/training.md"),
 }
 #: Tables too slow to rebuild in every test run (the memory table sizes 12 published models on the
 #: meta device, about a minute): ``make docs`` refreshes them; tests/unit/test_memory_plan.py

@@ -13,8 +13,17 @@ class SampleConfig(Section):
     prompts: list[str] = Field(
         ["a red circle"], description="Prompts rendered with the trained LoRA.", min_length=1, max_length=10_000
     )
-    steps: Int = Field(10, description="Inference steps.", ge=1, le=10_000)
-    guidance_scale: Float = Field(5.0, description="Classifier-free guidance scale.", ge=0)
+    steps: Int | None = Field(
+        None, description="Inference steps. null: the default of the model's family and variant (the table in "
+        "docs/training.md: FLUX.1-schnell 4, Z-Image Turbo 9, most undistilled bases their pipeline's own default).",
+        ge=1, le=10_000,
+    )
+    guidance_scale: Float | None = Field(
+        None, description="Guidance scale, as the family's pipeline takes it (classifier-free for most; FLUX.1-dev's "
+        "is embedded guidance, Qwen-Image's `true_cfg_scale`). null: the default of the model's family and variant "
+        "(FLUX.1-schnell and Z-Image Turbo 0: no guidance). Over a speed LoRA in `model.base_loras` (Lightning, "
+        "LightX2V) set both: the defaults are the base's.", ge=0,
+    )
     seed: Seed = Field(0, description="Seed of the sampling noise.")
     width: Int = Field(64, description="Sample width in pixels.", gt=0, le=MAX_SIDE)
     height: Int = Field(64, description="Sample height in pixels.", gt=0, le=MAX_SIDE)

@@ -329,6 +329,12 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _check_offload(self) -> TrainConfig:
+        if self.offload_optimizer and self.optimizer in QUANTISED_OPTIMIZERS:
+            # Checked first: otherwise zero_stage 0 asks for ZeRO, and ZeRO 1-3 asks for zero_stage 0.
+            raise ValueError(f"train.optimizer {self.optimizer} cannot have train.offload_optimizer: CPU-offloaded "
+                             "optimizer states are ZeRO's (zero_stage 1-3), whose flat partitions torchao would keep "
+                             "in float32, so the quantised states stay beside the weights; remove offload_optimizer, "
+                             "or offload the states of optimizer adamw with zero_stage 1-3")
         if self.offload_optimizer and self.zero_stage == 0:
             raise ValueError("train.offload_optimizer needs train.zero_stage 1, 2 or 3")
         if self.offload_params and self.zero_stage != 3:

@@ -26,6 +26,7 @@ from diffpipe.export.metadata import ExportInfo, gather_info, tensors_digest
 from diffpipe.export.peft_format import export_peft
 from diffpipe.export.text_encoders import TextLoras, kohya_tensors
 from diffpipe.export.verify import VERIFY_NAME, ExportVerifyError, verify_exports
+from diffpipe.families.sampling import sample_defaults
 from diffpipe.models.base import Family, split_parts
 from diffpipe.paths import EXPORT_CARD, EXPORT_HUB_CARD, EXPORT_NAMES, FORMATS, RunPaths, export_name
 from diffpipe.stage_inputs import ExportInputs
@@ -94,7 +95,7 @@ def export_lora(
         files, card_files = _write_formats(formats, adapter, split_parts(adapter.state_dict, parts), out_dir, family,
                                            info, header, run, merged_checks)
         card_args = {"pipeline": family.pipeline_class.__name__, "memory_plan": read_memory_plan(run),
-                     "bases_included": bool(bases)}
+                     "bases_included": bool(bases), "sampling": (sample_defaults(family), family.guidance_arg)}
         card = write_card(out_dir / EXPORT_CARD, info, card_files, samples=_sample_links(run, out_dir), **card_args)
         write_card(out_dir / EXPORT_HUB_CARD, info, card_files, hub=True, **card_args)  # what `diffpipe push` uploads
         report = verify_exports(files, family, adapter.folder)  # the files against what they were written from

@@ -9,6 +9,7 @@ from typing import Any
 
 from diffpipe.export.metadata import ExportInfo
 from diffpipe.families import Absent, spec
+from diffpipe.models.spec import SampleDefaults
 from diffpipe.paths import EXPORT_NAMES, RunPaths
 from diffpipe.utils import write_text_atomic
 
@@ -149,15 +150,31 @@ def _base_lora_lines(info: ExportInfo, pipeline: str, included: bool = False) ->
     return lines
 
 
+def sampling_lines(found: SampleDefaults, guidance_arg: str | None, info: ExportInfo) -> list[str]:
+    """The card's "Sampling" section: the base model's sampling defaults (what ``diffpipe sample`` uses unless
+    the config sets them), and a warning when base LoRAs may change them."""
+    scale = (f", guidance scale {found.guidance_scale:g} (`{guidance_arg}`)"
+             if guidance_arg and found.guidance_scale is not None else " (its guider component holds the guidance)")
+    lines = ["", "## Sampling", "", f"The base model's defaults: {found.steps} steps{scale}, {found.model}'s "
+             f"({found.source}). `diffpipe sample` renders with them unless the config sets `sample.steps` / "
+             "`sample.guidance_scale`."]
+    if ((info.config or {}).get("model") or {}).get("base_loras"):
+        lines[-1] += (" This LoRA was trained over base LoRAs: a speed LoRA among them (Lightning, LightX2V) "
+                      "samples with the settings its publisher gives, not these.")
+    return lines
+
+
 #: Formats ``diffpipe push`` leaves local (a whole pipeline): the Hub's card does not list them.
 LOCAL_ONLY = frozenset({"merged"})
 
 
 def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *, pipeline: str,
                samples: list[Path] | None = None, memory_plan: dict[str, Any] | None = None,
-               hub: bool = False, bases_included: bool = False) -> Path:
+               sampling: tuple[SampleDefaults, str | None] | None = None, hub: bool = False,
+               bases_included: bool = False) -> Path:
     """Write the model card: base model, trigger words, files and how to load them, settings, and the memory
-    plan training used (``memory_plan``, under ``train.memory: auto``).
+    plan training used (``memory_plan``, under ``train.memory: auto``) and the base model's sampling defaults
+    (``sampling``: its :class:`SampleDefaults` and the pipeline argument the guidance scale goes to).
 
     ``hub``: the card ``diffpipe push`` uploads, listing only what it uploads: no :data:`LOCAL_ONLY` format
     and no ``samples`` (they are the run's local images). ``bases_included``: the files hold the base LoRAs
@@ -200,6 +217,8 @@ def write_card(out_file: str | Path, info: ExportInfo, files: list[CardFile], *,
     lines += ["", "## Which file for which tool", "", "| tool | file |", "| --- | --- |"]
     lines += [f"| {tool} | {', '.join(f'`{p}`' for p in paths)} |"
               for tool, paths in which_file(files, info.family, out_file.parent)]
+    if sampling:
+        lines += sampling_lines(*sampling, info)
     if memory_plan:
         lines += memory_plan_lines(memory_plan)
     if samples:

@@ -2,7 +2,8 @@
 
 ``docs/families.md`` (what each family trains and where its published sizes come from),
 ``docs/formats.md`` (which tools read each family's ComfyUI and kohya files) and
-``docs/training.md`` (which families train pipeline parallel) hold these between markers;
+``docs/training.md`` (which families train pipeline parallel, and each family's sampling defaults) hold these
+between markers;
 ``tests/unit/test_docs.py`` checks them against the code.
 """
 
@@ -64,4 +65,18 @@ def not_implemented_markdown() -> str:
     rows = ["| model | diffusers LoRA loader | why it is not a family |", "| --- | --- | --- |"]
     for name, (mixin, why) in NOT_IMPLEMENTED.items():
         rows.append(f"| {name} | {f'`{mixin}`' if mixin else '-'} | {why} |")
+    return "\n".join(rows)
+
+
+def sampling_markdown() -> str:
+    """Each family's sampling defaults (its spec's ``sampling`` table): what null ``sample.steps`` /
+    ``sample.guidance_scale`` resolve to, the pipeline argument the scale goes to, and where they come from."""
+    rows = ["| family | for | steps | guidance scale | argument | from |", "| --- | --- | --- | --- | --- | --- |"]
+    for s in specs():
+        arg = s.family_type().guidance_arg
+        for key, d in s.sampling.items():
+            which = f"`{s.name}`" + (f" ({key})" if key is not None else "")
+            scale = "-" if d.guidance_scale is None else f"{d.guidance_scale:g}"
+            rows.append(f"| {which} | {d.model or s.model} | {d.steps} | {scale} | "
+                        f"{f'`{arg}`' if arg else 'none (guider component)'} | {d.source} |")
     return "\n".join(rows)

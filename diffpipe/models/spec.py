@@ -89,6 +89,27 @@ def published_series(family: str, cls: str, **shared: Any) -> Callable[..., Publ
     return published
 
 
+#: :attr:`SampleDefaults.source` of values that are the stock pipeline's own ``__call__`` defaults (a test holds
+#: them equal to the installed diffusers').
+PIPELINE_DEFAULTS = "the stock pipeline's `__call__` defaults"
+
+
+@dataclass(frozen=True)
+class SampleDefaults:
+    """The sampling settings one model of a family is published with: what ``sample.steps`` and
+    ``sample.guidance_scale`` resolve to when the config leaves them null."""
+
+    #: Inference steps.
+    steps: int
+    #: The value passed as the family's ``guidance_arg`` (0 for the distilled models sampled without guidance;
+    #: None where the pipeline takes no guidance scale: its guider component holds it).
+    guidance_scale: float | None
+    #: The model these are for ("FLUX.1-schnell"); "" = the family's models (its spec's ``model``).
+    model: str = ""
+    #: Where they come from: :data:`PIPELINE_DEFAULTS`, or the publisher's model card (named, not checked here).
+    source: str = PIPELINE_DEFAULTS
+
+
 #: How ComfyUI reads the family's diffusers-format file: ``all`` (it maps the ``transformer.`` names),
 #: ``part`` (only the non-attention layers of a UNet), ``none`` (nothing: use the comfyui file),
 #: ``no-model`` (ComfyUI has no model for this family).
@@ -130,6 +151,10 @@ class FamilySpec:
     layers_refused: str = ""
     #: The key map: None = the folder's ``keymap.py``; :class:`Absent` = none, with the reason.
     keymap: Absent | None = None
+    #: Sampling defaults by sampling key (:meth:`~diffpipe.models.family.sampling.Sampling.sampling_key`: the
+    #: family's variant, or what its weights show, such as FLUX.1-schnell's missing guidance embedder); ``None``
+    #: is the family's default, taken by every key without an entry of its own.
+    sampling: Mapping[str | None, SampleDefaults]
 
     @property
     def package(self) -> str:

@@ -30,11 +30,12 @@ class ReportResult:
     bytes: int
 
 
-def build_report(paths: RunPaths, *, prompts: list[str], out: Path | None = None) -> ReportResult:
+def build_report(paths: RunPaths, *, prompts: list[str], sampling: str = "", out: Path | None = None) -> ReportResult:
     """Write the run report of the run at ``paths`` (default ``<output_dir>/report.html``).
 
     ``prompts``: the sample prompts of today's config (``sample.prompts``), shown under the sample
-    stage's images; the training-time rows show the prompts training sampled with. A file the run
+    stage's images; the training-time rows show the prompts training sampled with. ``sampling``: the steps
+    and guidance scale the sample stage renders with, and where they come from, shown with its images. A file the run
     has not written yet leaves its section saying so. A ``report.html`` diffpipe did not write is
     never replaced (:func:`diffpipe.utils.claim_files`).
     """
@@ -49,7 +50,7 @@ def build_report(paths: RunPaths, *, prompts: list[str], out: Path | None = None
         ("cache", "Cache", _cache(paths)),
         ("curves", "Loss and evaluation", _curves(rows, config)),
         ("speed", "Throughput and memory", _speed(paths, rows)),
-        ("samples", "Samples", _samples(paths, prompts, config)),
+        ("samples", "Samples", _samples(paths, prompts, config, sampling)),
         ("lineage", "Lineage", _lineage(paths, config)),
         ("config", "Config", _config(config_file, paths)),
     ]
@@ -161,12 +162,14 @@ def _speed(paths: RunPaths, rows: list[dict]) -> str:
     return body
 
 
-def _samples(paths: RunPaths, prompts: list[str], config: dict) -> str:
+def _samples(paths: RunPaths, prompts: list[str], config: dict, sampling: str = "") -> str:
     body = ""
     if paths.sample_grid.is_file():
         listed = "".join(f"<li>{P.esc(p)}</li>" for p in prompts)
+        how = f"<p class=muted>Sampled with {P.esc(sampling)}.</p>" if sampling else ""
         body += ("<h3>After training (diffpipe sample): base model above, with the LoRA below</h3>"
-                 f'{P.img(figures.file_png(paths.sample_grid, figures.MAX_GRID), "sample grid", "grid")}<ol>{listed}</ol>')
+                 f'{P.img(figures.file_png(paths.sample_grid, figures.MAX_GRID), "sample grid", "grid")}{how}'
+                 f"<ol>{listed}</ol>")
     else:
         body += _missing("samples/grid.png", "diffpipe sample -c CFG")
     trained_prompts = list(((config.get("sample") or {}).get("prompts")) or prompts)

@@ -31,6 +31,7 @@ from diffpipe.training.flops import StepFlops
 from diffpipe.training.in_backward import InBackward
 from diffpipe.training.metrics import MetricsWriter, peak_memory_mb, read_metrics
 from diffpipe.training.optim import build_training_optimizer
+from diffpipe.training.options import training_options
 from diffpipe.training.plots import plot_loss
 from diffpipe.training.profiling import StepProfiler
 from diffpipe.training.sample import TrainingSampler
@@ -260,6 +261,8 @@ class Trainer:
             n_params = sum(getattr(p, "ds_numel", p.numel()) for p in self.params)  # ZeRO-3 leaves p empty here
             self.log(f"train: {len(self.data)} items, {self.order.steps_per_epoch} steps/epoch, {self.order.total} "
                      f"steps, {n_params:,} trainable parameters ({self.trained.kind}), world size {dist.world_size}")
+            self.log("train: options in effect: "
+                     + ", ".join(f"{k} {v}" for k, v in training_options(self.cfg, self.memory_plan).items()))
             self.log("train: memory options in effect: "
                      + ", ".join(f"{k} {v}" for k, v in self.memory_options().items()))
         return start
@@ -425,7 +428,8 @@ class Trainer:
             plot_loss(read_metrics(paths.metrics), paths.loss_plot, objective=self.tc.objective.loss)
             summary = {"steps": order.total, "resumed_from": start, "world_size": dist.world_size,
                        "ranks_agree": agree, "seconds": seconds, "offload": engine.offload_in_effect(self.model),
-                       "skipped_steps": self.streak.total, "memory": self.memory_options()}
+                       "skipped_steps": self.streak.total, "memory": self.memory_options(),
+                       "options": training_options(self.cfg, self.memory_plan)}
             if self.memory_plan is not None:
                 summary["memory_plan"] = self.memory_plan
             write_text_atomic(paths.train_dir / "summary.json", stable_json(summary))

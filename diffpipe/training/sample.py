@@ -18,6 +18,7 @@ from diffpipe.config import ModelConfig, SampleConfig
 from diffpipe.data.cache.video import write_mp4
 from diffpipe.data.dataset.media import DEFAULT_MAX_PIXELS, decoded_frames, open_image, open_video
 from diffpipe.families import get_family
+from diffpipe.families.sampling import resolve_sample
 from diffpipe.models._common import cuda_defaults
 from diffpipe.paths import EXPORT_NAMES, export_name
 from diffpipe.training.adapter import WEIGHTS_NAME, apply_adapter
@@ -99,6 +100,7 @@ def render_samples(model_cfg: ModelConfig, cfg: SampleConfig, lora_file: str | P
     beside ``lora_file`` by its export name.
     """
     family = get_family(model_cfg)
+    cfg = resolve_sample(family, cfg)  # null steps / guidance scale: the model's defaults
     out_dir = Path(out_dir)
     _check_finite(family, Path(lora_file))  # before minutes of loading and rendering the base model
     # Entered first: a folder of the user's is refused before minutes of rendering.
@@ -211,7 +213,8 @@ class TrainingSampler:
 
     def __init__(self, family, cfg: SampleConfig, denoiser: torch.nn.Module, out_dir: Path, *,
                  text_encoders: dict[str, torch.nn.Module] | None = None):
-        self.family, self.cfg, self.denoiser, self.out_dir = family, cfg, denoiser, Path(out_dir)
+        # Null steps / guidance scale: the model's defaults, as `diffpipe sample` resolves them.
+        self.family, self.cfg, self.denoiser, self.out_dir = family, resolve_sample(family, cfg), denoiser, Path(out_dir)
         self.text_encoders = text_encoders or {}  # trained beside the denoiser: swapped in as well
         self._pipe = None
 

@@ -248,7 +248,7 @@ def test_stock_pipeline_renders(family):
     pipe = family.load_pipeline()
     assert isinstance(pipe, family.pipeline_class)
     assert getattr(pipe, family.denoiser_name) is not None
-    kwargs = family.sample_kwargs(SampleConfig(steps=2, width=64, height=48))
+    kwargs = family.sample_kwargs(SampleConfig(steps=2, guidance_scale=5.0, width=64, height=48))
     if family.name == "flux":
         assert kwargs["max_sequence_length"] == 32
     image = pipe("a red circle", generator=torch.Generator().manual_seed(0), **kwargs).images[0]
@@ -260,7 +260,7 @@ def test_local_flavor_matches_tiny(family, parts, local_family):
     assert local_family.vae_identity() == family.vae_identity()
     assert local_family.text_identity() == family.text_identity()
     assert local_family.pixel_multiple == family.pixel_multiple
-    cfg = SampleConfig()
+    cfg = SampleConfig(steps=2, guidance_scale=3.0)  # resolved, as callers pass it
     assert local_family.sample_kwargs(cfg) == family.sample_kwargs(cfg)
 
     enc = local_family.load_text_encoders()

@@ -224,6 +224,11 @@ def test_block_swap_and_activation_offload_train_through_diffpipe_train_and_resu
                          f"{offloaded}", result.stdout + result.stderr)
         memory = json.loads((RunPaths(tmp_path / str(offloaded) / "run").train_dir / "summary.json").read_text())
         assert memory["memory"]["block_swap"].startswith("2 of ") and not any(memory["memory"]["zero_offload"].values())
+        # And what is trained and how (diffpipe.training.options), in the log and summary.json alike.
+        assert re.search(r"train: options in effect: mode lora rank \d+ alpha [\d.]+, text_encoders frozen, optimizer "
+                         r"adamw, optimizer_in_backward False, .*base_loras none, token_routing off, ema off, memory "
+                         r"manual", result.stdout + result.stderr)
+        assert memory["options"]["optimizer"] == "adamw" and memory["options"]["memory"] == "manual"
     assert len(runs[True]) == 2 and runs[True] == pytest.approx(runs[False], rel=1e-6)
     resumed = in_process("train", "-c", str(cfg), "--checkpoint", "step-000001")
     assert resumed.returncode == 0, resumed.stderr[-3000:]

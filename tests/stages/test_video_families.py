@@ -644,7 +644,7 @@ def test_kandinsky5_i2v_trains_what_the_pipeline_feeds(k5_i2v, golden, tmp_path)
     with av.open(str(p.samples_dir / "sample-00.mp4")) as container:
         assert len(list(container.decode(video=0))) == 17
     with pytest.raises(ValueError, match="sample.frames 9: Kandinsky 5 i2v samples need at least 17 frames"):
-        family.sample_kwargs(SampleConfig(images=["a.png"], frames=9))
+        family.sample_kwargs(SampleConfig(images=["a.png"], frames=9, steps=1, guidance_scale=1.0))
     family.load_pipeline().save_pretrained(tmp_path)
     assert get_family(ModelConfig(family="kandinsky5", flavor="local", path=str(tmp_path))).variant == "i2v"
     with pytest.raises(ValueError, match="holds Kandinsky 5 i2v"):
@@ -879,7 +879,7 @@ def test_skyreels_df_v2v_settings_are_checked():
     with pytest.raises(ValueError, match="sample.videos: SkyReels V2 df-v2v samples continue a clip"):
         family.sample_kwargs(SampleConfig())
     with pytest.raises(ValueError, match="sample.frames 9: .* give more than 17"):
-        family.sample_kwargs(SampleConfig(frames=9, videos=["clip.mp4"]))
+        family.sample_kwargs(SampleConfig(frames=9, videos=["clip.mp4"], steps=1, guidance_scale=1.0))
     from diffpipe.training.sample import _render
 
     with pytest.raises(ValueError, match="sample.videos: skyreels-v2 samples do not continue a clip"):

@@ -84,7 +84,7 @@ def test_images_train_unconditioned_and_the_objective_shift_overrides(family):
 def test_errors_and_published_sizes(family, tmp_path):
     with pytest.raises(ValueError, match="sample.images: Cosmos-Predict2 Video2World"):
         family.sample_kwargs(SampleConfig())
-    kw = family.sample_kwargs(SampleConfig(prompts=["a"], images=["x.png"], frames=10))
+    kw = family.sample_kwargs(SampleConfig(prompts=["a"], images=["x.png"], frames=10, steps=2, guidance_scale=7.0))
     assert (kw["num_frames"], kw["fps"], family.frame_rule, family.fps) == (9, 16, (4, 1), 16.0)
     with pytest.raises(ValueError, match="pipeline parallelism is not implemented yet"):
         family.pipeline_layers(family.load_denoiser())

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import diffpipe.families as families
-from diffpipe.config import ModelConfig
+from diffpipe.config import ModelConfig, SampleConfig
 from diffpipe.families import FAMILIES, UNREGISTERED, Absent, family_names, spec
 from diffpipe.models.base import Family
 from diffpipe.models.spec import FamilySpec, Kohya
@@ -72,12 +72,13 @@ def test_an_unknown_family_is_an_error_naming_the_known_ones():
 
 _TOY = {
     "__init__.py": '''
-        from diffpipe.models.spec import Absent, FamilySpec
+        from diffpipe.models.spec import Absent, FamilySpec, SampleDefaults
 
         SPEC = FamilySpec(
             model="Toy 1", tasks="text-to-image", targets="as `sd`",
             comfyui_readers="ComfyUI", kohya_readers="ComfyUI",
             layers=Absent("toys do not pipeline"),
+            sampling={None: SampleDefaults(3, 1.5, source="made up")},
         )
     ''',
     "family.py": '''
@@ -134,7 +135,8 @@ def test_adding_a_family_is_one_folder_and_one_registry_line(toy_folder):
     from diffpipe.families import family_names as names
     from diffpipe.families import get_family
     from diffpipe.families.published import for_family
-    from diffpipe.families.tables import families_markdown, formats_markdown, pipeline_markdown
+    from diffpipe.families.sampling import resolve_sample
+    from diffpipe.families.tables import families_markdown, formats_markdown, pipeline_markdown, sampling_markdown
 
     family = get_family(ModelConfig(family="toy"))
     assert type(family).__name__ == "ToyFamily" and family.name == "toy" and "toy" in names()
@@ -144,6 +146,9 @@ def test_adding_a_family_is_one_folder_and_one_registry_line(toy_folder):
     assert [p.name for p in for_family("toy")] == ["toy-1"]
     assert "| `toy` | Toy 1 |" in families_markdown() and "| `toy` | ComfyUI |" in formats_markdown()
     assert "| `toy` | refused: toys do not pipeline |" in pipeline_markdown()
+    assert "| `toy` | Toy 1 | 3 | 1.5 | `guidance_scale` | made up |" in sampling_markdown()
+    sample = resolve_sample(family, SampleConfig())
+    assert (sample.steps, sample.guidance_scale) == (3, 1.5)
     with pytest.raises(ValueError, match="toys do not pipeline"):
         family.pipeline_layers(None)
 

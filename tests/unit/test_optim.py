@@ -235,6 +235,16 @@ def test_quantised_optimizers_refuse_zero():
         TrainConfig(optimizer="adamw8bit", zero_stage=2)
 
 
+@pytest.mark.parametrize("zero_stage", [0, 1, 3])
+@pytest.mark.parametrize("name", ["adamw8bit", "adamw4bit"])
+def test_quantised_optimizers_refuse_cpu_offloaded_states_by_name(name, zero_stage):
+    """CPU-offloaded optimizer states are ZeRO's offload_optimizer (torchao's CPUOffloadOptimizer is not offered):
+    the quantised optimizers refuse it naming both, whatever the ZeRO stage, rather than sending the user from
+    one ZeRO error to the other."""
+    with pytest.raises(ValueError, match=f"train.optimizer {name} cannot have train.offload_optimizer"):
+        TrainConfig(optimizer=name, offload_optimizer=True, zero_stage=zero_stage)
+
+
 def test_convergence_compares_optimizers_by_name(tmp_path):
     """``diffpipe bench --convergence`` with bench.convergence_optimizers: one point per precision and optimizer,
     each a valid config setting the optimizer explicitly; with plain adamw only, the points stay as before."""

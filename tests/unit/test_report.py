@@ -89,6 +89,15 @@ def test_the_report_shows_every_section_with_user_text_escaped(run):
                      r"<td class=num>2</td>", text)
 
 
+def test_the_report_says_what_the_samples_rendered_with(run):
+    """``sampling`` (:func:`diffpipe.families.sampling.sampling_note`: resolved steps and guidance, and where each
+    comes from) is shown with the sample grid, escaped."""
+    note = "4 steps (FLUX.1-schnell's default: model card), guidance scale 0 (<set> in the config)"
+    text = build_report(run, prompts=PROMPTS, sampling=note).path.read_text()
+    assert ("Sampled with 4 steps (FLUX.1-schnell&#x27;s default: model card), guidance scale 0 (&lt;set&gt; in the "
+            "config).") in text
+
+
 def test_a_report_of_a_run_that_has_only_validated_says_what_is_missing(tmp_path):
     p = RunPaths(tmp_path / "run")
     p.report_json.parent.mkdir(parents=True)

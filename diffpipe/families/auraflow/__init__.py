@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import Absent, FamilySpec, generic_comfy_names
+from diffpipe.models.spec import Absent, FamilySpec, SampleDefaults, generic_comfy_names
 
 SPEC = FamilySpec(
     model="AuraFlow v0.1-0.3",
@@ -11,4 +11,7 @@ SPEC = FamilySpec(
     **generic_comfy_names("the original checkpoint's layer names: `double_layers.N.attn.w2q`, "
                           "`single_layers.N.mlp.c_fc1`, ..."),
     layers=Absent("not implemented yet"),
+    sampling={
+        None: SampleDefaults(50, 3.5),
+    },
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec
+from diffpipe.models.spec import FamilySpec, SampleDefaults
 
 SPEC = FamilySpec(
     model="Chroma1-HD",
@@ -11,4 +11,7 @@ SPEC = FamilySpec(
     comfyui_readers="ComfyUI, `ChromaPipeline.load_lora_weights` (not for a LoRA on `distilled_guidance_layer`, which diffusers' reader rejects)",
     kohya_readers="ComfyUI, `ChromaPipeline.load_lora_weights` (same limit)",
     comfy_reads_diffusers="all",
+    sampling={
+        None: SampleDefaults(35, 5.0),
+    },
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec
+from diffpipe.models.spec import FamilySpec, SampleDefaults
 
 _IMPORT = "`diffpipe import-lora {path}` (to continue training); elsewhere use the diffusers file"
 
@@ -16,5 +16,8 @@ SPEC = FamilySpec(
     how_to_load={
         "comfyui": _IMPORT + " (ComfyUI has no CogView4 model)",
         "kohya": _IMPORT + " (no A1111, Forge or ComfyUI model reads CogView4)",
+    },
+    sampling={
+        None: SampleDefaults(50, 5.0),
     },
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec
+from diffpipe.models.spec import FamilySpec, SampleDefaults
 
 SPEC = FamilySpec(
     model="Cosmos-Predict2 2B / 14B",
@@ -10,4 +10,7 @@ SPEC = FamilySpec(
     targets="self and cross attention `attn1/attn2.to_q/k/v/out.0`, `ff.net.0.proj`, `ff.net.2`",
     comfyui_readers="ComfyUI (Cosmos-Predict2 names without `net.`); diffusers has no reader: use the diffusers file",
     kohya_readers="ComfyUI",
+    sampling={
+        None: SampleDefaults(35, 7.0),
+    },
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import Absent, FamilySpec
+from diffpipe.models.spec import Absent, FamilySpec, SampleDefaults
 
 SPEC = FamilySpec(
     model="Cosmos-Predict2 Video2World 2B / 14B",
@@ -11,4 +11,7 @@ SPEC = FamilySpec(
     comfyui_readers="ComfyUI (Cosmos-Predict2 names without `net.`); diffusers has no reader: use the diffusers file",
     kohya_readers="ComfyUI",
     layers=Absent("not implemented yet: the layers would have to carry the per-frame timestep and condition mask"),
+    sampling={
+        None: SampleDefaults(35, 7.0),
+    },
 )

@@ -72,6 +72,11 @@ class FluxFamily(Family):
     train_guidance: ClassVar[float] = 1.0
     token_routing = ROUTED
 
+    def sampling_key(self) -> str | None:
+        """``schnell`` for FLUX.1-schnell's weights: FLUX.1-dev's transformer config without the guidance
+        embedder (``guidance_embeds: false``, as published); a config without the key (Chroma's) is not it."""
+        return "schnell" if self._denoiser_config.get("guidance_embeds") is False else super().sampling_key()
+
     # -- configs -------------------------------------------------------------
     @cached_property
     def _scheduler_config(self) -> dict[str, Any]:

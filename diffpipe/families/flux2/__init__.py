@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec
+from diffpipe.models.spec import FamilySpec, SampleDefaults
 
 SPEC = FamilySpec(
     model="FLUX.2 [dev]",
@@ -16,4 +16,7 @@ SPEC = FamilySpec(
                     "`norm_out`)",
     kohya_readers="ComfyUI; `Flux2Pipeline.load_lora_weights` (blocks, input embedders, timestep, output; not "
                   "the guidance embedder)",
+    sampling={
+        None: SampleDefaults(50, 4.0),
+    },
 )

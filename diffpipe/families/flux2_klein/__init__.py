@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec
+from diffpipe.models.spec import FamilySpec, SampleDefaults
 
 SPEC = FamilySpec(
     model="FLUX.2 [klein] 4B / 9B (base and distilled)",
@@ -14,4 +14,7 @@ SPEC = FamilySpec(
     comfyui_readers="ComfyUI (original names, fused `qkv`), `Flux2KleinPipeline.load_lora_weights` (except a "
                     "LoRA on `norm_out`)",
     kohya_readers="ComfyUI; `Flux2KleinPipeline.load_lora_weights` (blocks, input embedders, timestep, output)",
+    sampling={
+        None: SampleDefaults(50, 4.0),
+    },
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec, diffusers_files_only
+from diffpipe.models.spec import FamilySpec, SampleDefaults, diffusers_files_only
 
 _NO_REFERENCE = ("a control LoRA widens the input layer (`img_in`, 64 -> 128 inputs); no independent reader here "
                  "shows how ComfyUI or kohya tools load that widening, so these files are not written")
@@ -14,4 +14,7 @@ SPEC = FamilySpec(
     targets="as `flux`, plus the widened input layer `x_embedder`",
     **diffusers_files_only(_NO_REFERENCE),
     layers="diffpipe.families.flux.layers",
+    sampling={
+        None: SampleDefaults(28, 3.5),
+    },
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import Absent, FamilySpec
+from diffpipe.models.spec import Absent, FamilySpec, SampleDefaults
 
 SPEC = FamilySpec(
     model="FLUX.1 Kontext",
@@ -13,4 +13,7 @@ SPEC = FamilySpec(
     comfy_reads_diffusers="all",
     a1111=True,
     layers=Absent("not implemented yet"),
+    sampling={
+        None: SampleDefaults(28, 3.5),
+    },
 )

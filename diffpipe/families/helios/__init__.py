@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec, diffusers_files_only
+from diffpipe.models.spec import FamilySpec, SampleDefaults, diffusers_files_only
 
 SPEC = FamilySpec(
     model="Helios-Base 14B",
@@ -11,4 +11,7 @@ SPEC = FamilySpec(
     targets="as `wan`",
     **diffusers_files_only("not written yet: Helios' LoRAs use Wan's names (diffusers reads them with Wan's "
                            "converters), but its history patch embeddings are not in Wan's key map"),
+    sampling={
+        None: SampleDefaults(50, 5.0),
+    },
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec
+from diffpipe.models.spec import FamilySpec, SampleDefaults
 
 SPEC = FamilySpec(
     model="HiDream-I1 (Full / Dev / Fast)",
@@ -11,4 +11,7 @@ SPEC = FamilySpec(
     comfyui_readers="ComfyUI, `HiDreamImagePipeline.load_lora_weights`",
     kohya_readers="ComfyUI",
     comfy_reads_diffusers="all",
+    sampling={
+        None: SampleDefaults(50, 5.0),
+    },
 )

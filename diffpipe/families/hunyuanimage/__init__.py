@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import Absent, FamilySpec, diffusers_files_only, loads_through_transformer
+from diffpipe.models.spec import Absent, FamilySpec, SampleDefaults, diffusers_files_only, loads_through_transformer
 
 SPEC = FamilySpec(
     model="HunyuanImage 2.1",
@@ -12,4 +12,7 @@ SPEC = FamilySpec(
                            "check original names against"),
     **loads_through_transformer("HunyuanImagePipeline"),
     layers=Absent("not implemented yet"),
+    sampling={
+        None: SampleDefaults(50, 3.25),
+    },
 )

@@ -82,6 +82,8 @@ class HunyuanImageFamily(TransformerLoRA, Family):
                     HunyuanImagePipeline, flavors)
     #: Attention of both streams and the feed-forwards of the double blocks (Flux-like blocks).
     default_lora_targets: ClassVar[list[str]] = targets.dual_stream()
+    #: The distilled model's embedded guidance (the base's CFG strength lives in its guider component).
+    guidance_arg: ClassVar[str | None] = "distilled_guidance_scale"
 
     # -- components ------------------------------------------------------------
 
@@ -123,9 +125,9 @@ class HunyuanImageFamily(TransformerLoRA, Family):
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
         # No guidance_scale argument: CFG strength lives in the guider component.
-        kwargs = {"num_inference_steps": cfg.steps, "height": cfg.height, "width": cfg.width}
-        if self.cfg.flavor != "tiny":
-            kwargs["distilled_guidance_scale"] = cfg.guidance_scale
+        kwargs = super().sample_kwargs(cfg)
+        if self.cfg.flavor == "tiny":
+            kwargs.pop("distilled_guidance_scale")
         return kwargs
 
     # -- identities ------------------------------------------------------------

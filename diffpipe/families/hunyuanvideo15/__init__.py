@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import Absent, FamilySpec, diffusers_files_only, loads_through_transformer
+from diffpipe.models.spec import Absent, FamilySpec, SampleDefaults, diffusers_files_only, loads_through_transformer
 
 SPEC = FamilySpec(
     model="HunyuanVideo 1.5 (8.3B)",
@@ -13,4 +13,7 @@ SPEC = FamilySpec(
                            "check original names against"),
     **loads_through_transformer("HunyuanVideo15Pipeline"),
     layers=Absent("not implemented yet"),
+    sampling={
+        None: SampleDefaults(50, None),
+    },
 )

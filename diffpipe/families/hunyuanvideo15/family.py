@@ -45,7 +45,6 @@ from transformers import (
     T5EncoderModel,
 )
 
-from diffpipe.config import SampleConfig
 from diffpipe.families.hunyuanvideo15 import flavors
 from diffpipe.models import _common as common
 from diffpipe.models import _video as video
@@ -85,6 +84,8 @@ def _bare_pipeline() -> HunyuanVideo15Pipeline:
 
 class HunyuanVideo15Family(TransformerLoRA, Family):
     vae_per_frame = False
+    #: Classifier-free guidance lives in the guider component: the pipeline takes no guidance scale.
+    guidance_arg: ClassVar[str | None] = None
     models = Models(AutoencoderKLHunyuanVideo15, HunyuanVideo15Transformer3DModel, FlowMatchEulerDiscreteScheduler,
                     HunyuanVideo15Pipeline, flavors)
     text_parts: ClassVar[dict[str, TextPart]] = {
@@ -178,9 +179,3 @@ class HunyuanVideo15Family(TransformerLoRA, Family):
         inputs = prepared.inputs
         return denoiser(**inputs, image_embeds=self.image_embeds(denoiser, inputs["hidden_states"]),
                         return_dict=False)[0]
-
-    # -- sampling ------------------------------------------------------------------
-    def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
-        kwargs = super().sample_kwargs(cfg)
-        kwargs.pop("guidance_scale")  # classifier-free guidance lives in the guider component
-        return kwargs

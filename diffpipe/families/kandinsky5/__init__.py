@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec, diffusers_files_only
+from diffpipe.models.spec import FamilySpec, SampleDefaults, diffusers_files_only
 
 _NO_REFERENCE = "not checked against an independent reference of Kandinsky 5's original checkpoint names yet"
 
@@ -13,4 +13,7 @@ SPEC = FamilySpec(
     targets="self/cross attention `to_query/key/value`, `out_layer`, feed-forward `in_layer`/`out_layer` "
             "(text blocks included)",
     **diffusers_files_only(_NO_REFERENCE),
+    sampling={
+        None: SampleDefaults(50, 5.0),
+    },
 )

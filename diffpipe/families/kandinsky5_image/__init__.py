@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from diffpipe.families.kandinsky5.__init__ import _NO_REFERENCE
-from diffpipe.models.spec import FamilySpec, diffusers_files_only
+from diffpipe.models.spec import FamilySpec, SampleDefaults, diffusers_files_only
 
 SPEC = FamilySpec(
     model="Kandinsky 5.0 Image Lite: text-to-image (`variant: t2i`, the default) and editing (`i2i`)",
@@ -13,4 +13,7 @@ SPEC = FamilySpec(
     layers="diffpipe.families.kandinsky5.layers",
     layers_refused="`variant: i2i`",
     **diffusers_files_only(_NO_REFERENCE),
+    sampling={
+        None: SampleDefaults(50, 3.5),
+    },
 )

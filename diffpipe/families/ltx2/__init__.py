@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec
+from diffpipe.models.spec import FamilySpec, SampleDefaults
 
 SPEC = FamilySpec(
     model="LTX-2 19B; LTX-2.3 from a local folder (its architecture tested on a tiny rebuild)",
@@ -12,4 +12,7 @@ SPEC = FamilySpec(
     targets="the video stream's `attn1`/`attn2` `to_q/k/v/out.0`, `ff.net.0.proj`, `ff.net.2`",
     comfyui_readers="ComfyUI (`diffusion_model.` + the original layer names), `LTX2Pipeline.load_lora_weights`",
     kohya_readers="ComfyUI (`lora_unet_` + the original layer path)",
+    sampling={
+        None: SampleDefaults(30, 3.0),
+    },
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec
+from diffpipe.models.spec import FamilySpec, SampleDefaults
 
 SPEC = FamilySpec(
     model="Mochi 1 preview",
@@ -10,4 +10,7 @@ SPEC = FamilySpec(
     targets="attention of both streams, both feed-forwards",
     comfyui_readers="ComfyUI (fused `qkv_x`/`qkv_y`); diffusers has no reader: use the diffusers file",
     kohya_readers="ComfyUI",
+    sampling={
+        None: SampleDefaults(64, 4.5),
+    },
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec
+from diffpipe.models.spec import FamilySpec, SampleDefaults
 
 SPEC = FamilySpec(
     model="Qwen-Image",
@@ -11,4 +11,7 @@ SPEC = FamilySpec(
     comfyui_readers="ComfyUI, `QwenImagePipeline.load_lora_weights`",
     kohya_readers="ComfyUI, musubi-tuner names, `QwenImagePipeline.load_lora_weights`",
     comfy_reads_diffusers="all",
+    sampling={
+        None: SampleDefaults(50, 4.0),
+    },
 )

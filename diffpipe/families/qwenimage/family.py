@@ -73,6 +73,8 @@ class QwenImageFamily(Family):
     }
     prompt_tokens = (flavors.TINY_LENGTH, MAX_LENGTH)
     prompt_drop = DROP
+    #: Qwen-Image uses "true" CFG (a negative prompt); its guidance_scale is for guidance-distilled models.
+    guidance_arg: ClassVar[str | None] = "true_cfg_scale"
     #: diffusers' Qwen-Image LoRA examples: attention of both streams and
     #: the image-stream MLP of every block.
     default_lora_targets: ClassVar[list[str]] = [*targets.attention(), *targets.added_projections(), *targets.feed_forward("img_mlp")]
@@ -139,9 +141,7 @@ class QwenImageFamily(Family):
         return (i["hidden_states"], i["timestep"], i["encoder_hidden_states"], i["encoder_hidden_states_mask"], fhw)
 
     def sample_kwargs(self, cfg: SampleConfig) -> dict[str, Any]:
-        # Qwen-Image uses "true" CFG (a negative prompt); guidance_scale is for guidance-distilled models.
-        return {"num_inference_steps": cfg.steps, "true_cfg_scale": cfg.guidance_scale, "negative_prompt": " ",
-                "height": cfg.height, "width": cfg.width, "max_sequence_length": self.max_sequence_length}
+        return {**super().sample_kwargs(cfg), "negative_prompt": " ", "max_sequence_length": self.max_sequence_length}
 
     def pipeline_layers(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """Embedding, one layer per block, output.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import Absent, FamilySpec
+from diffpipe.models.spec import Absent, FamilySpec, SampleDefaults
 
 SPEC = FamilySpec(
     model="Qwen-Image-Edit; Qwen-Image-Edit-2509 and 2511 (Edit-Plus: `variant` `2509` or `2511`)",
@@ -13,4 +13,7 @@ SPEC = FamilySpec(
     kohya_readers="ComfyUI, musubi-tuner names, `QwenImageEditPipeline.load_lora_weights`",
     comfy_reads_diffusers="all",
     layers=Absent("not implemented yet"),
+    sampling={
+        None: SampleDefaults(50, 4.0),
+    },
 )

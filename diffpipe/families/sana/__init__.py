@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import Absent, FamilySpec, generic_comfy_names
+from diffpipe.models.spec import Absent, FamilySpec, SampleDefaults, generic_comfy_names
 
 SPEC = FamilySpec(
     model="Sana 1.6B / 600M",
@@ -11,4 +11,7 @@ SPEC = FamilySpec(
     **generic_comfy_names("the original checkpoint's layer names: `blocks.N.attn.qkv` (q, k, v fused), "
                           "`blocks.N.cross_attn.kv_linear`, ..."),
     layers=Absent("not implemented yet"),
+    sampling={
+        None: SampleDefaults(20, 4.5),
+    },
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec
+from diffpipe.models.spec import FamilySpec, SampleDefaults
 
 SPEC = FamilySpec(
     model="SD 3 / 3.5 (`objective.weighting_scheme`)",
@@ -11,4 +11,7 @@ SPEC = FamilySpec(
     comfyui_readers="ComfyUI (MMDiT names, fused `qkv`)",
     kohya_readers="ComfyUI (sd-scripts names); diffusers has no reader for either: use the diffusers file",
     comfy_reads_diffusers="all",
+    sampling={
+        None: SampleDefaults(28, 7.0),
+    },
 )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec
+from diffpipe.models.spec import FamilySpec, SampleDefaults
 
 SPEC = FamilySpec(
     model="SDXL 1.0 (size/crop conditioning from the bucket and crop used)",
@@ -13,4 +13,7 @@ SPEC = FamilySpec(
     comfy_reads_diffusers="part",
     a1111=True,
     layers="diffpipe.families.sd.layers",
+    sampling={
+        None: SampleDefaults(50, 5.0),
+    },
 )

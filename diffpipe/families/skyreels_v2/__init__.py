@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec
+from diffpipe.models.spec import FamilySpec, SampleDefaults
 
 SPEC = FamilySpec(
     model="SkyReels V2 T2V 14B (`variant: t2v`), I2V 14B (`i2v`), diffusion forcing 1.3B / 14B (`df`; from an image: `df-i2v`; continuing a clip: `df-v2v`); 540P, 720P",
@@ -15,4 +15,9 @@ SPEC = FamilySpec(
                   "(block) targets",
     layers="diffpipe.families.wan.layers",
     layers_refused="`variant: i2v`, `df`, `df-i2v`, `df-v2v`",
+    sampling={
+        None: SampleDefaults(50, 6.0),
+        "i2v": SampleDefaults(50, 5.0, model="SkyReels V2 I2V 14B"),
+        "df-i2v": SampleDefaults(50, 5.0, model="SkyReels V2 diffusion forcing from an image"),
+    },
 )

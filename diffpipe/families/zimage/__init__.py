@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from diffpipe.models.spec import FamilySpec
+from diffpipe.models.spec import FamilySpec, SampleDefaults
 
 SPEC = FamilySpec(
     model="Z-Image (Turbo)",
@@ -11,4 +11,8 @@ SPEC = FamilySpec(
     comfyui_readers="ComfyUI (maps `to_q/k/v` onto its fused `qkv`), `ZImagePipeline.load_lora_weights`",
     kohya_readers="`ZImagePipeline.load_lora_weights`",
     comfy_reads_diffusers="all",
+    sampling={
+        None: SampleDefaults(9, 0.0, model="Z-Image Turbo",
+                             source="model card: Tongyi-MAI/Z-Image-Turbo, not checked here"),
+    },
 )
