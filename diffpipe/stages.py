@@ -81,8 +81,6 @@ def stage_digest(cfg: Config, stage: str) -> str:
         picked[entry] = value
     if "model" in picked:
         picked["model"] = _base_lora_keys(cfg, stage, picked["model"])
-    if "sample" in picked:
-        picked["sample"] = _resolved_sample(cfg)
     if stage == "train" and cfg.train.memory == "auto":
         # deferred: sizes the model on the meta device (seconds), and only memory: auto asks (start-up time)
         from diffpipe.memory_plan import digest_settings
@@ -120,16 +118,6 @@ def _base_lora_keys(cfg: Config, stage: str, model: dict[str, Any]) -> dict[str,
         found.append({"path": b.path, "scale": b.scale, "content": _content_digest(path)})
     return {**model, "base_loras": found} if found else model
 
-
-def _resolved_sample(cfg: Config) -> dict[str, Any]:
-    """The sample section with null steps / guidance scale resolved as the job resolves them (the model's
-    defaults): a default that changes reruns the samples, and a value written out equal to it does not."""
-    if cfg.sample.steps is not None and cfg.sample.guidance_scale is not None:
-        return cfg.sample.model_dump(mode="json")
-    # deferred: looks the model's family up (torch, diffusers); only a config that leaves them null pays (start-up time)
-    from diffpipe.families.sampling import resolve_sample_for
-
-    return resolve_sample_for(cfg.model, cfg.sample).model_dump(mode="json")
 
 
 def _content_digest(path: Path) -> str:

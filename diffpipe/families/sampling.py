@@ -1,9 +1,9 @@
 """``sample.steps`` and ``sample.guidance_scale`` resolved: the one place where a null takes the defaults of the
 model's family and variant (its spec's ``sampling`` table, declared in the family's folder).
 
-The resolved values are what samples render with (``diffpipe sample``, the in-training sampler), what the run
-report shows and what the sample and report rules' digests hold (:func:`diffpipe.stages.stage_digest`), so the
-digest and the job always agree: both resolve the same model with this function.
+The resolved values are what samples render with (``diffpipe sample``, the in-training sampler) and what the
+run report shows. The sample and report rules' digests hold the section as written (:func:`diffpipe.stages.stage_digest`),
+so starting the workflow never builds a family.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 from diffpipe.config import ModelConfig, SampleConfig
-from diffpipe.families import get_family, resolve_family, spec
+from diffpipe.families import get_family, spec
 from diffpipe.models.spec import SampleDefaults
 
 if TYPE_CHECKING:
@@ -46,17 +46,6 @@ def resolve_sample(family: Family, cfg: SampleConfig) -> SampleConfig:
     sets win. The guidance scale stays null for a pipeline that takes none (``family.guidance_arg``)."""
     return _apply(sample_defaults(family), cfg)
 
-
-def resolve_sample_for(model: ModelConfig, cfg: SampleConfig) -> SampleConfig:
-    """:func:`resolve_sample` for the model ``model`` names (the workflow's digests). Only a null needs the
-    family; only a family with several entries needs its model built (which reads its configs, and a Hugging
-    Face id's snapshot): the others' one entry is what :func:`resolve_sample` would pick."""
-    if cfg.steps is not None and cfg.guidance_scale is not None:
-        return cfg
-    model = resolve_family(model)  # a local model's family, from its model_index.json
-    if len(spec(model.family).sampling) == 1:
-        return _apply(_entry(model.family, None), cfg)
-    return resolve_sample(get_family(model), cfg)
 
 
 def sampling_note(model: ModelConfig, cfg: SampleConfig) -> str:

@@ -24,10 +24,10 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import diffusers
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -70,6 +70,10 @@ class Published:
 
     def build_meta(self) -> torch.nn.Module:
         """The denoiser at its published size, on the ``meta`` device (no memory, no weights)."""
+        # deferred: the registry and the workflow's digests read specs without torch or diffusers (start-up time)
+        import diffusers
+        import torch
+
         with torch.device("meta"):
             return getattr(diffusers, self.cls)(**self.config)
 
