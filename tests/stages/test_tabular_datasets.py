@@ -247,7 +247,7 @@ def test_hub_id_offline_runs_the_workflow(tmp_path):
     cfg = {"output_dir": "run", "model": {"family": "sd", "flavor": "tiny"},
            "datasets": [{"name": "hubset", "hub": "some-org/tiny-set", "resolution": 32}],
            "cache": {"shards": 1}, "train": {"max_steps": 2, "batch_size": 2, "save_every_epochs": 0},
-           "sample": {"prompts": ["noise"]}}
+           "sample": {"prompts": ["noise"], "steps": 10}}
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     env = {"HF_HUB_CACHE": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     # Up to training (export and sampling do not read the dataset): the slow part is start-up per job.
