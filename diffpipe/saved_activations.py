@@ -70,18 +70,25 @@ def saved_activation_bytes(denoiser: torch.nn.Module, run, *, checkpointing: boo
     ``(on the device, in CPU memory)``.
 
     ``checkpointing``: the peak under diffusers' activation checkpointing (see the module docstring).
-    ``offload`` (``train.activation_offload``): everything saved until the backward pass waits in CPU
-    memory; the device holds the largest block's own saves, brought back (or recomputed) for its
-    backward. A denoiser without blocks diffusers checkpoints keeps everything on the device.
+    ``offload`` (``train.activation_offload``): see :func:`placed`.
     """
-    held, largest = _saved_bytes(denoiser, run, checkpointing=checkpointing, fraction=fraction)
+    held, largest = saved_bytes(denoiser, run, checkpointing=checkpointing, fraction=fraction)
+    return placed(held, largest, checkpointing=checkpointing, offload=offload)
+
+
+def placed(held: int, largest: int, *, checkpointing: bool, offload: bool) -> tuple[int, int]:
+    """``(on the device, in CPU memory)`` of what a forward saves (:func:`saved_bytes`: ``held`` until the
+    backward pass, ``largest`` block's own saves). Under checkpointing the device also holds that block's saves
+    while it is recomputed. ``offload`` (``train.activation_offload``): everything saved until the backward
+    pass waits in CPU memory; the device holds the largest block's own saves, brought back (or recomputed)
+    for its backward. A denoiser without blocks diffusers checkpoints keeps everything on the device."""
     if offload and largest:
         return largest, held
     return held + (largest if checkpointing else 0), 0
 
 
-def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False,
-                 fraction: float = 1.0) -> tuple[int, int]:
+def saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False,
+                fraction: float = 1.0) -> tuple[int, int]:
     """Bytes saved for backward until the backward pass, and the largest block's own saves.
 
     ``fraction`` < 1 (``train.checkpoint_fraction``): only the first ``ceil(fraction * N)`` blocks in
@@ -113,7 +120,7 @@ _Storages = dict[int, torch.UntypedStorage]
 
 
 class _Saves:
-    """The storages autograd saves during one forward (:func:`_saved_bytes`), by address."""
+    """The storages autograd saves during one forward (:func:`saved_bytes`), by address."""
 
     def __init__(self, denoiser: torch.nn.Module, *, checkpointing: bool, partial: bool):
         # Buffers too: scaled fp8's codes and scales are buffers its matmul saves.

@@ -215,3 +215,29 @@ def test_full_fine_tune_with_quantised_states_in_the_backward_pass():
         assert per_param[0] < inb.optimizer_bytes / n < per_param[1]
         assert inb.param_bytes == plain.param_bytes and inb.optimizer_in_backward
     assert "stepped in the backward pass" in inb.table()
+
+
+#: Settings in an order that reuses every part an estimate shares and rebuilds one (fp8's denoiser after
+#: int8's took its place), with a full fine-tune and another LoRA rank among them.
+_SHARED = [{}, {"activation_checkpointing": True}, {"base_weights": "nf4"},
+           {"base_weights": "fp8", "activation_checkpointing": True, "activation_offload": True},
+           {"base_weights": "int8", "activation_checkpointing": True, "checkpoint_fraction": 0.5},
+           {"base_weights": "fp8", "block_swap": 2, "activation_checkpointing": True},
+           {"base_weights": "nf4", "activation_checkpointing": True},
+           {"base_weights": "fp8", "lora": {"rank": 4}, "zero_stage": 2},
+           {"mode": "full", "optimizer": "adamw8bit", "optimizer_in_backward": True, "grad_clip": 0},
+           {"base_weights": "int8", "activation_offload": True, "activation_checkpointing": True}]
+
+
+def test_estimates_sharing_a_reuse_equal_estimates_made_alone(shallow_flux):
+    """A memory plan's estimates share their meta denoisers and traced forwards (diffpipe.meta_denoiser.Reuse):
+    each equals the estimate made alone, whatever was estimated before it."""
+    from diffpipe.estimate import estimate_for
+    from diffpipe.meta_denoiser import Reuse
+
+    with Reuse() as reuse:
+        for train in _SHARED:
+            for sizes in ({}, {"resolution": 512, "height": 256, "gpus": 2}):
+                cfg = _cfg("flux", 256, **train)
+                shared = estimate_for(cfg, shallow_flux, reuse=reuse, **sizes)
+                assert shared == estimate_for(cfg, shallow_flux, **sizes), (train, sizes)
