@@ -92,7 +92,7 @@ from diffpipe.meta_denoiser import Build, MetaDenoiser, Reuse, Trainable, module
 from diffpipe.models._common import load_dtype
 from diffpipe.models.base import Family
 from diffpipe.models.routing import TokenRoute
-from diffpipe.saved_activations import placed, saved_bytes
+from diffpipe.saved_activations import placed, saved_bytes_each
 from diffpipe.training import load
 from diffpipe.training.precision import resolve_precision
 from diffpipe.utils import stable_json
@@ -431,8 +431,9 @@ class Forward:
     fraction: float  # train.checkpoint_fraction
 
     def key(self) -> str:
-        """Everything the trace reads, as text (:meth:`Reuse.traced`)."""
-        dump = {f.name: getattr(self, f.name) for f in fields(self)}
+        """Everything the trace reads, as text (:meth:`Reuse.traced`); not checkpointing: one trace counts the
+        saves with it and without (:func:`diffpipe.saved_activations.saved_bytes_each`)."""
+        dump = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "checkpointing"}
         for name in ("model", "objective", "routing"):
             dump[name] = None if dump[name] is None else dump[name].model_dump(mode="json")
         return stable_json(dump)
@@ -460,37 +461,41 @@ def _meta_forward(family: Family, spec: Published, denoiser: torch.nn.Module, fw
 def _activations(reuse: Reuse, meta: MetaDenoiser, family: Family, spec: Published, fw: Forward,
                  dtype: torch.dtype, *, offload: bool) -> tuple[int | None, int, bool]:
     """Saved activation bytes ``(on the device or None when a forward cannot run on meta, in CPU memory,
-    whether the figure is an upper bound)``, the workspace of ``meta`` included; each forward traced once
-    per ``reuse`` (offload only moves what it saved)."""
+    whether the figure is an upper bound)``, the workspace of ``meta`` included. Each forward is traced once
+    per ``reuse``, counted with checkpointing and without (offload only moves what it saved)."""
+    ways = [False, True] if meta.checkpointable else [False]
 
-    def trace(denoiser: torch.nn.Module) -> tuple[int, int, bool] | None:
-        return _trace(denoiser, _meta_forward(family, spec, denoiser, fw, dtype), fw)
+    def trace(denoiser: torch.nn.Module) -> tuple[list[tuple[int, int]], bool] | None:
+        forward = _meta_forward(family, spec, denoiser, fw, dtype)
+        return _trace(denoiser, forward, [(checkpointing, fw.fraction) for checkpointing in ways])
 
     traced = reuse.traced(meta, fw.key(), trace)
     if traced is None:
         return None, 0, False
-    held, largest, upper_bound = traced
+    counts, upper_bound = traced
+    held, largest = counts[ways.index(fw.checkpointing)]
     device, cpu = placed(held, largest, checkpointing=fw.checkpointing, offload=offload)
     return device + meta.workspace, cpu, upper_bound
 
 
 def _trace(denoiser: torch.nn.Module, forward: Callable[[], torch.Tensor],
-           fw: Forward) -> tuple[int, int, bool] | None:
-    """What ``forward`` saves for backward (:func:`diffpipe.saved_activations.saved_bytes`) and whether it is an
-    upper bound; None when it cannot run on meta."""
+           ways: list[tuple[bool, float]]) -> tuple[list[tuple[int, int]], bool] | None:
+    """What ``forward`` saves for backward under each ``(checkpointing, fraction)`` of ``ways``
+    (:func:`diffpipe.saved_activations.saved_bytes_each`), and whether the figures are upper bounds; None when
+    it cannot run on meta."""
 
-    def measure() -> tuple[int, int]:
-        return saved_bytes(denoiser, forward, checkpointing=fw.checkpointing, fraction=fw.fraction)
+    def measure() -> list[tuple[int, int]]:
+        return saved_bytes_each(denoiser, forward, ways)
 
     try:
-        return (*measure(), False)
+        return measure(), False
     except NotImplementedError as err:
         if "nonzero" in str(err):
             # Mixture-of-experts routing (HiDream) and boolean-mask indexing (HunyuanImage's text and its
             # padding, reordered) select with ``nonzero``: on meta, assume every element is selected, an
             # upper bound on what the real selection keeps.
             with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
-                return (*measure(), True)
+                return measure(), True
         # else: "Cannot copy out of meta tensor": the forward reads tensor values (Lumina 2's mask)
     except RuntimeError as err:
         # Mochi's rotary embedding opens an enabled torch.autocast on its tensors' device: not on meta (a

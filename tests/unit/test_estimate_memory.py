@@ -241,3 +241,24 @@ def test_estimates_sharing_a_reuse_equal_estimates_made_alone(shallow_flux):
                 cfg = _cfg("flux", 256, **train)
                 shared = estimate_for(cfg, shallow_flux, reuse=reuse, **sizes)
                 assert shared == estimate_for(cfg, shallow_flux, **sizes), (train, sizes)
+
+
+def test_one_forward_counts_each_way_of_checkpointing_as_its_own_forward(shallow_flux):
+    """The estimate counts the saves with checkpointing and without from one forward (saved_bytes_each): each
+    way's figures equal those of a forward of its own."""
+    from diffpipe.estimate import Forward, _meta_forward
+    from diffpipe.families import get_family
+    from diffpipe.meta_denoiser import Build, Trainable, module_kind
+    from diffpipe.saved_activations import saved_bytes, saved_bytes_each
+
+    tc = _cfg("flux", 256).train
+    family = get_family(_cfg("flux").model.model_copy(update={"flavor": "tiny"}))
+    ways = [(False, 1.0), (True, 1.0), (True, 0.5)]
+    for base in ("auto", "fp8", "int8"):
+        trainable = Trainable(16, tuple(family.lora_targets(None)))
+        build = Build(shallow_flux, torch.bfloat16, trainable, module_kind(base, trainable))
+        module = build.convert(build.plain()[0])
+        fw = Forward(family.cfg, 1, 256, 256, 1, 1, tc.objective, None, False, 1.0)
+        run = _meta_forward(family, shallow_flux, module, fw, torch.bfloat16)
+        alone = [saved_bytes(module, run, checkpointing=c, fraction=f) for c, f in ways]
+        assert saved_bytes_each(module, run, ways) == alone and alone[0] != alone[1] != alone[2], base
