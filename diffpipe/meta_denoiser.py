@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import ctypes.util
+import functools
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import Any, TypeVar
@@ -223,11 +223,15 @@ def release_freed_memory() -> None:
     """Hand the heap's free pages back to the system (glibc's ``malloc_trim``; elsewhere nothing). A meta
     denoiser is many small Python and C++ objects: after it is dropped, glibc keeps their pages for reuse,
     about 130 MB per FLUX.1-dev estimate, so a long loop of estimates grows without this."""
-    name = ctypes.util.find_library("c")
-    try:
-        trim = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):  # not glibc (musl, macOS): no malloc_trim
-        trim = None
+    trim = _malloc_trim()
     if trim is not None:
         trim(0)
 
+
+@functools.cache
+def _malloc_trim() -> Callable[[int], int] | None:
+    """glibc's ``malloc_trim`` among the symbols this process has loaded; None without glibc (musl, macOS)."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (OSError, AttributeError):
+        return None
