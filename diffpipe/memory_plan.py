@@ -6,8 +6,8 @@ The planner searches the memory keys the user left unset (``train.base_weights``
 ``optimizer_in_backward``; a key written in the config is never changed) with one :func:`diffpipe.estimate.estimate_memory` call per (base weights, checkpointing, offload)
 combination: ``block_swap`` comes from :meth:`MemoryEstimate.swap_to_fit` on the checkpointed estimate,
 without a new call. The estimates of one plan share a :class:`~diffpipe.meta_denoiser.Reuse`: the meta
-denoiser is built once (fp8's and int8's are converted copies of it; bf16 and nf4 share it) and each of the
-three traced once, with checkpointing and without, so the other candidates cost arithmetic. A setting fits
+denoiser is built once (fp8's and int8's are converted copies of it; bf16 and nf4 share it) and one forward
+of each of these three counts its saves with checkpointing and without, so the rest is arithmetic. A setting fits
 when its estimate plus :func:`margin_bytes` is within the GPU budget and what it keeps in CPU memory within
 the system-RAM budget (when one is given).
 
