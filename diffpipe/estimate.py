@@ -60,38 +60,42 @@ node has run while it creates the gradients, and the CPU measurements
 15% of the forward's saved tensors with and without checkpointing. Not
 counted: the CUDA context and allocator fragmentation (add 1-2 GiB), the VAE
 and text encoders (not loaded while training: the caches hold their outputs).
+
+Estimates that share a :class:`~diffpipe.meta_denoiser.Reuse` (a memory plan's candidates, the docs' fits
+table's columns) build each meta denoiser and trace each forward once; that module says what each depends
+on, and each estimate equals the one made alone.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, fields, replace
 from typing import TypedDict, Unpack
 
 import diffusers
-import peft
 import torch
 import torch.fx.experimental._config as fx_config
 
-from diffpipe.config import BF16_OPTIMIZERS, QUANTISED_OPTIMIZERS, Config, TrainConfig
+from diffpipe.config import (
+    BF16_OPTIMIZERS,
+    QUANTISED_OPTIMIZERS,
+    Config,
+    ModelConfig,
+    ObjectiveConfig,
+    TokenRoutingConfig,
+    TrainConfig,
+)
 from diffpipe.families import get_family
 from diffpipe.families.published import PUBLISHED, Published, for_family
+from diffpipe.meta_denoiser import Build, MetaDenoiser, Reuse, Trainable, module_kind
 from diffpipe.models._common import load_dtype
 from diffpipe.models.base import Family
 from diffpipe.models.routing import TokenRoute
-from diffpipe.saved_activations import saved_activation_bytes
-from diffpipe.training import load, offload
-from diffpipe.training.precision import (
-    QUANTISED,
-    ScaledFp8Linear,
-    cast_layerwise_fp8,
-    enable_fp8_base_weights,
-    nf4_bytes,
-    nf4_dequantise_bytes,
-    quantised_layers,
-    resolve_precision,
-)
+from diffpipe.saved_activations import placed, saved_bytes_each
+from diffpipe.training import load
+from diffpipe.training.precision import resolve_precision
+from diffpipe.utils import stable_json
 
 GiB = 2**30
 # float32 optimizer-state bytes per trainable parameter, by ``train.optimizer``.
@@ -268,7 +272,8 @@ class Sizes(TypedDict, total=False):
     height: int | None
 
 
-def estimate_memory(cfg: Config, *, model: str | None = None, **sizes: Unpack[Sizes]) -> MemoryEstimate:
+def estimate_memory(cfg: Config, *, model: str | None = None, reuse: Reuse | None = None,
+                    **sizes: Unpack[Sizes]) -> MemoryEstimate:
     """Memory per GPU to train ``cfg`` on ``gpus`` data-parallel GPUs (default 1; see the module docstring).
 
     ``resolution`` (pixels; default: the largest dataset resolution), ``rank``
@@ -276,9 +281,10 @@ def estimate_memory(cfg: Config, *, model: str | None = None, **sizes: Unpack[Si
     ``diffpipe.families.published``; default: the local folder's config, else the
     family's flagship), ``frames`` (video families; default: the largest
     dataset frame bucket, else 1) and ``height`` (default: ``resolution``,
-    square; ``resolution`` is then the width) override the config.
+    square; ``resolution`` is then the width) override the config. ``reuse``
+    shares the meta denoisers and traced forwards with other estimates (:mod:`diffpipe.meta_denoiser`).
     """
-    return estimate_for(cfg, _model_spec(cfg, model), **sizes)
+    return estimate_for(cfg, _model_spec(cfg, model), reuse=reuse, **sizes)
 
 
 def estimate_for(
@@ -290,44 +296,45 @@ def estimate_for(
     rank: int | None = None,
     frames: int | None = None,
     height: int | None = None,
+    reuse: Reuse | None = None,
 ) -> MemoryEstimate:
     """:func:`estimate_memory` for a given denoiser configuration (e.g. a published one at reduced depth)."""
     if gpus < 1:
         raise ValueError(f"--gpus must be at least 1, got {gpus}")
+    if reuse is None:  # nothing to share: what this estimate builds is freed when it returns
+        with Reuse() as own:
+            return estimate_for(cfg, spec, gpus=gpus, resolution=resolution, rank=rank, frames=frames,
+                                height=height, reuse=own)
     tc = cfg.train
     # The tiny scheduler's prediction type need not suit the folder's zero-terminal-SNR schedule.
-    family = get_family(cfg.model.model_copy(update={"flavor": "tiny", "path": None, "zero_terminal_snr": None}))
+    sizing = cfg.model.model_copy(update={"flavor": "tiny", "path": None, "zero_terminal_snr": None})
+    family = get_family(sizing)
     family.check_token_routing(tc.token_routing)
     resolution, height, frames = _sizes(cfg, family, spec, resolution, height, frames)
     precision = resolve_precision(tc.precision, cuda=True)  # the estimate is for a GPU: auto = bf16
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     width = 2 if precision == "bf16" else 4
 
-    denoiser = spec.build_meta().to(dtype)
-    params = sum(p.numel() for p in denoiser.parameters())
+    meta = reuse.denoiser(_build(family, spec, tc, rank, dtype), tc.base_weights)
+    param_bytes, grad_bytes, optimizer_bytes = _state_bytes(tc, precision, gpus, meta.frozen_bytes,
+                                                            list(meta.sizes), width)
+    forward = Forward(sizing, tc.batch_size, resolution, height, frames,
+                      max((d.references for d in cfg.datasets), default=0) or 1,  # Qwen-Image-Edit-Plus: up to 4
+                      tc.objective, tc.token_routing, tc.activation_checkpointing and meta.checkpointable,
+                      tc.checkpoint_fraction)
+    activation_bytes, offloaded, upper_bound = _activations(reuse, meta, family, spec, forward, dtype,
+                                                            offload=tc.activation_offload)
     load_width = load_dtype(cfg.model, "denoiser", cuda=True).itemsize
-    largest = max(p.numel() for p in denoiser.parameters()) * load_width
-    rank = _make_trainable(denoiser, family, tc, rank, dtype)
-    trainable = sum(p.numel() for p in denoiser.parameters() if p.requires_grad)
-    frozen_bytes, workspace = _frozen_bytes(denoiser, tc, dtype, width)
-    block_bytes = tuple(sum(t.nbytes for t in offload.frozen_tensors(b)) for b in offload.swap_blocks(denoiser))
-    sizes = [p.numel() for p in denoiser.parameters() if p.requires_grad]
-    param_bytes, grad_bytes, optimizer_bytes = _state_bytes(tc, precision, gpus, frozen_bytes, sizes, width)
-
-    ckpt = tc.activation_checkpointing and getattr(denoiser, "_supports_gradient_checkpointing", False)
-    forward = _meta_forward(cfg, family, spec, denoiser, resolution, height, frames, dtype)
-    activation_bytes, offloaded, upper_bound = _activations(denoiser, forward, tc, checkpointing=ckpt)
-    if activation_bytes is not None:
-        activation_bytes += workspace
     return MemoryEstimate(
         model=spec.name, gpus=gpus, zero_stage=tc.zero_stage, precision=precision, resolution=resolution,
-        batch_size=tc.batch_size, rank=rank, params=params, trainable=trainable, param_bytes=param_bytes,
-        grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes, activation_bytes=activation_bytes,
-        activation_upper_bound=upper_bound, frames=frames, base_weights=tc.base_weights,
-        activation_checkpointing=bool(ckpt), height=height, block_bytes=block_bytes,
-        activation_cpu_bytes=offloaded, frozen_bytes=frozen_bytes, load_whole_bytes=params * load_width,
-        load_largest_bytes=largest, load_streamed=load.streams(get_family(cfg.model), tc),
-        optimizer=tc.optimizer, optimizer_in_backward=tc.optimizer_in_backward,
+        batch_size=tc.batch_size, rank=meta.rank, params=meta.params, trainable=sum(meta.sizes),
+        param_bytes=param_bytes, grad_bytes=grad_bytes, optimizer_bytes=optimizer_bytes,
+        activation_bytes=activation_bytes, activation_upper_bound=upper_bound, frames=frames,
+        base_weights=tc.base_weights, activation_checkpointing=forward.checkpointing, height=height,
+        block_bytes=meta.block_bytes, activation_cpu_bytes=offloaded, frozen_bytes=meta.frozen_bytes,
+        load_whole_bytes=meta.params * load_width, load_largest_bytes=meta.largest * load_width,
+        load_streamed=load.streams(get_family(cfg.model), tc), optimizer=tc.optimizer,
+        optimizer_in_backward=tc.optimizer_in_backward,
     ).swapped(tc.block_swap)
 
 
@@ -352,41 +359,12 @@ def _frame_step(family: Family) -> int:
     return family.frame_rule[0] if family.is_video else 1
 
 
-def _make_trainable(denoiser: torch.nn.Module, family: Family, tc: TrainConfig, rank: int | None,
-                    dtype: torch.dtype) -> int | None:
-    """Mark what trains (the whole denoiser, or an added LoRA, fp8 base weights stored); returns the rank."""
-    if tc.mode == "full":
-        denoiser.requires_grad_(True)
-        return None
-    rank = rank or tc.lora.rank
-    denoiser.requires_grad_(False)
-    targets = family.lora_targets(tc.lora.targets)
-    denoiser.add_adapter(peft.LoraConfig(r=rank, lora_alpha=rank, target_modules=targets))
-    denoiser.to(dtype)
-    if tc.base_weights == "fp8":
-        enable_fp8_base_weights(denoiser)
-    return rank
-
-
-def _frozen_bytes(denoiser: torch.nn.Module, tc: TrainConfig, dtype: torch.dtype, width: int) -> tuple[int, int]:
-    """Bytes of the frozen weights as stored (quantised ones at their size), and the transient bytes at the
-    peak beside the saved activations (the largest layer's dequantisation under fp8 and nf4)."""
-    frozen_bytes = sum(p.nbytes for p in denoiser.parameters() if not p.requires_grad)
-    fp8 = [m for m in denoiser.modules() if isinstance(m, ScaledFp8Linear)]
-    frozen_bytes += sum(m.weight.nbytes + m.weight_scale.nbytes for m in fp8)
-    workspace = max((m.weight.numel() * width for m in fp8), default=0)
-    if tc.base_weights in QUANTISED:
-        modules = dict(denoiser.named_modules())
-        weights = [modules[n].weight for n in quantised_layers(denoiser, tc.base_weights)]
-        if tc.base_weights == "int8":  # int8 weights and a float32 scale per output channel (torchao's layout)
-            frozen_bytes -= sum(w.nbytes - w.numel() - 4 * w.shape[0] for w in weights)
-            # Its matmul multiplies by the weight cast to bf16, and autograd saves that copy for the backward
-            # pass: the meta forward counts those copies through layerwise casting of the same layers.
-            cast_layerwise_fp8(denoiser, dtype)
-        else:  # NF4: its autograd function saves the 4-bit weight itself, so the activations are bf16's
-            frozen_bytes -= sum(w.nbytes - nf4_bytes(w.numel(), width) for w in weights)
-            workspace = max((nf4_dequantise_bytes(w.numel(), width) for w in weights), default=0)
-    return frozen_bytes, workspace
+def _build(family: Family, spec: Published, tc: TrainConfig, rank: int | None, dtype: torch.dtype) -> Build:
+    """The meta denoiser to count: the whole one trained, or a LoRA of ``rank`` (default ``train.lora.rank``)
+    on the family's targets; fp8 or int8 base weights change its layers (:func:`meta_denoiser.module_kind`)."""
+    what = Trainable(None) if tc.mode == "full" else Trainable(rank or tc.lora.rank,
+                                                               tuple(family.lora_targets(tc.lora.targets)))
+    return Build(spec, dtype, what, module_kind(tc.base_weights, what))
 
 
 def _state_bytes(tc: TrainConfig, precision: str, gpus: int, frozen_bytes: int, sizes: list[int],
@@ -435,45 +413,89 @@ def quantised_state_bytes(numel: int, optimizer: str, width: int, block_size: in
     return 2 * (numel * bits // 8 + 4 * (numel // block) + table)
 
 
-def _meta_forward(cfg: Config, family: Family, spec: Published, denoiser: torch.nn.Module, resolution: int,
-                  height: int, frames: int, dtype: torch.dtype) -> Callable[[], torch.Tensor]:
+
+
+@dataclass(frozen=True)
+class Forward:
+    """The training forward an estimate traces: what its saved activations depend on beside the denoiser."""
+
+    model: ModelConfig  # the model section the loss comes from (its family, as sized: tiny flavor)
+    batch: int
+    width: int
+    height: int
+    frames: int  # pixel frames
+    references: int  # edit families: reference images the size of the target
+    objective: ObjectiveConfig
+    routing: TokenRoutingConfig | None
+    checkpointing: bool
+    fraction: float  # train.checkpoint_fraction
+
+    def key(self) -> str:
+        """Everything the trace reads, as text (:meth:`Reuse.traced`); not checkpointing: one trace counts the
+        saves with it and without (:func:`diffpipe.saved_activations.saved_bytes_each`)."""
+        dump = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "checkpointing"}
+        for name in ("model", "objective", "routing"):
+            dump[name] = None if dump[name] is None else dump[name].model_dump(mode="json")
+        return stable_json(dump)
+
+
+def _meta_forward(family: Family, spec: Published, denoiser: torch.nn.Module, fw: Forward,
+                  dtype: torch.dtype) -> Callable[[], torch.Tensor]:
     """One training forward (the loss) of a batch of meta tensors at these sizes."""
-    tc = cfg.train
-    latent_frames = (frames - 1) // _frame_step(family) + 1
-    latents, text, t, noise = _meta_inputs(spec, tc.batch_size, resolution, height, latent_frames, dtype)
+    latent_frames = (fw.frames - 1) // _frame_step(family) + 1
+    latents, text, t, noise = _meta_inputs(spec, fw.batch, fw.width, fw.height, latent_frames, dtype)
     generator = torch.Generator()
     # Edit families: a reference image the size of the target (the usual case), as conditioning latents.
-    references = max((d.references for d in cfg.datasets), default=0) or 1  # Qwen-Image-Edit-Plus: up to 4
-    extra = family.estimate_controls(latents, denoiser, references) if family.uses_control else {}
+    extra = family.estimate_controls(latents, denoiser, fw.references) if family.uses_control else {}
 
-    r = tc.token_routing  # the routed blocks save their activations for the kept tokens only
+    r = fw.routing  # the routed blocks save their activations for the kept tokens only
 
     def forward() -> torch.Tensor:
         route = None if r is None else TokenRoute(r.keep, r.start_block, r.end_block, torch.Generator())
-        return family.loss(denoiser, latents, text, generator, t=t, noise=noise, objective=tc.objective,
+        return family.loss(denoiser, latents, text, generator, t=t, noise=noise, objective=fw.objective,
                            route=route, **extra)
 
     return forward
 
 
-def _activations(denoiser: torch.nn.Module, forward: Callable[[], torch.Tensor], tc: TrainConfig, *,
-                 checkpointing: bool) -> tuple[int | None, int, bool]:
+def _activations(reuse: Reuse, meta: MetaDenoiser, family: Family, spec: Published, fw: Forward,
+                 dtype: torch.dtype, *, offload: bool) -> tuple[int | None, int, bool]:
     """Saved activation bytes ``(on the device or None when a forward cannot run on meta, in CPU memory,
-    whether the figure is an upper bound)``."""
+    whether the figure is an upper bound)``, the workspace of ``meta`` included. Each forward is traced once
+    per ``reuse``, counted with checkpointing and without (offload only moves what it saved)."""
+    ways = [False, True] if meta.checkpointable else [False]
 
-    def measure() -> tuple[int, int]:
-        return saved_activation_bytes(denoiser, forward, checkpointing=checkpointing,
-                                      fraction=tc.checkpoint_fraction, offload=tc.activation_offload)
+    def trace(denoiser: torch.nn.Module) -> tuple[list[tuple[int, int]], bool] | None:
+        forward = _meta_forward(family, spec, denoiser, fw, dtype)
+        return _trace(denoiser, forward, [(checkpointing, fw.fraction) for checkpointing in ways])
+
+    traced = reuse.traced(meta, fw.key(), trace)
+    if traced is None:
+        return None, 0, False
+    counts, upper_bound = traced
+    held, largest = counts[ways.index(fw.checkpointing)]
+    device, cpu = placed(held, largest, checkpointing=fw.checkpointing, offload=offload)
+    return device + meta.workspace, cpu, upper_bound
+
+
+def _trace(denoiser: torch.nn.Module, forward: Callable[[], torch.Tensor],
+           ways: list[tuple[bool, float]]) -> tuple[list[tuple[int, int]], bool] | None:
+    """What ``forward`` saves for backward under each ``(checkpointing, fraction)`` of ``ways``
+    (:func:`diffpipe.saved_activations.saved_bytes_each`), and whether the figures are upper bounds; None when
+    it cannot run on meta."""
+
+    def measure() -> list[tuple[int, int]]:
+        return saved_bytes_each(denoiser, forward, ways)
 
     try:
-        return (*measure(), False)
+        return measure(), False
     except NotImplementedError as err:
         if "nonzero" in str(err):
             # Mixture-of-experts routing (HiDream) and boolean-mask indexing (HunyuanImage's text and its
             # padding, reordered) select with ``nonzero``: on meta, assume every element is selected, an
             # upper bound on what the real selection keeps.
             with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
-                return (*measure(), True)
+                return measure(), True
         # else: "Cannot copy out of meta tensor": the forward reads tensor values (Lumina 2's mask)
     except RuntimeError as err:
         # Mochi's rotary embedding opens an enabled torch.autocast on its tensors' device: not on meta (a
@@ -483,7 +505,7 @@ def _activations(denoiser: torch.nn.Module, forward: Callable[[], torch.Tensor],
         reads_value = "cannot be called on meta tensors" in str(err)
         if not reads_value and "autocast" not in str(err) and not _raised_in(err, "autocast_mode.py"):
             raise
-    return None, 0, False
+    return None
 
 
 def _raised_in(err: BaseException, filename: str) -> bool:

@@ -4,12 +4,12 @@ and the setting :mod:`diffpipe.memory_plan` chooses for 24 / 16 / 12 GiB cards (
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 from diffpipe.config import Config
-from diffpipe.estimate import GiB, MemoryEstimate, estimate_memory
+from diffpipe.estimate import GiB, estimate_memory
 from diffpipe.memory_plan import Estimator, NothingFits, plan_memory
+from diffpipe.meta_denoiser import Reuse
 
 #: The families the fits table covers: (label, published model, family, width, height, frames,
 #: published figures of other trainers for the same model, as their documentation gives them).
@@ -42,18 +42,10 @@ def _fits_config(family: str, **train) -> Config:
          "train": {"batch_size": 1, "precision": "bf16", "lora": {"rank": 16}, **train}})
 
 
-def cached_estimator(**sizes: Any) -> Estimator:
-    """``estimate_memory`` at ``sizes``, each train setting estimated once (the option columns and every card's
-    plan share them)."""
-    cache: dict[str, MemoryEstimate] = {}
-
-    def one(cfg: Config) -> MemoryEstimate:
-        key = json.dumps(cfg.train.model_dump(mode="json", exclude={"memory", "gpu_memory"}), sort_keys=True)
-        if key not in cache:
-            cache[key] = estimate_memory(cfg, **sizes)
-        return cache[key]
-
-    return one
+def shared_estimator(reuse: Reuse, **sizes: Any) -> Estimator:
+    """``estimate_memory`` at ``sizes``, sharing ``reuse``'s meta denoisers and traces (the option columns and
+    every card's plan ask for the same few)."""
+    return lambda cfg: estimate_memory(cfg, reuse=reuse, **sizes)
 
 
 def fits_row(entry: tuple, estimate: Estimator) -> str:
@@ -94,5 +86,6 @@ def fits_markdown() -> str:
     for entry in FITS_MODELS:
         _, model, _, width, height, frames, _ = entry
         kw = {"model": model, "resolution": width, "height": height, "frames": frames}
-        rows.append(fits_row(entry, cached_estimator(**kw)))
+        with Reuse() as reuse:  # one model at a time: its denoisers are freed before the next is built
+            rows.append(fits_row(entry, shared_estimator(reuse, **kw)))
     return "\n".join(rows)

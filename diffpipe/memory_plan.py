@@ -5,8 +5,11 @@ The planner searches the memory keys the user left unset (``train.base_weights``
 ``activation_checkpointing``, ``block_swap``, ``activation_offload``, and for ``mode: full``
 ``optimizer_in_backward``; a key written in the config is never changed) with one :func:`diffpipe.estimate.estimate_memory` call per (base weights, checkpointing, offload)
 combination: ``block_swap`` comes from :meth:`MemoryEstimate.swap_to_fit` on the checkpointed estimate,
-without a new call. A setting fits when its estimate plus :func:`margin_bytes` is within the GPU budget and
-what it keeps in CPU memory within the system-RAM budget (when one is given).
+without a new call. The estimates of one plan share a :class:`~diffpipe.meta_denoiser.Reuse`: the meta
+denoiser is built once (fp8's and int8's are converted copies of it; bf16 and nf4 share it) and one forward
+of each of these three counts its saves with checkpointing and without, so the rest is arithmetic. A setting fits
+when its estimate plus :func:`margin_bytes` is within the GPU budget and what it keeps in CPU memory within
+the system-RAM budget (when one is given).
 
 Ranking (:data:`STEP_COST`, :data:`TRANSFERS`, :data:`QUALITY`): each setting's step time relative to the
 plain bf16 step is 1 + the table's extra cost of each option + the seconds its host-device copies take per
@@ -34,6 +37,7 @@ from pydantic import ValidationError
 from diffpipe.config import Config, ConfigError
 from diffpipe.estimate import GiB, MemoryEstimate, estimate_memory
 from diffpipe.families.published import PUBLISHED
+from diffpipe.meta_denoiser import Reuse
 
 #: What the CUDA context and the allocator's fragmentation add to an estimate (diffpipe.estimate's docstring: 1-2 GiB).
 CONTEXT_BYTES = 3 * GiB // 2
@@ -178,10 +182,14 @@ def plan_memory(cfg: Config, gpu_bytes: int, *, system_bytes: int | None = None,
     """The fastest memory setting that fits ``gpu_bytes`` (and ``system_bytes`` of RAM, if given), and the
     runner-up, searching only the keys of :data:`KEYS` the config leaves unset.
 
-    ``sizes`` go to :func:`estimate_memory` (``model``, ``resolution``, ``height``, ``frames``);
-    ``estimate`` replaces it (tests share estimates between budgets). Raises :class:`NothingFits`.
+    ``sizes`` go to :func:`estimate_memory` (``model``, ``resolution``, ``height``, ``frames``), whose
+    estimates share one :class:`~diffpipe.meta_denoiser.Reuse` (module docstring), freed once the plan is
+    made; ``estimate`` replaces it (tests share estimates between budgets). Raises :class:`NothingFits`.
     """
-    estimate = estimate or (lambda c: estimate_memory(c, **sizes))
+    if estimate is None:
+        with Reuse() as reuse:
+            return plan_memory(cfg, gpu_bytes, system_bytes=system_bytes, slowdown=slowdown,
+                               estimate=lambda c: estimate_memory(c, reuse=reuse, **sizes))
     given = explicit_keys(cfg)
     fitting: list[Candidate] = []
     closest: tuple[int, Candidate] | None = None

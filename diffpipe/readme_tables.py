@@ -40,9 +40,10 @@ TABLES: dict[str, tuple[Callable[[], str], str]] = {
     "pipeline-families": (pipeline_markdown, "docs/training.md"),
     "sampling-defaults": (sampling_markdown, "docs/training.md"),
 }
-#: Tables too slow to rebuild in every test run (the memory table sizes 12 published models on the
-#: meta device, about a minute): ``make docs`` refreshes them; tests/unit/test_memory_plan.py
-#: checks the FLUX.1-dev row against the estimate.
+#: Tables too slow to rebuild in every test run (the memory table sizes 14 published models on the
+#: meta device, about 6 s of CPU time a row for FLUX.1-dev and Qwen-Image, each row's denoisers freed
+#: before the next: benchmarks/plan_memory_reuse.py): ``make docs`` refreshes them;
+#: tests/unit/test_memory_plan.py checks the FLUX.1-dev row against the estimate.
 SLOW_TABLES: dict[str, tuple[Callable[[], str], str]] = {
     "memory-fits": (_memory_fits, "docs/training.md"),
 }

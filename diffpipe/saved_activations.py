@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -70,18 +70,25 @@ def saved_activation_bytes(denoiser: torch.nn.Module, run, *, checkpointing: boo
     ``(on the device, in CPU memory)``.
 
     ``checkpointing``: the peak under diffusers' activation checkpointing (see the module docstring).
-    ``offload`` (``train.activation_offload``): everything saved until the backward pass waits in CPU
-    memory; the device holds the largest block's own saves, brought back (or recomputed) for its
-    backward. A denoiser without blocks diffusers checkpoints keeps everything on the device.
+    ``offload`` (``train.activation_offload``): see :func:`placed`.
     """
-    held, largest = _saved_bytes(denoiser, run, checkpointing=checkpointing, fraction=fraction)
+    held, largest = saved_bytes(denoiser, run, checkpointing=checkpointing, fraction=fraction)
+    return placed(held, largest, checkpointing=checkpointing, offload=offload)
+
+
+def placed(held: int, largest: int, *, checkpointing: bool, offload: bool) -> tuple[int, int]:
+    """``(on the device, in CPU memory)`` of what a forward saves (:func:`saved_bytes`: ``held`` until the
+    backward pass, ``largest`` block's own saves). Under checkpointing the device also holds that block's saves
+    while it is recomputed. ``offload`` (``train.activation_offload``): everything saved until the backward
+    pass waits in CPU memory; the device holds the largest block's own saves, brought back (or recomputed)
+    for its backward. A denoiser without blocks diffusers checkpoints keeps everything on the device."""
     if offload and largest:
         return largest, held
     return held + (largest if checkpointing else 0), 0
 
 
-def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False,
-                 fraction: float = 1.0) -> tuple[int, int]:
+def saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False,
+                fraction: float = 1.0) -> tuple[int, int]:
     """Bytes saved for backward until the backward pass, and the largest block's own saves.
 
     ``fraction`` < 1 (``train.checkpoint_fraction``): only the first ``ceil(fraction * N)`` blocks in
@@ -93,27 +100,58 @@ def _saved_bytes(denoiser: torch.nn.Module, run, *, checkpointing: bool = False,
     apart by address, so every storage seen is held until the end: a freed one's address could be
     reused (layerwise casting replaces the weights' storages at every forward).
     """
-    saves = _Saves(denoiser, checkpointing=checkpointing, partial=checkpointing and fraction < 1)
+    return saved_bytes_each(denoiser, run, [(checkpointing, fraction)])[0]
+
+
+def saved_bytes_each(denoiser: torch.nn.Module, run, ways: list[tuple[bool, float]]) -> list[tuple[int, int]]:
+    """:func:`saved_bytes` for each ``(checkpointing, fraction)`` of ``ways``, from one forward: the forward
+    runs the same blocks either way (each through the counting function), so each way counts the same
+    saves in the same order, as its own forward would."""
+    ways_saves = [_Saves(denoiser, checkpointing=c, partial=c and f < 1) for c, f in ways]
+    counts = _Counts(ways_saves)
     blocks = getattr(denoiser, "_supports_gradient_checkpointing", False)
     if blocks:
-        denoiser.enable_gradient_checkpointing(gradient_checkpointing_func=saves.run_block)
+        denoiser.enable_gradient_checkpointing(gradient_checkpointing_func=counts.run_block)
     try:
-        with (torch.autograd.graph.saved_tensors_hooks(saves.keep(saves.kept), lambda t: t), _fused_attention(),
+        with (torch.autograd.graph.saved_tensors_hooks(counts.pack, lambda t: t), _fused_attention(),
               _meta_autocast_disabled()):
             run()
     finally:
         if blocks:
             denoiser.disable_gradient_checkpointing()
-    if saves.partial:
-        saves.checkpoint_first(math.ceil(fraction * len(saves.blocks_seen)))
-    return sum(st.nbytes() for st in saves.kept.values()), saves.largest
+    for saves, (_, fraction) in zip(ways_saves, ways, strict=True):
+        if saves.partial:
+            saves.checkpoint_first(math.ceil(fraction * len(saves.blocks_seen)))
+    return [(sum(st.nbytes() for st in saves.kept.values()), saves.largest) for saves in ways_saves]
 
 
 _Storages = dict[int, torch.UntypedStorage]
 
 
+class _Counts:
+    """The pack hook and the checkpointing function of one forward, feeding every way's :class:`_Saves`."""
+
+    def __init__(self, ways: list[_Saves]):
+        self.ways = ways
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        for saves in self.ways:
+            saves.pack(t)
+        return t
+
+    def run_block(self, module, *args, **kwargs):
+        """The checkpointing function diffusers calls per block: runs it once, each way counting its saves apart."""
+        for saves in self.ways:
+            saves.enter(args, kwargs)
+        out = module(*args, **kwargs)
+        for saves in self.ways:
+            saves.leave()
+        return out
+
+
 class _Saves:
-    """The storages autograd saves during one forward (:func:`_saved_bytes`), by address."""
+    """The storages autograd saves during one forward (:func:`saved_bytes`), by address, for one way of
+    checkpointing."""
 
     def __init__(self, denoiser: torch.nn.Module, *, checkpointing: bool, partial: bool):
         # Buffers too: scaled fp8's codes and scales are buffers its matmul saves.
@@ -124,30 +162,30 @@ class _Saves:
         self.checkpointing = checkpointing
         self.partial = partial  # only some blocks checkpointed: decided once every block is seen
         self.blocks_seen: list[tuple[_Storages, _Storages]] = []  # (inputs, own saves) per block, in order
+        self.running: list[tuple[_Storages, _Storages]] = []  # (inputs, own saves) of the blocks running, innermost last
 
-    def keep(self, into: _Storages) -> Callable[[torch.Tensor], torch.Tensor]:
-        """A pack hook recording in ``into`` each saved storage that is neither a weight nor kept already."""
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            key = _storage_key(t)
-            if key not in self.weights and key not in self.kept:
-                into[key] = t.untyped_storage()
-            return t
-        return pack
+    def pack(self, t: torch.Tensor) -> None:
+        """Record a saved storage that is neither a weight nor kept already: as the innermost running block's
+        own save, else as kept."""
+        key = _storage_key(t)
+        if key not in self.weights and key not in self.kept:
+            (self.running[-1][1] if self.running else self.kept)[key] = t.untyped_storage()
 
-    def run_block(self, module, *args, **kwargs):
-        """The checkpointing function diffusers calls per block: runs it once, counting its saves apart."""
+    def enter(self, args: tuple, kwargs: dict) -> None:
+        """A block starts: under checkpointing, what it receives is kept (all blocks checkpointed)."""
         inputs = self._inputs(args, kwargs) if self.checkpointing else {}
         if self.checkpointing and not self.partial:
             self.kept.update(inputs)
-        inner: _Storages = {}
-        with torch.autograd.graph.saved_tensors_hooks(self.keep(inner), lambda t: t):
-            out = module(*args, **kwargs)
+        self.running.append((inputs, {}))
+
+    def leave(self) -> None:
+        """The block ended: its own saves counted apart."""
+        inputs, inner = self.running.pop()
         if self.partial:
             self.blocks_seen.append((inputs, inner))
         self.largest = max(self.largest, sum(st.nbytes() for st in inner.values()))
         # Checkpointed: held only while recomputed, counted once, as this block's; else kept.
         (self.weights if self.checkpointing else self.kept).update(inner)
-        return out
 
     def _inputs(self, args: tuple, kwargs: dict) -> _Storages:
         """What a checkpointed block receives stays referenced by the recomputation until backward."""

@@ -2,33 +2,36 @@
 
 from __future__ import annotations
 
-import json
-from collections.abc import Callable
+import dataclasses
+import functools
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
 
 
 @pytest.fixture(scope="session")
-def cached_estimate() -> Callable[..., Any]:
-    """``estimate_memory(cfg, **sizes)``, each distinct question answered once for the session.
+def cached_estimate() -> Iterator[Callable[..., Any]]:
+    """``estimate_memory(cfg, **sizes)``, every call sharing one :class:`~diffpipe.meta_denoiser.Reuse`.
 
     The memory planner's tests, the estimate's tests and the docs' fits-table check ask for the same
-    FLUX.1-dev estimates (a meta-device forward each, about a second). The key is everything an estimate
-    reads: the model section, the datasets less their names and folders (tests write them under their own
-    tmp_path), the train section less the keys no size depends on (the memory keys the planner fills in,
-    the learning rate), and the sizes passed.
+    FLUX.1-dev denoisers and traced forwards: each is built or traced once for the session, and each
+    estimate after it is arithmetic (``test_estimates_sharing_a_reuse_equal_estimates_made_alone`` holds
+    them equal to estimates made alone).
     """
     from diffpipe.estimate import estimate_memory
+    from diffpipe.meta_denoiser import Reuse
 
-    cache: dict[str, Any] = {}
+    with Reuse() as reuse:
+        yield functools.partial(estimate_memory, reuse=reuse)
 
-    def one(cfg, **sizes):
-        train = cfg.train.model_dump(mode="json", exclude={"memory", "gpu_memory", "lr"})
-        datasets = [d.model_dump(mode="json", exclude={"name", "path"}) for d in cfg.datasets]
-        key = json.dumps([cfg.model.model_dump(mode="json"), datasets, train, sizes], sort_keys=True)
-        if key not in cache:
-            cache[key] = estimate_memory(cfg, **sizes)
-        return cache[key]
 
-    return one
+@pytest.fixture(scope="session")
+def shallow_flux() -> Any:
+    """FLUX.1-dev's published config at the depth of 1 double and 2 single blocks: every part an estimate
+    counts (LoRA, quantised layers, blocks to swap and checkpoint), built and traced in a fraction of a second."""
+    from diffpipe.families.published import PUBLISHED
+
+    spec = PUBLISHED["flux1-dev"]
+    return dataclasses.replace(spec, name="flux1-dev-shallow",
+                               config={**spec.config, "num_layers": 1, "num_single_layers": 2})

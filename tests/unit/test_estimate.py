@@ -11,9 +11,10 @@ from typer.testing import CliRunner
 
 from diffpipe.cli import app
 from diffpipe.config import Config, ModelConfig
-from diffpipe.estimate import GiB, _model_spec, estimate_memory, saved_activation_bytes
+from diffpipe.estimate import GiB, _model_spec, estimate_memory
 from diffpipe.families import family_names, get_family
 from diffpipe.families.published import PUBLISHED, for_family
+from diffpipe.saved_activations import saved_activation_bytes
 
 
 @pytest.mark.parametrize("name", sorted(PUBLISHED))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import platform
 
 import pytest
 import torch
@@ -164,9 +165,9 @@ def test_a_share_of_checkpointed_blocks_lies_between_none_and_all(flux):
     assert 0.3 < (none - half) / (none - every) < 0.7, ((none - half) / GiB, (none - every) / GiB)
 
 
-def test_bf16_optimizers_have_no_float32_master_copy(flux):
+def test_bf16_optimizers_have_no_float32_master_copy(flux, cached_estimate):
     plain = flux["bf16"]  # optimizer state does not depend on the resolution: a small one suffices here
-    kahan = estimate_memory(_cfg("flux", 64, optimizer="adamw_kahan", zero_stage=1), model="flux1-dev", rank=16)
+    kahan = cached_estimate(_cfg("flux", 64, optimizer="adamw_kahan", zero_stage=1), model="flux1-dev", rank=16)
     trainable = (plain.optimizer_bytes) // 12  # AdamW under bf16: m, v and the float32 master, 4 bytes each
     assert kahan.optimizer_bytes == trainable * 10  # m, v (float32) and the bf16 Kahan compensation
 
@@ -189,12 +190,12 @@ def test_quantised_state_bytes_are_torchaos_own(name):
         assert quantised_state_bytes(numel, name, 4) == real, numel
 
 
-def test_full_fine_tune_with_quantised_states_in_the_backward_pass():
+def test_full_fine_tune_with_quantised_states_in_the_backward_pass(cached_estimate):
     """FLUX.1-dev full fine-tuning: 8-bit moments take about 2 bytes per parameter instead of 8, 4-bit about 1;
     stepped in the backward pass, one gradient (the largest parameter's) is held instead of all, and the bf16
     weights are stepped themselves (no float32 master copy)."""
-    def est(**train):
-        return estimate_memory(_cfg("flux", 64, mode="full", **train), model="flux1-dev")
+    def est(**train):  # one denoiser and one forward for the four (the session's Reuse)
+        return cached_estimate(_cfg("flux", 64, mode="full", **train), model="flux1-dev")
 
     from diffpipe.estimate import quantised_state_bytes
 
@@ -215,3 +216,100 @@ def test_full_fine_tune_with_quantised_states_in_the_backward_pass():
         assert per_param[0] < inb.optimizer_bytes / n < per_param[1]
         assert inb.param_bytes == plain.param_bytes and inb.optimizer_in_backward
     assert "stepped in the backward pass" in inb.table()
+
+
+#: Settings in an order that reuses every part an estimate shares and rebuilds one (fp8's denoiser after
+#: int8's took its place), with a full fine-tune and another LoRA rank among them.
+_SHARED = [{}, {"activation_checkpointing": True}, {"base_weights": "nf4"},
+           {"base_weights": "fp8", "activation_checkpointing": True, "activation_offload": True},
+           {"base_weights": "int8", "activation_checkpointing": True, "checkpoint_fraction": 0.5},
+           {"base_weights": "fp8", "block_swap": 2, "activation_checkpointing": True},
+           {"base_weights": "nf4", "activation_checkpointing": True},
+           {"base_weights": "fp8", "lora": {"rank": 4}, "zero_stage": 2},
+           {"mode": "full", "optimizer": "adamw8bit", "optimizer_in_backward": True, "grad_clip": 0},
+           {"base_weights": "int8", "activation_offload": True, "activation_checkpointing": True}]
+
+
+def test_estimates_sharing_a_reuse_equal_estimates_made_alone(shallow_flux):
+    """A memory plan's estimates share their meta denoisers and traced forwards (diffpipe.meta_denoiser.Reuse):
+    each equals the estimate made alone, whatever was estimated before it."""
+    from diffpipe.estimate import estimate_for
+    from diffpipe.meta_denoiser import Reuse
+
+    with Reuse() as reuse:
+        for train in _SHARED:
+            for sizes in ({}, {"resolution": 512, "height": 256, "gpus": 2}):
+                cfg = _cfg("flux", 256, **train)
+                shared = estimate_for(cfg, shallow_flux, reuse=reuse, **sizes)
+                assert shared == estimate_for(cfg, shallow_flux, **sizes), (train, sizes)
+
+
+def test_one_forward_counts_each_way_of_checkpointing_as_its_own_forward(shallow_flux):
+    """The estimate counts the saves with checkpointing and without from one forward (saved_bytes_each): each
+    way's figures equal those of a forward of its own."""
+    from diffpipe.estimate import Forward, _meta_forward
+    from diffpipe.families import get_family
+    from diffpipe.meta_denoiser import Build, Trainable, module_kind
+    from diffpipe.saved_activations import saved_bytes, saved_bytes_each
+
+    tc = _cfg("flux", 256).train
+    family = get_family(_cfg("flux").model.model_copy(update={"flavor": "tiny"}))
+    ways = [(False, 1.0), (True, 1.0), (True, 0.5)]
+    for base in ("auto", "fp8", "int8"):
+        trainable = Trainable(16, tuple(family.lora_targets(None)))
+        build = Build(shallow_flux, torch.bfloat16, trainable, module_kind(base, trainable))
+        module = build.convert(build.plain()[0])
+        fw = Forward(family.cfg, 1, 256, 256, 1, 1, tc.objective, None, False, 1.0)
+        run = _meta_forward(family, shallow_flux, module, fw, torch.bfloat16)
+        alone = [saved_bytes(module, run, checkpointing=c, fraction=f) for c, f in ways]
+        assert saved_bytes_each(module, run, ways) == alone and alone[0] != alone[1] != alone[2], base
+
+
+def test_a_reuse_holds_two_denoisers_at_most_and_none_once_closed(monkeypatch, shallow_flux):
+    """Whatever it serves, a Reuse holds the latest plain denoiser and one converted copy; closed, none."""
+    import copy
+    import gc
+    import types
+    import weakref
+
+    from diffpipe import meta_denoiser
+    from diffpipe.estimate import estimate_for
+    from diffpipe.meta_denoiser import Reuse
+
+    made = []  # the converted copies, weakly
+
+    def deepcopy(module):
+        made.append(weakref.ref(out := copy.deepcopy(module)))
+        return out
+
+    monkeypatch.setattr(meta_denoiser, "copy", types.SimpleNamespace(deepcopy=deepcopy))
+    with Reuse() as reuse:
+        for base, side in (("auto", 256), ("fp8", 256), ("int8", 256), ("nf4", 256), ("fp8", 512)):
+            estimate_for(_cfg("flux", side, base_weights=base), shallow_flux, reuse=reuse)
+        gc.collect()
+        # fp8 at a new size needs its denoiser again, copied anew: int8's copy was dropped for it.
+        assert len(made) == 3 and sum(ref() is not None for ref in made) == 1
+    gc.collect()
+    assert all(ref() is None for ref in made)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="malloc_trim is glibc's; elsewhere nothing to return")
+def test_release_freed_memory_hands_the_freed_heap_back():
+    """glibc keeps the pages of freed small allocations below a live one (a dropped meta denoiser's objects:
+    about 130 MB per FLUX.1-dev estimate); release_freed_memory, which a Reuse calls when closed, returns them."""
+    from pathlib import Path
+
+    from diffpipe.meta_denoiser import release_freed_memory
+
+    def rss() -> int:
+        line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith("VmRSS:"))
+        return int(line.split()[1]) * 1024
+
+    blocks = [bytearray(1000) for _ in range(200_000)]  # 200 MB of heap
+    pinned = bytearray(1000)  # allocated above them: glibc cannot simply shrink the heap's top
+    before = rss()
+    del blocks
+    kept = rss()
+    release_freed_memory()
+    assert before - kept < 50 * 2**20 < kept - rss(), (before, kept, rss())
+    del pinned

@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("export", ("export",)),  # reads training's LoRA and precision helpers
     ("stages", ("stages", "cache_jobs", "cache_decode", "workflow", "runner", "sbatch", "estimate", "doctor", "init",
                 "readme_tables", "bench", "train_job", "fits", "memory_plan", "push", "report",
-                "saved_activations")),
+                "saved_activations", "meta_denoiser")),
     ("cli", ("cli", "cli_common", "cli_cache", "__main__")),
 ]
 

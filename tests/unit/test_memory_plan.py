@@ -284,3 +284,21 @@ def test_full_fine_tune_plans_the_optimizer_in_the_backward_pass_where_the_confi
         _plan(_cfg(**full), 141, estimate)
     applied = mp.apply_plan(_cfg(**full, grad_clip=0), plan.as_dict())
     assert applied.train.optimizer_in_backward
+
+
+def test_a_plan_builds_the_denoiser_once_and_traces_each_forward_once(monkeypatch, shallow_flux):
+    """Every one of the 12 candidates (4 base weights x checkpointing x offload) is estimated where nothing fits,
+    yet the plan builds the meta denoiser once (fp8's and int8's are converted copies; bf16 and nf4 share the
+    plain one) and runs 3 forwards, one per denoiser (each counted with checkpointing and without; offload
+    moves what the checkpointed forward saved), not a build and a forward per candidate."""
+    from diffpipe import saved_activations
+    from diffpipe.families.published import PUBLISHED, Published
+
+    monkeypatch.setitem(PUBLISHED, shallow_flux.name, shallow_flux)
+    builds, forwards = [], []
+    build_meta, fused = Published.build_meta, saved_activations._fused_attention
+    monkeypatch.setattr(Published, "build_meta", lambda self: builds.append(self.name) or build_meta(self))
+    monkeypatch.setattr(saved_activations, "_fused_attention", lambda: forwards.append(1) or fused())
+    with pytest.raises(mp.NothingFits):  # 1 GiB: below the CUDA context alone
+        mp.plan_memory(_cfg(), GiB, model=shallow_flux.name)
+    assert len(builds) == 1 and len(forwards) == 3, (builds, forwards)
