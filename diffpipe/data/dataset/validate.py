@@ -122,7 +122,7 @@ def _collect(
 
 def _listed_media(listing: Listing, meta: MetadataTable, issue: Any) -> dict[str, str]:
     """The listing's media files plus those a metadata table names (a missing one is a ``missing_file`` issue)."""
-    media = dict(listing.media)
+    media = listing.media  # this run's own listing: extended in place, not copied (a dict entry per file)
     for rel in meta.captions:
         if rel in media:
             continue
@@ -333,8 +333,11 @@ def run_validation(
     table = _tally(scan, datasets)
     meta = {"probe_key": probe_key_now, "caption_keys": json.dumps(caption_keys, sort_keys=True),
             "max_pixels": str(vcfg.max_pixels)}  # max_pixels: the plan hands it to the cache jobs' decoders
-    unchanged = prev_path == manifest_path and prev_meta == meta and prev is not None and table.equals(prev)
-    _write_outputs(scan.result, table, meta, unchanged, manifest_path, Path(report_json), Path(report_html))
+    compared = prev_path == manifest_path and prev is not None  # else the file may hold these rows still
+    unchanged = compared and prev_meta == meta and table.equals(prev)
+    scan.prev = prev = None  # freed before the writes copy the table
+    _write_outputs(scan.result, table, meta, unchanged, compared, manifest_path, Path(report_json),
+                   Path(report_html))
     return scan.result
 
 
@@ -495,16 +498,16 @@ def _tally(scan: _Scan, datasets: list[DatasetConfig]) -> pl.DataFrame:
 
 
 def _write_outputs(result: ValidationResult, table: pl.DataFrame, meta: dict[str, str], unchanged: bool,
-                   manifest_path: Path, report_json: Path, report_html: Path) -> None:
-    """The manifest (left as is, only touched, when nothing changed) and both reports; on errors, kept
-    copies Snakemake does not know about."""
+                   compared: bool, manifest_path: Path, report_json: Path, report_html: Path) -> None:
+    """The manifest (left as is, only touched, when nothing changed; not read back when ``compared`` with it
+    already) and both reports; on errors, kept copies Snakemake does not know about."""
     from diffpipe.data.dataset import columnar  # deferred: polars (see run_validation)
 
     if unchanged:
         os.utime(manifest_path)  # newer than its inputs for Snakemake, same content
         result.manifest_changed = False
     else:
-        result.manifest_changed = write_manifest(manifest_path, columnar.to_arrow(table, meta))
+        result.manifest_changed = write_manifest(manifest_path, columnar.to_arrow(table, meta), compare=not compared)
     write_reports(result, report_json=report_json, report_html=report_html)
     if result.errors:
         # A failed Snakemake job loses its outputs: keep copies it does not know about,
