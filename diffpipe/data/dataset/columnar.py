@@ -110,25 +110,29 @@ def flag_duplicates(df: pl.DataFrame) -> pl.DataFrame:
     """Flag every copy after the first (by dataset, relative path) of a content hash, and of a caption on other
     media: ``duplicate_media`` / ``duplicate_caption``, the note naming the first copy."""
     media = pl.col("sha256").is_not_null() & (pl.col("size").fill_null(0) != 0)
-    df = df.with_row_index("_i").sort("dataset", "relpath").with_columns(_mk=pl.when(media).then(pl.col("sha256")))
-    df = df.with_columns(
+    # Only the key columns are sorted (not the whole table, twice): the new reasons go back by row index.
+    keys = (df.select("dataset", "relpath", "path", "sha256", "size", "caption").with_row_index("_i")
+            .sort("dataset", "relpath").with_columns(_mk=pl.when(media).then(pl.col("sha256"))))
+    keys = keys.with_columns(
         _dm=pl.col("_mk").is_not_null() & (pl.int_range(pl.len()).over("_mk") > 0),
         _mo=pl.col("path").first().over("_mk"),
     )
-    df = df.with_columns(_ck=pl.when(~pl.col("_dm") & (pl.col("caption").fill_null("") != "")).then(pl.col("caption")))
-    df = df.with_columns(
+    keys = keys.with_columns(
+        _ck=pl.when(~pl.col("_dm") & (pl.col("caption").fill_null("") != "")).then(pl.col("caption")))
+    keys = keys.with_columns(
         _dc=pl.col("_ck").is_not_null() & (pl.int_range(pl.len()).over("_ck") > 0),
         _co=pl.col("path").first().over("_ck"),
     )
     reason = pl.when(pl.col("_dm")).then(pl.lit("duplicate_media")).when(pl.col("_dc")).then(pl.lit("duplicate_caption"))
     note = (pl.when(pl.col("_dm")).then(pl.lit("same content (SHA-256) as ") + pl.col("_mo"))
             .when(pl.col("_dc")).then(pl.lit("same caption as ") + pl.col("_co")))
-    df = df.with_columns(_r=reason, _n=note)
-    added = pl.col("_r").is_not_null()
+    found = keys.select("_i", _r=reason, _n=note).sort("_i")
+    added = found["_r"].is_not_null()
     return df.with_columns(
-        reasons=pl.when(added).then(pl.col("reasons").list.concat(pl.concat_list("_r"))).otherwise("reasons"),
-        notes=pl.when(added).then(pl.col("notes").list.concat(pl.concat_list("_n"))).otherwise("notes"),
-    ).sort("_i").select(list(SCHEMA))
+        reasons=pl.when(added).then(pl.col("reasons").list.concat(pl.concat_list(found["_r"])))
+        .otherwise(pl.col("reasons")),
+        notes=pl.when(added).then(pl.col("notes").list.concat(pl.concat_list(found["_n"]))).otherwise(pl.col("notes")),
+    )
 
 
 def with_status(df: pl.DataFrame, actions: dict[str, Action]) -> pl.DataFrame:
