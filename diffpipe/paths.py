@@ -65,7 +65,8 @@ RUN_REPORT = "report.html"  # the run report (diffpipe report): one self-contain
 BENCHMARKS = "benchmarks"
 PROGRESS_DIR = "progress"  # each running job's status (diffpipe.progress): run state, never a rule's input or output
 #: The rules' directory() outputs: Snakemake deletes each, with all it holds, before the job
-#: that writes it, so ``diffpipe run`` checks them first (diffpipe.ownership; a test reads the rules).
+#: that writes it (the plan's, kept by ``update()``, when its job fails: replaced by its backup),
+#: so ``diffpipe run`` checks them first (diffpipe.ownership; a test reads the rules).
 DIRECTORY_OUTPUTS = (PLAN_DIR, LATENT_SHARD, SAMPLES_DIR)
 
 
