@@ -203,8 +203,8 @@ def benchmarks_since(run: Path, since: float) -> dict[str, dict]:
 
 def specs_since(run: Path, since: float) -> list[str]:
     """Cache shard spec files the plan (re)wrote after ``since``."""
-    return sorted(str(p.relative_to(run)) for p in (run / "plan").rglob("*.json")
-                  if p.stat().st_mtime >= since and p.name != "plan.json")
+    specs = [*(run / "plan").glob("latents/*.json"), *(run / "plan").glob("text/*.json"), run / "plan" / "empty.json"]
+    return sorted(str(p.relative_to(run)) for p in specs if p.exists() and p.stat().st_mtime >= since)
 
 
 def _step(name: str, cmd: list[str], root: Path, run: Path, args: argparse.Namespace) -> dict:

@@ -18,7 +18,8 @@ SCHEMA_FILE = REPO_ROOT / "workflow" / "schemas" / "config.schema.json"
 MANIFEST = "validate/manifest.parquet"
 REPORT_JSON = "validate/report.json"
 REPORT_HTML = "validate/report.html"
-#: Validation shards (``validation.shards > 1``): each one's probe table and listing fingerprint.
+#: Validation shards (``validation.shards > 1``): each one's probe table and listing (its media files, with size
+#: and mtime: its job's input and work list).
 VALIDATE_PROBE = "validate/probe/{vshard}.parquet"
 VALIDATE_LISTING = "validate/listing/{vshard}.fingerprint"
 PLAN_DIR = "plan"
@@ -137,7 +138,7 @@ class RunPaths:
         return self.root / VALIDATE_PROBE.format(vshard=vshard)
 
     def validate_listing(self, vshard: str) -> Path:
-        """A validation shard's listing fingerprint, its job's input."""
+        """A validation shard's listing (its media files, size and mtime): its job's input."""
         return self.root / VALIDATE_LISTING.format(vshard=vshard)
 
     def shard_names(self, kind: str = "latents") -> list[str]:
