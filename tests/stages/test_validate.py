@@ -321,6 +321,27 @@ def test_sharded_validation_equals_one_job_and_reprobes_one_shard(dataset, tmp_p
     assert [s.changed for s in again] == [i == home for i in range(3)]
 
 
+def test_chunks_of_four_items_give_the_same_manifest_and_reports(dataset, tmp_path, tokens, monkeypatch):
+    """Validation holds a chunk of items as dicts at a time: duplicates across chunks, orphan captions, eval
+    files, a missing mask folder (one issue, not one per chunk) and the rerun's reuse come out as in one chunk."""
+    from diffpipe.data.dataset import columnar
+
+    ds = _ds(dataset, eval_files=["shape_000.png", "nope.png"], mask_path=str(tmp_path / "no-masks"))
+    whole = _run(tmp_path / "whole", [ds], tokens=tokens, workers=1)
+    monkeypatch.setattr(columnar, "CHUNK", 4)
+    small = _run(tmp_path / "small", [ds], tokens=tokens, workers=1)
+    a, b = tmp_path / "whole" / "out", tmp_path / "small" / "out"
+    assert pq.read_table(a / "manifest.parquet").equals(pq.read_table(b / "manifest.parquet"))
+    for name in ("report.json", "report.html"):
+        assert (a / name).read_text() == (b / name).read_text().replace(str(b), str(a))
+    assert (small.items, small.kept, small.counts) == (whole.items, whole.kept, whole.counts)
+    assert small.counts["missing_dataset"] == 1 and small.counts["duplicate_media"] == 1
+    assert small.counts["missing_file"] == 1 and small.datasets["d"]["eval"] == 1
+    again = _run(tmp_path / "small", [ds], tokens=tokens, workers=1)
+    unreadable = sum("unreadable" in r for r in EXPECTED.values())
+    assert (again.reused, again.hashed, again.manifest_changed) == (again.items - unreadable, unreadable, False)
+
+
 def test_rerun_reads_no_content_and_keeps_manifest(tmp_path, tokens):
     root = tmp_path / "data"
     write_demo_dataset(root, n=6, size=32)

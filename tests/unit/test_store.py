@@ -76,6 +76,19 @@ def test_shard_assignment_is_sticky_and_groups_new_items():
     }  # another count: start over
 
 
+def test_plan_state_text_is_the_stable_json_of_the_assignment():
+    """The plan writes its state from columns, never a dict of every item: the same text as before."""
+    import polars as pl
+
+    from diffpipe.data.cache.plan_table import state_json
+    from diffpipe.utils import stable_json
+
+    for ids in ([f"{i:016x}" for i in (900, 3, 77)], ["ab", 'odd"id', "c\\d"], []):
+        shards = [i % 3 for i in range(len(ids))]
+        text = state_json(pl.Series(ids, dtype=pl.String), pl.Series(shards, dtype=pl.Int64), 3)
+        assert text == stable_json({"shards": 3, "assignment": dict(zip(ids, shards, strict=True))})
+
+
 def test_prune_removes_only_superseded_shards(tmp_path):
     from diffpipe.data.cache.store import prune
 

@@ -42,8 +42,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pyarrow.parquet as pq
-
 from diffpipe.config import CONTROL_ROLES, CacheConfig, DatasetConfig
 from diffpipe.data.cache.buckets import choose_bucket, crop_offset, crop_top_left, dataset_ratios
 from diffpipe.data.cache.frames import clip_windows
@@ -85,24 +83,21 @@ def shard_index(item_id: str, shards: int) -> int:
 
 
 def assign_shards(ids: list[str], shards: int, previous: dict[str, int] | None = None) -> dict[str, int]:
-    """Shard of every item: sticky across plans, new items together.
+    """Shard of every item: sticky across plans, new items together (:func:`diffpipe.data.cache.plan_table.assign`,
+    for a list of ids).
 
     Without a previous assignment (or with another shard count) items go to
     :func:`shard_index`. Otherwise items keep their previous shard, and the
     items new to this plan all go to the shard holding the fewest items (lowest
     index on ties): adding 10 files rebuilds one shard, not up to 10.
     """
-    if not previous or any(not 0 <= v < shards for v in previous.values()):
-        return {i: shard_index(i, shards) for i in ids}
-    out = {i: previous[i] for i in ids if i in previous}
-    new = [i for i in ids if i not in previous]
-    if new:
-        sizes = [0] * shards
-        for v in out.values():
-            sizes[v] += 1
-        target = min(range(shards), key=lambda k: (sizes[k], k))
-        out.update({i: target for i in new})
-    return out
+    # deferred: polars (start-up time, see make_plan)
+    import polars as pl
+
+    from diffpipe.data.cache import plan_table
+
+    column = pl.Series("id", ids, dtype=pl.String)
+    return dict(zip(ids, plan_table.assign(column, shards, previous).to_list(), strict=True))
 
 
 def final_caption(prefix: str, caption: str) -> str:
@@ -228,18 +223,9 @@ def _entries(
     aux_shas = {
         role: a.get("sha256", "first_frame") + ("+last_frame" if a.get("last_frame") else "") for role, a in aux.items()
     }
-    n_src = int(row.get("frames") or 1)
-    windows: list[list[int] | None] = [None]
-    if n_src > 1:
-        src_fps = float(row.get("fps") or fps)
-        step, offset = frame_rule
-        windows = clip_windows(
-            n_src, src_fps, fps, ds.frame_buckets, step=step, offset=offset, mode=ds.clip_windows, count=ds.max_windows
-        )
-        if not windows:
-            return []
-    elif row.get("kind") == "video":
-        windows = [[0]]  # a one-frame clip: still decoded as video, never by the image loader
+    windows = _windows(row, ds, fps, frame_rule)
+    if not windows:
+        return []
     out = []
     # Window k > 0 of a clip is its own item ``<id>#w<k>``; window 0 keeps the clip's id.
     for k, frames in enumerate(windows):
@@ -261,6 +247,19 @@ def _entries(
             if ds.prior_target != "data":
                 e["prior_target"] = ds.prior_target
     return out
+
+
+def _windows(row: dict[str, Any], ds: DatasetConfig, fps: float, frame_rule: tuple[int, int]) -> list[list[int] | None]:
+    """The frame indices of each clip window of a row (``[None]`` for an image); empty for a clip shorter than
+    every frame bucket."""
+    n_src = int(row.get("frames") or 1)
+    if n_src > 1:
+        step, offset = frame_rule
+        return clip_windows(n_src, float(row.get("fps") or fps), fps, ds.frame_buckets, step=step, offset=offset,
+                            mode=ds.clip_windows, count=ds.max_windows)
+    if row.get("kind") == "video":
+        return [[0]]  # a one-frame clip: still decoded as video, never by the image loader
+    return [None]
 
 
 def _window_entries(
@@ -341,146 +340,150 @@ def make_plan(
     The specs carry the manifest's ``max_pixels``, so the cache jobs refuse a
     file whose header grew past the validated limit since.
 
+    The items are a polars table (:mod:`diffpipe.data.cache.plan_table`); one shard's items at a time
+    become dicts, for its entries.
+
     Raises:
         ValueError: the manifest is missing, names a dataset the config lacks,
             or leaves no item to train on (with the counts).
     """
+    # deferred: polars (start-up time of the CLI and of Snakemake's DAG, which import this module's callers)
+    from diffpipe.data.cache import plan_table
+
     manifest_path = Path(manifest_path)
-    rows, max_pixels = _read_manifest(manifest_path)
-    planned = _plan_items(rows, datasets, manifest_path, cache_cfg, latent_identity=latent_identity,
-                          text_identity=text_identity, pixel_multiple=pixel_multiple, fps=fps,
-                          frame_rule=frame_rule, text_control=text_control)
+    items, max_pixels = plan_table.read_items(manifest_path)
+    by_name = {d.name: d for d in datasets}
+    if (name := plan_table.unknown_dataset(items, set(by_name))) is not None:
+        raise ValueError(f"manifest {manifest_path} lists dataset {name!r}, which is not in the config; rerun "
+                         "the validate step")
+    kept, skipped = plan_table.kept(items)
+    too_short = [row for row in plan_table.clips(kept) if not _windows(row, by_name[row["dataset"]], fps, frame_rule)]
+    planned = plan_table.without(kept, [row["id"] for row in too_short])
+    n_train = plan_table.count_train(planned)
+    if not n_train:
+        raise ValueError(
+            f"the plan has no item to train on: {items.height} in the manifest {manifest_path}, {skipped} skipped "
+            f"by validation, {len(too_short)} shorter than every frame bucket, {planned.height - n_train} held out "
+            "for eval; see the validation report"
+        )
+    del items, kept
+    shards = plan_table.assign(planned["id"], cache_cfg.shards, _read_state(paths.plan_state, cache_cfg.shards))
     names = [shard_name(i) for i in range(cache_cfg.shards)]
-    assignment, latents, texts = _assign(planned.kept, cache_cfg.shards, paths)
-    result = PlanResult(
-        items=planned.items,
-        shards=names,
-        buckets=dict(sorted(planned.buckets.items())),
-        entries=sum(map(len, latents)),
-        underfilled={b: n for b, n in sorted(planned.samples.items()) if n < global_batch},
-        too_short=planned.too_short,
-    )
+    result = PlanResult(items=planned.height, shards=names, buckets={}, too_short=[r["path"] for r in too_short])
     common: dict[str, Any] = {"version": SPEC_VERSION, "dtype": cache_cfg.dtype}
     if max_pixels:  # the decoders' limit (manifests older than it: the decoders' default)
         common["max_pixels"] = int(max_pixels)
-    _write_specs(paths, result, names, latents, texts, common, latent_identity, text_identity, cache_cfg.dtype)
-    _write_summary(paths, result, names, latents, texts, global_batch, cache_cfg.dtype)
-    _record_plan(paths, names, cache_cfg.shards, assignment)
+    build = _EntryBuilder(by_name, latent_identity=latent_identity, text_identity=text_identity,
+                          dtype=cache_cfg.dtype, pixel_multiple=pixel_multiple, fps=fps, frame_rule=frame_rule,
+                          text_control=text_control)
+    tally = _Tally()
+    for k, rows in plan_table.shard_slices(planned.with_columns(shards), cache_cfg.shards):
+        latents, texts = build.shard(rows)
+        tally.add(names[k], latents)
+        _write_shard_specs(paths, result, names[k], latents, texts, common, latent_identity, text_identity)
+    _write_empty_spec(paths, result, names, common, text_identity, cache_cfg.dtype)
+    result.entries = tally.entries
+    result.buckets = dict(sorted(tally.buckets.items()))
+    result.underfilled = {b: n for b, n in sorted(tally.samples.items()) if n < global_batch}
+    _write_summary(paths, result, tally.shards, global_batch, cache_cfg.dtype)
+    _record_plan(paths, names, plan_table.state_json(planned["id"], shards, cache_cfg.shards))
     return result
 
 
-def _assign(
-    kept: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]], shards: int, paths: RunPaths
-) -> tuple[dict[str, int], list[list[dict[str, Any]]], list[list[dict[str, Any]]]]:
-    """Each kept item's shard (the previous plan's where it had one) and each shard's latent and text entries."""
-    assignment = assign_shards([k[0] for k in kept], shards, _read_state(paths.plan_state, shards))
-    latents: list[list[dict[str, Any]]] = [[] for _ in range(shards)]
-    texts: list[list[dict[str, Any]]] = [[] for _ in range(shards)]
-    for item_id, entries, item_texts in kept:
-        latents[assignment[item_id]].extend(entries)
-        texts[assignment[item_id]].extend(item_texts)
-    return assignment, latents, texts
-
-
-def _record_plan(paths: RunPaths, names: list[str], shards: int, assignment: dict[str, int]) -> None:
-    """The list of the plan folder's files and, outside it, the shard assignment the next plan keeps."""
+def _record_plan(paths: RunPaths, names: list[str], state: str) -> None:
+    """The list of the plan folder's files and, outside it, the shard assignment the next plan keeps
+    (``state``: :func:`diffpipe.data.cache.plan_table.state_json`)."""
     # Snakemake replaces plan/ with its backup when a plan job fails: `diffpipe run` first checks it holds
     # only these.
     planned_files = [paths.plan_summary, paths.empty_spec, *(f(n) for n in names for f in (paths.latent_spec,
                                                                                            paths.text_spec))]
     record_files(paths.plan_dir, [p.relative_to(paths.plan_dir).as_posix() for p in planned_files])
     # Outside the plan folder: a failed plan job's folder is restored from Snakemake's backup.
-    write_if_changed(paths.plan_state, _spec_json({"shards": shards, "assignment": assignment}))
-
-
-def _read_manifest(manifest_path: Path) -> tuple[list[dict[str, Any]], bytes | None]:
-    """The manifest's rows (the columns the plan reads, older manifests' missing ones left out) and its
-    ``max_pixels``; a clear error when validation has not run."""
-    if not manifest_path.is_file():
-        raise ValueError(f"manifest {manifest_path} not found; run the validate step first")
-    schema = pq.read_schema(manifest_path)
-    schema_names = set(schema.names)
-    cols = ["id", "dataset", "path", "sha256", "width", "height", "frames", "caption", "status"]
-    newer = ["fps", "split", "kind", "reasons"]  # columns newer manifests add
-    newer += [f"{role}_{col}" for role in ROLES for col in ("path", "sha256")]
-    cols += [c for c in newer if c in schema_names]
-    return pq.ParquetFile(manifest_path).read(columns=cols).to_pylist(), (schema.metadata or {}).get(b"max_pixels")
+    write_if_changed(paths.plan_state, state + "\n")
 
 
 @dataclass
-class _Planned:
-    """Every kept item's latent entries and text entry, with the counts the plan reports."""
+class _Tally:
+    """What the summary reports: entries, buckets and what one epoch draws per bucket, in all and per shard."""
 
-    kept: list[tuple[str, list[dict[str, Any]], list[dict[str, Any]]]] = field(default_factory=list)
+    entries: int = 0
     buckets: Counter[str] = field(default_factory=Counter)
     samples: Counter[str] = field(default_factory=Counter)  # entries x repeats: what one epoch draws per bucket
-    too_short: list[str] = field(default_factory=list)
-    items: int = 0
+    shards: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def add(self, name: str, latents: list[dict[str, Any]]) -> None:
+        """Count one shard's latent entries."""
+        self.entries += len(latents)
+        for e in latents:
+            self.buckets[bucket_name(e["bucket"])] += 1
+            self.samples[bucket_name(e["bucket"])] += e["repeats"]
+        self.shards[name] = {
+            "items": len({x.get("item", x["id"]) for x in latents}),
+            "entries": len(latents),
+            "buckets": dict(sorted(Counter(bucket_name(x["bucket"]) for x in latents).items())),
+        }
 
 
-def _plan_items(rows: list[dict[str, Any]], datasets: list[DatasetConfig], manifest_path: Path,
-                cache_cfg: CacheConfig, *, latent_identity: str, text_identity: str, pixel_multiple: int,
-                fps: float, frame_rule: tuple[int, int], text_control: bool) -> _Planned:
-    """The latent entries (bucket, crop, frames, key) and the text entry of every item validation kept;
-    an error when a row names a dataset the config lacks or no item is left to train on."""
-    by_name = {d.name: d for d in datasets}
-    out, n_train = _Planned(), 0
-    for row in sorted(rows, key=lambda r: r["id"]):
-        if row["status"] == "skipped":
-            continue
-        ds = by_name.get(row["dataset"])
-        if ds is None:
-            raise ValueError(
-                f"manifest {manifest_path} lists dataset {row['dataset']!r}, which is not in the "
-                "config; rerun the validate step"
-            )
-        entries = _entries(row, ds, identity=latent_identity, dtype=cache_cfg.dtype, pixel_multiple=pixel_multiple,
-                           fps=fps, frame_rule=frame_rule)
-        if not entries:
-            out.too_short.append(row["path"])
-            continue
-        out.items += 1
-        control = _text_control(item_aux(row)) if text_control else None
-        texts = []
+@dataclass
+class _EntryBuilder:
+    """Builds the latent entries (bucket, crop, frames, key) and text entries of kept manifest rows."""
+
+    by_name: dict[str, DatasetConfig]
+    latent_identity: str
+    text_identity: str
+    dtype: str
+    pixel_multiple: int
+    fps: float
+    frame_rule: tuple[int, int]
+    text_control: bool
+
+    def shard(self, rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+        """One shard's latent and text entries, its rows in id order."""
+        latents: list[dict[str, Any]] = []
+        texts: list[dict[str, Any]] = []
+        for row in rows:
+            ds = self.by_name[row["dataset"]]
+            entries = _entries(row, ds, identity=self.latent_identity, dtype=self.dtype,
+                               pixel_multiple=self.pixel_multiple, fps=self.fps, frame_rule=self.frame_rule)
+            if ds.caption_variants > 1:
+                for e in entries:
+                    e["caption_variants"] = ds.caption_variants
+            latents += entries
+            texts += self.texts(row, ds)
+        return latents, texts
+
+    def texts(self, row: dict[str, Any], ds: DatasetConfig) -> list[dict[str, Any]]:
+        """A row's text entries: one per caption variant."""
+        control = _text_control(item_aux(row)) if self.text_control else None
+        out = []
         for k in range(ds.caption_variants):
             caption = final_caption(ds.caption_prefix, augment_caption(
                 row["caption"], variant=k, seed=ds.caption_seed, keep=ds.keep_tags, shuffle=ds.shuffle_tags,
                 dropout=ds.tag_dropout))
-            texts.append({
+            out.append({
                 "id": variant_id(row["id"], k),
                 "caption": caption,
-                "key": text_key(caption, text_identity, cache_cfg.dtype, _control_sha(control)),
+                "key": text_key(caption, self.text_identity, self.dtype, _control_sha(control)),
                 **({"control": control} if control else {}),
             })
-        if ds.caption_variants > 1:
-            for e in entries:
-                e["caption_variants"] = ds.caption_variants
-        out.kept.append((row["id"], entries, texts))
-        n_train += any(e["split"] == "train" for e in entries)
-        for e in entries:
-            out.buckets[bucket_name(e["bucket"])] += 1
-            out.samples[bucket_name(e["bucket"])] += e["repeats"]
-    if not n_train:
-        skipped = sum(r["status"] == "skipped" for r in rows)
-        raise ValueError(
-            f"the plan has no item to train on: {len(rows)} in the manifest {manifest_path}, {skipped} skipped "
-            f"by validation, {len(out.too_short)} shorter than every frame bucket, {out.items - n_train} held out "
-            "for eval; see the validation report"
-        )
-    return out
+        return out
 
 
-def _write_specs(paths: RunPaths, result: PlanResult, names: list[str], latents: list[list[dict[str, Any]]],
-                 texts: list[list[dict[str, Any]]], common: dict[str, Any], latent_identity: str,
-                 text_identity: str, dtype: str) -> None:
-    """Each shard's latent and text spec and the empty-caption spec, written only when changed; specs of
-    shards no longer planned removed (all recorded in ``result``)."""
-    for i, name in enumerate(names):
-        lspec = {**common, "kind": "latents", "shard": name, "identity": latent_identity, "items": latents[i]}
-        tspec = {**common, "kind": "text", "shard": name, "identity": text_identity, "items": texts[i]}
-        for path, spec in ((paths.latent_spec(name), lspec), (paths.text_spec(name), tspec)):
-            if write_if_changed(path, _spec_json(spec)):
-                result.written.append(path)
+def _write_shard_specs(paths: RunPaths, result: PlanResult, name: str, latents: list[dict[str, Any]],
+                       texts: list[dict[str, Any]], common: dict[str, Any], latent_identity: str,
+                       text_identity: str) -> None:
+    """A shard's latent and text spec, each written only when changed (recorded in ``result``)."""
+    lspec = {**common, "kind": "latents", "shard": name, "identity": latent_identity, "items": latents}
+    tspec = {**common, "kind": "text", "shard": name, "identity": text_identity, "items": texts}
+    for path, spec in ((paths.latent_spec(name), lspec), (paths.text_spec(name), tspec)):
+        if write_if_changed(path, _spec_json(spec)):
+            result.written.append(path)
+
+
+def _write_empty_spec(paths: RunPaths, result: PlanResult, names: list[str], common: dict[str, Any],
+                      text_identity: str, dtype: str) -> None:
+    """The empty-caption spec, written only when changed; specs of shards no longer planned removed (all
+    recorded in ``result``)."""
     empty = {
         **common,
         "kind": "text",
@@ -497,8 +500,8 @@ def _write_specs(paths: RunPaths, result: PlanResult, names: list[str], latents:
                 result.removed.append(old)
 
 
-def _write_summary(paths: RunPaths, result: PlanResult, names: list[str], latents: list[list[dict[str, Any]]],
-                   texts: list[list[dict[str, Any]]], global_batch: int, dtype: str) -> None:
+def _write_summary(paths: RunPaths, result: PlanResult, shards: dict[str, dict[str, Any]], global_batch: int,
+                   dtype: str) -> None:
     """``plan.json``: items, entries and buckets in all and per shard, underfilled buckets, too-short clips."""
     summary = {
         "items": result.items,
@@ -508,14 +511,7 @@ def _write_summary(paths: RunPaths, result: PlanResult, names: list[str], latent
         # Filled by repeating their own items when training, never dropped.
         "underfilled_buckets": result.underfilled,
         "too_short": result.too_short,
-        "shards": {
-            name: {
-                "items": len({x.get("item", x["id"]) for x in latents[i]}),
-                "entries": len(latents[i]),
-                "buckets": dict(sorted(Counter(bucket_name(x["bucket"]) for x in latents[i]).items())),
-            }
-            for i, name in enumerate(names)
-        },
+        "shards": {name: shards[name] for name in result.shards},
         "dtype": dtype,
     }
     if write_if_changed(paths.plan_summary, _spec_json(summary)):

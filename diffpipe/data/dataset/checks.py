@@ -1,4 +1,4 @@
-"""Checks over probed manifest rows: geometry, caption tokens, duplicates, eval split.
+"""Checks over probed manifest rows, one row at a time: geometry, caption tokens, eval split.
 
 Each function adds reason codes (and a sentence) to row dicts; the policy
 (:mod:`diffpipe.policy`) decides later what a reason does to the row.
@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections import Counter
 from pathlib import Path
 from typing import Any, Protocol
 
 from diffpipe.config import DatasetConfig, ValidationConfig
 from diffpipe.data.dataset import captions as cap
 from diffpipe.data.dataset.metadata import relative_path
-from diffpipe.policy import Action
 from diffpipe.utils import digest
 
 #: Reasons found by reading media content: reused with the hash while the content is unchanged
@@ -152,33 +150,24 @@ def check_tokens(
                 )
 
 
-def flag_duplicates(rows: list[dict[str, Any]]) -> None:
-    """Flag every copy after the first of a content hash, and of a caption on other media."""
-    first_media: dict[str, dict[str, Any]] = {}
-    first_caption: dict[str, dict[str, Any]] = {}
-    for row in sorted(rows, key=lambda r: (r["dataset"], r["relpath"])):
-        sha = row["sha256"]
-        if sha and row["size"]:
-            orig = first_media.setdefault(sha, row)
-            if orig is not row:
-                add_reason(row, "duplicate_media", f"same content (SHA-256) as {orig['path']}")
-                continue
-        if row["caption"]:
-            orig = first_caption.setdefault(row["caption"], row)
-            if orig is not row:
-                add_reason(row, "duplicate_caption", f"same caption as {orig['path']}")
+def eval_files(ds: DatasetConfig, root: Path) -> set[str]:
+    """The relative paths ``datasets[].eval_files`` names."""
+    return {relative_path(root, f) or f for f in ds.eval_files}
 
 
-def assign_split(ds: DatasetConfig, rows: list[dict[str, Any]], issue: Any, root: Path) -> None:
-    """Set each row's ``split``: ``eval`` for `eval_files` and the `eval_fraction` draw, else ``train``."""
-    wanted = {relative_path(root, f) or f for f in ds.eval_files}
-    present = {r["relpath"] for r in rows}
+def missing_eval_files(ds: DatasetConfig, wanted: set[str], present: set[str], issue: Any, root: Path) -> None:
+    """A ``missing_file`` issue for each of ``wanted`` (:func:`eval_files`) that is not a media file."""
     for f in sorted(wanted - present):
         issue(
             str(root / f),
             "missing_file",
             f"datasets[{ds.name}].eval_files names {f!r}, which is not a media file of the dataset",
         )
+
+
+def assign_split(ds: DatasetConfig, rows: list[dict[str, Any]], wanted: set[str]) -> None:
+    """Set each row's ``split``: ``eval`` for `eval_files` (``wanted``) and the `eval_fraction` draw, else
+    ``train``."""
     for row in rows:
         rel = row["relpath"]
         held = rel in wanted
@@ -186,24 +175,3 @@ def assign_split(ds: DatasetConfig, rows: list[dict[str, Any]], issue: Any, root
             # A table row draws by its content key (``_draw``): reordering rows keeps the split.
             held = int(digest([ds.eval_seed, row.get("_draw", rel)])[:15], 16) / 16**15 < ds.eval_fraction
         row["split"] = "eval" if held else "train"
-
-
-def check_usable(ds: DatasetConfig, rows: list[dict[str, Any]], actions: dict[str, Action], issue: Any, root: Path) -> None:
-    """Flag ``no_usable_items`` when no row of the dataset is left to train on, with the counts.
-
-    Run after each row has its status: a dataset of only skipped (or eval)
-    items would otherwise pass validation and fail much later, in training.
-    An empty dataset is ``no_media`` already.
-    """
-    if not rows or any(r["status"] in ("ok", "warning") and r["split"] == "train" for r in rows):
-        return
-    skipped = [r for r in rows if r["status"] not in ("ok", "warning")]
-    why = Counter(code for r in skipped for code in dict.fromkeys(r["reasons"]) if actions[code] != "warn")
-    detail = f" ({', '.join(f'{code} {n}' for code, n in why.most_common())})" if why else ""
-    issue(
-        str(root),
-        "no_usable_items",
-        f"dataset {ds.name}: {len(rows)} found, {len(skipped)} skipped{detail}, "
-        f"{len(rows) - len(skipped)} held out for eval, 0 usable for training; fix the files the report "
-        "lists (or the config's validation.actions, eval_files, eval_fraction)",
-    )

@@ -1,11 +1,10 @@
-"""The validation manifest's Parquet file: its schema, reading the previous one back for reuse, and writing it
-only when its rows change (so Snakemake sees an unchanged manifest as unchanged)."""
+"""The validation manifest's Parquet file: its schema, reading it, and writing it only when its rows change
+(so Snakemake sees an unchanged manifest as unchanged)."""
 
 from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -57,43 +56,19 @@ MANIFEST_SCHEMA = pa.schema(
 )
 
 
-# -- previous manifest ---------------------------------------------------------
-def _read_parquet(path: Path) -> pa.Table:
+def read_parquet(path: Path) -> pa.Table:
+    """A Parquet file as one Arrow table."""
     # ParquetFile, not read_table: read_table imports pyarrow.dataset (over 0.5 s of a rerun).
     with pq.ParquetFile(path) as f:
         return f.read()
 
 
-def load_previous(path: Path | None) -> tuple[dict[str, dict[str, Any]], dict[str, str]]:
-    if path is None or not path.is_file():
-        return {}, {}
-    try:
-        table = _read_parquet(path)
-        if table.schema.remove_metadata() != MANIFEST_SCHEMA:
-            return {}, {}  # an older layout only costs the reuse
-        meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-        cols = table.to_pydict()  # columnar conversion is several times faster than to_pylist
-        names = list(cols)
-        return {vals[0]: dict(zip(names, vals, strict=True)) for vals in zip(*cols.values(), strict=True)}, meta
-    except Exception:  # a damaged previous manifest only costs the reuse
-        return {}, {}
-
-
-def same_rows(rows: list[dict[str, Any]], previous: dict[str, dict[str, Any]]) -> bool:
-    """Whether ``rows`` (sorted by id) hold exactly the previous manifest's values."""
-    if len(rows) != len(previous):
-        return False
-    names = MANIFEST_SCHEMA.names
-    return all(
-        (prev := previous.get(row["id"])) is not None and all(row.get(n) == prev[n] for n in names) for row in rows
-    )
-
-
-def write_manifest(path: Path, table: pa.Table) -> bool:
-    """Write the manifest unless it holds the same rows; unchanged -> only touch it."""
-    if path.is_file():
+def write_manifest(path: Path, table: pa.Table, *, compare: bool = True) -> bool:
+    """Write the manifest unless it holds the same rows; unchanged -> only touch it. ``compare=False``: the
+    caller knows the file differs (it compared its rows already), so it is not read back."""
+    if compare and path.is_file():
         try:
-            old = _read_parquet(path)
+            old = read_parquet(path)
             # Parquet renames list items ("element"), so compare the keys apart from the columns.
             same = old.equals(table) and old.schema.metadata == table.schema.metadata
         except Exception:

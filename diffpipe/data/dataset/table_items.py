@@ -19,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import Counter
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -61,16 +62,46 @@ def collect(
     ds: DatasetConfig,
     tables: Tables,
     root: Path,
-    previous: dict[str, dict[str, Any]],
+    lookup: Callable[[list[str]], dict[str, dict[str, Any]]],
     reuse_probe: bool,
     issue: Any,
-) -> tuple[list[dict[str, Any]], list[tuple[int, str, str]]]:
-    """Manifest rows (captions attached, probe results reused by content) and the cells to probe."""
+    chunk: int,
+) -> Iterator[tuple[list[dict[str, Any]], list[tuple[int, str, str]], dict[str, dict[str, Any]]]]:
+    """Manifest rows (captions attached, probe results reused by content), ``chunk`` rows at a time: each
+    chunk's rows, the cells among them to probe (index, locator, kind) and the previous manifest's rows of
+    their item ids (``lookup``)."""
+    found = _columns(ds, tables, root, issue)
+    if found is None:
+        return
+    media, cap_col, kind = found
+    rows: list[dict[str, Any]] = []
+    shas: list[str | None] = []
+    copies: Counter[str] = Counter()
+    try:
+        for n, (file, index, values) in enumerate(iter_rows(tables, [media, cap_col])):
+            where = f"row {index} of {os.path.basename(file)}"
+            loc = locator(Cell(tables.fmt, file, index, media))
+            row, sha = _row(ds, f"{tables.split}/{n}", loc, where, values[media], kind, copies)
+            _caption(ds, row, values[cap_col], f"{where}, column {cap_col!r},")
+            rows.append(row)
+            shas.append(sha)
+            if len(rows) == chunk:
+                yield _reuse_or_queue(rows, shas, lookup, reuse_probe)
+                rows, shas = [], []
+    except TableError as err:
+        issue(str(root), "bad_metadata", str(err))
+    if rows:
+        yield _reuse_or_queue(rows, shas, lookup, reuse_probe)
+
+
+def _columns(ds: DatasetConfig, tables: Tables, root: Path, issue: Any) -> tuple[str, str, str] | None:
+    """The media column, the caption column and the kind of the table's items; None (with issues) when the
+    table cannot be read as items."""
     try:
         types = schema_of(tables)
     except TableError as err:
         issue(str(root), "bad_metadata", str(err))
-        return [], []
+        return None
     columns = list(types)
     kind = "video" if ds.video_column else "image"
     media = media_column(ds, columns, types)
@@ -90,27 +121,26 @@ def collect(
         issue(str(root), "bad_metadata", f"datasets[{ds.name}]: masks and control images are read from folders "
               "or metadata files only, not from table columns; remove mask_*/control_* or use a folder of files")
     if media is None or cap_col is None:
-        return [], []
-    rows: list[dict[str, Any]] = []
+        return None
+    return media, cap_col, kind
+
+
+def _reuse_or_queue(
+    rows: list[dict[str, Any]], shas: list[str | None], lookup: Any, reuse_probe: bool
+) -> tuple[list[dict[str, Any]], list[tuple[int, str, str]], dict[str, dict[str, Any]]]:
+    """A chunk's rows with the probe results of content validated before, the cells left to probe, and
+    the previous rows of the chunk's ids."""
+    previous = lookup([row["id"] for row in rows])
     jobs: list[tuple[int, str, str]] = []
-    copies: Counter[str] = Counter()
-    try:
-        for n, (file, index, values) in enumerate(iter_rows(tables, [media, cap_col])):
-            loc = locator(Cell(tables.fmt, file, index, media))
-            where = f"row {index} of {os.path.basename(file)}"
-            row, sha = _row(ds, f"{tables.split}/{n}", loc, where, values[media], kind, copies)
-            _caption(ds, row, values[cap_col], f"{where}, column {cap_col!r},")
-            prev = previous.get(row["id"])
-            if sha is None:
-                pass  # no bytes: nothing to probe (missing_file)
-            elif reuse_probe and prev and prev["sha256"] == sha:
-                _reuse(row, prev)
-            else:
-                jobs.append((len(rows), loc, kind))
-            rows.append(row)
-    except TableError as err:
-        issue(str(root), "bad_metadata", str(err))
-    return rows, jobs
+    for i, (row, sha) in enumerate(zip(rows, shas, strict=True)):
+        prev = previous.get(row["id"])
+        if sha is None:
+            continue  # no bytes: nothing to probe (missing_file)
+        if reuse_probe and prev and prev["sha256"] == sha:
+            _reuse(row, prev)
+        else:
+            jobs.append((i, row["path"], row["kind"]))
+    return rows, jobs, previous
 
 
 def _row(

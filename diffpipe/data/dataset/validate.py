@@ -12,6 +12,11 @@ does a caption file, and token counts are reused while the captions and the
 model config are unchanged. New or changed files are probed by a pool of
 worker processes (:mod:`diffpipe.data.dataset.pool`, :func:`diffpipe.data.dataset.media.probe`);
 the checks over probed rows live in :mod:`diffpipe.data.dataset.checks`.
+
+Items are validated a chunk at a time: only a chunk's rows are Python dicts while they are probed and
+checked; the manifest, the previous manifest and the checks that need every row (duplicates, statuses,
+counts) are polars tables (:mod:`diffpipe.data.dataset.columnar`), so memory per item is what its
+columns hold.
 """
 
 from __future__ import annotations
@@ -21,9 +26,8 @@ import os
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-import pyarrow as pa
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
@@ -38,17 +42,20 @@ from diffpipe.data.dataset.checks import (
     assign_split,
     check_geometry,
     check_tokens,
-    check_usable,
-    flag_duplicates,
+    eval_files,
+    missing_eval_files,
 )
 from diffpipe.data.dataset.discover import Listing, list_dataset, printable
-from diffpipe.data.dataset.manifest_file import MANIFEST_SCHEMA, load_previous, same_rows, write_manifest
+from diffpipe.data.dataset.manifest_file import write_manifest
 from diffpipe.data.dataset.metadata import MetadataTable, read_metadata
 from diffpipe.data.dataset.pool import probe_files
 from diffpipe.data.dataset.report import write_reports
 from diffpipe.data.dataset.results import Issue, ValidationResult
-from diffpipe.policy import REASONS, resolve_actions, status_of
+from diffpipe.policy import REASONS, resolve_actions
 from diffpipe.utils import digest
+
+if TYPE_CHECKING:
+    import polars as pl
 
 #: Bump when probing changes, so a new version re-probes every file.
 #: 4: declared sizes checked from headers (GIF frames, video streams); ``large_media``.
@@ -84,21 +91,21 @@ def _stat(path: str) -> tuple[int, int]:
 
 def _collect(
     ds: DatasetConfig,
+    root: str,
     listing: Listing,
-    meta: MetadataTable,
+    media: dict[str, str],
+    rels: list[str],
     previous: dict[str, dict[str, Any]],
     reuse_probe: bool,
-    issue: Any,
     probed: dict[str, tuple[Any, ...]],
 ) -> tuple[list[dict[str, Any]], list[tuple[int, str, str]]]:
-    """Manifest rows of one dataset with reused probe results (the previous manifest's, then the
-    validation shards' in ``probed``), and what must be probed."""
-    media = _listed_media(listing, meta, issue)
+    """Manifest rows of a chunk of one dataset's media files (``rels``) with reused probe results (the
+    previous manifest's rows of the chunk, then the validation shards' in ``probed``), and what must be probed."""
     rows: list[dict[str, Any]] = []
     jobs: list[tuple[int, str, str]] = []
-    root = str(listing.root)
-    known = {r["relpath"]: r["id"] for r in previous.values() if r["dataset"] == ds.name}
-    for rel, kind in sorted(media.items()):
+    known = {r["relpath"]: rid for rid, r in previous.items()}
+    for rel in rels:
+        kind = media[rel]
         path = os.path.join(root, rel)
         size, mtime = listing.stats.get(rel) or _stat(path)
         rid = known.get(rel) or item_id(ds.name, rel)  # the digest costs more than the lookup
@@ -115,7 +122,7 @@ def _collect(
 
 def _listed_media(listing: Listing, meta: MetadataTable, issue: Any) -> dict[str, str]:
     """The listing's media files plus those a metadata table names (a missing one is a ``missing_file`` issue)."""
-    media = dict(listing.media)
+    media = listing.media  # this run's own listing: extended in place, not copied (a dict entry per file)
     for rel in meta.captions:
         if rel in media:
             continue
@@ -157,15 +164,13 @@ def _captions(
     ds: DatasetConfig,
     listing: Listing,
     meta: MetadataTable,
+    files: dict[str, str],
     rows: list[dict[str, Any]],
     previous: dict[str, dict[str, Any]],
     caption_key_same: bool,
     result: ValidationResult,
-    issue: Any,
 ) -> None:
-    """Attach captions (metadata first, then same-stem files) and report orphan caption files."""
-    files = {os.path.splitext(c)[0]: c for c in listing.captions}
-    used: set[str] = set()
+    """Attach captions: metadata first, then same-stem files (``files``: stem -> caption file)."""
     for row in rows:
         rel = row["relpath"]
         stem = os.path.splitext(rel)[0]
@@ -178,9 +183,7 @@ def _captions(
                 style=ds.caption_style,
             )
             texts, reason, note = list(c.texts), c.reason, c.note
-            used.add(stem)
         elif stem in files:
-            used.add(stem)
             texts, reason, note = _caption_file(ds, listing, row, files[stem], previous, caption_key_same, result)
         else:
             texts, reason = [], "missing_caption"
@@ -191,8 +194,13 @@ def _captions(
         row["captions"] = texts
         row["caption"] = texts[0] if texts else ""
         row["caption_sha256"] = cap.caption_hash(texts)
+
+
+def _orphan_captions(listing: Listing, files: dict[str, str], rels: list[str], issue: Any) -> None:
+    """An ``orphan_caption`` issue for each caption file no media file shares a stem with."""
+    stems = {os.path.splitext(rel)[0] for rel in rels}
     for stem, crel in files.items():
-        if stem not in used:
+        if stem not in stems:
             issue(
                 str(listing.root / crel),
                 "orphan_caption",
@@ -242,18 +250,23 @@ class _Scan:
 
     vcfg: ValidationConfig
     result: ValidationResult
-    prev_rows: dict[str, dict[str, Any]]
+    #: The previous manifest (sorted by id), None when there is none to reuse.
+    prev: pl.DataFrame | None
     reuse_probe: bool
+    tokens: TokenCounter | None
+    prefixes: dict[str, str]
+    workers: int | None = None
+    console: Console | None = None
     #: (dataset, path, reason, note) not tied to a manifest row.
     extra: list[tuple[str, str, str, str]] = field(default_factory=list)
-    per_ds: list[tuple[DatasetConfig, Listing, MetadataTable, list[dict[str, Any]]]] = field(default_factory=list)
-    #: Media files to probe: (rows, index, path, kind).
-    jobs: list[tuple[list[dict[str, Any]], int, str, str]] = field(default_factory=list)
-    #: Mask / control images to probe: (row, role, path).
-    aux_jobs: list[tuple[dict[str, Any], str, str]] = field(default_factory=list)
-    #: Validation shards' probes: dataset -> relpath -> (size, mtime_ns, kind, sha256, width, height,
-    #: frames, fps, reasons, notes) (:func:`diffpipe.data.dataset.vshards.load_probes`).
-    probed: dict[str, dict[str, tuple[Any, ...]]] = field(default_factory=dict)
+    #: The manifest's rows, a polars table per chunk.
+    parts: list[pl.DataFrame] = field(default_factory=list)
+    #: Validation shards' probes (:func:`diffpipe.data.dataset.vshards.load_probes`), None when none.
+    probed: pl.DataFrame | None = None
+    #: The tokenizers start loading while the first files are probed.
+    prefetched: bool = False
+    #: Each listed dataset's root folder.
+    roots: dict[str, Path] = field(default_factory=dict)
 
     def issue_for(self, dataset: str):
         """A callback that records a dataset-level issue ``(path, reason, note)`` of ``dataset``."""
@@ -277,9 +290,10 @@ def run_validation(
 ) -> ValidationResult:
     """Scan datasets, write the manifest and both reports, return the counts.
 
-    Steps: list each dataset (:func:`_list_dataset`), probe new or changed files in parallel
-    (:func:`_probe`), check captions, geometry, splits, tokens and duplicates (:func:`_check_rows`),
-    gather the issues and counts (:func:`_tally`), write the manifest and reports (:func:`_write_outputs`).
+    Steps, per dataset (:func:`_validate_dataset`), a chunk of files at a time: list, reuse or probe
+    (:func:`_probe`), check captions, geometry, splits and tokens (:func:`_check_chunk`); then over the
+    whole manifest table: duplicates, statuses, issues and counts (:func:`_tally`); last, write the manifest
+    and reports (:func:`_write_outputs`).
 
     Args:
         datasets: datasets to scan (names must be unique).
@@ -297,28 +311,33 @@ def run_validation(
         probes: probe tables of validation shards (:mod:`diffpipe.data.dataset.vshards`): a file
             still of the size and mtime a shard probed reuses that result instead of being read.
     """
+    # deferred: polars (start-up time of the CLI and of Snakemake's DAG, which import this module's callers)
+    from diffpipe.data.dataset import columnar
+
     manifest_path = Path(manifest_path)
     prev_path = _previous_path(manifest_path, previous)
-    prev_rows, prev_meta = load_previous(prev_path)
+    prev, prev_meta = columnar.read_manifest(prev_path)
     probe_key_now = probe_key(vcfg)
     caption_keys = {ds.name: digest([ds.caption_lines, ds.caption_style])[:16] for ds in datasets}
     prev_caption_keys = json.loads(prev_meta.get("caption_keys", "{}"))
     scan = _Scan(vcfg, ValidationResult(actions=resolve_actions(vcfg.actions), max_pixels=vcfg.max_pixels),
-                 prev_rows, reuse_probe=not rehash and prev_meta.get("probe_key") == probe_key_now)
+                 prev, reuse_probe=not rehash and prev_meta.get("probe_key") == probe_key_now, tokens=tokens,
+                 prefixes={ds.name: ds.caption_prefix for ds in datasets}, workers=workers, console=console)
     if probes and not rehash:
-        from diffpipe.data.dataset.vshards import load_probes  # deferred: polars (start-up time of one job)
+        from diffpipe.data.dataset.vshards import load_probes  # deferred: the decoders (start-up time)
 
         scan.probed = load_probes(list(probes), vcfg)
     for ds in datasets:
-        _list_dataset(scan, ds, exclude)
-    _probe(scan, tokens, workers, console)
-    same_captions = {d.name: not rehash and prev_caption_keys.get(d.name) == caption_keys[d.name] for d in datasets}
-    all_rows = _check_rows(scan, datasets, same_captions, tokens)
-    _tally(scan, datasets, all_rows)
+        same = not rehash and prev_caption_keys.get(ds.name) == caption_keys[ds.name]
+        _validate_dataset(scan, ds, exclude, same)
+    table = _tally(scan, datasets)
     meta = {"probe_key": probe_key_now, "caption_keys": json.dumps(caption_keys, sort_keys=True),
             "max_pixels": str(vcfg.max_pixels)}  # max_pixels: the plan hands it to the cache jobs' decoders
-    unchanged = prev_path == manifest_path and prev_meta == meta and same_rows(all_rows, prev_rows)
-    _write_outputs(scan.result, all_rows, meta, unchanged, manifest_path, Path(report_json), Path(report_html))
+    compared = prev_path == manifest_path and prev is not None  # else the file may hold these rows still
+    unchanged = compared and prev_meta == meta and table.equals(prev)
+    scan.prev = prev = None  # freed before the writes copy the table
+    _write_outputs(scan.result, table, meta, unchanged, compared, manifest_path, Path(report_json),
+                   Path(report_html))
     return scan.result
 
 
@@ -332,8 +351,8 @@ def _previous_path(manifest_path: Path, previous: str | Path | None) -> Path | N
     return manifest_path
 
 
-def _list_dataset(scan: _Scan, ds: DatasetConfig, exclude: tuple[str, ...]) -> None:
-    """List one dataset (folder or table): its rows, reused or queued for probing, and its listing issues."""
+def _validate_dataset(scan: _Scan, ds: DatasetConfig, exclude: tuple[str, ...], same_captions: bool) -> None:
+    """List one dataset (folder or table), then validate its files a chunk at a time; its listing issues."""
     issue = scan.issue_for(ds.name)
     listing = list_dataset(ds, scan.vcfg, with_stats=True, exclude=exclude)
     if not listing.root_ok:
@@ -343,14 +362,9 @@ def _list_dataset(scan: _Scan, ds: DatasetConfig, exclude: tuple[str, ...]) -> N
         )
         issue(str(listing.root), reason, note)
         return
+    scan.roots[ds.name] = listing.root
     if listing.table:
-        rows, ds_jobs = table_items.collect(ds, listing.table, listing.root, scan.prev_rows, scan.reuse_probe, issue)
-        for row in rows:
-            row.update({f"{role}_{col}": None for role in AUX_ROLES for col in aux_images.COLUMNS})
-        if not rows:
-            issue(str(listing.root), "no_media", f"split {listing.table.split!r} of {listing.root} holds no rows")
-        scan.jobs += [(rows, i, p, k) for i, p, k in ds_jobs]
-        scan.per_ds.append((ds, listing, MetadataTable(), rows))
+        _table_dataset(scan, ds, listing, issue)
         return
     for found in listing.problems:
         issue(str(listing.root / found.rel), found.reason, found.note)
@@ -364,104 +378,136 @@ def _list_dataset(scan: _Scan, ds: DatasetConfig, exclude: tuple[str, ...]) -> N
         issue(path, prob.reason, prob.note)
     for rel in aux_images.referenced_files(meta):  # masks / controls are not items
         listing.media.pop(rel, None)
-    rows, ds_jobs = _collect(ds, listing, meta, scan.prev_rows, scan.reuse_probe, issue, scan.probed.get(ds.name, {}))
-    aux_images.resolve(ds, listing, meta, rows, issue)
-    scan.aux_jobs += aux_images.reuse_or_probe(rows, listing, scan.prev_rows, scan.reuse_probe)
-    if not rows:
+    _folder_chunks(scan, ds, listing, meta, issue, same_captions)
+
+
+def _folder_chunks(scan: _Scan, ds: DatasetConfig, listing: Listing, meta: MetadataTable, issue: Any,
+                   same_captions: bool) -> None:
+    """A folder dataset's rows, a chunk at a time, and the issues that need all of them."""
+    from diffpipe.data.dataset import columnar  # deferred: polars (see run_validation)
+
+    media = _listed_media(listing, meta, issue)
+    rels = sorted(media)
+    files = {os.path.splitext(c)[0]: c for c in listing.captions}
+    wanted, parts = eval_files(ds, listing.root), []
+    aligned = columnar.align(ds.name, rels, scan.prev, scan.probed)
+    root = str(listing.root)
+    for start in range(0, max(len(rels), 1), columnar.CHUNK):
+        part = rels[start : start + columnar.CHUNK]
+        previous, probed = columnar.chunk_lookups(aligned.slice(start, len(part)))
+        rows, jobs = _collect(ds, root, listing, media, part, previous, scan.reuse_probe, probed)
+        aux_images.resolve(ds, listing, meta, rows, issue if start == 0 else _quiet)
+        aux_jobs = aux_images.reuse_or_probe(rows, listing, previous, scan.reuse_probe)
+        _probe(scan, rows, jobs, aux_jobs)
+        _captions(ds, listing, meta, files, rows, previous, same_captions, scan.result)
+        parts.append(_check_chunk(scan, ds, rows, wanted, previous))
+    if not rels:
         exts = ", ".join([*scan.vcfg.image_exts, *scan.vcfg.video_exts])
         issue(str(listing.root), "no_media", f"dataset folder {listing.root} holds no media files ({exts})")
-    scan.jobs += [(rows, i, p, k) for i, p, k in ds_jobs]
-    scan.per_ds.append((ds, listing, meta, rows))
+    _orphan_captions(listing, files, rels, issue)
+    missing_eval_files(ds, wanted, columnar.present(parts, wanted), issue, listing.root)
+    scan.parts += parts
 
 
-def _probe(scan: _Scan, tokens: TokenCounter | None, workers: int | None, console: Console | None) -> None:
-    """Probe the queued media and aux files in parallel and write the results into their rows."""
-    jobs, aux_jobs = scan.jobs, scan.aux_jobs
-    # New files likely bring new captions: load the tokenizers while they are probed.
-    prefetch = getattr(tokens, "prefetch", None) if jobs else None
+def _quiet(*_: Any) -> None:
+    """Drops the issues of a step repeated per chunk (a missing aux folder is one issue, not one per chunk)."""
+
+
+def _table_dataset(scan: _Scan, ds: DatasetConfig, listing: Listing, issue: Any) -> None:
+    """A table dataset's rows (Parquet, a saved or hub dataset), a chunk at a time."""
+    from diffpipe.data.dataset import columnar  # deferred: polars (see run_validation)
+
+    lookup = columnar.lookup_ids(scan.prev, ds.name)
+    wanted, parts = eval_files(ds, listing.root), []
+    chunks = table_items.collect(ds, listing.table, listing.root, lookup, scan.reuse_probe, issue, columnar.CHUNK)
+    for rows, jobs, previous in chunks:
+        for row in rows:
+            row.update({f"{role}_{col}": None for role in AUX_ROLES for col in aux_images.COLUMNS})
+        _probe(scan, rows, jobs, [])
+        parts.append(_check_chunk(scan, ds, rows, wanted, previous))
+    if not parts:
+        issue(str(listing.root), "no_media", f"split {listing.table.split!r} of {listing.root} holds no rows")
+    missing_eval_files(ds, wanted, columnar.present(parts, wanted), issue, listing.root)
+    scan.parts += parts
+
+
+def _probe(scan: _Scan, rows: list[dict[str, Any]], jobs: list[tuple[int, str, str]],
+           aux_jobs: list[tuple[dict[str, Any], str, str]]) -> None:
+    """Probe a chunk's queued media and aux files in parallel and write the results into their rows."""
+    # New files likely bring new captions: load the tokenizers while the first ones are probed.
+    prefetch = getattr(scan.tokens, "prefetch", None) if jobs and not scan.prefetched else None
+    scan.prefetched |= prefetch is not None
     probes = probe_files(
-        [(p, k) for _, _, p, k in jobs] + [(p, "image") for _, _, p in aux_jobs],
+        [(p, k) for _, p, k in jobs] + [(p, "image") for _, _, p in aux_jobs],
         scan.vcfg.max_pixels,
-        workers,
-        console,
+        scan.workers,
+        scan.console,
         prefetch,
     )
     for (row, role, _), probe in zip(aux_jobs, probes[len(jobs) :], strict=True):
         aux_images.apply_probe(row, role, probe)
-    for (rows, i, _, _), probe in zip(jobs, probes[: len(jobs)], strict=True):
+    for (i, _, _), probe in zip(jobs, probes[: len(jobs)], strict=True):
         row = rows[i]
         for k in ("sha256", "width", "height", "frames", "fps"):
             row[k] = probe[k]
         row["kind"] = probe["kind"] or row["kind"]
         for reason, note in probe["problems"]:
             add_reason(row, reason, note)
-    scan.result.hashed = len(jobs) + len(aux_jobs)
+    scan.result.hashed += len(jobs) + len(aux_jobs)
 
 
-def _check_rows(scan: _Scan, datasets: list[DatasetConfig], same_captions: dict[str, bool],
-                tokens: TokenCounter | None) -> list[dict[str, Any]]:
-    """Captions, geometry, eval split, caption tokens and duplicates of every row; all rows."""
-    all_rows: list[dict[str, Any]] = []
-    for ds, listing, meta, rows in scan.per_ds:
-        issue = scan.issue_for(ds.name)
-        if listing.table is None:  # table rows have theirs already (table_items)
-            _captions(ds, listing, meta, rows, scan.prev_rows, same_captions[ds.name], scan.result, issue)
-        for row in rows:
-            check_geometry(ds, scan.vcfg, row)
-            aux_images.check_geometry(row)
-        assign_split(ds, rows, issue, listing.root)
-        all_rows += rows
-    check_tokens(all_rows, {ds.name: ds.caption_prefix for ds in datasets}, tokens, scan.prev_rows)
-    flag_duplicates(all_rows)
-    return all_rows
+def _check_chunk(scan: _Scan, ds: DatasetConfig, rows: list[dict[str, Any]], wanted: set[str],
+                 previous: dict[str, dict[str, Any]]) -> pl.DataFrame:
+    """Geometry, eval split and caption tokens of a chunk's rows (captions attached); the chunk as a table."""
+    from diffpipe.data.dataset import columnar  # deferred: polars (see run_validation)
+
+    for row in rows:
+        check_geometry(ds, scan.vcfg, row)
+        aux_images.check_geometry(row)
+    assign_split(ds, rows, wanted)
+    check_tokens(rows, scan.prefixes, scan.tokens, previous)
+    scan.result.reused += sum(row.get("_reused", False) for row in rows)
+    scan.result.sharded += sum(row.get("_sharded", False) for row in rows)
+    return columnar.rows_frame(rows)
 
 
-def _tally(scan: _Scan, datasets: list[DatasetConfig], all_rows: list[dict[str, Any]]) -> None:
-    """Each row's status, every issue, and the counts per dataset and in all; sorts the rows by id."""
+def _tally(scan: _Scan, datasets: list[DatasetConfig]) -> pl.DataFrame:
+    """Duplicates and each row's status over the whole manifest, every issue, and the counts per dataset and
+    in all; the manifest table, sorted by id."""
+    from diffpipe.data.dataset import columnar  # deferred: polars (see run_validation)
+
     result, actions = scan.result, scan.result.actions
-    for row in all_rows:
-        result.reused += row.pop("_reused", False)
-        result.sharded += row.pop("_sharded", False)
-        row.pop("_draw", None)
-        row["status"] = status_of(row["reasons"], actions)
-        for reason, note in zip(row["reasons"], row["notes"], strict=True):
-            result.issues.append(
-                Issue(row["dataset"], row["path"], reason, note, actions[reason], row["sha256"], row["kind"])
-            )
-    for ds, listing, _, rows in scan.per_ds:
-        check_usable(ds, rows, actions, scan.issue_for(ds.name), listing.root)
+    table = columnar.concat(scan.parts)
+    scan.parts = []
+    table = columnar.with_status(columnar.flag_duplicates(table), actions)
+    result.issues = columnar.row_issues(table, actions)
+    for ds in datasets:
+        if note := columnar.unusable_note(table, ds.name, actions):
+            scan.issue_for(ds.name)(str(scan.roots[ds.name]), "no_usable_items", note)
     for ds_name, path, reason, note in scan.extra:
         result.issues.append(Issue(ds_name, printable(path), reason, note, actions[reason]))
-    for ds in datasets:
-        rows = [r for r in all_rows if r["dataset"] == ds.name]
-        kept = sum(r["status"] in ("ok", "warning") for r in rows)
-        result.datasets[ds.name] = {
-            "items": len(rows),
-            "kept": kept,
-            "skipped": len(rows) - kept,
-            "eval": sum(r["split"] == "eval" for r in rows),
-        }
-    all_rows.sort(key=lambda r: r["id"])
-    result.items = len(all_rows)
-    result.kept = sum(r["status"] in ("ok", "warning") for r in all_rows)
+    result.datasets = columnar.dataset_counts(table, [ds.name for ds in datasets])
+    table = table.sort("id")
+    result.items = table.height
+    result.kept = sum(c["kept"] for c in result.datasets.values())
     result.skipped = result.items - result.kept
     result.errors = sum(i.action == "error" for i in result.issues)
     result.warnings = sum(i.action == "warn" for i in result.issues)
     result.issues.sort(key=lambda i: (i.dataset, i.path, i.reason))
+    return table
 
 
-def _write_outputs(result: ValidationResult, all_rows: list[dict[str, Any]], meta: dict[str, str],
-                   unchanged: bool, manifest_path: Path, report_json: Path, report_html: Path) -> None:
-    """The manifest (left as is, only touched, when nothing changed) and both reports; on errors, kept
-    copies Snakemake does not know about."""
+def _write_outputs(result: ValidationResult, table: pl.DataFrame, meta: dict[str, str], unchanged: bool,
+                   compared: bool, manifest_path: Path, report_json: Path, report_html: Path) -> None:
+    """The manifest (left as is, only touched, when nothing changed; not read back when ``compared`` with it
+    already) and both reports; on errors, kept copies Snakemake does not know about."""
+    from diffpipe.data.dataset import columnar  # deferred: polars (see run_validation)
+
     if unchanged:
-        # Compared as Python values: building the Arrow table from rows imports pandas
-        # (pyarrow checks for pandas types), a large share of a no-change rerun.
         os.utime(manifest_path)  # newer than its inputs for Snakemake, same content
         result.manifest_changed = False
     else:
-        table = pa.Table.from_pylist(all_rows, schema=MANIFEST_SCHEMA.with_metadata(meta))
-        result.manifest_changed = write_manifest(manifest_path, table)
+        result.manifest_changed = write_manifest(manifest_path, columnar.to_arrow(table, meta), compare=not compared)
     write_reports(result, report_json=report_json, report_html=report_html)
     if result.errors:
         # A failed Snakemake job loses its outputs: keep copies it does not know about,

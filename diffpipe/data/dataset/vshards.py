@@ -209,17 +209,11 @@ def _write_table(path: Path, table: pa.Table) -> bool:
     return True
 
 
-def load_probes(paths: list[Path], vcfg: ValidationConfig) -> dict[str, dict[str, tuple[Any, ...]]]:
-    """The probe tables of every validation shard, per dataset: relpath -> the row's values in
-    :data:`PROBE_SCHEMA` order after ``relpath``. Tables of another probe key are ignored (their
-    files are probed again by the merging job)."""
+def load_probes(paths: list[Path], vcfg: ValidationConfig) -> pl.DataFrame | None:
+    """The reusable rows of every validation shard's probe table, as one table (:data:`PROBE_SCHEMA`'s
+    columns); None when there is none. Tables of another probe key are ignored (their files are probed
+    again by the merging job, which joins this table to each folder's listing:
+    :func:`diffpipe.data.dataset.columnar.align`)."""
     key = probe_key(vcfg)
     frames = [df for p in paths if (df := read_probe_table(Path(p), key)) is not None]
-    if not frames:
-        return {}
-    out: dict[str, dict[str, tuple[Any, ...]]] = {}
-    usable = pl.concat(frames).filter(_reusable())
-    for (name,), part in usable.partition_by("dataset", as_dict=True).items():
-        rows = part.drop("dataset").iter_rows()
-        out[name] = {row[0]: row[1:] for row in rows}
-    return out
+    return pl.concat(frames).filter(_reusable()) if frames else None

@@ -1,0 +1,114 @@
+"""The shard plan's item table in polars: the manifest's kept items, their shard, and each shard's slice.
+
+The plan reads the manifest's columns into one table, leaves out what validation skipped, and gives
+every item its shard with a join on the item id against the previous plan's assignment
+(:func:`assign`). Only one shard's items at a time become Python dicts, to build that shard's latent and
+text entries (:func:`diffpipe.data.cache.plan.make_plan`), so the plan's memory per item is its columns.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow.parquet as pq
+
+from diffpipe.data.dataset.aux_images import ROLES
+
+#: Columns every manifest has, and those newer manifests add (older ones' missing columns are left out).
+_COLUMNS = ["id", "dataset", "path", "sha256", "width", "height", "frames", "caption", "status"]
+_NEWER = ["fps", "split", "kind", "reasons", *(f"{role}_{col}" for role in ROLES for col in ("path", "sha256"))]
+
+
+def read_items(manifest_path: Path) -> tuple[pl.DataFrame, bytes | None]:
+    """The manifest's rows (the columns the plan reads), sorted by id, and its ``max_pixels``; a clear error
+    when validation has not run."""
+    if not manifest_path.is_file():
+        raise ValueError(f"manifest {manifest_path} not found; run the validate step first")
+    schema = pq.read_schema(manifest_path)
+    cols = _COLUMNS + [c for c in _NEWER if c in set(schema.names)]
+    with pq.ParquetFile(manifest_path) as f:
+        table = f.read(columns=cols)
+    return pl.from_arrow(table).sort("id"), (schema.metadata or {}).get(b"max_pixels")
+
+
+def unknown_dataset(items: pl.DataFrame, names: set[str]) -> str | None:
+    """The dataset of the first kept row (by id) that the config lacks, or None."""
+    odd = items.filter((pl.col("status") != "skipped") & ~pl.col("dataset").is_in(sorted(names)))
+    return odd["dataset"][0] if odd.height else None
+
+
+def assign(ids: pl.Series, shards: int, previous: dict[str, int] | None) -> pl.Series:
+    """Shard of every item (``ids``, in order): sticky across plans, new items together.
+
+    Without a previous assignment (or with another shard count) items go to their hex id read as an
+    integer, mod ``shards``. Otherwise items keep their previous shard (a join on the id), and the items
+    new to this plan all go to the shard holding the fewest items (lowest index on ties): adding 10 files
+    rebuilds one shard, not up to 10.
+    """
+    ids = ids.rename("id")
+    if not previous or any(not 0 <= v < shards for v in previous.values()):
+        return _by_id(ids, shards)
+    prev = pl.DataFrame({"id": list(previous), "shard": list(previous.values())},
+                        schema={"id": pl.String, "shard": pl.Int64})
+    kept = ids.to_frame().join(prev, on="id", how="left", maintain_order="left")["shard"]
+    if kept.null_count():
+        sizes = kept.drop_nulls().value_counts().rows()
+        counts = [0] * shards
+        for shard, n in sizes:
+            counts[shard] = n
+        target = min(range(shards), key=lambda k: (counts[k], k))
+        kept = kept.fill_null(target)
+    return kept.alias("shard")
+
+
+def _by_id(ids: pl.Series, shards: int) -> pl.Series:
+    """Each id read as a hexadecimal integer, mod ``shards`` (:func:`diffpipe.data.cache.plan.shard_index`)."""
+    as_int = ids.str.to_integer(base=16, dtype=pl.UInt64, strict=False)
+    if not as_int.null_count():
+        return (as_int % shards).cast(pl.Int64).alias("shard")
+    return pl.Series("shard", [int(i, 16) % shards for i in ids], dtype=pl.Int64)  # ids over 64 bits
+
+
+def shard_slices(items: pl.DataFrame, shards: int) -> Iterator[tuple[int, list[dict[str, Any]]]]:
+    """Each shard's items as dicts, in id order: one shard's worth of Python objects at a time."""
+    items = items.sort("shard", "id")
+    bounds = items["shard"].search_sorted(pl.Series(range(shards + 1), dtype=pl.Int64)).to_list()
+    for k in range(shards):
+        yield k, items.slice(bounds[k], bounds[k + 1] - bounds[k]).drop("shard").to_dicts()
+
+
+def state_json(ids: pl.Series, shard: pl.Series, shards: int) -> str:
+    """The plan state file's text, ``{"assignment": {id: shard}, "shards": n}`` as
+    :func:`diffpipe.utils.stable_json` writes it, without a Python dict of every item."""
+    frame = pl.DataFrame({"id": ids, "shard": shard}).sort("id")
+    if not frame["id"].str.contains(r"^[0-9a-f]+$").all():  # an id JSON would escape: let json write it
+        assignment = dict(zip(frame["id"].to_list(), frame["shard"].to_list(), strict=True))
+        return json.dumps({"assignment": assignment, "shards": shards}, sort_keys=True, separators=(",", ":"))
+    pairs = (pl.lit('"') + pl.col("id") + pl.lit('":') + pl.col("shard").cast(pl.String)).str.join(",")
+    return '{"assignment":{' + (frame.select(pairs).item() or "") + '},"shards":' + str(shards) + "}"
+
+
+def kept(items: pl.DataFrame) -> tuple[pl.DataFrame, int]:
+    """The items validation kept, and how many it skipped."""
+    keep = pl.col("status") != "skipped"
+    return items.filter(keep), items.height - items.filter(keep).height
+
+
+def clips(items: pl.DataFrame) -> list[dict[str, Any]]:
+    """The rows of clips of more than one frame (those whose windows may come out empty), in id order."""
+    return items.filter(pl.col("frames").fill_null(1) > 1).to_dicts()
+
+
+def without(items: pl.DataFrame, ids: list[str]) -> pl.DataFrame:
+    return items.filter(~pl.col("id").is_in(ids)) if ids else items
+
+
+def count_train(items: pl.DataFrame) -> int:
+    """Items of the training split (a manifest without splits: all of them)."""
+    if "split" not in items.columns:
+        return items.height
+    return items.filter(pl.col("split").fill_null("train") == "train").height

@@ -1,0 +1,195 @@
+"""The validation manifest as a polars table: built chunk by chunk, then checked and counted column-wise.
+
+Validation holds one Python dict per item only while a chunk of items (:data:`CHUNK`) is probed and
+checked one by one (captions read, geometry, tokens); each chunk then becomes columns
+(:func:`rows_frame`) and its dicts are dropped. What needs every row runs on the whole table: the
+duplicates (a window over content keys), each row's status, the counts per dataset, the issues of
+flagged rows, and the comparison with the previous manifest. The previous manifest is a table too:
+a folder's listing is joined to it on the relative path (:func:`align`), a table dataset's rows are
+looked up by their content-keyed item id (:func:`lookup_ids`), and only the chunk at hand becomes dicts.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+import pyarrow as pa
+
+from diffpipe.data.dataset.manifest_file import MANIFEST_SCHEMA, read_parquet
+from diffpipe.data.dataset.results import Issue
+from diffpipe.policy import Action
+
+#: Items whose dicts live at once: enough to keep the probe pool busy, small next to the dataset.
+CHUNK = 8192
+#: The manifest's columns as polars types (Int32 sizes, list and struct columns).
+SCHEMA = pl.from_arrow(MANIFEST_SCHEMA.empty_table()).schema
+#: The probe columns of a validation shard's table, in the order :func:`chunk_lookups` hands them on.
+PROBE_COLUMNS = ("size", "mtime_ns", "kind", "sha256", "width", "height", "frames", "fps", "reasons", "notes")
+_KEPT = ("ok", "warning")
+
+
+def read_manifest(path: Path | None) -> tuple[pl.DataFrame | None, dict[str, str]]:
+    """A previous manifest (sorted by id, as written) and its metadata; (None, {}) when absent, damaged or
+    of another layout: either only costs the reuse."""
+    if path is None or not path.is_file():
+        return None, {}
+    try:
+        table = read_parquet(path)
+    except Exception:
+        return None, {}
+    if table.schema.remove_metadata() != MANIFEST_SCHEMA:
+        return None, {}
+    meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
+    return pl.from_arrow(table.replace_schema_metadata(None)), meta
+
+
+def rows_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
+    """A chunk of manifest row dicts as columns (keys outside the manifest are left out)."""
+    return pl.DataFrame({name: [row.get(name) for row in rows] for name in SCHEMA}, schema=SCHEMA)
+
+
+def empty() -> pl.DataFrame:
+    return pl.DataFrame(schema=SCHEMA)
+
+
+def concat(parts: list[pl.DataFrame]) -> pl.DataFrame:
+    """The chunks' tables as one (an empty manifest when there is none)."""
+    return pl.concat(parts) if parts else empty()
+
+
+def align(dataset: str, rels: list[str], prev: pl.DataFrame | None, probes: pl.DataFrame | None) -> pl.DataFrame:
+    """A folder's media files (``rels``, in order) joined on their relative path to the previous manifest's
+    row (its columns as they are) and to a validation shard's probe (``probe_*`` columns)."""
+    out = pl.DataFrame({"relpath": rels}, schema={"relpath": pl.String})
+    if prev is not None:
+        out = out.join(prev.filter(pl.col("dataset") == dataset), on="relpath", how="left", maintain_order="left")
+    if probes is not None:
+        mine = probes.filter(pl.col("dataset") == dataset).select("relpath", *PROBE_COLUMNS)
+        out = out.join(mine.rename({c: f"probe_{c}" for c in PROBE_COLUMNS}), on="relpath", how="left",
+                       maintain_order="left")
+    return out
+
+
+def chunk_lookups(part: pl.DataFrame) -> tuple[dict[str, dict[str, Any]], dict[str, tuple[Any, ...]]]:
+    """A slice of :func:`align`'s table as the per-item values the checks read: previous rows by item id,
+    and shard probes by relative path (:data:`PROBE_COLUMNS` order)."""
+    prev: dict[str, dict[str, Any]] = {}
+    if "id" in part.columns:
+        rows = part.filter(pl.col("id").is_not_null()).select(list(SCHEMA)).to_dicts()
+        prev = {row["id"]: row for row in rows}
+    probed: dict[str, tuple[Any, ...]] = {}
+    if "probe_size" in part.columns:
+        found = part.filter(pl.col("probe_size").is_not_null()).select("relpath", *(f"probe_{c}" for c in PROBE_COLUMNS))
+        probed = {row[0]: row[1:] for row in found.iter_rows()}
+    return prev, probed
+
+
+def lookup_ids(prev: pl.DataFrame | None, dataset: str) -> Callable[[list[str]], dict[str, dict[str, Any]]]:
+    """Previous rows of ``dataset`` by item id, for ids known only once their content is hashed (table rows).
+
+    The manifest is sorted by id, so each chunk is a binary search, not a scan of every previous row.
+    """
+    mine = prev.filter(pl.col("dataset") == dataset) if prev is not None else empty()
+
+    def find(ids: list[str]) -> dict[str, dict[str, Any]]:
+        if not ids or mine.height == 0:
+            return {}
+        want = pl.Series("id", ids, dtype=pl.String)
+        at = mine["id"].search_sorted(want).clip(0, mine.height - 1)
+        hit = mine[at].filter(pl.col("id") == want)
+        return {row["id"]: row for row in hit.to_dicts()}
+
+    return find
+
+
+def flag_duplicates(df: pl.DataFrame) -> pl.DataFrame:
+    """Flag every copy after the first (by dataset, relative path) of a content hash, and of a caption on other
+    media: ``duplicate_media`` / ``duplicate_caption``, the note naming the first copy."""
+    media = pl.col("sha256").is_not_null() & (pl.col("size").fill_null(0) != 0)
+    # Only the key columns are sorted (not the whole table, twice): the new reasons go back by row index.
+    keys = (df.select("dataset", "relpath", "path", "sha256", "size", "caption").with_row_index("_i")
+            .sort("dataset", "relpath").with_columns(_mk=pl.when(media).then(pl.col("sha256"))))
+    keys = keys.with_columns(
+        _dm=pl.col("_mk").is_not_null() & (pl.int_range(pl.len()).over("_mk") > 0),
+        _mo=pl.col("path").first().over("_mk"),
+    )
+    keys = keys.with_columns(
+        _ck=pl.when(~pl.col("_dm") & (pl.col("caption").fill_null("") != "")).then(pl.col("caption")))
+    keys = keys.with_columns(
+        _dc=pl.col("_ck").is_not_null() & (pl.int_range(pl.len()).over("_ck") > 0),
+        _co=pl.col("path").first().over("_ck"),
+    )
+    reason = pl.when(pl.col("_dm")).then(pl.lit("duplicate_media")).when(pl.col("_dc")).then(pl.lit("duplicate_caption"))
+    note = (pl.when(pl.col("_dm")).then(pl.lit("same content (SHA-256) as ") + pl.col("_mo"))
+            .when(pl.col("_dc")).then(pl.lit("same caption as ") + pl.col("_co")))
+    found = keys.select("_i", _r=reason, _n=note).sort("_i")
+    added = found["_r"].is_not_null()
+    return df.with_columns(
+        reasons=pl.when(added).then(pl.col("reasons").list.concat(pl.concat_list(found["_r"])))
+        .otherwise(pl.col("reasons")),
+        notes=pl.when(added).then(pl.col("notes").list.concat(pl.concat_list(found["_n"]))).otherwise(pl.col("notes")),
+    )
+
+
+def with_status(df: pl.DataFrame, actions: dict[str, Action]) -> pl.DataFrame:
+    """Each row's status from its reasons' actions: ``error`` > ``skipped`` > ``warning`` > ``ok``
+    (:func:`diffpipe.policy.status_of`, column-wise)."""
+
+    def any_of(action: str) -> pl.Expr:
+        codes = [code for code, a in actions.items() if a == action]
+        return pl.col("reasons").list.eval(pl.element().is_in(codes)).list.any()
+
+    status = (pl.when(any_of("error")).then(pl.lit("error")).when(any_of("skip")).then(pl.lit("skipped"))
+              .when(pl.col("reasons").list.len() > 0).then(pl.lit("warning")).otherwise(pl.lit("ok")))
+    return df.with_columns(status=status)
+
+
+def row_issues(df: pl.DataFrame, actions: dict[str, Action]) -> list[Issue]:
+    """One :class:`Issue` per reason of every flagged row."""
+    flagged = (df.filter(pl.col("reasons").list.len() > 0)
+               .select("dataset", "path", "reasons", "notes", "sha256", "kind").explode("reasons", "notes"))
+    return [Issue(d, p, r, n, actions[r], s, k) for d, p, r, n, s, k in flagged.iter_rows()]
+
+
+def dataset_counts(df: pl.DataFrame, names: list[str]) -> dict[str, dict[str, int]]:
+    """Items, kept, skipped and eval items per dataset (every name, zeros for an empty one)."""
+    counts = df.group_by("dataset").agg(
+        items=pl.len(), kept=pl.col("status").is_in(_KEPT).sum(), eval=(pl.col("split") == "eval").sum())
+    found = {row["dataset"]: row for row in counts.to_dicts()}
+    out = {}
+    for name in names:
+        c = found.get(name, {"items": 0, "kept": 0, "eval": 0})
+        out[name] = {"items": c["items"], "kept": c["kept"], "skipped": c["items"] - c["kept"], "eval": c["eval"]}
+    return out
+
+
+def unusable_note(df: pl.DataFrame, dataset: str, actions: dict[str, Action]) -> str | None:
+    """Why ``dataset`` has no item left to train on (the counts per skipping reason), or None when it has one
+    or holds no item at all (that is ``no_media``). Run once every row has its status."""
+    mine = df.filter(pl.col("dataset") == dataset)
+    if mine.height == 0 or mine.filter(pl.col("status").is_in(_KEPT) & (pl.col("split") == "train")).height:
+        return None
+    skipped = mine.filter(~pl.col("status").is_in(_KEPT))
+    why = Counter(code for reasons in skipped["reasons"].to_list() for code in dict.fromkeys(reasons)
+                  if actions[code] != "warn")
+    detail = f" ({', '.join(f'{code} {n}' for code, n in why.most_common())})" if why else ""
+    return (f"dataset {dataset}: {mine.height} found, {skipped.height} skipped{detail}, "
+            f"{mine.height - skipped.height} held out for eval, 0 usable for training; fix the files the report "
+            "lists (or the config's validation.actions, eval_files, eval_fraction)")
+
+
+def present(parts: list[pl.DataFrame], wanted: set[str]) -> set[str]:
+    """Which of the relative paths ``wanted`` are rows of ``parts``."""
+    if not wanted or not parts:
+        return set()
+    rels = pl.concat([p.select("relpath") for p in parts])["relpath"]
+    return set(rels.filter(rels.is_in(sorted(wanted))).to_list())
+
+
+def to_arrow(df: pl.DataFrame, meta: dict[str, str]) -> pa.Table:
+    """The manifest table as Parquet stores it: exactly :data:`MANIFEST_SCHEMA`, with ``meta``."""
+    return df.to_arrow(compat_level=pl.CompatLevel.oldest()).cast(MANIFEST_SCHEMA.with_metadata(meta))
