@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -114,3 +115,8 @@ def test_validation_shard_jobs_take_their_files_from_the_workflow_listing(tmp_pa
     assert vshards.read_listing(listing, cfg.datasets, "v0000", 2) is None
     moved = _cfg(tmp_path, datasets=[{"name": "d", "path": str(tmp_path / "elsewhere")}]).datasets
     assert vshards.read_listing(listing, moved, "v0000", 3) is None
+    # Nor one naming a file outside the dataset folder.
+    data = json.loads(listing.read_text())
+    data["files"].append(["d", "../secret.png", "image", 1, 1])
+    listing.write_text(json.dumps(data))
+    assert vshards.read_listing(listing, cfg.datasets, "v0000", 3) is None

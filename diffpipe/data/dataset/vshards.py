@@ -126,7 +126,9 @@ def read_listing(path: Path | None, datasets: list[DatasetConfig], shard: str,
         frame = pl.DataFrame(data["files"], schema=_LISTING_SCHEMA, orient="row")
     except (KeyError, TypeError, ValueError, pl.exceptions.PolarsError):
         return None
-    return (frame, roots) if frame["dataset"].is_in(list(roots)).all() else None
+    # Paths as the walk writes them: relative, inside the dataset folder (it skips dot entries).
+    inside = ~frame["relpath"].str.contains(r"(^/|(^|/)\.)")
+    return (frame, roots) if (frame["dataset"].is_in(list(roots)) & inside).all() else None
 
 
 def read_probe_table(path: Path, key: str) -> pl.DataFrame | None:
