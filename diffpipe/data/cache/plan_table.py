@@ -30,9 +30,10 @@ def read_items(manifest_path: Path) -> tuple[pl.DataFrame, bytes | None]:
         raise ValueError(f"manifest {manifest_path} not found; run the validate step first")
     schema = pq.read_schema(manifest_path)
     cols = _COLUMNS + [c for c in _NEWER if c in set(schema.names)]
-    with pq.ParquetFile(manifest_path) as f:
-        table = f.read(columns=cols)
-    return pl.from_arrow(table).sort("id"), (schema.metadata or {}).get(b"max_pixels")
+    items = pl.read_parquet(manifest_path, columns=cols, use_pyarrow=False)  # one copy (Arrow's would be two)
+    if not items["id"].is_sorted():  # validation writes it sorted; sorting again would copy every column
+        items = items.sort("id")
+    return items, (schema.metadata or {}).get(b"max_pixels")
 
 
 def unknown_dataset(items: pl.DataFrame, names: set[str]) -> str | None:

@@ -18,8 +18,9 @@ from typing import Any
 
 import polars as pl
 import pyarrow as pa
+import pyarrow.parquet as pq
 
-from diffpipe.data.dataset.manifest_file import MANIFEST_SCHEMA, read_parquet
+from diffpipe.data.dataset.manifest_file import MANIFEST_SCHEMA
 from diffpipe.data.dataset.results import Issue
 from diffpipe.policy import Action
 
@@ -38,13 +39,14 @@ def read_manifest(path: Path | None) -> tuple[pl.DataFrame | None, dict[str, str
     if path is None or not path.is_file():
         return None, {}
     try:
-        table = read_parquet(path)
+        schema = pq.read_schema(path)
+        if schema.remove_metadata() != MANIFEST_SCHEMA:
+            return None, {}
+        # polars' own reader: one copy of the columns (through Arrow, two would be alive at the peak)
+        table = pl.read_parquet(path, use_pyarrow=False)
     except Exception:
         return None, {}
-    if table.schema.remove_metadata() != MANIFEST_SCHEMA:
-        return None, {}
-    meta = {k.decode(): v.decode() for k, v in (table.schema.metadata or {}).items()}
-    return pl.from_arrow(table.replace_schema_metadata(None)), meta
+    return table, {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
 
 
 def rows_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
@@ -62,11 +64,13 @@ def concat(parts: list[pl.DataFrame]) -> pl.DataFrame:
 
 
 def align(dataset: str, rels: list[str], prev: pl.DataFrame | None, probes: pl.DataFrame | None) -> pl.DataFrame:
-    """A folder's media files (``rels``, in order) joined on their relative path to the previous manifest's
-    row (its columns as they are) and to a validation shard's probe (``probe_*`` columns)."""
+    """A folder's media files (``rels``, in order) joined on their relative path to the index of the previous
+    manifest's row (``prev_row``: the rows stay where they are, not copied) and to a validation shard's
+    probe (``probe_*`` columns)."""
     out = pl.DataFrame({"relpath": rels}, schema={"relpath": pl.String})
     if prev is not None:
-        out = out.join(prev.filter(pl.col("dataset") == dataset), on="relpath", how="left", maintain_order="left")
+        mine = prev.select("dataset", "relpath").with_row_index("prev_row").filter(pl.col("dataset") == dataset)
+        out = out.join(mine.drop("dataset"), on="relpath", how="left", maintain_order="left")
     if probes is not None:
         mine = probes.filter(pl.col("dataset") == dataset).select("relpath", *PROBE_COLUMNS)
         out = out.join(mine.rename({c: f"probe_{c}" for c in PROBE_COLUMNS}), on="relpath", how="left",
@@ -74,18 +78,19 @@ def align(dataset: str, rels: list[str], prev: pl.DataFrame | None, probes: pl.D
     return out
 
 
-def chunk_lookups(part: pl.DataFrame) -> tuple[dict[str, dict[str, Any]], dict[str, tuple[Any, ...]]]:
-    """A slice of :func:`align`'s table as the per-item values the checks read: previous rows by item id,
-    and shard probes by relative path (:data:`PROBE_COLUMNS` order)."""
-    prev: dict[str, dict[str, Any]] = {}
-    if "id" in part.columns:
-        rows = part.filter(pl.col("id").is_not_null()).select(list(SCHEMA)).to_dicts()
-        prev = {row["id"]: row for row in rows}
+def chunk_lookups(part: pl.DataFrame, prev: pl.DataFrame | None
+                  ) -> tuple[dict[str, dict[str, Any]], dict[str, tuple[Any, ...]]]:
+    """A slice of :func:`align`'s table as the per-item values the checks read: previous rows (of ``prev``) by
+    item id, and shard probes by relative path (:data:`PROBE_COLUMNS` order)."""
+    found: dict[str, dict[str, Any]] = {}
+    if prev is not None and "prev_row" in part.columns:
+        rows = prev[part["prev_row"].drop_nulls()].to_dicts()
+        found = {row["id"]: row for row in rows}
     probed: dict[str, tuple[Any, ...]] = {}
     if "probe_size" in part.columns:
-        found = part.filter(pl.col("probe_size").is_not_null()).select("relpath", *(f"probe_{c}" for c in PROBE_COLUMNS))
-        probed = {row[0]: row[1:] for row in found.iter_rows()}
-    return prev, probed
+        hits = part.filter(pl.col("probe_size").is_not_null()).select("relpath", *(f"probe_{c}" for c in PROBE_COLUMNS))
+        probed = {row[0]: row[1:] for row in hits.iter_rows()}
+    return found, probed
 
 
 def lookup_ids(prev: pl.DataFrame | None, dataset: str) -> Callable[[list[str]], dict[str, dict[str, Any]]]:

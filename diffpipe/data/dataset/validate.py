@@ -394,7 +394,7 @@ def _folder_chunks(scan: _Scan, ds: DatasetConfig, listing: Listing, meta: Metad
     root = str(listing.root)
     for start in range(0, max(len(rels), 1), columnar.CHUNK):
         part = rels[start : start + columnar.CHUNK]
-        previous, probed = columnar.chunk_lookups(aligned.slice(start, len(part)))
+        previous, probed = columnar.chunk_lookups(aligned.slice(start, len(part)), scan.prev)
         rows, jobs = _collect(ds, root, listing, media, part, previous, scan.reuse_probe, probed)
         aux_images.resolve(ds, listing, meta, rows, issue if start == 0 else _quiet)
         aux_jobs = aux_images.reuse_or_probe(rows, listing, previous, scan.reuse_probe)
