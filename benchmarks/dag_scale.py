@@ -14,15 +14,20 @@ workflow through ``diffpipe run`` up to the plan:
    from Snakemake's "Job stats" table);
 4. a +1% change (1% new items: new files, or one new Parquet file), then the
    same run again: which jobs ran and which cache shard specs the plan
-   rewrote (a cache shard job reruns exactly when its spec changed).
+   rewrote (files with a new mtime: one latent and one text spec when the
+   new items all go to one shard). The cache jobs do not run here, so a dry
+   run cannot show which shards are stale; a spec with a new mtime is newer
+   than its shard, and Snakemake reruns that shard unless the spec is under
+   its ``--max-checksum-file-size`` and its checksum is the recorded one.
 
 Each job's wall time and peak RSS come from Snakemake's own benchmark files
 (``run/benchmarks/**.tsv``, column ``s`` and ``max_rss``); a job ran in a step
-when its benchmark file was rewritten. The peak RSS of the whole process tree
-(Snakemake and its jobs, summed) is polled every 0.2 s. A step is stopped when
-the machine's available memory falls below ``--min-available-mib`` (shared
-machine): the result then says so. Writes results.json and results.md in
-``--work``.
+when its benchmark file was rewritten. The RSS of every process of the tree
+(Snakemake, its jobs) is polled every 0.2 s: each command's peak (the largest
+process) and the summed tree's. A step is stopped when the machine's available
+memory falls below ``--min-available-mib`` (shared machine) or one process
+passes ``--max-process-mib``: the result then says so. Writes results.json
+and results.md (a table per step) in ``--work`` after each point.
 """
 
 from __future__ import annotations
@@ -30,7 +35,6 @@ from __future__ import annotations
 import argparse
 import csv
 import json
-import os
 import re
 import struct
 import subprocess
@@ -107,36 +111,70 @@ def write_table(data: Path, start: int, stop: int, rows_per_file: int = 500_000,
         tmp.rename(folder / f"{first:09d}.parquet")
 
 
-def _tree_rss(proc: psutil.Process) -> int:
+def _tree_rss(proc: psutil.Process, peaks: dict[int, tuple[int, str]]) -> int:
+    """The summed RSS of ``proc`` and its children; each process's own peak kept in ``peaks``."""
     total = 0
     for p in [proc, *proc.children(recursive=True)]:
         try:
-            total += p.memory_info().rss
+            rss = p.memory_info().rss
+            if rss > peaks.get(p.pid, (0, ""))[0]:
+                peaks[p.pid] = (rss, peaks.get(p.pid, (0, ""))[1] or _label(p))
         except psutil.Error:
-            pass
+            continue
+        total += rss
     return total
 
 
-def measured(cmd: list[str], cwd: Path, min_available_mib: int) -> dict:
-    """Wall time, peak summed RSS of the process tree, output; stopped (``killed``) on low memory."""
+def _label(p: psutil.Process) -> str:
+    """A process's command, short: ``snakemake``, ``diffpipe validate``, ``bash``..."""
+    try:
+        argv = p.cmdline()
+    except psutil.Error:
+        return "?"
+    words = [Path(a).name for a in argv[:6] if not a.startswith("-")]
+    for tool in ("snakemake", "diffpipe"):
+        if tool in words:
+            i = words.index(tool)
+            return " ".join(words[i:i + 2]) if tool == "diffpipe" else tool
+    return " ".join(words[:2])
+
+
+def _kill_tree(proc: psutil.Process) -> None:
+    """Kill ``proc`` and every process under it: Snakemake runs in a session of its own, which
+    killing ``diffpipe run``'s process group would leave running (and holding the output pipe)."""
+    for p in [proc, *proc.children(recursive=True)]:
+        try:
+            p.kill()
+        except psutil.Error:
+            pass
+
+
+def measured(cmd: list[str], cwd: Path, min_available_mib: int, max_process_mib: int) -> dict:
+    """Wall time, peak summed RSS of the process tree, the largest process's peak, output; stopped
+    (``killed``) on low machine memory or when one process passes ``max_process_mib``."""
     t = time.perf_counter()
     proc = psutil.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                         start_new_session=True)
-    peak, killed, chunks = 0, None, []
+    peak, killed, chunks, peaks = 0, None, [], {}
     import threading
 
     reader = threading.Thread(target=lambda: chunks.append(proc.stdout.read()), daemon=True)
     reader.start()
     while proc.poll() is None:
-        peak = max(peak, _tree_rss(proc))
+        peak = max(peak, _tree_rss(proc, peaks))
         avail = psutil.virtual_memory().available >> 20
-        if avail < min_available_mib and killed is None:
-            killed = f"stopped: machine had {avail} MiB available, tree at {peak >> 20} MiB"
-            os.killpg(proc.pid, 9)
+        big = max(peaks.values(), default=(0, ""))
+        if killed is None and (avail < min_available_mib or big[0] >> 20 > max_process_mib):
+            killed = (f"stopped after {time.perf_counter() - t:.0f} s: machine had {avail} MiB available, "
+                      f"tree at {peak >> 20} MiB, {big[1]} at {big[0] >> 20} MiB")
+            _kill_tree(proc)
         time.sleep(0.2)
     reader.join()
+    per_command: dict[str, int] = {}
+    for rss, label in peaks.values():
+        per_command[label] = max(per_command.get(label, 0), rss >> 20)
     return {"s": round(time.perf_counter() - t, 2), "tree_peak_rss_mib": peak >> 20, "rc": proc.returncode,
-            "killed": killed, "out": "".join(chunks)}
+            "killed": killed, "process_peak_mib": per_command, "out": "".join(chunks)}
 
 
 def job_stats(text: str) -> dict[str, int]:
@@ -165,20 +203,25 @@ def benchmarks_since(run: Path, since: float) -> dict[str, dict]:
 
 def specs_since(run: Path, since: float) -> list[str]:
     """Cache shard spec files the plan (re)wrote after ``since``."""
-    return sorted(str(p.relative_to(run)) for p in (run / "plan").rglob("*.json")
-                  if p.stat().st_mtime >= since and p.name != "plan.json")
+    specs = [*(run / "plan").glob("latents/*.json"), *(run / "plan").glob("text/*.json"), run / "plan" / "empty.json"]
+    return sorted(str(p.relative_to(run)) for p in specs if p.exists() and p.stat().st_mtime >= since)
 
 
 def _step(name: str, cmd: list[str], root: Path, run: Path, args: argparse.Namespace) -> dict:
     since = time.time()
-    res = measured(cmd, root, args.min_available_mib)
+    res = measured(cmd, root, args.min_available_mib, args.max_process_mib)
     out = res.pop("out")
+    if "--dry-run" in cmd:
+        res["stats"] = job_stats(out)
     res["jobs"] = benchmarks_since(run, since)
     res["specs_rewritten"] = len(specs_since(run, since)) if (run / "plan").exists() else 0
     if res["rc"] != 0:
         res["error_tail"] = out[-3000:]
     print(f"{name}: {res['s']} s, tree {res['tree_peak_rss_mib']} MiB, rc {res['rc']}, "
-          f"{len(res['jobs'])} jobs", file=sys.stderr)
+          f"{len(res['jobs'])} jobs, processes {res['process_peak_mib']}" + (f", {res['killed']}" if res["killed"]
+                                                                          else ""), file=sys.stderr)
+    if "stats" in res:
+        print(f"{name}: job stats {res['stats']}", file=sys.stderr)
     return res
 
 
@@ -200,16 +243,37 @@ def bench(kind: str, n: int, args: argparse.Namespace) -> dict:
     to_plan = [*dp, "--target", "run/plan"]
     res: dict = {"kind": kind, "n": n, "shards": cfg["cache"]["shards"]}
     res["first_run"] = _step("first run", to_plan, root, run, args)
+    if res["first_run"]["rc"] != 0:  # stopped or failed: nothing after it means anything
+        return res
     res["no_change_rerun"] = _step("no-change rerun", to_plan, root, run, args)
-    dry = _step("dry-run", [*dp, "--dry-run"], root, run, args)
-    res["dry_run"] = {"s": dry["s"], "tree_peak_rss_mib": dry["tree_peak_rss_mib"]}
-    res["dry_run_jobs"] = job_stats(subprocess.run([*dp, "--dry-run"], cwd=root, capture_output=True,
-                                                   text=True).stdout)
+    res["dry_run"] = _step("dry-run", [*dp, "--dry-run"], root, run, args)
     if not (root / "changed").exists():
         write(data, n, n + n // 100)
         (root / "changed").write_text(str(n // 100))
     res["plus_1pct"] = _step("+1% change", to_plan, root, run, args)
     return res
+
+
+def markdown(results: list[dict]) -> str:
+    """One table row per step: wall time, the largest process's and the tree's peak RSS, jobs run."""
+    steps = {"first_run": "first run (to plan)", "no_change_rerun": "no-change rerun",
+             "dry_run": "`--dry-run` (whole workflow)", "plus_1pct": "+1% items (to plan)"}
+    rows = ["| items | step | wall | largest process (peak RSS) | tree peak | jobs run (or planned) | specs rewritten |",
+            "| --- | --- | --- | --- | --- | --- | --- |"]
+    for r in results:
+        for key, title in steps.items():
+            if key not in r:
+                continue
+            st = r[key]
+            big = max(st["process_peak_mib"].items(), key=lambda kv: kv[1], default=("-", 0))
+            if "stats" in st:
+                jobs = ", ".join(f"{k} {v}" for k, v in st["stats"].items())
+            else:
+                jobs = ", ".join(f"{j} {v['s']:.1f} s / {v['max_rss_mib'] or 0:.0f} MiB" for j, v in st["jobs"].items())
+            note = f" ({st['killed']})" if st["killed"] else "" if st["rc"] == 0 else f" (exit {st['rc']})"
+            rows.append(f"| {r['kind']} {r['n']:,} | {title} | {st['s']:.1f} s{note} | {big[0]} {big[1]:,} MiB "
+                        f"| {st['tree_peak_rss_mib']:,} MiB | {jobs or 'none'} | {st['specs_rewritten']} |")
+    return "\n".join(rows) + "\n"
 
 
 def main() -> None:
@@ -220,11 +284,15 @@ def main() -> None:
     ap.add_argument("--items-per-shard", type=int, default=1000)
     ap.add_argument("--validation-shards", type=int, default=0, help="validation.shards (0: leave unset)")
     ap.add_argument("--min-available-mib", type=int, default=1500)
+    ap.add_argument("--max-process-mib", type=int, default=8192, help="stop a step when one process passes it")
     args = ap.parse_args()
     points = [("files", n) for n in args.n] + [("parquet", n) for n in args.parquet_n] or [("files", 10_000)]
-    results = [bench(kind, n, args) for kind, n in points]
     args.work.mkdir(parents=True, exist_ok=True)
-    (args.work / "results.json").write_text(json.dumps(results, indent=2))
+    results = []
+    for kind, n in points:  # written after each point: a later one may be stopped
+        results.append(bench(kind, n, args))
+        (args.work / "results.json").write_text(json.dumps(results, indent=2))
+        (args.work / "results.md").write_text(markdown(results))
 
 
 if __name__ == "__main__":

@@ -18,7 +18,8 @@ SCHEMA_FILE = REPO_ROOT / "workflow" / "schemas" / "config.schema.json"
 MANIFEST = "validate/manifest.parquet"
 REPORT_JSON = "validate/report.json"
 REPORT_HTML = "validate/report.html"
-#: Validation shards (``validation.shards > 1``): each one's probe table and listing fingerprint.
+#: Validation shards (``validation.shards > 1``): each one's probe table and listing (its media files, with size
+#: and mtime: its job's input and work list).
 VALIDATE_PROBE = "validate/probe/{vshard}.parquet"
 VALIDATE_LISTING = "validate/listing/{vshard}.fingerprint"
 PLAN_DIR = "plan"
@@ -65,7 +66,8 @@ RUN_REPORT = "report.html"  # the run report (diffpipe report): one self-contain
 BENCHMARKS = "benchmarks"
 PROGRESS_DIR = "progress"  # each running job's status (diffpipe.progress): run state, never a rule's input or output
 #: The rules' directory() outputs: Snakemake deletes each, with all it holds, before the job
-#: that writes it, so ``diffpipe run`` checks them first (diffpipe.ownership; a test reads the rules).
+#: that writes it (the plan's, kept by ``update()``, when its job fails: replaced by its backup),
+#: so ``diffpipe run`` checks them first (diffpipe.ownership; a test reads the rules).
 DIRECTORY_OUTPUTS = (PLAN_DIR, LATENT_SHARD, SAMPLES_DIR)
 
 
@@ -136,7 +138,7 @@ class RunPaths:
         return self.root / VALIDATE_PROBE.format(vshard=vshard)
 
     def validate_listing(self, vshard: str) -> Path:
-        """A validation shard's listing fingerprint, its job's input."""
+        """A validation shard's listing (its media files, size and mtime): its job's input."""
         return self.root / VALIDATE_LISTING.format(vshard=vshard)
 
     def shard_names(self, kind: str = "latents") -> list[str]:

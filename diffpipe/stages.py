@@ -166,7 +166,7 @@ def validate_shard(cfg: Config | ValidateInputs, paths: RunPaths, shard: str, *,
     cfg = _part(cfg, ValidateInputs)
     return run_shard(cfg.datasets, cfg.validation, shard=shard, shards=cfg.validation.shards,
                      out_path=paths.validate_probe(shard), exclude=run_folders(cfg.output_dir, cfg.cache.dir),
-                     rehash=rehash, workers=workers, console=console)
+                     rehash=rehash, workers=workers, console=console, listing_path=paths.validate_listing(shard))
 
 
 def plan(cfg: Config | PlanInputs, paths: RunPaths) -> PlanResult:

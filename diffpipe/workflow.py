@@ -16,7 +16,7 @@ from diffpipe import paths, stages
 from diffpipe.config import Config, ConfigError, parse_config
 from diffpipe.data.dataset.discover import list_dataset, run_folders, vshard_names, vshard_of
 from diffpipe.stage_inputs import sample_export_format
-from diffpipe.utils import digest, write_if_changed
+from diffpipe.utils import digest, stable_json, write_if_changed
 
 RESOLVED_CONFIG = "resolved-config.yaml"
 
@@ -61,10 +61,13 @@ def dataset_fingerprint(cfg: Config) -> str:
     One small file instead of every media and caption file as an input keeps
     the DAG small at 100,000 items. It is rewritten only when a file was added,
     removed or changed, and then validation reruns (reading only those files).
+    With ``validation.shards > 1`` each validation shard's media files (path,
+    kind, size, mtime) go to its listing file: its job's input and work list.
     """
     entries = []
     shards = vshard_names(cfg.validation.shards)
     per_shard: list[list] = [[] for _ in shards]
+    roots: dict[str, str] = {}
     for ds in cfg.datasets:
         if ds.path is not None and not Path(ds.path).is_dir():
             raise FileNotFoundError(f"datasets[{ds.name}].path: folder not found: {ds.path}")
@@ -78,13 +81,17 @@ def dataset_fingerprint(cfg: Config) -> str:
             stats[rel] = (st.st_size, st.st_mtime_ns)
         entry = [ds.name, str(listing.root), sorted(stats.items()), sorted((p.rel, p.reason) for p in listing.problems)]
         entries.append(entry + ([listing.error] if listing.error else []))  # folders keep their digest
-        for rel in listing.media if shards and listing.table is None else ():
-            per_shard[vshard_of(ds.name, rel, len(shards))].append([ds.name, rel, stats.get(rel)])
+        if shards and listing.table is None and listing.root_ok:
+            roots[ds.name] = str(listing.root)
+            for rel, kind in listing.media.items():
+                per_shard[vshard_of(ds.name, rel, len(shards))].append([ds.name, rel, kind, *stats.get(rel, (0, 0))])
     target = Path(cfg.output_dir) / DATASET_FINGERPRINT
     write_if_changed(target, digest(entries) + "\n")
     for name, files in zip(shards, per_shard, strict=True):
-        # A validation shard's job reads only its media files: only their change reruns it.
-        write_if_changed(paths.RunPaths(cfg.output_dir).validate_listing(name), digest(files) + "\n")
+        # A validation shard's job reads only its media files: only their change reruns it. It takes
+        # them from here (diffpipe.data.dataset.vshards.read_listing) instead of listing every file again.
+        listing_file = {"shard": name, "shards": len(shards), "roots": roots, "files": files}
+        write_if_changed(paths.RunPaths(cfg.output_dir).validate_listing(name), stable_json(listing_file) + "\n")
     return str(target)
 
 

@@ -1,3 +1,4 @@
+import json
 import os
 
 import pytest
@@ -86,3 +87,36 @@ def test_a_changed_file_changes_only_its_validation_shards_fingerprint(tmp_path)
     assert dw.validation_probes(cfg) == [str(tmp_path / "out" / f"validate/probe/{n}.parquet")
                                          for n in ("v0000", "v0001", "v0002")]
     assert dw.validation_probes(_cfg(tmp_path)) == []  # shards: 1, one job
+
+
+def test_validation_shard_jobs_take_their_files_from_the_workflow_listing(tmp_path, monkeypatch):
+    """#43: each of N validation shard jobs listed and stat-ed the whole dataset to keep its 1/N of it (at a
+    million files and 100 shards: 100 walks of two million files). The Snakefile's one listing writes each
+    shard's files, with size and mtime, where its job reads them."""
+    from diffpipe import stages
+    from diffpipe.data.dataset import vshards
+    from diffpipe.data.dataset.demo import write_demo_dataset
+    from diffpipe.data.dataset.discover import vshard_names, vshard_of
+    from diffpipe.paths import RunPaths
+
+    write_demo_dataset(tmp_path / "data", n=6, size=32)
+    cfg = _cfg(tmp_path, validation={"shards": 3})
+    dw.dataset_fingerprint(cfg)
+
+    def walk(*args, **kwargs):
+        raise AssertionError("a validation shard job listed the dataset folder")
+
+    monkeypatch.setattr(vshards, "list_dataset", walk)
+    results = {n: stages.validate_shard(cfg, RunPaths(cfg.output_dir), n, workers=1) for n in vshard_names(3)}
+    homes = [vshard_of("d", f"shape_{i:03d}.png", 3) for i in range(6)]
+    assert [r.probed for r in results.values()] == [homes.count(i) for i in range(3)]
+    # A listing written for another shard count, or another dataset folder, is not this job's: it lists itself.
+    listing = RunPaths(cfg.output_dir).validate_listing("v0000")
+    assert vshards.read_listing(listing, cfg.datasets, "v0000", 2) is None
+    moved = _cfg(tmp_path, datasets=[{"name": "d", "path": str(tmp_path / "elsewhere")}]).datasets
+    assert vshards.read_listing(listing, moved, "v0000", 3) is None
+    # Nor one naming a file outside the dataset folder.
+    data = json.loads(listing.read_text())
+    data["files"].append(["d", "../secret.png", "image", 1, 1])
+    listing.write_text(json.dumps(data))
+    assert vshards.read_listing(listing, cfg.datasets, "v0000", 3) is None

@@ -30,6 +30,7 @@ from typer.testing import CliRunner
 
 from diffpipe.cli import app
 from diffpipe.config import load_config
+from diffpipe.data.dataset.demo import demo_item
 from diffpipe.families import get_family
 from diffpipe.paths import REPO_ROOT, RunPaths
 from diffpipe.runner import DEFAULT_PROFILE, run_workflow
@@ -194,6 +195,28 @@ def test_caption_edit_reruns_only_its_text_shard_and_downstream(demo):
     # The stale shard's spec (rewritten by the plan) holds the new caption.
     spec = yaml.safe_load(p.text_spec(text_jobs[0].split("/")[1]).read_text())
     assert any(item["caption"].endswith("sharp edges") for item in spec["items"])
+
+
+def test_added_image_leaves_one_latent_shard_stale_whatever_the_spec_size(demo):
+    """#43: the plan must keep an unchanged spec file as it was, mtime included. When Snakemake deleted
+    the plan's folder before each plan job, every spec came back newer than its shard, and only
+    Snakemake's input checksums (of files under ``--max-checksum-file-size``, 1 MB by default) kept the
+    unchanged shards from rerunning: a shard of a few thousand items has a larger spec, and then any
+    edit rebuilt every shard. A limit of 1 byte here stands for such specs."""
+    root = demo["root"]
+    image, caption = demo_item(100, size=64)  # an index past the demo's: new content
+    image.save(root / "data" / "shape_100.png")
+    (root / "data" / "shape_100.txt").write_text(caption + "\n")
+    big_specs = ["--max-checksum-file-size", "1"]
+    ran = run_workflow(root / "config.yaml", cores=2, extra=big_specs, workdir=root,
+                       console=Console(stderr=True), targets=["plan"])
+    assert ran.returncode == 0
+    assert sorted(ran.jobs) == ["plan", "validate"]
+    planned = [f"{j.rule}/{j.wildcards.removeprefix('shard=')}"
+               for j in dry_run_jobs(root / "config.yaml", DEFAULT_PROFILE, root, extra=big_specs)]
+    # New items all go to one shard; the caption edit before this test left one text shard stale too.
+    assert len([j for j in planned if j.startswith("cache_latents/")]) == 1, planned
+    assert len([j for j in planned if j.startswith("cache_text/")]) <= 2, planned
 
 
 # -- the demo model learns: config/demo.yaml's shipped model, trained and sampled as `make demo` does ------

@@ -20,11 +20,14 @@ changes latent keys only, a new resolution adds keys without touching the
 others, and two configs sharing a VAE share latent keys (and store entries).
 
 Items keep the shard the previous plan gave them (``cache/plan-state.json``,
-outside the checkpoint's folder, which Snakemake empties before a rerun);
+outside the checkpoint's folder, which Snakemake replaces with its backup when
+a plan job fails);
 items new to a plan all go to the smallest shard, and a first plan uses
 ``int(id) mod shards``. So adding files rebuilds one shard, and removing or
 editing one item touches only its own shard. Latent and text specs are separate files
-(one per shard each), written only when their content changes. ``plan.json``
+(one per shard each), written only when their content changes: the rule keeps the
+folder (``update()``), so an unchanged spec keeps its mtime and its shard stays
+up to date however large the spec. ``plan.json``
 reports the buckets, and those smaller than a global batch (the reader
 fills them by repetition, never drops them). ``empty.json`` is the spec of
 the empty caption (caption dropout), cached once.
@@ -390,11 +393,12 @@ def make_plan(
 def _record_plan(paths: RunPaths, names: list[str], state: str) -> None:
     """The list of the plan folder's files and, outside it, the shard assignment the next plan keeps
     (``state``: :func:`diffpipe.data.cache.plan_table.state_json`)."""
-    # Snakemake deletes plan/ before the plan job: `diffpipe run` first checks it holds only these.
+    # Snakemake replaces plan/ with its backup when a plan job fails: `diffpipe run` first checks it holds
+    # only these.
     planned_files = [paths.plan_summary, paths.empty_spec, *(f(n) for n in names for f in (paths.latent_spec,
                                                                                            paths.text_spec))]
     record_files(paths.plan_dir, [p.relative_to(paths.plan_dir).as_posix() for p in planned_files])
-    # Outside the plan folder: Snakemake deletes a checkpoint's output before rerunning it.
+    # Outside the plan folder: a failed plan job's folder is restored from Snakemake's backup.
     write_if_changed(paths.plan_state, state + "\n")
 
 

@@ -15,7 +15,10 @@ covered. Each shard's input is its own listing fingerprint
 (``validate/listing/<vshard>.fingerprint``, written by
 :func:`diffpipe.workflow.dataset_fingerprint`), so a changed file reruns only
 its shard's job; that job reuses its previous table for its unchanged files
-(a join on dataset, path, size and mtime).
+(a join on dataset, path, size and mtime). The listing file holds the shard's
+files (path, kind, size, mtime), so a shard job reads them there instead of
+listing the whole dataset to keep its part (with 100 shards, 100 walks);
+run by hand without that file, the job lists the dataset itself.
 
 Only folder datasets are sharded; table datasets (Parquet, hub snapshots) and
 mask / control images are probed by the merging job, as in a single job.
@@ -23,6 +26,7 @@ mask / control images are probed by the merging job, as in a single job.
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,7 +39,7 @@ from rich.console import Console
 
 from diffpipe.config import DatasetConfig, ValidationConfig
 from diffpipe.data.dataset.checks import PROBE_REASONS
-from diffpipe.data.dataset.discover import list_dataset, vshard_name, vshard_names, vshard_of
+from diffpipe.data.dataset.discover import dataset_root, list_dataset, vshard_name, vshard_names, vshard_of
 from diffpipe.data.dataset.pool import probe_files
 from diffpipe.data.dataset.validate import probe_key
 from diffpipe.utils import atomic_path
@@ -79,10 +83,15 @@ class ShardResult:
     changed: bool = False  # the table was rewritten
 
 
+#: A shard's listing: one row per media file.
+_LISTING_SCHEMA = {"dataset": pl.String, "relpath": pl.String, "kind": pl.String, "size": pl.Int64,
+                   "mtime_ns": pl.Int64}
+
+
 def _listing_frame(datasets: list[DatasetConfig], vcfg: ValidationConfig, index: int, shards: int,
                    exclude: tuple[str, ...]) -> tuple[pl.DataFrame, dict[str, str]]:
     """The shard's media files (dataset, relpath, size, mtime_ns, kind by extension) and each dataset's root."""
-    parts: dict[str, list[Any]] = {"dataset": [], "relpath": [], "size": [], "mtime_ns": [], "kind": []}
+    parts: dict[str, list[Any]] = {col: [] for col in _LISTING_SCHEMA}
     roots: dict[str, str] = {}
     for ds in datasets:
         listing = list_dataset(ds, vcfg, with_stats=True, exclude=exclude)
@@ -93,10 +102,33 @@ def _listing_frame(datasets: list[DatasetConfig], vcfg: ValidationConfig, index:
             if vshard_of(ds.name, rel, shards) != index:
                 continue
             size, mtime = listing.stats.get(rel, (0, 0))
-            for col, value in zip(parts, (ds.name, rel, size, mtime, kind), strict=True):
+            for col, value in zip(parts, (ds.name, rel, kind, size, mtime), strict=True):
                 parts[col].append(value)
-    schema = {"dataset": pl.String, "relpath": pl.String, "size": pl.Int64, "mtime_ns": pl.Int64, "kind": pl.String}
-    return pl.DataFrame(parts, schema=schema), roots
+    return pl.DataFrame(parts, schema=_LISTING_SCHEMA), roots
+
+
+def read_listing(path: Path | None, datasets: list[DatasetConfig], shard: str,
+                 shards: int) -> tuple[pl.DataFrame, dict[str, str]] | None:
+    """Shard ``shard``'s media files as the workflow listed them (:func:`diffpipe.workflow.dataset_fingerprint`)
+    and each dataset's root, as :func:`_listing_frame` gives them; None when the file is absent, damaged, or
+    written for another shard count or other datasets (the job then lists the datasets itself)."""
+    try:
+        data = json.loads(Path(path).read_text()) if path else None
+    except (OSError, ValueError):
+        return None
+    roots = data.get("roots") if isinstance(data, dict) else None
+    if not isinstance(roots, dict) or (data.get("shard"), data.get("shards")) != (shard, shards):
+        return None
+    by_name = {ds.name: ds for ds in datasets}
+    if any(name not in by_name or dataset_root(by_name[name])[0] != Path(root) for name, root in roots.items()):
+        return None
+    try:
+        frame = pl.DataFrame(data["files"], schema=_LISTING_SCHEMA, orient="row")
+    except (KeyError, TypeError, ValueError, pl.exceptions.PolarsError):
+        return None
+    # Paths as the walk writes them: relative, inside the dataset folder (it skips dot entries).
+    inside = ~frame["relpath"].str.contains(r"(^/|(^|/)\.)")
+    return (frame, roots) if (frame["dataset"].is_in(list(roots)) & inside).all() else None
 
 
 def read_probe_table(path: Path, key: str) -> pl.DataFrame | None:
@@ -114,15 +146,18 @@ def read_probe_table(path: Path, key: str) -> pl.DataFrame | None:
 
 def run_shard(datasets: list[DatasetConfig], vcfg: ValidationConfig, *, shard: str, shards: int, out_path: Path,
               exclude: tuple[str, ...] = (), rehash: bool = False, workers: int | None = None,
-              console: Console | None = None) -> ShardResult:
+              console: Console | None = None, listing_path: Path | None = None) -> ShardResult:
     """Probe validation shard ``shard``'s new or changed media files; write its probe table.
 
-    Files whose dataset, path, size and mtime match a row of the shard's previous table
-    (``out_path``) keep that row (unless ``rehash``); the rest are probed by the worker pool.
-    The table is rewritten only when its content changes.
+    The shard's files come from ``listing_path`` (the workflow's listing, :func:`read_listing`)
+    when it is there and fits, else from listing the datasets. Files whose dataset, path, size and
+    mtime match a row of the shard's previous table (``out_path``) keep that row (unless
+    ``rehash``); the rest are probed by the worker pool. The table is rewritten only when its
+    content changes.
     """
     index, key = vshard_index(shard, shards), probe_key(vcfg)
-    listing, roots = _listing_frame(datasets, vcfg, index, shards, exclude)
+    listed = read_listing(listing_path, datasets, shard, shards)
+    listing, roots = listed or _listing_frame(datasets, vcfg, index, shards, exclude)
     previous = None if rehash else read_probe_table(out_path, key)
     if previous is not None:
         # The previous row of the same file, unchanged since (same size and mtime): reused as it is,
