@@ -315,6 +315,34 @@ def _size_conditioning(row: dict[str, Any], bucket: list[int], crop: tuple[float
     return {"original_size": list(size), "crop_top_left": list(crop_top_left(size, tuple(bucket[1:]), crop, flip))}
 
 
+def _planned_items(manifest_path: Path, by_name: dict[str, DatasetConfig], fps: float,
+                   frame_rule: tuple[int, int]) -> tuple[Any, list[dict[str, Any]], Any]:
+    """The manifest's items to plan (a polars table: not skipped by validation, clips long enough for a frame
+    bucket), the clips too short, and the manifest's ``max_pixels``.
+
+    Raises:
+        ValueError: the manifest names a dataset the config lacks, or leaves no item to train on.
+    """
+    # deferred: polars (start-up time of the CLI and of Snakemake's DAG, which import this module's callers)
+    from diffpipe.data.cache import plan_table
+
+    items, max_pixels = plan_table.read_items(manifest_path)
+    if (name := plan_table.unknown_dataset(items, set(by_name))) is not None:
+        raise ValueError(f"manifest {manifest_path} lists dataset {name!r}, which is not in the config; rerun "
+                         "the validate step")
+    kept, skipped = plan_table.kept(items)
+    too_short = [row for row in plan_table.clips(kept) if not _windows(row, by_name[row["dataset"]], fps, frame_rule)]
+    planned = plan_table.without(kept, [row["id"] for row in too_short])
+    n_train = plan_table.count_train(planned)
+    if not n_train:
+        raise ValueError(
+            f"the plan has no item to train on: {items.height} in the manifest {manifest_path}, {skipped} skipped "
+            f"by validation, {len(too_short)} shorter than every frame bucket, {planned.height - n_train} held out "
+            "for eval; see the validation report"
+        )
+    return planned, too_short, max_pixels
+
+
 def make_plan(
     manifest_path: str | Path,
     datasets: list[DatasetConfig],
@@ -351,22 +379,8 @@ def make_plan(
     from diffpipe.data.cache import plan_table
 
     manifest_path = Path(manifest_path)
-    items, max_pixels = plan_table.read_items(manifest_path)
     by_name = {d.name: d for d in datasets}
-    if (name := plan_table.unknown_dataset(items, set(by_name))) is not None:
-        raise ValueError(f"manifest {manifest_path} lists dataset {name!r}, which is not in the config; rerun "
-                         "the validate step")
-    kept, skipped = plan_table.kept(items)
-    too_short = [row for row in plan_table.clips(kept) if not _windows(row, by_name[row["dataset"]], fps, frame_rule)]
-    planned = plan_table.without(kept, [row["id"] for row in too_short])
-    n_train = plan_table.count_train(planned)
-    if not n_train:
-        raise ValueError(
-            f"the plan has no item to train on: {items.height} in the manifest {manifest_path}, {skipped} skipped "
-            f"by validation, {len(too_short)} shorter than every frame bucket, {planned.height - n_train} held out "
-            "for eval; see the validation report"
-        )
-    del items, kept
+    planned, too_short, max_pixels = _planned_items(manifest_path, by_name, fps, frame_rule)
     shards = plan_table.assign(planned["id"], cache_cfg.shards, _read_state(paths.plan_state, cache_cfg.shards))
     names = [shard_name(i) for i in range(cache_cfg.shards)]
     result = PlanResult(items=planned.height, shards=names, buckets={}, too_short=[r["path"] for r in too_short])

@@ -290,10 +290,8 @@ def run_validation(
 ) -> ValidationResult:
     """Scan datasets, write the manifest and both reports, return the counts.
 
-    Steps, per dataset (:func:`_validate_dataset`), a chunk of files at a time: list, reuse or probe
-    (:func:`_probe`), check captions, geometry, splits and tokens (:func:`_check_chunk`); then over the
-    whole manifest table: duplicates, statuses, issues and counts (:func:`_tally`); last, write the manifest
-    and reports (:func:`_write_outputs`).
+    Per dataset (:func:`_validate_dataset`), a chunk of files at a time: list, reuse or probe, check
+    (:func:`_check_chunk`); then over the whole table: duplicates, statuses, issues, counts (:func:`_tally`).
 
     Args:
         datasets: datasets to scan (names must be unique).
@@ -308,8 +306,7 @@ def run_validation(
         workers: probe processes (default: every core).
         console: where the progress bar goes (shown only on a terminal).
         exclude: the run's own folders (``discover.run_folders``), never listed as data.
-        probes: probe tables of validation shards (:mod:`diffpipe.data.dataset.vshards`): a file
-            still of the size and mtime a shard probed reuses that result instead of being read.
+        probes: validation shards' probe tables (:mod:`~diffpipe.data.dataset.vshards`), reused per file at its size+mtime.
     """
     # deferred: polars (start-up time of the CLI and of Snakemake's DAG, which import this module's callers)
     from diffpipe.data.dataset import columnar
@@ -324,21 +321,32 @@ def run_validation(
                  prev, reuse_probe=not rehash and prev_meta.get("probe_key") == probe_key_now, tokens=tokens,
                  prefixes={ds.name: ds.caption_prefix for ds in datasets}, workers=workers, console=console)
     if probes and not rehash:
-        from diffpipe.data.dataset.vshards import load_probes  # deferred: the decoders (start-up time)
-
-        scan.probed = load_probes(list(probes), vcfg)
+        scan.probed = _shard_probes(probes, vcfg)
     for ds in datasets:
         same = not rehash and prev_caption_keys.get(ds.name) == caption_keys[ds.name]
         _validate_dataset(scan, ds, exclude, same)
     table = _tally(scan, datasets)
-    meta = {"probe_key": probe_key_now, "caption_keys": json.dumps(caption_keys, sort_keys=True),
-            "max_pixels": str(vcfg.max_pixels)}  # max_pixels: the plan hands it to the cache jobs' decoders
+    meta = _manifest_meta(probe_key_now, caption_keys, vcfg)
     compared = prev_path == manifest_path and prev is not None  # else the file may hold these rows still
     unchanged = compared and prev_meta == meta and table.equals(prev)
     scan.prev = prev = None  # freed before the writes copy the table
     _write_outputs(scan.result, table, meta, unchanged, compared, manifest_path, Path(report_json),
                    Path(report_html))
     return scan.result
+
+
+def _manifest_meta(probe_key_now: str, caption_keys: dict[str, str], vcfg: ValidationConfig) -> dict[str, str]:
+    """The manifest's metadata: what decides reuse next time, and ``max_pixels`` (the plan hands it to the cache
+    jobs' decoders)."""
+    return {"probe_key": probe_key_now, "caption_keys": json.dumps(caption_keys, sort_keys=True),
+            "max_pixels": str(vcfg.max_pixels)}
+
+
+def _shard_probes(probes: tuple[Path, ...], vcfg: ValidationConfig):
+    """The validation shards' probe tables (:func:`diffpipe.data.dataset.vshards.load_probes`)."""
+    from diffpipe.data.dataset.vshards import load_probes  # deferred: the decoders (start-up time)
+
+    return load_probes(list(probes), vcfg)
 
 
 def _previous_path(manifest_path: Path, previous: str | Path | None) -> Path | None:
