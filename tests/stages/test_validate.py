@@ -539,3 +539,17 @@ def test_a_crashing_decoder_costs_only_its_file(tmp_path, monkeypatch):
     rows = _rows(tmp_path)
     assert rows["crash.png"]["reasons"] == ["corrupt_media"] and "crashed" in rows["crash.png"]["notes"][0]
     assert rows["crash.png"]["sha256"] and result.kept == 4
+
+
+def test_a_run_folder_named_like_a_glob_pattern_is_still_a_path(tmp_path, tokens):
+    """A run folder may hold ``[ ] * ?`` in its name: the manifest is read back as that path (polars would
+    otherwise expand it as a pattern and find nothing), so the rerun reuses every item and the plan reads it."""
+    from diffpipe.data.cache import plan_table
+
+    root, runs = tmp_path / "data", tmp_path / "run [x] *?"
+    write_demo_dataset(root, n=4, size=32)
+    _run(runs, root, tokens=tokens)
+    again = _run(runs, root, tokens=tokens)
+    assert (again.reused, again.manifest_changed) == (again.items, False)
+    items, _ = plan_table.read_items(runs / "out" / "manifest.parquet")
+    assert items.height == again.items

@@ -30,7 +30,8 @@ def read_items(manifest_path: Path) -> tuple[pl.DataFrame, bytes | None]:
         raise ValueError(f"manifest {manifest_path} not found; run the validate step first")
     schema = pq.read_schema(manifest_path)
     cols = _COLUMNS + [c for c in _NEWER if c in set(schema.names)]
-    items = pl.read_parquet(manifest_path, columns=cols, use_pyarrow=False)  # one copy (Arrow's would be two)
+    # glob=False: a run folder may hold [ ] * ? in its name; it is a path, never a pattern. One copy (Arrow's: two).
+    items = pl.read_parquet(manifest_path, columns=cols, use_pyarrow=False, glob=False)
     if not items["id"].is_sorted():  # validation writes it sorted; sorting again would copy every column
         items = items.sort("id")
     return items, (schema.metadata or {}).get(b"max_pixels")

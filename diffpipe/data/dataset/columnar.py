@@ -43,7 +43,7 @@ def read_manifest(path: Path | None) -> tuple[pl.DataFrame | None, dict[str, str
         if schema.remove_metadata() != MANIFEST_SCHEMA:
             return None, {}
         # polars' own reader: one copy of the columns (through Arrow, two would be alive at the peak)
-        table = pl.read_parquet(path, use_pyarrow=False)
+        table = pl.read_parquet(path, use_pyarrow=False, glob=False)  # a path with [ ] * ?, never a pattern
     except Exception:
         return None, {}
     return table, {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
