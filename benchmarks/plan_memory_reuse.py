@@ -31,15 +31,11 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from load_peak import _status  # noqa: E402  (the same /proc/self/status reader)
+
 REPO = Path(__file__).resolve().parents[1]
 GiB = 1024**3
-
-
-def _status(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1]) * 1024
-    raise RuntimeError(f"no {field} in /proc/self/status")
 
 
 def _flux_config(family: str):
