@@ -13,6 +13,7 @@ Entries are a whole section (``"cache"``) or one field of it (``"train.batch_siz
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -124,8 +125,20 @@ def _content_digest(path: Path) -> str:
     """A base LoRA's content digest; ``missing`` for a path that is not there (the train job says so)."""
     if path.is_dir():
         files = [*sorted(path.glob("adapter_*")), *sorted(path.glob("text_encoder*/adapter_*"))]
-        return sha256_bytes("\n".join(sha256_file(f) for f in files if f.is_file()).encode())
-    return sha256_file(path) if path.is_file() else "missing"
+        return sha256_bytes("\n".join(_file_digest(f, *_stat_key(f)) for f in files if f.is_file()).encode())
+    return _file_digest(path, *_stat_key(path)) if path.is_file() else "missing"
+
+
+def _stat_key(path: Path) -> tuple[int, int]:
+    st = path.stat()
+    return st.st_size, st.st_mtime_ns
+
+
+@functools.lru_cache(maxsize=64)
+def _file_digest(path: Path, size: int, mtime_ns: int) -> str:
+    """sha256 of ``path`` once per process while its size and mtime stay: each of the six stages that read base
+    LoRAs asks for their digests, in the workflow's start and in every job, and a base LoRA can be gigabytes."""
+    return sha256_file(path)
 
 
 # -- the stages as functions ---------------------------------------------------------
