@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from diffpipe.data.dataset.manifest_file import MANIFEST_SCHEMA
 from diffpipe.data.dataset.results import Issue
 from diffpipe.policy import Action
+from diffpipe.utils import atomic_path
 
 #: Items whose dicts live at once: enough to keep the probe pool busy, small next to the dataset.
 CHUNK = 8192
@@ -31,6 +32,9 @@ SCHEMA = pl.from_arrow(MANIFEST_SCHEMA.empty_table()).schema
 #: The probe columns of a validation shard's table, in the order :func:`chunk_lookups` hands them on.
 PROBE_COLUMNS = ("size", "mtime_ns", "kind", "sha256", "width", "height", "frames", "fps", "reasons", "notes")
 _KEPT = ("ok", "warning")
+#: Manifest rows converted to Arrow at once when the manifest is written (one row group each): the
+#: conversion copies every column, so a slice of it costs a slice's memory, not a second whole table.
+WRITE_ROWS = 131_072
 
 
 def read_manifest(path: Path | None) -> tuple[pl.DataFrame | None, dict[str, str]]:
@@ -198,3 +202,11 @@ def present(parts: list[pl.DataFrame], wanted: set[str]) -> set[str]:
 def to_arrow(df: pl.DataFrame, meta: dict[str, str]) -> pa.Table:
     """The manifest table as Parquet stores it: exactly :data:`MANIFEST_SCHEMA`, with ``meta``."""
     return df.to_arrow(compat_level=pl.CompatLevel.oldest()).cast(MANIFEST_SCHEMA.with_metadata(meta))
+
+
+def write_frame(path: Path, df: pl.DataFrame, meta: dict[str, str]) -> None:
+    """Write the manifest table as Parquet in :data:`MANIFEST_SCHEMA` with ``meta``, atomically, converting
+    :data:`WRITE_ROWS` rows to Arrow at a time (the file reads back as :func:`to_arrow` of the whole)."""
+    with atomic_path(path) as tmp, pq.ParquetWriter(tmp, MANIFEST_SCHEMA.with_metadata(meta)) as writer:
+        for start in range(0, df.height, WRITE_ROWS):
+            writer.write_table(to_arrow(df.slice(start, WRITE_ROWS), meta))
