@@ -46,3 +46,14 @@ def test_an_empty_manifest_is_written_with_its_schema(tmp_path):
     path = tmp_path / "manifest.parquet"
     columnar.write_frame(path, columnar.empty(), {})
     assert columnar.read_manifest(path)[0].height == 0
+
+
+def test_the_table_is_sorted_a_column_at_a_time_from_a_frame_handed_over():
+    rows = [{"id": f"{(i * 7) % 11:016x}", "dataset": "d", "relpath": f"{i}.png", "width": i, "reasons": [str(i)],
+             "notes": ["n"]} for i in range(11)]
+    frame = columnar.rows_frame(rows)
+    held = [frame.clone()]
+    out = columnar.take_sorted(held, "id")
+    assert held == []  # handed over: no second reference keeps the unsorted columns alive
+    assert out.equals(frame.sort("id"))
+    assert out.schema == frame.schema

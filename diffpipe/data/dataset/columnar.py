@@ -166,7 +166,7 @@ def row_issues(df: pl.DataFrame, actions: dict[str, Action]) -> list[Issue]:
 
 def dataset_counts(df: pl.DataFrame, names: list[str]) -> dict[str, dict[str, int]]:
     """Items, kept, skipped and eval items per dataset (every name, zeros for an empty one)."""
-    counts = df.group_by("dataset").agg(
+    counts = df.select("dataset", "status", "split").group_by("dataset").agg(
         items=pl.len(), kept=pl.col("status").is_in(_KEPT).sum(), eval=(pl.col("split") == "eval").sum())
     found = {row["dataset"]: row for row in counts.to_dicts()}
     out = {}
@@ -189,6 +189,22 @@ def unusable_note(df: pl.DataFrame, dataset: str, actions: dict[str, Action]) ->
     return (f"dataset {dataset}: {mine.height} found, {skipped.height} skipped{detail}, "
             f"{mine.height - skipped.height} held out for eval, 0 usable for training; fix the files the report "
             "lists (or the config's validation.actions, eval_files, eval_fraction)")
+
+
+def take_sorted(held: list[pl.DataFrame], key: str) -> pl.DataFrame:
+    """The one table in ``held`` (taken out of it) sorted by ``key``, a column at a time.
+
+    ``DataFrame.sort`` gathers every column before the unsorted ones are dropped, so the whole table
+    lives twice at the peak; here each column is freed once its sorted copy is made, so the peak holds one
+    column twice. The caller hands the table over in a list: a reference it kept would keep every column.
+    """
+    df = held.pop()
+    order = df.get_column(key).arg_sort()
+    out: list[pl.Series] = []
+    for name in df.columns:
+        out.append(df.get_column(name).gather(order))
+        df = df.drop(name)  # the last reference to the unsorted column
+    return pl.DataFrame(out)
 
 
 def present(parts: list[pl.DataFrame], wanted: set[str]) -> set[str]:

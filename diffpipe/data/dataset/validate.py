@@ -495,7 +495,8 @@ def _tally(scan: _Scan, datasets: list[DatasetConfig]) -> pl.DataFrame:
     for ds_name, path, reason, note in scan.extra:
         result.issues.append(Issue(ds_name, printable(path), reason, note, actions[reason]))
     result.datasets = columnar.dataset_counts(table, [ds.name for ds in datasets])
-    table = table.sort("id")
+    held, table = [table], None
+    table = columnar.take_sorted(held, "id")  # column by column: not the whole table twice
     result.items = table.height
     result.kept = sum(c["kept"] for c in result.datasets.values())
     result.skipped = result.items - result.kept
