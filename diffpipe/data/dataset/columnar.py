@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 from diffpipe.data.dataset.manifest_file import MANIFEST_SCHEMA
 from diffpipe.data.dataset.results import Issue
 from diffpipe.policy import Action
+from diffpipe.utils import atomic_path
 
 #: Items whose dicts live at once: enough to keep the probe pool busy, small next to the dataset.
 CHUNK = 8192
@@ -31,6 +32,9 @@ SCHEMA = pl.from_arrow(MANIFEST_SCHEMA.empty_table()).schema
 #: The probe columns of a validation shard's table, in the order :func:`chunk_lookups` hands them on.
 PROBE_COLUMNS = ("size", "mtime_ns", "kind", "sha256", "width", "height", "frames", "fps", "reasons", "notes")
 _KEPT = ("ok", "warning")
+#: Manifest rows converted to Arrow at once when the manifest is written (one row group each): the
+#: conversion copies every column, so a slice of it costs a slice's memory, not a second whole table.
+WRITE_ROWS = 131_072
 
 
 def read_manifest(path: Path | None) -> tuple[pl.DataFrame | None, dict[str, str]]:
@@ -162,7 +166,7 @@ def row_issues(df: pl.DataFrame, actions: dict[str, Action]) -> list[Issue]:
 
 def dataset_counts(df: pl.DataFrame, names: list[str]) -> dict[str, dict[str, int]]:
     """Items, kept, skipped and eval items per dataset (every name, zeros for an empty one)."""
-    counts = df.group_by("dataset").agg(
+    counts = df.select("dataset", "status", "split").group_by("dataset").agg(
         items=pl.len(), kept=pl.col("status").is_in(_KEPT).sum(), eval=(pl.col("split") == "eval").sum())
     found = {row["dataset"]: row for row in counts.to_dicts()}
     out = {}
@@ -187,6 +191,22 @@ def unusable_note(df: pl.DataFrame, dataset: str, actions: dict[str, Action]) ->
             "lists (or the config's validation.actions, eval_files, eval_fraction)")
 
 
+def take_sorted(held: list[pl.DataFrame], key: str) -> pl.DataFrame:
+    """The one table in ``held`` (taken out of it) sorted by ``key``, a column at a time.
+
+    ``DataFrame.sort`` gathers every column before the unsorted ones are dropped, so the whole table
+    lives twice at the peak; here each column is freed once its sorted copy is made, so the peak holds one
+    column twice. The caller hands the table over in a list: a reference it kept would keep every column.
+    """
+    df = held.pop()
+    order = df.get_column(key).arg_sort()
+    out: list[pl.Series] = []
+    for name in df.columns:
+        out.append(df.get_column(name).gather(order))
+        df = df.drop(name)  # the last reference to the unsorted column
+    return pl.DataFrame(out)
+
+
 def present(parts: list[pl.DataFrame], wanted: set[str]) -> set[str]:
     """Which of the relative paths ``wanted`` are rows of ``parts``."""
     if not wanted or not parts:
@@ -198,3 +218,11 @@ def present(parts: list[pl.DataFrame], wanted: set[str]) -> set[str]:
 def to_arrow(df: pl.DataFrame, meta: dict[str, str]) -> pa.Table:
     """The manifest table as Parquet stores it: exactly :data:`MANIFEST_SCHEMA`, with ``meta``."""
     return df.to_arrow(compat_level=pl.CompatLevel.oldest()).cast(MANIFEST_SCHEMA.with_metadata(meta))
+
+
+def write_frame(path: Path, df: pl.DataFrame, meta: dict[str, str]) -> None:
+    """Write the manifest table as Parquet in :data:`MANIFEST_SCHEMA` with ``meta``, atomically, converting
+    :data:`WRITE_ROWS` rows to Arrow at a time (the file reads back as :func:`to_arrow` of the whole)."""
+    with atomic_path(path) as tmp, pq.ParquetWriter(tmp, MANIFEST_SCHEMA.with_metadata(meta)) as writer:
+        for start in range(0, df.height, WRITE_ROWS):
+            writer.write_table(to_arrow(df.slice(start, WRITE_ROWS), meta))

@@ -495,7 +495,8 @@ def _tally(scan: _Scan, datasets: list[DatasetConfig]) -> pl.DataFrame:
     for ds_name, path, reason, note in scan.extra:
         result.issues.append(Issue(ds_name, printable(path), reason, note, actions[reason]))
     result.datasets = columnar.dataset_counts(table, [ds.name for ds in datasets])
-    table = table.sort("id")
+    held, table = [table], None
+    table = columnar.take_sorted(held, "id")  # column by column: not the whole table twice
     result.items = table.height
     result.kept = sum(c["kept"] for c in result.datasets.values())
     result.skipped = result.items - result.kept
@@ -514,8 +515,11 @@ def _write_outputs(result: ValidationResult, table: pl.DataFrame, meta: dict[str
     if unchanged:
         os.utime(manifest_path)  # newer than its inputs for Snakemake, same content
         result.manifest_changed = False
-    else:
-        result.manifest_changed = write_manifest(manifest_path, columnar.to_arrow(table, meta), compare=not compared)
+    elif compared or not manifest_path.is_file():  # known to differ: written a slice at a time
+        columnar.write_frame(manifest_path, table, meta)
+        result.manifest_changed = True
+    else:  # a file of unknown content (of another layout or damaged): compared row for row
+        result.manifest_changed = write_manifest(manifest_path, columnar.to_arrow(table, meta))
     write_reports(result, report_json=report_json, report_html=report_html)
     if result.errors:
         # A failed Snakemake job loses its outputs: keep copies it does not know about,

@@ -1,0 +1,59 @@
+"""What keeps validation's memory near its columns at millions of items (#43)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pyarrow.parquet as pq
+
+import diffpipe
+from diffpipe.data.dataset import columnar
+from diffpipe.data.dataset.manifest_file import MANIFEST_SCHEMA
+
+_SHOW = "import os, sys, diffpipe; print(os.environ.get('_RJEM_MALLOC_CONF'), 'polars' in sys.modules)"
+
+
+def _run(env: dict[str, str]) -> str:
+    out = subprocess.run([sys.executable, "-c", _SHOW], env=env, capture_output=True, text=True, check=True)
+    return out.stdout.strip()
+
+
+def test_importing_diffpipe_has_polars_return_freed_memory_before_polars_loads():
+    env = {k: v for k, v in os.environ.items() if k != "_RJEM_MALLOC_CONF"}
+    assert _run(env) == f"{diffpipe.POLARS_MALLOC_CONF} False"
+    # A user's own allocator setting stays.
+    assert _run({**env, "_RJEM_MALLOC_CONF": "narenas:2"}) == "narenas:2 False"
+
+
+def test_the_manifest_is_written_a_slice_at_a_time_in_its_schema(tmp_path, monkeypatch):
+    monkeypatch.setattr(columnar, "WRITE_ROWS", 3)
+    rows = [{"id": f"{i:016x}", "dataset": "d", "relpath": f"{i}.png", "reasons": [], "notes": []} for i in range(7)]
+    frame, meta = columnar.rows_frame(rows), {"probe_key": "k"}
+    path = tmp_path / "manifest.parquet"
+    columnar.write_frame(path, frame, meta)
+    with pq.ParquetFile(path) as f:
+        assert f.metadata.num_row_groups == 3  # 3 + 3 + 1 rows: one slice converted to Arrow at a time
+        table = f.read()
+    assert table.schema.remove_metadata() == MANIFEST_SCHEMA
+    assert table.schema.metadata[b"probe_key"] == b"k"
+    assert table.equals(columnar.to_arrow(frame, meta))
+    assert columnar.read_manifest(path)[0].equals(frame)
+
+
+def test_an_empty_manifest_is_written_with_its_schema(tmp_path):
+    path = tmp_path / "manifest.parquet"
+    columnar.write_frame(path, columnar.empty(), {})
+    assert columnar.read_manifest(path)[0].height == 0
+
+
+def test_the_table_is_sorted_a_column_at_a_time_from_a_frame_handed_over():
+    rows = [{"id": f"{(i * 7) % 11:016x}", "dataset": "d", "relpath": f"{i}.png", "width": i, "reasons": [str(i)],
+             "notes": ["n"]} for i in range(11)]
+    frame = columnar.rows_frame(rows)
+    held = [frame.clone()]
+    out = columnar.take_sorted(held, "id")
+    assert held == []  # handed over: no second reference keeps the unsorted columns alive
+    assert out.equals(frame.sort("id"))
+    assert out.schema == frame.schema
