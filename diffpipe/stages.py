@@ -31,7 +31,7 @@ from diffpipe.stage_inputs import (
     declared_keys,
     sample_export_format,
 )
-from diffpipe.utils import digest, sha256_bytes, sha256_file
+from diffpipe.utils import digest, sha256_bytes, sha256_file, stat_stamp
 
 if TYPE_CHECKING:
     from rich.console import Console
@@ -125,13 +125,8 @@ def _content_digest(path: Path) -> str:
     """A base LoRA's content digest; ``missing`` for a path that is not there (the train job says so)."""
     if path.is_dir():
         files = [*sorted(path.glob("adapter_*")), *sorted(path.glob("text_encoder*/adapter_*"))]
-        return sha256_bytes("\n".join(_file_digest(f, *_stat_key(f)) for f in files if f.is_file()).encode())
-    return _file_digest(path, *_stat_key(path)) if path.is_file() else "missing"
-
-
-def _stat_key(path: Path) -> tuple[int, int]:
-    st = path.stat()
-    return st.st_size, st.st_mtime_ns
+        return sha256_bytes("\n".join(_file_digest(f, *stat_stamp(f)) for f in files if f.is_file()).encode())
+    return _file_digest(path, *stat_stamp(path)) if path.is_file() else "missing"
 
 
 @functools.lru_cache(maxsize=64)

@@ -30,6 +30,12 @@ def sha256_file(path: str | os.PathLike, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def stat_stamp(path: str | os.PathLike) -> tuple[int, int]:
+    """A file's (size, mtime_ns): what a memo of its content is keyed on (raises ``OSError`` as ``os.stat``)."""
+    st = os.stat(path)
+    return st.st_size, st.st_mtime_ns
+
+
 def stable_json(obj: Any) -> str:
     """JSON with sorted keys and no whitespace variance: equal data, equal text."""
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), ensure_ascii=False)

@@ -63,10 +63,10 @@ def read_parquet(path: Path) -> pa.Table:
         return f.read()
 
 
-def write_manifest(path: Path, table: pa.Table, *, compare: bool = True) -> bool:
-    """Write the manifest unless it holds the same rows; unchanged -> only touch it. ``compare=False``: the
-    caller knows the file differs (it compared its rows already), so it is not read back."""
-    if compare and path.is_file():
+def write_manifest(path: Path, table: pa.Table) -> bool:
+    """Write the manifest unless it holds the same rows; unchanged -> only touch it. (Validation writes a
+    manifest it knows to differ a slice at a time instead: :func:`diffpipe.data.dataset.columnar.write_frame`.)"""
+    if path.is_file():
         try:
             old = read_parquet(path)
             # Parquet renames list items ("element"), so compare the keys apart from the columns.

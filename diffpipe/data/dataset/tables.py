@@ -40,7 +40,7 @@ from typing import Any
 from urllib.parse import quote, unquote
 
 from diffpipe.data.dataset.metadata import DEFAULT_NAMES, relative_path
-from diffpipe.utils import read_json_object
+from diffpipe.utils import read_json_object, stat_stamp
 
 SCHEMES = ("parquet", "arrow")
 _LOCATOR = re.compile(r"^(parquet|arrow):(.+)#row=(\d+)&column=([^#&]+)$")
@@ -127,13 +127,8 @@ def read_media(path: str) -> bytes:
     return data
 
 
-def _stamp(file: str) -> tuple[int, int]:
-    st = os.stat(file)
-    return st.st_size, st.st_mtime_ns
-
-
 def _cell_value(cell: Cell) -> Any:
-    size, mtime = _stamp(cell.file)
+    size, mtime = stat_stamp(cell.file)
     if cell.fmt == "arrow":
         table = _arrow_table(cell.file, size, mtime)
         if not 0 <= cell.row < table.num_rows:
