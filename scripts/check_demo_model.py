@@ -6,7 +6,8 @@ Prints one JSON line per part and writes a grid of the samples (a row per prompt
   the 3-pixel border, i.e. background) whose nearest demo colour survives encode + decode;
 - UNet + text encoder: for six prompts x four seeds, the share of border pixels whose nearest demo colour is
   the prompt's background (``bg_border_match``; chance is about 1/6), the share of non-background pixels
-  nearest the prompt's shape colour (``shape_fg_match``), and the learning check's ``shape_area``.
+  nearest the prompt's shape colour (``shape_fg_match``), and the learning check's statistic, the share
+  of all pixels nearest the prompt's shape colour (``shape_colour_share``; the demo images': 0.293).
 
     python scripts/check_demo_model.py config/demo_model --grid /tmp/grid.png [--steps 10] [--guidance 4]
 """
@@ -25,7 +26,7 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "scripts"), str(ROOT / "tests")]  # train_demo_model, demo_learning: plain modules
-from demo_learning import shape_area  # noqa: E402
+from demo_learning import colour_share  # noqa: E402
 from train_demo_model import base_dataset  # noqa: E402
 
 from diffpipe.data.dataset.demo import COLORS  # noqa: E402
@@ -68,12 +69,12 @@ def sample_check(folder: Path, steps: int, guidance: float, grid: Path) -> dict[
             n = nearest(np.asarray(im.convert("RGB"), dtype=np.float32))
             shape_px = n != NAMES.index(bg)
             found.append(((border(n) == NAMES.index(bg)).mean(),
-                          (n[shape_px] == NAMES.index(fg)).mean() if shape_px.any() else 0.0, shape_area(im)))
+                          (n[shape_px] == NAMES.index(fg)).mean() if shape_px.any() else 0.0, colour_share(im, fg)))
         rows.append(np.concatenate([np.asarray(i) for i in images], axis=1))
     Image.fromarray(np.concatenate(rows)).resize((512, 768), Image.NEAREST).save(grid)
     m = np.array(found).mean(axis=0)
     return {"bg_border_match": round(float(m[0]), 3), "shape_fg_match": round(float(m[1]), 3),
-            "shape_area": round(float(m[2]), 3)}
+            "shape_colour_share": round(float(m[2]), 3)}
 
 
 def main() -> None:

@@ -288,21 +288,25 @@ def _samples(run, lora_dir, out):
 
 
 def _training_images():
+    """The 16 demo images and their captions."""
     from PIL import Image
 
-    return [Image.open(p) for p in sorted((REPO_ROOT / "config" / "demo_data").glob("*.png"))]
+    pngs = sorted((REPO_ROOT / "config" / "demo_data").glob("*.png"))
+    return [Image.open(p) for p in pngs], [p.with_suffix(".txt").read_text().strip() for p in pngs]
 
 
 def test_demo_lora_moves_samples_toward_the_training_images(shipped):
     """The learning check: the base model draws small shapes, the 16 demo images hold large ones; the
-    LoRA's samples' mean shape area must be closer to the images' than the base samples' by MARGIN."""
-    from demo_learning import MARGIN, learning_gain, mean_area
+    share of the LoRA's samples drawn in the prompt's shape colour must be closer to the images' than
+    the base samples' share is, by MARGIN."""
+    from demo_learning import MARGIN, learning_gain, mean_share
 
     base, lora = _samples(shipped, shipped["paths"].adapter_dir, shipped["root"] / "samples")
-    train = _training_images()
-    gain = learning_gain(base, lora, train)
-    assert gain >= MARGIN, (f"shape area: base {mean_area(base):.3f}, LoRA {mean_area(lora):.3f}, "
-                            f"training images {mean_area(train):.3f}; gain {gain:.3f} < {MARGIN}")
+    train, captions = _training_images()
+    gain = learning_gain(base, lora, LEARN_PROMPTS, train, captions)
+    assert gain >= MARGIN, (f"shape-colour share: base {mean_share(base, LEARN_PROMPTS):.3f}, "
+                            f"LoRA {mean_share(lora, LEARN_PROMPTS):.3f}, training images "
+                            f"{mean_share(train, captions):.3f}; gain {gain:.3f} < {MARGIN}")
 
 
 def test_learning_check_fails_with_the_lora_zeroed(shipped):
@@ -320,4 +324,4 @@ def test_learning_check_fails_with_the_lora_zeroed(shipped):
     save_file(tensors, weights, metadata=metadata)
     base, lora = _samples(shipped, zeroed, shipped["root"] / "zeroed-samples")
     assert [im.tobytes() for im in lora] == [im.tobytes() for im in base]
-    assert learning_gain(base, lora, _training_images()) < MARGIN
+    assert learning_gain(base, lora, LEARN_PROMPTS, *_training_images()) < MARGIN
