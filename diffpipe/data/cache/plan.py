@@ -532,15 +532,16 @@ def _write_summary(paths: RunPaths, result: PlanResult, shards: dict[str, dict[s
         result.written.append(paths.plan_summary)
 
 
-def _read_state(path: Path, shards: int) -> dict[str, int] | None:
-    """The previous plan's item -> shard map (None when absent, damaged or for another shard count)."""
+def _read_state(path: Path, shards: int) -> Any:
+    """The previous plan's item -> shard table (None when absent, damaged or for another shard count)."""
+    # deferred: polars (start-up time, see make_plan)
+    from diffpipe.data.cache import plan_table
+
     try:
-        state = json.loads(Path(path).read_text())
+        text = Path(path).read_text()
     except (OSError, ValueError):
         return None
-    if not isinstance(state, dict) or state.get("shards") != shards:
-        return None
-    return state.get("assignment") or None
+    return plan_table.read_state(text, shards)
 
 
 def read_spec(path: str | Path) -> dict[str, Any]:
