@@ -20,8 +20,12 @@ files (path, kind, size, mtime), so a shard job reads them there instead of
 listing the whole dataset to keep its part (with 100 shards, 100 walks);
 run by hand without that file, the job lists the dataset itself.
 
-Only folder datasets are sharded; table datasets (Parquet, hub snapshots) and
-mask / control images are probed by the merging job, as in a single job.
+Table datasets (Parquet, saved or hub datasets) are split by table file: the
+listing gives a shard its table files (kind ``parquet`` / ``arrow``, the file's
+size and mtime), and the shard writes one row per table row into the same table
+(:mod:`diffpipe.data.dataset.tshards`); the merging job reads those rows and the
+caption column instead of the media. Mask and control images are probed by the
+merging job, as in a single job.
 """
 
 from __future__ import annotations
