@@ -115,7 +115,8 @@ def validate_shard(
         raise typer.BadParameter(f"no validation shard {shard!r}; the config has {which}", param_hint="--shard")
     result = stages.validate_shard(ValidateInputs.of(cfg), paths, shard, rehash=rehash, workers=workers,
                                    console=console)
-    say(f"validate-shard {shard}: {result.files} files, {result.probed} probed, {result.reused} unchanged; "
+    rows = (f" ({result.table_rows} table rows, {result.table_rows_probed} decoded)" if result.table_rows else "")
+    say(f"validate-shard {shard}: {result.files} files, {result.probed} probed, {result.reused} unchanged{rows}; "
         f"{'wrote' if result.changed else 'kept'} {paths.validate_probe(shard)}")
 
 

@@ -81,9 +81,12 @@ def dataset_fingerprint(cfg: Config) -> str:
             stats[rel] = (st.st_size, st.st_mtime_ns)
         entry = [ds.name, str(listing.root), sorted(stats.items()), sorted((p.rel, p.reason) for p in listing.problems)]
         entries.append(entry + ([listing.error] if listing.error else []))  # folders keep their digest
-        if shards and listing.table is None and listing.root_ok:
+        if shards and listing.root_ok:
             roots[ds.name] = str(listing.root)
-            for rel, kind in listing.media.items():
+            media = listing.media
+            if listing.table is not None:  # a table dataset's shards are its table files (tshards)
+                media = {os.path.relpath(f, listing.root): listing.table.fmt for f in listing.table.files}
+            for rel, kind in media.items():
                 per_shard[vshard_of(ds.name, rel, len(shards))].append([ds.name, rel, kind, *stats.get(rel, (0, 0))])
     target = Path(cfg.output_dir) / DATASET_FINGERPRINT
     write_if_changed(target, digest(entries) + "\n")

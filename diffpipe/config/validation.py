@@ -33,8 +33,8 @@ class ValidationConfig(Section):
     )
     shards: Int = Field(
         1,
-        description="Validation jobs that probe (hash and decode) a part of the listing each, split by path hash, "
-        "before one job merges their results and runs the checks over all items; a changed file reruns only its "
+        description="Validation jobs that probe (hash and decode) a part of the listing each, split by path hash "
+        "(a table dataset by table file), before one job merges their results and runs the checks over all items; a changed file reruns only its "
         "shard's job. 1: validation is one job (faster for small datasets; see docs/validation.md).",
         ge=1,
         le=4096,

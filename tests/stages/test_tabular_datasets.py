@@ -331,3 +331,55 @@ def test_hub_snapshot_of_files_reads_as_a_folder(tmp_path, monkeypatch):
                             workers=1)
     assert (result.items, result.kept, result.errors) == (3, 3, 0), result.issues
     assert sorted(r["caption"] for r in pq.read_table(p.manifest).to_pylist()) == [r["text"] for r in rows]
+
+
+def test_sharded_table_validation_equals_one_job_without_reading_media(tmp_path, monkeypatch):
+    """Parquet files split over 3 validation shards: each shard job hashes and probes its files' rows, the
+    merging job reads only the captions and gives the manifest and reports of one job (repeats of the same
+    bytes across files numbered in the same order); an edited file reruns only its shard, which probes only
+    the content it had not seen."""
+    from diffpipe.data.dataset import tables as tables_mod
+    from diffpipe.data.dataset.discover import vshard_names, vshard_of
+    from diffpipe.data.dataset.vshards import run_shard
+
+    good = [_png(i) for i in range(6)]
+    files = {f"data/train-0000{k}-of-00004.parquet": rows for k, rows in enumerate(
+        [[good[0], good[1][:60], good[2]], [good[0], _bomb_png(), None], [good[3], good[0]], [good[4], b""]])}
+    for rel, images in files.items():
+        _parquet(tmp_path / "pq" / rel, images, [f"{rel} {i}" for i in range(len(images))])
+    ds = DatasetConfig(name="p", path=str(tmp_path / "pq"), resolution=32)
+    vcfg = ValidationConfig(shards=3)
+
+    def validate(out: Path, probes=()):
+        p = RunPaths(out)
+        result = run_validation([ds], vcfg, manifest_path=p.manifest, report_json=p.report_json,
+                                report_html=p.report_html, workers=1, probes=tuple(probes))
+        return result, p
+
+    single, one = validate(tmp_path / "one")
+    probes = [tmp_path / "probe" / f"{n}.parquet" for n in vshard_names(3)]
+    shards = [run_shard([ds], vcfg, shard=n, shards=3, out_path=path, workers=1)
+              for n, path in zip(vshard_names(3), probes, strict=True)]
+    assert sum(s.table_rows for s in shards) == 10 and sum(s.files for s in shards) == 4
+    read = []
+    real = tables_mod.iter_rows
+    monkeypatch.setattr("diffpipe.data.dataset.table_items.iter_rows",
+                        lambda t, cols: read.append(cols) or real(t, cols))
+    merged, many = validate(tmp_path / "many", probes)
+    assert read and all(cols == ["text"] for cols in read)  # no media column read by the merge
+    assert (merged.items, merged.kept, merged.counts) == (single.items, single.kept, single.counts)
+    assert pq.read_table(one.manifest).equals(pq.read_table(many.manifest))
+    for a, b in ((one.report_json, many.report_json), (one.report_html, many.report_html)):
+        assert a.read_text() == b.read_text().replace(str(many.root), str(one.root))
+    monkeypatch.undo()
+
+    # One file edited: its shard alone reruns, and probes only the new content (good[5]).
+    _parquet(tmp_path / "pq/data/train-00003-of-00004.parquet", [good[4], good[5]], ["x", "y"])
+    again = [run_shard([ds], vcfg, shard=n, shards=3, out_path=path, workers=1)
+             for n, path in zip(vshard_names(3), probes, strict=True)]
+    home = vshard_of("p", "data/train-00003-of-00004.parquet", 3)
+    assert [s.changed for s in again] == [i == home for i in range(3)]
+    assert again[home].table_rows_probed == 1
+    single, one = validate(tmp_path / "one")
+    merged, many = validate(tmp_path / "many", probes)
+    assert pq.read_table(one.manifest).equals(pq.read_table(many.manifest))

@@ -67,23 +67,39 @@ def test_deepspeed_config_from_ours(tmp_path):
     assert ds["gradient_clipping"] == 0  # written even at 0: DeepSpeed clips at 1.0 when the key is missing
 
 
-def test_a_changed_file_changes_only_its_validation_shards_fingerprint(tmp_path):
+def _parquet_files(data, n):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    for i in range(n):
+        pq.write_table(pa.table({"image": [b"x" * (i + 1)], "text": ["a cat"]}), data / f"{i:02d}.parquet")
+
+
+@pytest.mark.parametrize("layout", ["files", "parquet"])
+def test_a_changed_file_changes_only_its_validation_shards_fingerprint(tmp_path, layout):
+    """A folder's media file, or a table dataset's Parquet file: only its validation shard's listing changes."""
     from diffpipe.data.dataset.discover import vshard_names, vshard_of
     from diffpipe.paths import RunPaths
 
     data = tmp_path / "data"
     data.mkdir()
-    for i in range(12):
-        (data / f"{i:02d}.png").write_bytes(b"x")
+    ext = "png" if layout == "files" else "parquet"
+    if layout == "files":
+        for i in range(12):
+            (data / f"{i:02d}.png").write_bytes(b"x")
+    else:
+        _parquet_files(data, 12)
     cfg = _cfg(tmp_path, datasets=[{"name": "d", "path": str(data)}], validation={"shards": 3})
     dw.dataset_fingerprint(cfg)
     listings = [RunPaths(cfg.output_dir).validate_listing(n) for n in vshard_names(3)]
     before = [p.read_text() for p in listings]
-    (data / "05.png").write_bytes(b"yy")  # new size
-    (data / "05.txt").write_text("a cat")  # a caption: the merging job's, no shard's
+    assert sum(len(json.loads(text)["files"]) for text in before) == 12
+    (data / f"05.{ext}").write_bytes(b"yy")  # new size
+    if layout == "files":
+        (data / "05.txt").write_text("a cat")  # a caption: the merging job's, no shard's
     dw.dataset_fingerprint(cfg)
     changed = [i for i, p in enumerate(listings) if p.read_text() != before[i]]
-    assert changed == [vshard_of("d", "05.png", 3)]
+    assert changed == [vshard_of("d", f"05.{ext}", 3)]
     assert dw.validation_probes(cfg) == [str(tmp_path / "out" / f"validate/probe/{n}.parquet")
                                          for n in ("v0000", "v0001", "v0002")]
     assert dw.validation_probes(_cfg(tmp_path)) == []  # shards: 1, one job

@@ -28,7 +28,7 @@ from diffpipe.data.dataset import captions as cap
 from diffpipe.data.dataset.checks import PROBE_REASONS, add_reason
 from diffpipe.data.dataset.metadata import CAPTION_COLUMNS, pick_column
 from diffpipe.data.dataset.tables import Cell, TableError, Tables, cell_bytes, iter_rows, locator, schema_of
-from diffpipe.utils import digest
+from diffpipe.utils import digest, stat_stamp
 
 #: Manifest fields a probe fills, reused with the hash.
 PROBE_KEYS = ("sha256", "kind", "width", "height", "frames", "fps")
@@ -66,10 +66,15 @@ def collect(
     reuse_probe: bool,
     issue: Any,
     chunk: int,
+    covered: Callable[[str, int, int], Any] | None = None,
 ) -> Iterator[tuple[list[dict[str, Any]], list[tuple[int, str, str]], dict[str, dict[str, Any]]]]:
     """Manifest rows (captions attached, probe results reused by content), ``chunk`` rows at a time: each
     chunk's rows, the cells among them to probe (index, locator, kind) and the previous manifest's rows of
-    their item ids (``lookup``)."""
+    their item ids (``lookup``).
+
+    ``covered(file relpath, size, mtime)``: a validation shard's rows of a table file
+    (:func:`diffpipe.data.dataset.tshards.file_probes`), or None; a covered file's media column is not read,
+    its rows take their hash and probe results from there."""
     found = _columns(ds, tables, root, issue)
     if found is None:
         return
@@ -77,21 +82,62 @@ def collect(
     rows: list[dict[str, Any]] = []
     shas: list[str | None] = []
     copies: Counter[str] = Counter()
+    n = 0
     try:
-        for n, (file, index, values) in enumerate(iter_rows(tables, [media, cap_col])):
-            where = f"row {index} of {os.path.basename(file)}"
-            loc = locator(Cell(tables.fmt, file, index, media))
-            row, sha = _row(ds, f"{tables.split}/{n}", loc, where, values[media], kind, copies)
-            _caption(ds, row, values[cap_col], f"{where}, column {cap_col!r},")
-            rows.append(row)
-            shas.append(sha)
-            if len(rows) == chunk:
-                yield _reuse_or_queue(rows, shas, lookup, reuse_probe)
-                rows, shas = [], []
+        for file in tables.files:
+            probed = _covered(covered, root, file)
+            one = Tables(tables.fmt, [file], tables.split, tables.extra)
+            cells = iter_rows(one, [cap_col] if probed is not None else [media, cap_col])
+            for k, (_, index, values) in enumerate(cells):
+                where = f"row {index} of {os.path.basename(file)}"
+                loc = locator(Cell(tables.fmt, file, index, media))
+                if probed is not None:
+                    if k >= len(probed):  # the stamp matched, yet the file has more rows: rewritten in place
+                        raise TableError(f"{file} has more rows than its validation shard recorded; run "
+                                         "validation again (the shard's job rereads it)")
+                    row, sha = _probed_row(ds, f"{tables.split}/{n}", loc, probed[k], kind, copies)
+                else:
+                    row, sha = _row(ds, f"{tables.split}/{n}", loc, where, values[media], kind, copies)
+                _caption(ds, row, values[cap_col], f"{where}, column {cap_col!r},")
+                rows.append(row)
+                shas.append(None if row.get("_reused") else sha)
+                n += 1
+                if len(rows) == chunk:
+                    yield _reuse_or_queue(rows, shas, lookup, reuse_probe)
+                    rows, shas = [], []
     except TableError as err:
         issue(str(root), "bad_metadata", str(err))
     if rows:
         yield _reuse_or_queue(rows, shas, lookup, reuse_probe)
+
+
+def _covered(covered: Callable[[str, int, int], Any] | None, root: Path, file: str) -> list[tuple[Any, ...]] | None:
+    """A validation shard's rows of ``file`` as tuples (sha256, size, kind, width, height, frames, fps, reasons,
+    notes), in row order; None when no shard covered the file as it is now."""
+    if covered is None:
+        return None
+    try:
+        size, mtime = stat_stamp(file)
+    except OSError:
+        return None
+    rows = covered(os.path.relpath(file, root), size, mtime)
+    if rows is None:
+        return None
+    return list(rows.select("sha256", "size", "kind", "width", "height", "frames", "fps", "reasons", "notes")
+                .iter_rows())
+
+
+def _probed_row(ds: DatasetConfig, rel: str, loc: str, probe: tuple[Any, ...], kind: str,
+                copies: Counter[str]) -> tuple[dict[str, Any], str | None]:
+    """A row of a covered file: its hash and probe results come from its validation shard."""
+    sha, size, *_, reasons, notes = probe
+    row = _row_of(ds, rel, loc, sha, size, kind, copies)
+    if sha is None:  # no bytes in the cell: the shard wrote its missing_file note
+        for reason, note in zip(reasons, notes, strict=True):
+            add_reason(row, reason, note)
+        return row, None
+    _reuse(row, dict(zip(("sha256", "size", *PROBE_KEYS[1:], "reasons", "notes"), probe, strict=True)))
+    return row, sha
 
 
 def _columns(ds: DatasetConfig, tables: Tables, root: Path, issue: Any) -> tuple[str, str, str] | None:
@@ -149,18 +195,34 @@ def _row(
     """A row's manifest fields before probing, and the SHA-256 of its media bytes (None: no bytes)."""
     data = cell_bytes(cell)
     sha = hashlib.sha256(data).hexdigest() if data is not None else None
+    row = _row_of(ds, rel, loc, sha, len(data) if data is not None else 0, kind, copies)
+    if data is None:
+        add_reason(row, "missing_file", missing_note(where, cell, kind))
+    return row, sha
+
+
+def missing_note(where: str, cell: Any, kind: str) -> str:
+    """The ``missing_file`` note of a cell without media bytes."""
+    named = cell.get("path") if isinstance(cell, dict) else None
+    only = f" (only a path, {named!r}: store the {kind} bytes in the table)" if named else ""
+    return f"{where}: the cell holds no {kind} bytes{only}"
+
+
+def _row_of(ds: DatasetConfig, rel: str, loc: str, sha: str | None, size: int, kind: str,
+            copies: Counter[str]) -> dict[str, Any]:
+    """A row's manifest fields before probing; its id numbers repeats of ``sha`` over the whole dataset."""
     if sha is not None:
         key = item_key(sha, copies[sha])
         copies[sha] += 1
     else:
         key = f"row:{rel}"
-    row: dict[str, Any] = {
+    return {
         "id": digest([ds.name, key])[:16],
         "dataset": ds.name,
         "path": loc,
         "relpath": rel,
         "kind": kind,
-        "size": len(data) if data is not None else 0,
+        "size": size,
         "mtime_ns": None,
         **dict.fromkeys(("sha256", "width", "height", "frames", "fps")),
         "reasons": [],
@@ -168,11 +230,6 @@ def _row(
         **dict.fromkeys(("caption_file", "caption_size", "caption_mtime_ns")),
         "_draw": key,  # the eval_fraction draw follows the content, not the row's position
     }
-    if data is None:
-        named = cell.get("path") if isinstance(cell, dict) else None
-        only = f" (only a path, {named!r}: store the {kind} bytes in the table)" if named else ""
-        add_reason(row, "missing_file", f"{where}: the cell holds no {kind} bytes{only}")
-    return row, sha
 
 
 def _reuse(row: dict[str, Any], prev: dict[str, Any]) -> None:

@@ -265,6 +265,8 @@ class _Scan:
     probed: pl.DataFrame | None = None
     #: The tokenizers start loading while the first files are probed.
     prefetched: bool = False
+    #: Validation shards' probe tables, in shard order (table datasets read them per table file).
+    probe_paths: tuple[Path, ...] = ()
     #: Each listed dataset's root folder.
     roots: dict[str, Path] = field(default_factory=dict)
 
@@ -322,6 +324,7 @@ def run_validation(
                  prefixes={ds.name: ds.caption_prefix for ds in datasets}, workers=workers, console=console)
     if probes and not rehash:
         scan.probed = _shard_probes(probes, vcfg)
+        scan.probe_paths = tuple(probes)
     for ds in datasets:
         same = not rehash and prev_caption_keys.get(ds.name) == caption_keys[ds.name]
         _validate_dataset(scan, ds, exclude, same)
@@ -424,10 +427,13 @@ def _quiet(*_: Any) -> None:
 def _table_dataset(scan: _Scan, ds: DatasetConfig, listing: Listing, issue: Any) -> None:
     """A table dataset's rows (Parquet, a saved or hub dataset), a chunk at a time."""
     from diffpipe.data.dataset import columnar  # deferred: polars (see run_validation)
+    from diffpipe.data.dataset.tshards import file_probes  # deferred: polars (see run_validation)
 
     lookup = columnar.lookup_ids(scan.prev, ds.name)
     wanted, parts = eval_files(ds, listing.root), []
-    chunks = table_items.collect(ds, listing.table, listing.root, lookup, scan.reuse_probe, issue, columnar.CHUNK)
+    covered = file_probes(list(scan.probe_paths), scan.vcfg, len(scan.probe_paths))
+    chunks = table_items.collect(ds, listing.table, listing.root, lookup, scan.reuse_probe, issue, columnar.CHUNK,
+                                 covered=lambda file, size, mtime: covered(ds.name, file, size, mtime))
     for rows, jobs, previous in chunks:
         for row in rows:
             row.update({f"{role}_{col}": None for role in AUX_ROLES for col in aux_images.COLUMNS})

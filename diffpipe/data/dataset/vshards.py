@@ -20,8 +20,12 @@ files (path, kind, size, mtime), so a shard job reads them there instead of
 listing the whole dataset to keep its part (with 100 shards, 100 walks);
 run by hand without that file, the job lists the dataset itself.
 
-Only folder datasets are sharded; table datasets (Parquet, hub snapshots) and
-mask / control images are probed by the merging job, as in a single job.
+Table datasets (Parquet, saved or hub datasets) are split by table file: the
+listing gives a shard its table files (kind ``parquet`` / ``arrow``, the file's
+size and mtime), and the shard writes one row per table row into the same table
+(:mod:`diffpipe.data.dataset.tshards`); the merging job reads those rows and the
+caption column instead of the media. Mask and control images are probed by the
+merging job, as in a single job.
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ import pyarrow.parquet as pq
 from rich.console import Console
 
 from diffpipe.config import DatasetConfig, ValidationConfig
+from diffpipe.data.dataset import tshards
 from diffpipe.data.dataset.checks import PROBE_REASONS
 from diffpipe.data.dataset.discover import dataset_root, list_dataset, vshard_name, vshard_names, vshard_of
 from diffpipe.data.dataset.pool import probe_files
+from diffpipe.data.dataset.tshards import TABLE_KINDS
 from diffpipe.data.dataset.validate import probe_key
 from diffpipe.utils import atomic_path
 
@@ -81,6 +87,8 @@ class ShardResult:
     probed: int = 0  # read this run
     reused: int = 0  # taken from the shard's previous table (size and mtime unchanged)
     changed: bool = False  # the table was rewritten
+    table_rows: int = 0  # rows of table files (tshards)
+    table_rows_probed: int = 0  # of which content decoded this run
 
 
 #: A shard's listing: one row per media file.
@@ -95,10 +103,13 @@ def _listing_frame(datasets: list[DatasetConfig], vcfg: ValidationConfig, index:
     roots: dict[str, str] = {}
     for ds in datasets:
         listing = list_dataset(ds, vcfg, with_stats=True, exclude=exclude)
-        if not listing.root_ok or listing.table is not None:
-            continue  # nothing to probe here: the merging job reports it / reads the table
+        if not listing.root_ok:
+            continue  # nothing to probe here: the merging job reports it
         roots[ds.name] = str(listing.root)
-        for rel, kind in listing.media.items():
+        media = listing.media
+        if listing.table is not None:  # table files, by their format (tshards)
+            media = {os.path.relpath(f, listing.root): listing.table.fmt for f in listing.table.files}
+        for rel, kind in media.items():
             if vshard_of(ds.name, rel, shards) != index:
                 continue
             size, mtime = listing.stats.get(rel, (0, 0))
@@ -133,6 +144,16 @@ def read_listing(path: Path | None, datasets: list[DatasetConfig], shard: str,
 
 def read_probe_table(path: Path, key: str) -> pl.DataFrame | None:
     """A probe table as a DataFrame; None when absent, damaged, of another layout or another probe key."""
+    got = _read_probe(path, key)
+    return None if got is None else got[0]
+
+
+def read_probe_meta(path: Path, vcfg: ValidationConfig) -> tuple[pl.DataFrame, dict[bytes, bytes]] | None:
+    """A probe table and its metadata (:func:`read_probe_table`), for the probe key of ``vcfg``."""
+    return _read_probe(path, probe_key(vcfg))
+
+
+def _read_probe(path: Path, key: str) -> tuple[pl.DataFrame, dict[bytes, bytes]] | None:
     try:
         with pq.ParquetFile(path) as f:
             table = f.read()
@@ -141,7 +162,7 @@ def read_probe_table(path: Path, key: str) -> pl.DataFrame | None:
     meta = table.schema.metadata or {}
     if table.schema.remove_metadata() != PROBE_SCHEMA or meta.get(b"probe_key") != key.encode():
         return None
-    return pl.from_arrow(table)
+    return pl.from_arrow(table), meta
 
 
 def run_shard(datasets: list[DatasetConfig], vcfg: ValidationConfig, *, shard: str, shards: int, out_path: Path,
@@ -158,7 +179,13 @@ def run_shard(datasets: list[DatasetConfig], vcfg: ValidationConfig, *, shard: s
     index, key = vshard_index(shard, shards), probe_key(vcfg)
     listed = read_listing(listing_path, datasets, shard, shards)
     listing, roots = listed or _listing_frame(datasets, vcfg, index, shards, exclude)
-    previous = None if rehash else read_probe_table(out_path, key)
+    got = None if rehash else _read_probe(out_path, key)
+    previous, old_meta = got or (None, {})
+    is_table = pl.col("kind").is_in(TABLE_KINDS)
+    tables, listing = listing.filter(is_table), listing.filter(~is_table)
+    table_rows, stamps, decoded = _table_rows(datasets, vcfg, tables, roots, previous, old_meta, workers, console)
+    if previous is not None:
+        previous = previous.filter(~pl.col("relpath").str.contains("#row=", literal=True))
     if previous is not None:
         # The previous row of the same file, unchanged since (same size and mtime): reused as it is,
         # with the kind its probe found (content sniffing may correct the extension's guess).
@@ -177,10 +204,32 @@ def run_shard(datasets: list[DatasetConfig], vcfg: ValidationConfig, *, shard: s
         pl.Series("reasons", [[r for r, _ in p["problems"]] for p in probes], dtype=pl.List(pl.String)),
         pl.Series("notes", [[n for _, n in p["problems"]] for p in probes], dtype=pl.List(pl.String)),
     ).select(PROBE_SCHEMA.names)
-    table = pl.concat([reused, fresh]).sort("dataset", "relpath").to_arrow()
-    table = table.cast(PROBE_SCHEMA.with_metadata({"probe_key": key, "shard": shard, "shards": str(shards)}))
+    table = pl.concat([reused, fresh, *table_rows]).sort("dataset", "relpath").to_arrow()
+    meta = {"probe_key": key, "shard": shard, "shards": str(shards), "table_files": json.dumps(stamps, sort_keys=True)}
+    table = table.cast(PROBE_SCHEMA.with_metadata(meta))
     changed = _write_table(out_path, table)
-    return ShardResult(files=listing.height, probed=todo.height, reused=reused.height, changed=changed)
+    rows = sum(t.height for t in table_rows)
+    return ShardResult(files=listing.height + tables.height, probed=todo.height, reused=reused.height,
+                       changed=changed, table_rows=rows, table_rows_probed=decoded)
+
+
+def _table_rows(datasets: list[DatasetConfig], vcfg: ValidationConfig, tables: pl.DataFrame, roots: dict[str, str],
+                previous: pl.DataFrame | None, old_meta: dict[bytes, bytes], workers: int | None,
+                console: Console | None) -> tuple[list[pl.DataFrame], dict[str, list[int]], int]:
+    """The probe rows of the shard's table files (:mod:`~diffpipe.data.dataset.tshards`), and each file's
+    size and mtime as read (the merge trusts the rows only for a file still of that size and mtime)."""
+    by_name = {ds.name: ds for ds in datasets}
+    old = tshards.table_stamps(old_meta)
+    parts, stamps, decoded = [], {}, 0
+    for name, rel, fmt, size, mtime in tables.select("dataset", "relpath", "kind", "size", "mtime_ns").iter_rows():
+        key = tshards.stamp_key(name, rel)
+        rows, probed = tshards.shard_rows(by_name[name], roots[name], rel, fmt, size, mtime, previous, old.get(key),
+                                          vcfg, workers, console)
+        decoded += probed
+        if rows is not None:
+            parts.append(rows)
+            stamps[key] = [size, mtime]
+    return parts, stamps, decoded
 
 
 def _reusable() -> pl.Expr:
@@ -217,5 +266,7 @@ def load_probes(paths: list[Path], vcfg: ValidationConfig) -> pl.DataFrame | Non
     again by the merging job, which joins this table to each folder's listing:
     :func:`diffpipe.data.dataset.columnar.align`)."""
     key = probe_key(vcfg)
-    frames = [df for p in paths if (df := read_probe_table(Path(p), key)) is not None]
-    return pl.concat(frames).filter(_reusable()) if frames else None
+    # Table rows (tshards) are read per table file by the merge, not joined here.
+    folder = _reusable() & ~pl.col("relpath").str.contains("#row=", literal=True)
+    frames = [df.filter(folder) for p in paths if (df := read_probe_table(Path(p), key)) is not None]
+    return pl.concat(frames) if frames else None
