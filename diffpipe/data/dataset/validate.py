@@ -323,8 +323,7 @@ def run_validation(
                  prev, reuse_probe=not rehash and prev_meta.get("probe_key") == probe_key_now, tokens=tokens,
                  prefixes={ds.name: ds.caption_prefix for ds in datasets}, workers=workers, console=console)
     if probes and not rehash:
-        scan.probed = _shard_probes(probes, vcfg)
-        scan.probe_paths = tuple(probes)
+        _use_shard_probes(scan, tuple(probes))
     for ds in datasets:
         same = not rehash and prev_caption_keys.get(ds.name) == caption_keys[ds.name]
         _validate_dataset(scan, ds, exclude, same)
@@ -345,11 +344,13 @@ def _manifest_meta(probe_key_now: str, caption_keys: dict[str, str], vcfg: Valid
             "max_pixels": str(vcfg.max_pixels)}
 
 
-def _shard_probes(probes: tuple[Path, ...], vcfg: ValidationConfig):
-    """The validation shards' probe tables (:func:`diffpipe.data.dataset.vshards.load_probes`)."""
+def _use_shard_probes(scan: _Scan, probes: tuple[Path, ...]) -> None:
+    """Reuse the validation shards' probe tables (:func:`diffpipe.data.dataset.vshards.load_probes`):
+    folder files' probes loaded now, table files' rows read per file as each table is scanned."""
     from diffpipe.data.dataset.vshards import load_probes  # deferred: the decoders (start-up time)
 
-    return load_probes(list(probes), vcfg)
+    scan.probed = load_probes(list(probes), scan.vcfg)
+    scan.probe_paths = probes
 
 
 def _previous_path(manifest_path: Path, previous: str | Path | None) -> Path | None:
