@@ -20,6 +20,7 @@ job as in a single job.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -28,6 +29,7 @@ from typing import Any
 import polars as pl
 
 from diffpipe.config import DatasetConfig, ValidationConfig
+from diffpipe.data.dataset.discover import vshard_of
 from diffpipe.data.dataset.pool import probe_files
 from diffpipe.data.dataset.tables import Cell, Tables, cell_bytes, iter_rows, locator
 
@@ -91,8 +93,6 @@ def shard_rows(ds: DatasetConfig, root: str, rel: str, fmt: str, size: int, mtim
 
 
 def _sha(data: bytes | None) -> str | None:
-    import hashlib
-
     return hashlib.sha256(data).hexdigest() if data is not None else None
 
 
@@ -128,7 +128,7 @@ def stamp_key(dataset: str, rel: str) -> str:
 def file_probes(paths: list[Path], vcfg: ValidationConfig, shards: int) -> Any:
     """For the merging job: a function (dataset, file relpath, size, mtime) -> the file's probe rows in row
     order (sha256, size and the probe columns), or None when the shards did not cover the file whole."""
-    from diffpipe.data.dataset.discover import vshard_of
+    # deferred: vshards imports this module at its top (a cycle at import time)
     from diffpipe.data.dataset.vshards import _reusable, read_probe_meta
 
     last: dict[int, tuple[pl.DataFrame, dict[str, list[int]]] | None] = {}
