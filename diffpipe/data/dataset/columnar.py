@@ -35,11 +35,16 @@ _KEPT = ("ok", "warning")
 #: Manifest rows converted to Arrow at once when the manifest is written (one row group each): the
 #: conversion copies every column, so a slice of it costs a slice's memory, not a second whole table.
 WRITE_ROWS = 131_072
+#: The previous manifest's columns validation reads back (probe, caption, token and aux file reuse; the join
+#: keys). The locator, the caption text and its hash, the split and the status are always computed anew, so a
+#: rerun does not hold them for every previous row (0.17 KiB of a table row's 0.5).
+REUSED = tuple(c for c in MANIFEST_SCHEMA.names if c not in ("path", "caption", "caption_sha256", "split", "status"))
 
 
-def read_manifest(path: Path | None) -> tuple[pl.DataFrame | None, dict[str, str]]:
-    """A previous manifest (sorted by id, as written) and its metadata; (None, {}) when absent, damaged or
-    of another layout: either only costs the reuse."""
+def read_manifest(path: Path | None, columns: tuple[str, ...] | None = None
+                  ) -> tuple[pl.DataFrame | None, dict[str, str]]:
+    """A previous manifest (sorted by id, as written; only ``columns`` when given) and its metadata; (None, {})
+    when absent, damaged or of another layout: either only costs the reuse."""
     if path is None or not path.is_file():
         return None, {}
     try:
@@ -47,7 +52,8 @@ def read_manifest(path: Path | None) -> tuple[pl.DataFrame | None, dict[str, str
         if schema.remove_metadata() != MANIFEST_SCHEMA:
             return None, {}
         # polars' own reader: one copy of the columns (through Arrow, two would be alive at the peak)
-        table = pl.read_parquet(path, use_pyarrow=False, glob=False)  # a path with [ ] * ?, never a pattern
+        table = pl.read_parquet(path, columns=list(columns) if columns else None, use_pyarrow=False,
+                                glob=False)  # a path with [ ] * ?, never a pattern
     except Exception:
         return None, {}
     return _nulls_typeless(table), {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
@@ -234,6 +240,25 @@ def present(parts: list[pl.DataFrame], wanted: set[str]) -> set[str]:
 def to_arrow(df: pl.DataFrame, meta: dict[str, str]) -> pa.Table:
     """The manifest table as Parquet stores it: exactly :data:`MANIFEST_SCHEMA`, with ``meta``."""
     return df.to_arrow(compat_level=pl.CompatLevel.oldest()).cast(MANIFEST_SCHEMA.with_metadata(meta))
+
+
+def same_as_file(path: Path, df: pl.DataFrame, meta: dict[str, str]) -> bool:
+    """Whether the manifest file at ``path`` holds ``df`` in :data:`MANIFEST_SCHEMA` with ``meta``, read
+    :data:`WRITE_ROWS` rows at a time (the previous manifest is not held whole for the comparison; polars reads
+    them, as its allocator returns freed pages where Arrow's pool keeps them)."""
+    try:
+        with pq.ParquetFile(path) as f:
+            schema, rows = f.schema_arrow, f.metadata.num_rows
+        held = {k.decode(): v.decode() for k, v in (schema.metadata or {}).items()}
+        if rows != df.height or schema.remove_metadata() != MANIFEST_SCHEMA or held != meta:
+            return False
+        lazy = pl.scan_parquet(path, glob=False)  # a path with [ ] * ?, never a pattern
+        for start in range(0, df.height, WRITE_ROWS):
+            if not lazy.slice(start, WRITE_ROWS).collect().equals(df.slice(start, WRITE_ROWS).cast(SCHEMA)):
+                return False
+    except Exception:  # damaged or unreadable: not the same, so it is written anew
+        return False
+    return True
 
 
 def write_frame(path: Path, df: pl.DataFrame, meta: dict[str, str]) -> None:

@@ -315,7 +315,7 @@ def run_validation(
 
     manifest_path = Path(manifest_path)
     prev_path = _previous_path(manifest_path, previous)
-    prev, prev_meta = columnar.read_manifest(prev_path)
+    prev, prev_meta = columnar.read_manifest(prev_path, columnar.REUSED)
     probe_key_now = probe_key(vcfg)
     caption_keys = {ds.name: digest([ds.caption_lines, ds.caption_style])[:16] for ds in datasets}
     prev_caption_keys = json.loads(prev_meta.get("caption_keys", "{}"))
@@ -327,11 +327,11 @@ def run_validation(
     for ds in datasets:
         same = not rehash and prev_caption_keys.get(ds.name) == caption_keys[ds.name]
         _validate_dataset(scan, ds, exclude, same)
+    compared = prev_path == manifest_path and prev is not None  # else the file may hold these rows still
+    scan.prev = prev = scan.probed = None  # read only by the scan: freed before the whole-table checks
     table = _tally(scan, datasets)
     meta = _manifest_meta(probe_key_now, caption_keys, vcfg)
-    compared = prev_path == manifest_path and prev is not None  # else the file may hold these rows still
-    unchanged = compared and prev_meta == meta and table.equals(prev)
-    scan.prev = prev = None  # freed before the writes copy the table
+    unchanged = compared and prev_meta == meta and columnar.same_as_file(manifest_path, table, meta)
     _write_outputs(scan.result, table, meta, unchanged, compared, manifest_path, Path(report_json),
                    Path(report_html))
     return scan.result
