@@ -71,7 +71,7 @@ def test_the_carried_wheels_pin_the_versions_the_suite_passes_with():
     assert {k: v for k, v in carried.items() if k in tested} == {k: tested[k] for k in carried if k in tested}
     # polars' wheel (54 MB) does not fit beside the rest. Importing the kit's entry points must not load it;
     # validate and plan load it when they run (their tables: columnar.py, plan_table.py), as do validation
-    # shards (vshards.py, tshards.py), so a kit run of those stages needs polars on the machine or their outputs carried.
+    # shards (vshards.py, tshards.py, their probe_table.py), so a kit run of those stages needs polars on the machine or their outputs carried.
     assert "polars" not in carried
     probe = ("import sys, diffpipe.cli, diffpipe.stages, diffpipe.training.loop, diffpipe.data.dataset.validate, "
              "diffpipe.data.cache.plan, diffpipe.export.api; print('polars' in sys.modules)")
@@ -79,7 +79,7 @@ def test_the_carried_wheels_pin_the_versions_the_suite_passes_with():
     assert out.stdout.strip().splitlines()[-1] == "False", out.stderr[-2000:]
     importers = {p.name for p in (ROOT / "diffpipe").rglob("*.py")
                  if re.search(r"^(import|from) polars", p.read_text(), re.M)}  # at module level
-    assert importers <= {"vshards.py", "tshards.py", "columnar.py", "plan_table.py"}, importers
+    assert importers <= {"vshards.py", "tshards.py", "probe_table.py", "columnar.py", "plan_table.py"}, importers
 
 
 def test_a_run_out_of_time_still_leaves_a_row_for_every_check(tmp_path):

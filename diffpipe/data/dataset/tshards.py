@@ -5,7 +5,7 @@ shard of a file is :func:`diffpipe.data.dataset.discover.vshard_of` of the datas
 file's path relative to the dataset root, as for a media file of a folder. The shard job reads
 each of its files' media column row by row, hashes the bytes, probes (decodes) only content its
 previous table did not cover (by SHA-256), and writes one probe-table row per table row
-(:data:`diffpipe.data.dataset.vshards.PROBE_SCHEMA`): ``relpath`` is ``<file>#row=<n>``
+(:data:`diffpipe.data.dataset.probe_table.PROBE_SCHEMA`): ``relpath`` is ``<file>#row=<n>``
 (:func:`row_relpath`), ``size`` the media bytes' length, ``mtime_ns`` the table file's mtime. A file
 whose size and mtime match what the previous table recorded (its metadata ``table_files``) keeps its
 rows unread.
@@ -31,10 +31,9 @@ import polars as pl
 from diffpipe.config import DatasetConfig, ValidationConfig
 from diffpipe.data.dataset.discover import vshard_of
 from diffpipe.data.dataset.pool import probe_files
+from diffpipe.data.dataset.probe_table import PROBE_SCHEMA, read_probe_meta, reusable
 from diffpipe.data.dataset.tables import Cell, Tables, cell_bytes, iter_rows, locator
 
-#: The kinds a shard listing gives table files (their format); media files have image / video.
-TABLE_KINDS = ("parquet", "arrow")
 _ROW = "#row="
 _PROBED = ("kind", "width", "height", "frames", "fps", "reasons", "notes")
 
@@ -97,19 +96,15 @@ def _sha(data: bytes | None) -> str | None:
 
 
 def _schema() -> dict[str, Any]:
-    from diffpipe.data.dataset.vshards import PROBE_SCHEMA  # deferred: vshards imports this module
-
     return dict(pl.from_arrow(PROBE_SCHEMA.empty_table()).schema)
 
 
 def _by_sha(previous: pl.DataFrame | None, dataset: str) -> dict[str, tuple[Any, ...]]:
     """Probe results of the previous table's table rows of ``dataset``, by content (only reusable ones)."""
-    from diffpipe.data.dataset.vshards import _reusable  # deferred: vshards imports this module
-
     if previous is None:
         return {}
     rows = previous.filter((pl.col("dataset") == dataset) & pl.col("relpath").str.contains(_ROW, literal=True)
-                           & _reusable()).unique("sha256", keep="first", maintain_order=True)
+                           & reusable()).unique("sha256", keep="first", maintain_order=True)
     return {r[0]: r[1:] for r in rows.select("sha256", *_PROBED).iter_rows()}
 
 
@@ -128,9 +123,6 @@ def stamp_key(dataset: str, rel: str) -> str:
 def file_probes(paths: list[Path], vcfg: ValidationConfig, shards: int) -> Any:
     """For the merging job: a function (dataset, file relpath, size, mtime) -> the file's probe rows in row
     order (sha256, size and the probe columns), or None when the shards did not cover the file whole."""
-    # deferred: vshards imports this module at its top (a cycle at import time)
-    from diffpipe.data.dataset.vshards import _reusable, read_probe_meta
-
     last: dict[int, tuple[pl.DataFrame, dict[str, list[int]]] | None] = {}
 
     def find(dataset: str, rel: str, size: int, mtime: int) -> pl.DataFrame | None:
@@ -148,7 +140,7 @@ def file_probes(paths: list[Path], vcfg: ValidationConfig, shards: int) -> Any:
         rows = held[0].filter((pl.col("dataset") == dataset) & pl.col("relpath").str.starts_with(rel + _ROW))
         rows = rows.with_columns(_n=pl.col("relpath").str.slice(len(rel) + len(_ROW)).cast(pl.Int64)).sort("_n")
         complete = rows.height and (rows["_n"] == pl.int_range(rows.height, eager=True)).all()
-        usable = _reusable() | (pl.col("sha256").is_null() & (pl.col("reasons") == pl.lit(["missing_file"])))
+        usable = reusable() | (pl.col("sha256").is_null() & (pl.col("reasons") == pl.lit(["missing_file"])))
         if not complete or not rows.select(usable.all()).item() or not (rows["mtime_ns"] == mtime).all():
             return None
         return rows.drop("_n")

@@ -43,31 +43,12 @@ from rich.console import Console
 
 from diffpipe.config import DatasetConfig, ValidationConfig
 from diffpipe.data.dataset import tshards
-from diffpipe.data.dataset.checks import PROBE_REASONS
 from diffpipe.data.dataset.discover import dataset_root, list_dataset, vshard_name, vshard_names, vshard_of
 from diffpipe.data.dataset.pool import probe_files
-from diffpipe.data.dataset.tshards import TABLE_KINDS
+from diffpipe.data.dataset.probe_table import PROBE_SCHEMA, TABLE_KINDS, read_probe, read_probe_table, reusable
 from diffpipe.data.dataset.validate import probe_key
 from diffpipe.utils import atomic_path
 
-#: One row per media file of the shard: its stat when probed and what probing found.
-PROBE_SCHEMA = pa.schema(
-    [
-        ("dataset", pa.string()),
-        ("relpath", pa.string()),
-        ("size", pa.int64()),
-        ("mtime_ns", pa.int64()),
-        ("kind", pa.string()),
-        ("sha256", pa.string()),
-        ("width", pa.int32()),
-        ("height", pa.int32()),
-        ("frames", pa.int32()),
-        ("fps", pa.float64()),
-        ("reasons", pa.list_(pa.string())),  # what probing found; a row with another reason
-        # than PROBE_REASONS (``unreadable``) is probed again, never reused
-        ("notes", pa.list_(pa.string())),
-    ]
-)
 _KEYS = ["dataset", "relpath", "size", "mtime_ns"]
 
 
@@ -142,29 +123,6 @@ def read_listing(path: Path | None, datasets: list[DatasetConfig], shard: str,
     return (frame, roots) if (frame["dataset"].is_in(list(roots)) & inside).all() else None
 
 
-def read_probe_table(path: Path, key: str) -> pl.DataFrame | None:
-    """A probe table as a DataFrame; None when absent, damaged, of another layout or another probe key."""
-    got = _read_probe(path, key)
-    return None if got is None else got[0]
-
-
-def read_probe_meta(path: Path, vcfg: ValidationConfig) -> tuple[pl.DataFrame, dict[bytes, bytes]] | None:
-    """A probe table and its metadata (:func:`read_probe_table`), for the probe key of ``vcfg``."""
-    return _read_probe(path, probe_key(vcfg))
-
-
-def _read_probe(path: Path, key: str) -> tuple[pl.DataFrame, dict[bytes, bytes]] | None:
-    try:
-        with pq.ParquetFile(path) as f:
-            table = f.read()
-    except Exception:  # a damaged table only costs the reuse
-        return None
-    meta = table.schema.metadata or {}
-    if table.schema.remove_metadata() != PROBE_SCHEMA or meta.get(b"probe_key") != key.encode():
-        return None
-    return pl.from_arrow(table), meta
-
-
 def run_shard(datasets: list[DatasetConfig], vcfg: ValidationConfig, *, shard: str, shards: int, out_path: Path,
               exclude: tuple[str, ...] = (), rehash: bool = False, workers: int | None = None,
               console: Console | None = None, listing_path: Path | None = None) -> ShardResult:
@@ -179,7 +137,7 @@ def run_shard(datasets: list[DatasetConfig], vcfg: ValidationConfig, *, shard: s
     index, key = vshard_index(shard, shards), probe_key(vcfg)
     listed = read_listing(listing_path, datasets, shard, shards)
     listing, roots = listed or _listing_frame(datasets, vcfg, index, shards, exclude)
-    got = None if rehash else _read_probe(out_path, key)
+    got = None if rehash else read_probe(out_path, key)
     previous, old_meta = got or (None, {})
     is_table = pl.col("kind").is_in(TABLE_KINDS)
     tables, listing = listing.filter(is_table), listing.filter(~is_table)
@@ -190,7 +148,7 @@ def run_shard(datasets: list[DatasetConfig], vcfg: ValidationConfig, *, shard: s
         # The previous row of the same file, unchanged since (same size and mtime): reused as it is,
         # with the kind its probe found (content sniffing may correct the extension's guess).
         joined = listing.join(previous.rename({"kind": "kind_probed"}), on=_KEYS, how="left")
-        hit = _reusable()
+        hit = reusable()
         reused = joined.filter(hit).with_columns(pl.col("kind_probed").alias("kind")).select(PROBE_SCHEMA.names)
         todo = joined.filter(~hit).select(*_KEYS, "kind")
     else:
@@ -232,12 +190,6 @@ def _table_rows(datasets: list[DatasetConfig], vcfg: ValidationConfig, tables: p
     return parts, stamps, decoded
 
 
-def _reusable() -> pl.Expr:
-    """A probe that stands for its file while unchanged: content hashed, only content reasons."""
-    known = pl.lit(sorted(PROBE_REASONS), dtype=pl.List(pl.String))
-    return pl.col("sha256").is_not_null() & (pl.col("reasons").list.set_difference(known).list.len() == 0)
-
-
 def _empty() -> pl.DataFrame:
     return pl.from_arrow(PROBE_SCHEMA.empty_table())
 
@@ -267,6 +219,6 @@ def load_probes(paths: list[Path], vcfg: ValidationConfig) -> pl.DataFrame | Non
     :func:`diffpipe.data.dataset.columnar.align`)."""
     key = probe_key(vcfg)
     # Table rows (tshards) are read per table file by the merge, not joined here.
-    folder = _reusable() & ~pl.col("relpath").str.contains("#row=", literal=True)
+    folder = reusable() & ~pl.col("relpath").str.contains("#row=", literal=True)
     frames = [df.filter(folder) for p in paths if (df := read_probe_table(Path(p), key)) is not None]
     return pl.concat(frames) if frames else None
