@@ -338,6 +338,7 @@ def test_sharded_table_validation_equals_one_job_without_reading_media(tmp_path,
     merging job reads only the captions and gives the manifest and reports of one job (repeats of the same
     bytes across files numbered in the same order); an edited file reruns only its shard, which probes only
     the content it had not seen."""
+    from diffpipe.data.dataset import table_items
     from diffpipe.data.dataset import tables as tables_mod
     from diffpipe.data.dataset.discover import vshard_names, vshard_of
     from diffpipe.data.dataset.vshards import run_shard
@@ -361,12 +362,15 @@ def test_sharded_table_validation_equals_one_job_without_reading_media(tmp_path,
     shards = [run_shard([ds], vcfg, shard=n, shards=3, out_path=path, workers=1)
               for n, path in zip(vshard_names(3), probes, strict=True)]
     assert sum(s.table_rows for s in shards) == 10 and sum(s.files for s in shards) == 4
-    read = []
-    real = tables_mod.iter_rows
+    read, counters = [], []
+    real, repeats = tables_mod.iter_rows, table_items.Repeats
     monkeypatch.setattr("diffpipe.data.dataset.table_items.iter_rows",
                         lambda t, cols: read.append(cols) or real(t, cols))
+    monkeypatch.setattr(table_items, "Repeats", lambda only: counters.append(r := repeats(only)) or r)
     merged, many = validate(tmp_path / "many", probes)
     assert read and all(cols == ["text"] for cols in read)  # no media column read by the merge
+    # Repeats are counted only for the content found more than once in the shards' columns (good[0], 3 copies).
+    assert [dict(c.counts) for c in counters] == [{hashlib.sha256(good[0]).hexdigest(): 3}]
     assert (merged.items, merged.kept, merged.counts) == (single.items, single.kept, single.counts)
     assert pq.read_table(one.manifest).equals(pq.read_table(many.manifest))
     for a, b in ((one.report_json, many.report_json), (one.report_html, many.report_html)):

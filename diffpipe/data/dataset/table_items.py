@@ -81,11 +81,13 @@ def collect(
     media, cap_col, kind = found
     rows: list[dict[str, Any]] = []
     shas: list[str | None] = []
-    copies: Counter[str] = Counter()
+    copies = Repeats(_repeated(covered, root, tables.files))
     n = 0
     try:
         for file in tables.files:
             probed = _covered(covered, root, file)
+            if probed is None and copies.only is not None:  # its shard's rows were read a moment ago
+                raise TableError(f"{file} changed while it was validated; run validation again")
             one = Tables(tables.fmt, [file], tables.split, tables.extra)
             cells = iter_rows(one, [cap_col] if probed is not None else [media, cap_col])
             for k, (_, index, values) in enumerate(cells):
@@ -111,16 +113,58 @@ def collect(
         yield _reuse_or_queue(rows, shas, lookup, reuse_probe)
 
 
-def _covered(covered: Callable[[str, int, int], Any] | None, root: Path, file: str) -> list[tuple[Any, ...]] | None:
-    """A validation shard's rows of ``file`` as tuples (sha256, size, kind, width, height, frames, fps, reasons,
-    notes), in row order; None when no shard covered the file as it is now."""
+class Repeats:
+    """Which copy of its content each row is (the ``#k`` of :func:`item_key`), over the whole dataset in row
+    order. Given ``only``, the 60-bit prefixes of the hashes that occur more than once (:func:`_repeated`),
+    only those hashes are counted and every other row is the first copy: a counter over every hash held
+    about 150 bytes a row (1.5 GB at 10 million rows) for the few that repeat."""
+
+    def __init__(self, only: set[int] | None = None) -> None:
+        self.only = only
+        self.counts: Counter[str] = Counter()
+
+    def next(self, sha: str) -> int:
+        if self.only is not None and int(sha[:15], 16) not in self.only:
+            return 0
+        k = self.counts[sha]
+        self.counts[sha] = k + 1
+        return k
+
+
+def _repeated(covered: Callable[[str, int, int], Any] | None, root: Path, files: list[str]) -> set[int] | None:
+    """The 60-bit prefixes of the hashes found more than once in the validation shards' rows of ``files``
+    (column-wise, 8 bytes a row while it runs); None when a file is not covered (its hashes are known only
+    once its media is read: every hash is counted then)."""
+    parts = []
+    for file in files:
+        rows = _covered_frame(covered, root, file)
+        if rows is None:
+            return None
+        parts.append(rows["sha256"].drop_nulls().str.slice(0, 15).str.to_integer(base=16))
+    if not parts:
+        return set()
+    prefixes = parts[0]
+    for part in parts[1:]:
+        prefixes.append(part)  # in place: no module import of polars here (its import costs start-up time)
+    return set(prefixes.filter(prefixes.is_duplicated()).unique().to_list())
+
+
+def _covered_frame(covered: Callable[[str, int, int], Any] | None, root: Path, file: str) -> Any:
+    """A validation shard's rows of ``file`` (a polars table in row order); None when no shard covered the
+    file as it is now."""
     if covered is None:
         return None
     try:
         size, mtime = stat_stamp(file)
     except OSError:
         return None
-    rows = covered(os.path.relpath(file, root), size, mtime)
+    return covered(os.path.relpath(file, root), size, mtime)
+
+
+def _covered(covered: Callable[[str, int, int], Any] | None, root: Path, file: str) -> list[tuple[Any, ...]] | None:
+    """A validation shard's rows of ``file`` as tuples (sha256, size, kind, width, height, frames, fps, reasons,
+    notes), in row order; None when no shard covered the file as it is now."""
+    rows = _covered_frame(covered, root, file)
     if rows is None:
         return None
     return list(rows.select("sha256", "size", "kind", "width", "height", "frames", "fps", "reasons", "notes")
@@ -128,7 +172,7 @@ def _covered(covered: Callable[[str, int, int], Any] | None, root: Path, file: s
 
 
 def _probed_row(ds: DatasetConfig, rel: str, loc: str, probe: tuple[Any, ...], kind: str,
-                copies: Counter[str]) -> tuple[dict[str, Any], str | None]:
+                copies: Repeats) -> tuple[dict[str, Any], str | None]:
     """A row of a covered file: its hash and probe results come from its validation shard."""
     sha, size, *_, reasons, notes = probe
     row = _row_of(ds, rel, loc, sha, size, kind, copies)
@@ -190,7 +234,7 @@ def _reuse_or_queue(
 
 
 def _row(
-    ds: DatasetConfig, rel: str, loc: str, where: str, cell: Any, kind: str, copies: Counter[str]
+    ds: DatasetConfig, rel: str, loc: str, where: str, cell: Any, kind: str, copies: Repeats
 ) -> tuple[dict[str, Any], str | None]:
     """A row's manifest fields before probing, and the SHA-256 of its media bytes (None: no bytes)."""
     data = cell_bytes(cell)
@@ -209,11 +253,10 @@ def missing_note(where: str, cell: Any, kind: str) -> str:
 
 
 def _row_of(ds: DatasetConfig, rel: str, loc: str, sha: str | None, size: int, kind: str,
-            copies: Counter[str]) -> dict[str, Any]:
+            copies: Repeats) -> dict[str, Any]:
     """A row's manifest fields before probing; its id numbers repeats of ``sha`` over the whole dataset."""
     if sha is not None:
-        key = item_key(sha, copies[sha])
-        copies[sha] += 1
+        key = item_key(sha, copies.next(sha))
     else:
         key = f"row:{rel}"
     return {
