@@ -224,8 +224,11 @@ def take_sorted(held: list[pl.DataFrame], key: str) -> pl.DataFrame:
     order = df.get_column(key).arg_sort()
     out: list[pl.Series] = []
     for name in df.columns:
-        out.append(df.get_column(name).gather(order))
-        df = df.drop(name)  # the last reference to the unsorted column
+        col = df.get_column(name)
+        if col.dtype.is_nested():  # a list column of many chunks (one per scan chunk) gathers through a builder
+            col = col.rechunk()  # that held ~0.7 KiB a row even for empty lists; in one chunk, a few bytes
+        out.append(col.gather(order))
+        col, df = None, df.drop(name)  # the last references to the unsorted column
     return pl.DataFrame(out)
 
 
