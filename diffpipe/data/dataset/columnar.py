@@ -4,7 +4,8 @@ Validation holds one Python dict per item only while a chunk of items (:data:`CH
 checked one by one (captions read, geometry, tokens); each chunk then becomes columns
 (:func:`rows_frame`) and its dicts are dropped. What needs every row runs on the whole table: the
 duplicates (a window over content keys), each row's status, the counts per dataset, the issues of
-flagged rows, and the comparison with the previous manifest. The previous manifest is a table too:
+flagged rows; the comparison with the previous manifest reads its file a slice at a time
+(:func:`same_as_file`). The previous manifest's reused columns (:data:`REUSED`) are a table too:
 a folder's listing is joined to it on the relative path (:func:`align`), a table dataset's rows are
 looked up by their content-keyed item id (:func:`lookup_ids`), and only the chunk at hand becomes dicts.
 """

@@ -134,7 +134,8 @@ class Repeats:
 def _repeated(covered: Callable[[str, int, int], Any] | None, root: Path, files: list[str]) -> set[int] | None:
     """The 60-bit prefixes of the hashes found more than once in the validation shards' rows of ``files``
     (column-wise, 8 bytes a row while it runs); None when a file is not covered (its hashes are known only
-    once its media is read: every hash is counted then)."""
+    once its media is read: every hash is counted then). Each shard's table is read here and once more by the
+    scan (one shard's table is held at a time): the I/O of the probe tables twice, for a set of the repeats."""
     parts = []
     for file in files:
         rows = _covered_frame(covered, root, file)
