@@ -322,13 +322,15 @@ def test_sharded_validation_equals_one_job_and_reprobes_one_shard(dataset, tmp_p
 
 
 def test_chunks_of_four_items_give_the_same_manifest_and_reports(dataset, tmp_path, tokens, monkeypatch):
-    """Validation holds a chunk of items as dicts at a time: duplicates across chunks, orphan captions, eval
-    files, a missing mask folder (one issue, not one per chunk) and the rerun's reuse come out as in one chunk."""
-    from diffpipe.data.dataset import columnar
+    """Validation holds a chunk of items as dicts at a time, and gets the folder's files from the walk three at
+    a time, as columns: duplicates across chunks, orphan captions, eval files, a missing mask folder (one issue,
+    not one per chunk) and the rerun's reuse come out as in one chunk of one batch."""
+    from diffpipe.data.dataset import columnar, discover
 
     ds = _ds(dataset, eval_files=["shape_000.png", "nope.png"], mask_path=str(tmp_path / "no-masks"))
     whole = _run(tmp_path / "whole", [ds], tokens=tokens, workers=1)
     monkeypatch.setattr(columnar, "CHUNK", 4)
+    monkeypatch.setattr(discover, "BATCH_FILES", 3)
     small = _run(tmp_path / "small", [ds], tokens=tokens, workers=1)
     a, b = tmp_path / "whole" / "out", tmp_path / "small" / "out"
     assert pq.read_table(a / "manifest.parquet").equals(pq.read_table(b / "manifest.parquet"))

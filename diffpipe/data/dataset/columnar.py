@@ -12,8 +12,10 @@ looked up by their content-keyed item id (:func:`lookup_ids`), and only the chun
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
+import os
+from collections import ChainMap, Counter
+from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from diffpipe.data.dataset.discover import Listing
 from diffpipe.data.dataset.manifest_file import MANIFEST_SCHEMA
 from diffpipe.data.dataset.results import Issue
 from diffpipe.policy import Action
@@ -40,6 +43,80 @@ WRITE_ROWS = 131_072
 #: keys). The locator, the caption text and its hash, the split and the status are always computed anew, so a
 #: rerun does not hold them for every previous row (0.17 KiB of a table row's 0.5).
 REUSED = tuple(c for c in MANIFEST_SCHEMA.names if c not in ("path", "caption", "caption_sha256", "split", "status"))
+
+
+#: A folder listing's files as columns (:class:`FolderFiles`): the kind takes a byte a row.
+FILES_SCHEMA = {"relpath": pl.String, "stem": pl.String, "kind": pl.Enum(["image", "video", "caption"]),
+                "size": pl.Int64, "mtime_ns": pl.Int64}
+
+
+class FolderFiles:
+    """A dataset folder's media and caption files as columns (:data:`FILES_SCHEMA`), filled by the walk a batch
+    at a time (the ``batch`` of :func:`diffpipe.data.dataset.discover.list_dataset`).
+
+    As Python objects (a path string, a (size, mtime) tuple and dict entries per file) a listing held ~0.5 KiB
+    an item through the whole scan; as columns it holds what the paths' bytes and two integers need.
+    """
+
+    def __init__(self) -> None:
+        self.parts: list[pl.DataFrame] = []
+
+    def add(self, media: dict[str, str], captions: list[str], stats: dict[str, tuple[int, int]]) -> None:
+        rels = [*media, *captions]
+        self.parts.append(files_frame(rels, [*media.values(), *["caption"] * len(captions)], stats))
+
+    def tables(self) -> tuple[pl.DataFrame, pl.DataFrame]:
+        """(media files, caption files), each sorted by relative path; the batches are let go."""
+        files = pl.concat(self.parts) if self.parts else pl.DataFrame(schema=FILES_SCHEMA)
+        self.parts = []
+        is_caption = pl.col("kind") == "caption"
+        return files.filter(~is_caption).sort("relpath"), files.filter(is_caption).sort("relpath")
+
+
+def files_frame(rels: list[str], kinds: list[str], stats: dict[str, tuple[int, int]]) -> pl.DataFrame:
+    """Files as :data:`FILES_SCHEMA` columns (``stem``: the path without its extension, as ``os.path.splitext``
+    cuts it); size and mtime null where ``stats`` has none."""
+    st = [stats.get(r) for r in rels]
+    return pl.DataFrame({"relpath": rels, "stem": [os.path.splitext(r)[0] for r in rels], "kind": kinds,
+                         "size": [s[0] if s else None for s in st], "mtime_ns": [s[1] if s else None for s in st]},
+                        schema=FILES_SCHEMA)
+
+
+def not_listed(files: pl.DataFrame, rels: Iterable[str]) -> list[str]:
+    """The paths of ``rels`` that are not rows of ``files`` (in their order)."""
+    rels = list(rels)
+    series = pl.Series([r for r in rels if _utf8(r)], dtype=pl.String)  # a lone surrogate is no polars string,
+    missing = set(series.filter(~series.is_in(files["relpath"].implode())).to_list())  # nor a listed file
+    return [r for r in rels if r in missing or not _utf8(r)]
+
+
+def _utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def without(files: pl.DataFrame, rels: set[str]) -> pl.DataFrame:
+    """``files`` less the rows of the paths ``rels``."""
+    drop = sorted(r for r in rels if _utf8(r))
+    return files.filter(~pl.col("relpath").is_in(drop)) if drop else files
+
+
+def with_files(files: pl.DataFrame, rels: list[str], kind: str) -> pl.DataFrame:
+    """``files`` and the files ``rels`` (of ``kind``, no stats), sorted by path."""
+    return pl.concat([files, files_frame(rels, [kind] * len(rels), {})]).sort("relpath") if rels else files
+
+
+def with_captions(media: pl.DataFrame, captions: pl.DataFrame) -> tuple[pl.DataFrame, list[str]]:
+    """Each media file with its same-stem caption file (``caption_file``, ``caption_size``,
+    ``caption_mtime_ns``; null when it has none), and the caption files no media file shares a stem with.
+    Of two caption files with one stem (``a.txt``, ``a.TXT``) the later in path order is the stem's."""
+    caps = captions.unique("stem", keep="last", maintain_order=True)
+    orphans = caps.join(media.select("stem"), on="stem", how="anti", maintain_order="left")["relpath"].to_list()
+    caps = caps.select("stem", caption_file="relpath", caption_size="size", caption_mtime_ns="mtime_ns")
+    return media.join(caps, on="stem", how="left", maintain_order="left").drop("stem"), orphans
 
 
 def read_manifest(path: Path | None, columns: tuple[str, ...] | None = None
@@ -90,11 +167,12 @@ def concat(parts: list[pl.DataFrame]) -> pl.DataFrame:
     return pl.concat(parts, how="vertical_relaxed") if parts else empty()  # a Null column takes another's type
 
 
-def align(dataset: str, rels: list[str], prev: pl.DataFrame | None, probes: pl.DataFrame | None) -> pl.DataFrame:
-    """A folder's media files (``rels``, in order) joined on their relative path to the index of the previous
-    manifest's row (``prev_row``: the rows stay where they are, not copied) and to a validation shard's
-    probe (``probe_*`` columns)."""
-    out = pl.DataFrame({"relpath": rels}, schema={"relpath": pl.String})
+def align(dataset: str, files: pl.DataFrame, prev: pl.DataFrame | None, probes: pl.DataFrame | None
+          ) -> pl.DataFrame:
+    """A folder's media files (``files``, rows in order; a ``relpath`` column) joined on their relative path to
+    the index of the previous manifest's row (``prev_row``: the rows stay where they are, not copied) and to a
+    validation shard's probe (``probe_*`` columns)."""
+    out = files
     if prev is not None:
         mine = prev.select("dataset", "relpath").with_row_index("prev_row").filter(pl.col("dataset") == dataset)
         out = out.join(mine.drop("dataset"), on="relpath", how="left", maintain_order="left")
@@ -118,6 +196,25 @@ def chunk_lookups(part: pl.DataFrame, prev: pl.DataFrame | None
         hits = part.filter(pl.col("probe_size").is_not_null()).select("relpath", *(f"probe_{c}" for c in PROBE_COLUMNS))
         probed = {row[0]: row[1:] for row in hits.iter_rows()}
     return found, probed
+
+
+def chunk_listing(listing: Listing, part: pl.DataFrame) -> tuple[Listing, dict[str, str]]:
+    """A chunk of a folder's media files (a slice of :func:`align`'s table) as the listing the
+    per-item steps read: its media files, their and their caption files' stats before the aux folders' ones;
+    and its caption files by media stem."""
+    media: dict[str, str] = {}
+    stats: dict[str, tuple[int, int]] = {}
+    captions: dict[str, str] = {}
+    cols = ("relpath", "kind", "size", "mtime_ns", "caption_file", "caption_size", "caption_mtime_ns")
+    for rel, kind, size, mtime, crel, csize, cmtime in part.select(cols).iter_rows():
+        media[rel] = kind
+        if size is not None:
+            stats[rel] = (size, mtime)
+        if crel is not None:
+            captions[os.path.splitext(rel)[0]] = crel
+            if csize is not None:
+                stats[crel] = (csize, cmtime)
+    return replace(listing, media=media, stats=ChainMap(stats, listing.stats)), captions
 
 
 def lookup_ids(prev: pl.DataFrame | None, dataset: str) -> Callable[[list[str]], dict[str, dict[str, Any]]]:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -57,6 +58,14 @@ class Listing:
     #: Where the dataset's symbolic links may lead: the root, or for a hub snapshot its repository
     #: folder (the snapshot's files are links into ``blobs/``).
     link_root: Path | None = None
+    #: Media files the walk handed to its ``batch`` callback (:func:`list_dataset`), not kept in ``media``.
+    handed: int = 0
+
+
+#: A walk's ``batch`` callback: the media, captions and stats found since the last call (the walk keeps none).
+Batch = Callable[[dict[str, str], list[str], dict[str, tuple[int, int]]], None]
+#: Media and caption files a walk holds before it hands them to its ``batch`` callback.
+BATCH_FILES = 65_536
 
 
 def norm_ext(ext: str) -> str:
@@ -97,7 +106,10 @@ def _walk(
     with_stats: bool,
     skip: frozenset[str] = frozenset(),
     exclude: tuple[str, ...] = (),
+    batch: Batch | None = None,
 ) -> Listing:
+    """The files under ``root``; with ``batch``, the media and captions go to it :data:`BATCH_FILES` at a time
+    (in no order) instead of into the listing."""
     found = Listing(Path(root), {}, [], True)
     seen_dirs: set[tuple[int, int]] = set()
     stack = [("", root, os.path.realpath(root))]
@@ -118,6 +130,10 @@ def _walk(
                 stack.append(step)
             elif step:
                 _sort_file(found, entry, sub, kinds, cap_ext, meta_names, with_stats)
+                if batch and len(found.media) + len(found.captions) >= BATCH_FILES:
+                    _hand(found, batch)
+    if batch:
+        _hand(found, batch)
     return Listing(
         Path(root),
         dict(sorted(found.media.items())),
@@ -126,21 +142,29 @@ def _walk(
         sorted(found.metadata),
         found.problems,
         found.stats,
+        handed=found.handed,
     )
 
 
-def _scan(rel: str, folder: str, seen_dirs: set[tuple[int, int]], problems: list[Found]) -> list[os.DirEntry]:
-    """A folder's entries; none when it was listed already (two links to one folder) or cannot be listed (a
-    problem)."""
+def _hand(found: Listing, batch: Batch) -> None:
+    """Hand the media and captions found so far to ``batch`` and forget them."""
+    batch(found.media, found.captions, found.stats)
+    found.handed += len(found.media)
+    found.media, found.captions, found.stats = {}, [], {}
+
+
+def _scan(rel: str, folder: str, seen_dirs: set[tuple[int, int]], problems: list[Found]) -> Iterator[os.DirEntry]:
+    """A folder's entries, one at a time (a flat folder of a million files is never a list of a million
+    entries); none when it was listed already (two links to one folder) or cannot be listed (a problem)."""
     try:
         st = os.stat(folder)
         if (st.st_dev, st.st_ino) in seen_dirs:  # two links to one folder: list it once
-            return []
+            return
         seen_dirs.add((st.st_dev, st.st_ino))
-        return list(os.scandir(folder))
+        with os.scandir(folder) as entries:
+            yield from entries
     except OSError as err:
         problems.append(Found(rel.rstrip("/") or ".", "unreadable", f"cannot list the folder: {err.strerror}"))
-        return []
 
 
 def _follow(
@@ -242,7 +266,12 @@ def _aux_files(
 
 
 def list_dataset(
-    ds: DatasetConfig, vcfg: ValidationConfig, *, with_stats: bool = False, exclude: tuple[str, ...] = ()
+    ds: DatasetConfig,
+    vcfg: ValidationConfig,
+    *,
+    with_stats: bool = False,
+    exclude: tuple[str, ...] = (),
+    batch: Batch | None = None,
 ) -> Listing:
     """Media, caption and metadata files of ``ds`` (recursive, sorted, hidden files skipped).
 
@@ -250,6 +279,9 @@ def list_dataset(
     ``Listing.aux``; one inside the dataset folder is left out of its media.
     ``exclude``: the run's own folders (:func:`run_folders`); a symbolic link into one
     is reported as ``run_folder`` and not followed (the config refuses direct overlaps).
+    ``batch``: takes the dataset folder's media and caption files (and their stats) a batch at a time, so
+    the listing never holds them all as Python objects (validation keeps them as columns); ``media``,
+    ``captions`` and ``stats`` then hold only the aux folders' files (``stats`` by absolute path).
     """
     root, error = dataset_root(ds)
     if error:
@@ -274,8 +306,9 @@ def list_dataset(
             skip.add(folder.relative_to(root).as_posix())
         except ValueError:
             pass
-    listing = _walk(str(root), kinds, norm_ext(ds.caption_ext), meta_names, with_stats, frozenset(skip), exclude)
-    if not listing.media and not listing.metadata:  # Parquet shards holding the media bytes
+    listing = _walk(str(root), kinds, norm_ext(ds.caption_ext), meta_names, with_stats, frozenset(skip), exclude,
+                    batch)
+    if not listing.media and not listing.handed and not listing.metadata:  # Parquet shards holding the media bytes
         try:
             if table := find_tables(root, ds.split, parquet=True):
                 return _table_listing(root, table, with_stats)

@@ -57,6 +57,8 @@ from diffpipe.utils import digest
 if TYPE_CHECKING:
     import polars as pl
 
+    from diffpipe.data.dataset import columnar
+
 #: Bump when probing changes, so a new version re-probes every file.
 #: 4: declared sizes checked from headers (GIF frames, video streams); ``large_media``.
 PROBE_VERSION = 4
@@ -120,22 +122,17 @@ def _collect(
     return rows, jobs
 
 
-def _listed_media(listing: Listing, meta: MetadataTable, issue: Any) -> dict[str, str]:
-    """The listing's media files plus those a metadata table names (a missing one is a ``missing_file`` issue)."""
-    media = listing.media  # this run's own listing: extended in place, not copied (a dict entry per file)
-    for rel in meta.captions:
-        if rel in media:
-            continue
-        try:
-            exists = (listing.root / rel).is_file()
-            why = "does not exist"
-        except OSError as err:  # a name too long for the file system, ...
-            exists, why = False, f"cannot be a file ({err.strerror or err})"
-        if exists:
-            media[rel] = "image"  # listed by metadata with an unusual extension: sniffing decides
-        else:
-            issue(str(listing.root / rel), "missing_file", f"{meta.where[rel]}: {rel!r} {why} in {listing.root}")
-    return media
+def _named_file(listing: Listing, meta: MetadataTable, rel: str, issue: Any) -> bool:
+    """Whether ``rel``, named by a metadata table but not listed as media, is a file (it is then an image item:
+    sniffing decides); a ``missing_file`` issue when it is not."""
+    try:
+        if (listing.root / rel).is_file():
+            return True
+        why = "does not exist"
+    except OSError as err:  # a name too long for the file system, ...
+        why = f"cannot be a file ({err.strerror or err})"
+    issue(str(listing.root / rel), "missing_file", f"{meta.where[rel]}: {rel!r} {why} in {listing.root}")
+    return False
 
 
 def _reused(row: dict[str, Any], prev: dict[str, Any] | None, shard: tuple[Any, ...] | None) -> bool:
@@ -194,18 +191,6 @@ def _captions(
         row["captions"] = texts
         row["caption"] = texts[0] if texts else ""
         row["caption_sha256"] = cap.caption_hash(texts)
-
-
-def _orphan_captions(listing: Listing, files: dict[str, str], rels: list[str], issue: Any) -> None:
-    """An ``orphan_caption`` issue for each caption file no media file shares a stem with."""
-    stems = {os.path.splitext(rel)[0] for rel in rels}
-    for stem, crel in files.items():
-        if stem not in stems:
-            issue(
-                str(listing.root / crel),
-                "orphan_caption",
-                f"caption file {crel} has no media file with the same name",
-            )
 
 
 def _caption_file(
@@ -365,8 +350,11 @@ def _previous_path(manifest_path: Path, previous: str | Path | None) -> Path | N
 
 def _validate_dataset(scan: _Scan, ds: DatasetConfig, exclude: tuple[str, ...], same_captions: bool) -> None:
     """List one dataset (folder or table), then validate its files a chunk at a time; its listing issues."""
+    from diffpipe.data.dataset import columnar  # deferred: polars (see run_validation)
+
     issue = scan.issue_for(ds.name)
-    listing = list_dataset(ds, scan.vcfg, with_stats=True, exclude=exclude)
+    files = columnar.FolderFiles()  # the folder's media and captions, as columns
+    listing = list_dataset(ds, scan.vcfg, with_stats=True, exclude=exclude, batch=files.add)
     if not listing.root_ok:
         reason, note = listing.error or (
             "missing_dataset",
@@ -388,35 +376,46 @@ def _validate_dataset(scan: _Scan, ds: DatasetConfig, exclude: tuple[str, ...], 
     for prob in meta.problems:
         path = prob.where if os.path.isabs(prob.where) else str(listing.root / prob.where)
         issue(path, prob.reason, prob.note)
-    for rel in aux_images.referenced_files(meta):  # masks / controls are not items
-        listing.media.pop(rel, None)
-    _folder_chunks(scan, ds, listing, meta, issue, same_captions)
+    _folder_chunks(scan, ds, listing, files, meta, issue, same_captions)
 
 
-def _folder_chunks(scan: _Scan, ds: DatasetConfig, listing: Listing, meta: MetadataTable, issue: Any,
-                   same_captions: bool) -> None:
-    """A folder dataset's rows, a chunk at a time, and the issues that need all of them."""
+def _media_files(listing: Listing, files: columnar.FolderFiles, meta: MetadataTable, issue: Any) -> pl.DataFrame:
+    """The folder's media files with their caption files' columns (:func:`columnar.with_captions`), sorted by
+    path: the listed ones less the aux images metadata names, and the files metadata names that were not listed
+    (a missing one is a ``missing_file`` issue). A caption file without a media file is an ``orphan_caption``."""
     from diffpipe.data.dataset import columnar  # deferred: polars (see run_validation)
 
-    media = _listed_media(listing, meta, issue)
-    rels = sorted(media)
-    files = {os.path.splitext(c)[0]: c for c in listing.captions}
+    media, captions = files.tables()
+    media = columnar.without(media, aux_images.referenced_files(meta))  # masks / controls are not items
+    named = [rel for rel in columnar.not_listed(media, meta.captions) if _named_file(listing, meta, rel, issue)]
+    media, orphans = columnar.with_captions(columnar.with_files(media, named, "image"), captions)
+    for crel in orphans:
+        issue(str(listing.root / crel), "orphan_caption", f"caption file {crel} has no media file with the same name")
+    return media
+
+
+def _folder_chunks(scan: _Scan, ds: DatasetConfig, listing: Listing, files: columnar.FolderFiles,
+                   meta: MetadataTable, issue: Any, same_captions: bool) -> None:
+    """A folder dataset's rows (its media files: :func:`_media_files`), a chunk at a time, and the issues that
+    need all of them."""
+    from diffpipe.data.dataset import columnar  # deferred: polars (see run_validation)
+
     wanted, parts = eval_files(ds, listing.root), []
-    aligned = columnar.align(ds.name, rels, scan.prev, scan.probed)
+    aligned = columnar.align(ds.name, _media_files(listing, files, meta, issue), scan.prev, scan.probed)
     root = str(listing.root)
-    for start in range(0, max(len(rels), 1), columnar.CHUNK):
-        part = rels[start : start + columnar.CHUNK]
-        previous, probed = columnar.chunk_lookups(aligned.slice(start, len(part)), scan.prev)
-        rows, jobs = _collect(ds, root, listing, media, part, previous, scan.reuse_probe, probed)
-        aux_images.resolve(ds, listing, meta, rows, issue if start == 0 else _quiet)
-        aux_jobs = aux_images.reuse_or_probe(rows, listing, previous, scan.reuse_probe)
+    for start in range(0, max(aligned.height, 1), columnar.CHUNK):
+        part = aligned.slice(start, columnar.CHUNK)
+        view, captions = columnar.chunk_listing(listing, part)
+        previous, probed = columnar.chunk_lookups(part, scan.prev)
+        rows, jobs = _collect(ds, root, view, view.media, list(view.media), previous, scan.reuse_probe, probed)
+        aux_images.resolve(ds, view, meta, rows, issue if start == 0 else _quiet)
+        aux_jobs = aux_images.reuse_or_probe(rows, view, previous, scan.reuse_probe)
         _probe(scan, rows, jobs, aux_jobs)
-        _captions(ds, listing, meta, files, rows, previous, same_captions, scan.result)
+        _captions(ds, view, meta, captions, rows, previous, same_captions, scan.result)
         parts.append(_check_chunk(scan, ds, rows, wanted, previous))
-    if not rels:
+    if not aligned.height:
         exts = ", ".join([*scan.vcfg.image_exts, *scan.vcfg.video_exts])
         issue(str(listing.root), "no_media", f"dataset folder {listing.root} holds no media files ({exts})")
-    _orphan_captions(listing, files, rels, issue)
     missing_eval_files(ds, wanted, columnar.present(parts, wanted), issue, listing.root)
     scan.parts += parts
 
