@@ -207,3 +207,31 @@ def test_a_folders_files_reach_validation_as_columns_not_python_objects(tmp_path
     _python_peak(tmp_path, 10)  # what the first run imports is not the folder's
     small, large = _python_peak(tmp_path, 600), _python_peak(tmp_path, 3000)
     assert large - small < 2400 * 60, (small, large)  # was 1.6 KB per added item (3.8 MB)
+
+
+def test_the_column_wise_listing_pairs_captions_as_the_dicts_did():
+    """Each media file gets its same-stem caption file (of two with one stem, the later in path order, as a
+    dict by stem kept it); orphans are the stems no media file has; metadata-named files join and aux images
+    leave by path, a name that cannot be a file counting as not listed."""
+    import os
+
+    media = {"a.png": "image", "b.mp4": "video", "b.jpg": "image", "sub/c.d.png": "image"}
+    captions = ["a.TXT", "a.txt", "b.txt", "sub/c.d.txt", "sub/c.txt", "z.txt"]
+    stats = {rel: (i, 10 * i) for i, rel in enumerate([*media, *captions])}
+    files = columnar.FolderFiles()
+    files.add(dict(list(media.items())[:2]), captions[:3], stats)  # two batches, in no order
+    files.add(dict(list(media.items())[2:]), captions[3:], stats)
+    found, caps = files.tables()
+    assert found["relpath"].to_list() == sorted(media) and caps["relpath"].to_list() == sorted(captions)
+    assert found["stem"].to_list() == [os.path.splitext(r)[0] for r in sorted(media)]
+    named = columnar.not_listed(found, ["a.png", "extra.bin", "bad\udcff.png", "b.jpg"])
+    assert named == ["extra.bin", "bad\udcff.png"]
+    found = columnar.with_files(columnar.without(found, {"b.jpg", "bad\udcff.png"}), ["extra.bin"], "image")
+    joined, orphans = columnar.with_captions(found, caps)
+    by_stem = {os.path.splitext(c)[0]: c for c in sorted(captions)}  # the dict the columns replace
+    assert joined["relpath"].to_list() == ["a.png", "b.mp4", "extra.bin", "sub/c.d.png"]
+    assert joined["caption_file"].to_list() == [by_stem.get(os.path.splitext(r)[0]) for r in joined["relpath"]]
+    assert joined["caption_file"].to_list() == ["a.txt", "b.txt", None, "sub/c.d.txt"]
+    assert joined["caption_size"].to_list() == [stats["a.txt"][0], stats["b.txt"][0], None, stats["sub/c.d.txt"][0]]
+    assert joined["size"].to_list()[:2] == [stats["a.png"][0], stats["b.mp4"][0]] and joined["size"][2] is None
+    assert orphans == ["sub/c.txt", "z.txt"]
