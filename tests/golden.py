@@ -19,7 +19,16 @@ What is compared, and why these tolerances:
   3.8e-2 (14 of the 15 runs that draw logit-normal timesteps; Lumina2's moved
   less, its LoRA check failed); DDPM timesteps ``t * 999`` instead of
   ``t * 1000`` by 3.0e-4. 1e-5 sits 50x above the rounding and 10x below the
-  smallest of these.
+  smallest of these. That holds for the first step, which no update has
+  touched yet; each later step's loss comes after Adam's updates, which turn
+  rounding-sized gradient differences into full-sized steps for near-zero
+  weights (see the LoRA below), so another CPU's kernels move it more: on an
+  Intel Xeon with AVX-512 FP16 the FLUX.1 text-encoder run's losses moved by
+  2.2e-7 at step 1 and by 1.2e-5 and 1.4e-5 at steps 2 and 3 from the values
+  recorded on another machine (its LoRA within :data:`LORA_RTOL`). Later steps
+  are therefore held to :data:`LOSS_RTOL_UPDATED` (5e-5): 3.5x that drift, still
+  2.4x below the smallest change listed above, and those changes already move
+  step 1.
 * the trained LoRA: the sha256 of its tensors (names, dtypes, shapes and
   bytes, sorted by name; the safetensors header, which holds run metadata,
   is left out), exact. The tiny runs are bit-reproducible on CPU, in a fresh
@@ -73,7 +82,8 @@ from diffpipe.training.metrics import read_metrics
 GOLDEN_FILE = Path(__file__).parent / "assets" / "golden_losses.json"
 UPDATE_ENV = "DIFFPIPE_UPDATE_GOLDEN"
 GOLDEN_STEPS = 8  # the first steps are kept; the LoRA fingerprint covers the rest of a longer run
-LOSS_RTOL = 1e-5
+LOSS_RTOL = 1e-5  # step 1: before any update
+LOSS_RTOL_UPDATED = 5e-5  # steps 2, ...: after Adam's updates (see the module doc)
 LORA_RTOL = 1e-5
 
 
@@ -139,9 +149,10 @@ def _compare(family: str, run: str, want: dict, got: dict) -> None:
         f"{where}: {len(got['losses'])} losses, stored {len(want['losses'])}"
     )
     for step, (a, b) in enumerate(zip(got["losses"], want["losses"], strict=True), start=1):
-        assert math.isclose(a, b, rel_tol=LOSS_RTOL, abs_tol=0.0), (
+        rtol = LOSS_RTOL if step == 1 else LOSS_RTOL_UPDATED
+        assert math.isclose(a, b, rel_tol=rtol, abs_tol=0.0), (
             f"{where}: loss at step {step} is {a!r}, stored {b!r} (relative change {abs(a - b) / abs(b):.2e}, "
-            f"tolerance {LOSS_RTOL:.0e})\n  run:    {got['losses']}\n  stored: {want['losses']}"
+            f"tolerance {rtol:.0e})\n  run:    {got['losses']}\n  stored: {want['losses']}"
         )
     assert got["lora"].keys() == want["lora"].keys(), (
         f"{where}: LoRA files {sorted(got['lora'])}, stored {sorted(want['lora'])}"
