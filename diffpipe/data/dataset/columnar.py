@@ -85,6 +85,8 @@ def files_frame(rels: list[str], kinds: list[str], stats: dict[str, tuple[int, i
 def not_listed(files: pl.DataFrame, rels: Iterable[str]) -> list[str]:
     """The paths of ``rels`` that are not rows of ``files`` (in their order)."""
     rels = list(rels)
+    if not rels:  # a folder without a metadata table: no copy of the path column to search
+        return []
     series = pl.Series([r for r in rels if _utf8(r)], dtype=pl.String)  # a lone surrogate is no polars string,
     missing = set(series.filter(~series.is_in(files["relpath"].implode())).to_list())  # nor a listed file
     return [r for r in rels if r in missing or not _utf8(r)]
